@@ -1,0 +1,373 @@
+"""d3s.py: GRPO / GSPO with PODS and D3S down-sampling, as pure tensor functions.
+
+One training step of every rung in this repo (toy bandit, train_small.py, train_full.py) is:
+
+    generate G rollouts per prompt -> reward -> group_advantages
+    -> select_samples (keep N per prompt)  -> forward the kept rollouts only
+    -> token_entropy -> select_tokens (keep the top K of |A| * H)
+    -> policy_loss on the selected tokens -> backward / optimizer step
+
+with N and K from dynamic_schedule (D3S: N 8 -> 32, K 5% -> 20%). This file holds every
+function in that list, in that order, and nothing else: no I/O, no model, no global state.
+
+Papers:
+  D3S  "Learning More with Less: A Dynamic Dual-Level Down-Sampling Framework for Efficient
+       Policy Optimization", Wang et al., ICLR 2026, arXiv 2509.22115.
+  PODS "Not All Rollouts are Useful: Down-Sampling Rollouts in LLM Reinforcement Learning",
+       Xu et al., arXiv 2504.13818 (max-variance down-sampling, O(n log n)).
+  GSPO "Group Sequence Policy Optimization", Zheng et al., arXiv 2507.18071.
+
+Shapes: P prompts, G rollouts per prompt (a "group"), B rollouts in a batch, T response
+tokens (right-padded; `mask` marks the real ones), V vocabulary size.
+
+Left out on purpose: value functions, reward models, the model forward pass and data
+handling. Those live in the rungs, so this file reads like the paper's method section.
+"""
+
+import math
+
+import torch
+
+__all__ = [
+    "group_advantages",
+    "max_variance_subset",
+    "select_samples",
+    "kept_variance",
+    "token_entropy",
+    "select_tokens",
+    "dynamic_schedule",
+    "policy_loss",
+    "METHODS",
+]
+
+METHODS = ("grpo", "pods", "d3s-i", "d3s", "random")
+
+
+def _require(ok, name, value, fix):
+    """Raise ValueError naming the argument, its value and what to do instead."""
+    if not ok:
+        raise ValueError(f"{name}={value!r}: {fix}")
+
+
+def _check_rewards(rewards):
+    _require(isinstance(rewards, torch.Tensor), "rewards", type(rewards).__name__, "pass a torch.Tensor of shape [P, G]")
+    _require(rewards.dim() == 2, "rewards.shape", tuple(rewards.shape), "expected [P, G] (prompts x rollouts per prompt)")
+    _require(rewards.numel() > 0, "rewards.shape", tuple(rewards.shape), "need at least one prompt and one rollout")
+    bad = ~torch.isfinite(rewards.double())
+    _require(not bad.any(), "rewards", rewards[bad][:4].tolist(), "rewards must be finite (no NaN/inf); check the reward function")
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Group advantages (GRPO)
+# ---------------------------------------------------------------------------------------------
+def group_advantages(rewards, scale=True, eps=1e-6):
+    """GRPO advantages within each group: A_i = (R_i - mean_g R) / (std_g R + eps).
+
+    rewards: [P, G] (one row per prompt).  Returns [P, G] float.
+    - std is the unbiased (Bessel-corrected) std, as torch.std / TRL / verl, so a group with
+      spread has unbiased Var(A) = 1 (up to eps). This is what makes Lemma 1 of D3S hold.
+    - scale=False gives Dr. GRPO: A_i = R_i - mean_g R.
+    - a group whose rewards are all equal gets A = 0 (no gradient), never NaN.
+
+    >>> group_advantages(torch.tensor([[0., 0., 1., 1.], [1., 1., 1., 1.]])).round(decimals=3)
+    tensor([[-0.8660, -0.8660,  0.8660,  0.8660],
+            [ 0.0000,  0.0000,  0.0000,  0.0000]])
+    >>> group_advantages(torch.tensor([[0., 0., 0., 1.]]), scale=False)
+    tensor([[-0.2500, -0.2500, -0.2500,  0.7500]])
+    """
+    _check_rewards(rewards)
+    rewards = rewards.float()
+    centered = rewards - rewards.mean(dim=-1, keepdim=True)  # R_i - mean_g R
+    spread = (rewards.amax(-1, keepdim=True) - rewards.amin(-1, keepdim=True)) > 0
+    if scale and rewards.shape[-1] >= 2:
+        std = rewards.std(dim=-1, keepdim=True)  # unbiased, as torch.std
+        centered = centered / (std + eps)
+    elif scale:  # a group of one rollout has no spread: A = 0
+        centered = torch.zeros_like(rewards)
+    return torch.where(spread, centered, torch.zeros_like(centered))  # equal rewards -> A = 0
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Sample-level selection (the first level): PODS max-variance, D3S intra- and cross-group
+# ---------------------------------------------------------------------------------------------
+def max_variance_subset(values, m):
+    """Indices of the m-subset of `values` with the largest (unbiased) variance, per row.
+
+    values: [..., n];  returns LongTensor [..., m] of indices into the last dim, ascending.
+
+    PODS (Xu et al., 2025): some variance-maximizing m-subset is always "the k largest plus
+    the m-k smallest" for some k in 0..m. So: sort once, score the m+1 candidates in O(1)
+    each with prefix sums of v and v^2, take the argmax. O(n log n), vectorized over all
+    leading dims (no Python loop over rows or over k).
+        sum(k)   = S[m-k] + (S[n] - S[n-k])          S[j] = v_(1) + ... + v_(j)  (sorted)
+        sumsq(k) = Q[m-k] + (Q[n] - Q[n-k])          Q[j] = v_(1)^2 + ... + v_(j)^2
+        Var(k)   = (sumsq(k) - sum(k)^2 / m) / (m - 1)
+    Ties go to the candidate with more large values (more high-reward rollouts).
+
+    >>> max_variance_subset(torch.tensor([[0.1, 0.9, 0.5, 0.7]]), 2)  # the two extremes
+    tensor([[0, 1]])
+    >>> v = torch.tensor([0.1, 0.9, 0.5, 0.7, 0.3])  # {.1,.3,.9} and {.1,.7,.9} tie: more high
+    >>> max_variance_subset(v, 3)
+    tensor([0, 1, 3])
+    """
+    _require(isinstance(values, torch.Tensor) and values.dim() >= 1, "values", type(values).__name__,
+             "pass a tensor of shape [..., n]")
+    n = values.shape[-1]
+    _require(isinstance(m, int) and 1 <= m <= n, "m", m, f"must be an int in [1, n={n}]")
+    v_sorted, order = values.double().sort(dim=-1, stable=True)  # ascending, [..., n]
+    zero = torch.zeros_like(v_sorted[..., :1])
+    S = torch.cat([zero, v_sorted.cumsum(-1)], -1)  # [..., n+1] prefix sums
+    Q = torch.cat([zero, (v_sorted**2).cumsum(-1)], -1)
+    k = torch.arange(m + 1, device=values.device)  # candidate: k largest + (m-k) smallest
+    total_sum = S[..., m - k] + S[..., -1:] - S[..., n - k]  # [..., m+1]
+    total_sq = Q[..., m - k] + Q[..., -1:] - Q[..., n - k]
+    var = (total_sq - total_sum**2 / m) / max(m - 1, 1)  # unbiased variance of each candidate
+    # Argmax with a tolerance for rounding in the prefix sums; among ties, the largest k.
+    best = var.amax(-1, keepdim=True)
+    tol = 1e-9 * (1.0 + best.abs())
+    k_best = torch.where(var >= best - tol, k, -1).amax(-1, keepdim=True)  # [..., 1]
+    # Sorted positions of the chosen subset: j < m-k -> j (smallest), else j + (n - m) (largest).
+    j = torch.arange(m, device=values.device)
+    pos = j + (j >= (m - k_best)) * (n - m)  # [..., m]
+    return order.gather(-1, pos).sort(-1).values
+
+
+def select_samples(rewards, n_keep, method, scale=True, eps=1e-6, generator=None):
+    """Choose which rollouts to train on, and the advantages the loss should use for them.
+
+    rewards: [P, G].  Returns (keep [P, G] bool, adv [P, G] float; 0 where not kept).
+
+    | method   | kept                                                        | adv for kept      |
+    |----------|-------------------------------------------------------------|-------------------|
+    | "grpo"   | all G (n_keep is ignored)                                   | full-group A      |
+    | "pods"   | per group, max-variance n_keep of G by reward               | recomputed on kept|
+    | "d3s-i"  | per group, max-variance n_keep of G by advantage            | full-group A      |
+    | "d3s"    | cross-group: n_keep*P of P*G maximizing Var of pooled A     | full-group A      |
+    | "random" | per group, uniform n_keep of G (control)                    | full-group A      |
+
+    Within a group A is increasing in R, so "pods" and "d3s-i" keep the same rollouts; they
+    differ in the advantages. Keeping full-group A gives Var(A') >= 1 on the kept subset
+    (D3S Lemma 1, unbiased variance), hence a larger bound on the policy-gradient norm.
+    Cross-group "d3s" may take many rollouts from one group and none from another; groups
+    with equal rewards (A = 0) are taken last. For a distributed run, call this on the
+    rewards of the whole global batch so the choice does not depend on the number of ranks.
+
+    >>> r = torch.tensor([[1., 0., 0., 0.], [1., 1., 1., 1.]])
+    >>> keep, adv = select_samples(r, 2, "d3s")  # 4 of 8: group 2 has no signal
+    >>> keep
+    tensor([[ True,  True,  True,  True],
+            [False, False, False, False]])
+    >>> keep, adv = select_samples(r, 2, "pods")
+    >>> keep[0].tolist(), [round(a, 3) for a in adv[0].tolist()]  # the 1 and one 0, A recomputed
+    ([True, False, False, True], [0.707, 0.0, 0.0, -0.707])
+    """
+    _check_rewards(rewards)
+    P, G = rewards.shape
+    _require(method in METHODS, "method", method, f"choose one of {', '.join(METHODS)}")
+    _require(isinstance(n_keep, int) and 1 <= n_keep <= G, "n_keep", n_keep,
+             f"must be an int in [1, G={G}] (rollouts kept per prompt); raise G or lower N")
+    adv = group_advantages(rewards, scale=scale, eps=eps)  # [P, G], on all G rollouts
+    keep = torch.zeros(P, G, dtype=torch.bool, device=rewards.device)
+
+    if method == "grpo":
+        return torch.ones_like(keep), adv
+    if method == "random":
+        noise = torch.rand(P, G, generator=generator).to(rewards.device)  # CPU generator, any device
+        keep.scatter_(1, noise.argsort(-1)[:, :n_keep], True)
+        return keep, adv * keep
+    if method == "pods":
+        idx = max_variance_subset(rewards, n_keep)  # [P, N], by reward
+        keep.scatter_(1, idx, True)
+        adv_kept = group_advantages(rewards.gather(1, idx), scale=scale, eps=eps)  # recomputed on the N
+        return keep, torch.zeros_like(adv).scatter_(1, idx, adv_kept)
+    if method == "d3s-i":
+        keep.scatter_(1, max_variance_subset(adv, n_keep), True)  # by advantage, per group
+        return keep, adv * keep
+    # "d3s": one pooled choice over all P*G advantages, budget n_keep * P.
+    idx = max_variance_subset(adv.reshape(-1), n_keep * P)
+    keep.view(-1)[idx] = True
+    return keep, adv * keep
+
+
+def kept_variance(adv, keep):
+    """Unbiased variance of the advantages of the kept rollouts (what selection maximizes).
+
+    >>> kept_variance(torch.tensor([1., -1., 0.5, 0.]), torch.tensor([True, True, False, False]))
+    2.0
+    """
+    values = adv[keep].double()
+    return float(values.var()) if values.numel() >= 2 else 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Token-level selection (the second level): score |A_{i,t}| * H_{i,t}, keep the top K
+# ---------------------------------------------------------------------------------------------
+@torch.no_grad()
+def token_entropy(logits, chunk_size=4096):
+    """Exact policy entropy per position: H = -sum_v pi(v) log pi(v) = logsumexp(z) - sum_v pi(v) z_v.
+
+    logits: [..., V] (any float dtype);  returns float32 [...], no grad.
+    Works on `chunk_size` rows at a time in fp32, so the full [tokens, V] softmax is never
+    materialized (a 1M x 32k fp32 softmax would be 128 GB).
+
+    >>> token_entropy(torch.zeros(2, 4))  # uniform over 4 tokens: log 4
+    tensor([1.3863, 1.3863])
+    """
+    V = logits.shape[-1]
+    flat = logits.reshape(-1, V)
+    out = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
+    for start in range(0, flat.shape[0], chunk_size):
+        z = flat[start : start + chunk_size].float()  # [chunk, V]
+        lse = torch.logsumexp(z, dim=-1, keepdim=True)
+        probs = (z - lse).exp_()
+        out[start : start + chunk_size] = lse.squeeze(-1) - (probs * z).sum(-1)
+    return out.reshape(logits.shape[:-1])
+
+
+def select_tokens(scores, mask, k_frac, scope="batch", min_per_seq=1):
+    """Keep the top `k_frac` of valid tokens by score (D3S: score = |A_{i,t}| * H_{i,t}).
+
+    scores, mask: [B, T] (mask True/1 on real response tokens).  Returns keep [B, T] bool.
+    - scope="batch" (default): one global top-K over all valid tokens of the batch. With
+      outcome rewards A_{i,t} = A_i is constant within a response, so a per-sequence top-K
+      would rank by entropy alone; the global ranking lets |A| matter.
+    - scope="sequence": top-K within each response.
+    - K counts ceil(k_frac * valid tokens); padding is never kept.
+    - min_per_seq=1: every response with a valid token keeps at least its best token, so no
+      kept rollout silently drops out (set 0 to disable).
+
+    >>> s = torch.tensor([[0.9, 0.1, 0.5, 0.0], [0.8, 0.7, 0.0, 0.0]])
+    >>> m = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    >>> select_tokens(s, m, 0.4).int()  # ceil(0.4 * 5) = 2 tokens
+    tensor([[1, 0, 0, 0],
+            [1, 0, 0, 0]], dtype=torch.int32)
+    """
+    _require(isinstance(scores, torch.Tensor) and scores.dim() == 2, "scores.shape",
+             tuple(getattr(scores, "shape", ())), "expected a [B, T] tensor")
+    _require(tuple(mask.shape) == tuple(scores.shape), "mask.shape", tuple(mask.shape),
+             f"must equal scores.shape {tuple(scores.shape)}")
+    _require(isinstance(k_frac, (int, float)) and 0 < k_frac <= 1, "k_frac", k_frac, "must be in (0, 1]")
+    _require(scope in ("batch", "sequence"), "scope", scope, "choose 'batch' or 'sequence'")
+    valid = mask.bool()
+    masked = torch.where(valid, scores.float(), torch.full_like(scores, -math.inf, dtype=torch.float))
+    if scope == "batch":
+        k = math.ceil(k_frac * int(valid.sum()) - 1e-9)  # |kept| = ceil(K * valid tokens)
+        keep = torch.zeros_like(valid)
+        if k > 0:
+            keep.view(-1)[masked.reshape(-1).topk(k).indices] = True
+    else:
+        n_valid = valid.sum(-1, keepdim=True)  # [B, 1]
+        k_row = torch.ceil(k_frac * n_valid - 1e-9)
+        rank = masked.argsort(-1, descending=True, stable=True).argsort(-1)  # 0 = best in row
+        keep = (rank < k_row) & valid
+    if min_per_seq > 0:
+        best = masked.argmax(-1, keepdim=True)  # [B, 1]
+        keep.scatter_(1, best, keep.gather(1, best) | valid.any(-1, keepdim=True))
+    return keep & valid
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Dynamic schedule (curriculum): aggressive down-sampling early, mild late
+# ---------------------------------------------------------------------------------------------
+def dynamic_schedule(step, total_steps, n_init=8, n_final=32, k_init=0.05, k_final=0.20):
+    """Linear curriculum on p = step / total_steps in [0, 1]:
+        N(p) = round(N_init + (N_final - N_init) * p),   K(p) = K_init + (K_final - K_init) * p
+    Paper defaults: N 8 -> 32 rollouts per prompt, K 5% -> 20% of tokens. N_init = N_final
+    (and K_init = K_final) gives static D3S / PODS. Returns (n: int, k: float).
+
+    >>> dynamic_schedule(0, 100), dynamic_schedule(50, 100), dynamic_schedule(100, 100)
+    ((8, 0.05), (20, 0.125), (32, 0.2))
+    """
+    _require(isinstance(total_steps, int) and total_steps >= 1, "total_steps", total_steps, "must be an int >= 1")
+    _require(isinstance(step, int) and step >= 0, "step", step, "must be an int >= 0")
+    for name, val in (("n_init", n_init), ("n_final", n_final)):
+        _require(isinstance(val, int) and val >= 1, name, val, "must be an int >= 1")
+    for name, val in (("k_init", k_init), ("k_final", k_final)):
+        _require(0 < val <= 1, name, val, "must be in (0, 1]")
+    p = min(step / total_steps, 1.0)
+    n = int(math.floor(n_init + (n_final - n_init) * p + 0.5))  # round half up
+    k = k_init + (k_final - k_init) * p
+    return n, round(k, 12)
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Policy losses: GRPO (token ratios) and GSPO (sequence ratio), clipped surrogate, k3 KL
+# ---------------------------------------------------------------------------------------------
+CLIP_DEFAULTS = {"grpo": (0.2, 0.2), "gspo": (3e-4, 4e-4)}  # (eps_low, eps_high)
+
+
+def policy_loss(logp, old_logp, adv, mask, kind="grpo", clip_low=None, clip_high=None,
+                ref_logp=None, beta=0.0, normalizer=None, agg="token-mean"):
+    """Clipped surrogate over the selected tokens, per token:
+        l_{i,t} = -min(w * A_i, clip(w, 1 - eps_low, 1 + eps_high) * A_i) + beta * KL_{i,t}
+    GRPO: w_{i,t} = exp(logp_{i,t} - old_{i,t})                    (default eps 0.2 / 0.2)
+    GSPO: w_i = exp(mean_t (logp_{i,t} - old_{i,t})) over the selected tokens, implemented as
+          log w_{i,t} = logp - sg(logp) + sg(mean_t(logp - old)) so the gradient flows per
+          token                                                    (default eps 3e-4 / 4e-4)
+    KL (k3, only if ref_logp is given and beta > 0): exp(ref - logp) - (ref - logp) - 1.
+
+    logp, old_logp, mask (and ref_logp): [B, T]; adv: [B].  Returns (loss, stats).
+    agg="token-mean": sum(l * mask) / normalizer, normalizer = mask.sum() by default.
+    agg="seq-mean-token-mean": mean over each response's tokens, then sum / normalizer
+          (default: the number of responses with a selected token).
+    Pass the normalizer of the whole optimizer batch when micro-batching: the sum of the
+    micro-batch losses then equals the full-batch loss, whatever the micro-batch size.
+
+    On-policy with one update per batch, w = 1 exactly: clipping never binds, the loss value
+    is -mean(A) over the selected tokens, and the gradient is -A_i * grad(logp_{i,t}) / N.
+    Ratios and clipping only matter when a batch is reused for several updates.
+
+    >>> logp = torch.log(torch.tensor([[0.5, 0.5], [0.25, 0.25]])).requires_grad_()
+    >>> loss, stats = policy_loss(logp, logp.detach(), torch.tensor([1., -1.]), torch.ones(2, 2))
+    >>> loss.item(), stats["clip_frac"]  # -mean(A) = 0, nothing clipped
+    (0.0, 0.0)
+    """
+    _require(kind in CLIP_DEFAULTS, "kind", kind, "choose 'grpo' or 'gspo'")
+    _require(agg in ("token-mean", "seq-mean-token-mean"), "agg", agg, "choose 'token-mean' or 'seq-mean-token-mean'")
+    _require(logp.dim() == 2, "logp.shape", tuple(logp.shape), "expected [B, T]")
+    for name, t in (("old_logp", old_logp), ("mask", mask)) + ((("ref_logp", ref_logp),) if ref_logp is not None else ()):
+        _require(tuple(t.shape) == tuple(logp.shape), f"{name}.shape", tuple(t.shape), f"must equal logp.shape {tuple(logp.shape)}")
+    _require(tuple(adv.shape) == (logp.shape[0],), "adv.shape", tuple(adv.shape), f"expected [B] = ({logp.shape[0]},), one advantage per response")
+    _require(normalizer is None or float(normalizer) > 0, "normalizer", normalizer, "must be > 0 (count of tokens or responses in the optimizer batch)")
+    eps_low, eps_high = CLIP_DEFAULTS[kind]
+    eps_low = eps_low if clip_low is None else clip_low
+    eps_high = eps_high if clip_high is None else clip_high
+
+    mask = mask.to(logp.dtype)
+    tokens_per_seq = mask.sum(-1)  # [B]
+    A = adv.to(logp.dtype).unsqueeze(-1)  # [B, 1]: outcome reward broadcast to tokens
+    log_ratio = logp - old_logp  # [B, T]
+    if kind == "gspo":
+        seq_log_ratio = (log_ratio * mask).sum(-1) / tokens_per_seq.clamp(min=1)  # mean_t over selected
+        log_ratio = logp - logp.detach() + seq_log_ratio.detach().unsqueeze(-1)
+    ratio = torch.exp(log_ratio)  # w
+    surrogate = torch.minimum(ratio * A, ratio.clamp(1 - eps_low, 1 + eps_high) * A)
+    per_token = -surrogate  # [B, T]
+    kl = None
+    if ref_logp is not None and beta > 0:
+        d = ref_logp - logp
+        kl = torch.exp(d) - d - 1  # k3 estimator, >= 0
+        per_token = per_token + beta * kl
+
+    if agg == "token-mean":
+        denom = mask.sum().clamp(min=1) if normalizer is None else normalizer
+        loss = (per_token * mask).sum() / denom
+    else:
+        seq_mean = (per_token * mask).sum(-1) / tokens_per_seq.clamp(min=1)  # [B]
+        denom = (tokens_per_seq > 0).sum().clamp(min=1) if normalizer is None else normalizer
+        loss = seq_mean.sum() / denom
+
+    with torch.no_grad():
+        n_tok = mask.sum().clamp(min=1)
+        clipped = ((ratio < 1 - eps_low) & (A < 0)) | ((ratio > 1 + eps_high) & (A > 0))  # binds
+        valid = mask > 0
+        r = ratio[valid] if valid.any() else torch.ones(1, dtype=ratio.dtype)
+        stats = {
+            "clip_frac": float((clipped.to(mask.dtype) * mask).sum() / n_tok),
+            "ratio_mean": float(r.mean()),
+            "ratio_min": float(r.min()),
+            "ratio_max": float(r.max()),
+            "kl": float((kl * mask).sum() / n_tok) if kl is not None else 0.0,
+            "tokens": float(mask.sum()),
+        }
+    return loss, stats
