@@ -114,7 +114,8 @@ def max_variance_subset(values, m):
              "pass a tensor of shape [..., n]")
     n = values.shape[-1]
     _require(isinstance(m, int) and 1 <= m <= n, "m", m, f"must be an int in [1, n={n}]")
-    v_sorted, order = values.double().sort(dim=-1, stable=True)  # ascending, [..., n]
+    centered = values.double() - values.double().mean(-1, keepdim=True)  # shift-free prefix sums
+    v_sorted, order = centered.sort(dim=-1, stable=True)  # ascending, [..., n]
     zero = torch.zeros_like(v_sorted[..., :1])
     S = torch.cat([zero, v_sorted.cumsum(-1)], -1)  # [..., n+1] prefix sums
     Q = torch.cat([zero, (v_sorted**2).cumsum(-1)], -1)
@@ -204,7 +205,7 @@ def kept_variance(adv, keep):
 # ---------------------------------------------------------------------------------------------
 @torch.no_grad()
 def token_entropy(logits, chunk_size=4096):
-    """Exact policy entropy per position: H = -sum_v pi(v) log pi(v) = logsumexp(z) - sum_v pi(v) z_v.
+    """Exact policy entropy per position: H = -sum_v pi(v) log pi(v), pi = softmax(logits).
 
     logits: [..., V] (any float dtype);  returns float32 [...], no grad.
     Works on `chunk_size` rows at a time in fp32, so the full [tokens, V] softmax is never
@@ -218,9 +219,9 @@ def token_entropy(logits, chunk_size=4096):
     out = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
     for start in range(0, flat.shape[0], chunk_size):
         z = flat[start : start + chunk_size].float()  # [chunk, V]
-        lse = torch.logsumexp(z, dim=-1, keepdim=True)
-        probs = (z - lse).exp_()
-        out[start : start + chunk_size] = lse.squeeze(-1) - (probs * z).sum(-1)
+        logp = z - torch.logsumexp(z, dim=-1, keepdim=True)  # log pi, stable for large logits
+        p = logp.exp()
+        out[start : start + chunk_size] = -torch.where(p > 0, p * logp, 0.0).sum(-1)  # 0 log 0 = 0 (-inf logits)
     return out.reshape(logits.shape[:-1])
 
 
@@ -258,11 +259,12 @@ def select_tokens(scores, mask, k_frac, scope="batch", min_per_seq=1):
     else:
         n_valid = valid.sum(-1, keepdim=True)  # [B, 1]
         k_row = torch.ceil(k_frac * n_valid - 1e-9)
-        rank = masked.argsort(-1, descending=True, stable=True).argsort(-1)  # 0 = best in row
+        rank = masked.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)  # 0 = best in row
         keep = (rank < k_row) & valid
-    if min_per_seq > 0:
+    if min_per_seq > 0:  # rows with valid tokens but nothing kept get their best token
         best = masked.argmax(-1, keepdim=True)  # [B, 1]
-        keep.scatter_(1, best, keep.gather(1, best) | valid.any(-1, keepdim=True))
+        starved = valid.any(-1, keepdim=True) & ~(keep & valid).any(-1, keepdim=True)
+        keep.scatter_(1, best, keep.gather(1, best) | starved)
     return keep & valid
 
 
