@@ -100,20 +100,24 @@ def load_problems(path, drop_missing=False, limit=None):
 def extract_boxed(text):
     """The content of the last \\boxed{...} in `text` (braces balanced), or None. Linear time.
 
+    One pass matches every brace with a stack, then the last "\\boxed{" whose "{" is closed
+    wins (an unclosed one falls back to the one before). Scanning forward from each
+    "\\boxed{" instead would be quadratic: 100k characters of "\\boxed{" took minutes.
+
     >>> extract_boxed("so x = 2, and \\\\boxed{\\\\frac{1}{2}} done")
     '\\\\frac{1}{2}'
     """
+    closing, open_braces = {}, []  # closing[i] = index of the "}" that closes the "{" at i
+    for j, c in enumerate(text):
+        if c == "{":
+            open_braces.append(j)
+        elif c == "}" and open_braces:
+            closing[open_braces.pop()] = j
     start = text.rfind("\\boxed{")
     while start != -1:
-        depth, i = 0, start + len("\\boxed")
-        for j in range(i, len(text)):
-            c = text[j]
-            if c == "{":
-                depth += 1
-            elif c == "}":
-                depth -= 1
-                if depth == 0:
-                    return text[i + 1 : j]
+        brace = start + len("\\boxed")
+        if brace in closing:
+            return text[brace + 1 : closing[brace]]
         start = text.rfind("\\boxed{", 0, start)  # unbalanced: try the previous one
     return None
 
@@ -134,6 +138,8 @@ def _grader_worker(conn):
     import logging
 
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # the parent enforces the time limit
+    _verify("1", "1")  # import math-verify + sympy now, so the time limit counts grading only
+    conn.send("ready")
     while True:
         try:
             pred, gold = conn.recv()
@@ -167,6 +173,10 @@ class Grader:
         self._proc.start()
         child.close()
         self._conn = parent
+        # Wait for the imports (seconds) outside the time limit: a child restarted after a
+        # timeout must not fail the next, ordinary answer too.
+        if not (parent.poll(120.0) and parent.recv() == "ready"):
+            raise RuntimeError("math-verify grader process did not start within 120 s")
 
     def _kill(self):
         if self._proc is not None:
@@ -185,8 +195,7 @@ class Grader:
         if self._proc is None or not self._proc.is_alive():
             self._start()
         self._conn.send(key)
-        # First answer of a fresh child also pays for importing math-verify + sympy.
-        if self._conn.poll(self.timeout_s + (30.0 if not self._cache else 0.0)):
+        if self._conn.poll(self.timeout_s):
             reward = self._conn.recv()
         else:  # too slow: kill the child, score 0, restart lazily
             self.timeouts += 1
