@@ -1,0 +1,1007 @@
+"""train_full.py: GRPO / GSPO with D3S down-sampling at the paper's scale: vLLM rollouts + FSDP2.
+
+    torchrun --nproc_per_node=8 train_full.py                     # Qwen2.5-Math-7B, GRPO + D3S
+    torchrun --nproc_per_node=8 train_full.py --loss gspo         # GSPO + D3S
+    torchrun --nproc_per_node=8 train_full.py --method grpo       # the GRPO baseline
+    python train_full.py --eval-only --model runs/full/hf_final   # Pass@1 / Pass@k table
+
+Every rank holds an FSDP2 shard of the policy (fp32 master weights, bf16 compute) and, on the
+same GPU, a vLLM engine (sleep mode frees its memory while the trainer runs). One step is
+ALGORITHM.md section 6, every algorithmic piece a call into d3s.py:
+
+  1 generate  each rank samples G rollouts for its share of the step's prompts (vLLM)
+  2 reward    mathtask.Grader: last \\boxed{} vs the gold answer, 0/1
+  3 samples   all_gather the rewards -> d3s.select_samples on the GLOBAL [P, G] batch with N
+              from d3s.dynamic_schedule; each rank keeps its own rows of the kept set
+  4 pass 1    no-grad forward of the kept rollouts only: old log-probs + d3s.token_entropy
+  5 tokens    scores |A| * H, gathered from all ranks -> d3s.select_tokens once, globally;
+              the loss normalizer (number of selected tokens) is summed over all ranks
+  6 pass 2    micro-batched forward/backward of d3s.policy_loss(normalizer=global count),
+              FSDP sums the gradients, clip, AdamW (skipped if not finite on any rank)
+  7 sync      the FSDP shards are gathered tensor by tensor into vLLM (reload_weights),
+              then the prefix cache is reset
+
+The kept rollouts and tokens do not depend on the number of ranks: the prompt order, the
+sampling seeds (one per prompt) and both selections are functions of the global batch.
+
+Left out on purpose: the KL term (beta = 0 in the recipe, so no reference model), several
+updates per batch (on-policy, w = 1: clipping never binds), tensor-parallel vLLM (a 7B model
+fits one GPU), sequence packing. Defaults marked [paper] are stated in the D3S paper, [recipe]
+come from the common Qwen2.5-Math-7B zero-RL recipe (SimpleRL-Zoo / Dr.GRPO), [choice] are
+this repo's where neither says.
+"""
+
+import argparse
+import datetime
+import json
+import math
+import os
+import random
+import re
+import shutil
+import socket
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import d3s
+from mathtask import PLAIN_TEMPLATE, QWEN_MATH_TEMPLATE, DataError, Grader, extract_boxed, load_problems, pass_at_k
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SHARED_DATA = os.path.normpath(os.path.join(HERE, "..", "shared", "data"))
+BENCHMARKS = ("aime24", "aime25", "amc23", "gsm8k", "math500", "minerva_math", "olympiadbench")
+TEMPLATES = {"qwen-math": QWEN_MATH_TEMPLATE, "plain": PLAIN_TEMPLATE}
+# method -> (rule for d3s.select_samples, N per prompt: "all" | "schedule" | "static", token selection?)
+METHODS = {
+    "grpo": ("grpo", "all", False),  # GRPO: every rollout, every token
+    "random": ("random", "schedule", False),  # control: uniform N of G, N on D3S's schedule
+    "pods": ("pods", "static", False),  # PODS: max-variance N of G by reward, A recomputed
+    "d3s-i": ("d3s-i", "schedule", True),  # D3S, intra-group samples + tokens + schedule
+    "d3s": ("d3s", "schedule", True),  # D3S, cross-group samples + tokens + schedule
+    "d3s-static": ("d3s", "static", True),  # D3S without the schedule: N, K fixed at the midpoint
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# 0. Arguments
+# ---------------------------------------------------------------------------------------------
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(
+        description="GRPO/GSPO + D3S with vLLM rollouts and FSDP2 (one node or more, under torchrun). "
+        "[paper] = stated in the D3S paper, [recipe] = common Qwen2.5-Math-7B zero-RL recipe "
+        "(SimpleRL-Zoo / Dr.GRPO), [choice] = this repo's choice.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    a = p.add_argument
+    default_train = os.path.join(SHARED_DATA, "train_math_lvl3to5_8k.jsonl")
+    default_eval = ",".join(os.path.join(SHARED_DATA, f"{b}.jsonl") for b in BENCHMARKS)
+    # what to train, on what
+    a("--model", default="Qwen/Qwen2.5-Math-7B", help="[paper] HF hub name or local folder of the policy "
+      "(with --eval-only: the model to evaluate, e.g. an hf_final/ export)")
+    a("--method", default="d3s", choices=list(METHODS), help="[paper] what to train on: grpo (all), random, pods, "
+      "d3s-i (intra-group), d3s (cross-group), d3s-static (no schedule)")
+    a("--loss", default="grpo", choices=["grpo", "gspo"], help="[paper] token-ratio GRPO or sequence-ratio GSPO surrogate")
+    a("--rollout", default="vllm", choices=["vllm", "hf"], help="[choice] rollout engine: vLLM (colocated, sleep mode on "
+      "CUDA) or HF generate (for machines without vLLM; slow)")
+    a("--train-data", default=default_train, help="[recipe] MATH levels 3-5: local JSONL/JSON/Parquet with problem/answer, "
+      "or a hub dataset 'name[:split]' (common column names are mapped)")
+    a("--eval-data", default=default_eval, help="[paper] comma-separated benchmark files or hub names; 'none' = no eval. "
+      "Default: AIME24, AIME25, AMC23, GSM8K, MATH500, Minerva, OlympiadBench from ../shared/data")
+    a("--eval-only", action="store_true", help="evaluate --model on --eval-data and exit (no training)")
+    a("--out", default="runs/full", help="output folder: metrics.jsonl, checkpoints/, hf_final/, eval.md, eval.json")
+    a("--resume", nargs="?", const="latest", default=None, help="resume from a checkpoint folder, or (flag alone) from "
+      "the latest complete one in OUT/checkpoints")
+    a("--template", default="qwen-math", choices=list(TEMPLATES), help="[recipe] prompt template: Qwen2.5-Math chat "
+      "template with 'Please reason step by step...' (plain: for tiny test models)")
+    # the batch and D3S
+    a("--steps", type=int, default=250, help="[choice] optimizer steps in the run (~1 epoch of the 8.5k problems at "
+      "32 prompts/step); the D3S schedule runs over these")
+    a("--prompts-per-step", type=int, default=32, help="[choice] P: prompts per optimizer step over all ranks (32 x 32 = "
+      "1024 rollouts, as Dr.GRPO's 128 x 8); must be divisible by the number of ranks")
+    a("--group-size", type=int, default=32, help="[paper] G: rollouts per prompt (N's schedule ends at 32, so G >= 32)")
+    a("--n-init", type=int, default=8, help="[paper] D3S schedule: rollouts kept per prompt at step 0")
+    a("--n-final", type=int, default=32, help="[paper] D3S schedule: rollouts kept per prompt at the last step")
+    a("--k-init", type=float, default=0.05, help="[paper] D3S schedule: fraction of tokens kept at step 0")
+    a("--k-final", type=float, default=0.20, help="[paper] D3S schedule: fraction of tokens kept at the last step")
+    a("--static-n", type=int, default=None, help="[choice] N for pods and d3s-static (default: the schedule's midpoint)")
+    a("--static-k", type=float, default=None, help="[choice] K for d3s-static (default: the schedule's midpoint)")
+    a("--token-scope", default="batch", choices=["batch", "sequence"], help="[choice] top-K over the whole batch of all "
+      "ranks, or within each response")
+    a("--loss-agg", default="token-mean", choices=["token-mean", "seq-mean-token-mean"], help="[choice] loss aggregation")
+    a("--normalize-by", default="selected", choices=["selected", "all"], help="[choice] token-mean divides by the selected "
+      "tokens (default) or by all response tokens of the kept rollouts (the 80/20 paper's objective)")
+    # optimization
+    a("--lr", type=float, default=1e-6, help="[recipe] AdamW learning rate (constant)")
+    a("--weight-decay", type=float, default=0.0, help="[recipe] AdamW weight decay")
+    a("--max-grad-norm", type=float, default=1.0, help="[recipe] gradient clipping (logged before clipping)")
+    a("--clip-low", type=float, default=None, help="[recipe] eps_low of the clipped surrogate (default: 0.2 grpo, 3e-4 gspo)")
+    a("--clip-high", type=float, default=None, help="[recipe] eps_high (default: 0.28 grpo (clip-higher), 4e-4 gspo)")
+    a("--micro-batch-size", type=int, default=4, help="[choice] rollouts per forward/backward (memory only: the loss "
+      "normalizer is computed once for the whole optimizer batch)")
+    a("--no-activation-checkpointing", dest="activation_checkpointing", action="store_false",
+      help="turn off activation checkpointing of the decoder layers")
+    # sampling
+    a("--temperature", type=float, default=1.0, help="[recipe] rollout sampling temperature")
+    a("--top-p", type=float, default=1.0, help="[recipe] rollout nucleus sampling")
+    a("--max-prompt-len", type=int, default=1024, help="[recipe] longer prompts are dropped (and counted)")
+    a("--max-response-len", type=int, default=3000, help="[recipe] max generated tokens per rollout")
+    # evaluation
+    a("--eval-every", type=int, default=0, help="[choice] evaluate every this many steps (0: only after the last step)")
+    a("--eval-samples", type=int, default=32, help="[paper] k samples per problem: Pass@1 = mean over the k samples")
+    a("--eval-pass-k", default="1,8", help="[paper] Pass@k values to report (unbiased estimator over the k samples)")
+    a("--eval-temperature", type=float, default=0.6, help="[choice] evaluation sampling temperature")
+    a("--eval-top-p", type=float, default=0.95, help="[choice] evaluation nucleus sampling")
+    a("--eval-max-tokens", type=int, default=3000, help="[recipe] max generated tokens per evaluation sample")
+    a("--eval-limit", type=int, default=0, help="evaluate only the first N problems of each benchmark (0: all)")
+    # checkpoints
+    a("--save-every", type=int, default=50, help="sharded checkpoint (model, optimizer, data order, RNG) every N steps")
+    a("--keep-checkpoints", type=int, default=2, help="keep the newest N sharded checkpoints")
+    a("--export-every", type=int, default=0, help="HF export every N steps (0: only hf_final/ after the last step)")
+    a("--stop-after", type=int, default=0, help="stop after this many steps in this invocation (0: run to --steps); "
+      "for preemptible jobs: resume with --resume")
+    # systems
+    a("--seed", type=int, default=0, help="seed of the data order, sampling and init")
+    a("--device", default="auto", choices=["auto", "cuda", "cpu"], help="auto: cuda if available, else cpu (gloo)")
+    a("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="compute dtype; auto: bfloat16 on CUDA "
+      "(fp32 master weights and gradient reductions), float32 on CPU")
+    a("--vllm-gpu-memory-utilization", type=float, default=0.5, help="fraction of GPU memory vLLM may take while awake")
+    a("--vllm-sleep-level", type=int, default=2, choices=[0, 1, 2], help="vLLM sleep during training (CUDA): 2 frees weights "
+      "and KV cache (weights are re-sent after every step anyway), 1 offloads weights to CPU, 0 = no sleep")
+    a("--vllm-kv-cache-gb", type=float, default=1.0, help="vLLM KV cache size on CPU (ignored on CUDA)")
+    a("--vllm-max-num-seqs", type=int, default=256, help="vLLM max concurrent sequences")
+    a("--vllm-enforce-eager", action="store_true", help="vLLM without CUDA graphs (slower; faster start)")
+    a("--hf-generate-batch", type=int, default=16, help="--rollout hf: prompts per generate() call")
+    a("--grader-timeout", type=float, default=5.0, help="seconds per answer before math-verify is killed (reward 0)")
+    args = p.parse_args(argv)
+
+    mid_n, _ = d3s.dynamic_schedule(1, 2, args.n_init, args.n_final)
+    _, mid_k = d3s.dynamic_schedule(1, 2, k_init=args.k_init, k_final=args.k_final)
+    args.static_n = args.static_n or min(mid_n, args.group_size)
+    args.static_k = args.static_k or mid_k
+    defaults = {"grpo": (0.2, 0.28), "gspo": d3s.CLIP_DEFAULTS["gspo"]}[args.loss]
+    args.clip_low = defaults[0] if args.clip_low is None else args.clip_low
+    args.clip_high = defaults[1] if args.clip_high is None else args.clip_high
+    args.eval_pass_k = sorted({int(k) for k in args.eval_pass_k.split(",") if k.strip()})
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.dtype == "auto":
+        args.dtype = "bfloat16" if args.device == "cuda" else "float32"
+    if not args.eval_only and METHODS[args.method][1] != "all" and args.n_final > args.group_size:
+        p.error(f"--n-final={args.n_final} > --group-size={args.group_size}: N counts rollouts kept per prompt, "
+                "so raise --group-size or lower --n-final")
+    return args
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Distributed setup: one process per GPU (torchrun); device from LOCAL_RANK, data from RANK
+# ---------------------------------------------------------------------------------------------
+class Dist:
+    """rank, world (all nodes), local_rank, device: where this process trains and generates."""
+
+    def __init__(self, rank, world, local_rank, device):
+        self.rank, self.world, self.local_rank, self.device = rank, world, local_rank, device
+        self.is_main = rank == 0
+
+
+def init_distributed(device_type):
+    """Join the torchrun process group (or make a world of one): nccl on CUDA, gloo on CPU.
+
+    vLLM's external_launcher reads the same RANK / LOCAL_RANK / MASTER_ADDR / MASTER_PORT, so a
+    plain `python train_full.py` sets them for a world of one.
+    """
+    if "RANK" not in os.environ:  # not under torchrun: a world of one
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if device_type == "cuda":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=60),
+                                device_id=device if device_type == "cuda" else None)
+    return Dist(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+def gather_rows(local, dist_):
+    """Concatenate a [rows, ...] tensor over all ranks in rank order; rows may differ per rank.
+
+    Returns (global tensor on CPU, rows per rank). Pads to the largest rank for all_gather.
+    """
+    dtype = local.dtype
+    send = local.to(dist_.device, torch.uint8 if dtype == torch.bool else dtype)
+    rows = torch.tensor([send.shape[0]], device=dist_.device)
+    all_rows = [torch.zeros_like(rows) for _ in range(dist_.world)]
+    dist.all_gather(all_rows, rows)
+    counts = [int(r) for r in all_rows]
+    padded = send.new_zeros((max(counts), *send.shape[1:]))
+    padded[: send.shape[0]] = send
+    parts = [torch.empty_like(padded) for _ in range(dist_.world)]
+    dist.all_gather(parts, padded)
+    out = torch.cat([part[:n] for part, n in zip(parts, counts)]).cpu()
+    return (out.bool() if dtype == torch.bool else out), counts
+
+
+def all_reduce(value, dist_, op=dist.ReduceOp.SUM):
+    """A Python number summed (or max'ed) over all ranks."""
+    t = torch.tensor([float(value)], dtype=torch.float64, device=dist_.device)
+    dist.all_reduce(t, op=op)
+    return t.item()
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Data: local files or hub datasets -> tokenized prompts; one global order for all ranks
+# ---------------------------------------------------------------------------------------------
+PROBLEM_KEYS = ("problem", "question", "prompt", "query", "input")
+ANSWER_KEYS = ("answer", "final_answer", "gt_answer", "ground_truth", "target", "solution")
+
+
+def normalize_row(row):
+    """Map a hub row's common column names to {problem, answer}; None if it has no answer.
+
+    prompt may be a chat list ([{"role": "user", "content": ...}]); answer may sit in
+    reward_model.ground_truth (verl format) or be the last \\boxed{} of a solution.
+    >>> normalize_row({"question": "1+1?", "solution": "so \\\\boxed{2}."})
+    {'problem': '1+1?', 'answer': '2'}
+    """
+    problem = next((row[k] for k in PROBLEM_KEYS if row.get(k) not in (None, "")), None)
+    if isinstance(problem, list):  # chat messages: the last user turn
+        problem = next((m.get("content") for m in reversed(problem) if isinstance(m, dict) and m.get("role") == "user"), None)
+    answer = next(((k, row[k]) for k in ANSWER_KEYS if row.get(k) not in (None, "")), (None, None))
+    key, answer = answer
+    if answer is None and isinstance(row.get("reward_model"), dict):
+        key, answer = "ground_truth", row["reward_model"].get("ground_truth")
+    if isinstance(answer, list):
+        answer = answer[0] if answer else None
+    if key == "solution" and answer is not None:
+        answer = extract_boxed(str(answer))  # a worked solution: its final \boxed{} is the answer
+    if problem is None or answer is None or str(answer).strip() == "":
+        return None
+    return {"problem": str(problem), "answer": str(answer).strip()}
+
+
+def load_rows(spec, limit=None):
+    """Rows {problem, answer, id} from a local JSONL/JSON/Parquet file or a hub dataset 'name[:split]'.
+
+    Rows without an answer are dropped and counted. Returns (rows, n_dropped).
+    """
+    if os.path.exists(spec) or spec.endswith((".jsonl", ".json", ".parquet")):
+        return load_problems(spec, drop_missing=True, limit=limit)
+    try:
+        import datasets
+    except ImportError as e:
+        raise DataError(f"{spec}: not a local file, and loading it from the hub needs `pip install datasets` "
+                        "(requirements-full.txt)") from e
+    name, _, split = spec.partition(":")
+    table = datasets.load_dataset(name, split=split or "train")
+    rows, dropped = [], 0
+    for i, raw in enumerate(table):
+        row = normalize_row(raw)
+        if row is None:
+            dropped += 1
+            continue
+        rows.append({**row, "id": str(raw.get("id", f"{name}:{i}"))})
+        if limit and len(rows) >= limit:
+            break
+    if not rows:
+        raise DataError(f"{spec}: no row with a problem ({'/'.join(PROBLEM_KEYS)}) and an answer "
+                        f"({'/'.join(ANSWER_KEYS)}); columns are {table.column_names}. Convert it to JSONL with "
+                        "'problem' and 'answer' fields")
+    return rows, dropped
+
+
+def encode_prompts(rows, tokenizer, template, max_prompt_len):
+    """Apply the template and tokenize; prompts longer than max_prompt_len are dropped and counted."""
+    out, too_long = [], 0
+    for row in rows:
+        ids = tokenizer(TEMPLATES[template].format(problem=row["problem"]), add_special_tokens=False)["input_ids"]
+        if len(ids) > max_prompt_len:
+            too_long += 1
+            continue
+        out.append({"id": row["id"], "answer": row["answer"], "prompt_ids": ids})
+    return out, too_long
+
+
+class PromptOrder:
+    """A fresh seeded permutation of the training prompts each epoch, identical on every rank.
+
+    take(P) returns the next P prompt indices of the global batch; state_dict() is the data
+    position saved in checkpoints, so a resumed run sees exactly the prompts it would have seen.
+    """
+
+    def __init__(self, n, seed):
+        self.n, self.seed, self.epoch, self.pos = n, seed, 0, 0
+
+    def _perm(self):
+        return torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)).tolist()
+
+    def take(self, count):
+        out = []
+        while len(out) < count:
+            perm = self._perm()
+            chunk = perm[self.pos : self.pos + count - len(out)]
+            out += chunk
+            self.pos += len(chunk)
+            if self.pos >= self.n:
+                self.epoch, self.pos = self.epoch + 1, 0
+        return out
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "pos": self.pos, "n": self.n, "seed": self.seed}
+
+    def load_state_dict(self, state):
+        if state["n"] != self.n:
+            raise DataError(f"checkpoint was made with {state['n']} training prompts, this run has {self.n}; "
+                            "resume with the same --train-data and --max-prompt-len")
+        self.epoch, self.pos = state["epoch"], state["pos"]
+
+
+def rank_share(items, dist_):
+    """This rank's contiguous share of a global list (rank order = global order)."""
+    per = len(items) // dist_.world
+    return items[dist_.rank * per : (dist_.rank + 1) * per]
+
+
+def sample_seed(seed, step, index):
+    """One sampling seed per (step, global prompt index): generation does not depend on the rank count."""
+    return (seed * 1_000_003 + step * 10_007 + index) % (2**31 - 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Policy: HF model -> FSDP2 (fully_shard per decoder layer, then the root)
+# ---------------------------------------------------------------------------------------------
+def load_tokenizer(path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def stop_token_ids(tokenizer):
+    """EOS plus Qwen's <|im_end|> (the chat template ends the assistant turn with it)."""
+    ids = {tokenizer.eos_token_id}
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if isinstance(im_end, int) and im_end != tokenizer.unk_token_id:
+        ids.add(im_end)
+    return sorted(i for i in ids if i is not None)
+
+
+def load_policy(args, dist_):
+    """The trainable policy: fp32 master weights sharded with FSDP2, compute in args.dtype.
+
+    Memory: rank 0 reads the checkpoint on CPU, every other rank builds the model on the meta
+    device; after fully_shard the full weights are broadcast from rank 0 and each rank keeps
+    only its shard, so a 7B model never sits 8 times in host memory.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(args.model)
+    full_state = None
+    if dist_.is_main:
+        full_state = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).state_dict()
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.config.use_cache = False
+    if args.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    compute = getattr(torch, args.dtype)
+    mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)  # fp32 master weights + reductions
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    model.to_empty(device=dist_.device)
+    set_model_state_dict(model, full_state or {}, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    _init_rotary_buffers(model, dist_.device)  # non-persistent: not in the checkpoint, garbage after to_empty
+    for module in model.modules():
+        if hasattr(module, "set_gradient_divide_factor"):
+            module.set_gradient_divide_factor(1.0)  # SUM over ranks: the loss already divides by the global count
+    model.train()
+    return model
+
+
+@torch.no_grad()
+def _init_rotary_buffers(model, device):
+    for module in model.modules():
+        if hasattr(module, "inv_freq") and hasattr(module, "config"):
+            fresh = type(module)(module.config)
+            for name, buf in fresh.named_buffers(recurse=False):
+                getattr(module, name).copy_(buf.to(device))
+
+
+def make_optimizer(model, args):
+    return torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.999))
+
+
+def full_named_tensors(model, dtype):
+    """(name, full tensor) one parameter at a time, gathered from the FSDP shards (all ranks call it)."""
+    from torch.distributed.tensor import DTensor
+
+    for name, param in model.named_parameters():
+        tensor = param.full_tensor() if isinstance(param, DTensor) else param
+        yield name, tensor.detach().to(dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Rollout engines: vLLM (colocated, one per rank) or HF generate; same interface
+# ---------------------------------------------------------------------------------------------
+class VLLMEngine:
+    """A vLLM engine inside this trainer process, on this rank's GPU (external_launcher, TP=1).
+
+    generate() runs this rank's prompts; sleep() frees its GPU memory for training;
+    update_weights() streams the new weights in through vLLM 0.32's reload_weights (in place,
+    checkpoint format) and resets the prefix cache, whose KV entries belong to the old weights.
+    """
+
+    def __init__(self, model_path, args, dist_):
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core lives in this process
+        from vllm import LLM
+
+        cuda = dist_.device.type == "cuda"
+        self.sleep_level = args.vllm_sleep_level if cuda else 0  # vLLM has no sleep mode on CPU
+        extra = {} if cuda else {"kv_cache_memory_bytes": int(args.vllm_kv_cache_gb * 2**30)}
+        self.llm = LLM(model=model_path, tokenizer=model_path, dtype=args.dtype, seed=args.seed,
+                       distributed_executor_backend="external_launcher", tensor_parallel_size=1,
+                       max_model_len=args.max_prompt_len + max(args.max_response_len, args.eval_max_tokens),
+                       gpu_memory_utilization=args.vllm_gpu_memory_utilization, enable_sleep_mode=self.sleep_level > 0,
+                       enable_prefix_caching=True, enforce_eager=args.vllm_enforce_eager or not cuda,
+                       max_num_seqs=args.vllm_max_num_seqs, **extra)
+        self.max_model_len = self.llm.llm_engine.vllm_config.model_config.max_model_len
+        self.sleeping = False
+
+    def generate(self, prompts, n, temperature, top_p, max_tokens, seeds, stop_ids, logprobs=False):
+        """prompts: list of token-id lists -> per prompt, n dicts {token_ids, logprobs}."""
+        from vllm import SamplingParams
+
+        self.wake_up()
+        params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, seed=seed, stop_token_ids=stop_ids,
+                                 max_tokens=max(1, min(max_tokens, self.max_model_len - len(ids))), detokenize=False,
+                                 logprobs=0 if logprobs else None)
+                  for ids, seed in zip(prompts, seeds)]
+        outs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
+        return [[{"token_ids": list(c.token_ids),
+                  "logprobs": [next(iter(lp.values())).logprob for lp in c.logprobs] if logprobs else None}
+                 for c in out.outputs] for out in outs]
+
+    def sleep(self):
+        if self.sleep_level > 0 and not self.sleeping:
+            self.llm.sleep(level=self.sleep_level)
+            self.sleeping = True
+
+    def wake_up(self):
+        if self.sleeping:
+            self.llm.wake_up()
+            self.sleeping = False
+
+    def update_weights(self, named_tensors):
+        if self.sleeping:
+            self.llm.wake_up(tags=["weights"])  # weights first: the KV cache is not needed to load them
+        stream = _Drain(named_tensors)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream})
+        stream.drain()  # every rank must gather every tensor, even ones vLLM skipped
+        if self.sleeping:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.sleeping = False
+        self.llm.reset_prefix_cache()
+
+
+class _Drain:
+    """An iterator that can be run to its end afterwards (keeps FSDP all-gathers matched across ranks)."""
+
+    def __init__(self, iterable):
+        self.it = iter(iterable)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return next(self.it)
+
+    def drain(self):
+        for _ in self.it:
+            pass
+
+
+class HFEngine:
+    """HF generate on a plain (unsharded) copy of the policy on this rank: --rollout hf."""
+
+    def __init__(self, model_path, args, dist_):
+        from transformers import AutoModelForCausalLM
+
+        self.device, self.batch = dist_.device, args.hf_generate_batch
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, args.dtype)).to(self.device).eval()
+        self.pad_id = self.model.config.pad_token_id
+        if self.pad_id is None:
+            self.pad_id = self.model.config.eos_token_id if isinstance(self.model.config.eos_token_id, int) else 0
+        self.offloaded = False
+
+    @torch.no_grad()
+    def generate(self, prompts, n, temperature, top_p, max_tokens, seeds, stop_ids, logprobs=False):
+        self.wake_up()
+        results = []
+        for start in range(0, len(prompts), self.batch):
+            chunk = prompts[start : start + self.batch]
+            width = max(len(p) for p in chunk)
+            ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.long)
+            attn = torch.zeros_like(ids)
+            for i, p in enumerate(chunk):  # left padding
+                ids[i, width - len(p) :] = torch.tensor(p)
+                attn[i, width - len(p) :] = 1
+            torch.manual_seed(seeds[start])
+            greedy = temperature == 0
+            out = self.model.generate(input_ids=ids.to(self.device), attention_mask=attn.to(self.device),
+                                      do_sample=not greedy, temperature=None if greedy else temperature,
+                                      top_p=None if greedy else top_p, top_k=None if greedy else 0,
+                                      num_return_sequences=n, max_new_tokens=max_tokens, eos_token_id=stop_ids,
+                                      pad_token_id=self.pad_id, output_scores=logprobs, return_dict_in_generate=True)
+            new = out.sequences[:, width:].cpu()  # [len(chunk) * n, new]
+            steps = torch.stack(out.scores, 1).float().log_softmax(-1).cpu() if logprobs else None  # [.., new, V]
+            for i in range(len(chunk)):
+                group = []
+                for j in range(n):
+                    row = new[i * n + j].tolist()
+                    end = next((t + 1 for t, tok in enumerate(row) if tok in stop_ids), len(row))
+                    lps = steps[i * n + j, torch.arange(end), new[i * n + j, :end]].tolist() if logprobs else None
+                    group.append({"token_ids": row[:end], "logprobs": lps})
+                results.append(group)
+        return results
+
+    def sleep(self):
+        if self.device.type == "cuda" and not self.offloaded:
+            self.model.to("cpu")
+            self.offloaded = True
+            torch.cuda.empty_cache()
+
+    def wake_up(self):
+        if self.offloaded:
+            self.model.to(self.device)
+            self.offloaded = False
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors):
+        params = dict(self.model.named_parameters())
+        for name, tensor in named_tensors:
+            params[name].copy_(tensor)
+
+
+def make_engine(model_path, args, dist_):
+    if args.rollout == "vllm":
+        try:
+            return VLLMEngine(model_path, args, dist_)
+        except ImportError as e:
+            raise SystemExit(f"--rollout vllm needs vLLM ({e}): pip install -r requirements-full.txt, or use --rollout hf")
+    return HFEngine(model_path, args, dist_)
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Forward passes on the kept rollouts
+# ---------------------------------------------------------------------------------------------
+def pack(seqs, rows, pad_id, device):
+    """[pad.. prompt | response ..pad]: left-padded prompts, right-padded responses, so every
+    response starts at the same column and logits_to_keep keeps only the response positions.
+    Returns (model inputs, response targets [n, T], response mask [n, T])."""
+    width_p = max(len(seqs[r]["prompt_ids"]) for r in rows)
+    width_r = max(len(seqs[r]["response_ids"]) for r in rows)
+    ids = torch.full((len(rows), width_p + width_r), pad_id, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        prompt, response = seqs[r]["prompt_ids"], seqs[r]["response_ids"]
+        ids[i, width_p - len(prompt) : width_p + len(response)] = torch.tensor(prompt + response)
+        attn[i, width_p - len(prompt) : width_p + len(response)] = 1
+    position_ids = (attn.cumsum(-1) - 1).clamp(min=0)  # real tokens at 0, 1, 2, ... as without padding
+    inputs = {"input_ids": ids.to(device), "attention_mask": attn.to(device), "position_ids": position_ids.to(device),
+              "logits_to_keep": width_r + 1, "use_cache": False}
+    return inputs, ids[:, width_p:].to(device), attn[:, width_p:].bool().to(device)
+
+
+def response_logp(model, inputs, targets, temperature, with_entropy):
+    """log pi(o_t | ...) of the response tokens [n, T] (and the entropy H_t), fp32 from the logits."""
+    logits = model(**inputs).logits[:, :-1].float()  # [n, T, V]: position t predicts response token t
+    if temperature != 1.0:
+        logits = logits / temperature  # the distribution the rollouts were sampled from
+    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
+    return logp, (d3s.token_entropy(logits) if with_entropy else None)
+
+
+def micro_batches(lengths, size, n_micro):
+    """n_micro lists of row indices (longest first, to pad little); trailing lists may be empty."""
+    order = sorted(range(len(lengths)), key=lambda r: -lengths[r])
+    chunks = [order[i : i + size] for i in range(0, len(order), size)]
+    return chunks + [[] for _ in range(n_micro - len(chunks))]
+
+
+DUMMY = {"prompt_ids": [0], "response_ids": [0]}  # a rank with no rows left still runs FSDP's collectives
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. One optimizer step on the rollouts (ALGORITHM.md section 6, steps 3-6)
+# ---------------------------------------------------------------------------------------------
+def schedule(step, args, group_size):
+    """(n_keep, k_frac) of this step for args.method."""
+    _, n_rule, token_level = METHODS[args.method]
+    n_sched, k_sched = d3s.dynamic_schedule(step, args.steps, args.n_init, args.n_final, args.k_init, args.k_final)
+    n_keep = {"all": group_size, "schedule": min(n_sched, group_size), "static": min(args.static_n, group_size)}[n_rule]
+    k_frac = (k_sched if n_rule == "schedule" else args.static_k) if token_level else 1.0
+    return n_keep, k_frac
+
+
+def select_tokens_global(scores, mask, k_frac, scope, dist_):
+    """d3s.select_tokens over the [B, T] scores of ALL ranks at once (on CPU, so every rank
+    computes the identical choice); returns this rank's rows of the kept-token mask."""
+    all_scores, counts = gather_rows(scores, dist_)
+    all_mask, _ = gather_rows(mask, dist_)
+    keep = d3s.select_tokens(all_scores, all_mask, k_frac, scope=scope)
+    first = sum(counts[: dist_.rank])
+    return keep[first : first + counts[dist_.rank]].to(scores.device)
+
+
+def train_step(model, optimizer, rollouts, rewards, step, args, dist_, pad_id, keep_grads=False):
+    """Select, forward, select tokens, update. Every choice is made on the global batch.
+
+    rollouts: this rank's prompts x G, rollouts[i][j] = {prompt_ids, response_ids} (global
+    prompt order = rank order); rewards: [P_rank, G]. Returns a dict of metrics (global).
+    """
+    device = dist_.device
+    P_local, G = rewards.shape
+    rule = METHODS[args.method][0]
+    n_keep, k_frac = schedule(step, args, G)
+
+    # 3) sample selection on the global [P, G] rewards; this rank keeps its own rows
+    rewards_all, counts = gather_rows(rewards.float(), dist_)  # [P, G], CPU
+    generator = torch.Generator().manual_seed(args.seed * 7919 + step)  # "random": same draw on every rank
+    keep_all, adv_all = d3s.select_samples(rewards_all, n_keep, rule, generator=generator)
+    first = sum(counts[: dist_.rank])
+    keep, adv = keep_all[first : first + P_local], adv_all[first : first + P_local]
+    kept = keep.nonzero().tolist()  # [(prompt i, rollout j)], prompt-major: rank order = global order
+    seqs = [rollouts[i][j] for i, j in kept]
+    kept_adv = torch.tensor([float(adv[i, j]) for i, j in kept], device=device)  # [B]
+
+    # 4) pass 1, no grad: old log-probs and entropy of the kept rollouts (in micro-batches)
+    B = len(seqs)
+    T = int(all_reduce(max([len(s["response_ids"]) for s in seqs], default=1), dist_, dist.ReduceOp.MAX))
+    n_micro = int(all_reduce(math.ceil(B / args.micro_batch_size), dist_, dist.ReduceOp.MAX)) or 1
+    chunks = micro_batches([len(s["prompt_ids"]) + len(s["response_ids"]) for s in seqs], args.micro_batch_size, n_micro)
+    old_logp = torch.zeros(B, T, device=device)
+    entropy = torch.zeros(B, T, device=device)
+    mask = torch.zeros(B, T, dtype=torch.bool, device=device)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for rows in chunks:
+            batch_rows, table = (rows, seqs) if rows else ([0], [DUMMY])
+            inputs, targets, resp_mask = pack(table, batch_rows, pad_id, device)
+            logp, ent = response_logp(model, inputs, targets, args.temperature, with_entropy=True)
+            if rows:
+                width = targets.shape[1]
+                old_logp[rows, :width], entropy[rows, :width], mask[rows, :width] = logp, ent, resp_mask
+
+    # 5) token selection: top K of |A| * H over the tokens of all ranks; the global normalizer
+    token_keep = select_tokens_global(kept_adv.abs().unsqueeze(1) * entropy, mask, k_frac, args.token_scope, dist_)
+    if args.loss_agg == "seq-mean-token-mean":
+        normalizer = all_reduce(token_keep.any(-1).sum(), dist_)  # responses with a selected token
+    else:
+        normalizer = all_reduce((token_keep if args.normalize_by == "selected" else mask).sum(), dist_)
+    normalizer = max(normalizer, 1.0)
+
+    # 6) pass 2: loss and backward per micro-batch; normalizer fixed above, so the sum of the
+    #    micro-batch losses is the optimizer-batch loss whatever the micro-batch size
+    optimizer.zero_grad(set_to_none=True)
+    loss_sum, clip_tokens, trained_tokens = 0.0, 0.0, 0.0
+    for rows in chunks:
+        if rows:
+            inputs, targets, _ = pack(seqs, rows, pad_id, device)
+            width = targets.shape[1]
+            logp, _ = response_logp(model, inputs, targets, args.temperature, with_entropy=False)
+            loss, stats = d3s.policy_loss(logp, old_logp[rows, :width], kept_adv[rows], token_keep[rows, :width],
+                                          kind=args.loss, clip_low=args.clip_low, clip_high=args.clip_high,
+                                          normalizer=normalizer, agg=args.loss_agg)
+            clip_tokens += stats["clip_frac"] * stats["tokens"]
+            trained_tokens += float(inputs["attention_mask"].sum())
+        else:  # this rank has fewer micro-batches: a zero-loss pass keeps FSDP's collectives matched
+            inputs, targets, _ = pack([DUMMY], [0], pad_id, device)
+            logp, _ = response_logp(model, inputs, targets, args.temperature, with_entropy=False)
+            loss = logp.sum() * 0.0
+        loss.backward()
+        loss_sum += float(loss.detach())
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)  # total norm before clipping
+    grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+    loss_total = all_reduce(loss_sum, dist_)
+    skipped = not (math.isfinite(grad_norm) and math.isfinite(loss_total))  # the same on every rank
+    if not skipped:
+        optimizer.step()
+    if not keep_grads:
+        optimizer.zero_grad(set_to_none=True)
+    train_s = time.perf_counter() - t0
+
+    n_tokens = all_reduce(mask.sum(), dist_)
+    n_selected = all_reduce(token_keep.sum(), dist_)
+    train_tokens = all_reduce(trained_tokens, dist_)
+    return {
+        "reward_mean": float(rewards_all.mean()), "n_keep": n_keep, "k_frac": k_frac,
+        "kept_samples": int(keep_all.sum()), "kept_tokens": int(n_selected),
+        "kept_tokens_frac": n_selected / max(n_tokens, 1.0), "kept_adv_var": d3s.kept_variance(adv_all, keep_all),
+        "grad_norm": grad_norm, "entropy_mean": all_reduce((entropy * mask).sum(), dist_) / max(n_tokens, 1.0),
+        "clip_frac": all_reduce(clip_tokens, dist_) / max(n_selected, 1.0), "loss": loss_total, "skipped": skipped,
+        "train_s": train_s, "train_tokens_per_s": train_tokens * 2 / max(train_s, 1e-9),  # 2 passes
+        # for the tests: the kept set, in global order
+        "_keep": keep_all, "_token_keep": gather_rows(token_keep, dist_)[0],
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. Checkpoints: sharded (DCP) for resume, HF export for vLLM / transformers
+# ---------------------------------------------------------------------------------------------
+CKPT_RE = re.compile(r"^step_(\d+)$")
+
+
+def save_checkpoint(model, optimizer, order, step, args, dist_):
+    """OUT/checkpoints/step_XXXX: model + optimizer shards (DCP), data order, RNG of every rank.
+
+    Written to step_XXXX.tmp and renamed when complete: a run killed at any moment leaves
+    either a complete checkpoint or a .tmp folder that --resume ignores.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    root = os.path.join(args.out, "checkpoints")
+    final = os.path.join(root, f"step_{step:06d}")
+    tmp = final + ".tmp"
+    if dist_.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
+    rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
+           "cuda": torch.cuda.get_rng_state() if dist_.device.type == "cuda" else None}
+    torch.save(rng, os.path.join(tmp, f"rng_rank{dist_.rank}.pt"))
+    if dist_.is_main:
+        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+            json.dump({"step": step, "order": order.state_dict(), "world": dist_.world, "model": args.model,
+                       "method": args.method, "loss": args.loss, "steps": args.steps}, f, indent=1)
+    dist.barrier()
+    if dist_.is_main:
+        os.replace(tmp, final)  # atomic: the checkpoint exists only once it is complete
+        done = sorted(d for d in os.listdir(root) if CKPT_RE.match(d))
+        for old in done[: max(len(done) - args.keep_checkpoints, 0)]:
+            shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def find_checkpoint(spec, out):
+    """The folder to resume from: spec itself, or the newest complete OUT/checkpoints/step_*."""
+    if spec != "latest":
+        if not os.path.exists(os.path.join(spec, "trainer_state.json")):
+            raise SystemExit(f"--resume {spec}: not a complete checkpoint (no trainer_state.json)")
+        return spec
+    root = os.path.join(out, "checkpoints")
+    done = sorted(d for d in os.listdir(root) if CKPT_RE.match(d)) if os.path.isdir(root) else []
+    done = [d for d in done if os.path.exists(os.path.join(root, d, "trainer_state.json"))]
+    return os.path.join(root, done[-1]) if done else None
+
+
+def load_checkpoint(path, model, optimizer, order, dist_):
+    """Restore model + optimizer shards (any world size: DCP reshards), data order and RNG."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    with open(os.path.join(path, "trainer_state.json")) as f:
+        meta = json.load(f)
+    order.load_state_dict(meta["order"])
+    rng_file = os.path.join(path, f"rng_rank{dist_.rank}.pt")
+    if meta["world"] == dist_.world and os.path.exists(rng_file):
+        rng = torch.load(rng_file, weights_only=False)
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+        if rng["cuda"] is not None and dist_.device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"])
+    return meta["step"]
+
+
+def export_hf(model, tokenizer, path, dist_):
+    """save_pretrained of the full weights (rank 0), in the base model's dtype: loadable by
+    transformers' from_pretrained and by vLLM."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist_.is_main:
+        config = model.config
+        dtype = config.dtype if isinstance(config.dtype, torch.dtype) else getattr(torch, str(config.dtype or "float32"))
+        config.use_cache = True
+        with torch.device("meta"):
+            shell = AutoModelForCausalLM.from_config(config)  # a plain class for save_pretrained (not FSDP's)
+        tmp = path.rstrip("/") + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shell.save_pretrained(tmp, state_dict={k: v.to(dtype) for k, v in full.items()})
+        tokenizer.save_pretrained(tmp)
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)
+        config.use_cache = False
+    dist.barrier()
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# 8. Evaluation: k samples per problem -> Pass@1 (mean over k) and Pass@k (unbiased)
+# ---------------------------------------------------------------------------------------------
+def evaluate(engine, tokenizer, args, dist_, grader, tag=""):
+    """Every benchmark of --eval-data: this rank takes a contiguous share of the problems."""
+    stops = stop_token_ids(tokenizer)
+    results = {}
+    for spec in [s for s in args.eval_data.split(",") if s.strip() and s.strip() != "none"]:
+        spec = spec.strip()
+        name = os.path.splitext(os.path.basename(spec))[0] if os.path.exists(spec) else spec
+        rows, dropped = load_rows(spec, limit=args.eval_limit or None)
+        problems, _ = encode_prompts(rows, tokenizer, args.template, max_prompt_len=10**9)
+        per = math.ceil(len(problems) / dist_.world)
+        mine = list(range(dist_.rank * per, min((dist_.rank + 1) * per, len(problems))))
+        outs = engine.generate([problems[i]["prompt_ids"] for i in mine], args.eval_samples, args.eval_temperature,
+                               args.eval_top_p, args.eval_max_tokens, [sample_seed(args.seed, 10**6, i) for i in mine],
+                               stops) if mine else []
+        correct = []
+        for i, group in zip(mine, outs):
+            texts = [tokenizer.decode(c["token_ids"], skip_special_tokens=True) for c in group]
+            correct.append(int(sum(grader.score_batch(texts, [problems[i]["answer"]] * len(texts)))))
+        gathered = [None] * dist_.world
+        dist.all_gather_object(gathered, correct)
+        correct = [c for part in gathered for c in part]  # rank order = problem order
+        n = args.eval_samples
+        row = {"problems": len(correct), "samples": n, "dropped": dropped}
+        for k in [k for k in args.eval_pass_k if k <= n]:
+            row[f"pass@{k}"] = 100.0 * sum(pass_at_k(n, c, k) for c in correct) / max(len(correct), 1)
+        row["correct"] = correct
+        results[name] = row
+    if results:
+        keys = [f"pass@{k}" for k in args.eval_pass_k if k <= args.eval_samples]
+        results["average"] = {k: sum(r[k] for r in results.values()) / len(results) for k in keys}
+        if dist_.is_main:
+            write_eval_report(results, keys, args, tag)
+    return results
+
+
+def write_eval_report(results, keys, args, tag):
+    lines = [f"# Evaluation of {args.model}{' ' + tag if tag else ''}", "",
+             f"{args.eval_samples} samples per problem, temperature {args.eval_temperature}, top-p {args.eval_top_p}, "
+             f"max {args.eval_max_tokens} tokens, template {args.template}. Pass@1 = mean accuracy over the samples; "
+             "Pass@k unbiased (Chen et al., 2021).", "",
+             "| benchmark | problems | " + " | ".join(k.replace("pass", "Pass") for k in keys) + " |",
+             "|---|---|" + "---|" * len(keys)]
+    for name, row in results.items():
+        cells = [f"{row[k]:.1f}" for k in keys]
+        lines.append(f"| {name} | {row.get('problems', '')} | " + " | ".join(cells) + " |")
+    stem = os.path.join(args.out, f"eval{'_' + tag if tag else ''}")
+    with open(stem + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with open(stem + ".json", "w") as f:
+        json.dump({"model": args.model, "settings": {k: getattr(args, k) for k in (
+            "eval_samples", "eval_temperature", "eval_top_p", "eval_max_tokens", "template", "eval_limit")},
+            "results": results}, f, indent=1)
+    print("\n".join(lines), flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# 9. The run
+# ---------------------------------------------------------------------------------------------
+def generate_and_grade(engine, tokenizer, prompts, step, args, dist_, grader, stops):
+    """Steps 1-2 for this rank's share: G rollouts per prompt, 0/1 rewards [P_rank, G]."""
+    mine = rank_share(prompts, dist_)  # [(global index, prompt dict)]
+    outs = engine.generate([p["prompt_ids"] for _, p in mine], args.group_size, args.temperature, args.top_p,
+                           args.max_response_len, [sample_seed(args.seed, step, g) for g, _ in mine], stops)
+    rollouts, rewards = [], []
+    for (_, p), group in zip(mine, outs):
+        rollouts.append([{"prompt_ids": p["prompt_ids"], "response_ids": c["token_ids"]} for c in group])
+        texts = [tokenizer.decode(c["token_ids"], skip_special_tokens=True) for c in group]
+        rewards.append(grader.score_batch(texts, [p["answer"]] * len(group)))
+    return rollouts, torch.tensor(rewards, dtype=torch.float32)
+
+
+def memory_peak_gb(device):
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # CPU: peak RSS of this process
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    dist_ = init_distributed(args.device)
+    torch.manual_seed(args.seed + dist_.rank)
+    random.seed(args.seed + dist_.rank)
+    os.makedirs(args.out, exist_ok=True)
+    tokenizer = load_tokenizer(args.model)
+    stops = stop_token_ids(tokenizer)
+    say = (lambda *m: print(*m, flush=True)) if dist_.is_main else (lambda *m: None)
+
+    if args.eval_only:
+        engine = make_engine(args.model, args, dist_)
+        with Grader(args.grader_timeout) as grader:
+            evaluate(engine, tokenizer, args, dist_, grader)
+        dist.barrier()
+        dist.destroy_process_group()
+        return
+
+    if args.prompts_per_step % dist_.world:
+        raise SystemExit(f"--prompts-per-step={args.prompts_per_step} must be divisible by the {dist_.world} ranks")
+    rows, dropped = load_rows(args.train_data)
+    prompts, too_long = encode_prompts(rows, tokenizer, args.template, args.max_prompt_len)
+    if not prompts:
+        raise SystemExit(f"{args.train_data}: no prompt of at most --max-prompt-len={args.max_prompt_len} tokens")
+    say(f"train data: {len(prompts)} prompts ({dropped} rows without an answer dropped, {too_long} longer than "
+        f"{args.max_prompt_len} tokens dropped); {dist_.world} ranks, {args.prompts_per_step // dist_.world} prompts x "
+        f"{args.group_size} rollouts per rank per step, method {args.method}, loss {args.loss}")
+    order = PromptOrder(len(prompts), args.seed)
+
+    model = load_policy(args, dist_)
+    optimizer = make_optimizer(model, args)
+    step = 0
+    ckpt = find_checkpoint(args.resume, args.out) if args.resume else None
+    if args.resume and ckpt is None:
+        say(f"--resume: no complete checkpoint in {args.out}/checkpoints, starting from step 0")
+    if ckpt:
+        step = load_checkpoint(ckpt, model, optimizer, order, dist_)
+        say(f"resumed from {ckpt} at step {step}")
+    engine = make_engine(args.model, args, dist_)
+    engine.update_weights(full_named_tensors(model, getattr(torch, args.dtype)))  # the policy, also after a resume
+
+    metrics_path = os.path.join(args.out, "metrics.jsonl")
+    from tqdm import tqdm
+
+    bar = tqdm(total=args.steps, initial=step, disable=not dist_.is_main, desc="steps", dynamic_ncols=True)
+    stop_at = min(args.steps, step + args.stop_after) if args.stop_after else args.steps
+    with Grader(args.grader_timeout) as grader:
+        while step < stop_at:
+            if dist_.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(dist_.device)
+            batch = [(g, prompts[g]) for g in order.take(args.prompts_per_step)]
+            t0 = time.perf_counter()
+            rollouts, rewards = generate_and_grade(engine, tokenizer, batch, step, args, dist_, grader, stops)
+            gen_s = time.perf_counter() - t0
+            gen_tokens = all_reduce(sum(len(r["response_ids"]) for group in rollouts for r in group), dist_)
+            engine.sleep()
+            stats = train_step(model, optimizer, rollouts, rewards, step, args, dist_, tokenizer.pad_token_id)
+            t1 = time.perf_counter()
+            engine.update_weights(full_named_tensors(model, getattr(torch, args.dtype)))
+            sync_s = time.perf_counter() - t1
+            step += 1
+            record = {"step": step - 1, **{k: v for k, v in stats.items() if not k.startswith("_")},
+                      "gen_s": gen_s, "gen_tokens_per_s": gen_tokens / max(gen_s, 1e-9), "sync_s": sync_s,
+                      "response_len_mean": gen_tokens / (args.prompts_per_step * args.group_size),
+                      "grader_timeouts": grader.timeouts, "mem_peak_gb": all_reduce(memory_peak_gb(dist_.device), dist_,
+                                                                                  dist.ReduceOp.MAX)}
+            if dist_.is_main:
+                with open(metrics_path, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+                bar.set_postfix(reward=f"{record['reward_mean']:.3f}", N=record["n_keep"], K=f"{record['k_frac']:.2f}",
+                                gnorm=f"{record['grad_norm']:.3f}")
+                bar.update(1)
+            if step % args.save_every == 0 or step == stop_at:
+                save_checkpoint(model, optimizer, order, step, args, dist_)
+            if args.export_every and step % args.export_every == 0:
+                export_hf(model, tokenizer, os.path.join(args.out, f"hf_step_{step:06d}"), dist_)
+            if args.eval_every and step % args.eval_every == 0 and step < args.steps:
+                evaluate(engine, tokenizer, args, dist_, grader, tag=f"step_{step:06d}")
+        bar.close()
+        if step >= args.steps:
+            path = export_hf(model, tokenizer, os.path.join(args.out, "hf_final"), dist_)
+            say(f"exported {path}")
+            evaluate(engine, tokenizer, args, dist_, grader, tag="final")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
