@@ -402,8 +402,9 @@ def load_policy(args, dist_):
     set_model_state_dict(model, full_state or {}, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     _init_rotary_buffers(model, dist_.device)  # non-persistent: not in the checkpoint, garbage after to_empty
     for module in model.modules():
-        if hasattr(module, "set_gradient_divide_factor"):
+        if hasattr(module, "set_gradient_divide_factor"):  # an FSDPModule
             module.set_gradient_divide_factor(1.0)  # SUM over ranks: the loss already divides by the global count
+            module.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
     model.train()
     return model
 
