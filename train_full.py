@@ -434,6 +434,15 @@ def full_named_tensors(model, dtype):
 # ---------------------------------------------------------------------------------------------
 # 4. Rollout engines: vLLM (colocated, one per rank) or HF generate; same interface
 # ---------------------------------------------------------------------------------------------
+def context_length(model_path, args):
+    """Prompt + response tokens the engine must hold, capped at the model's context window."""
+    from transformers import AutoConfig
+
+    response = args.eval_max_tokens if args.eval_only else max(args.max_response_len, args.eval_max_tokens)
+    window = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None) or 10**9
+    return min(args.max_prompt_len + response, window)
+
+
 class VLLMEngine:
     """A vLLM engine inside this trainer process, on this rank's GPU (external_launcher, TP=1).
 
@@ -446,12 +455,12 @@ class VLLMEngine:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core lives in this process
         from vllm import LLM
 
-        cuda = dist_.device.type == "cuda"
+        self.cuda = cuda = dist_.device.type == "cuda"
         self.sleep_level = args.vllm_sleep_level if cuda else 0  # vLLM has no sleep mode on CPU
         extra = {} if cuda else {"kv_cache_memory_bytes": int(args.vllm_kv_cache_gb * 2**30)}
         self.llm = LLM(model=model_path, tokenizer=model_path, dtype=args.dtype, seed=args.seed,
                        distributed_executor_backend="external_launcher", tensor_parallel_size=1,
-                       max_model_len=args.max_prompt_len + max(args.max_response_len, args.eval_max_tokens),
+                       max_model_len=context_length(model_path, args),
                        gpu_memory_utilization=args.vllm_gpu_memory_utilization, enable_sleep_mode=self.sleep_level > 0,
                        enable_prefix_caching=True, enforce_eager=args.vllm_enforce_eager or not cuda,
                        max_num_seqs=args.vllm_max_num_seqs, **extra)
@@ -488,10 +497,26 @@ class VLLMEngine:
         stream = _Drain(named_tensors)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream})
         stream.drain()  # every rank must gather every tensor, even ones vLLM skipped
+        if not self.cuda:
+            self.llm.collective_rpc(_repack_tied_lm_head)
         if self.sleeping:
             self.llm.wake_up(tags=["kv_cache"])
             self.sleeping = False
         self.llm.reset_prefix_cache()
+
+    def close(self):
+        """Shut the engine down (it also tears down the process group: call last)."""
+        self.llm.llm_engine.engine_core.shutdown()
+
+
+def _repack_tied_lm_head(worker):
+    """vLLM on CPU packs lm_head's weight into its GEMM kernel at load time. With tied embeddings
+    reload_weights refreshes only the embedding (lm_head.* is skipped), so the packed copy would
+    keep the old weights: pack it again. (On GPU lm_head reads the shared weight directly.)"""
+    model = worker.model_runner.model
+    head = getattr(model, "lm_head", None)
+    if getattr(getattr(model, "config", None), "tie_word_embeddings", False) and hasattr(head, "quant_method"):
+        head.quant_method.process_weights_after_loading(head)
 
 
 class _Drain:
@@ -519,6 +544,7 @@ class HFEngine:
 
         self.device, self.batch = dist_.device, args.hf_generate_batch
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, args.dtype)).to(self.device).eval()
+        self.max_model_len = context_length(model_path, args)
         self.pad_id = self.model.config.pad_token_id
         if self.pad_id is None:
             self.pad_id = self.model.config.eos_token_id if isinstance(self.model.config.eos_token_id, int) else 0
@@ -541,7 +567,8 @@ class HFEngine:
             out = self.model.generate(input_ids=ids.to(self.device), attention_mask=attn.to(self.device),
                                       do_sample=not greedy, temperature=None if greedy else temperature,
                                       top_p=None if greedy else top_p, top_k=None if greedy else 0,
-                                      num_return_sequences=n, max_new_tokens=max_tokens, eos_token_id=stop_ids,
+                                      num_return_sequences=n, eos_token_id=stop_ids,
+                                      max_new_tokens=max(1, min(max_tokens, self.max_model_len - width)),
                                       pad_token_id=self.pad_id, output_scores=logprobs, return_dict_in_generate=True)
             new = out.sequences[:, width:].cpu()  # [len(chunk) * n, new]
             steps = torch.stack(out.scores, 1).float().log_softmax(-1).cpu() if logprobs else None  # [.., new, V]
@@ -571,6 +598,18 @@ class HFEngine:
         params = dict(self.model.named_parameters())
         for name, tensor in named_tensors:
             params[name].copy_(tensor)
+
+    def close(self):
+        pass
+
+
+def shutdown(engine):
+    """Wait for every rank, stop the engine, leave the process group."""
+    dist.barrier()
+    if engine is not None:
+        engine.close()  # vLLM's shutdown also destroys the default process group
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def make_engine(model_path, args, dist_):
@@ -846,7 +885,7 @@ def evaluate(engine, tokenizer, args, dist_, grader, tag=""):
         spec = spec.strip()
         name = os.path.splitext(os.path.basename(spec))[0] if os.path.exists(spec) else spec
         rows, dropped = load_rows(spec, limit=args.eval_limit or None)
-        problems, _ = encode_prompts(rows, tokenizer, args.template, max_prompt_len=10**9)
+        problems, too_long = encode_prompts(rows, tokenizer, args.template, max_prompt_len=engine.max_model_len - 1)
         per = math.ceil(len(problems) / dist_.world)
         mine = list(range(dist_.rank * per, min((dist_.rank + 1) * per, len(problems))))
         outs = engine.generate([problems[i]["prompt_ids"] for i in mine], args.eval_samples, args.eval_temperature,
@@ -860,7 +899,7 @@ def evaluate(engine, tokenizer, args, dist_, grader, tag=""):
         dist.all_gather_object(gathered, correct)
         correct = [c for part in gathered for c in part]  # rank order = problem order
         n = args.eval_samples
-        row = {"problems": len(correct), "samples": n, "dropped": dropped}
+        row = {"problems": len(correct), "samples": n, "dropped": dropped, "too_long": too_long}
         for k in [k for k in args.eval_pass_k if k <= n]:
             row[f"pass@{k}"] = 100.0 * sum(pass_at_k(n, c, k) for c in correct) / max(len(correct), 1)
         row["correct"] = correct
@@ -931,8 +970,7 @@ def main(argv=None):
         engine = make_engine(args.model, args, dist_)
         with Grader(args.grader_timeout) as grader:
             evaluate(engine, tokenizer, args, dist_, grader)
-        dist.barrier()
-        dist.destroy_process_group()
+        shutdown(engine)
         return
 
     if args.prompts_per_step % dist_.world:
@@ -1000,8 +1038,7 @@ def main(argv=None):
             path = export_hf(model, tokenizer, os.path.join(args.out, "hf_final"), dist_)
             say(f"exported {path}")
             evaluate(engine, tokenizer, args, dist_, grader, tag="final")
-    dist.barrier()
-    dist.destroy_process_group()
+    shutdown(engine)
 
 
 if __name__ == "__main__":

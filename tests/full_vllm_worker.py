@@ -1,0 +1,76 @@
+"""Run with the vLLM venv's python: train_full's vLLM engine, before and after a weight sync.
+
+    python tests/full_vllm_worker.py --model TINY_DIR --out result.json
+
+Builds the FSDP policy (a world of one) and the colocated vLLM engine, generates greedily,
+takes one optimizer step with a large learning rate, sends the new weights to vLLM
+(train_full.VLLMEngine.update_weights) and generates again. For both, it records vLLM's tokens
+and log-probs and the trainer's own log-probs and greedy choices on those tokens.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import full_fsdp_worker  # noqa: E402
+import train_full  # noqa: E402
+
+PROMPTS = ["1+1=", "The answer is", "abc"]
+
+
+def trainer_view(model, tokenizer, prompt_ids, completions):
+    """The trainer's log-probs of vLLM's tokens, and whether its argmax picks them (greedy)."""
+    seqs = [{"prompt_ids": p, "response_ids": c["token_ids"]} for p, c in zip(prompt_ids, completions)]
+    inputs, targets, mask = train_full.pack(seqs, list(range(len(seqs))), tokenizer.pad_token_id, torch.device("cpu"))
+    with torch.no_grad():
+        logits = model(**inputs).logits[:, :-1].float()
+    logp = logits.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    argmax = logits.argmax(-1)
+    return ([logp[i, mask[i]].tolist() for i in range(len(seqs))],
+            [bool((argmax[i, mask[i]] == targets[i, mask[i]]).all()) for i in range(len(seqs))])
+
+
+def snapshot(engine, model, tokenizer, prompt_ids, stops):
+    outs = engine.generate(prompt_ids, 1, 0.0, 1.0, 10, [0] * len(prompt_ids), stops, logprobs=True)
+    completions = [group[0] for group in outs]
+    trainer_logp, trainer_greedy = trainer_view(model, tokenizer, prompt_ids, completions)
+    return {"tokens": [c["token_ids"] for c in completions], "vllm_logp": [c["logprobs"] for c in completions],
+            "trainer_logp": trainer_logp, "trainer_greedy_agrees": trainer_greedy}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--out", required=True)
+    cli = parser.parse_args()
+    args = train_full.parse_args(["--model", cli.model, "--device", "cpu", "--template", "plain", "--method", "grpo",
+                                  "--group-size", "4", "--prompts-per-step", "4", "--lr", "3e-2", "--max-grad-norm", "100",
+                                  "--max-prompt-len", "32", "--max-response-len", "16", "--eval-max-tokens", "16",
+                                  "--vllm-kv-cache-gb", "0.25", "--micro-batch-size", "8"])
+    dist_ = train_full.init_distributed("cpu")
+    tokenizer = train_full.load_tokenizer(cli.model)
+    stops = train_full.stop_token_ids(tokenizer)
+    model = train_full.load_policy(args, dist_)
+    optimizer = train_full.make_optimizer(model, args)
+    engine = train_full.VLLMEngine(cli.model, args, dist_)
+    prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+
+    before = snapshot(engine, model, tokenizer, prompt_ids, stops)
+    rollouts = full_fsdp_worker.make_rollouts(len(tokenizer))
+    stats = train_full.train_step(model, optimizer, rollouts, full_fsdp_worker.REWARDS, 0, args, dist_,
+                                  tokenizer.pad_token_id)
+    engine.sleep()  # no-op on CPU (vLLM has no sleep mode there); on CUDA this frees vLLM's memory
+    engine.update_weights(train_full.full_named_tensors(model, torch.float32))
+    after = snapshot(engine, model, tokenizer, prompt_ids, stops)
+    with open(cli.out, "w") as f:
+        json.dump({"before": before, "after": after, "skipped": stats["skipped"], "grad_norm": stats["grad_norm"]}, f)
+    train_full.shutdown(engine)
+
+
+if __name__ == "__main__":
+    main()
