@@ -142,6 +142,8 @@ def parse_args(argv=None):
       "for preemptible jobs: resume with --resume")
     # systems
     a("--seed", type=int, default=0, help="seed of the data order, sampling and init")
+    a("--unseeded-sampling", action="store_true", help="no per-prompt sampling seeds (vLLM samples seeded requests "
+      "one by one: a little slower); generation then depends on the number of ranks and resumes are not bit-exact")
     a("--device", default="auto", choices=["auto", "cuda", "cpu"], help="auto: cuda if available, else cpu (gloo)")
     a("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="compute dtype; auto: bfloat16 on CUDA "
       "(fp32 master weights and gradient reductions), float32 on CPU")
@@ -347,9 +349,11 @@ def rank_share(items, dist_):
     return items[dist_.rank * per : (dist_.rank + 1) * per]
 
 
-def sample_seed(seed, step, index):
+def sample_seeds(args, step, indices):
     """One sampling seed per (step, global prompt index): generation does not depend on the rank count."""
-    return (seed * 1_000_003 + step * 10_007 + index) % (2**31 - 1)
+    if args.unseeded_sampling:
+        return [None] * len(indices)
+    return [(args.seed * 1_000_003 + step * 10_007 + index) % (2**31 - 1) for index in indices]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -388,9 +392,10 @@ def load_policy(args, dist_):
     full_state = None
     if dist_.is_main:
         full_state = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).state_dict()
+    checkpoint_dtype = config.dtype  # e.g. bfloat16: what export_hf writes
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.config.use_cache = False
+    model.config.dtype, model.config.use_cache = checkpoint_dtype, False
     if args.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     compute = getattr(torch, args.dtype)
@@ -435,12 +440,12 @@ def full_named_tensors(model, dtype):
 # 4. Rollout engines: vLLM (colocated, one per rank) or HF generate; same interface
 # ---------------------------------------------------------------------------------------------
 def context_length(model_path, args):
-    """Prompt + response tokens the engine must hold, capped at the model's context window."""
+    """Prompt + response tokens one sequence may hold: the model's context window, capped at
+    max(prompt + response budget, 4096) so a long-context model does not reserve a huge sequence."""
     from transformers import AutoConfig
 
-    response = args.eval_max_tokens if args.eval_only else max(args.max_response_len, args.eval_max_tokens)
     window = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None) or 10**9
-    return min(args.max_prompt_len + response, window)
+    return min(window, max(args.max_prompt_len + max(args.max_response_len, args.eval_max_tokens), 4096))
 
 
 class VLLMEngine:
@@ -458,7 +463,9 @@ class VLLMEngine:
         self.cuda = cuda = dist_.device.type == "cuda"
         self.sleep_level = args.vllm_sleep_level if cuda else 0  # vLLM has no sleep mode on CPU
         extra = {} if cuda else {"kv_cache_memory_bytes": int(args.vllm_kv_cache_gb * 2**30)}
-        self.llm = LLM(model=model_path, tokenizer=model_path, dtype=args.dtype, seed=args.seed,
+        if cuda:
+            torch.cuda.empty_cache()  # vLLM sizes its KV cache from the free memory
+        self.llm = LLM(model=model_path, tokenizer=model_path, dtype=args.dtype, seed=args.seed, generation_config="vllm",
                        distributed_executor_backend="external_launcher", tensor_parallel_size=1,
                        max_model_len=context_length(model_path, args),
                        gpu_memory_utilization=args.vllm_gpu_memory_utilization, enable_sleep_mode=self.sleep_level > 0,
@@ -488,11 +495,13 @@ class VLLMEngine:
 
     def wake_up(self):
         if self.sleeping:
+            torch.cuda.empty_cache()
             self.llm.wake_up()
             self.sleeping = False
 
     def update_weights(self, named_tensors):
         if self.sleeping:
+            torch.cuda.empty_cache()  # hand the trainer's cached blocks back to the driver for vLLM
             self.llm.wake_up(tags=["weights"])  # weights first: the KV cache is not needed to load them
         stream = _Drain(named_tensors)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream})
@@ -562,11 +571,12 @@ class HFEngine:
             for i, p in enumerate(chunk):  # left padding
                 ids[i, width - len(p) :] = torch.tensor(p)
                 attn[i, width - len(p) :] = 1
-            torch.manual_seed(seeds[start])
+            if seeds[start] is not None:
+                torch.manual_seed(seeds[start])
             greedy = temperature == 0
             out = self.model.generate(input_ids=ids.to(self.device), attention_mask=attn.to(self.device),
                                       do_sample=not greedy, temperature=None if greedy else temperature,
-                                      top_p=None if greedy else top_p, top_k=None if greedy else 0,
+                                      top_p=None if greedy else top_p, top_k=None if greedy else 0, repetition_penalty=1.0,
                                       num_return_sequences=n, eos_token_id=stop_ids,
                                       max_new_tokens=max(1, min(max_tokens, self.max_model_len - width)),
                                       pad_token_id=self.pad_id, output_scores=logprobs, return_dict_in_generate=True)
@@ -769,7 +779,7 @@ def train_step(model, optimizer, rollouts, rewards, step, args, dist_, pad_id, k
         "kept_tokens_frac": n_selected / max(n_tokens, 1.0), "kept_adv_var": d3s.kept_variance(adv_all, keep_all),
         "grad_norm": grad_norm, "entropy_mean": all_reduce((entropy * mask).sum(), dist_) / max(n_tokens, 1.0),
         "clip_frac": all_reduce(clip_tokens, dist_) / max(n_selected, 1.0), "loss": loss_total, "skipped": skipped,
-        "train_s": train_s, "train_tokens_per_s": train_tokens * 2 / max(train_s, 1e-9),  # 2 passes
+        "train_s": train_s, "train_tokens_per_s": train_tokens * 2 / max(train_s, 1e-9),  # tokens forwarded, both passes
         # for the tests: the kept set, in global order
         "_keep": keep_all, "_token_keep": gather_rows(token_keep, dist_)[0],
     }
@@ -877,7 +887,7 @@ def export_hf(model, tokenizer, path, dist_):
 # ---------------------------------------------------------------------------------------------
 # 8. Evaluation: k samples per problem -> Pass@1 (mean over k) and Pass@k (unbiased)
 # ---------------------------------------------------------------------------------------------
-def evaluate(engine, tokenizer, args, dist_, grader, tag=""):
+def evaluate(engine, tokenizer, args, dist_, grader, tag="", model_name=None):
     """Every benchmark of --eval-data: this rank takes a contiguous share of the problems."""
     stops = stop_token_ids(tokenizer)
     results = {}
@@ -889,7 +899,7 @@ def evaluate(engine, tokenizer, args, dist_, grader, tag=""):
         per = math.ceil(len(problems) / dist_.world)
         mine = list(range(dist_.rank * per, min((dist_.rank + 1) * per, len(problems))))
         outs = engine.generate([problems[i]["prompt_ids"] for i in mine], args.eval_samples, args.eval_temperature,
-                               args.eval_top_p, args.eval_max_tokens, [sample_seed(args.seed, 10**6, i) for i in mine],
+                               args.eval_top_p, args.eval_max_tokens, sample_seeds(args, 10**6, mine),
                                stops) if mine else []
         correct = []
         for i, group in zip(mine, outs):
@@ -908,12 +918,12 @@ def evaluate(engine, tokenizer, args, dist_, grader, tag=""):
         keys = [f"pass@{k}" for k in args.eval_pass_k if k <= args.eval_samples]
         results["average"] = {k: sum(r[k] for r in results.values()) / len(results) for k in keys}
         if dist_.is_main:
-            write_eval_report(results, keys, args, tag)
+            write_eval_report(results, keys, args, tag, model_name or args.model)
     return results
 
 
-def write_eval_report(results, keys, args, tag):
-    lines = [f"# Evaluation of {args.model}{' ' + tag if tag else ''}", "",
+def write_eval_report(results, keys, args, tag, model_name):
+    lines = [f"# Evaluation of {model_name}", "",
              f"{args.eval_samples} samples per problem, temperature {args.eval_temperature}, top-p {args.eval_top_p}, "
              f"max {args.eval_max_tokens} tokens, template {args.template}. Pass@1 = mean accuracy over the samples; "
              "Pass@k unbiased (Chen et al., 2021).", "",
@@ -922,11 +932,14 @@ def write_eval_report(results, keys, args, tag):
     for name, row in results.items():
         cells = [f"{row[k]:.1f}" for k in keys]
         lines.append(f"| {name} | {row.get('problems', '')} | " + " | ".join(cells) + " |")
+    skipped = {name: (row["dropped"], row["too_long"]) for name, row in results.items() if row.get("dropped") or row.get("too_long")}
+    for name, (dropped, too_long) in skipped.items():
+        lines.append(f"\nNot evaluated in {name}: {dropped} rows without an answer, {too_long} prompts longer than the context.")
     stem = os.path.join(args.out, f"eval{'_' + tag if tag else ''}")
     with open(stem + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     with open(stem + ".json", "w") as f:
-        json.dump({"model": args.model, "settings": {k: getattr(args, k) for k in (
+        json.dump({"model": model_name, "settings": {k: getattr(args, k) for k in (
             "eval_samples", "eval_temperature", "eval_top_p", "eval_max_tokens", "template", "eval_limit")},
             "results": results}, f, indent=1)
     print("\n".join(lines), flush=True)
@@ -939,7 +952,7 @@ def generate_and_grade(engine, tokenizer, prompts, step, args, dist_, grader, st
     """Steps 1-2 for this rank's share: G rollouts per prompt, 0/1 rewards [P_rank, G]."""
     mine = rank_share(prompts, dist_)  # [(global index, prompt dict)]
     outs = engine.generate([p["prompt_ids"] for _, p in mine], args.group_size, args.temperature, args.top_p,
-                           args.max_response_len, [sample_seed(args.seed, step, g) for g, _ in mine], stops)
+                           args.max_response_len, sample_seeds(args, step, [g for g, _ in mine]), stops)
     rollouts, rewards = [], []
     for (_, p), group in zip(mine, outs):
         rollouts.append([{"prompt_ids": p["prompt_ids"], "response_ids": c["token_ids"]} for c in group])
@@ -1032,12 +1045,14 @@ def main(argv=None):
             if args.export_every and step % args.export_every == 0:
                 export_hf(model, tokenizer, os.path.join(args.out, f"hf_step_{step:06d}"), dist_)
             if args.eval_every and step % args.eval_every == 0 and step < args.steps:
-                evaluate(engine, tokenizer, args, dist_, grader, tag=f"step_{step:06d}")
+                evaluate(engine, tokenizer, args, dist_, grader, tag=f"step_{step:06d}",
+                         model_name=f"{args.model} after {step} steps of {args.method}, {args.loss} loss")
         bar.close()
         if step >= args.steps:
             path = export_hf(model, tokenizer, os.path.join(args.out, "hf_final"), dist_)
             say(f"exported {path}")
-            evaluate(engine, tokenizer, args, dist_, grader, tag="final")
+            evaluate(engine, tokenizer, args, dist_, grader, tag="final",
+                     model_name=f"{path} ({args.model} after {step} steps of {args.method}, {args.loss} loss)")
     shutdown(engine)
 
 

@@ -1,0 +1,90 @@
+"""train_full.py's pieces that need neither vLLM nor several processes: CLI, data, layout."""
+
+import json
+import pathlib
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+import train_full
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_help_runs_without_vllm_or_gpu_and_labels_paper_and_recipe_defaults():
+    proc = subprocess.run([sys.executable, str(ROOT / "train_full.py"), "--help"], capture_output=True, text=True,
+                          timeout=120, env={"CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr
+    for flag in ("--model", "--method", "--loss", "--rollout", "--train-data", "--eval-data", "--eval-only", "--out",
+                 "--resume", "[paper]", "[recipe]", "[choice]"):
+        assert flag in proc.stdout
+    # (the main test venv has no vLLM installed, so this also shows --help does not need it)
+
+
+def test_defaults_are_the_papers_and_the_recipes():
+    args = train_full.parse_args([])
+    assert (args.n_init, args.n_final, args.k_init, args.k_final, args.group_size) == (8, 32, 0.05, 0.20, 32)
+    assert (args.lr, args.clip_low, args.clip_high, args.temperature, args.max_response_len, args.max_prompt_len) == \
+        (1e-6, 0.2, 0.28, 1.0, 3000, 1024)
+    assert args.model == "Qwen/Qwen2.5-Math-7B" and args.method == "d3s" and args.template == "qwen-math"
+    gspo = train_full.parse_args(["--loss", "gspo"])
+    assert (gspo.clip_low, gspo.clip_high) == (3e-4, 4e-4)
+    with pytest.raises(SystemExit):
+        train_full.parse_args(["--group-size", "16"])  # N ends at 32 > G
+
+
+def test_prompt_order_resumes_exactly_and_crosses_epochs():
+    whole = train_full.PromptOrder(7, seed=3)
+    uninterrupted = [whole.take(3) for _ in range(5)]
+    first = train_full.PromptOrder(7, seed=3)
+    got = [first.take(3) for _ in range(2)]
+    second = train_full.PromptOrder(7, seed=3)
+    second.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    got += [second.take(3) for _ in range(3)]
+    assert got == uninterrupted
+    assert sorted(uninterrupted[0] + uninterrupted[1] + [uninterrupted[2][0]]) == list(range(7))  # one epoch each
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_rank_shares_concatenate_to_the_global_batch_with_rank_independent_seeds(world):
+    batch = list(range(100, 108))
+    shares = [train_full.rank_share(batch, types.SimpleNamespace(rank=r, world=world)) for r in range(world)]
+    assert [x for share in shares for x in share] == batch
+    args = types.SimpleNamespace(seed=0, unseeded_sampling=False)
+    seeds = [s for share in shares for s in train_full.sample_seeds(args, 5, share)]
+    assert seeds == train_full.sample_seeds(args, 5, batch)
+
+
+def test_hub_rows_map_common_column_names():
+    assert train_full.normalize_row({"question": "1+1?", "answer": "2"}) == {"problem": "1+1?", "answer": "2"}
+    assert train_full.normalize_row({"problem": "x", "solution": "so \\boxed{\\frac{1}{2}}."})["answer"] == "\\frac{1}{2}"
+    chat = {"prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}],
+            "reward_model": {"ground_truth": "7"}}
+    assert train_full.normalize_row(chat) == {"problem": "q", "answer": "7"}
+    assert train_full.normalize_row({"problem": "x", "answer": ""}) is None
+    assert train_full.normalize_row({"problem": "x", "solution": "no box"}) is None
+
+
+def test_local_rows_without_an_answer_are_dropped_and_counted(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"problem": "a", "answer": "1"}\n{"problem": "b", "answer": ""}\n{"problem": "c"}\n')
+    rows, dropped = train_full.load_rows(str(path))
+    assert [r["problem"] for r in rows] == ["a"] and dropped == 2
+
+
+def test_pack_aligns_responses_and_numbers_positions_as_without_padding():
+    seqs = [{"prompt_ids": [5, 6, 7], "response_ids": [8]}, {"prompt_ids": [9], "response_ids": [10, 11, 12]}]
+    inputs, targets, mask = train_full.pack(seqs, [0, 1], pad_id=0, device=torch.device("cpu"))
+    assert inputs["input_ids"].tolist() == [[5, 6, 7, 8, 0, 0], [0, 0, 9, 10, 11, 12]]
+    assert inputs["position_ids"].tolist()[1][2:] == [0, 1, 2, 3] and inputs["position_ids"].tolist()[0][:4] == [0, 1, 2, 3]
+    assert targets.tolist() == [[8, 0, 0], [10, 11, 12]] and mask.tolist() == [[True, False, False], [True, True, True]]
+    assert inputs["logits_to_keep"] == 4  # the last prompt position predicts the first response token
+
+
+def test_micro_batches_cover_every_row_once_and_pad_to_the_common_count():
+    chunks = train_full.micro_batches([3, 9, 1, 7, 5], size=2, n_micro=4)
+    assert len(chunks) == 4 and chunks[-1] == [] and sorted(r for c in chunks for r in c) == [0, 1, 2, 3, 4]
+    assert chunks[0] == [1, 3]  # longest first
