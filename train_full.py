@@ -297,6 +297,16 @@ def load_rows(spec, limit=None):
     return rows, dropped
 
 
+def load_rows_once(spec, dist_, limit=None):
+    """load_rows on rank 0 first (a hub download happens once, into the cache), then on the others."""
+    if dist_.is_main:
+        result = load_rows(spec, limit)
+    dist.barrier()
+    if not dist_.is_main:
+        result = load_rows(spec, limit)
+    return result
+
+
 def encode_prompts(rows, tokenizer, template, max_prompt_len):
     """Apply the template and tokenize; prompts longer than max_prompt_len are dropped and counted."""
     out, too_long = [], 0
@@ -894,7 +904,7 @@ def evaluate(engine, tokenizer, args, dist_, grader, tag="", model_name=None):
     for spec in [s for s in args.eval_data.split(",") if s.strip() and s.strip() != "none"]:
         spec = spec.strip()
         name = os.path.splitext(os.path.basename(spec))[0] if os.path.exists(spec) else spec
-        rows, dropped = load_rows(spec, limit=args.eval_limit or None)
+        rows, dropped = load_rows_once(spec, dist_, limit=args.eval_limit or None)
         problems, too_long = encode_prompts(rows, tokenizer, args.template, max_prompt_len=engine.max_model_len - 1)
         per = math.ceil(len(problems) / dist_.world)
         mine = list(range(dist_.rank * per, min((dist_.rank + 1) * per, len(problems))))
@@ -975,6 +985,9 @@ def main(argv=None):
     torch.manual_seed(args.seed + dist_.rank)
     random.seed(args.seed + dist_.rank)
     os.makedirs(args.out, exist_ok=True)
+    if dist_.is_main:
+        with open(os.path.join(args.out, "args.json" if not args.eval_only else "eval_args.json"), "w") as f:
+            json.dump({**vars(args), "world": dist_.world}, f, indent=1)
     tokenizer = load_tokenizer(args.model)
     stops = stop_token_ids(tokenizer)
     say = (lambda *m: print(*m, flush=True)) if dist_.is_main else (lambda *m: None)
@@ -988,7 +1001,7 @@ def main(argv=None):
 
     if args.prompts_per_step % dist_.world:
         raise SystemExit(f"--prompts-per-step={args.prompts_per_step} must be divisible by the {dist_.world} ranks")
-    rows, dropped = load_rows(args.train_data)
+    rows, dropped = load_rows_once(args.train_data, dist_)
     prompts, too_long = encode_prompts(rows, tokenizer, args.template, args.max_prompt_len)
     if not prompts:
         raise SystemExit(f"{args.train_data}: no prompt of at most --max-prompt-len={args.max_prompt_len} tokens")
@@ -1032,7 +1045,7 @@ def main(argv=None):
             record = {"step": step - 1, **{k: v for k, v in stats.items() if not k.startswith("_")},
                       "gen_s": gen_s, "gen_tokens_per_s": gen_tokens / max(gen_s, 1e-9), "sync_s": sync_s,
                       "response_len_mean": gen_tokens / (args.prompts_per_step * args.group_size),
-                      "grader_timeouts": grader.timeouts, "mem_peak_gb": all_reduce(memory_peak_gb(dist_.device), dist_,
+                      "grader_timeouts": int(all_reduce(grader.timeouts, dist_)), "mem_peak_gb": all_reduce(memory_peak_gb(dist_.device), dist_,
                                                                                   dist.ReduceOp.MAX)}
             if dist_.is_main:
                 with open(metrics_path, "a") as f:

@@ -1,0 +1,40 @@
+"""train_full.py with --rollout hf (HF generate, no vLLM) on 2 gloo ranks: the fallback path runs
+end to end in the main test venv: train, checkpoint, export, and the distributed evaluation."""
+
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import tiny
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SHARED_DATA = ROOT.parent / "shared" / "data"
+
+
+def test_two_ranks_with_hf_rollouts_train_export_and_evaluate(tmp_path):
+    tokenizer = tiny.build_char_tokenizer()
+    model_dir = tiny.save_tiny(tiny.build_tiny_model(tokenizer), tokenizer, str(tmp_path / "tiny"))
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"problem": f"{i}+{i}", "answer": str(2 * i)}) + "\n" for i in range(8)))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
+           str(ROOT / "train_full.py"), "--rollout", "hf", "--model", model_dir, "--train-data", str(data),
+           "--eval-data", str(SHARED_DATA / "gsm8k.jsonl"), "--eval-limit", "3", "--eval-samples", "2",
+           "--eval-pass-k", "1,2", "--eval-max-tokens", "8", "--out", str(out), "--template", "plain", "--device", "cpu",
+           "--steps", "2", "--prompts-per-step", "2", "--group-size", "4", "--n-init", "2", "--n-final", "4",
+           "--max-response-len", "12", "--max-prompt-len", "64", "--micro-batch-size", "3", "--save-every", "2"]
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").open()]
+    assert [r["step"] for r in records] == [0, 1] and [r["kept_samples"] for r in records] == [4, 6]
+    assert (out / "checkpoints" / "step_000002" / "trainer_state.json").exists()
+    assert (out / "hf_final" / "model.safetensors").exists()
+    final = json.loads((out / "eval_final.json").read_text())["results"]
+    assert final["gsm8k"]["problems"] == 3 and len(final["gsm8k"]["correct"]) == 3  # 2 + 1 problems over 2 ranks
