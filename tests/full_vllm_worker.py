@@ -1,8 +1,8 @@
 """Run with the vLLM venv's python: train_full's vLLM engine, before and after a weight sync.
 
-    python tests/full_vllm_worker.py --model TINY_DIR --out result.json
+    torchrun --nproc_per_node=2 tests/full_vllm_worker.py --model TINY_DIR --out result.json
 
-Builds the FSDP policy (a world of one) and the colocated vLLM engine, generates greedily,
+Builds the FSDP policy (sharded over the ranks) and a colocated vLLM engine per rank, generates greedily,
 takes one optimizer step with a large learning rate, sends the new weights to vLLM
 (train_full.VLLMEngine.update_weights) and generates again. For both, it records vLLM's tokens
 and log-probs and the trainer's own log-probs and greedy choices on those tokens.
@@ -61,14 +61,17 @@ def main():
     prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
 
     before = snapshot(engine, model, tokenizer, prompt_ids, stops)
-    rollouts = full_fsdp_worker.make_rollouts(len(tokenizer))
-    stats = train_full.train_step(model, optimizer, rollouts, full_fsdp_worker.REWARDS, 0, args, dist_,
+    per = full_fsdp_worker.P // dist_.world
+    mine = slice(dist_.rank * per, (dist_.rank + 1) * per)
+    rollouts = full_fsdp_worker.make_rollouts(len(tokenizer))[mine]
+    stats = train_full.train_step(model, optimizer, rollouts, full_fsdp_worker.REWARDS[mine], 0, args, dist_,
                                   tokenizer.pad_token_id)
     engine.sleep()  # no-op on CPU (vLLM has no sleep mode there); on CUDA this frees vLLM's memory
     engine.update_weights(train_full.full_named_tensors(model, torch.float32))
     after = snapshot(engine, model, tokenizer, prompt_ids, stops)
-    with open(cli.out, "w") as f:
-        json.dump({"before": before, "after": after, "skipped": stats["skipped"], "grad_norm": stats["grad_norm"]}, f)
+    with open(f"{cli.out}.rank{dist_.rank}", "w") as f:
+        json.dump({"before": before, "after": after, "skipped": stats["skipped"], "grad_norm": stats["grad_norm"],
+                   "world": dist_.world}, f)
     train_full.shutdown(engine)
 
 

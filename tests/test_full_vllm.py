@@ -4,8 +4,9 @@ The vLLM venv is separate from the test venv (vLLM pins its own stack), so these
 train_full.py in subprocesses with that interpreter: D3S_VLLM_PYTHON, or <repo>/.venv-vllm/bin/python
 (.ci/run builds it). Without it they skip locally and fail in CI (CI=true).
 
-- weight sync: vLLM generates for a tiny local model; after an optimizer step and
-  VLLMEngine.update_weights, vLLM's greedy tokens and log-probs equal the trainer's model.
+- weight sync (2 ranks, FSDP shards -> one vLLM engine per rank): vLLM generates for a tiny local
+  model; after an optimizer step and VLLMEngine.update_weights, every rank's vLLM greedy tokens
+  and log-probs equal the trainer's updated model.
 - end to end: 2 steps of GRPO+D3S on 2 gloo ranks with vLLM rollouts and a stop (a preemption),
   --eval-only of the 2-step export on real benchmark problems, then --resume to the last step.
 """
@@ -62,11 +63,18 @@ def torchrun(python, nproc):
 # ---------------------------------------------------------------------------------------------
 # weight sync
 # ---------------------------------------------------------------------------------------------
-def test_vllm_greedy_tokens_and_logprobs_match_the_trainer_after_a_step_and_weight_sync(vllm_python, tiny_model_dir, tmp_path):
-    out = tmp_path / "sync.json"
-    run([vllm_python, str(ROOT / "tests" / "full_vllm_worker.py"), "--model", tiny_model_dir, "--out", str(out)])
-    result = json.loads(out.read_text())
-    assert not result["skipped"] and result["grad_norm"] > 0
+@pytest.fixture(scope="module")
+def sync_result(vllm_python, tiny_model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("sync") / "sync.json"
+    run([*torchrun(vllm_python, 2), str(ROOT / "tests" / "full_vllm_worker.py"), "--model", tiny_model_dir,
+         "--out", str(out)])
+    return [json.loads(pathlib.Path(f"{out}.rank{r}").read_text()) for r in range(2)]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_vllm_greedy_tokens_and_logprobs_match_the_trainer_after_a_step_and_weight_sync(sync_result, rank):
+    result = sync_result[rank]
+    assert result["world"] == 2 and not result["skipped"] and result["grad_norm"] > 0
     for phase in ("before", "after"):
         snap = result[phase]
         assert all(len(t) == 10 for t in snap["tokens"])
