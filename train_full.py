@@ -784,12 +784,17 @@ def train_step(model, optimizer, rollouts, rewards, step, args, dist_, pad_id, k
     n_selected = all_reduce(token_keep.sum(), dist_)
     train_tokens = all_reduce(trained_tokens, dist_)
     return {
-        "reward_mean": float(rewards_all.mean()), "n_keep": n_keep, "k_frac": k_frac,
-        "kept_samples": int(keep_all.sum()), "kept_tokens": int(n_selected),
-        "kept_tokens_frac": n_selected / max(n_tokens, 1.0), "kept_adv_var": d3s.kept_variance(adv_all, keep_all),
-        "grad_norm": grad_norm, "entropy_mean": all_reduce((entropy * mask).sum(), dist_) / max(n_tokens, 1.0),
+        "reward_mean": float(rewards_all.mean()),
+        "acc_train": float(rewards_all.mean()),  # the reward is correctness (0/1): the same number
+        "groups_mixed": float((rewards_all.amax(-1) > rewards_all.amin(-1)).float().mean()),  # groups with signal
+        "n_keep": n_keep, "k_frac": k_frac, "kept_samples": int(keep_all.sum()),
+        "kept_tokens": int(n_selected),  # tokens in the loss
+        "fwd_tokens": int(n_tokens),  # response tokens forwarded (the kept rollouts')
+        "kept_adv_var": d3s.kept_variance(adv_all, keep_all), "grad_norm": grad_norm,
+        "entropy_mean": all_reduce((entropy * mask).sum(), dist_) / max(n_tokens, 1.0),
+        "entropy_kept": all_reduce((entropy * token_keep).sum(), dist_) / max(n_selected, 1.0),
         "clip_frac": all_reduce(clip_tokens, dist_) / max(n_selected, 1.0), "loss": loss_total, "skipped": skipped,
-        "train_s": train_s, "train_tokens_per_s": train_tokens * 2 / max(train_s, 1e-9),  # tokens forwarded, both passes
+        "train_s": train_s, "train_tokens_per_s": train_tokens * 2 / max(train_s, 1e-9),  # prompt + response, both passes
         # for the tests: the kept set, in global order
         "_keep": keep_all, "_token_keep": gather_rows(token_keep, dist_)[0],
     }
@@ -958,17 +963,43 @@ def write_eval_report(results, keys, args, tag, model_name):
 # ---------------------------------------------------------------------------------------------
 # 9. The run
 # ---------------------------------------------------------------------------------------------
-def generate_and_grade(engine, tokenizer, prompts, step, args, dist_, grader, stops):
-    """Steps 1-2 for this rank's share: G rollouts per prompt, 0/1 rewards [P_rank, G]."""
-    mine = rank_share(prompts, dist_)  # [(global index, prompt dict)]
-    outs = engine.generate([p["prompt_ids"] for _, p in mine], args.group_size, args.temperature, args.top_p,
-                           args.max_response_len, sample_seeds(args, step, [g for g, _ in mine]), stops)
-    rollouts, rewards = [], []
-    for (_, p), group in zip(mine, outs):
-        rollouts.append([{"prompt_ids": p["prompt_ids"], "response_ids": c["token_ids"]} for c in group])
-        texts = [tokenizer.decode(c["token_ids"], skip_special_tokens=True) for c in group]
+def generate(engine, batch, step, args, stops):
+    """Step 1 for this rank's share of the batch [(global index, prompt)]: G rollouts per prompt."""
+    outs = engine.generate([p["prompt_ids"] for _, p in batch], args.group_size, args.temperature, args.top_p,
+                           args.max_response_len, sample_seeds(args, step, [g for g, _ in batch]), stops)
+    return [[{"prompt_ids": p["prompt_ids"], "response_ids": c["token_ids"]} for c in group]
+            for (_, p), group in zip(batch, outs)]
+
+
+def grade(rollouts, batch, tokenizer, grader):
+    """Step 2: 0/1 rewards [P_rank, G], the last \\boxed{} of each response vs the gold answer."""
+    rewards = []
+    for (_, p), group in zip(batch, rollouts):
+        texts = [tokenizer.decode(r["response_ids"], skip_special_tokens=True) for r in group]
         rewards.append(grader.score_batch(texts, [p["answer"]] * len(group)))
-    return rollouts, torch.tensor(rewards, dtype=torch.float32)
+    return torch.tensor(rewards, dtype=torch.float32)
+
+
+def append_metrics(path, record):
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def eval_record(step, results):
+    """One metrics.jsonl line per evaluation: {benchmark}_pass@k for every benchmark and the average."""
+    return {"kind": "eval", "step": step, **{f"{name}_{k}": v for name, row in results.items()
+                                             for k, v in row.items() if k.startswith("pass@")}}
+
+
+def truncate_metrics(path, step):
+    """Keep the lines of steps before `step` (a killed run may have logged past its last checkpoint)."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        kept = [line for line in f if line.strip() and json.loads(line).get("step", math.inf) < step]
+    with open(path + ".tmp", "w") as f:
+        f.writelines(kept)
+    os.replace(path + ".tmp", path)
 
 
 def memory_peak_gb(device):
@@ -1023,6 +1054,8 @@ def main(argv=None):
     engine.update_weights(full_named_tensors(model, getattr(torch, args.dtype)))  # the policy, also after a resume
 
     metrics_path = os.path.join(args.out, "metrics.jsonl")
+    if dist_.is_main:
+        truncate_metrics(metrics_path, step)
     from tqdm import tqdm
 
     bar = tqdm(total=args.steps, initial=step, disable=not dist_.is_main, desc="steps", dynamic_ncols=True)
@@ -1031,25 +1064,28 @@ def main(argv=None):
         while step < stop_at:
             if dist_.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(dist_.device)
-            batch = [(g, prompts[g]) for g in order.take(args.prompts_per_step)]
+            batch = rank_share([(g, prompts[g]) for g in order.take(args.prompts_per_step)], dist_)
             t0 = time.perf_counter()
-            rollouts, rewards = generate_and_grade(engine, tokenizer, batch, step, args, dist_, grader, stops)
+            rollouts = generate(engine, batch, step, args, stops)  # 1) generate
             gen_s = time.perf_counter() - t0
-            gen_tokens = all_reduce(sum(len(r["response_ids"]) for group in rollouts for r in group), dist_)
-            engine.sleep()
-            stats = train_step(model, optimizer, rollouts, rewards, step, args, dist_, tokenizer.pad_token_id)
+            engine.sleep()  # free vLLM's GPU memory for training
+            rewards = grade(rollouts, batch, tokenizer, grader)  # 2) reward
+            reward_s = time.perf_counter() - t0 - gen_s
+            stats = train_step(model, optimizer, rollouts, rewards, step, args, dist_, tokenizer.pad_token_id)  # 3-6
             t1 = time.perf_counter()
-            engine.update_weights(full_named_tensors(model, getattr(torch, args.dtype)))
+            engine.update_weights(full_named_tensors(model, getattr(torch, args.dtype)))  # 7) sync
             sync_s = time.perf_counter() - t1
             step += 1
-            record = {"step": step - 1, **{k: v for k, v in stats.items() if not k.startswith("_")},
-                      "gen_s": gen_s, "gen_tokens_per_s": gen_tokens / max(gen_s, 1e-9), "sync_s": sync_s,
-                      "response_len_mean": gen_tokens / (args.prompts_per_step * args.group_size),
-                      "grader_timeouts": int(all_reduce(grader.timeouts, dist_)), "mem_peak_gb": all_reduce(memory_peak_gb(dist_.device), dist_,
-                                                                                  dist.ReduceOp.MAX)}
+            gen_tokens = all_reduce(sum(len(r["response_ids"]) for group in rollouts for r in group), dist_)
+            record = {"kind": "train", "step": step - 1, **{k: v for k, v in stats.items() if not k.startswith("_")},
+                      "gen_tokens": int(gen_tokens), "kept_tokens_frac": stats["kept_tokens"] / max(gen_tokens, 1.0),
+                      "response_len": gen_tokens / (args.prompts_per_step * args.group_size),
+                      "grader_timeouts": int(all_reduce(grader.timeouts, dist_)),
+                      "gen_s": gen_s, "reward_s": all_reduce(reward_s, dist_, dist.ReduceOp.MAX), "sync_s": sync_s,
+                      "gen_tokens_per_s": gen_tokens / max(gen_s, 1e-9),
+                      "mem_peak_gb": all_reduce(memory_peak_gb(dist_.device), dist_, dist.ReduceOp.MAX)}
             if dist_.is_main:
-                with open(metrics_path, "a") as f:
-                    f.write(json.dumps(record) + "\n")
+                append_metrics(metrics_path, record)
                 bar.set_postfix(reward=f"{record['reward_mean']:.3f}", N=record["n_keep"], K=f"{record['k_frac']:.2f}",
                                 gnorm=f"{record['grad_norm']:.3f}")
                 bar.update(1)
@@ -1058,14 +1094,18 @@ def main(argv=None):
             if args.export_every and step % args.export_every == 0:
                 export_hf(model, tokenizer, os.path.join(args.out, f"hf_step_{step:06d}"), dist_)
             if args.eval_every and step % args.eval_every == 0 and step < args.steps:
-                evaluate(engine, tokenizer, args, dist_, grader, tag=f"step_{step:06d}",
-                         model_name=f"{args.model} after {step} steps of {args.method}, {args.loss} loss")
+                results = evaluate(engine, tokenizer, args, dist_, grader, tag=f"step_{step:06d}",
+                                   model_name=f"{args.model} after {step} steps of {args.method}, {args.loss} loss")
+                if dist_.is_main:
+                    append_metrics(metrics_path, eval_record(step, results))
         bar.close()
         if step >= args.steps:
             path = export_hf(model, tokenizer, os.path.join(args.out, "hf_final"), dist_)
             say(f"exported {path}")
-            evaluate(engine, tokenizer, args, dist_, grader, tag="final",
-                     model_name=f"{path} ({args.model} after {step} steps of {args.method}, {args.loss} loss)")
+            results = evaluate(engine, tokenizer, args, dist_, grader, tag="final",
+                               model_name=f"{path} ({args.model} after {step} steps of {args.method}, {args.loss} loss)")
+            if dist_.is_main and results:
+                append_metrics(metrics_path, eval_record(step, results))
     shutdown(engine)
 
 

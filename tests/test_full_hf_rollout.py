@@ -32,8 +32,10 @@ def test_two_ranks_with_hf_rollouts_train_export_and_evaluate(tmp_path):
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    records = [json.loads(line) for line in (out / "metrics.jsonl").open()]
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").open()]
+    records = [r for r in lines if r["kind"] == "train"]
     assert [r["step"] for r in records] == [0, 1] and [r["kept_samples"] for r in records] == [4, 6]
+    assert lines[-1]["kind"] == "eval" and lines[-1]["step"] == 2 and "gsm8k_pass@2" in lines[-1]
     assert (out / "checkpoints" / "step_000002" / "trainer_state.json").exists()
     assert (out / "hf_final" / "model.safetensors").exists()
     final = json.loads((out / "eval_final.json").read_text())["results"]

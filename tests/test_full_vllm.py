@@ -117,7 +117,7 @@ def first_run(vllm_python, tiny_model_dir, train_data, tmp_path_factory):
 
 
 def metrics(out):
-    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    return [r for r in map(json.loads, open(os.path.join(out, "metrics.jsonl"))) if r["kind"] == "train"]
 
 
 def test_two_steps_on_two_ranks_with_vllm_rollouts_log_metrics_and_write_checkpoints(first_run):
@@ -128,9 +128,10 @@ def test_two_steps_on_two_ranks_with_vllm_rollouts_log_metrics_and_write_checkpo
     for r in records:
         for key in ("reward_mean", "n_keep", "k_frac", "kept_samples", "kept_tokens", "kept_tokens_frac", "kept_adv_var",
                     "grad_norm", "entropy_mean", "clip_frac", "loss", "skipped", "gen_s", "train_s", "gen_tokens_per_s",
-                    "train_tokens_per_s", "mem_peak_gb"):
+                    "train_tokens_per_s", "mem_peak_gb", "fwd_tokens", "gen_tokens", "entropy_kept", "sync_s"):
             assert key in r, key
         assert r["gen_tokens_per_s"] > 0 and r["train_tokens_per_s"] > 0 and not r["skipped"]
+        assert 0 < r["kept_tokens"] <= r["fwd_tokens"] <= r["gen_tokens"] <= 2 * 4 * 16  # P x G x max tokens
     assert [r["n_keep"] for r in records] == [2, 3]  # the D3S schedule N 2 -> 4 over 3 steps
     assert [r["kept_samples"] for r in records] == [4, 6]  # N * P rollouts, chosen across both ranks' groups
     ckpts = sorted(os.listdir(os.path.join(out, "checkpoints")))
