@@ -40,7 +40,6 @@ import random
 import re
 import shutil
 import socket
-import sys
 import time
 
 import torch

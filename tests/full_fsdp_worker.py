@@ -57,11 +57,57 @@ def check_global_token_selection(dist_):
     return ok
 
 
+def full_params(model):
+    return {name: p.full_tensor().detach().clone() for name, p in model.named_parameters()}
+
+
+def check_resume(cli, dist_, tokenizer, rollouts, mine, workdir):
+    """Two steps straight == one step, save_checkpoint, a fresh model + optimizer, load_checkpoint, one step."""
+    args = trainer_args(cli.model, "d3s")
+    args.out = workdir
+    model = train_full.load_policy(args, dist_)
+    optimizer = train_full.make_optimizer(model, args)
+    for step in (0, 1):
+        train_full.train_step(model, optimizer, rollouts[mine], REWARDS[mine], step, args, dist_, tokenizer.pad_token_id)
+    straight = full_params(model)
+
+    model = train_full.load_policy(args, dist_)
+    optimizer = train_full.make_optimizer(model, args)
+    order = train_full.PromptOrder(10, seed=0)
+    order.take(3)
+    train_full.train_step(model, optimizer, rollouts[mine], REWARDS[mine], 0, args, dist_, tokenizer.pad_token_id)
+    path = train_full.save_checkpoint(model, optimizer, order, 1, args, dist_)
+    model = train_full.load_policy(args, dist_)
+    optimizer = train_full.make_optimizer(model, args)
+    order = train_full.PromptOrder(10, seed=0)
+    step = train_full.load_checkpoint(path, model, optimizer, order, dist_)
+    train_full.train_step(model, optimizer, rollouts[mine], REWARDS[mine], step, args, dist_, tokenizer.pad_token_id)
+    resumed = full_params(model)
+    return {"step": step, "order": order.state_dict(), "max_diff": max(float((straight[n] - resumed[n]).abs().max())
+                                                                       for n in straight)}
+
+
+def check_nonfinite_skip(cli, dist_, tokenizer, rollouts, mine):
+    """NaN logits on rank 1 only: every rank skips the step, and no weight changes."""
+    args = trainer_args(cli.model, "d3s")
+    model = train_full.load_policy(args, dist_)
+    optimizer = train_full.make_optimizer(model, args)
+    before = full_params(model)
+    if dist_.rank == 1:
+        model.lm_head.register_forward_hook(lambda module, inputs, output: output * float("nan"))
+    stats = train_full.train_step(model, optimizer, rollouts[mine], REWARDS[mine], STEP, args, dist_, tokenizer.pad_token_id)
+    after = full_params(model)
+    skipped = [None] * dist_.world
+    dist.all_gather_object(skipped, stats["skipped"])
+    return {"skipped_on_ranks": skipped, "unchanged": all(torch.equal(before[n], after[n]) for n in before)}
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--methods", default="grpo,d3s")
+    parser.add_argument("--workdir", required=True, help="checkpoints of the resume check")
     cli = parser.parse_args()
     dist_ = train_full.init_distributed("cpu")
     torch.manual_seed(0)
@@ -83,6 +129,8 @@ def main():
         result[method] = {"params": params, "grads": grads, "keep": stats["_keep"], "token_keep": stats["_token_keep"],
                           "grad_norm": stats["grad_norm"], "loss": stats["loss"], "n_keep": stats["n_keep"],
                           "k_frac": stats["k_frac"], "kept_tokens": stats["kept_tokens"]}
+    result["resume"] = check_resume(cli, dist_, tokenizer, rollouts, mine, cli.workdir)
+    result["nonfinite"] = check_nonfinite_skip(cli, dist_, tokenizer, rollouts, mine)
     if dist_.is_main:
         torch.save(result, cli.out)
     dist.barrier()

@@ -45,7 +45,7 @@ def fsdp_result(tiny_model_dir, tmp_path_factory):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
            str(ROOT / "tests" / "full_fsdp_worker.py"), "--model", tiny_model_dir, "--out", str(out),
-           "--methods", ",".join(METHODS)]
+           "--methods", ",".join(METHODS), "--workdir", str(out.parent / "work")]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return torch.load(out, weights_only=False)
@@ -123,3 +123,16 @@ def test_fsdp_two_ranks_step_equals_single_process_step(fsdp_result, tiny_model_
     base = dict(__import__("transformers").AutoModelForCausalLM.from_pretrained(tiny_model_dir).named_parameters())
     moved = max(float((got["params"][n] - base[n]).abs().max()) for n in base)
     assert moved > 5e-5  # the step did change the weights (lr 1e-4)
+
+
+def test_resume_from_a_sharded_checkpoint_continues_exactly(fsdp_result):
+    """Model and optimizer shards (DCP) and the data order come back: step 2 after a resume equals
+    step 2 of an uninterrupted run."""
+    resume = fsdp_result["resume"]
+    assert resume["step"] == 1 and resume["order"]["pos"] == 3
+    assert resume["max_diff"] <= 1e-7
+
+
+def test_a_non_finite_loss_on_one_rank_skips_the_step_on_every_rank(fsdp_result):
+    assert fsdp_result["nonfinite"]["skipped_on_ranks"] == [True, True]
+    assert fsdp_result["nonfinite"]["unchanged"]
