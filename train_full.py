@@ -411,7 +411,7 @@ def load_policy(args, dist_):
     mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)  # fp32 master weights + reductions
     for layer in model.model.layers:
         fully_shard(layer, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
+    fully_shard(model, mp_policy=mp, reshard_after_forward=False)  # root (embeddings, lm_head): backward starts there
     model.to_empty(device=dist_.device)
     set_model_state_dict(model, full_state or {}, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     _init_rotary_buffers(model, dist_.device)  # non-persistent: not in the checkpoint, garbage after to_empty
@@ -1002,11 +1002,20 @@ def truncate_metrics(path, step):
 
 
 def memory_peak_gb(device):
+    """Peak of PyTorch's allocator this step on CUDA (max over ranks); peak RSS of the process on CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # CPU: peak RSS of this process
+
+
+def gpu_used_gb(device):
+    """Memory in use on the whole GPU (every allocator, vLLM's included); 0 on CPU."""
+    if device.type != "cuda":
+        return 0.0
+    free, total = torch.cuda.mem_get_info(device)
+    return (total - free) / 2**30
 
 
 def main(argv=None):
@@ -1067,10 +1076,12 @@ def main(argv=None):
             t0 = time.perf_counter()
             rollouts = generate(engine, batch, step, args, stops)  # 1) generate
             gen_s = time.perf_counter() - t0
+            gpu_used_gen = gpu_used_gb(dist_.device)  # trainer + awake vLLM
             engine.sleep()  # free vLLM's GPU memory for training
             rewards = grade(rollouts, batch, tokenizer, grader)  # 2) reward
             reward_s = time.perf_counter() - t0 - gen_s
             stats = train_step(model, optimizer, rollouts, rewards, step, args, dist_, tokenizer.pad_token_id)  # 3-6
+            gpu_used_train = gpu_used_gb(dist_.device)  # trainer (+ sleeping vLLM), before the sync
             t1 = time.perf_counter()
             engine.update_weights(full_named_tensors(model, getattr(torch, args.dtype)))  # 7) sync
             sync_s = time.perf_counter() - t1
@@ -1082,7 +1093,9 @@ def main(argv=None):
                       "grader_timeouts": int(all_reduce(grader.timeouts, dist_)),
                       "gen_s": gen_s, "reward_s": all_reduce(reward_s, dist_, dist.ReduceOp.MAX), "sync_s": sync_s,
                       "gen_tokens_per_s": gen_tokens / max(gen_s, 1e-9),
-                      "mem_peak_gb": all_reduce(memory_peak_gb(dist_.device), dist_, dist.ReduceOp.MAX)}
+                      "mem_peak_gb": all_reduce(memory_peak_gb(dist_.device), dist_, dist.ReduceOp.MAX),
+                      "gpu_used_gen_gb": all_reduce(gpu_used_gen, dist_, dist.ReduceOp.MAX),
+                      "gpu_used_train_gb": all_reduce(gpu_used_train, dist_, dist.ReduceOp.MAX)}
             if dist_.is_main:
                 append_metrics(metrics_path, record)
                 bar.set_postfix(reward=f"{record['reward_mean']:.3f}", N=record["n_keep"], K=f"{record['k_frac']:.2f}",
