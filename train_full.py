@@ -33,6 +33,7 @@ this repo's where neither says.
 
 import argparse
 import datetime
+import glob
 import json
 import math
 import os
@@ -85,7 +86,8 @@ def parse_args(argv=None):
       "CUDA) or HF generate (for machines without vLLM; slow)")
     a("--train-data", default=default_train, help="[recipe] MATH levels 3-5: local JSONL/JSON/Parquet with problem/answer, "
       "or a hub dataset 'name[:split]' (common column names are mapped)")
-    a("--eval-data", default=default_eval, help="[paper] comma-separated benchmark files or hub names; 'none' = no eval. "
+    a("--eval-data", nargs="+", default=[default_eval], help="[paper] benchmark files (JSONL/JSON/Parquet, globs such as "
+      "'../shared/data/*.jsonl' work) or hub names, space- or comma-separated; 'none' = no eval. "
       "Default: AIME24, AIME25, AMC23, GSM8K, MATH500, Minerva, OlympiadBench from ../shared/data")
     a("--eval-only", action="store_true", help="evaluate --model on --eval-data and exit (no training)")
     a("--out", default="runs/full", help="output folder: metrics.jsonl, checkpoints/, hf_final/, eval.md, eval.json")
@@ -164,6 +166,7 @@ def parse_args(argv=None):
     args.clip_low = defaults[0] if args.clip_low is None else args.clip_low
     args.clip_high = defaults[1] if args.clip_high is None else args.clip_high
     args.eval_pass_k = sorted({int(k) for k in args.eval_pass_k.split(",") if k.strip()})
+    args.eval_data = expand_specs(args.eval_data)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.dtype == "auto":
@@ -172,6 +175,16 @@ def parse_args(argv=None):
         p.error(f"--n-final={args.n_final} > --group-size={args.group_size}: N counts rollouts kept per prompt, "
                 "so raise --group-size or lower --n-final")
     return args
+
+
+def expand_specs(items):
+    """['a.jsonl,b.jsonl', 'dir/*.jsonl', 'none'] -> the list of files / hub names ('none' drops out)."""
+    specs = []
+    for item in items:
+        for spec in (s.strip() for s in item.split(",")):
+            if spec and spec != "none":
+                specs += sorted(glob.glob(spec)) if any(c in spec for c in "*?[") else [spec]
+    return specs
 
 
 # ---------------------------------------------------------------------------------------------
@@ -905,8 +918,7 @@ def evaluate(engine, tokenizer, args, dist_, grader, tag="", model_name=None):
     """Every benchmark of --eval-data: this rank takes a contiguous share of the problems."""
     stops = stop_token_ids(tokenizer)
     results = {}
-    for spec in [s for s in args.eval_data.split(",") if s.strip() and s.strip() != "none"]:
-        spec = spec.strip()
+    for spec in args.eval_data:
         name = os.path.splitext(os.path.basename(spec))[0] if os.path.exists(spec) else spec
         rows, dropped = load_rows_once(spec, dist_, limit=args.eval_limit or None)
         problems, too_long = encode_prompts(rows, tokenizer, args.template, max_prompt_len=engine.max_model_len - 1)

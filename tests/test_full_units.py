@@ -88,3 +88,12 @@ def test_micro_batches_cover_every_row_once_and_pad_to_the_common_count():
     chunks = train_full.micro_batches([3, 9, 1, 7, 5], size=2, n_micro=4)
     assert len(chunks) == 4 and chunks[-1] == [] and sorted(r for c in chunks for r in c) == [0, 1, 2, 3, 4]
     assert chunks[0] == [1, 3]  # longest first
+
+
+def test_eval_data_takes_lists_commas_globs_and_none(tmp_path):
+    for name in ("b.jsonl", "a.jsonl"):
+        (tmp_path / name).write_text("")
+    specs = train_full.expand_specs([f"{tmp_path}/*.jsonl", "x.jsonl,org/hub-set:test", "none"])
+    assert specs == [f"{tmp_path}/a.jsonl", f"{tmp_path}/b.jsonl", "x.jsonl", "org/hub-set:test"]
+    assert train_full.parse_args(["--eval-data", "none"]).eval_data == []
+    assert len(train_full.parse_args([]).eval_data) == 7  # the seven benchmarks of the paper
