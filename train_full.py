@@ -1120,7 +1120,7 @@ def main(argv=None):
             if args.eval_every and step % args.eval_every == 0 and step < args.steps:
                 results = evaluate(engine, tokenizer, args, dist_, grader, tag=f"step_{step:06d}",
                                    model_name=f"{args.model} after {step} steps of {args.method}, {args.loss} loss")
-                if dist_.is_main:
+                if dist_.is_main and results:
                     append_metrics(metrics_path, eval_record(step, results))
         bar.close()
         if step >= args.steps:
