@@ -151,7 +151,8 @@ def parse_args(argv=None):
     a("--vllm-gpu-memory-utilization", type=float, default=0.5, help="fraction of GPU memory vLLM may take while awake")
     a("--vllm-sleep-level", type=int, default=2, choices=[0, 1, 2], help="vLLM sleep during training (CUDA): 2 frees weights "
       "and KV cache (weights are re-sent after every step anyway), 1 offloads weights to CPU, 0 = no sleep")
-    a("--vllm-kv-cache-gb", type=float, default=1.0, help="vLLM KV cache size on CPU (ignored on CUDA)")
+    a("--vllm-kv-cache-gb", type=float, default=1.0, help="vLLM KV cache size on CPU (ignored on CUDA; the env "
+      "VLLM_CPU_KVCACHE_SPACE overrides it)")
     a("--vllm-max-num-seqs", type=int, default=256, help="vLLM max concurrent sequences")
     a("--vllm-enforce-eager", action="store_true", help="vLLM without CUDA graphs (slower; faster start)")
     a("--hf-generate-batch", type=int, default=16, help="--rollout hf: prompts per generate() call")

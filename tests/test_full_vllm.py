@@ -46,7 +46,8 @@ def tiny_model_dir(tmp_path_factory):
 
 
 def run(cmd, timeout=420, **env):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1", **env}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --vllm-kv-cache-gb
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(cmd)}\n{proc.stdout[-5000:]}\n{proc.stderr[-8000:]}"
     return proc.stdout + proc.stderr
