@@ -5,6 +5,7 @@ What two rungs share beyond d3s.py lives here, once:
   - prompt templates (the Qwen2.5-Math chat template by default for real models)
   - extract_boxed + Grader: the 0/1 verifiable reward with math-verify, under a hard time limit
   - pass_at_k: the unbiased Pass@k estimator (Chen et al., 2021)
+  - arithmetic_problems: generated word problems with difficulty levels (tiny models, CPU tests)
 
 The grader runs math-verify in a child process that is killed and restarted when one answer
 takes longer than `timeout_s`: math-verify's own time limit is signal.alarm, which cannot stop
@@ -95,6 +96,74 @@ def load_problems(path, drop_missing=False, limit=None):
 
 
 # ---------------------------------------------------------------------------------------------
+# Generated task: short arithmetic word problems, for tiny character-level models and CPU tests
+# ---------------------------------------------------------------------------------------------
+ARITHMETIC_LEVELS = {
+    1: "a + b, one digit each",
+    2: "two-digit +/- one-digit",
+    3: "two-digit +/- two-digit",
+    4: "a + b - c, one digit each (two steps)",
+}
+_NAMES = ("Ann", "Bo", "Cy", "Dee", "Eli", "Fay", "Gus", "Hal", "Ivy", "Jo")
+_ITEMS = ("pens", "cups", "eggs", "hats", "keys", "maps", "nuts", "figs", "jars", "toys")
+
+
+def _arithmetic_problem(rng, level):
+    """(problem text, integer answer) of one random problem of `level` (answers are >= 0)."""
+    who, items = rng.choice(_NAMES), rng.choice(_ITEMS)
+    if level == 4:
+        a, b = rng.randint(1, 9), rng.randint(1, 9)
+        c = rng.randint(1, min(9, a + b))
+        return f"{who} had {a} {items}, got {b}, lost {c}. How many left?", a + b - c
+    a = rng.randint(1, 9) if level == 1 else rng.randint(10, 99)
+    b = rng.randint(10, 99) if level == 3 else rng.randint(1, 9)
+    if level > 1 and rng.random() < 0.5 and a >= b:
+        return f"{who} had {a} {items}, lost {b}. How many left?", a - b
+    return f"{who} had {a} {items}, got {b} more. How many now?", a + b
+
+
+def arithmetic_problems(n, split="train", seed=0, levels=(1, 2, 3, 4), eval_fraction=0.2):
+    """`n` distinct short arithmetic word problems, rows like load_problems' (+ `level`).
+
+    Levels (ARITHMETIC_LEVELS) cycle 1, 2, 3, 4, 1, ... so every level has n / len(levels)
+    rows. A problem's split is fixed by a hash of its text (`eval_fraction` of all texts are
+    "eval"), so the "train" and "eval" sets are disjoint whatever n and seed. They share
+    arithmetic facts (there are only 81 one-digit sums), not problems: a held-out problem is
+    a new (name, item, numbers) combination. Answers are short for a one-token-per-character
+    tokenizer: "\\boxed{42}" is 10 characters.
+
+    >>> arithmetic_problems(2, seed=0)[1]["level"], arithmetic_problems(2, "eval")[0]["id"]
+    (2, 'arith-eval-0-0')
+    >>> train = {r["problem"] for r in arithmetic_problems(500)}
+    >>> any(r["problem"] in train for r in arithmetic_problems(500, "eval"))
+    False
+    """
+    import random
+    import zlib
+
+    if split not in ("train", "eval"):
+        raise ValueError(f"split={split!r}: choose 'train' or 'eval'")
+    if not levels or any(level not in ARITHMETIC_LEVELS for level in levels):
+        raise ValueError(f"levels={levels!r}: choose from {sorted(ARITHMETIC_LEVELS)}")
+    rng = random.Random(f"arithmetic-{seed}-{split}")
+    rows, seen = [], set()
+    for attempt in range(200 * n + 1000):
+        if len(rows) == n:
+            break
+        level = levels[len(rows) % len(levels)]
+        problem, answer = _arithmetic_problem(rng, level)
+        is_eval = zlib.crc32(problem.encode()) % 1000 < 1000 * eval_fraction
+        if problem in seen or is_eval != (split == "eval"):
+            continue
+        seen.add(problem)
+        rows.append({"id": f"arith-{split}-{seed}-{len(rows)}", "problem": problem,
+                     "answer": str(answer), "level": level})
+    if len(rows) < n:
+        raise ValueError(f"n={n}: could not draw that many distinct {split} problems of levels {levels}")
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
 # Reward: last \boxed{...} graded against the gold answer by math-verify, in a killable child
 # ---------------------------------------------------------------------------------------------
 def extract_boxed(text):
@@ -175,11 +244,18 @@ class Grader:
         self._conn = parent
         # Wait for the imports (seconds) outside the time limit: a child restarted after a
         # timeout must not fail the next, ordinary answer too.
-        if not (parent.poll(120.0) and parent.recv() == "ready"):
-            raise RuntimeError("math-verify grader process did not start within 120 s")
+        try:
+            ready = parent.poll(120.0) and parent.recv() == "ready"
+        except EOFError:  # the child died while starting (its traceback is on stderr)
+            ready = False
+        if not ready:
+            self._kill()
+            raise RuntimeError("the math-verify grader process did not start (see its error above); "
+                               "check that math-verify imports, and that the main script has an "
+                               "`if __name__ == '__main__':` guard (the child is spawned)")
 
     def _kill(self):
-        if self._proc is not None:
+        if self._proc is not None and self._proc.pid is not None:
             self._proc.kill()
             self._proc.join()
             self._conn.close()
@@ -195,9 +271,12 @@ class Grader:
         if self._proc is None or not self._proc.is_alive():
             self._start()
         self._conn.send(key)
-        if self._conn.poll(self.timeout_s):
-            reward = self._conn.recv()
-        else:  # too slow: kill the child, score 0, restart lazily
+        try:
+            answered = self._conn.poll(self.timeout_s)
+            reward = self._conn.recv() if answered else None
+        except EOFError:  # the child died on this answer (e.g. killed for memory): score 0
+            reward = None
+        if reward is None:  # too slow or dead: kill the child, score 0, restart lazily
             self.timeouts += 1
             self._kill()
             reward = 0.0

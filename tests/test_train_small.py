@@ -1,0 +1,242 @@
+"""train_small.py as a specification: the reward, bad input, a 1-minute run, resume after a kill.
+
+Every run here uses a 1-layer, 32-wide model and a few RL steps, so the file takes a few
+minutes on a loaded 2-core CPU. The runs share one cached warm start (module fixture).
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import train_small
+from mathtask import Grader, arithmetic_problems, load_problems
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DATA = os.path.join(os.path.dirname(ROOT), "shared", "data")
+
+# A run small enough for a test: tiny model, 2 prompts x 4 rollouts, a handful of steps.
+TINY = ["--hidden-size", "32", "--num-layers", "1", "--sft-steps", "60", "--sft-lr", "3e-2", "--sft-batch", "32",
+        "--train-size", "200", "--eval-size", "6", "--eval-samples", "2", "--pass-k", "2", "--prompts-per-step", "2",
+        "--group-size", "4", "--n-init", "2", "--n-final", "4", "--max-new-tokens", "12", "--eval-every", "3",
+        "--save-every", "3", "--threads", "1", "--lr", "3e-3", "--grade-timeout", "5"]
+
+
+@pytest.fixture(autouse=True)
+def restore_torch_threads():
+    threads = torch.get_num_threads()  # --threads 1 sets it for this whole process
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("warmstart-cache"))
+
+
+@pytest.fixture(scope="module")
+def two_answer_data(tmp_path_factory):
+    """Problems whose answer is 1 or 2 at random: a barely trained model guesses, so every group has
+    mixed rewards and every step really updates the weights (what the resume test needs)."""
+    folder = tmp_path_factory.mktemp("data")
+    gen = torch.Generator().manual_seed(0)
+    for name, n in (("train.jsonl", 64), ("eval.jsonl", 6)):
+        with open(folder / name, "w") as f:
+            for i in range(n):
+                f.write(json.dumps({"problem": f"Pick {name[0]}{i}.", "answer": str(1 + int(torch.randint(2, (1,), generator=gen)))}) + "\n")
+    return str(folder / "train.jsonl"), str(folder / "eval.jsonl")
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def without_timings(lines):
+    """Metrics lines minus the wall-clock fields (everything else must reproduce exactly)."""
+    return [{k: v for k, v in m.items() if not k.endswith("_s")} for m in lines]
+
+
+def load_state(folder):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder).state_dict()
+
+
+# ---------------------------------------------------------------------------------------------
+# The reward: math-verify on real gold answers, adversarial completions under the time limit
+# ---------------------------------------------------------------------------------------------
+def _wrong_answer(gold):
+    try:
+        return str(float(gold.replace(",", "")) + 1)
+    except ValueError:
+        return gold + "+1"
+
+
+@pytest.mark.parametrize("name", ["math500.jsonl", "gsm8k.jsonl"])
+def test_reward_is_1_for_the_boxed_gold_answer_and_0_for_a_wrong_one(name):
+    path = os.path.join(DATA, name)
+    if not os.path.exists(path):
+        pytest.skip(f"{path} is absent (the shared data folder is not checked out beside the repo)")
+    rows, _ = load_problems(path)
+    golds = [r["answer"] for r in rows]
+    with Grader(timeout_s=10.0) as grader:
+        right = train_small.compute_rewards(grader, [f"So the answer is \\boxed{{{g}}}." for g in golds], golds)
+        wrong = train_small.compute_rewards(grader, [f"So the answer is \\boxed{{{_wrong_answer(g)}}}." for g in golds], golds)
+    assert [g for g, r in zip(golds, right) if r != 1.0] == []
+    assert [g for g, r in zip(golds, wrong) if r != 0.0] == []
+
+
+ADVERSARIAL = {
+    "huge power tower": "\\boxed{9^{9^{9^{9^{9^{9}}}}}}",
+    "huge factorial": "\\boxed{(10^{10^{10}})!}",
+    "deeply nested braces": "\\boxed{" + "{" * 50_000 + "7" + "}" * 50_000 + "}",
+    "100k characters of text": "7 " * 50_000,
+    "100k characters of \\boxed{": "\\boxed{" * 14_300,
+    "100k-digit number": "\\boxed{" + "9" * 100_000 + "}",
+}
+
+
+@pytest.mark.parametrize("case", list(ADVERSARIAL))
+def test_adversarial_completion_scores_0_within_the_time_limit(case):
+    timeout = 2.0
+    with Grader(timeout_s=timeout) as grader:
+        grader.score("\\boxed{1}", "1")  # start the grader child outside the timed part
+        t0 = time.time()
+        reward = train_small.compute_rewards(grader, [ADVERSARIAL[case]], ["7"])
+        elapsed = time.time() - t0
+        assert reward.tolist() == [0.0]
+        assert elapsed < timeout + 3.0, f"{case}: {elapsed:.1f} s"
+        assert grader.score("\\boxed{8}", "8") == 1.0  # and the grader still works afterwards
+
+
+def test_arithmetic_train_and_eval_problems_are_disjoint_and_cover_every_level():
+    train, held_out = arithmetic_problems(2000), arithmetic_problems(400, "eval")
+    assert not {r["problem"] for r in train} & {r["problem"] for r in held_out}
+    assert {r["level"] for r in held_out} == {1, 2, 3, 4}
+    assert all(int(r["answer"]) >= 0 for r in train + held_out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input stops before training with one line that names the file:line or the flag
+# ---------------------------------------------------------------------------------------------
+def _bad_input(tmp_path, capsys, extra):
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_info:
+        train_small.main(TINY + ["--out", str(out), "--cache-dir", str(tmp_path / "cache")] + extra)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert not (out / "metrics.jsonl").exists()  # nothing was trained
+    return err
+
+
+def test_a_row_without_problem_or_answer_names_the_file_and_line(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"problem": "1+1", "answer": "2"}\n{"problem": "2+2"}\n')
+    err = _bad_input(tmp_path, capsys, ["--train-file", str(bad)])
+    assert f"{bad}:2" in err and "'answer'" in err
+    bad.write_text('{"answer": "2"}\n')
+    err = _bad_input(tmp_path, capsys, ["--eval-file", str(bad)])
+    assert f"{bad}:1" in err and "'problem'" in err
+
+
+def test_an_empty_file_is_named(tmp_path, capsys):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert str(empty) in _bad_input(tmp_path, capsys, ["--train-file", str(empty)])
+
+
+def test_n_larger_than_the_group_size_names_the_flags(tmp_path, capsys):
+    err = _bad_input(tmp_path, capsys, ["--n-final", "8"])  # G = 4
+    assert "--n-final 8 > --group-size 4" in err
+
+
+def test_an_unknown_method_is_named(tmp_path, capsys):
+    assert "--method 'ppo'" in _bad_input(tmp_path, capsys, ["--method", "ppo"])
+    assert "--compare 'dss'" in _bad_input(tmp_path, capsys, ["--compare", "grpo,dss"])
+
+
+def test_a_model_path_that_does_not_exist_is_named(tmp_path, capsys):
+    missing = str(tmp_path / "no-such-model")
+    assert f"--model {missing}" in _bad_input(tmp_path, capsys, ["--model", missing])
+
+
+def test_help_documents_every_flag_with_its_default(capsys):
+    with pytest.raises(SystemExit):
+        train_small.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())  # undo argparse's line wrapping
+    for flag in ("--method", "--loss", "--steps", "--compare", "--resume", "--model", "--train-file", "--eval-file",
+                 "--out", "--group-size", "--prompts-per-step", "--n-init", "--n-final", "--k-init", "--k-final",
+                 "--no-schedule", "--token-scope", "--lr", "--clip-low", "--clip-high", "--temperature",
+                 "--max-new-tokens", "--eval-every", "--eval-samples", "--save-every", "--seed"):
+        assert flag in text
+    assert "(default: d3s)" in text and "paper: 8" in text
+
+
+# ---------------------------------------------------------------------------------------------
+# Runs
+# ---------------------------------------------------------------------------------------------
+def test_one_minute_run_trains_evaluates_and_saves(tmp_path, cache_dir):
+    out = tmp_path / "run"
+    summary = train_small.main(TINY + ["--steps", "3", "--out", str(out), "--cache-dir", cache_dir])
+    lines = read_jsonl(out / "metrics.jsonl")
+    train = [m for m in lines if m["kind"] == "train"]
+    evals = [m for m in lines if m["kind"] == "eval"]
+    assert [m["step"] for m in train] == [1, 2, 3] and [m["step"] for m in evals] == [0, 3]
+    for key in ("reward_mean", "acc_train", "n_keep", "k_frac", "kept_samples", "kept_tokens", "kept_tokens_frac",
+                "kept_adv_var", "grad_norm", "entropy_mean", "clip_frac", "loss", "skipped", "gen_s", "train_s"):
+        assert key in train[0]
+    for key in ("eval_greedy_pass1", "eval_pass1_mean", "eval_passk", "k"):
+        assert key in evals[-1]
+    # d3s: N*P rollouts kept (N = 2 at step 1), and token selection keeps a fraction of their tokens
+    assert train[0]["n_keep"] == 2 and train[0]["kept_samples"] == 2 * 2
+    assert train[0]["k_frac"] == 0.05 and train[0]["kept_tokens"] <= train[0]["fwd_tokens"]
+    assert "warm_start" in evals[0] and summary["warm_start"]["greedy_pass1"] == evals[0]["eval_greedy_pass1"]
+    assert (out / "checkpoint.pt").exists() and (out / "summary.json").exists()
+    assert set(load_state(out / "final")) == set(load_state(evals[0]["warm_start"]["path"]))  # HF-loadable
+
+
+def test_resume_after_a_kill_equals_the_uninterrupted_run(tmp_path, cache_dir, two_answer_data):
+    train_file, eval_file = two_answer_data
+    flags = TINY + ["--steps", "6", "--train-file", train_file, "--eval-file", eval_file, "--cache-dir", cache_dir]
+    train_small.main(flags + ["--out", str(tmp_path / "whole")])
+
+    killed = tmp_path / "killed"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "train_small.py")] + flags +
+                          ["--out", str(killed), "--stop-after", "4"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 3, proc.stderr[-2000:]  # os._exit after step 4: the checkpoint is from step 3
+    assert not (killed / "final").exists()
+    assert max(m["step"] for m in read_jsonl(killed / "metrics.jsonl")) == 4
+    train_small.main(flags + ["--out", str(killed), "--resume"])
+
+    whole_lines, resumed_lines = read_jsonl(tmp_path / "whole" / "metrics.jsonl"), read_jsonl(killed / "metrics.jsonl")
+    assert without_timings(resumed_lines) == without_timings(whole_lines)
+    whole, resumed = load_state(tmp_path / "whole" / "final"), load_state(killed / "final")
+    warm = load_state(whole_lines[0]["warm_start"]["path"])
+    for name in whole:
+        assert torch.equal(whole[name], resumed[name]), name
+    assert any(not torch.equal(whole[name], warm[name]) for name in whole)  # the steps really trained
+
+
+def test_a_nan_loss_skips_the_update_and_is_logged(tmp_path, cache_dir, two_answer_data, monkeypatch):
+    train_file, eval_file = two_answer_data
+    real_loss = train_small.d3s.policy_loss
+
+    def nan_loss(*args, **kwargs):
+        loss, stats = real_loss(*args, **kwargs)
+        return loss * float("nan"), stats
+
+    monkeypatch.setattr(train_small.d3s, "policy_loss", nan_loss)
+    out = tmp_path / "nan"
+    summary = train_small.main(TINY + ["--steps", "2", "--train-file", train_file, "--eval-file", eval_file,
+                                       "--cache-dir", cache_dir, "--out", str(out)])
+    train = [m for m in read_jsonl(out / "metrics.jsonl") if m["kind"] == "train"]
+    assert [m["skipped"] for m in train] == [True, True] and summary["skipped_updates"] == 2
+    assert any(m["kept_adv_var"] > 0 for m in train)  # there was a gradient to apply
+    final, warm = load_state(out / "final"), load_state(summary["warm_start"]["path"])
+    assert all(torch.equal(final[name], warm[name]) for name in warm)  # ... and it was not applied

@@ -1,0 +1,764 @@
+"""train_small.py: D3S on a real `transformers` causal LM with verifiable math rewards, on a CPU.
+
+The second rung: the `d3s.py` functions of the toy drive a real Qwen2-architecture model that
+answers generated arithmetic word problems in \\boxed{}, graded by math-verify. With no
+arguments it builds a tiny model (cached), warm-starts it with a short supervised phase
+(cached), trains it with D3S, evaluates it and prints a summary, in minutes on a laptop CPU.
+
+    python train_small.py                                  # D3S, tiny model, runs/small/
+    python train_small.py --compare grpo,pods,d3s-i,d3s    # same warm start + seed; compare.md, compare.png
+    python train_small.py --method grpo --loss gspo --steps 100
+    python train_small.py --resume                         # continue the killed run in --out
+    python train_small.py --model Qwen/Qwen2.5-0.5B-Instruct --max-new-tokens 512 \\
+        --train-file ../shared/data/gsm8k.jsonl --eval-file ../shared/data/gsm8k.jsonl
+
+One RL step (ALGORITHM.md section 6), one function or d3s.py call per line:
+  1. rollout                    G samples per prompt with HF generate (temperature sampling)
+  2. compute_rewards            0/1: last \\boxed{} vs the gold answer, math-verify under a time limit
+  3. d3s.select_samples         keep N per prompt (N and K from d3s.dynamic_schedule)
+  4. forward_logprobs_entropy   one forward of the kept rollouts only: log-probs (with grad) and
+                                d3s.token_entropy of the same logits (no grad)
+  5. d3s.select_tokens          keep the top K of |A| * H
+  6. d3s.policy_loss            GRPO or GSPO loss; a NaN/inf loss or gradient skips the update
+                                (logged), else backward, clip the gradient norm, AdamW step
+
+Methods (all generate the same P x G rollouts per step; they differ in what they train on):
+  grpo    all G rollouts, all tokens
+  pods    max-variance N of G by reward, A recomputed on the N (PODS); N fixed (--static-n); all tokens
+  random  uniform N of G (control), N on the schedule; all tokens
+  d3s-i   per group, max-variance N of G by advantage, full-group A; top-K tokens; N, K on the schedule
+  d3s     cross-group: N*P of the P*G rollouts maximizing Var(A); top-K tokens; N, K on the schedule
+Token selection is part of D3S only: grpo, pods and random train on every response token (K = 1).
+
+Left out on purpose: the KL term and reference model (beta = 0, as the paper's recipe), value
+functions, and distributed training (train_full.py). With one update per batch
+(--updates-per-batch 1, the default) training is on-policy: the importance ratio is exactly 1,
+clipping never binds, and --loss gspo gives the same gradient as grpo. Ratios, clipping and
+GSPO matter with --updates-per-batch > 1.
+"""
+
+import argparse
+import copy
+import hashlib
+import json
+import math
+import os
+import platform
+import random
+import shutil
+import sys
+import time
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+import d3s
+from mathtask import (PLAIN_TEMPLATE, QWEN_MATH_TEMPLATE, DataError, Grader, arithmetic_problems,
+                      load_problems, pass_at_k)
+
+# method -> (rule for d3s.select_samples, N per prompt: "all" | "schedule" | "static", select tokens?)
+METHODS = {
+    "grpo": ("grpo", "all", False),
+    "pods": ("pods", "static", False),
+    "random": ("random", "schedule", False),
+    "d3s-i": ("d3s-i", "schedule", True),
+    "d3s": ("d3s", "schedule", True),
+}
+assert set(METHODS) == set(d3s.METHODS)
+TINY_MAX_NEW_TOKENS, HF_MAX_NEW_TOKENS = 16, 512  # "\boxed{123}" + EOS is 12 tokens for the tiny model
+TINY_SFT_STEPS = 300
+
+
+class UsageError(ValueError):
+    """A flag, file or model that cannot be used; printed as one line before training starts."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Arguments
+# ---------------------------------------------------------------------------------------------
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(
+        prog="train_small.py", description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="Paper recipe (Qwen2.5-Math-7B): G >= 32, N 8 -> 32, K 5%% -> 20%%, lr 1e-6, clip 0.2/0.28, "
+               "temperature 1.0, 3k response tokens. The CPU defaults here are scaled down; each flag says so.")
+    a = p.add_argument
+    g = p.add_argument_group("run")
+    g.add_argument("--method", default="d3s", help=f"what to train on: {', '.join(METHODS)}")
+    g.add_argument("--loss", default="grpo", help="policy loss: grpo (token ratios) or gspo (sequence ratio)")
+    g.add_argument("--steps", type=int, default=60, help="RL steps (one optimizer batch of P x G rollouts each)")
+    g.add_argument("--compare", default=None, metavar="M1,M2,...",
+                   help="run these methods from the same warm start and seed into OUT/<method>, then write "
+                        "OUT/compare.md and OUT/compare.png (e.g. grpo,pods,d3s-i,d3s)")
+    g.add_argument("--resume", action="store_true", help="continue the run in --out from OUT/checkpoint.pt")
+    g.add_argument("--out", default="runs/small", help="run directory: metrics.jsonl, checkpoint.pt, summary.json, final/")
+    g.add_argument("--seed", type=int, default=0, help="seed of the tiny model, prompt order and sampling")
+    g.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    g = p.add_argument_group("model and data")
+    g.add_argument("--model", default=None, metavar="PATH_OR_HUB_NAME",
+                   help="any HF causal LM (folder or hub name) instead of the tiny model, e.g. Qwen/Qwen2.5-0.5B-Instruct")
+    g.add_argument("--template", default="auto", help="prompt template: plain ('{problem}\\nAnswer: '), qwen-math "
+                   "(Qwen2.5-Math chat template), or auto (plain for the tiny model, qwen-math with --model)")
+    g.add_argument("--hidden-size", type=int, default=128, help="tiny model: hidden size")
+    g.add_argument("--num-layers", type=int, default=4, help="tiny model: transformer layers")
+    g.add_argument("--train-file", default=None, help="JSONL/JSON/Parquet with 'problem' and 'answer' (default: generated arithmetic)")
+    g.add_argument("--eval-file", default=None, help="held-out JSONL/JSON/Parquet (default: generated arithmetic, disjoint from train)")
+    g.add_argument("--train-size", type=int, default=5000, help="generated training problems (or the first rows of --train-file)")
+    g.add_argument("--eval-size", type=int, default=200, help="held-out problems (generated, or the first rows of --eval-file)")
+    g.add_argument("--cache-dir", default="runs/cache", help="where the warm-started model is cached")
+    g = p.add_argument_group("warm start (supervised, on '\\boxed{answer}' of the training problems; cached)")
+    g.add_argument("--sft-steps", type=int, default=None,
+                   help=f"supervised steps before RL (default: {TINY_SFT_STEPS} for the tiny model, 0 with --model)")
+    g.add_argument("--sft-lr", type=float, default=1e-3, help="supervised learning rate (linear decay to 10%%)")
+    g.add_argument("--sft-batch", type=int, default=64, help="supervised batch size")
+    g = p.add_argument_group("RL")
+    g.add_argument("--prompts-per-step", type=int, default=8, help="P: prompts per step")
+    g.add_argument("--group-size", type=int, default=16, help="G: rollouts per prompt (paper: >= 32)")
+    g.add_argument("--n-init", type=int, default=4, help="N at the first step: rollouts kept per prompt (paper: 8)")
+    g.add_argument("--n-final", type=int, default=16, help="N at the last step (paper: 32)")
+    g.add_argument("--k-init", type=float, default=0.05, help="K at the first step: fraction of tokens kept (paper: 0.05)")
+    g.add_argument("--k-final", type=float, default=0.20, help="K at the last step (paper: 0.20)")
+    g.add_argument("--no-schedule", action="store_true", help="static D3S: N = --static-n and K = --static-k at every step")
+    g.add_argument("--static-n", type=int, default=None, help="N for pods and --no-schedule (default: the schedule's midpoint)")
+    g.add_argument("--static-k", type=float, default=None, help="K for --no-schedule (default: the schedule's midpoint)")
+    g.add_argument("--token-scope", default="batch", help="top-K tokens over the whole batch (batch) or within each response (sequence)")
+    g.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate (paper, 7B: 1e-6)")
+    g.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping (grad_norm is logged before clipping)")
+    g.add_argument("--clip-low", type=float, default=None, help="eps_low of the clipped ratio (default: 0.2 grpo, 3e-4 gspo)")
+    g.add_argument("--clip-high", type=float, default=None, help="eps_high (default: 0.2 grpo, 4e-4 gspo; DAPO: 0.28)")
+    g.add_argument("--updates-per-batch", type=int, default=1, help="optimizer steps on each batch (> 1: off-policy, ratios and clipping matter)")
+    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (rollouts and eval samples)")
+    g.add_argument("--max-new-tokens", type=int, default=None,
+                   help=f"response length limit (default: {TINY_MAX_NEW_TOKENS} tiny model, {HF_MAX_NEW_TOKENS} with --model; paper: 3k)")
+    g.add_argument("--grade-timeout", type=float, default=5.0, help="seconds math-verify may spend on one answer (then reward 0)")
+    g = p.add_argument_group("evaluation, logging, checkpoints")
+    g.add_argument("--eval-every", type=int, default=10, help="E: evaluate on the held-out set every E steps (and at step 0 and the end)")
+    g.add_argument("--eval-samples", type=int, default=8, help="n: samples per held-out problem for Pass@1 (mean) and Pass@k")
+    g.add_argument("--pass-k", type=int, default=4, help="k of Pass@k (unbiased estimator from n samples; k <= n)")
+    g.add_argument("--gen-batch", type=int, default=512, help="sequences per generate call during evaluation")
+    g.add_argument("--save-every", type=int, default=20, help="S: write OUT/checkpoint.pt every S steps (and at the end)")
+    g.add_argument("--stop-after", type=int, default=None,
+                   help="for tests of --resume: exit abruptly (os._exit, no cleanup) right after step N and its checkpoint")
+    del a
+    args = p.parse_args(argv)
+    args.command = " ".join(["python train_small.py"] + list(sys.argv[1:] if argv is None else argv))
+    return args
+
+
+def check_args(args):
+    """Stop before any work on a bad flag: UsageError names the flag and what to do."""
+    methods = args.compare.split(",") if args.compare else [args.method]
+    for m in methods:
+        if m not in METHODS:
+            flag = "--compare" if args.compare else "--method"
+            raise UsageError(f"{flag} {m!r}: unknown method; choose from {', '.join(METHODS)}")
+    if args.loss not in ("grpo", "gspo"):
+        raise UsageError(f"--loss {args.loss!r}: choose grpo or gspo")
+    if args.token_scope not in ("batch", "sequence"):
+        raise UsageError(f"--token-scope {args.token_scope!r}: choose batch or sequence")
+    if args.template not in ("auto", "plain", "qwen-math"):
+        raise UsageError(f"--template {args.template!r}: choose auto, plain or qwen-math")
+    for flag, value, low in (("--steps", args.steps, 1), ("--prompts-per-step", args.prompts_per_step, 1),
+                             ("--group-size", args.group_size, 2), ("--eval-every", args.eval_every, 1),
+                             ("--save-every", args.save_every, 1), ("--eval-samples", args.eval_samples, 1),
+                             ("--pass-k", args.pass_k, 1), ("--eval-size", args.eval_size, 1),
+                             ("--train-size", args.train_size, 1), ("--updates-per-batch", args.updates_per_batch, 1),
+                             ("--gen-batch", args.gen_batch, 1), ("--n-init", args.n_init, 1), ("--n-final", args.n_final, 1)):
+        if value < low:
+            raise UsageError(f"{flag} {value}: must be >= {low}")
+    if args.pass_k > args.eval_samples:
+        raise UsageError(f"--pass-k {args.pass_k} > --eval-samples {args.eval_samples}: Pass@k needs k <= n samples; lower --pass-k or raise --eval-samples")
+    for flag, value in (("--k-init", args.k_init), ("--k-final", args.k_final), ("--static-k", args.static_k)):
+        if value is not None and not 0 < value <= 1:
+            raise UsageError(f"{flag} {value}: a fraction of tokens, must be in (0, 1]")
+    if args.temperature <= 0:
+        raise UsageError(f"--temperature {args.temperature}: must be > 0 (greedy decoding is used for eval_greedy_pass1 anyway)")
+    # Static N, K = the schedule's midpoint, so pods / --no-schedule train on as much as the schedule does.
+    args.static_n = args.static_n or d3s.dynamic_schedule(1, 2, args.n_init, args.n_final)[0]
+    args.static_k = args.static_k or d3s.dynamic_schedule(1, 2, k_init=args.k_init, k_final=args.k_final)[1]
+    if any(METHODS[m][1] != "all" for m in methods):  # N is used: it counts rollouts kept per prompt, so N <= G
+        for flag, value in (("--n-init", args.n_init), ("--n-final", args.n_final), ("--static-n", args.static_n)):
+            if value > args.group_size:
+                raise UsageError(f"{flag} {value} > --group-size {args.group_size}: N counts rollouts kept per prompt "
+                                 f"and must be <= G; lower {flag} or raise --group-size")
+    if args.sft_steps is None:
+        args.sft_steps = 0 if args.model else TINY_SFT_STEPS
+    if args.max_new_tokens is None:
+        args.max_new_tokens = HF_MAX_NEW_TOKENS if args.model else TINY_MAX_NEW_TOKENS
+    if args.template == "auto":
+        args.template = "qwen-math" if args.model else "plain"
+    return args
+
+
+# ---------------------------------------------------------------------------------------------
+# Data: generated arithmetic (default) or JSONL files with `problem` and `answer`
+# ---------------------------------------------------------------------------------------------
+def load_data(args):
+    """(train_rows, eval_rows). Bad files raise DataError naming file:line."""
+    if args.train_file:
+        train_rows, _ = load_problems(args.train_file, limit=args.train_size)
+    else:
+        train_rows = arithmetic_problems(args.train_size, "train", seed=args.seed)
+    if args.eval_file:
+        eval_rows, _ = load_problems(args.eval_file, limit=args.eval_size)
+    else:
+        eval_rows = arithmetic_problems(args.eval_size, "eval", seed=args.seed)
+    return train_rows, eval_rows
+
+
+def format_prompt(problem, template):
+    return (PLAIN_TEMPLATE if template == "plain" else QWEN_MATH_TEMPLATE).format(problem=problem)
+
+
+# ---------------------------------------------------------------------------------------------
+# Model: the tiny Qwen2 (tiny.py) or any HF causal LM, warm-started by a short supervised phase
+# ---------------------------------------------------------------------------------------------
+def load_base_model(args):
+    """(model, tokenizer): --model from a folder or the hub, else a fresh tiny Qwen2 (tiny.py)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # imported here: the grader's child process re-imports this file
+
+    if args.model is None:
+        from tiny import build_char_tokenizer, build_tiny_model
+
+        tokenizer = build_char_tokenizer()
+        return build_tiny_model(tokenizer, hidden_size=args.hidden_size, num_layers=args.num_layers, seed=args.seed), tokenizer
+    looks_like_path = args.model.startswith((".", "/", "~")) or args.model.count("/") > 1 or os.sep + os.sep in args.model
+    if looks_like_path and not os.path.isdir(os.path.expanduser(args.model)):
+        raise UsageError(f"--model {args.model}: no such folder; pass a folder with config.json (save_pretrained) or a hub name")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(os.path.expanduser(args.model))
+        model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(args.model), dtype=torch.float32)
+    except (OSError, ValueError) as e:
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UsageError(f"--model {args.model}: cannot load it ({first_line}); pass a local folder with config.json, "
+                         f"or a hub name with internet access") from e
+    tokenizer.padding_side = "left"  # generation appends to the right of every prompt
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def eos_token_ids(model, tokenizer):
+    """Every id that ends a response (the tokenizer's EOS and the generation config's)."""
+    ids = {tokenizer.eos_token_id}
+    config_eos = model.generation_config.eos_token_id
+    ids.update(config_eos if isinstance(config_eos, (list, tuple)) else [config_eos])
+    return sorted(i for i in ids if i is not None)
+
+
+def warm_start_key(args, train_rows):
+    """Everything the warm-started weights depend on; its hash names the cache folder."""
+    data = hashlib.sha256(json.dumps([[r["problem"], r["answer"]] for r in train_rows]).encode()).hexdigest()
+    return {"model": args.model or f"tiny-qwen2-h{args.hidden_size}-l{args.num_layers}", "seed": args.seed,
+            "sft_steps": args.sft_steps, "sft_lr": args.sft_lr, "sft_batch": args.sft_batch,
+            "template": args.template, "train_data": data[:16], "version": 1}
+
+
+def load_warm_start(args, train_rows):
+    """(model, tokenizer, info): the base model after --sft-steps of supervised training.
+
+    Cached in CACHE_DIR/warmstart-<hash>/ with save_pretrained (AutoModelForCausalLM loads it),
+    so repeated runs and every method of --compare start from the very same weights.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if args.sft_steps == 0:
+        model, tokenizer = load_base_model(args)
+        return model, tokenizer, {"sft_steps": 0, "path": args.model or "tiny (fresh)"}
+    key = warm_start_key(args, train_rows)
+    path = os.path.join(args.cache_dir, "warmstart-" + hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12])
+    if os.path.exists(os.path.join(path, "warmstart.json")):
+        with open(os.path.join(path, "warmstart.json")) as f:
+            info = json.load(f)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer.padding_side = "left"
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), tokenizer, {**info, "cached": True}
+    model, tokenizer = load_base_model(args)
+    t0 = time.time()
+    losses = supervised_warm_start(model, tokenizer, train_rows, args)
+    info = {**key, "path": path, "sft_loss_first": losses[0], "sft_loss_last": sum(losses[-20:]) / len(losses[-20:]),
+            "sft_s": round(time.time() - t0, 1), "n_params": sum(p.numel() for p in model.parameters())}
+    tmp = path + f".tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    with open(os.path.join(tmp, "warmstart.json"), "w") as f:
+        json.dump(info, f, indent=1)
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)  # atomic: a half-written cache folder is never picked up
+    return model, tokenizer, {**info, "cached": False}
+
+
+def supervised_warm_start(model, tokenizer, train_rows, args):
+    """Teacher-forced cross-entropy on '\\boxed{answer}<eos>' after each prompt (prompt tokens masked)."""
+    rng = random.Random(args.seed)
+    examples = []  # (prompt token ids, target token ids)
+    for row in train_rows:
+        prompt = tokenizer(format_prompt(row["problem"], args.template), add_special_tokens=False).input_ids
+        target = tokenizer("\\boxed{" + row["answer"] + "}", add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+        examples.append((prompt, target))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.sft_lr, weight_decay=0.01)
+    warmup_then_decay = lambda s: min(1.0, (s + 1) / 20) * (1 - 0.9 * s / args.sft_steps)  # noqa: E731
+    lr_schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_then_decay)
+    model.train()
+    losses = []
+    for _ in (bar := tqdm(range(args.sft_steps), desc="warm start (supervised)", dynamic_ncols=True)):
+        batch = sft_batch(rng.sample(examples, min(args.sft_batch, len(examples))), tokenizer.pad_token_id)
+        loss = model(**batch).loss  # HF shifts the labels: position t predicts token t + 1
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        lr_schedule.step()
+        losses.append(loss.item())
+        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    return losses
+
+
+def sft_batch(examples, pad_id):
+    """Left-padded input_ids / attention_mask / position_ids, and labels = the target tokens only."""
+    length = max(len(p) + len(t) for p, t in examples)
+    input_ids = torch.full((len(examples), length), pad_id)
+    labels = torch.full((len(examples), length), -100)  # -100: no loss (prompt and padding)
+    attention_mask = torch.zeros(len(examples), length, dtype=torch.long)
+    for i, (prompt, target) in enumerate(examples):
+        input_ids[i, length - len(prompt) - len(target):] = torch.tensor(prompt + target)
+        labels[i, length - len(target):] = torch.tensor(target)
+        attention_mask[i, length - len(prompt) - len(target):] = 1
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # as generate does for left padding
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids, "labels": labels}
+
+
+# ---------------------------------------------------------------------------------------------
+# The RL step, one function per stage
+# ---------------------------------------------------------------------------------------------
+@torch.no_grad()
+def rollout(model, tokenizer, prompts, group_size, max_new_tokens, temperature=1.0, greedy=False):
+    """1) Sample `group_size` responses per prompt. Rows are prompt-major: row p*G + g.
+
+    Returns a dict: prompt_ids [B, Lp] and prompt_mask (left-padded), response_ids [B, T] and
+    response_mask (1 up to and including the first EOS; 0 after it), texts (decoded responses).
+    Pure temperature sampling (top-k, top-p and repetition penalty of the model's own
+    generation config are switched off), or greedy.
+    """
+    from transformers import GenerationConfig
+
+    enc = tokenizer(prompts, padding=True, return_tensors="pt", add_special_tokens=False)
+    prompt_ids = enc.input_ids.repeat_interleave(group_size, 0)  # [B, Lp]
+    prompt_mask = enc.attention_mask.repeat_interleave(group_size, 0)
+    eos = eos_token_ids(model, tokenizer)
+    sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+    config = GenerationConfig(max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos,
+                              repetition_penalty=1.0, **sampling)
+    model.eval()
+    out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config)
+    response_ids = out[:, prompt_ids.shape[1]:]  # [B, T]
+    is_eos = torch.isin(response_ids, torch.tensor(eos))
+    after_eos = (is_eos.cumsum(-1) - is_eos.long()) > 0  # strictly after the first EOS: padding
+    response_mask = (~after_eos).long()
+    lengths = response_mask.sum(-1).tolist()
+    texts = [tokenizer.decode(ids[:n], skip_special_tokens=True) for ids, n in zip(response_ids, lengths)]
+    return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "response_ids": response_ids,
+            "response_mask": response_mask, "texts": texts}
+
+
+def compute_rewards(grader, texts, golds):
+    """2) 0/1 rewards: math-verify on the last \\boxed{} of each text, killed after the time limit."""
+    return torch.tensor(grader.score_batch(texts, golds), dtype=torch.float32)
+
+
+def forward_logprobs_entropy(model, batch, temperature=1.0, with_entropy=True):
+    """4) One forward of the (kept) rollouts: log pi(o_t | prompt, o_<t) [B, T] with grad, and
+    the full-vocabulary entropy H_t [B, T] from the same logits (d3s.token_entropy, no grad).
+
+    Logits are divided by the sampling temperature, so logp is the log-prob of the policy that
+    sampled. Position ids follow the left padding, as in generate. Only the last T + 1
+    positions' logits are computed (logits_to_keep): the prompt needs none.
+    """
+    T = batch["response_ids"].shape[1]
+    input_ids = torch.cat([batch["prompt_ids"], batch["response_ids"]], 1)  # [B, Lp + T]
+    attention_mask = torch.cat([batch["prompt_mask"], batch["response_mask"]], 1)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    model.train()
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   logits_to_keep=T + 1).logits[:, :-1]  # [B, T, V]: position Lp-1+t predicts o_t
+    logits = logits.float() / temperature
+    logp = logits.log_softmax(-1).gather(-1, batch["response_ids"].unsqueeze(-1)).squeeze(-1)  # [B, T]
+    entropy = d3s.token_entropy(logits) if with_entropy else None  # [B, T], no grad
+    return logp, entropy
+
+
+def schedule(step, args):
+    """(select rule, N rollouts kept per prompt, K fraction of tokens kept) of `step` (1-based)."""
+    rule, n_rule, token_level = METHODS[args.method]
+    if n_rule == "schedule" and args.no_schedule:
+        n_rule = "static"
+    n_sched, k_sched = d3s.dynamic_schedule(step - 1, args.steps, args.n_init, args.n_final, args.k_init, args.k_final)
+    n_keep = {"all": args.group_size, "schedule": n_sched, "static": args.static_n}[n_rule]
+    k_frac = (k_sched if n_rule == "schedule" else args.static_k) if token_level else 1.0
+    return rule, n_keep, k_frac
+
+
+def step_seed(seed, step, salt=0):
+    """Every step (and eval) reseeds from (seed, step): the trajectory depends on neither when
+    evaluations happen nor whether the run was resumed."""
+    return (seed * 1_000_003 + step * 7_919 + salt) % 2**31
+
+
+def take_rows(batch, rows):
+    """The rollouts `rows` of a rollout batch, trimmed to their longest response."""
+    T = int(batch["response_mask"][rows].sum(-1).max())
+    return {"prompt_ids": batch["prompt_ids"][rows], "prompt_mask": batch["prompt_mask"][rows],
+            "response_ids": batch["response_ids"][rows, :T], "response_mask": batch["response_mask"][rows, :T]}
+
+
+def train_step(model, optimizer, tokenizer, grader, train_rows, step, args):
+    """One RL step (ALGORITHM.md section 6); returns its metrics (one JSONL line)."""
+    P, G = args.prompts_per_step, args.group_size
+    torch.manual_seed(step_seed(args.seed, step))
+    problems = random.Random(step_seed(args.seed, step)).sample(train_rows, min(P, len(train_rows)))
+    P = len(problems)
+
+    # 1) rollouts and 2) rewards
+    t0 = time.time()
+    batch = rollout(model, tokenizer, [format_prompt(r["problem"], args.template) for r in problems], G,
+                    args.max_new_tokens, args.temperature)
+    gen_s = time.time() - t0
+    rewards = compute_rewards(grader, batch["texts"], [r["answer"] for r in problems for _ in range(G)]).view(P, G)
+    reward_s = time.time() - t0 - gen_s
+
+    # 3) advantages + sample selection (N from the schedule)
+    t1 = time.time()
+    rule, n_keep, k_frac = schedule(step, args)
+    keep, adv = d3s.select_samples(rewards, n_keep, rule, generator=torch.Generator().manual_seed(step_seed(args.seed, step, 1)))
+    kept_rows = keep.view(-1).nonzero().squeeze(-1)  # [B] indices of the kept rollouts
+    kept = take_rows(batch, kept_rows)
+    kept_adv = adv.view(-1)[kept_rows]  # [B]
+    response_mask = kept["response_mask"]
+
+    # 4) forward the kept rollouts, 5) token selection on |A| * H, 6) loss and update
+    grad_norms, clip_fracs, losses, skipped = [], [], [], 0
+    for update in range(args.updates_per_batch):
+        logp, entropy = forward_logprobs_entropy(model, kept, args.temperature, with_entropy=update == 0)
+        if update == 0:
+            old_logp = logp.detach()  # on-policy: the ratio of the first update is exactly 1
+            token_scores = kept_adv.abs().unsqueeze(-1) * entropy  # |A_{i,t}| * H_{i,t}, [B, T]
+            token_keep = d3s.select_tokens(token_scores, response_mask, k_frac, scope=args.token_scope)
+            entropy_mean = float((entropy * response_mask).sum() / response_mask.sum())
+            entropy_kept = float(entropy[token_keep].mean()) if token_keep.any() else 0.0
+        loss, stats = d3s.policy_loss(logp, old_logp, kept_adv, token_keep, kind=args.loss,
+                                      clip_low=args.clip_low, clip_high=args.clip_high)
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+        clip_fracs.append(stats["clip_frac"])
+        if not math.isfinite(losses[-1]):  # never apply a NaN/inf loss: skip the update, log it
+            skipped += 1
+            continue
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm).item()
+        grad_norms.append(grad_norm)
+        if not math.isfinite(grad_norm):  # a finite loss can still give inf gradients
+            optimizer.zero_grad(set_to_none=True)
+            skipped += 1
+            continue
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+    gen_tokens = int(batch["response_mask"].sum())
+    kept_tokens = int(token_keep.sum())
+    return {
+        "kind": "train", "step": step,
+        "reward_mean": float(rewards.mean()),
+        "acc_train": float(rewards.mean()),  # the reward is correctness (0/1): the same number
+        "groups_mixed": float((rewards.amax(-1) > rewards.amin(-1)).float().mean()),  # groups with signal
+        "n_keep": n_keep, "k_frac": k_frac,
+        "kept_samples": int(kept_rows.numel()),
+        "kept_tokens": kept_tokens,  # tokens in the loss
+        "fwd_tokens": int(response_mask.sum()),  # response tokens forwarded (compute scales with these)
+        "gen_tokens": gen_tokens,  # response tokens generated
+        "kept_tokens_frac": kept_tokens / max(gen_tokens, 1),
+        "kept_adv_var": d3s.kept_variance(adv, keep),
+        "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else float("nan"),
+        "entropy_mean": entropy_mean, "entropy_kept": entropy_kept,
+        "clip_frac": sum(clip_fracs) / len(clip_fracs),
+        "loss": sum(losses) / len(losses),
+        "skipped": skipped > 0,
+        "response_len": gen_tokens / rewards.numel(),
+        "grader_timeouts": grader.timeouts,
+        "gen_s": round(gen_s, 3), "reward_s": round(reward_s, 3), "train_s": round(time.time() - t1, 3),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation: held-out greedy Pass@1, mean Pass@1 over n samples, unbiased Pass@k
+# ---------------------------------------------------------------------------------------------
+def evaluate(model, tokenizer, grader, eval_rows, step, args):
+    t0 = time.time()
+    torch.manual_seed(step_seed(args.seed, step, 2))
+    prompts = [format_prompt(r["problem"], args.template) for r in eval_rows]
+    golds = [r["answer"] for r in eval_rows]
+    n, chunk = args.eval_samples, max(1, args.gen_batch // args.eval_samples)
+    greedy, correct = [], []  # [E], [E] (correct samples out of n)
+    for start in tqdm(range(0, len(prompts), chunk), desc=f"eval step {step}", leave=False, dynamic_ncols=True):
+        p, g = prompts[start:start + chunk], golds[start:start + chunk]
+        texts = rollout(model, tokenizer, p, 1, args.max_new_tokens, greedy=True)["texts"]
+        greedy += compute_rewards(grader, texts, g).tolist()
+        texts = rollout(model, tokenizer, p, n, args.max_new_tokens, args.temperature)["texts"]
+        correct += compute_rewards(grader, texts, [x for x in g for _ in range(n)]).view(len(p), n).sum(-1).tolist()
+    metrics = {"kind": "eval", "step": step,
+               "eval_greedy_pass1": sum(greedy) / len(greedy),
+               "eval_pass1_mean": sum(correct) / (n * len(correct)),
+               "eval_passk": sum(pass_at_k(n, int(c), args.pass_k) for c in correct) / len(correct),
+               "k": args.pass_k, "n": n}
+    levels = sorted({r["level"] for r in eval_rows if "level" in r})
+    for level in levels:  # success by difficulty: the spread that gives groups a signal
+        idx = [i for i, r in enumerate(eval_rows) if r.get("level") == level]
+        metrics[f"eval_pass1_mean_level{level}"] = sum(correct[i] for i in idx) / (n * len(idx))
+    metrics["eval_s"] = round(time.time() - t0, 3)
+    return metrics
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints (atomic) and metrics
+# ---------------------------------------------------------------------------------------------
+TRAJECTORY_FLAGS = ("method", "loss", "steps", "seed", "model", "template", "hidden_size", "num_layers", "train_file",
+                    "train_size", "sft_steps", "sft_lr", "sft_batch", "prompts_per_step", "group_size", "n_init",
+                    "n_final", "k_init", "k_final", "no_schedule", "static_n", "static_k", "token_scope", "lr",
+                    "max_grad_norm", "clip_low", "clip_high", "updates_per_batch", "temperature", "max_new_tokens")
+
+
+def save_checkpoint(path, model, optimizer, step, args, totals):
+    """Model, optimizer, RNG states and step in one file, written to a temp file then renamed."""
+    state = {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(), "totals": totals,
+             "args": {k: getattr(args, k) for k in TRAJECTORY_FLAGS},
+             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}}
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)  # a kill leaves either the old or the new checkpoint, never half of one
+
+
+def load_checkpoint(path, model, optimizer, args):
+    if not os.path.exists(path):
+        raise UsageError(f"--resume: no checkpoint at {path}; run without --resume, or point --out at the killed run")
+    state = torch.load(path, weights_only=False)
+    for flag, value in state["args"].items():
+        if getattr(args, flag) != value:
+            raise UsageError(f"--resume: {path} was made with --{flag.replace('_', '-')} {value}, not {getattr(args, flag)}; "
+                             f"rerun with the same flags, or use a new --out")
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["rng"]["torch"])
+    random.setstate(state["rng"]["python"])
+    np.random.set_state(state["rng"]["numpy"])
+    return state["step"], state["totals"]
+
+
+def read_metrics(path, up_to_step=None):
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        lines = [json.loads(line) for line in f if line.strip()]
+    return [m for m in lines if up_to_step is None or m.get("step", math.inf) <= up_to_step]
+
+
+def log_metrics(path, metrics):
+    with open(path, "a") as f:
+        f.write(json.dumps(metrics) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# One run, and --compare
+# ---------------------------------------------------------------------------------------------
+def run(args, train_rows=None, eval_rows=None, warm=None):
+    """Warm start -> RL with args.method -> summary (dict). Writes into args.out."""
+    t_start = time.time()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if train_rows is None:
+        train_rows, eval_rows = load_data(args)
+    model, tokenizer, warm_info = warm or load_warm_start(args, train_rows)
+    os.makedirs(args.out, exist_ok=True)
+    metrics_path, ckpt_path = os.path.join(args.out, "metrics.jsonl"), os.path.join(args.out, "checkpoint.pt")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    totals = {"samples": 0, "tokens": 0, "fwd_tokens": 0, "gen_s": 0.0, "train_s": 0.0, "skipped": 0}
+    start_step = 0
+    if args.resume:
+        start_step, totals = load_checkpoint(ckpt_path, model, optimizer, args)
+        kept_lines = read_metrics(metrics_path, up_to_step=start_step)  # drop what the killed run logged after it
+        with open(metrics_path + ".tmp", "w") as f:
+            f.writelines(json.dumps(m) + "\n" for m in kept_lines)
+        os.replace(metrics_path + ".tmp", metrics_path)
+        print(f"resumed {ckpt_path} at step {start_step}")
+    else:
+        for stale in (metrics_path, ckpt_path):
+            if os.path.exists(stale):
+                os.remove(stale)
+    rl_start = time.time()
+    with Grader(timeout_s=args.grade_timeout) as grader:
+        if start_step == 0:
+            log_metrics(metrics_path, {**evaluate(model, tokenizer, grader, eval_rows, 0, args), **totals,
+                                       "warm_start": {k: v for k, v in warm_info.items() if k != "cached"}})
+        bar = tqdm(range(start_step + 1, args.steps + 1), desc=f"{args.method} ({args.loss})", dynamic_ncols=True,
+                   initial=start_step, total=args.steps)
+        for step in bar:
+            m = train_step(model, optimizer, tokenizer, grader, train_rows, step, args)
+            totals["samples"] += m["kept_samples"]
+            totals["tokens"] += m["kept_tokens"]
+            totals["fwd_tokens"] += m["fwd_tokens"]
+            totals["gen_s"] += m["gen_s"] + m["reward_s"]
+            totals["train_s"] += m["train_s"]
+            totals["skipped"] += int(m["skipped"])
+            log_metrics(metrics_path, m)
+            bar.set_postfix(reward=f"{m['reward_mean']:.2f}", N=m["n_keep"], K=f"{m['k_frac']:.2f}",
+                            gnorm=f"{m['grad_norm']:.2f}")
+            if step % args.eval_every == 0 or step == args.steps:
+                e = evaluate(model, tokenizer, grader, eval_rows, step, args)
+                log_metrics(metrics_path, {**e, **totals})
+                bar.write(f"step {step}: held-out greedy Pass@1 {e['eval_greedy_pass1']:.3f}, "
+                          f"Pass@1 (mean of {e['n']}) {e['eval_pass1_mean']:.3f}, Pass@{e['k']} {e['eval_passk']:.3f}")
+            if step % args.save_every == 0 or step == args.steps:
+                save_checkpoint(ckpt_path, model, optimizer, step, args, totals)
+            if args.stop_after is not None and step >= args.stop_after:
+                sys.stdout.flush()
+                os._exit(3)  # as if killed: no cleanup, no final save
+        timeouts = grader.timeouts
+    final_dir = os.path.join(args.out, "final")
+    shutil.rmtree(final_dir + ".tmp", ignore_errors=True)
+    model.save_pretrained(final_dir + ".tmp")
+    tokenizer.save_pretrained(final_dir + ".tmp")
+    shutil.rmtree(final_dir, ignore_errors=True)
+    os.replace(final_dir + ".tmp", final_dir)
+    return write_summary(args, read_metrics(metrics_path), warm_info, totals, timeouts,
+                         rl_s=time.time() - rl_start, wall_s=time.time() - t_start)
+
+
+def write_summary(args, lines, warm_info, totals, timeouts, rl_s, wall_s):
+    evals = [m for m in lines if m["kind"] == "eval"]
+    train = [m for m in lines if m["kind"] == "train"]
+    first, last = evals[0], evals[-1]
+    summary = {
+        "method": args.method, "loss": args.loss, "steps": args.steps, "out": args.out,
+        "warm_start": {"greedy_pass1": first["eval_greedy_pass1"], "pass1_mean": first["eval_pass1_mean"],
+                       "passk": first["eval_passk"], "train_reward_step1": train[0]["reward_mean"] if train else None,
+                       **{k.replace("eval_pass1_mean_", ""): v for k, v in first.items() if k.startswith("eval_pass1_mean_level")},
+                       "cached": warm_info.get("cached"), "sft_steps": warm_info.get("sft_steps"),
+                       "path": warm_info.get("path")},
+        "final": {"greedy_pass1": last["eval_greedy_pass1"], "pass1_mean": last["eval_pass1_mean"],
+                  "passk": last["eval_passk"], "k": last["k"], "n": last["n"],
+                  **{k.replace("eval_pass1_mean_", ""): v for k, v in last.items() if k.startswith("eval_pass1_mean_level")}},
+        "best_greedy_pass1": max(m["eval_greedy_pass1"] for m in evals),
+        "samples_trained": totals["samples"], "tokens_trained": totals["tokens"], "tokens_forwarded": totals["fwd_tokens"],
+        "mean_grad_norm": sum(m["grad_norm"] for m in train if math.isfinite(m["grad_norm"])) / max(len(train), 1),
+        "mean_kept_adv_var": sum(m["kept_adv_var"] for m in train) / max(len(train), 1),
+        "skipped_updates": totals["skipped"], "grader_timeouts": timeouts,
+        "gen_s": round(totals["gen_s"], 1), "train_s": round(totals["train_s"], 1),
+        "rl_s": round(rl_s, 1), "wall_s": round(wall_s, 1),
+    }
+    with open(os.path.join(args.out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    w, fin = summary["warm_start"], summary["final"]
+    print(f"\n== {args.method} ({args.loss}), {args.steps} steps, {args.out}\n"
+          f"warm start  held-out greedy Pass@1 {w['greedy_pass1']:.3f}  Pass@1 mean@{fin['n']} {w['pass1_mean']:.3f}  "
+          f"Pass@{fin['k']} {w['passk']:.3f}  (train reward at step 1: {w['train_reward_step1']})\n"
+          f"final       held-out greedy Pass@1 {fin['greedy_pass1']:.3f}  Pass@1 mean@{fin['n']} {fin['pass1_mean']:.3f}  "
+          f"Pass@{fin['k']} {fin['passk']:.3f}\n"
+          f"trained on {summary['samples_trained']} rollouts, {summary['tokens_trained']} tokens in the loss "
+          f"({summary['tokens_forwarded']} forwarded); {summary['skipped_updates']} skipped updates, "
+          f"{timeouts} grader timeouts\n"
+          f"time: {summary['gen_s']} s generating + grading, {summary['train_s']} s training, {summary['rl_s']} s RL "
+          f"incl. eval, {summary['wall_s']} s in all")
+    return summary
+
+
+def compare(args):
+    """Every method of --compare from the same warm start and seed; compare.md + compare.png in --out."""
+    t0 = time.time()
+    methods = args.compare.split(",")
+    train_rows, eval_rows = load_data(args)
+    _, _, warm_info = load_warm_start(args, train_rows)  # build the cache once, outside the timed runs
+    summaries = {}
+    for method in methods:
+        sub = copy.copy(args)
+        sub.method, sub.out, sub.compare = method, os.path.join(args.out, method), None
+        done = os.path.join(sub.out, "summary.json")
+        if args.resume and os.path.exists(done) and read_metrics(os.path.join(sub.out, "metrics.jsonl"))[-1]["step"] == args.steps:
+            with open(done) as f:
+                summaries[method] = json.load(f)  # finished before the kill
+            continue
+        sub.resume = args.resume and os.path.exists(os.path.join(sub.out, "checkpoint.pt"))
+        summaries[method] = run(sub, train_rows, eval_rows, warm=load_warm_start(sub, train_rows))
+    write_compare(args, methods, summaries, warm_info, time.time() - t0)
+    return summaries
+
+
+def write_compare(args, methods, summaries, warm_info, total_s):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    s0 = summaries[methods[0]]
+    k, n = s0["final"]["k"], s0["final"]["n"]
+    rows = [f"| method | held-out greedy Pass@1 | Pass@1 (mean of {n}) | Pass@{k} | best greedy Pass@1 | "
+            f"rollouts trained | tokens in loss | tokens forwarded | mean grad norm | RL time (s) |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    for m in methods:
+        s = summaries[m]
+        rows.append(f"| {m} | {s['final']['greedy_pass1']:.3f} | {s['final']['pass1_mean']:.3f} | {s['final']['passk']:.3f} | "
+                    f"{s['best_greedy_pass1']:.3f} | {s['samples_trained']} | {s['tokens_trained']} | {s['tokens_forwarded']} | "
+                    f"{s['mean_grad_norm']:.3f} | {s['rl_s']:.0f} |")
+    w = s0["warm_start"]
+    text = "\n".join([
+        f"# train_small.py --compare ({args.loss} loss, {args.steps} steps, seed {args.seed})", "",
+        f"Command: `{args.command}`  ",
+        f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__} with {torch.get_num_threads()} threads; "
+        f"total time {total_s / 60:.1f} min.  ",
+        f"Warm start (same for every method): held-out greedy Pass@1 {w['greedy_pass1']:.3f}, Pass@1 mean@{n} "
+        f"{w['pass1_mean']:.3f}, Pass@{k} {w['passk']:.3f}; by level (mean@{n}): "
+        + ", ".join(f"{key} {v:.2f}" for key, v in w.items() if key.startswith("level")) + ".", "",
+        *rows, "",
+        f"Held-out set: {args.eval_size} problems; Pass@1 (mean) and Pass@{k} from {n} samples at temperature "
+        f"{args.temperature}. Tokens in loss: the response tokens that token selection kept; tokens forwarded: the "
+        f"response tokens of the kept rollouts (the forward/backward cost).", ""])
+    with open(os.path.join(args.out, "compare.md"), "w") as f:
+        f.write(text)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for i, m in enumerate(methods):
+        evals = [e for e in read_metrics(os.path.join(args.out, m, "metrics.jsonl")) if e["kind"] == "eval"]
+        for key, style in (("eval_greedy_pass1", "-"), ("eval_pass1_mean", "--")):
+            label = f"{m} greedy" if style == "-" else f"{m} mean@{n}"
+            axes[0].plot([e["step"] for e in evals], [e[key] for e in evals], style, color=f"C{i}", label=label)
+            axes[1].plot([e["tokens"] for e in evals], [e[key] for e in evals], style, color=f"C{i}", label=label)
+    axes[0].set_xlabel("RL step")
+    axes[1].set_xlabel("training tokens (in the loss, cumulative)")
+    axes[1].set_xscale("symlog", linthresh=1000)
+    for ax in axes:
+        ax.set_ylabel("held-out Pass@1")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7, ncol=2)
+    fig.suptitle(f"train_small.py: tiny Qwen2 on arithmetic, {args.loss} loss, seed {args.seed}")
+    fig.tight_layout()
+    fig.savefig(os.path.join(args.out, "compare.png"), dpi=120)
+    print("\n" + text + f"\nwrote {os.path.join(args.out, 'compare.md')} and compare.png")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:  # every bad flag, file or model stops here, before training, with one line
+        check_args(args)
+        if args.compare:
+            load_data(args)
+            return compare(args)
+        train_rows, eval_rows = load_data(args)
+        warm = load_warm_start(args, train_rows)
+    except (UsageError, DataError) as e:
+        print(f"train_small.py: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    return run(args, train_rows, eval_rows, warm)
+
+
+if __name__ == "__main__":
+    main()
