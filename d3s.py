@@ -102,7 +102,8 @@ def max_variance_subset(values, m):
         sum(k)   = S[m-k] + (S[n] - S[n-k])          S[j] = v_(1) + ... + v_(j)  (sorted)
         sumsq(k) = Q[m-k] + (Q[n] - Q[n-k])          Q[j] = v_(1)^2 + ... + v_(j)^2
         Var(k)   = (sumsq(k) - sum(k)^2 / m) / (m - 1)
-    Ties go to the candidate with more large values (more high-reward rollouts).
+    Among candidates of equal variance the one with more large values wins (more high-reward
+    rollouts); between equal values, the stable sort decides which indices are taken.
 
     >>> max_variance_subset(torch.tensor([[0.1, 0.9, 0.5, 0.7]]), 2)  # the two extremes
     tensor([[0, 1]])
@@ -114,6 +115,8 @@ def max_variance_subset(values, m):
              "pass a tensor of shape [..., n]")
     n = values.shape[-1]
     _require(isinstance(m, int) and 1 <= m <= n, "m", m, f"must be an int in [1, n={n}]")
+    _require(bool(torch.isfinite(values).all()), "values", values[~torch.isfinite(values)][:4].tolist(),
+             "must be finite (no NaN/inf)")
     centered = values.double() - values.double().mean(-1, keepdim=True)  # shift-free prefix sums
     v_sorted, order = centered.sort(dim=-1, stable=True)  # ascending, [..., n]
     zero = torch.zeros_like(v_sorted[..., :1])
@@ -123,9 +126,10 @@ def max_variance_subset(values, m):
     total_sum = S[..., m - k] + S[..., -1:] - S[..., n - k]  # [..., m+1]
     total_sq = Q[..., m - k] + Q[..., -1:] - Q[..., n - k]
     var = (total_sq - total_sum**2 / m) / max(m - 1, 1)  # unbiased variance of each candidate
-    # Argmax with a tolerance for rounding in the prefix sums; among ties, the largest k.
+    # Argmax with a tolerance for rounding in the prefix sums, relative to the data's own scale
+    # (sum of squares); among ties, the largest k.
     best = var.amax(-1, keepdim=True)
-    tol = 1e-9 * (1.0 + best.abs())
+    tol = 1e-9 * Q[..., -1:] / max(m - 1, 1)
     k_best = torch.where(var >= best - tol, k, -1).amax(-1, keepdim=True)  # [..., 1]
     # Sorted positions of the chosen subset: j < m-k -> j (smallest), else j + (n - m) (largest).
     j = torch.arange(m, device=values.device)
@@ -165,13 +169,13 @@ def select_samples(rewards, n_keep, method, scale=True, eps=1e-6, generator=None
     _check_rewards(rewards)
     P, G = rewards.shape
     _require(method in METHODS, "method", method, f"choose one of {', '.join(METHODS)}")
+    adv = group_advantages(rewards, scale=scale, eps=eps)  # [P, G], on all G rollouts
+    if method == "grpo":  # every rollout: n_keep is not used
+        return torch.ones(P, G, dtype=torch.bool, device=rewards.device), adv
     _require(isinstance(n_keep, int) and 1 <= n_keep <= G, "n_keep", n_keep,
              f"must be an int in [1, G={G}] (rollouts kept per prompt); raise G or lower N")
-    adv = group_advantages(rewards, scale=scale, eps=eps)  # [P, G], on all G rollouts
     keep = torch.zeros(P, G, dtype=torch.bool, device=rewards.device)
 
-    if method == "grpo":
-        return torch.ones_like(keep), adv
     if method == "random":
         noise = torch.rand(P, G, generator=generator).to(rewards.device)  # CPU generator, any device
         keep.scatter_(1, noise.argsort(-1)[:, :n_keep], True)
@@ -204,24 +208,31 @@ def kept_variance(adv, keep):
 # 3. Token-level selection (the second level): score |A_{i,t}| * H_{i,t}, keep the top K
 # ---------------------------------------------------------------------------------------------
 @torch.no_grad()
-def token_entropy(logits, chunk_size=4096):
+def token_entropy(logits, chunk_size=1024):
     """Exact policy entropy per position: H = -sum_v pi(v) log pi(v), pi = softmax(logits).
 
     logits: [..., V] (any float dtype);  returns float32 [...], no grad.
-    Works on `chunk_size` rows at a time in fp32, so the full [tokens, V] softmax is never
-    materialized (a 1M x 32k fp32 softmax would be 128 GB).
+    Works on `chunk_size` rows at a time in fp32 with two [chunk, V] temporaries, so the full
+    [tokens, V] softmax is never materialized (a 1M x 32k fp32 softmax would be 128 GB).
+    With z shifted so its max is 0 and e = exp(z):  H = log(sum_v e_v) - sum_v e_v z_v / sum_v e_v.
+    (A non-contiguous `logits`, such as logits[:, :-1], is copied once by the reshape.)
 
     >>> token_entropy(torch.zeros(2, 4))  # uniform over 4 tokens: log 4
     tensor([1.3863, 1.3863])
     """
+    _require(isinstance(logits, torch.Tensor) and logits.dim() >= 1, "logits", type(logits).__name__,
+             "pass a tensor of shape [..., V]")
+    _require(isinstance(chunk_size, int) and chunk_size >= 1, "chunk_size", chunk_size, "must be an int >= 1")
     V = logits.shape[-1]
     flat = logits.reshape(-1, V)
     out = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
     for start in range(0, flat.shape[0], chunk_size):
         z = flat[start : start + chunk_size].float()  # [chunk, V]
-        logp = z - torch.logsumexp(z, dim=-1, keepdim=True)  # log pi, stable for large logits
-        p = logp.exp()
-        out[start : start + chunk_size] = -torch.where(p > 0, p * logp, 0.0).sum(-1)  # 0 log 0 = 0 (-inf logits)
+        z = z - z.amax(-1, keepdim=True)  # max logit -> 0: exp never overflows (a new tensor)
+        z.clamp_(min=torch.finfo(torch.float32).min)  # -inf logits -> a finite floor: e = 0 and e * z = 0
+        e = z.exp()  # unnormalized pi
+        total = e.sum(-1)
+        out[start : start + chunk_size] = total.log() - e.mul_(z).sum(-1) / total  # log Z - E_pi[z]
     return out.reshape(logits.shape[:-1])
 
 
@@ -235,7 +246,7 @@ def select_tokens(scores, mask, k_frac, scope="batch", min_per_seq=1):
     - scope="sequence": top-K within each response.
     - K counts ceil(k_frac * valid tokens); padding is never kept.
     - min_per_seq=1: every response with a valid token keeps at least its best token, so no
-      kept rollout silently drops out (set 0 to disable).
+      kept rollout silently drops out (0 disables it).
 
     >>> s = torch.tensor([[0.9, 0.1, 0.5, 0.0], [0.8, 0.7, 0.0, 0.0]])
     >>> m = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
@@ -245,11 +256,15 @@ def select_tokens(scores, mask, k_frac, scope="batch", min_per_seq=1):
     """
     _require(isinstance(scores, torch.Tensor) and scores.dim() == 2, "scores.shape",
              tuple(getattr(scores, "shape", ())), "expected a [B, T] tensor")
+    _require(isinstance(mask, torch.Tensor), "mask", type(mask).__name__, "pass a [B, T] tensor (1 on real response tokens)")
     _require(tuple(mask.shape) == tuple(scores.shape), "mask.shape", tuple(mask.shape),
              f"must equal scores.shape {tuple(scores.shape)}")
     _require(isinstance(k_frac, (int, float)) and 0 < k_frac <= 1, "k_frac", k_frac, "must be in (0, 1]")
     _require(scope in ("batch", "sequence"), "scope", scope, "choose 'batch' or 'sequence'")
+    _require(min_per_seq in (0, 1), "min_per_seq", min_per_seq, "choose 1 (every response keeps its best token) or 0")
     valid = mask.bool()
+    _require(bool(torch.isfinite(scores[valid]).all()), "scores", scores[valid][~torch.isfinite(scores[valid])][:4].tolist(),
+             "must be finite on valid tokens (check the entropy and advantages)")
     masked = torch.where(valid, scores.float(), torch.full_like(scores, -math.inf, dtype=torch.float))
     if scope == "batch":
         k = math.ceil(k_frac * int(valid.sum()) - 1e-9)  # |kept| = ceil(K * valid tokens)
@@ -276,6 +291,9 @@ def dynamic_schedule(step, total_steps, n_init=8, n_final=32, k_init=0.05, k_fin
         N(p) = round(N_init + (N_final - N_init) * p),   K(p) = K_init + (K_final - K_init) * p
     Paper defaults: N 8 -> 32 rollouts per prompt, K 5% -> 20% of tokens. N_init = N_final
     (and K_init = K_final) gives static D3S / PODS. Returns (n: int, k: float).
+    `step` counts from 0; N_final and K_final are reached at step == total_steps, so a loop over
+    range(total_steps) ends one step short of them (p = (total_steps - 1) / total_steps).
+    N rounds half up (Python's round() would round half to even).
 
     >>> dynamic_schedule(0, 100), dynamic_schedule(50, 100), dynamic_schedule(100, 100)
     ((8, 0.05), (20, 0.125), (32, 0.2))
@@ -305,8 +323,12 @@ def policy_loss(logp, old_logp, adv, mask, kind="grpo", clip_low=None, clip_high
     GRPO: w_{i,t} = exp(logp_{i,t} - old_{i,t})                    (default eps 0.2 / 0.2)
     GSPO: w_i = exp(mean_t (logp_{i,t} - old_{i,t})) over the selected tokens, implemented as
           log w_{i,t} = logp - sg(logp) + sg(mean_t(logp - old)) so the gradient flows per
-          token                                                    (default eps 3e-4 / 4e-4)
-    KL (k3, only if ref_logp is given and beta > 0): exp(ref - logp) - (ref - logp) - 1.
+          token (the paper's GSPO-token form)                      (default eps 3e-4 / 4e-4)
+          With agg="token-mean" each token weighs 1/(selected tokens of the batch); GSPO's own
+          1/(G |o_i|) weighting is agg="seq-mean-token-mean".
+    eps_low, eps_high are the arguments clip_low, clip_high.
+    KL (k3, needs ref_logp when beta > 0): exp(ref - logp) - (ref - logp) - 1. With ref_logp and
+    beta = 0 the KL is measured (stats["kl"]) but not added to the loss.
 
     logp, old_logp, mask (and ref_logp): [B, T]; adv: [B].  Returns (loss, stats).
     agg="token-mean": sum(l * mask) / normalizer, normalizer = mask.sum() by default.
@@ -330,14 +352,20 @@ def policy_loss(logp, old_logp, adv, mask, kind="grpo", clip_low=None, clip_high
     for name, t in (("old_logp", old_logp), ("mask", mask)) + ((("ref_logp", ref_logp),) if ref_logp is not None else ()):
         _require(tuple(t.shape) == tuple(logp.shape), f"{name}.shape", tuple(t.shape), f"must equal logp.shape {tuple(logp.shape)}")
     _require(tuple(adv.shape) == (logp.shape[0],), "adv.shape", tuple(adv.shape), f"expected [B] = ({logp.shape[0]},), one advantage per response")
+    _require(isinstance(adv, torch.Tensor) and isinstance(mask, torch.Tensor), "adv/mask", (type(adv).__name__, type(mask).__name__),
+             "pass torch tensors")
     _require(normalizer is None or float(normalizer) > 0, "normalizer", normalizer, "must be > 0 (count of tokens or responses in the optimizer batch)")
+    _require(beta == 0 or ref_logp is not None, "beta", beta, "a KL penalty needs ref_logp (the reference policy's log-probs); pass it or set beta=0")
+    for name, val in (("clip_low", clip_low), ("clip_high", clip_high)):
+        _require(val is None or 0 <= val, name, val, "must be >= 0")
     eps_low, eps_high = CLIP_DEFAULTS[kind]
     eps_low = eps_low if clip_low is None else clip_low
     eps_high = eps_high if clip_high is None else clip_high
 
-    mask = mask.to(logp.dtype)
+    dtype = torch.promote_types(logp.dtype, torch.float32)  # at least fp32: bf16 counts and sums would round
+    logp, old_logp, mask = logp.to(dtype), old_logp.to(dtype), mask.to(dtype)
     tokens_per_seq = mask.sum(-1)  # [B]
-    A = adv.to(logp.dtype).unsqueeze(-1)  # [B, 1]: outcome reward broadcast to tokens
+    A = adv.to(dtype).unsqueeze(-1)  # [B, 1]: outcome reward broadcast to tokens
     log_ratio = logp - old_logp  # [B, T]
     if kind == "gspo":
         seq_log_ratio = (log_ratio * mask).sum(-1) / tokens_per_seq.clamp(min=1)  # mean_t over selected
@@ -346,10 +374,11 @@ def policy_loss(logp, old_logp, adv, mask, kind="grpo", clip_low=None, clip_high
     surrogate = torch.minimum(ratio * A, ratio.clamp(1 - eps_low, 1 + eps_high) * A)
     per_token = -surrogate  # [B, T]
     kl = None
-    if ref_logp is not None and beta > 0:
-        d = ref_logp - logp
+    if ref_logp is not None:
+        d = ref_logp.to(dtype) - logp
         kl = torch.exp(d) - d - 1  # k3 estimator, >= 0
-        per_token = per_token + beta * kl
+        if beta > 0:
+            per_token = per_token + beta * kl
 
     if agg == "token-mean":
         denom = mask.sum().clamp(min=1) if normalizer is None else normalizer

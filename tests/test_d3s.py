@@ -740,12 +740,26 @@ def test_k3_kl_penalty_value_gradient_and_stat():
     torch.testing.assert_close(logp.grad, (-adv.unsqueeze(-1) + beta * (1 - d.exp())) * mask / N)
 
 
-def test_kl_is_ignored_when_beta_is_zero():
+def test_kl_is_measured_but_not_in_the_loss_when_beta_is_zero():
     logp, old, adv, mask = loss_batch()
     ref = logp.detach() - 0.5
     with_ref, stats = policy_loss(logp, old, adv, mask, ref_logp=ref, beta=0.0)
-    without, _ = policy_loss(logp, old, adv, mask)
-    assert with_ref.item() == without.item() and stats["kl"] == 0.0
+    without, stats_without = policy_loss(logp, old, adv, mask)
+    assert with_ref.item() == without.item()
+    assert stats["kl"] == pytest.approx(math.exp(-0.5) + 0.5 - 1, rel=1e-5) and stats_without["kl"] == 0.0
+
+
+def test_a_kl_penalty_without_reference_log_probs_is_an_error():
+    logp, old, adv, mask = loss_batch()
+    with pytest.raises(ValueError, match=r"^beta=0\.1: .*ref_logp"):
+        policy_loss(logp, old, adv, mask, beta=0.1)
+
+
+def test_bf16_log_probs_count_every_token():
+    # bf16 has 8 bits of mantissa: 1001 summed in bf16 is 1000. Counts and sums are kept in fp32.
+    logp = torch.full((1, 1001), -1.0, dtype=torch.bfloat16, requires_grad=True)
+    loss, stats = policy_loss(logp, logp.detach(), torch.ones(1), torch.ones(1, 1001))
+    assert stats["tokens"] == 1001.0 and loss.item() == pytest.approx(-1.0)
 
 
 def _microbatch_check(kind, agg, normalizer_of):
@@ -856,3 +870,43 @@ def test_max_variance_subset_is_exact_for_values_with_a_large_offset():
         idx = max_variance_subset(v, 3)
         best = max(v[list(c)].var().item() for c in itertools.combinations(range(7), 3))
         assert v[idx].var().item() >= best * (1 - 1e-6)
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-5, 1e-9, 1e6])
+def test_max_variance_subset_is_optimal_at_any_scale(scale):
+    # the tie tolerance is relative to the data: tiny rewards are not "all ties"
+    values = torch.tensor([[0.1, 0.9, 0.5, 0.7]], dtype=torch.float64) * scale
+    assert max_variance_subset(values, 2).tolist() == [[0, 1]]
+    rows = continuous_rewards(50, 7, seed=31).double() * scale
+    for row, idx in zip(rows, max_variance_subset(rows, 3)):
+        best = best_subset_variance(row.tolist(), 3)
+        assert subset_variance(row.tolist(), idx.tolist()) >= best * (1 - 1e-9)
+
+
+def test_grpo_ignores_an_n_keep_larger_than_the_group():
+    keep, _ = select_samples(binary_rewards(3, 4, seed=2), 32, "grpo")  # the schedule's N = 32 with G = 4
+    assert keep.all()
+
+
+def test_non_finite_values_or_scores_are_errors():
+    with pytest.raises(ValueError, match=r"^values="):
+        max_variance_subset(torch.tensor([0.0, float("nan"), 1.0, 2.0]), 2)
+    with pytest.raises(ValueError, match=r"^scores="):
+        select_tokens(torch.tensor([[1.0, float("inf")]]), torch.ones(1, 2), 0.5)
+    # padding may hold anything: only valid tokens are checked
+    assert select_tokens(torch.tensor([[1.0, float("nan")]]), torch.tensor([[1, 0]]), 0.5).tolist() == [[True, False]]
+
+
+def test_min_per_seq_is_zero_or_one():
+    with pytest.raises(ValueError, match=r"^min_per_seq=2: "):
+        select_tokens(torch.ones(2, 4), torch.ones(2, 4), 0.25, min_per_seq=2)
+
+
+def test_token_entropy_of_a_non_contiguous_slice_and_bf16():
+    logits = torch.randn(3, 6, 50, generator=torch.Generator().manual_seed(5)) * 4
+    sliced = logits[:, :-1]  # the usual logits[:, :-1], not contiguous
+    direct = -(sliced.softmax(-1) * sliced.log_softmax(-1)).sum(-1)
+    torch.testing.assert_close(token_entropy(sliced, chunk_size=4), direct, atol=1e-5, rtol=1e-5)
+    half = logits.bfloat16()
+    direct_half = -(half.float().softmax(-1) * half.float().log_softmax(-1)).sum(-1)
+    torch.testing.assert_close(token_entropy(half), direct_half, atol=1e-5, rtol=1e-5)
