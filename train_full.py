@@ -85,7 +85,8 @@ def parse_args(argv=None):
     a("--rollout", default="vllm", choices=["vllm", "hf"], help="[choice] rollout engine: vLLM (colocated, sleep mode on "
       "CUDA) or HF generate (for machines without vLLM; slow)")
     a("--train-data", default=default_train, help="[recipe] MATH levels 3-5: local JSONL/JSON/Parquet with problem/answer, "
-      "or a hub dataset 'name[:split]' (common column names are mapped)")
+      "or a hub dataset 'name', 'name:split' or 'name:config:split' (e.g. openai/gsm8k:main:train; common column "
+      "names are mapped)")
     a("--eval-data", nargs="+", default=[default_eval], help="[paper] benchmark files (JSONL/JSON/Parquet, globs such as "
       "'../shared/data/*.jsonl' work) or hub names, space- or comma-separated; 'none' = no eval. "
       "Default: AIME24, AIME25, AMC23, GSM8K, MATH500, Minerva, OlympiadBench from ../shared/data")
@@ -157,6 +158,8 @@ def parse_args(argv=None):
     a("--vllm-enforce-eager", action="store_true", help="vLLM without CUDA graphs (slower; faster start)")
     a("--hf-generate-batch", type=int, default=16, help="--rollout hf: prompts per generate() call")
     a("--grader-timeout", type=float, default=5.0, help="seconds per answer before math-verify is killed (reward 0)")
+    a("--peak-tflops", type=float, default=0.0, help="peak dense bf16 TFLOP/s of one GPU for the logged MFU (0: from the "
+      "GPU's name: H100/H200 989, A100 312; unknown GPUs and CPUs log no MFU)")
     args = p.parse_args(argv)
 
     mid_n, _ = d3s.dynamic_schedule(1, 2, args.n_init, args.n_final)
@@ -263,6 +266,8 @@ def normalize_row(row):
     reward_model.ground_truth (verl format) or be the last \\boxed{} of a solution.
     >>> normalize_row({"question": "1+1?", "solution": "so \\\\boxed{2}."})
     {'problem': '1+1?', 'answer': '2'}
+    >>> normalize_row({"question": "1+1?", "answer": "1 + 1 = 2\\n#### 2"})
+    {'problem': '1+1?', 'answer': '2'}
     """
     problem = next((row[k] for k in PROBLEM_KEYS if row.get(k) not in (None, "")), None)
     if isinstance(problem, list):  # chat messages: the last user turn
@@ -275,6 +280,8 @@ def normalize_row(row):
         answer = answer[0] if answer else None
     if key == "solution" and answer is not None:
         answer = extract_boxed(str(answer))  # a worked solution: its final \boxed{} is the answer
+    if answer is not None and "####" in str(answer):
+        answer = str(answer).rsplit("####", 1)[1]  # GSM8K style: "...reasoning... #### 72"
     if problem is None or answer is None or str(answer).strip() == "":
         return None
     return {"problem": str(problem), "answer": str(answer).strip()}
@@ -292,8 +299,9 @@ def load_rows(spec, limit=None):
     except ImportError as e:
         raise DataError(f"{spec}: not a local file, and loading it from the hub needs `pip install datasets` "
                         "(requirements-full.txt)") from e
-    name, _, split = spec.partition(":")
-    table = datasets.load_dataset(name, split=split or "train")
+    parts = spec.split(":")  # name, name:split, or name:config:split
+    name, config, split = parts[0], (parts[1] if len(parts) == 3 else None), (parts[-1] if len(parts) > 1 else "train")
+    table = datasets.load_dataset(name, config, split=split)
     rows, dropped = [], 0
     for i, raw in enumerate(table):
         row = normalize_row(raw)
@@ -372,11 +380,15 @@ def rank_share(items, dist_):
     return items[dist_.rank * per : (dist_.rank + 1) * per]
 
 
-def sample_seeds(args, step, indices):
-    """One sampling seed per (step, global prompt index): generation does not depend on the rank count."""
+def sample_seeds(args, step, indices, n):
+    """One sampling seed per (step, global prompt index): generation does not depend on the rank count.
+
+    vLLM seeds sample j of a request with seed + j, so the seeds of one call are n apart: no two
+    samples of a step share a noise stream.
+    """
     if args.unseeded_sampling:
         return [None] * len(indices)
-    return [(args.seed * 1_000_003 + step * 10_007 + index) % (2**31 - 1) for index in indices]
+    return [(args.seed * 1_000_003 + (step * 1_000_003 + index) * n) % (2**31 - 1) for index in indices]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -756,7 +768,11 @@ def train_step(model, optimizer, rollouts, rewards, step, args, dist_, pad_id, k
                 old_logp[rows, :width], entropy[rows, :width], mask[rows, :width] = logp, ent, resp_mask
 
     # 5) token selection: top K of |A| * H over the tokens of all ranks; the global normalizer
-    token_keep = select_tokens_global(kept_adv.abs().unsqueeze(1) * entropy, mask, k_frac, args.token_scope, dist_)
+    token_scores = kept_adv.abs().unsqueeze(1) * entropy  # |A_{i,t}| * H_{i,t}, [B, T]
+    # a non-finite forward (NaN entropy) would make select_tokens raise: rank it last instead; the
+    # loss is then non-finite as well and the step is skipped on every rank below
+    token_scores = token_scores.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    token_keep = select_tokens_global(token_scores, mask, k_frac, args.token_scope, dist_)
     if args.loss_agg == "seq-mean-token-mean":
         normalizer = all_reduce(token_keep.any(-1).sum(), dist_)  # responses with a selected token
     else:
@@ -807,7 +823,9 @@ def train_step(model, optimizer, rollouts, rewards, step, args, dist_, pad_id, k
         "entropy_mean": all_reduce((entropy * mask).sum(), dist_) / max(n_tokens, 1.0),
         "entropy_kept": all_reduce((entropy * token_keep).sum(), dist_) / max(n_selected, 1.0),
         "clip_frac": all_reduce(clip_tokens, dist_) / max(n_selected, 1.0), "loss": loss_total, "skipped": skipped,
-        "train_s": train_s, "train_tokens_per_s": train_tokens * 2 / max(train_s, 1e-9),  # prompt + response, both passes
+        "train_s": all_reduce(train_s, dist_, dist.ReduceOp.MAX),  # the slowest rank's
+        "train_tokens": int(train_tokens),  # prompt + response tokens of the kept rollouts (each goes through both passes)
+        "train_tokens_per_s": train_tokens / max(all_reduce(train_s, dist_, dist.ReduceOp.MAX), 1e-9),
         # for the tests: the kept set, in global order
         "_keep": keep_all, "_token_keep": gather_rows(token_keep, dist_)[0],
     }
@@ -846,6 +864,7 @@ def save_checkpoint(model, optimizer, order, step, args, dist_):
                        "method": args.method, "loss": args.loss, "steps": args.steps}, f, indent=1)
     dist.barrier()
     if dist_.is_main:
+        shutil.rmtree(final, ignore_errors=True)  # resumed from an older checkpoint: this step is redone
         os.replace(tmp, final)  # atomic: the checkpoint exists only once it is complete
         done = sorted(d for d in os.listdir(root) if CKPT_RE.match(d))
         for old in done[: max(len(done) - args.keep_checkpoints, 0)]:
@@ -926,7 +945,7 @@ def evaluate(engine, tokenizer, args, dist_, grader, tag="", model_name=None):
         per = math.ceil(len(problems) / dist_.world)
         mine = list(range(dist_.rank * per, min((dist_.rank + 1) * per, len(problems))))
         outs = engine.generate([problems[i]["prompt_ids"] for i in mine], args.eval_samples, args.eval_temperature,
-                               args.eval_top_p, args.eval_max_tokens, sample_seeds(args, 10**6, mine),
+                               args.eval_top_p, args.eval_max_tokens, sample_seeds(args, 10**6, mine, args.eval_samples),
                                stops) if mine else []
         correct = []
         for i, group in zip(mine, outs):
@@ -978,7 +997,7 @@ def write_eval_report(results, keys, args, tag, model_name):
 def generate(engine, batch, step, args, stops):
     """Step 1 for this rank's share of the batch [(global index, prompt)]: G rollouts per prompt."""
     outs = engine.generate([p["prompt_ids"] for _, p in batch], args.group_size, args.temperature, args.top_p,
-                           args.max_response_len, sample_seeds(args, step, [g for g, _ in batch]), stops)
+                           args.max_response_len, sample_seeds(args, step, [g for g, _ in batch], args.group_size), stops)
     return [[{"prompt_ids": p["prompt_ids"], "response_ids": c["token_ids"]} for c in group]
             for (_, p), group in zip(batch, outs)]
 
@@ -1004,11 +1023,17 @@ def eval_record(step, results):
 
 
 def truncate_metrics(path, step):
-    """Keep the lines of steps before `step` (a killed run may have logged past its last checkpoint)."""
+    """Keep what the checkpoint after `step` steps covers (a killed run may have logged past it):
+    train lines of steps 0..step-1 (0-based) and evaluations after at most `step` steps."""
     if not os.path.exists(path):
         return
+
+    def covered(record):
+        done = record.get("step", math.inf)
+        return done <= step if record.get("kind") == "eval" else done < step
+
     with open(path) as f:
-        kept = [line for line in f if line.strip() and json.loads(line).get("step", math.inf) < step]
+        kept = [line for line in f if line.strip() and covered(json.loads(line))]
     with open(path + ".tmp", "w") as f:
         f.writelines(kept)
     os.replace(path + ".tmp", path)
@@ -1021,6 +1046,17 @@ def memory_peak_gb(device):
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # CPU: peak RSS of this process
+
+
+def peak_flops(device, peak_tflops):
+    """Peak dense bf16 FLOP/s of one GPU (for MFU), or None if unknown."""
+    if peak_tflops:
+        return peak_tflops * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    known = {"H100": 989, "H200": 989, "H800": 989, "A100": 312, "A800": 312}
+    return next((tf * 1e12 for key, tf in known.items() if key in name), None)
 
 
 def gpu_used_gb(device):
@@ -1036,6 +1072,9 @@ def main(argv=None):
     dist_ = init_distributed(args.device)
     torch.manual_seed(args.seed + dist_.rank)
     random.seed(args.seed + dist_.rank)
+    if not args.eval_only and not args.resume and find_checkpoint("latest", args.out):
+        raise SystemExit(f"--out {args.out} holds the checkpoints of an earlier run: pass --resume to continue it, "
+                         "or a new --out (nothing was overwritten)")
     os.makedirs(args.out, exist_ok=True)
     if dist_.is_main:
         with open(os.path.join(args.out, "args.json" if not args.eval_only else "eval_args.json"), "w") as f:
@@ -1071,6 +1110,8 @@ def main(argv=None):
     if ckpt:
         step = load_checkpoint(ckpt, model, optimizer, order, dist_)
         say(f"resumed from {ckpt} at step {step}")
+    n_params = sum(p.numel() for p in model.parameters())  # global counts (DTensor.numel is the full size)
+    flops_peak = peak_flops(dist_.device, args.peak_tflops)
     engine = make_engine(args.model, args, dist_)
     engine.update_weights(full_named_tensors(model, getattr(torch, args.dtype)))  # the policy, also after a resume
 
@@ -1088,11 +1129,12 @@ def main(argv=None):
             batch = rank_share([(g, prompts[g]) for g in order.take(args.prompts_per_step)], dist_)
             t0 = time.perf_counter()
             rollouts = generate(engine, batch, step, args, stops)  # 1) generate
-            gen_s = time.perf_counter() - t0
+            gen_s = all_reduce(time.perf_counter() - t0, dist_, dist.ReduceOp.MAX)  # the slowest rank's
             gpu_used_gen = gpu_used_gb(dist_.device)  # trainer + awake vLLM
             engine.sleep()  # free vLLM's GPU memory for training
+            t0 = time.perf_counter()
             rewards = grade(rollouts, batch, tokenizer, grader)  # 2) reward
-            reward_s = time.perf_counter() - t0 - gen_s
+            reward_s = time.perf_counter() - t0
             stats = train_step(model, optimizer, rollouts, rewards, step, args, dist_, tokenizer.pad_token_id)  # 3-6
             gpu_used_train = gpu_used_gb(dist_.device)  # trainer (+ sleeping vLLM), before the sync
             t1 = time.perf_counter()
@@ -1106,6 +1148,10 @@ def main(argv=None):
                       "grader_timeouts": int(all_reduce(grader.timeouts, dist_)),
                       "gen_s": gen_s, "reward_s": all_reduce(reward_s, dist_, dist.ReduceOp.MAX), "sync_s": sync_s,
                       "gen_tokens_per_s": gen_tokens / max(gen_s, 1e-9),
+                      # model FLOPs of the update: pass 1 forward (2 N per token) + pass 2 forward and backward
+                      # (6 N per token); activation recomputation and attention not counted
+                      "mfu": (8 * n_params * stats["train_tokens"] / (stats["train_s"] * dist_.world * flops_peak)
+                              if flops_peak else None),
                       "mem_peak_gb": all_reduce(memory_peak_gb(dist_.device), dist_, dist.ReduceOp.MAX),
                       "gpu_used_gen_gb": all_reduce(gpu_used_gen, dist_, dist.ReduceOp.MAX),
                       "gpu_used_train_gb": all_reduce(gpu_used_train, dist_, dist.ReduceOp.MAX)}

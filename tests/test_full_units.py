@@ -54,8 +54,16 @@ def test_rank_shares_concatenate_to_the_global_batch_with_rank_independent_seeds
     shares = [train_full.rank_share(batch, types.SimpleNamespace(rank=r, world=world)) for r in range(world)]
     assert [x for share in shares for x in share] == batch
     args = types.SimpleNamespace(seed=0, unseeded_sampling=False)
-    seeds = [s for share in shares for s in train_full.sample_seeds(args, 5, share)]
-    assert seeds == train_full.sample_seeds(args, 5, batch)
+    seeds = [s for share in shares for s in train_full.sample_seeds(args, 5, share, 4)]
+    assert seeds == train_full.sample_seeds(args, 5, batch, 4)
+
+
+def test_sampling_seeds_of_one_call_never_share_a_noise_stream():
+    # vLLM seeds sample j of a request with seed + j: the G samples of every prompt need their own seeds
+    args = types.SimpleNamespace(seed=0, unseeded_sampling=False)
+    G = 32
+    streams = [s + j for s in train_full.sample_seeds(args, 7, list(range(1024)), G) for j in range(G)]
+    assert len(set(streams)) == len(streams)
 
 
 def test_hub_rows_map_common_column_names():
@@ -66,6 +74,29 @@ def test_hub_rows_map_common_column_names():
     assert train_full.normalize_row(chat) == {"problem": "q", "answer": "7"}
     assert train_full.normalize_row({"problem": "x", "answer": ""}) is None
     assert train_full.normalize_row({"problem": "x", "solution": "no box"}) is None
+    gsm8k = {"question": "q", "answer": "Half of 8 is <<8/2=4>>4.\n#### 4"}  # openai/gsm8k's answer column
+    assert train_full.normalize_row(gsm8k) == {"problem": "q", "answer": "4"}
+
+
+def test_resume_keeps_the_metrics_the_checkpoint_covers(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    lines = [{"kind": "train", "step": 0}, {"kind": "train", "step": 1}, {"kind": "eval", "step": 2},
+             {"kind": "train", "step": 2}, {"kind": "eval", "step": 3}]
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    train_full.truncate_metrics(str(path), 2)  # checkpoint after 2 steps (train lines are 0-based)
+    assert [json.loads(x) for x in path.read_text().splitlines()] == lines[:3]
+
+
+def test_a_fresh_run_into_a_folder_with_checkpoints_stops_and_overwrites_nothing(tmp_path):
+    ckpt = tmp_path / "checkpoints" / "step_000002"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer_state.json").write_text("{}")
+    (tmp_path / "metrics.jsonl").write_text('{"kind": "train", "step": 0}\n')
+    proc = subprocess.run([sys.executable, str(ROOT / "train_full.py"), "--out", str(tmp_path), "--device", "cpu"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "--resume" in proc.stderr and str(tmp_path) in proc.stderr
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"kind": "train", "step": 0}\n'
+    assert not (tmp_path / "args.json").exists()
 
 
 def test_local_rows_without_an_answer_are_dropped_and_counted(tmp_path):
