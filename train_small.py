@@ -67,7 +67,7 @@ METHODS = {
 }
 assert set(METHODS) == set(d3s.METHODS)
 TINY_MAX_NEW_TOKENS, HF_MAX_NEW_TOKENS = 16, 512  # "\boxed{123}" + EOS is 12 tokens for the tiny model
-TINY_SFT_STEPS = 300
+TINY_SFT_STEPS = 1000  # ~3 min on 2 cores: held-out greedy Pass@1 ~0.77, levels 2-3 at ~30% (groups with spread)
 
 
 class UsageError(ValueError):
@@ -86,7 +86,7 @@ def parse_args(argv=None):
     g = p.add_argument_group("run")
     g.add_argument("--method", default="d3s", help=f"what to train on: {', '.join(METHODS)}")
     g.add_argument("--loss", default="grpo", help="policy loss: grpo (token ratios) or gspo (sequence ratio)")
-    g.add_argument("--steps", type=int, default=60, help="RL steps (one optimizer batch of P x G rollouts each)")
+    g.add_argument("--steps", type=int, default=100, help="RL steps (one optimizer batch of P x G rollouts each)")
     g.add_argument("--compare", default=None, metavar="M1,M2,...",
                    help="run these methods from the same warm start and seed into OUT/<method>, then write "
                         "OUT/compare.md and OUT/compare.png (e.g. grpo,pods,d3s-i,d3s)")
@@ -112,7 +112,7 @@ def parse_args(argv=None):
     g.add_argument("--sft-lr", type=float, default=1e-3, help="supervised learning rate (linear decay to 10%%)")
     g.add_argument("--sft-batch", type=int, default=64, help="supervised batch size")
     g = p.add_argument_group("RL")
-    g.add_argument("--prompts-per-step", type=int, default=8, help="P: prompts per step")
+    g.add_argument("--prompts-per-step", type=int, default=16, help="P: prompts per step")
     g.add_argument("--group-size", type=int, default=16, help="G: rollouts per prompt (paper: >= 32)")
     g.add_argument("--n-init", type=int, default=4, help="N at the first step: rollouts kept per prompt (paper: 8)")
     g.add_argument("--n-final", type=int, default=16, help="N at the last step (paper: 32)")
@@ -122,7 +122,8 @@ def parse_args(argv=None):
     g.add_argument("--static-n", type=int, default=None, help="N for pods and --no-schedule (default: the schedule's midpoint)")
     g.add_argument("--static-k", type=float, default=None, help="K for --no-schedule (default: the schedule's midpoint)")
     g.add_argument("--token-scope", default="batch", help="top-K tokens over the whole batch (batch) or within each response (sequence)")
-    g.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate (paper, 7B: 1e-6)")
+    g.add_argument("--lr", type=float, default=3e-5, help="AdamW learning rate (paper recipe, 7B: 1e-6; at 3e-4 the tiny "
+                   "model's held-out accuracy collapses within 10 steps, for every method)")
     g.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping (grad_norm is logged before clipping)")
     g.add_argument("--clip-low", type=float, default=None, help="eps_low of the clipped ratio (default: 0.2 grpo, 3e-4 gspo)")
     g.add_argument("--clip-high", type=float, default=None, help="eps_high (default: 0.2 grpo, 4e-4 gspo; DAPO: 0.28)")
@@ -443,6 +444,7 @@ def train_step(model, optimizer, tokenizer, grader, train_rows, step, args):
         if update == 0:
             old_logp = logp.detach()  # on-policy: the ratio of the first update is exactly 1
             token_scores = kept_adv.abs().unsqueeze(-1) * entropy  # |A_{i,t}| * H_{i,t}, [B, T]
+            token_scores = token_scores.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)  # a NaN forward: the loss is NaN too, the update is skipped
             token_keep = d3s.select_tokens(token_scores, response_mask, k_frac, scope=args.token_scope)
             entropy_mean = float((entropy * response_mask).sum() / response_mask.sum())
             entropy_kept = float(entropy[token_keep].mean()) if token_keep.any() else 0.0

@@ -466,7 +466,7 @@ def build_parser():
                    help="token counts N for timing token_entropy on [N, vocab] logits, comma-separated")
     p.add_argument("--vocab", type=int, default=32768, help="vocabulary size V of the logits")
     p.add_argument("--logits-dtype", choices=tuple(DTYPES), default="bf16", help="dtype of the logits")
-    p.add_argument("--chunk-size", type=int, default=4096, help="token_entropy chunk_size (rows per chunk)")
+    p.add_argument("--chunk-size", type=int, default=1024, help="token_entropy chunk_size (rows per chunk; d3s.token_entropy's default)")
     p.add_argument("--chunk-sweep", default="64,256,1024,4096",
                    help="chunk sizes to time token_entropy with, at min(largest N, 8192) tokens ('' to skip)")
     p.add_argument("--mem-tokens", type=int, default=16384, help="N for the peak-memory comparison of token_entropy")
