@@ -466,8 +466,8 @@ def build_parser():
                    help="token counts N for timing token_entropy on [N, vocab] logits, comma-separated")
     p.add_argument("--vocab", type=int, default=32768, help="vocabulary size V of the logits")
     p.add_argument("--logits-dtype", choices=tuple(DTYPES), default="bf16", help="dtype of the logits")
-    p.add_argument("--chunk-size", type=int, default=1024, help="token_entropy chunk_size (rows per chunk; d3s.token_entropy's default)")
-    p.add_argument("--chunk-sweep", default="64,256,1024,4096",
+    p.add_argument("--chunk-size", type=int, default=None, help="token_entropy chunk_size (rows per chunk; default: d3s.token_entropy's, 8 MiB of fp32 per chunk on CPU)")
+    p.add_argument("--chunk-sweep", default="16,64,256,1024,4096",
                    help="chunk sizes to time token_entropy with, at min(largest N, 8192) tokens ('' to skip)")
     p.add_argument("--mem-tokens", type=int, default=16384, help="N for the peak-memory comparison of token_entropy")
     p.add_argument("--repeats", type=int, default=7, help="timed runs per measurement; the median is reported")
@@ -499,6 +499,8 @@ def main(argv=None):
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda: CUDA is not available in this torch build")
     sync = make_sync(device)
+    if args.chunk_size is None:  # d3s.token_entropy's default for this device and vocabulary
+        args.chunk_size = max(1, (2**21 if device.type == "cpu" else 2**26) // args.vocab)
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     summary = {k: [] for k in ("max_variance_subset per group", "select_samples 'pods'", "select_samples 'd3s-i'",
                                "select_samples 'random'", "max_variance_subset cross-group",
