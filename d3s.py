@@ -102,6 +102,7 @@ def max_variance_subset(values, m):
         sum(k)   = S[m-k] + (S[n] - S[n-k])          S[j] = v_(1) + ... + v_(j)  (sorted)
         sumsq(k) = Q[m-k] + (Q[n] - Q[n-k])          Q[j] = v_(1)^2 + ... + v_(j)^2
         Var(k)   = (sumsq(k) - sum(k)^2 / m) / (m - 1)
+    For k = m, m-1, ..., 0 the three indices are slices: S[0..m], S[n], S[n-m..n].
     Among candidates of equal variance the one with more large values wins (more high-reward
     rollouts); between equal values, the stable sort decides which indices are taken.
 
@@ -115,27 +116,28 @@ def max_variance_subset(values, m):
              "pass a tensor of shape [..., n]")
     n = values.shape[-1]
     _require(isinstance(m, int) and 1 <= m <= n, "m", m, f"must be an int in [1, n={n}]")
-    _require(bool(torch.isfinite(values).all()), "values", values[~torch.isfinite(values)][:4].tolist(),
-             "must be finite (no NaN/inf)")
+    if not torch.isfinite(values.double().sum()):  # one pass; NaN and inf propagate into the sum
+        _require(False, "values", values[~torch.isfinite(values)][:4].tolist(), "must be finite (no NaN/inf)")
     order = values.sort(dim=-1, stable=True).indices  # ascending, [..., n]; sorted in the input's dtype
     v_sorted = values.double().gather(-1, order)
     v_sorted = v_sorted - v_sorted.mean(-1, keepdim=True)  # centered: prefix sums without cancellation
-    zero = torch.zeros_like(v_sorted[..., :1])
-    S = torch.cat([zero, v_sorted.cumsum(-1)], -1)  # [..., n+1] prefix sums
-    Q = torch.cat([zero, (v_sorted * v_sorted).cumsum(-1)], -1)
-    k = torch.arange(m + 1, device=values.device)  # candidate: k largest + (m-k) smallest
-    total_sum = S[..., m - k] + S[..., -1:] - S[..., n - k]  # [..., m+1]
-    total_sq = Q[..., m - k] + Q[..., -1:] - Q[..., n - k]
-    var = (total_sq - total_sum**2 / m) / max(m - 1, 1)  # unbiased variance of each candidate
+    v_sorted = torch.nn.functional.pad(v_sorted, (1, 0))  # a leading 0, so S[j] sums the j smallest
+    S = v_sorted.cumsum(-1)  # [..., n+1] prefix sums, S[0] = 0
+    Q = (v_sorted * v_sorted).cumsum(-1)
+    # Candidate i in 0..m keeps the i smallest and the k = m - i largest (slices, no gathers).
+    total_sum = S[..., : m + 1] + S[..., n:] - S[..., n - m :]  # [..., m+1]
+    total_sq = Q[..., : m + 1] + Q[..., n:] - Q[..., n - m :]
+    var = (total_sq - total_sum * total_sum / m) / max(m - 1, 1)  # unbiased variance of each candidate
     # Argmax with a tolerance for rounding in the prefix sums, relative to the data's own scale
-    # (sum of squares); among ties, the largest k.
+    # (sum of squares); among ties, the largest k, i.e. the fewest smallest values.
     best = var.amax(-1, keepdim=True)
-    tol = 1e-9 * Q[..., -1:] / max(m - 1, 1)
-    k_best = torch.where(var >= best - tol, k, -1).amax(-1, keepdim=True)  # [..., 1]
+    tol = 1e-9 * Q[..., n:] / max(m - 1, 1)
+    n_small = (var >= best - tol).byte().argmax(-1, keepdim=True)  # [..., 1]: the first such candidate, m - k
     # Sorted positions of the chosen subset: j < m-k -> j (smallest), else j + (n - m) (largest).
     j = torch.arange(m, device=values.device)
-    pos = j + (j >= (m - k_best)) * (n - m)  # [..., m]
-    return order.gather(-1, pos).sort(-1).values
+    pos = j + (j >= n_small) * (n - m)  # [..., m]
+    chosen = torch.zeros_like(order, dtype=torch.bool).scatter_(-1, order.gather(-1, pos), True)  # [..., n]
+    return torch.arange(n, device=values.device).expand_as(order)[chosen].view(*order.shape[:-1], m)  # ascending
 
 
 def select_samples(rewards, n_keep, method, scale=True, eps=1e-6, generator=None):
