@@ -80,7 +80,7 @@ class UsageError(ValueError):
 def parse_args(argv=None):
     p = argparse.ArgumentParser(
         prog="train_small.py", description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        epilog="Paper recipe (Qwen2.5-Math-7B): G >= 32, N 8 -> 32, K 5%% -> 20%%, lr 1e-6, clip 0.2/0.28, "
+        epilog="Paper recipe (Qwen2.5-Math-7B): G >= 32, N 8 -> 32, K 5% -> 20%, lr 1e-6, clip 0.2/0.28, "
                "temperature 1.0, 3k response tokens. The CPU defaults here are scaled down; each flag says so.")
     a = p.add_argument
     g = p.add_argument_group("run")
@@ -122,8 +122,8 @@ def parse_args(argv=None):
     g.add_argument("--static-n", type=int, default=None, help="N for pods and --no-schedule (default: the schedule's midpoint)")
     g.add_argument("--static-k", type=float, default=None, help="K for --no-schedule (default: the schedule's midpoint)")
     g.add_argument("--token-scope", default="batch", help="top-K tokens over the whole batch (batch) or within each response (sequence)")
-    g.add_argument("--lr", type=float, default=3e-5, help="AdamW learning rate (paper recipe, 7B: 1e-6; at 3e-4 the tiny "
-                   "model's held-out accuracy collapses within 10 steps, for every method)")
+    g.add_argument("--lr", type=float, default=3e-5, help="AdamW learning rate (paper recipe, 7B: 1e-6; at 3e-4, with a 300-step warm start, held-out "
+                   "greedy Pass@1 collapsed from 0.30 to 0.02-0.04 within 60 steps, for grpo and d3s alike)")
     g.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping (grad_norm is logged before clipping)")
     g.add_argument("--clip-low", type=float, default=None, help="eps_low of the clipped ratio (default: 0.2 grpo, 3e-4 gspo)")
     g.add_argument("--clip-high", type=float, default=None, help="eps_high (default: 0.2 grpo, 4e-4 gspo; DAPO: 0.28)")
