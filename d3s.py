@@ -116,10 +116,11 @@ def max_variance_subset(values, m):
              "pass a tensor of shape [..., n]")
     n = values.shape[-1]
     _require(isinstance(m, int) and 1 <= m <= n, "m", m, f"must be an int in [1, n={n}]")
-    if not torch.isfinite(values.double().sum()):  # one pass; NaN and inf propagate into the sum
+    values64 = values.double()
+    if not torch.isfinite(values64.sum()):  # one pass; NaN and inf propagate into the sum
         _require(False, "values", values[~torch.isfinite(values)][:4].tolist(), "must be finite (no NaN/inf)")
     order = values.sort(dim=-1, stable=True).indices  # ascending, [..., n]; sorted in the input's dtype
-    v_sorted = values.double().gather(-1, order)
+    v_sorted = values64.gather(-1, order)
     v_sorted = v_sorted - v_sorted.mean(-1, keepdim=True)  # centered: prefix sums without cancellation
     v_sorted = torch.nn.functional.pad(v_sorted, (1, 0))  # a leading 0, so S[j] sums the j smallest
     S = v_sorted.cumsum(-1)  # [..., n+1] prefix sums, S[0] = 0

@@ -812,6 +812,7 @@ def train_step(model, optimizer, rollouts, rewards, step, args, dist_, pad_id, k
     n_tokens = all_reduce(mask.sum(), dist_)
     n_selected = all_reduce(token_keep.sum(), dist_)
     train_tokens = all_reduce(trained_tokens, dist_)
+    train_s = all_reduce(train_s, dist_, dist.ReduceOp.MAX)  # the slowest rank's
     return {
         "reward_mean": float(rewards_all.mean()),
         "acc_train": float(rewards_all.mean()),  # the reward is correctness (0/1): the same number
@@ -823,9 +824,9 @@ def train_step(model, optimizer, rollouts, rewards, step, args, dist_, pad_id, k
         "entropy_mean": all_reduce((entropy * mask).sum(), dist_) / max(n_tokens, 1.0),
         "entropy_kept": all_reduce((entropy * token_keep).sum(), dist_) / max(n_selected, 1.0),
         "clip_frac": all_reduce(clip_tokens, dist_) / max(n_selected, 1.0), "loss": loss_total, "skipped": skipped,
-        "train_s": all_reduce(train_s, dist_, dist.ReduceOp.MAX),  # the slowest rank's
+        "train_s": train_s,
         "train_tokens": int(train_tokens),  # prompt + response tokens of the kept rollouts (each goes through both passes)
-        "train_tokens_per_s": train_tokens / max(all_reduce(train_s, dist_, dist.ReduceOp.MAX), 1e-9),
+        "train_tokens_per_s": train_tokens / max(train_s, 1e-9),
         # for the tests: the kept set, in global order
         "_keep": keep_all, "_token_keep": gather_rows(token_keep, dist_)[0],
     }
@@ -838,9 +839,9 @@ CKPT_RE = re.compile(r"^step_(\d+)$")
 
 
 def save_checkpoint(model, optimizer, order, step, args, dist_):
-    """OUT/checkpoints/step_XXXX: model + optimizer shards (DCP), data order, RNG of every rank.
+    """OUT/checkpoints/step_NNNNNN: model + optimizer shards (DCP), data order, RNG of every rank.
 
-    Written to step_XXXX.tmp and renamed when complete: a run killed at any moment leaves
+    Written to step_NNNNNN.tmp and renamed when complete: a run killed at any moment leaves
     either a complete checkpoint or a .tmp folder that --resume ignores.
     """
     import torch.distributed.checkpoint as dcp
