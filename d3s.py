@@ -7,8 +7,11 @@ One training step of every rung in this repo (toy bandit, train_small.py, train_
     -> token_entropy -> select_tokens (keep the top K of |A| * H)
     -> policy_loss on the selected tokens -> backward / optimizer step
 
-with N and K from dynamic_schedule (D3S: N 8 -> 32, K 5% -> 20%). This file holds every
-function in that list, in that order, and nothing else: no I/O, no model, no global state.
+with N and K from dynamic_schedule (D3S: N 8 -> 32, K 5% -> 20%). Which of those pieces a
+method uses is the LADDER table below (the paper's ablation ladder, GRPO -> D1S -> D1S-Cross ->
+D2S -> D3S, plus D3S-I, PODS and a random control), read by method_budget and select_samples.
+This file holds every function in that list, in that order, and nothing else: no I/O, no model,
+no mutable state.
 
 Papers:
   D3S  "Learning More with Less: A Dynamic Dual-Level Down-Sampling Framework for Efficient
@@ -29,18 +32,48 @@ import math
 import torch
 
 __all__ = [
+    "LADDER",
+    "METHODS",
+    "method_budget",
     "group_advantages",
     "max_variance_subset",
     "select_samples",
     "kept_variance",
+    "usefulness_rate",
     "token_entropy",
     "select_tokens",
     "dynamic_schedule",
     "policy_loss",
-    "METHODS",
+    "kl_k3",
 ]
 
-METHODS = ("grpo", "pods", "d3s-i", "d3s", "random")
+# ---------------------------------------------------------------------------------------------
+# 0. The methods: the paper's ablation ladder (D3S Table 2), each row adding one piece, + PODS
+# ---------------------------------------------------------------------------------------------
+# name -> (samples, budget, tokens)
+#   samples  which rollouts select_samples keeps (per prompt N of G, or N * P of the batch):
+#            "all"    every rollout
+#            "intra"  per group, the max-variance N by advantage; full-group A kept (Lemma 1 holds)
+#            "cross"  over the whole batch, the max-variance N * P of the pooled A   (choice, see
+#                     select_samples); full-group A kept
+#            "pods"   per group, the max-variance N by reward; A recomputed on the kept N
+#            "random" per group, a uniform N (a control, not in the paper)
+#   budget   where N and K come from: "linear" = dynamic_schedule (N_init -> N_final, K_init ->
+#            K_final); "static" = fixed N and K (default: the schedule's midpoint, so a static row
+#            trains on about as many rollouts over a run as the schedule) (choice); "full" =
+#            N = G and K = 1
+#   tokens   True: keep the top K of the tokens by |A| * H (select_tokens); False: every token
+LADDER = {
+    "grpo": ("all", "full", False),  # GRPO: every rollout, every token
+    "d1s": ("intra", "static", False),  # + sample level: max-variance N per group
+    "d1s-cross": ("cross", "static", False),  # ... chosen across groups
+    "d2s": ("cross", "static", True),  # + token level: top K by |A| * H
+    "d3s": ("cross", "linear", True),  # + the dynamic schedule of N and K: D3S
+    "d3s-i": ("intra", "linear", True),  # D3S with intra-group samples (the paper's stable variant)
+    "pods": ("pods", "static", False),  # PODS: max-variance by reward, A recomputed (arXiv 2504.13818)
+    "random": ("random", "linear", False),  # control: a uniform N of G on D3S's schedule
+}
+METHODS = tuple(LADDER)
 
 
 def _require(ok, name, value, fix):
@@ -144,22 +177,36 @@ def max_variance_subset(values, m):
 def select_samples(rewards, n_keep, method, scale=True, eps=1e-6, generator=None):
     """Choose which rollouts to train on, and the advantages the loss should use for them.
 
-    rewards: [P, G].  Returns (keep [P, G] bool, adv [P, G] float; 0 where not kept).
+    rewards: [P, G].  method: a LADDER name.  Returns (keep [P, G] bool, adv [P, G] float; 0
+    where not kept). The method's `samples` column decides:
 
-    | method   | kept                                                        | adv for kept      |
-    |----------|-------------------------------------------------------------|-------------------|
-    | "grpo"   | all G (n_keep is ignored)                                   | full-group A      |
-    | "pods"   | per group, max-variance n_keep of G by reward               | recomputed on kept|
-    | "d3s-i"  | per group, max-variance n_keep of G by advantage            | full-group A      |
-    | "d3s"    | cross-group: n_keep*P of P*G maximizing Var of pooled A     | full-group A      |
-    | "random" | per group, uniform n_keep of G (control)                    | full-group A      |
+    | samples  | methods                 | kept                                        | adv for kept       |
+    |----------|-------------------------|---------------------------------------------|--------------------|
+    | "all"    | grpo                    | all G (n_keep is ignored)                   | full-group A       |
+    | "intra"  | d1s, d3s-i              | per group, max-variance n_keep of G by A    | full-group A       |
+    | "cross"  | d1s-cross, d2s, d3s     | n_keep*P of P*G maximizing Var of pooled A  | full-group A       |
+    | "pods"   | pods                    | per group, max-variance n_keep of G by R    | recomputed on kept |
+    | "random" | random                  | per group, uniform n_keep of G (control)    | full-group A       |
 
-    Within a group A is increasing in R, so "pods" and "d3s-i" keep the same rollouts; they
-    differ in the advantages. Keeping full-group A gives Var(A') >= 1 on the kept subset
-    (D3S Lemma 1, unbiased variance), hence a larger bound on the policy-gradient norm.
-    Cross-group "d3s" may take many rollouts from one group and none from another; groups
-    with equal rewards (A = 0) are taken last. For a distributed run, call this on the
-    rewards of the whole global batch so the choice does not depend on the number of ranks.
+    Within a group A is increasing in R, so "intra" and "pods" keep the same rollouts; they
+    differ in the advantages. Keeping full-group A gives Var(A') >= 1 on each group's kept
+    subset (D3S Lemma 1, unbiased variance), hence a larger bound on the policy-gradient norm.
+    Lemma 1 is about one group: it holds for "intra", not for "cross" (see below).
+
+    Reading of cross-group (choice). The paper selects N_s per query, then runs "a further
+    cross-group selection over the entire batch", argmax_{S, |S| = N} Var(A_S), without saying
+    whether the candidates are all P*G rollouts or the union of the per-query subsets, nor how
+    the batch budget N relates to N_s. Here it is one pooled choice over all P*G advantages
+    with budget n_keep * P: the union reading with that budget would keep everything it is
+    given. (The alternative, intra first then cross over the union with a smaller budget, is
+    select_samples(rewards, n_s, "d3s-i") followed by max_variance_subset on adv[keep].)
+    What the pooled choice guarantees: a pooled Var(A') at least that of the union of the
+    per-group choices (that union is one of its candidates). Not Var(A') >= 1: for rewards
+    [[1,0,0,0],[1,1,1,1]] and n_keep = 3 (6 of 8), the best pooled subset must take two of the
+    zero advantages of group 2 and has Var(A') = 0.60.
+    It may take many rollouts from one group and none from another; groups with equal
+    rewards (A = 0) are taken last. For a distributed run, call this on the rewards of the
+    whole global batch so the choice does not depend on the number of ranks.
 
     >>> r = torch.tensor([[1., 0., 0., 0.], [1., 1., 1., 1.]])
     >>> keep, adv = select_samples(r, 2, "d3s")  # 4 of 8: group 2 has no signal
@@ -172,27 +219,28 @@ def select_samples(rewards, n_keep, method, scale=True, eps=1e-6, generator=None
     """
     _check_rewards(rewards)
     P, G = rewards.shape
-    _require(method in METHODS, "method", method, f"choose one of {', '.join(METHODS)}")
+    _require(method in LADDER, "method", method, f"choose one of {', '.join(METHODS)}")
+    samples = LADDER[method][0]
     adv = group_advantages(rewards, scale=scale, eps=eps)  # [P, G], on all G rollouts
-    if method == "grpo":  # every rollout: n_keep is not used
+    if samples == "all":  # every rollout: n_keep is not used
         return torch.ones(P, G, dtype=torch.bool, device=rewards.device), adv
     _require(isinstance(n_keep, int) and 1 <= n_keep <= G, "n_keep", n_keep,
              f"must be an int in [1, G={G}] (rollouts kept per prompt); raise G or lower N")
     keep = torch.zeros(P, G, dtype=torch.bool, device=rewards.device)
 
-    if method == "random":
+    if samples == "random":
         noise = torch.rand(P, G, generator=generator).to(rewards.device)  # CPU generator, any device
         keep.scatter_(1, noise.argsort(-1)[:, :n_keep], True)
         return keep, adv * keep
-    if method == "pods":
+    if samples == "pods":
         idx = max_variance_subset(rewards, n_keep)  # [P, N], by reward
         keep.scatter_(1, idx, True)
         adv_kept = group_advantages(rewards.gather(1, idx), scale=scale, eps=eps)  # recomputed on the N
         return keep, torch.zeros_like(adv).scatter_(1, idx, adv_kept)
-    if method == "d3s-i":
+    if samples == "intra":
         keep.scatter_(1, max_variance_subset(adv, n_keep), True)  # by advantage, per group
         return keep, adv * keep
-    # "d3s": one pooled choice over all P*G advantages, budget n_keep * P.
+    # "cross": one pooled choice over all P*G advantages, budget n_keep * P.
     idx = max_variance_subset(adv.reshape(-1), n_keep * P)
     keep.view(-1)[idx] = True
     return keep, adv * keep
@@ -206,6 +254,17 @@ def kept_variance(adv, keep):
     """
     values = adv[keep].double()
     return float(values.var()) if values.numel() >= 2 else 0.0
+
+
+def usefulness_rate(adv, keep):
+    """Sample Usefulness Rate: the share of the trained rollouts whose advantage is non-zero
+    (D3S reports ~70% for GRPO, near 100% for D3S). 0.0 when nothing is kept.
+
+    >>> usefulness_rate(torch.tensor([[1., -1., 0., 0.]]), torch.tensor([[True, True, True, False]]))
+    0.6666666666666666
+    """
+    kept = adv[keep]
+    return float((kept != 0).double().mean()) if kept.numel() else 0.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -244,7 +303,7 @@ def token_entropy(logits, chunk_size=None):
     return out.reshape(logits.shape[:-1])
 
 
-def select_tokens(scores, mask, k_frac, scope="batch", min_per_seq=1):
+def select_tokens(scores, mask, k_frac, scope="batch", min_per_seq=0):
     """Keep the top `k_frac` of valid tokens by score (D3S: score = |A_{i,t}| * H_{i,t}).
 
     scores, mask: [B, T] (mask True/1 on real response tokens).  Returns keep [B, T] bool.
@@ -252,13 +311,22 @@ def select_tokens(scores, mask, k_frac, scope="batch", min_per_seq=1):
       outcome rewards A_{i,t} = A_i is constant within a response, so a per-sequence top-K
       would rank by entropy alone; the global ranking lets |A| matter.
     - scope="sequence": top-K within each response.
-    - K counts ceil(k_frac * valid tokens); padding is never kept.
-    - min_per_seq=1: every response with a valid token keeps at least its best token, so no
-      kept rollout silently drops out (0 disables it).
+    - K counts ceil(k_frac * valid tokens), so the realised fraction is within one token of
+      k_frac (batch scope); padding is never kept.
+    - min_per_seq=0 (default, the paper's plain top-K%): a kept response may end up with no
+      selected token. min_per_seq=1 gives every response with a valid token at least its best
+      token (an option: on short responses it raises the kept fraction above k_frac, e.g.
+      L = 8 at K = 5% keeps 12.5% or more).
 
     >>> s = torch.tensor([[0.9, 0.1, 0.5, 0.0], [0.8, 0.7, 0.0, 0.0]])
     >>> m = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
-    >>> select_tokens(s, m, 0.4).int()  # ceil(0.4 * 5) = 2 tokens
+    >>> select_tokens(s, m, 0.4).int()  # ceil(0.4 * 5) = 2 tokens: the two best overall
+    tensor([[1, 0, 0, 0],
+            [1, 0, 0, 0]], dtype=torch.int32)
+    >>> select_tokens(s, m, 0.2).int()  # 1 token: row 2 keeps none
+    tensor([[1, 0, 0, 0],
+            [0, 0, 0, 0]], dtype=torch.int32)
+    >>> select_tokens(s, m, 0.2, min_per_seq=1).int()  # the floor gives row 2 its best token
     tensor([[1, 0, 0, 0],
             [1, 0, 0, 0]], dtype=torch.int32)
     """
@@ -318,36 +386,84 @@ def dynamic_schedule(step, total_steps, n_init=8, n_final=32, k_init=0.05, k_fin
     return n, round(k, 12)
 
 
+def method_budget(method, step, total_steps, group_size, n_init=8, n_final=32, k_init=0.05, k_final=0.20,
+                  static_n=None, static_k=None):
+    """(n_keep, k_frac) of a LADDER method at `step`: rollouts kept per prompt, fraction of tokens.
+
+    budget "full"   -> (G, 1.0): every rollout, every token (GRPO)
+    budget "linear" -> dynamic_schedule(step, total_steps, ...)
+    budget "static" -> (static_n, static_k), by default the schedule's midpoint (choice)
+    k_frac is 1.0 for methods without token selection (tokens = False in LADDER).
+
+    >>> method_budget("d3s", 0, 100, 32), method_budget("d2s", 0, 100, 32), method_budget("d1s", 0, 100, 32)
+    ((8, 0.05), (20, 0.125), (20, 1.0))
+    >>> method_budget("grpo", 0, 100, 16)
+    (16, 1.0)
+    """
+    _require(method in LADDER, "method", method, f"choose one of {', '.join(METHODS)}")
+    _require(isinstance(group_size, int) and group_size >= 1, "group_size", group_size, "must be an int >= 1")
+    _, budget, tokens = LADDER[method]
+    if budget == "full":
+        return group_size, 1.0
+    mid_n, mid_k = dynamic_schedule(1, 2, n_init, n_final, k_init, k_final)  # p = 1/2
+    if budget == "linear":
+        n, k = dynamic_schedule(step, total_steps, n_init, n_final, k_init, k_final)
+    else:
+        n = mid_n if static_n is None else static_n
+        k = mid_k if static_k is None else static_k
+        _require(0 < k <= 1, "static_k", k, "must be in (0, 1]")
+    _require(isinstance(n, int) and 1 <= n <= group_size, "n_keep", n,
+             f"N counts rollouts kept per prompt and must be in [1, G={group_size}]; lower N or raise G")
+    return n, (k if tokens else 1.0)
+
+
 # ---------------------------------------------------------------------------------------------
 # 5. Policy losses: GRPO (token ratios) and GSPO (sequence ratio), clipped surrogate, k3 KL
 # ---------------------------------------------------------------------------------------------
 CLIP_DEFAULTS = {"grpo": (0.2, 0.2), "gspo": (3e-4, 4e-4)}  # (eps_low, eps_high)
+DEFAULT_AGG = {"grpo": "token-mean", "gspo": "seq-mean-token-mean"}  # GSPO weighs each response the same
+
+
+def kl_k3(logp, ref_logp):
+    """Per-token KL(pi || pi_ref), the k3 estimator (Schulman): exp(d) - d - 1, d = ref - logp.
+    Unbiased for samples of pi, always >= 0, 0 where the two agree. Shapes: any, equal.
+
+    >>> kl_k3(torch.tensor([0.0, -1.0]), torch.tensor([0.0, 0.0])).round(decimals=4)
+    tensor([0.0000, 0.7183])
+    """
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1
 
 
 def policy_loss(logp, old_logp, adv, mask, kind="grpo", clip_low=None, clip_high=None,
-                ref_logp=None, beta=0.0, normalizer=None, agg="token-mean"):
+                ref_logp=None, beta=0.0, normalizer=None, agg=None):
     """Clipped surrogate over the selected tokens, per token:
         l_{i,t} = -min(w * A_i, clip(w, 1 - eps_low, 1 + eps_high) * A_i) + beta * KL_{i,t}
     GRPO: w_{i,t} = exp(logp_{i,t} - old_{i,t})                    (default eps 0.2 / 0.2)
     GSPO: w_i = exp(mean_t (logp_{i,t} - old_{i,t})) over the selected tokens, implemented as
           log w_{i,t} = logp - sg(logp) + sg(mean_t(logp - old)) so the gradient flows per
-          token (the paper's GSPO-token form)                      (default eps 3e-4 / 4e-4)
-          With agg="token-mean" each token weighs 1/(selected tokens of the batch); GSPO's own
-          1/(G |o_i|) weighting is agg="seq-mean-token-mean".
+          token (the paper's GSPO-token form). Under token selection the mean runs over the
+          selected tokens (choice)                                 (default eps 3e-4 / 4e-4)
     eps_low, eps_high are the arguments clip_low, clip_high.
-    KL (k3, needs ref_logp when beta > 0): exp(ref - logp) - (ref - logp) - 1. With ref_logp and
-    beta = 0 the KL is measured (stats["kl"]) but not added to the loss.
+    KL (k3, needs ref_logp when beta > 0): see kl_k3. With ref_logp and beta = 0 the KL is
+    measured (stats["kl"]) but not added to the loss.
 
     logp, old_logp, mask (and ref_logp): [B, T]; adv: [B].  Returns (loss, stats).
-    agg="token-mean": sum(l * mask) / normalizer, normalizer = mask.sum() by default.
-    agg="seq-mean-token-mean": mean over each response's tokens, then sum / normalizer
-          (default: the number of responses with a selected token).
-    Pass the normalizer of the whole optimizer batch when micro-batching: the sum of the
-    micro-batch losses then equals the full-batch loss, whatever the micro-batch size.
+    agg="token-mean" (default for GRPO): sum(l * mask) / normalizer, normalizer = mask.sum()
+          by default: every selected token of the optimizer batch weighs the same.
+    agg="seq-mean-token-mean" (default for GSPO, its own 1/G sum_i 1/|o_i| sum_t): mean over
+          each response's tokens, then sum / normalizer (default: the number of responses
+          with a selected token): every response weighs the same.
+    Pass the normalizer of the whole optimizer step when micro-batching (and, distributed, of
+    all ranks): the sum of the micro-batch losses then equals the full-batch loss, whatever
+    the micro-batch size. With several optimizer steps per rollout batch (mini-batches), each
+    step has its own normalizer.
 
     On-policy with one update per batch, w = 1 exactly: clipping never binds, the loss value
     is -mean(A) over the selected tokens, and the gradient is -A_i * grad(logp_{i,t}) / N.
-    Ratios and clipping only matter when a batch is reused for several updates.
+    GSPO's gradient then equals GRPO's under the same aggregation: ratios, clipping and GSPO
+    only do something when rollouts are reused, i.e. with several mini-batches per batch
+    (old_logp from before the first), where w drifts from 1 on the later mini-batches.
 
     >>> logp = torch.log(torch.tensor([[0.5, 0.5], [0.25, 0.25]])).requires_grad_()
     >>> loss, stats = policy_loss(logp, logp.detach(), torch.tensor([1., -1.]), torch.ones(2, 2))
@@ -355,6 +471,7 @@ def policy_loss(logp, old_logp, adv, mask, kind="grpo", clip_low=None, clip_high
     (0.0, 0.0)
     """
     _require(kind in CLIP_DEFAULTS, "kind", kind, "choose 'grpo' or 'gspo'")
+    agg = agg or DEFAULT_AGG[kind]
     _require(agg in ("token-mean", "seq-mean-token-mean"), "agg", agg, "choose 'token-mean' or 'seq-mean-token-mean'")
     _require(logp.dim() == 2, "logp.shape", tuple(logp.shape), "expected [B, T]")
     for name, t in (("old_logp", old_logp), ("mask", mask)) + ((("ref_logp", ref_logp),) if ref_logp is not None else ()):
@@ -383,8 +500,7 @@ def policy_loss(logp, old_logp, adv, mask, kind="grpo", clip_low=None, clip_high
     per_token = -surrogate  # [B, T]
     kl = None
     if ref_logp is not None:
-        d = ref_logp.to(dtype) - logp
-        kl = torch.exp(d) - d - 1  # k3 estimator, >= 0
+        kl = kl_k3(logp, ref_logp.to(dtype))  # k3 estimator, >= 0
         if beta > 0:
             per_token = per_token + beta * kl
 

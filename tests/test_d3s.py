@@ -504,8 +504,24 @@ def test_batch_scope_token_count_is_not_inflated_by_float_rounding():
 def test_batch_scope_keeps_ceil_k_frac_when_every_row_already_has_a_kept_token():
     scores, mask = ragged_batch(B=4, T=10)
     scores[:, 0] += 10.0  # every row's first token is among the global top 4
-    keep = select_tokens(scores, mask, 0.3)  # min_per_seq=1 (default) adds nothing
+    keep = select_tokens(scores, mask, 0.3, min_per_seq=1)  # the floor adds nothing here
     assert int(keep.sum()) == math.ceil(0.3 * int(mask.sum()))
+
+
+def test_the_default_is_the_papers_plain_top_k_without_a_floor_per_response():
+    scores = torch.tensor([[0.9, 0.8, 0.7, 0.6], [0.1, 0.3, 0.2, 0.0]])
+    keep = select_tokens(scores, torch.ones(2, 4), 0.25)  # 2 of 8 tokens, both from row 0
+    assert keep.sum(-1).tolist() == [2, 0]
+
+
+@pytest.mark.parametrize("k_frac", [0.05, 0.125, 0.2])
+def test_realised_fraction_is_within_one_token_of_k(k_frac):
+    scores, mask = ragged_batch(B=40, T=9, seed=7)
+    valid = int(mask.sum())
+    kept = int(select_tokens(scores, mask, k_frac).sum())
+    assert abs(kept - k_frac * valid) < 1.0
+    # the floor breaks this on short responses: 40 rows of <= 9 tokens keep >= 40 tokens
+    assert int(select_tokens(scores, mask, k_frac, min_per_seq=1).sum()) >= 40 > k_frac * valid + 1
 
 
 @pytest.mark.parametrize("scope", SCOPES)
@@ -618,7 +634,7 @@ def loss_batch(seed=22, B=5, T=7, off_policy=0.0):
 @pytest.mark.parametrize("kind", ["grpo", "gspo"])
 def test_on_policy_loss_is_minus_token_mean_advantage(kind):
     logp, old, adv, mask = loss_batch()
-    loss, stats = policy_loss(logp, old, adv, mask, kind=kind)
+    loss, stats = policy_loss(logp, old, adv, mask, kind=kind, agg="token-mean")
     expected = -(adv.unsqueeze(-1) * mask).sum() / mask.sum()
     assert loss.item() == pytest.approx(expected.item(), abs=1e-12)
     assert stats["clip_frac"] == 0.0 and stats["ratio_min"] == stats["ratio_max"] == 1.0
@@ -627,7 +643,7 @@ def test_on_policy_loss_is_minus_token_mean_advantage(kind):
 @pytest.mark.parametrize("kind", ["grpo", "gspo"])
 def test_on_policy_gradient_is_minus_advantage_times_mask_over_token_count(kind):
     logp, old, adv, mask = loss_batch()
-    loss, _ = policy_loss(logp, old, adv, mask, kind=kind)
+    loss, _ = policy_loss(logp, old, adv, mask, kind=kind, agg="token-mean")
     loss.backward()
     torch.testing.assert_close(logp.grad, -adv.unsqueeze(-1) * mask / mask.sum())
 
@@ -648,6 +664,61 @@ def test_seq_mean_token_mean_default_normalizer_counts_only_responses_with_selec
     loss, _ = policy_loss(logp, old, adv, mask, agg="seq-mean-token-mean")
     keep_rows = [0, 2, 3, 4]
     assert loss.item() == pytest.approx(-adv[keep_rows].mean().item(), abs=1e-12)
+
+
+def test_gspo_defaults_to_its_own_aggregation_and_grpo_to_token_mean():
+    logp, old, adv, mask = loss_batch(off_policy=0.2)
+    for kind, agg in (("gspo", "seq-mean-token-mean"), ("grpo", "token-mean")):
+        default, _ = policy_loss(logp, old, adv, mask, kind=kind)
+        explicit, _ = policy_loss(logp, old, adv, mask, kind=kind, agg=agg)
+        assert default.item() == explicit.item()
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_on_policy_gspo_gives_grpos_update_under_either_aggregation(agg):
+    """One on-policy update (old = logp, w = 1): GSPO's gradient is GRPO's, so --loss gspo
+    needs several mini-batches per batch to be anything else."""
+    grads = {}
+    for kind in ("grpo", "gspo"):
+        logp, old, adv, mask = loss_batch(seed=30)
+        loss, _ = policy_loss(logp, old, adv, mask, kind=kind, agg=agg)
+        loss.backward()
+        grads[kind] = logp.grad
+    assert torch.equal(grads["grpo"], grads["gspo"])
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_off_policy_gspo_and_grpo_give_different_updates(agg):
+    """A later mini-batch (old log-probs from before the first optimizer step): w != 1."""
+    grads = {}
+    for kind in ("grpo", "gspo"):
+        logp, old, adv, mask = loss_batch(seed=30, off_policy=0.05)
+        loss, stats = policy_loss(logp, old, adv, mask, kind=kind, agg=agg)
+        loss.backward()
+        grads[kind] = logp.grad
+        if kind == "gspo":
+            assert stats["clip_frac"] > 0  # GSPO's 3e-4/4e-4 range binds on sequence ratios ~ e^{+-0.02}
+    assert not torch.allclose(grads["grpo"], grads["gspo"])
+
+
+def test_gspo_ratio_is_the_geometric_mean_of_the_token_ratios_over_selected_tokens():
+    g = torch.Generator().manual_seed(8)
+    logp = torch.randn(3, 6, generator=g, dtype=torch.float64).requires_grad_()
+    old = logp.detach() + 0.1 * torch.randn(3, 6, generator=g, dtype=torch.float64)
+    mask = torch.rand(3, 6, generator=g) > 0.4
+    mask[:, 0] = True
+    _, stats = policy_loss(logp, old, torch.ones(3, dtype=torch.float64), mask.double(), kind="gspo",
+                           clip_low=10.0, clip_high=10.0)
+    token_ratios = (logp.detach() - old).exp()
+    geometric = [float(token_ratios[b][mask[b]].prod() ** (1 / int(mask[b].sum()))) for b in range(3)]
+    assert stats["ratio_min"] == pytest.approx(min(geometric), rel=1e-12)
+    assert stats["ratio_max"] == pytest.approx(max(geometric), rel=1e-12)
+
+
+def test_kl_k3_is_non_negative_and_zero_where_the_policies_agree():
+    logp = torch.linspace(-5, 0, 11)
+    assert torch.equal(d3s.kl_k3(logp, logp), torch.zeros(11))
+    assert (d3s.kl_k3(logp, logp.flip(0)) >= 0).all()
 
 
 def test_grpo_clips_both_sides_and_zeroes_gradient_only_on_binding_tokens():
@@ -858,7 +929,7 @@ def test_docstring_examples_pass():
 
 def test_select_tokens_min_per_seq_does_not_exceed_the_budget_on_ties():
     # Tied scores: top-K takes ceil(0.25 * 8) = 2 tokens; only a row left with none gets one more.
-    keep = select_tokens(torch.zeros(2, 4), torch.ones(2, 4), 0.25)
+    keep = select_tokens(torch.zeros(2, 4), torch.ones(2, 4), 0.25, min_per_seq=1)
     assert (keep.sum(-1) >= 1).all()
     assert int(keep.sum()) <= 2 + int((select_tokens(torch.zeros(2, 4), torch.ones(2, 4), 0.25, min_per_seq=0).sum(-1) == 0).sum())
 
@@ -910,3 +981,75 @@ def test_token_entropy_of_a_non_contiguous_slice_and_bf16():
     half = logits.bfloat16()
     direct_half = -(half.float().softmax(-1) * half.float().log_softmax(-1)).sum(-1)
     torch.testing.assert_close(token_entropy(half), direct_half, atol=1e-5, rtol=1e-5)
+
+
+
+# =============================================================================================
+# 10. The ladder (LADDER, method_budget) and the cross-group guarantees
+# =============================================================================================
+def test_the_ladder_names_are_the_papers():
+    assert set(d3s.METHODS) == {"grpo", "pods", "random", "d1s", "d1s-cross", "d2s", "d3s", "d3s-i"}
+    assert d3s.LADDER["d1s"] == ("intra", "static", False)
+    assert d3s.LADDER["d1s-cross"] == ("cross", "static", False)
+    assert d3s.LADDER["d2s"] == ("cross", "static", True)
+    assert d3s.LADDER["d3s"] == ("cross", "linear", True)
+    assert d3s.LADDER["d3s-i"] == ("intra", "linear", True)
+
+
+@pytest.mark.parametrize("same", [("d1s", "d3s-i"), ("d1s-cross", "d3s"), ("d2s", "d3s")])
+def test_rows_with_the_same_sample_rule_keep_the_same_rollouts(same):
+    rewards = binary_rewards(6, 8, seed=5)
+    first, second = (select_samples(rewards, 3, m) for m in same)
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+
+
+def test_method_budget_follows_each_rows_schedule():
+    steps, G = 100, 32
+    for step in (0, 50, 99):
+        sched = dynamic_schedule(step, steps)
+        assert d3s.method_budget("d3s", step, steps, G) == sched
+        assert d3s.method_budget("d3s-i", step, steps, G) == sched
+        assert d3s.method_budget("random", step, steps, G) == (sched[0], 1.0)
+        assert d3s.method_budget("d2s", step, steps, G) == (20, 0.125)  # static: the midpoint
+        assert d3s.method_budget("d1s", step, steps, G) == (20, 1.0)  # static N, every token
+        assert d3s.method_budget("d1s-cross", step, steps, G) == (20, 1.0)
+        assert d3s.method_budget("pods", step, steps, G) == (20, 1.0)
+        assert d3s.method_budget("grpo", step, steps, G) == (G, 1.0)
+    assert d3s.method_budget("d2s", 0, steps, G, static_n=8, static_k=0.05) == (8, 0.05)
+
+
+def test_method_budget_errors_name_the_problem():
+    with pytest.raises(ValueError, match=r"^n_keep=32: .*G=16"):
+        d3s.method_budget("d3s", 100, 100, 16)  # the paper's N_final = 32 with G = 16
+    with pytest.raises(ValueError, match=r"^method='d3s-static'"):
+        d3s.method_budget("d3s-static", 0, 10, 32)
+    assert d3s.method_budget("grpo", 0, 10, 16) == (16, 1.0)  # grpo has no N to check
+
+
+def test_cross_group_selection_does_not_guarantee_lemma_1():
+    """Lemma 1 is about one group. Pooled: group 2 has no spread, 6 of 8 must be kept, two of
+    them zeros: Var(A') = 0.60 < 1."""
+    rewards = torch.tensor([[1.0, 0, 0, 0], [1, 1, 1, 1]])
+    keep, adv = select_samples(rewards, 3, "d3s")
+    assert int(keep.sum()) == 6
+    assert kept_variance(adv, keep) == pytest.approx(0.60, abs=1e-4)
+    keep_i, adv_i = select_samples(rewards, 3, "d3s-i")  # intra: group 1 alone has Var >= 1
+    assert unbiased_var(adv_i[0][keep_i[0]].tolist()) >= 1.0
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_pooled_choice_reaches_at_least_the_pooled_variance_of_the_per_group_choices(seed):
+    rewards = binary_rewards(5, 8, seed=seed) if seed % 2 else continuous_rewards(5, 8, seed=seed)
+    for n in (2, 4, 6):
+        keep_cross, adv = select_samples(rewards, n, "d3s")
+        keep_intra, _ = select_samples(rewards, n, "d3s-i")
+        assert kept_variance(adv, keep_cross) >= kept_variance(adv, keep_intra) - 1e-9
+
+
+def test_usefulness_rate_is_the_share_of_kept_rollouts_with_nonzero_advantage():
+    rewards = torch.tensor([[1.0, 0, 0, 0], [1, 1, 1, 1], [0, 1, 1, 0]])
+    keep, adv = select_samples(rewards, 4, "grpo")
+    assert d3s.usefulness_rate(adv, keep) == pytest.approx(8 / 12)
+    keep, adv = select_samples(rewards, 2, "d1s-cross")  # 6 of 12: the zero-spread group goes first
+    assert d3s.usefulness_rate(adv, keep) == 1.0
+    assert d3s.usefulness_rate(adv, torch.zeros_like(keep)) == 0.0

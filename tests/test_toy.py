@@ -12,6 +12,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "toy"))
 import bandit  # noqa: E402
 
+import d3s  # noqa: E402
+
 SHORT = ["--steps", "30", "--workers", "1"]  # a few seconds per method
 
 
@@ -20,10 +22,10 @@ def short_runs():
     """Every method, seeds 0 and 1, 30 steps: {method: [log_seed0, log_seed1]}."""
     torch.set_num_threads(1)
     args = bandit.parse_args(SHORT)
-    return {m: [bandit.run(m, seed, args) for seed in (0, 1)] for m in bandit.METHODS}
+    return {m: [bandit.run(m, seed, args) for seed in (0, 1)] for m in d3s.METHODS}
 
 
-@pytest.mark.parametrize("method", list(bandit.METHODS))
+@pytest.mark.parametrize("method", list(d3s.METHODS))
 def test_every_method_raises_the_expected_reward(short_runs, method):
     # The reward is exact (no sampling noise) and starts at ~0.14; 30 updates of a method that
     # learns add > 0.1 (observed: 0.15 to 0.3), one that does nothing or climbs the wrong way does not.
@@ -43,16 +45,47 @@ def test_methods_train_on_the_rollouts_and_tokens_they_claim(short_runs):
     P, G, L = args.batch_prompts, args.group_size, args.length
     grpo, d3s_run, pods = short_runs["grpo"][0], short_runs["d3s"][0], short_runs["pods"][0]
     assert grpo["samples"] == [P * G] * args.steps and grpo["tokens"] == [P * G * L] * args.steps
-    assert pods["samples"] == [P * args.static_n] * args.steps  # all pods rows: the static N
+    for static in ("pods", "d1s", "d1s-cross", "d2s"):  # the static rows: N fixed at the schedule's midpoint
+        assert short_runs[static][0]["samples"] == [P * args.static_n] * args.steps, static
+    assert short_runs["d1s"][0]["tokens"] == [P * args.static_n * L] * args.steps  # d1s: every token
     assert d3s_run["samples"] == [P * n for n in d3s_run["n_keep"]]  # cross-group: N * P in all
     assert d3s_run["n_keep"][0] == args.n_init and d3s_run["n_keep"] == sorted(d3s_run["n_keep"])
-    # Top K of |A| * H (ceil(K * tokens)), plus the best token of a kept rollout that has none.
+    # Top K of |A| * H: exactly ceil(K * tokens) by default (no floor of one token per response).
     for tokens, samples, k in zip(d3s_run["tokens"], d3s_run["samples"], d3s_run["k_frac"]):
-        assert samples <= tokens <= math.ceil(k * samples * L) + samples < samples * L / 2
+        assert tokens == math.ceil(k * samples * L - 1e-9)
     # At the start the high-entropy positions are the decisions: token selection trains mostly
     # on them, GRPO on all positions (decisions are 2 of 8 on average).
     early_share = lambda log: sum(log["decision_share"][:3]) / 3  # noqa: E731
     assert early_share(grpo) < 0.35 and early_share(d3s_run) > 0.6
+
+
+@pytest.mark.parametrize("method", ["d2s", "d3s", "d3s-i"])
+def test_realised_token_fraction_is_the_scheduled_k_within_one_token(short_runs, method):
+    args = bandit.parse_args(SHORT)
+    for log in short_runs[method]:
+        for k_real, k_frac, samples in zip(log["k_real"], log["k_frac"], log["samples"]):
+            tokens = samples * args.length
+            assert abs(k_real * tokens - k_frac * tokens) < 1.0
+
+
+def test_a_floor_of_one_token_per_response_inflates_the_kept_fraction():
+    """The option the issue turned off: with L = 8, K = 5% the floor keeps >= 1/8 of the tokens."""
+    args = bandit.parse_args(["--steps", "2", "--workers", "1", "--min-token-per-response"])
+    log = bandit.run("d3s", 0, args)
+    assert log["k_frac"][0] == pytest.approx(0.05) and log["k_real"][0] >= 1 / args.length
+
+
+def test_the_metrics_the_paper_reads_are_logged_every_step(short_runs):
+    grpo, d3s_run, d1s_cross = short_runs["grpo"][0], short_runs["d3s"][0], short_runs["d1s-cross"][0]
+    for log in (grpo, d3s_run):
+        for key in ("sur", "k_frac", "k_real", "entropy_mean", "entropy_kept", "grad_norm", "kl_ref"):
+            assert len(log[key]) == len(log["grad_norm"]) and all(math.isfinite(v) for v in log[key]), key
+    assert grpo["kl_ref"][0] == pytest.approx(0.0, abs=1e-9) and grpo["kl_ref"][-1] > 0  # KL to the initial policy
+    # GRPO trains on groups without spread (SUR < 1); cross-group selection drops them first.
+    mean = lambda values: sum(values) / len(values)  # noqa: E731
+    assert mean(grpo["sur"]) < 0.9 < mean(d1s_cross["sur"])
+    # Token selection keeps the high-entropy tokens.
+    assert all(kept > mean for kept, mean in zip(d3s_run["entropy_kept"][:5], d3s_run["entropy_mean"][:5]))
 
 
 def test_expected_reward_is_exact():

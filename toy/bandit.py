@@ -16,21 +16,27 @@ its last layer zero-initialised so that step 0 is exactly the "base model" prior
 
 One training step (ALGORITHM.md section 6), every piece of the method taken from d3s.py:
   sample P prompts x G rollouts -> reward -> d3s.select_samples (N per prompt, from
-  d3s.dynamic_schedule) -> forward the kept rollouts -> d3s.token_entropy -> scores |A| * H
+  d3s.method_budget) -> forward the kept rollouts -> d3s.token_entropy -> scores |A| * H
   -> d3s.select_tokens (top K) -> d3s.policy_loss (on-policy, one update) -> Adam.
 Every method generates the same P x G rollouts per step; they differ only in what they train on.
+The methods are the rows of d3s.LADDER: the paper's ablation ladder grpo -> d1s -> d1s-cross ->
+d2s -> d3s, plus d3s-i, pods and a random control.
 
 Reported per method, mean ± std over seeds: steps until the exact expected reward over all
 prompts, mean_p E[R | p], first reaches each --target (seeds that never do are counted, not
 averaged); that reward and the prompts with E[R | p] >= 0.5 after the last step; the mean
-gradient norm (before clipping); the rollouts and tokens trained on in the whole run.
-Left out on purpose: KL, batch reuse (ratios and clipping never bind on-policy), GSPO.
+gradient norm (before clipping); the Sample Usefulness Rate; the rollouts and tokens trained
+on in the whole run. Per step, metrics.jsonl also has the scheduled and realised K, the
+entropy of the trained rollouts' tokens and of the selected ones, and the KL (k3) to the
+initial policy on the selected tokens (measured, not in the loss).
+Left out on purpose: a KL penalty, batch reuse (ratios and clipping never bind on-policy), GSPO.
 
-    python toy/bandit.py                     # 6 methods x 5 seeds: table, runs/toy/toy.png
-    python toy/bandit.py --seeds 10 --methods grpo d3s --filler-logit 0
+    python toy/bandit.py                     # 8 methods x 10 seeds: table, runs/toy/toy.png
+    python toy/bandit.py --seeds 3 --methods grpo d3s --filler-logit 0
 """
 
 import argparse
+import copy
 import json
 import math
 import multiprocessing as mp
@@ -46,24 +52,14 @@ from tqdm import tqdm  # noqa: E402
 
 import d3s  # noqa: E402
 
-# method -> (rule for d3s.select_samples, N per prompt: "all" | "schedule" | "static", top-K tokens?)
-# "schedule": N and K from d3s.dynamic_schedule (8 -> 32 of G = 32, 5% -> 20%); "static": N, K
-# fixed at the schedule's midpoint (20, 12.5%), so both train on as many rollouts over a run.
-METHODS = {
-    "grpo": ("grpo", "all", False),  # GRPO: every rollout, every token
-    "random": ("random", "schedule", False),  # control: uniform N of G, every token
-    "pods": ("pods", "static", False),  # PODS: max-variance N of G by reward, A recomputed on them
-    "d3s-i": ("d3s-i", "schedule", True),  # D3S-I: intra-group max-variance N, full-group A, top K
-    "d3s": ("d3s", "schedule", True),  # D3S: cross-group max-variance N * P, full-group A, top K
-    "d3s-static": ("d3s", "static", True),  # D3S without the schedule
-}
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     a = p.add_argument
-    a("--methods", nargs="+", default=list(METHODS), choices=list(METHODS), help="methods to compare")
-    a("--seeds", type=int, default=5, help="seeds per method (seed s: same task, init and prompt order for all methods)")
+    a("--methods", nargs="+", default=list(d3s.METHODS), choices=list(d3s.METHODS),
+      help="methods to compare (rows of d3s.LADDER: the paper's ablation ladder, pods and a random control)")
+    a("--seeds", type=int, default=10, help="seeds per method (seed s: same task, init and prompt order for all methods)")
     a("--steps", type=int, default=80, help="training steps per run")
     a("--prompts", type=int, default=16, help="prompts in the task")
     a("--batch-prompts", type=int, default=8, help="P: prompts per step")
@@ -81,15 +77,17 @@ def parse_args(argv=None):
     a("--n-final", type=int, default=32, help="D3S schedule: rollouts kept per prompt at the last step")
     a("--k-init", type=float, default=0.05, help="D3S schedule: fraction of tokens kept at step 0")
     a("--k-final", type=float, default=0.20, help="D3S schedule: fraction of tokens kept at the last step")
-    a("--static-n", type=int, default=None, help="N for pods and d3s-static (default: schedule midpoint)")
-    a("--static-k", type=float, default=None, help="K for d3s-static (default: schedule midpoint)")
+    a("--static-n", type=int, default=None, help="N of the static rows d1s, d1s-cross, d2s, pods (default: the "
+      "schedule's midpoint, 20) (choice)")
+    a("--static-k", type=float, default=None, help="K of d2s (default: the schedule's midpoint, 0.125) (choice)")
+    a("--min-token-per-response", action="store_true", help="every kept response keeps at least its best token "
+      "(off: the paper's plain top-K%%; with L = 8 the floor would keep >= 12.5%% of the tokens at any K)")
     a("--target", type=float, nargs="+", default=[0.5, 0.8], help="'steps to target': first step with expected reward >= each")
     a("--workers", type=int, default=2, help="runs in parallel (processes); 1 runs in this process")
     a("--out", default="runs/toy", help="output folder for results.md, metrics.jsonl and toy.png")
     args = p.parse_args(argv)
-    # Static N, K = the schedule's midpoint (p = 1/2).
-    args.static_n = args.static_n or d3s.dynamic_schedule(1, 2, args.n_init, args.n_final)[0]
-    args.static_k = args.static_k or d3s.dynamic_schedule(1, 2, k_init=args.k_init, k_final=args.k_final)[1]
+    args.static_n, args.static_k = d3s.method_budget("d2s", 0, 1, args.group_size, args.n_init, args.n_final, args.k_init,
+                                                     args.k_final, args.static_n, args.static_k)  # checks N <= G
     return args
 
 
@@ -176,15 +174,16 @@ def expected_reward(policy, task):
 # ---------------------------------------------------------------------------------------------
 def run(method, seed, args):
     """Train one policy with `method`; returns per-step lists (reward, grad norm, counts)."""
-    select_rule, n_rule, token_level = METHODS[method]
     task = make_task(args, seed)
     torch.manual_seed(seed)  # same initial policy for every method of a seed
     policy = Policy(task["prior"], args.hidden)
+    initial = copy.deepcopy(policy).requires_grad_(False)  # the reference of the logged KL
     opt = torch.optim.Adam(policy.parameters(), lr=args.lr)
     gen = torch.Generator().manual_seed(seed)  # prompt order, rollouts and "random" selection
     P, G, L = args.batch_prompts, args.group_size, args.length
-    log = {k: [] for k in ("step", "reward", "solved", "train_reward", "grad_norm", "n_keep", "k_frac", "samples",
-                           "tokens", "decision_share", "kept_var", "entropy_decision", "entropy_filler")}
+    log = {k: [] for k in ("step", "reward", "solved", "train_reward", "grad_norm", "n_keep", "k_frac", "k_real", "samples",
+                           "tokens", "sur", "decision_share", "kept_var", "entropy_mean", "entropy_kept", "kl_ref",
+                           "entropy_decision", "entropy_filler")}
     for step in range(args.steps + 1):
         reward_per_prompt = expected_reward(policy, task)  # [prompts], before the update of `step`
         log["step"].append(step)
@@ -198,29 +197,33 @@ def run(method, seed, args):
         tokens, sample_logits = policy.sample(prompt_ids, L, gen)  # [P*G, L], [P*G, L, V]
         rewards = reward(task, prompt_ids, tokens).view(P, G)  # [P, G]
         sample_entropy, decisions = d3s.token_entropy(sample_logits), task["decisions"][prompt_ids]  # for the log only
-        # 3) advantages + sample selection: N per prompt from the schedule (or fixed)
-        n_sched, k_sched = d3s.dynamic_schedule(step, args.steps, args.n_init, args.n_final, args.k_init, args.k_final)
-        n_keep = {"all": G, "schedule": n_sched, "static": args.static_n}[n_rule]
-        k_frac = (k_sched if n_rule == "schedule" else args.static_k) if token_level else 1.0
-        keep, adv = d3s.select_samples(rewards, n_keep, select_rule, generator=gen)  # [P, G] each
+        # 3) advantages + sample selection: N per prompt and K from the method's budget
+        n_keep, k_frac = d3s.method_budget(method, step, args.steps, G, args.n_init, args.n_final, args.k_init,
+                                           args.k_final, args.static_n, args.static_k)
+        keep, adv = d3s.select_samples(rewards, n_keep, method, generator=gen)  # [P, G] each
         kept = keep.view(-1).nonzero().squeeze(1)  # [B] indices of the kept rollouts
         kept_adv = adv.view(-1)[kept]  # [B]
         # 4) forward only the kept rollouts; entropy from the same logits, without grad
         logits = policy(prompt_ids[kept], tokens[kept])  # [B, L, V]
         logp = logits.log_softmax(-1).gather(-1, tokens[kept].unsqueeze(-1)).squeeze(-1)  # [B, L]
         entropy = d3s.token_entropy(logits)  # [B, L]
+        with torch.no_grad():
+            ref_logp = initial(prompt_ids[kept], tokens[kept]).log_softmax(-1).gather(-1, tokens[kept].unsqueeze(-1)).squeeze(-1)
         # 5) token selection: top K of s_{i,t} = |A_i| * H_{i,t} over the whole batch
         mask = torch.ones_like(logp, dtype=torch.bool)  # every answer has exactly L tokens
-        token_keep = d3s.select_tokens(kept_adv.abs().unsqueeze(1) * entropy, mask, k_frac)  # [B, L]
+        token_keep = d3s.select_tokens(kept_adv.abs().unsqueeze(1) * entropy, mask, k_frac,
+                                       min_per_seq=int(args.min_token_per_response))  # [B, L]
         # 6) loss on the selected tokens (on-policy, one update: w = 1, gradient -A grad logp / #tokens)
-        loss, _ = d3s.policy_loss(logp, logp.detach(), kept_adv, token_keep, kind="grpo")
+        loss, stats = d3s.policy_loss(logp, logp.detach(), kept_adv, token_keep, kind="grpo", ref_logp=ref_logp)
         opt.zero_grad()
         loss.backward()
         grad_norm = nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)  # norm before clipping
         opt.step()
         for k, v in (("train_reward", rewards.mean()), ("grad_norm", grad_norm), ("n_keep", n_keep), ("k_frac", k_frac),
-                     ("samples", kept.numel()), ("tokens", token_keep.sum()), ("kept_var", d3s.kept_variance(adv, keep)),
+                     ("k_real", token_keep.sum() / mask.sum()), ("samples", kept.numel()), ("tokens", token_keep.sum()),
+                     ("sur", d3s.usefulness_rate(adv, keep)), ("kept_var", d3s.kept_variance(adv, keep)),
                      ("decision_share", decisions[kept][token_keep].float().mean()),  # of the trained tokens
+                     ("entropy_mean", entropy.mean()), ("entropy_kept", entropy[token_keep].mean()), ("kl_ref", stats["kl"]),
                      ("entropy_decision", sample_entropy[decisions].mean()), ("entropy_filler", sample_entropy[~decisions].mean())):
             log[k].append(float(v))
     return log
@@ -237,7 +240,8 @@ def mean_std(values):
 def summarize(logs, args):
     """Markdown table, one row per method, mean ± std over seeds."""
     head = ["method"] + ["steps to reward ≥ %g" % t for t in args.target]
-    head += ["final reward", "prompts solved /%d" % args.prompts, "mean grad norm", "rollouts trained", "tokens trained"]
+    head += ["final reward", "prompts solved /%d" % args.prompts, "mean grad norm", "SUR", "rollouts trained", "tokens trained",
+             "K realised / scheduled"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for method, runs in logs.items():
         cells = [method]
@@ -246,32 +250,41 @@ def summarize(logs, args):
             reached = [h for h in hits if h is not None]
             cells.append("%.0f ± %.0f (%d/%d)" % (*mean_std(reached), len(reached), len(runs)) if reached else "– (0/%d)" % len(runs))
         for key, reduce, fmt in (("reward", lambda v: v[-1], "%.3f ± %.3f"), ("solved", lambda v: v[-1], "%.1f ± %.1f"),
-                                 ("grad_norm", lambda v: sum(v) / len(v), "%.3f ± %.3f"),
+                                 ("grad_norm", lambda v: sum(v) / len(v), "%.3f ± %.3f"), ("sur", lambda v: sum(v) / len(v), "%.2f"),
                                  ("samples", sum, "%.0f"), ("tokens", sum, "%.0f ± %.0f")):
             cells.append(fmt % mean_std([reduce(log[key]) for log in runs])[: fmt.count("%")])
+        realised = [sum(log["k_real"]) / len(log["k_real"]) for log in runs]
+        scheduled = [sum(log["k_frac"]) / len(log["k_frac"]) for log in runs]
+        cells.append("%.3f / %.3f" % (sum(realised) / len(runs), sum(scheduled) / len(runs)))
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
 def plot(logs, args, path):
+    """Expected reward and gradient norm against step: mean over seeds, band = ± one std."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_r, ax_g) = plt.subplots(1, 2, figsize=(10, 3.8))
-    for method, runs in logs.items():
-        reward = torch.tensor([log["reward"] for log in runs]).mean(0)  # [steps + 1], mean over seeds
-        grad_norm = torch.tensor([log["grad_norm"] for log in runs]).mean(0)  # [steps]
-        smooth = min(5, len(grad_norm))  # running mean over 5 steps: the raw curve is noisy
-        grad_norm = grad_norm.unfold(0, smooth, 1).mean(-1)  # [steps - smooth + 1]
-        ax_r.plot(runs[0]["step"], reward, label=method, lw=1.2)
-        ax_g.plot(runs[0]["step"][smooth - 1 : len(grad_norm) + smooth - 1], grad_norm, label=method, lw=1.2)
+    fig, (ax_r, ax_g) = plt.subplots(1, 2, figsize=(11, 4))
+    for i, (method, runs) in enumerate(logs.items()):
+        color, style = "C%d" % (i % 10), "-" if d3s.LADDER[method][2] else "--"  # dashed: no token selection
+        reward = torch.tensor([log["reward"] for log in runs])  # [seeds, steps + 1]
+        grad_norm = torch.tensor([log["grad_norm"] for log in runs])  # [seeds, steps]
+        smooth = min(5, grad_norm.shape[1])  # running mean over 5 steps: the raw curve is noisy
+        grad_norm = grad_norm.unfold(1, smooth, 1).mean(-1)  # [seeds, steps - smooth + 1]
+        steps = runs[0]["step"]
+        for ax, x, y in ((ax_r, steps, reward), (ax_g, steps[smooth - 1 : grad_norm.shape[1] + smooth - 1], grad_norm)):
+            mean, std = y.mean(0), (y.std(0) if len(runs) > 1 else torch.zeros_like(y[0]))
+            ax.plot(x, mean, style, color=color, label=method, lw=1.2)
+            ax.fill_between(x, mean - std, mean + std, color=color, alpha=0.12, lw=0)
     for target in args.target:
         ax_r.axhline(target, color="grey", lw=0.6, ls=":")
-    ax_r.set(xlabel="step", ylabel="expected reward, all prompts", title="reward (mean of %d seeds)" % args.seeds)
-    ax_g.set(xlabel="step", ylabel="gradient norm before clipping", yscale="log", title="gradient norm (mean of %d seeds, 5-step mean)" % args.seeds)
-    ax_r.legend(fontsize=8)
+    ax_r.set(xlabel="step", ylabel="expected reward, all prompts", title="reward (mean ± std of %d seeds)" % args.seeds)
+    ax_g.set(xlabel="step", ylabel="gradient norm before clipping", yscale="log",
+             title="gradient norm (mean ± std, 5-step mean)")
+    ax_r.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=72)
     plt.close(fig)
