@@ -420,7 +420,6 @@ def load_policy(args, dist_):
     only its shard, so a 7B model never sits 8 times in host memory.
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(args.model)
@@ -431,21 +430,34 @@ def load_policy(args, dist_):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.config.dtype, model.config.use_cache = checkpoint_dtype, False
+    shard_policy(model, args)
+    model.to_empty(device=dist_.device)
+    set_model_state_dict(model, full_state or {}, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    _init_rotary_buffers(model, dist_.device)  # non-persistent: not in the checkpoint, garbage after to_empty
+    model.train()
+    return model
+
+
+def shard_policy(model, args, mesh=None):
+    """FSDP2 in place: activation checkpointing, fully_shard per decoder layer, then the root.
+
+    fp32 master weights, compute in args.dtype, fp32 gradient reduction; gradients are SUMMED
+    over ranks (the loss already divides by the global token count). bench/memory.py calls
+    this too, so the memory plan simulates the very wrapping that trains.
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     if args.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     compute = getattr(torch, args.dtype)
     mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)  # fp32 master weights + reductions
     for layer in model.model.layers:
-        fully_shard(layer, mp_policy=mp)
-    fully_shard(model, mp_policy=mp, reshard_after_forward=False)  # root (embeddings, lm_head): backward starts there
-    model.to_empty(device=dist_.device)
-    set_model_state_dict(model, full_state or {}, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    _init_rotary_buffers(model, dist_.device)  # non-persistent: not in the checkpoint, garbage after to_empty
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)  # root (embeddings, lm_head): backward starts there
     for module in model.modules():
         if hasattr(module, "set_gradient_divide_factor"):  # an FSDPModule
             module.set_gradient_divide_factor(1.0)  # SUM over ranks: the loss already divides by the global count
             module.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
-    model.train()
     return model
 
 
