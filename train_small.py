@@ -6,8 +6,10 @@ arguments it builds a tiny model (cached), warm-starts it with a short supervise
 (cached), trains it with D3S, evaluates it and prints a summary, in minutes on a laptop CPU.
 
     python train_small.py                                  # D3S, tiny model, runs/small/
-    python train_small.py --compare grpo,pods,d3s-i,d3s    # same warm start + seed; compare.md, compare.png
-    python train_small.py --method grpo --loss gspo --steps 100
+    python train_small.py --compare grpo,d1s,d1s-cross,d2s,d3s,d3s-i --seeds 3
+                                                           # the paper's ladder, same warm start,
+                                                           # 3 RL seeds: compare.md, compare.png
+    python train_small.py --method grpo --loss gspo --mini-batches 4
     python train_small.py --resume                         # continue the killed run in --out
     python train_small.py --model Qwen/Qwen2.5-0.5B-Instruct --max-new-tokens 512 \\
         --train-file ../shared/data/gsm8k.jsonl --eval-file ../shared/data/gsm8k.jsonl
@@ -15,26 +17,25 @@ arguments it builds a tiny model (cached), warm-starts it with a short supervise
 One RL step (ALGORITHM.md section 6), one function or d3s.py call per line:
   1. rollout                    G samples per prompt with HF generate (temperature sampling)
   2. compute_rewards            0/1: last \\boxed{} vs the gold answer, math-verify under a time limit
-  3. d3s.select_samples         keep N per prompt (N and K from d3s.dynamic_schedule)
-  4. forward_logprobs_entropy   one forward of the kept rollouts only: log-probs (with grad) and
-                                d3s.token_entropy of the same logits (no grad)
+  3. d3s.select_samples         keep N per prompt (N and K from d3s.method_budget)
+  4. forward_logprobs_entropy   pass 1, no grad, kept rollouts only: old log-probs, d3s.token_entropy
+                                of the same logits, and the warm-start reference's log-probs (KL)
   5. d3s.select_tokens          keep the top K of |A| * H
-  6. d3s.policy_loss            GRPO or GSPO loss; a NaN/inf loss or gradient skips the update
+  6. d3s.policy_loss            per mini-batch (M optimizer steps per batch): forward with grad,
+                                GRPO or GSPO loss; a NaN/inf loss or gradient skips the update
                                 (logged), else backward, clip the gradient norm, AdamW step
 
-Methods (all generate the same P x G rollouts per step; they differ in what they train on):
-  grpo    all G rollouts, all tokens
-  pods    max-variance N of G by reward, A recomputed on the N (PODS); N fixed (--static-n); all tokens
-  random  uniform N of G (control), N on the schedule; all tokens
-  d3s-i   per group, max-variance N of G by advantage, full-group A; top-K tokens; N, K on the schedule
-  d3s     cross-group: N*P of the P*G rollouts maximizing Var(A); top-K tokens; N, K on the schedule
-Token selection is part of D3S only: grpo, pods and random train on every response token (K = 1).
+Methods: the rows of d3s.LADDER (all generate the same P x G rollouts per step; they differ in
+what they train on): the paper's ablation ladder grpo -> d1s (intra-group samples, static N)
+-> d1s-cross (cross-group) -> d2s (+ top-K tokens, static K) -> d3s (+ the schedule), and d3s-i
+(intra-group, tokens, schedule), pods (max-variance by reward, A recomputed) and random.
 
-Left out on purpose: the KL term and reference model (beta = 0, as the paper's recipe), value
-functions, and distributed training (train_full.py). With one update per batch
-(--updates-per-batch 1, the default) training is on-policy: the importance ratio is exactly 1,
-clipping never binds, and --loss gspo gives the same gradient as grpo. Ratios, clipping and
-GSPO matter with --updates-per-batch > 1.
+Left out on purpose: value functions, reward models and distributed training (train_full.py).
+With one mini-batch (--mini-batches 1) training is on-policy: the importance ratio is exactly
+1, clipping never binds, and --loss gspo gives the same gradient as grpo. With M > 1 the later
+mini-batches are off-policy (old log-probs from before the first), so ratios, clipping and
+GSPO act. The KL to the warm start is measured on the selected tokens (--kl-coef 0: not in
+the loss, as in the paper's recipe).
 """
 
 import argparse
@@ -57,15 +58,6 @@ import d3s
 from mathtask import (PLAIN_TEMPLATE, QWEN_MATH_TEMPLATE, DataError, Grader, arithmetic_problems,
                       load_problems, pass_at_k)
 
-# method -> (rule for d3s.select_samples, N per prompt: "all" | "schedule" | "static", select tokens?)
-METHODS = {
-    "grpo": ("grpo", "all", False),
-    "pods": ("pods", "static", False),
-    "random": ("random", "schedule", False),
-    "d3s-i": ("d3s-i", "schedule", True),
-    "d3s": ("d3s", "schedule", True),
-}
-assert set(METHODS) == set(d3s.METHODS)
 TINY_MAX_NEW_TOKENS, HF_MAX_NEW_TOKENS = 16, 512  # "\boxed{123}" + EOS is 12 tokens for the tiny model
 TINY_SFT_STEPS = 1000  # ~3 min on 2 cores: held-out greedy Pass@1 ~0.77, levels 2-3 at ~30% (groups with spread)
 
@@ -84,15 +76,19 @@ def parse_args(argv=None):
                "temperature 1.0, 3k response tokens. The CPU defaults here are scaled down; each flag says so.")
     a = p.add_argument
     g = p.add_argument_group("run")
-    g.add_argument("--method", default="d3s", help=f"what to train on: {', '.join(METHODS)}")
+    g.add_argument("--method", default="d3s", help=f"what to train on, a row of d3s.LADDER: {', '.join(d3s.METHODS)}")
     g.add_argument("--loss", default="grpo", help="policy loss: grpo (token ratios) or gspo (sequence ratio)")
     g.add_argument("--steps", type=int, default=100, help="RL steps (one optimizer batch of P x G rollouts each)")
     g.add_argument("--compare", default=None, metavar="M1,M2,...",
-                   help="run these methods from the same warm start and seed into OUT/<method>, then write "
-                        "OUT/compare.md and OUT/compare.png (e.g. grpo,pods,d3s-i,d3s)")
+                   help="run these methods from the same warm start into OUT/<method>/seed<S>, for --seeds RL seeds "
+                        "each, then write OUT/compare.md and OUT/compare.png (mean ± std over seeds)")
+    g.add_argument("--seeds", type=int, default=1, help="with --compare: RL seeds per method (--rl-seed, --rl-seed + 1, ...); "
+                   "the warm start is the same for all")
     g.add_argument("--resume", action="store_true", help="continue the run in --out from OUT/checkpoint.pt")
     g.add_argument("--out", default="runs/small", help="run directory: metrics.jsonl, checkpoint.pt, summary.json, final/")
-    g.add_argument("--seed", type=int, default=0, help="seed of the tiny model, prompt order and sampling")
+    g.add_argument("--seed", type=int, default=0, help="seed of the tiny model, the generated data and the warm start")
+    g.add_argument("--rl-seed", type=int, default=None, help="seed of the RL run: prompt order, sampling, random selection "
+                   "(default: --seed)")
     g.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     g = p.add_argument_group("model and data")
     g.add_argument("--model", default=None, metavar="PATH_OR_HUB_NAME",
@@ -112,22 +108,34 @@ def parse_args(argv=None):
     g.add_argument("--sft-lr", type=float, default=1e-3, help="supervised learning rate (linear decay to 10%%)")
     g.add_argument("--sft-batch", type=int, default=64, help="supervised batch size")
     g = p.add_argument_group("RL")
-    g.add_argument("--prompts-per-step", type=int, default=16, help="P: prompts per step")
-    g.add_argument("--group-size", type=int, default=16, help="G: rollouts per prompt (paper: >= 32)")
-    g.add_argument("--n-init", type=int, default=4, help="N at the first step: rollouts kept per prompt (paper: 8)")
-    g.add_argument("--n-final", type=int, default=16, help="N at the last step (paper: 32)")
+    g.add_argument("--prompts-per-step", type=int, default=16, help="P: prompts per step (scaled down for CPU)")
+    g.add_argument("--group-size", type=int, default=16, help="G: rollouts per prompt (paper: 32, [inferred] from N_final = 32; "
+                   "scaled down for CPU)")
+    g.add_argument("--n-init", type=int, default=4, help="N at the first step: rollouts kept per prompt (paper: 8 of 32)")
+    g.add_argument("--n-final", type=int, default=16, help="N at the last step (paper: 32 of 32)")
     g.add_argument("--k-init", type=float, default=0.05, help="K at the first step: fraction of tokens kept (paper: 0.05)")
     g.add_argument("--k-final", type=float, default=0.20, help="K at the last step (paper: 0.20)")
-    g.add_argument("--no-schedule", action="store_true", help="static D3S: N = --static-n and K = --static-k at every step")
-    g.add_argument("--static-n", type=int, default=None, help="N for pods and --no-schedule (default: the schedule's midpoint)")
-    g.add_argument("--static-k", type=float, default=None, help="K for --no-schedule (default: the schedule's midpoint)")
-    g.add_argument("--token-scope", default="batch", help="top-K tokens over the whole batch (batch) or within each response (sequence)")
-    g.add_argument("--lr", type=float, default=3e-5, help="AdamW learning rate (paper recipe, 7B: 1e-6; at 3e-4, with a 300-step warm start, held-out "
+    g.add_argument("--static-n", type=int, default=None, help="N of the static rows d1s, d1s-cross, d2s, pods (default: "
+                   "the schedule's midpoint, so they train on about as many rollouts as the schedule) (choice)")
+    g.add_argument("--static-k", type=float, default=None, help="K of d2s (default: the schedule's midpoint) (choice)")
+    g.add_argument("--token-scope", default="batch", help="top-K tokens over the whole batch (batch) or within each response "
+                   "(sequence) (choice; paper: not stated)")
+    g.add_argument("--min-token-per-response", action="store_true", help="every kept response keeps at least its best token "
+                   "(off: the paper's plain top-K%%, so the realised fraction is K)")
+    g.add_argument("--lr", type=float, default=3e-5, help="AdamW learning rate (recipe, 7B: 1e-6; at 3e-4, with a 300-step warm start, held-out "
                    "greedy Pass@1 collapsed from 0.30 to 0.02-0.04 within 60 steps, for grpo and d3s alike)")
     g.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping (grad_norm is logged before clipping)")
-    g.add_argument("--clip-low", type=float, default=None, help="eps_low of the clipped ratio (default: 0.2 grpo, 3e-4 gspo)")
-    g.add_argument("--clip-high", type=float, default=None, help="eps_high (default: 0.2 grpo, 4e-4 gspo; DAPO: 0.28)")
-    g.add_argument("--updates-per-batch", type=int, default=1, help="optimizer steps on each batch (> 1: off-policy, ratios and clipping matter)")
+    g.add_argument("--loss-agg", default=None, help="token-mean (every selected token weighs the same) or seq-mean-token-mean "
+                   "(every response weighs the same, GSPO's own); default: token-mean for grpo, seq-mean-token-mean for gspo")
+    g.add_argument("--clip-low", type=float, default=None, help="eps_low of the clipped ratio (default: 0.2 grpo, 3e-4 gspo "
+                   "(GSPO paper))")
+    g.add_argument("--clip-high", type=float, default=None, help="eps_high (default: 0.28 grpo, DAPO's clip-higher; 4e-4 gspo "
+                   "(GSPO paper))")
+    g.add_argument("--mini-batches", type=int, default=4, help="M: optimizer steps per rollout batch, each on 1/M of the kept "
+                   "rollouts, old log-probs from before the first ([recipe]: verl's Qwen2.5-Math GRPO runs use "
+                   "train_batch_size 1024 / ppo_mini_batch_size 256 = 4); 1 = on-policy (ratio 1, GSPO = GRPO)")
+    g.add_argument("--kl-coef", type=float, default=0.0, help="beta of the k3 KL penalty to the warm-start model (recipe: 0; "
+                   "the KL is logged either way)")
     g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (rollouts and eval samples)")
     g.add_argument("--max-new-tokens", type=int, default=None,
                    help=f"response length limit (default: {TINY_MAX_NEW_TOKENS} tiny model, {HF_MAX_NEW_TOKENS} with --model; paper: 3k)")
@@ -150,11 +158,14 @@ def check_args(args):
     """Stop before any work on a bad flag: UsageError names the flag and what to do."""
     methods = args.compare.split(",") if args.compare else [args.method]
     for m in methods:
-        if m not in METHODS:
+        if m not in d3s.LADDER:
             flag = "--compare" if args.compare else "--method"
-            raise UsageError(f"{flag} {m!r}: unknown method; choose from {', '.join(METHODS)}")
+            hint = " (d3s-static is now d2s, the paper's name)" if m == "d3s-static" else ""
+            raise UsageError(f"{flag} {m!r}: unknown method{hint}; choose from {', '.join(d3s.METHODS)}")
     if args.loss not in ("grpo", "gspo"):
         raise UsageError(f"--loss {args.loss!r}: choose grpo or gspo")
+    if args.loss_agg not in (None, "token-mean", "seq-mean-token-mean"):
+        raise UsageError(f"--loss-agg {args.loss_agg!r}: choose token-mean or seq-mean-token-mean")
     if args.token_scope not in ("batch", "sequence"):
         raise UsageError(f"--token-scope {args.token_scope!r}: choose batch or sequence")
     if args.template not in ("auto", "plain", "qwen-math"):
@@ -163,8 +174,9 @@ def check_args(args):
                              ("--group-size", args.group_size, 2), ("--eval-every", args.eval_every, 1),
                              ("--save-every", args.save_every, 1), ("--eval-samples", args.eval_samples, 1),
                              ("--pass-k", args.pass_k, 1), ("--eval-size", args.eval_size, 1),
-                             ("--train-size", args.train_size, 1), ("--updates-per-batch", args.updates_per_batch, 1),
-                             ("--gen-batch", args.gen_batch, 1), ("--n-init", args.n_init, 1), ("--n-final", args.n_final, 1)):
+                             ("--train-size", args.train_size, 1), ("--mini-batches", args.mini_batches, 1),
+                             ("--gen-batch", args.gen_batch, 1), ("--n-init", args.n_init, 1), ("--n-final", args.n_final, 1),
+                             ("--seeds", args.seeds, 1)):
         if value < low:
             raise UsageError(f"{flag} {value}: must be >= {low}")
     if args.pass_k > args.eval_samples:
@@ -174,14 +186,21 @@ def check_args(args):
             raise UsageError(f"{flag} {value}: a fraction of tokens, must be in (0, 1]")
     if args.temperature <= 0:
         raise UsageError(f"--temperature {args.temperature}: must be > 0 (greedy decoding is used for eval_greedy_pass1 anyway)")
-    # Static N, K = the schedule's midpoint, so pods / --no-schedule train on as much as the schedule does.
-    args.static_n = args.static_n or d3s.dynamic_schedule(1, 2, args.n_init, args.n_final)[0]
-    args.static_k = args.static_k or d3s.dynamic_schedule(1, 2, k_init=args.k_init, k_final=args.k_final)[1]
-    if any(METHODS[m][1] != "all" for m in methods):  # N is used: it counts rollouts kept per prompt, so N <= G
+    if args.kl_coef < 0:
+        raise UsageError(f"--kl-coef {args.kl_coef}: must be >= 0")
+    # N counts rollouts kept per prompt, so N <= G (grpo keeps all G and uses no N).
+    if any(d3s.LADDER[m][1] != "full" for m in methods):
         for flag, value in (("--n-init", args.n_init), ("--n-final", args.n_final), ("--static-n", args.static_n)):
-            if value > args.group_size:
+            if value is not None and value > args.group_size:
                 raise UsageError(f"{flag} {value} > --group-size {args.group_size}: N counts rollouts kept per prompt "
                                  f"and must be <= G; lower {flag} or raise --group-size")
+    args.static_n, args.static_k = d3s.method_budget("d2s", 0, 1, max(args.group_size, args.n_init, args.n_final), args.n_init,
+                                                     args.n_final, args.k_init, args.k_final, args.static_n, args.static_k)
+    args.rl_seed = args.seed if args.rl_seed is None else args.rl_seed
+    args.loss_agg = args.loss_agg or d3s.DEFAULT_AGG[args.loss]
+    default_clip = {"grpo": (0.2, 0.28), "gspo": d3s.CLIP_DEFAULTS["gspo"]}[args.loss]  # 0.28: DAPO's clip-higher
+    args.clip_low = default_clip[0] if args.clip_low is None else args.clip_low
+    args.clip_high = default_clip[1] if args.clip_high is None else args.clip_high
     if args.sft_steps is None:
         args.sft_steps = 0 if args.model else TINY_SFT_STEPS
     if args.max_new_tokens is None:
@@ -389,15 +408,10 @@ def forward_logprobs_entropy(model, batch, temperature=1.0, with_entropy=True):
     return logp, entropy
 
 
-def schedule(step, args):
-    """(select rule, N rollouts kept per prompt, K fraction of tokens kept) of `step` (1-based)."""
-    rule, n_rule, token_level = METHODS[args.method]
-    if n_rule == "schedule" and args.no_schedule:
-        n_rule = "static"
-    n_sched, k_sched = d3s.dynamic_schedule(step - 1, args.steps, args.n_init, args.n_final, args.k_init, args.k_final)
-    n_keep = {"all": args.group_size, "schedule": n_sched, "static": args.static_n}[n_rule]
-    k_frac = (k_sched if n_rule == "schedule" else args.static_k) if token_level else 1.0
-    return rule, n_keep, k_frac
+def budget(step, args):
+    """(N rollouts kept per prompt, K fraction of tokens kept) of `step` (1-based) for args.method."""
+    return d3s.method_budget(args.method, step - 1, args.steps, args.group_size, args.n_init, args.n_final,
+                             args.k_init, args.k_final, args.static_n, args.static_k)
 
 
 def step_seed(seed, step, salt=0):
@@ -413,11 +427,15 @@ def take_rows(batch, rows):
             "response_ids": batch["response_ids"][rows, :T], "response_mask": batch["response_mask"][rows, :T]}
 
 
-def train_step(model, optimizer, tokenizer, grader, train_rows, step, args):
-    """One RL step (ALGORITHM.md section 6); returns its metrics (one JSONL line)."""
+def train_step(model, ref_model, optimizer, tokenizer, grader, train_rows, step, args, explain_dir=None):
+    """One RL step (ALGORITHM.md section 6); returns its metrics (one JSONL line).
+
+    ref_model: the warm-start model, for the KL (k3) on the selected tokens (logged; in the
+    loss only with --kl-coef > 0).
+    """
     P, G = args.prompts_per_step, args.group_size
-    torch.manual_seed(step_seed(args.seed, step))
-    problems = random.Random(step_seed(args.seed, step)).sample(train_rows, min(P, len(train_rows)))
+    torch.manual_seed(step_seed(args.rl_seed, step))
+    problems = random.Random(step_seed(args.rl_seed, step)).sample(train_rows, min(P, len(train_rows)))
     P = len(problems)
 
     # 1) rollouts and 2) rewards
@@ -428,31 +446,44 @@ def train_step(model, optimizer, tokenizer, grader, train_rows, step, args):
     rewards = compute_rewards(grader, batch["texts"], [r["answer"] for r in problems for _ in range(G)]).view(P, G)
     reward_s = time.time() - t0 - gen_s
 
-    # 3) advantages + sample selection (N from the schedule)
+    # 3) advantages + sample selection (N and K from the method's budget)
     t1 = time.time()
-    rule, n_keep, k_frac = schedule(step, args)
-    keep, adv = d3s.select_samples(rewards, n_keep, rule, generator=torch.Generator().manual_seed(step_seed(args.seed, step, 1)))
+    n_keep, k_frac = budget(step, args)
+    keep, adv = d3s.select_samples(rewards, n_keep, args.method,
+                                   generator=torch.Generator().manual_seed(step_seed(args.rl_seed, step, 1)))
     kept_rows = keep.view(-1).nonzero().squeeze(-1)  # [B] indices of the kept rollouts
     kept = take_rows(batch, kept_rows)
     kept_adv = adv.view(-1)[kept_rows]  # [B]
-    response_mask = kept["response_mask"]
+    response_mask = kept["response_mask"]  # [B, T]
 
-    # 4) forward the kept rollouts, 5) token selection on |A| * H, 6) loss and update
-    grad_norms, clip_fracs, losses, skipped = [], [], [], 0
-    for update in range(args.updates_per_batch):
-        logp, entropy = forward_logprobs_entropy(model, kept, args.temperature, with_entropy=update == 0)
-        if update == 0:
-            old_logp = logp.detach()  # on-policy: the ratio of the first update is exactly 1
-            token_scores = kept_adv.abs().unsqueeze(-1) * entropy  # |A_{i,t}| * H_{i,t}, [B, T]
-            token_scores = token_scores.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)  # a NaN forward: the loss is NaN too, the update is skipped
-            token_keep = d3s.select_tokens(token_scores, response_mask, k_frac, scope=args.token_scope)
-            entropy_mean = float((entropy * response_mask).sum() / response_mask.sum())
-            entropy_kept = float(entropy[token_keep].mean()) if token_keep.any() else 0.0
-        loss, stats = d3s.policy_loss(logp, old_logp, kept_adv, token_keep, kind=args.loss,
-                                      clip_low=args.clip_low, clip_high=args.clip_high)
+    # 4) pass 1, no grad: old log-probs (the policy that sampled), entropy, reference log-probs
+    with torch.no_grad():
+        old_logp, entropy = forward_logprobs_entropy(model, kept, args.temperature)  # [B, T] each
+        ref_logp, _ = forward_logprobs_entropy(ref_model, kept, args.temperature, with_entropy=False)
+
+    # 5) token selection: top K of |A_{i,t}| * H_{i,t} over the whole batch
+    token_scores = kept_adv.abs().unsqueeze(-1) * entropy  # [B, T]
+    token_scores = token_scores.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)  # a NaN forward: the loss is NaN too, the update is skipped
+    token_keep = d3s.select_tokens(token_scores, response_mask, k_frac, scope=args.token_scope,
+                                   min_per_seq=int(args.min_token_per_response))  # [B, T]
+
+    # 6) M mini-batches of the kept rollouts (in order), one optimizer step each. The loss of a
+    #    mini-batch divides by its own selected tokens (or responses): the normalizer is per
+    #    optimizer step. Mini-batch 1 is on-policy (w = 1); the later ones see the updated policy.
+    grad_norms, clip_fracs, losses, kls, skipped = [], [], [], [], 0
+    for rows in torch.arange(len(kept_rows)).tensor_split(args.mini_batches):
+        if not bool(token_keep[rows].any()):  # no selected token in this part: nothing to learn from
+            continue
+        part = take_rows(kept, rows)  # trimmed to its longest response
+        width = part["response_ids"].shape[1]
+        logp, _ = forward_logprobs_entropy(model, part, args.temperature, with_entropy=False)  # [b, width], with grad
+        loss, stats = d3s.policy_loss(logp, old_logp[rows, :width], kept_adv[rows], token_keep[rows, :width], kind=args.loss,
+                                      clip_low=args.clip_low, clip_high=args.clip_high, ref_logp=ref_logp[rows, :width],
+                                      beta=args.kl_coef, agg=args.loss_agg)
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
         clip_fracs.append(stats["clip_frac"])
+        kls.append((stats["kl"], stats["tokens"]))
         if not math.isfinite(losses[-1]):  # never apply a NaN/inf loss: skip the update, log it
             skipped += 1
             continue
@@ -467,28 +498,36 @@ def train_step(model, optimizer, tokenizer, grader, train_rows, step, args):
     optimizer.zero_grad(set_to_none=True)
 
     gen_tokens = int(batch["response_mask"].sum())
+    fwd_tokens = int(response_mask.sum())
     kept_tokens = int(token_keep.sum())
-    return {
+    metrics = {
         "kind": "train", "step": step,
         "reward_mean": float(rewards.mean()),
         "acc_train": float(rewards.mean()),  # the reward is correctness (0/1): the same number
         "groups_mixed": float((rewards.amax(-1) > rewards.amin(-1)).float().mean()),  # groups with signal
         "n_keep": n_keep, "k_frac": k_frac,
+        "k_real": kept_tokens / max(fwd_tokens, 1),  # realised fraction of the forwarded tokens
         "kept_samples": int(kept_rows.numel()),
+        "sur": d3s.usefulness_rate(adv, keep),  # Sample Usefulness Rate: kept rollouts with A != 0
         "kept_tokens": kept_tokens,  # tokens in the loss
-        "fwd_tokens": int(response_mask.sum()),  # response tokens forwarded (compute scales with these)
+        "fwd_tokens": fwd_tokens,  # response tokens forwarded (compute scales with these)
         "gen_tokens": gen_tokens,  # response tokens generated
         "kept_tokens_frac": kept_tokens / max(gen_tokens, 1),
         "kept_adv_var": d3s.kept_variance(adv, keep),
         "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else float("nan"),
-        "entropy_mean": entropy_mean, "entropy_kept": entropy_kept,
-        "clip_frac": sum(clip_fracs) / len(clip_fracs),
-        "loss": sum(losses) / len(losses),
+        "entropy_mean": float((entropy * response_mask).sum() / response_mask.sum().clamp(min=1)),  # all forwarded tokens
+        "entropy_kept": float(entropy[token_keep].mean()) if token_keep.any() else 0.0,  # the selected tokens
+        "kl_ref": sum(k * n for k, n in kls) / max(sum(n for _, n in kls), 1.0),  # k3 to the warm start, selected tokens
+        "clip_frac": sum(clip_fracs) / max(len(clip_fracs), 1),
+        "clip_frac_by_minibatch": clip_fracs,
+        "loss": sum(losses) / max(len(losses), 1),
+        "updates": len(grad_norms) - sum(not math.isfinite(g) for g in grad_norms),
         "skipped": skipped > 0,
         "response_len": gen_tokens / rewards.numel(),
         "grader_timeouts": grader.timeouts,
         "gen_s": round(gen_s, 3), "reward_s": round(reward_s, 3), "train_s": round(time.time() - t1, 3),
     }
+    return metrics
 
 
 # ---------------------------------------------------------------------------------------------
@@ -496,7 +535,7 @@ def train_step(model, optimizer, tokenizer, grader, train_rows, step, args):
 # ---------------------------------------------------------------------------------------------
 def evaluate(model, tokenizer, grader, eval_rows, step, args):
     t0 = time.time()
-    torch.manual_seed(step_seed(args.seed, step, 2))
+    torch.manual_seed(step_seed(args.rl_seed, step, 2))
     prompts = [format_prompt(r["problem"], args.template) for r in eval_rows]
     golds = [r["answer"] for r in eval_rows]
     n, chunk = args.eval_samples, max(1, args.gen_batch // args.eval_samples)
@@ -523,10 +562,11 @@ def evaluate(model, tokenizer, grader, eval_rows, step, args):
 # ---------------------------------------------------------------------------------------------
 # Checkpoints (atomic) and metrics
 # ---------------------------------------------------------------------------------------------
-TRAJECTORY_FLAGS = ("method", "loss", "steps", "seed", "model", "template", "hidden_size", "num_layers", "train_file",
-                    "train_size", "sft_steps", "sft_lr", "sft_batch", "prompts_per_step", "group_size", "n_init",
-                    "n_final", "k_init", "k_final", "no_schedule", "static_n", "static_k", "token_scope", "lr",
-                    "max_grad_norm", "clip_low", "clip_high", "updates_per_batch", "temperature", "max_new_tokens")
+TRAJECTORY_FLAGS = ("method", "loss", "steps", "seed", "rl_seed", "model", "template", "hidden_size", "num_layers",
+                    "train_file", "train_size", "sft_steps", "sft_lr", "sft_batch", "prompts_per_step", "group_size",
+                    "n_init", "n_final", "k_init", "k_final", "static_n", "static_k", "token_scope",
+                    "min_token_per_response", "lr", "max_grad_norm", "loss_agg", "clip_low", "clip_high", "mini_batches",
+                    "kl_coef", "temperature", "max_new_tokens")
 
 
 def save_checkpoint(path, model, optimizer, step, args, totals):
@@ -582,6 +622,7 @@ def run(args, train_rows=None, eval_rows=None, warm=None):
     if train_rows is None:
         train_rows, eval_rows = load_data(args)
     model, tokenizer, warm_info = warm or load_warm_start(args, train_rows)
+    ref_model = copy.deepcopy(model).eval().requires_grad_(False)  # the warm start: reference of the logged KL
     os.makedirs(args.out, exist_ok=True)
     metrics_path, ckpt_path = os.path.join(args.out, "metrics.jsonl"), os.path.join(args.out, "checkpoint.pt")
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
@@ -603,10 +644,10 @@ def run(args, train_rows=None, eval_rows=None, warm=None):
         if start_step == 0:
             log_metrics(metrics_path, {**evaluate(model, tokenizer, grader, eval_rows, 0, args), **totals,
                                        "warm_start": {k: v for k, v in warm_info.items() if k != "cached"}})
-        bar = tqdm(range(start_step + 1, args.steps + 1), desc=f"{args.method} ({args.loss})", dynamic_ncols=True,
+        bar = tqdm(range(start_step + 1, args.steps + 1), desc=f"{args.method} ({args.loss}, seed {args.rl_seed})", dynamic_ncols=True,
                    initial=start_step, total=args.steps)
         for step in bar:
-            m = train_step(model, optimizer, tokenizer, grader, train_rows, step, args)
+            m = train_step(model, ref_model, optimizer, tokenizer, grader, train_rows, step, args)
             totals["samples"] += m["kept_samples"]
             totals["tokens"] += m["kept_tokens"]
             totals["fwd_tokens"] += m["fwd_tokens"]
@@ -643,6 +684,8 @@ def write_summary(args, lines, warm_info, totals, timeouts, rl_s, wall_s):
     first, last = evals[0], evals[-1]
     summary = {
         "method": args.method, "loss": args.loss, "steps": args.steps, "out": args.out,
+        "evals": [{"step": m["step"], "pass1_mean": m["eval_pass1_mean"], "greedy_pass1": m["eval_greedy_pass1"],
+                   "rl_s": m["gen_s"] + m["train_s"], "tokens": m["tokens"]} for m in evals],
         "warm_start": {"greedy_pass1": first["eval_greedy_pass1"], "pass1_mean": first["eval_pass1_mean"],
                        "passk": first["eval_passk"], "train_reward_step1": train[0]["reward_mean"] if train else None,
                        **{k.replace("eval_pass1_mean_", ""): v for k, v in first.items() if k.startswith("eval_pass1_mean_level")},
@@ -655,6 +698,11 @@ def write_summary(args, lines, warm_info, totals, timeouts, rl_s, wall_s):
         "samples_trained": totals["samples"], "tokens_trained": totals["tokens"], "tokens_forwarded": totals["fwd_tokens"],
         "mean_grad_norm": sum(m["grad_norm"] for m in train if math.isfinite(m["grad_norm"])) / max(len(train), 1),
         "mean_kept_adv_var": sum(m["kept_adv_var"] for m in train) / max(len(train), 1),
+        "mean_sur": sum(m["sur"] for m in train) / max(len(train), 1),
+        "mean_k_frac": sum(m["k_frac"] for m in train) / max(len(train), 1),
+        "mean_k_real": sum(m["k_real"] for m in train) / max(len(train), 1),
+        "final_kl_ref": train[-1]["kl_ref"] if train else 0.0,
+        "rl_seed": args.rl_seed,
         "skipped_updates": totals["skipped"], "grader_timeouts": timeouts,
         "gen_s": round(totals["gen_s"], 1), "train_s": round(totals["train_s"], 1),
         "rl_s": round(rl_s, 1), "wall_s": round(wall_s, 1),
@@ -676,74 +724,122 @@ def write_summary(args, lines, warm_info, totals, timeouts, rl_s, wall_s):
 
 
 def compare(args):
-    """Every method of --compare from the same warm start and seed; compare.md + compare.png in --out."""
+    """Every method of --compare from the same warm start, for --seeds RL seeds each, into
+    OUT/<method>/seed<S>/; then OUT/compare.md (mean ± std over seeds) and OUT/compare.png."""
     t0 = time.time()
     methods = args.compare.split(",")
+    seeds = [args.rl_seed + i for i in range(args.seeds)]
     train_rows, eval_rows = load_data(args)
     _, _, warm_info = load_warm_start(args, train_rows)  # build the cache once, outside the timed runs
-    summaries = {}
-    for method in methods:
-        sub = copy.copy(args)
-        sub.method, sub.out, sub.compare = method, os.path.join(args.out, method), None
-        done = os.path.join(sub.out, "summary.json")
-        if args.resume and os.path.exists(done) and read_metrics(os.path.join(sub.out, "metrics.jsonl"))[-1]["step"] == args.steps:
-            with open(done) as f:
-                summaries[method] = json.load(f)  # finished before the kill
-            continue
-        sub.resume = args.resume and os.path.exists(os.path.join(sub.out, "checkpoint.pt"))
-        summaries[method] = run(sub, train_rows, eval_rows, warm=load_warm_start(sub, train_rows))
-    write_compare(args, methods, summaries, warm_info, time.time() - t0)
+    summaries = {m: [] for m in methods}
+    for seed in seeds:  # seed-major: an interrupted compare has every method of the first seeds
+        for method in methods:
+            sub = copy.copy(args)
+            sub.method, sub.rl_seed, sub.compare = method, seed, None
+            sub.out = os.path.join(args.out, method, f"seed{seed}")
+            done = os.path.join(sub.out, "summary.json")
+            lines = read_metrics(os.path.join(sub.out, "metrics.jsonl"))
+            if args.resume and os.path.exists(done) and lines and lines[-1]["step"] == args.steps:
+                with open(done) as f:
+                    summaries[method].append(json.load(f))  # finished before the kill
+                continue
+            sub.resume = args.resume and os.path.exists(os.path.join(sub.out, "checkpoint.pt"))
+            summaries[method].append(run(sub, train_rows, eval_rows, warm=load_warm_start(sub, train_rows)))
+    write_compare(args, methods, seeds, summaries, time.time() - t0)
     return summaries
 
 
-def write_compare(args, methods, summaries, warm_info, total_s):
+def mean_std(values, fmt="%.3f"):
+    """'m ± s' over seeds (sample std; just 'm' for one seed)."""
+    m = sum(values) / len(values)
+    if len(values) < 2:
+        return fmt % m
+    s = math.sqrt(sum((v - m) ** 2 for v in values) / (len(values) - 1))
+    return f"{fmt % m} ± {fmt % s}"
+
+
+def time_to_target(base, summary):
+    """(step, RL seconds) of the first evaluation after step 0 at which `summary` reaches the
+    best held-out Pass@1 (mean of n) of `base` (the same seed's baseline run), or None."""
+    best = max((e["pass1_mean"] for e in base["evals"] if e["step"] > 0), default=None)
+    if best is None:
+        return None
+    return next(((e["step"], e["rl_s"]) for e in summary["evals"] if e["step"] > 0 and e["pass1_mean"] >= best - 1e-12), None)
+
+
+def write_compare(args, methods, seeds, summaries, total_s):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    s0 = summaries[methods[0]]
+    s0 = summaries[methods[0]][0]
     k, n = s0["final"]["k"], s0["final"]["n"]
-    rows = [f"| method | held-out greedy Pass@1 | Pass@1 (mean of {n}) | Pass@{k} | best greedy Pass@1 | "
-            f"rollouts trained | tokens in loss | tokens forwarded | mean grad norm | RL time (s) |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+    base = "grpo" if "grpo" in methods else methods[0]
+    S = len(seeds)
+    rows = [f"| method | Pass@1 (mean of {n}) | greedy Pass@1 | Pass@{k} | best Pass@1 | steps to {base}'s best | "
+            f"RL s to {base}'s best | rollouts trained | tokens in loss | tokens forwarded | SUR | K realised / scheduled | "
+            f"mean grad norm | update s |", "|" + "---|" * 14]
     for m in methods:
-        s = summaries[m]
-        rows.append(f"| {m} | {s['final']['greedy_pass1']:.3f} | {s['final']['pass1_mean']:.3f} | {s['final']['passk']:.3f} | "
-                    f"{s['best_greedy_pass1']:.3f} | {s['samples_trained']} | {s['tokens_trained']} | {s['tokens_forwarded']} | "
-                    f"{s['mean_grad_norm']:.3f} | {s['rl_s']:.0f} |")
+        runs = summaries[m]
+        col = lambda f, fmt="%.3f": mean_std([f(s) for s in runs], fmt)  # noqa: E731
+        hits = [time_to_target(b, s) for b, s in zip(summaries[base], runs)]
+        reached = [h for h in hits if h is not None]
+        steps_to = f"{mean_std([h[0] for h in reached], '%.0f')} ({len(reached)}/{S})" if reached else f"never (0/{S})"
+        secs_to = f"{mean_std([h[1] for h in reached], '%.0f')}" if reached else "never"
+        rows.append(f"| {m} | {col(lambda s: s['final']['pass1_mean'])} | {col(lambda s: s['final']['greedy_pass1'])} | "
+                    f"{col(lambda s: s['final']['passk'])} | {col(lambda s: max(e['pass1_mean'] for e in s['evals']))} | "
+                    f"{steps_to} | {secs_to} | {col(lambda s: s['samples_trained'], '%.0f')} | "
+                    f"{col(lambda s: s['tokens_trained'], '%.0f')} | {col(lambda s: s['tokens_forwarded'], '%.0f')} | "
+                    f"{col(lambda s: s['mean_sur'], '%.2f')} | {col(lambda s: s['mean_k_real'])} / "
+                    f"{col(lambda s: s['mean_k_frac'])} | {col(lambda s: s['mean_grad_norm'])} | "
+                    f"{col(lambda s: s['train_s'], '%.0f')} |")
     w = s0["warm_start"]
     text = "\n".join([
-        f"# train_small.py --compare ({args.loss} loss, {args.steps} steps, seed {args.seed})", "",
+        f"# train_small.py --compare ({args.loss} loss, {args.steps} steps, {S} RL seed{'s' * (S > 1)}: "
+        f"{', '.join(map(str, seeds))})", "",
         f"Command: `{args.command}`  ",
         f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__} with {torch.get_num_threads()} threads; "
         f"total time {total_s / 60:.1f} min.  ",
-        f"Warm start (same for every method): held-out greedy Pass@1 {w['greedy_pass1']:.3f}, Pass@1 mean@{n} "
+        f"Warm start (the same for every run): held-out greedy Pass@1 {w['greedy_pass1']:.3f}, Pass@1 mean@{n} "
         f"{w['pass1_mean']:.3f}, Pass@{k} {w['passk']:.3f}; by level (mean@{n}): "
         + ", ".join(f"{key} {v:.2f}" for key, v in w.items() if key.startswith("level")) + ".", "",
         *rows, "",
-        f"Held-out set: {args.eval_size} problems; Pass@1 (mean) and Pass@{k} from {n} samples at temperature "
-        f"{args.temperature}. Tokens in loss: the response tokens that token selection kept; tokens forwarded: the "
-        f"response tokens of the kept rollouts (the forward/backward cost).", ""])
+        f"Mean ± std over the {S} seeds (same warm start, data and held-out set; the seed sets prompt order, sampling and "
+        f"random selection). Held-out set: {args.eval_size} problems; Pass@1 (mean) and Pass@{k} from {n} samples at "
+        f"temperature {args.temperature}, every {args.eval_every} steps. 'Steps to {base}'s best': the first evaluation "
+        f"(after step 0) at which a run reaches the best Pass@1 (mean of {n}) of the same seed's {base} run, with the "
+        f"seeds that reach it counted; 'RL s' is the generation + grading + update time up to then (evaluation excluded). "
+        f"Tokens in loss: the response tokens that token selection kept; tokens forwarded: the response tokens of the "
+        f"kept rollouts (the forward/backward cost). SUR: the share of trained rollouts with a non-zero advantage. "
+        f"Update s: forward, backward and optimizer time of the whole run.", ""])
     with open(os.path.join(args.out, "compare.md"), "w") as f:
         f.write(text)
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     for i, m in enumerate(methods):
-        evals = [e for e in read_metrics(os.path.join(args.out, m, "metrics.jsonl")) if e["kind"] == "eval"]
-        for key, style in (("eval_greedy_pass1", "-"), ("eval_pass1_mean", "--")):
-            label = f"{m} greedy" if style == "-" else f"{m} mean@{n}"
-            axes[0].plot([e["step"] for e in evals], [e[key] for e in evals], style, color=f"C{i}", label=label)
-            axes[1].plot([e["tokens"] for e in evals], [e[key] for e in evals], style, color=f"C{i}", label=label)
-    axes[0].set_xlabel("RL step")
-    axes[1].set_xlabel("training tokens (in the loss, cumulative)")
-    axes[1].set_xscale("symlog", linthresh=1000)
+        color, style = f"C{i % 10}", "-" if d3s.LADDER[m][2] else "--"  # dashed: no token selection
+        evals = [s["evals"] for s in summaries[m]]
+        steps = [e["step"] for e in evals[0]]
+        acc = torch.tensor([[e["pass1_mean"] for e in ev] for ev in evals])  # [seeds, evals]
+        secs = torch.tensor([[e["rl_s"] for e in ev] for ev in evals]).mean(0)
+        train = [[t for t in read_metrics(os.path.join(s["out"], "metrics.jsonl")) if t["kind"] == "train"] for s in summaries[m]]
+        gnorm = torch.tensor([[t["grad_norm"] for t in tr] for tr in train])  # [seeds, steps]
+        for ax, x, y in ((axes[0], steps, acc), (axes[1], secs.tolist(), acc),
+                         (axes[2], [t["step"] for t in train[0]], gnorm)):
+            mean, std = y.mean(0), (y.std(0) if len(y) > 1 else torch.zeros(y.shape[1]))
+            ax.plot(x, mean, style, color=color, label=m, lw=1.3)
+            ax.fill_between(x, mean - std, mean + std, color=color, alpha=0.12, lw=0)
+    axes[0].set(xlabel="RL step", ylabel=f"held-out Pass@1 (mean of {n})")
+    axes[1].set(xlabel="RL seconds (generate + grade + update)", ylabel=f"held-out Pass@1 (mean of {n})")
+    axes[2].set(xlabel="RL step", ylabel="gradient norm before clipping", yscale="log")
     for ax in axes:
-        ax.set_ylabel("held-out Pass@1")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7, ncol=2)
-    fig.suptitle(f"train_small.py: tiny Qwen2 on arithmetic, {args.loss} loss, seed {args.seed}")
+    fig.suptitle(f"train_small.py: tiny Qwen2 on arithmetic, {args.loss} loss, mean ± std over {S} seed{'s' * (S > 1)}")
     fig.tight_layout()
-    fig.savefig(os.path.join(args.out, "compare.png"), dpi=120)
+    fig.savefig(os.path.join(args.out, "compare.png"), dpi=100)
+    plt.close(fig)
     print("\n" + text + f"\nwrote {os.path.join(args.out, 'compare.md')} and compare.png")
 
 

@@ -172,10 +172,18 @@ def test_help_documents_every_flag_with_its_default(capsys):
     text = " ".join(capsys.readouterr().out.split())  # undo argparse's line wrapping
     for flag in ("--method", "--loss", "--steps", "--compare", "--resume", "--model", "--train-file", "--eval-file",
                  "--out", "--group-size", "--prompts-per-step", "--n-init", "--n-final", "--k-init", "--k-final",
-                 "--no-schedule", "--token-scope", "--lr", "--clip-low", "--clip-high", "--temperature",
-                 "--max-new-tokens", "--eval-every", "--eval-samples", "--save-every", "--seed"):
+                 "--static-n", "--static-k", "--token-scope", "--min-token-per-response", "--lr", "--clip-low",
+                 "--clip-high", "--loss-agg", "--mini-batches", "--kl-coef", "--temperature", "--max-new-tokens",
+                 "--eval-every", "--eval-samples", "--save-every", "--seed", "--rl-seed", "--seeds"):
         assert flag in text
     assert "(default: d3s)" in text and "paper: 8" in text
+    assert "[inferred] from N_final = 32" in text and "DAPO's clip-higher" in text and "[recipe]" in text
+    for method in ("grpo", "d1s", "d1s-cross", "d2s", "d3s", "d3s-i", "pods", "random"):
+        assert method in text
+
+
+def test_the_old_name_d3s_static_points_to_d2s(tmp_path, capsys):
+    assert "d2s" in _bad_input(tmp_path, capsys, ["--method", "d3s-static"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -188,8 +196,9 @@ def test_one_minute_run_trains_evaluates_and_saves(tmp_path, cache_dir):
     train = [m for m in lines if m["kind"] == "train"]
     evals = [m for m in lines if m["kind"] == "eval"]
     assert [m["step"] for m in train] == [1, 2, 3] and [m["step"] for m in evals] == [0, 3]
-    for key in ("reward_mean", "acc_train", "n_keep", "k_frac", "kept_samples", "kept_tokens", "kept_tokens_frac",
-                "kept_adv_var", "grad_norm", "entropy_mean", "clip_frac", "loss", "skipped", "gen_s", "train_s"):
+    for key in ("reward_mean", "acc_train", "n_keep", "k_frac", "k_real", "kept_samples", "kept_tokens", "kept_tokens_frac",
+                "kept_adv_var", "sur", "grad_norm", "entropy_mean", "entropy_kept", "kl_ref", "clip_frac",
+                "clip_frac_by_minibatch", "loss", "skipped", "gen_s", "train_s"):
         assert key in train[0]
     for key in ("eval_greedy_pass1", "eval_pass1_mean", "eval_passk", "k"):
         assert key in evals[-1]
@@ -240,3 +249,78 @@ def test_a_nan_loss_skips_the_update_and_is_logged(tmp_path, cache_dir, two_answ
     assert any(m["kept_adv_var"] > 0 for m in train)  # there was a gradient to apply
     final, warm = load_state(out / "final"), load_state(summary["warm_start"]["path"])
     assert all(torch.equal(final[name], warm[name]) for name in warm)  # ... and it was not applied
+
+
+# ---------------------------------------------------------------------------------------------
+# The paper's pieces on this rung: realised K, mini-batches (clipping and GSPO act), KL, --seeds
+# ---------------------------------------------------------------------------------------------
+def _run(tmp_path, cache_dir, data, name, extra):
+    train_file, eval_file = data
+    out = tmp_path / name
+    train_small.main(TINY + ["--train-file", train_file, "--eval-file", eval_file, "--cache-dir", cache_dir,
+                             "--out", str(out)] + extra)
+    return [m for m in read_jsonl(out / "metrics.jsonl") if m["kind"] == "train"], load_state(out / "final")
+
+
+def test_realised_token_fraction_is_the_scheduled_k_within_one_token(tmp_path, cache_dir, two_answer_data):
+    train, _ = _run(tmp_path, cache_dir, two_answer_data, "k", ["--steps", "3", "--method", "d3s"])
+    for m in train:
+        assert abs(m["k_real"] * m["fwd_tokens"] - m["k_frac"] * m["fwd_tokens"]) < 1.0, m
+        assert m["kept_tokens"] == round(m["k_real"] * m["fwd_tokens"])
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_with_one_mini_batch_gspo_and_grpo_give_the_same_update(tmp_path, cache_dir, two_answer_data, agg):
+    common = ["--steps", "2", "--method", "grpo", "--mini-batches", "1", "--loss-agg", agg]
+    grpo_train, grpo = _run(tmp_path, cache_dir, two_answer_data, "grpo", common + ["--loss", "grpo"])
+    gspo_train, gspo = _run(tmp_path, cache_dir, two_answer_data, "gspo", common + ["--loss", "gspo"])
+    assert all(m["clip_frac"] == 0.0 for m in grpo_train + gspo_train)  # on-policy: the ratio is 1
+    for name in grpo:
+        torch.testing.assert_close(grpo[name], gspo[name], rtol=1e-6, atol=1e-7)
+
+
+def test_with_several_mini_batches_gspo_clips_on_the_later_ones_and_differs_from_grpo(tmp_path, cache_dir, two_answer_data):
+    common = ["--steps", "2", "--method", "grpo", "--mini-batches", "2", "--loss-agg", "token-mean"]
+    _, grpo = _run(tmp_path, cache_dir, two_answer_data, "grpo", common + ["--loss", "grpo"])
+    gspo_train, gspo = _run(tmp_path, cache_dir, two_answer_data, "gspo", common + ["--loss", "gspo"])
+    for m in gspo_train:
+        assert len(m["clip_frac_by_minibatch"]) == 2 and m["updates"] == 2
+        assert m["clip_frac_by_minibatch"][0] == 0.0  # the first mini-batch is on-policy
+        assert m["clip_frac_by_minibatch"][1] > 0.0  # the second sees the updated policy: GSPO's 3e-4/4e-4 binds
+    assert any(not torch.allclose(grpo[name], gspo[name], rtol=1e-4, atol=1e-6) for name in grpo)
+
+
+def test_kl_to_the_warm_start_is_zero_before_training_and_grows(tmp_path, cache_dir, two_answer_data):
+    train, _ = _run(tmp_path, cache_dir, two_answer_data, "kl", ["--steps", "3", "--method", "grpo", "--mini-batches", "1"])
+    assert train[0]["kl_ref"] == 0.0  # step 1, one mini-batch: the policy is still the warm start
+    assert train[-1]["kl_ref"] > 0.0
+
+
+def test_compare_over_seeds_writes_mean_std_and_steps_to_grpos_best(tmp_path, cache_dir, two_answer_data):
+    train_file, eval_file = two_answer_data
+    out = tmp_path / "cmp"
+    summaries = train_small.main(TINY + ["--steps", "3", "--train-file", train_file, "--eval-file", eval_file,
+                                         "--cache-dir", cache_dir, "--out", str(out), "--compare", "grpo,d3s", "--seeds", "2"])
+    assert set(summaries) == {"grpo", "d3s"} and all(len(runs) == 2 for runs in summaries.values())
+    for method in ("grpo", "d3s"):
+        for seed in (0, 1):
+            assert (out / method / f"seed{seed}" / "summary.json").exists()
+    assert summaries["grpo"][0]["rl_seed"] == 0 and summaries["grpo"][1]["rl_seed"] == 1
+    assert summaries["grpo"][0]["warm_start"]["path"] == summaries["d3s"][1]["warm_start"]["path"]  # one warm start
+    table = (out / "compare.md").read_text()
+    assert "steps to grpo's best" in table and "RL s to grpo's best" in table and " ± " in table
+    grpo_row = next(line for line in table.splitlines() if line.startswith("| grpo |"))
+    assert "(2/2)" in grpo_row  # grpo reaches its own best in every seed, by definition
+    assert (out / "compare.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_time_to_target_is_the_first_evaluation_at_the_baselines_best():
+    base = {"evals": [{"step": 0, "pass1_mean": 0.9, "rl_s": 0}, {"step": 10, "pass1_mean": 0.5, "rl_s": 5},
+                      {"step": 20, "pass1_mean": 0.6, "rl_s": 9}]}
+    fast = {"evals": [{"step": 0, "pass1_mean": 0.9, "rl_s": 0}, {"step": 10, "pass1_mean": 0.6, "rl_s": 4},
+                      {"step": 20, "pass1_mean": 0.7, "rl_s": 8}]}
+    slow = {"evals": [{"step": 0, "pass1_mean": 0.9, "rl_s": 0}, {"step": 10, "pass1_mean": 0.4, "rl_s": 6},
+                      {"step": 20, "pass1_mean": 0.59, "rl_s": 12}]}
+    assert train_small.time_to_target(base, base) == (20, 9)  # step 0 does not count
+    assert train_small.time_to_target(base, fast) == (10, 4)
+    assert train_small.time_to_target(base, slow) is None
