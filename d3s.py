@@ -432,7 +432,7 @@ def kl_k3(logp, ref_logp):
     tensor([0.0000, 0.7183])
     """
     d = ref_logp - logp
-    return torch.exp(d) - d - 1
+    return torch.expm1(d) - d  # = exp(d) - 1 - d, without the cancellation of exp(d) - 1 at small d
 
 
 def policy_loss(logp, old_logp, adv, mask, kind="grpo", clip_low=None, clip_high=None,

@@ -14,21 +14,27 @@ ALGORITHM.md section 6, every algorithmic piece a call into d3s.py:
   3 samples   all_gather the rewards -> d3s.select_samples on the GLOBAL [P, G] batch with N
               from d3s.dynamic_schedule; each rank keeps its own rows of the kept set
   4 pass 1    no-grad forward of the kept rollouts only: old log-probs + d3s.token_entropy
-  5 tokens    scores |A| * H, gathered from all ranks -> d3s.select_tokens once, globally;
-              the loss normalizer (number of selected tokens) is summed over all ranks
-  6 pass 2    micro-batched forward/backward of d3s.policy_loss(normalizer=global count),
-              FSDP sums the gradients, clip, AdamW (skipped if not finite on any rank)
+              (+ the reference's log-probs with --kl-ref)
+  5 tokens    scores |A| * H, gathered from all ranks -> d3s.select_tokens once, globally
+  6 pass 2    the kept rollouts in M mini-batches (global order), one optimizer step each:
+              micro-batched forward/backward of d3s.policy_loss(normalizer = the mini-batch's
+              selected tokens summed over all ranks), FSDP sums the gradients, clip, AdamW
+              (skipped if not finite on any rank). Mini-batch 1 is on-policy (ratio 1); the
+              later ones are off-policy, which is where clipping and GSPO act.
   7 sync      the FSDP shards are gathered tensor by tensor into vLLM (reload_weights),
               then the prefix cache is reset
 
 The kept rollouts and tokens do not depend on the number of ranks: the prompt order, the
 sampling seeds (one per prompt) and both selections are functions of the global batch.
 
-Left out on purpose: the KL term (beta = 0 in the recipe, so no reference model), several
-updates per batch (on-policy, w = 1: clipping never binds), tensor-parallel vLLM (a 7B model
-fits one GPU), sequence packing. Defaults marked [paper] are stated in the D3S paper, [recipe]
-come from the common Qwen2.5-Math-7B zero-RL recipe (SimpleRL-Zoo / Dr.GRPO), [choice] are
-this repo's where neither says.
+Methods are the rows of d3s.LADDER: the paper's ablation ladder grpo -> d1s -> d1s-cross -> d2s
+-> d3s, plus d3s-i, pods and a random control.
+
+Left out on purpose: a reference model by default (beta = 0 in the recipe; --kl-ref loads one
+to measure the KL), tensor-parallel vLLM (a 7B model fits one GPU), sequence packing. Defaults
+marked [paper] are stated in the D3S paper, [recipe] come from the common Qwen2.5-Math-7B
+zero-RL recipe (SimpleRL-Zoo / Dr.GRPO / verl's examples), [inferred] follow from the paper
+without being stated, [choice] are this repo's where neither says.
 """
 
 import argparse
@@ -53,15 +59,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SHARED_DATA = os.path.normpath(os.path.join(HERE, "..", "shared", "data"))
 BENCHMARKS = ("aime24", "aime25", "amc23", "gsm8k", "math500", "minerva_math", "olympiadbench")
 TEMPLATES = {"qwen-math": QWEN_MATH_TEMPLATE, "plain": PLAIN_TEMPLATE}
-# method -> (rule for d3s.select_samples, N per prompt: "all" | "schedule" | "static", token selection?)
-METHODS = {
-    "grpo": ("grpo", "all", False),  # GRPO: every rollout, every token
-    "random": ("random", "schedule", False),  # control: uniform N of G, N on D3S's schedule
-    "pods": ("pods", "static", False),  # PODS: max-variance N of G by reward, A recomputed
-    "d3s-i": ("d3s-i", "schedule", True),  # D3S, intra-group samples + tokens + schedule
-    "d3s": ("d3s", "schedule", True),  # D3S, cross-group samples + tokens + schedule
-    "d3s-static": ("d3s", "static", True),  # D3S without the schedule: N, K fixed at the midpoint
-}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -79,9 +76,11 @@ def parse_args(argv=None):
     # what to train, on what
     a("--model", default="Qwen/Qwen2.5-Math-7B", help="[paper] HF hub name or local folder of the policy "
       "(with --eval-only: the model to evaluate, e.g. an hf_final/ export)")
-    a("--method", default="d3s", choices=list(METHODS), help="[paper] what to train on: grpo (all), random, pods, "
-      "d3s-i (intra-group), d3s (cross-group), d3s-static (no schedule)")
-    a("--loss", default="grpo", choices=["grpo", "gspo"], help="[paper] token-ratio GRPO or sequence-ratio GSPO surrogate")
+    a("--method", default="d3s", choices=list(d3s.METHODS), help="[paper] what to train on, a row of d3s.LADDER: grpo "
+      "(all), d1s (intra-group samples, static N), d1s-cross (cross-group), d2s (+ top-K tokens, static K), d3s (+ the "
+      "schedule), d3s-i (intra-group + tokens + schedule), pods (max-variance by reward, A recomputed), random (control)")
+    a("--loss", default="grpo", choices=["grpo", "gspo"], help="[paper] token-ratio GRPO or sequence-ratio GSPO surrogate "
+      "(GSPO needs --mini-batches > 1 to differ from GRPO)")
     a("--rollout", default="vllm", choices=["vllm", "hf"], help="[choice] rollout engine: vLLM (colocated, sleep mode on "
       "CUDA) or HF generate (for machines without vLLM; slow)")
     a("--train-data", default=default_train, help="[recipe] MATH levels 3-5: local JSONL/JSON/Parquet with problem/answer, "
@@ -101,26 +100,40 @@ def parse_args(argv=None):
       "32 prompts/step); the D3S schedule runs over these")
     a("--prompts-per-step", type=int, default=32, help="[choice] P: prompts per optimizer step over all ranks (32 x 32 = "
       "1024 rollouts, as Dr.GRPO's 128 x 8); must be divisible by the number of ranks")
-    a("--group-size", type=int, default=32, help="[paper] G: rollouts per prompt (N's schedule ends at 32, so G >= 32)")
+    a("--group-size", type=int, default=32, help="[inferred] G: rollouts per prompt, from N_final = 32 (the paper states no "
+      "G; its N schedule ends at 32, so G >= 32)")
     a("--n-init", type=int, default=8, help="[paper] D3S schedule: rollouts kept per prompt at step 0")
     a("--n-final", type=int, default=32, help="[paper] D3S schedule: rollouts kept per prompt at the last step")
     a("--k-init", type=float, default=0.05, help="[paper] D3S schedule: fraction of tokens kept at step 0")
     a("--k-final", type=float, default=0.20, help="[paper] D3S schedule: fraction of tokens kept at the last step")
-    a("--static-n", type=int, default=None, help="[choice] N for pods and d3s-static (default: the schedule's midpoint)")
-    a("--static-k", type=float, default=None, help="[choice] K for d3s-static (default: the schedule's midpoint)")
+    a("--static-n", type=int, default=None, help="[choice] N of the static rows d1s, d1s-cross, d2s and pods (default: "
+      "the schedule's midpoint, 20)")
+    a("--static-k", type=float, default=None, help="[choice] K of d2s (default: the schedule's midpoint, 0.125)")
     a("--token-scope", default="batch", choices=["batch", "sequence"], help="[choice] top-K over the whole batch of all "
       "ranks, or within each response")
-    a("--loss-agg", default="token-mean", choices=["token-mean", "seq-mean-token-mean"], help="[choice] loss aggregation")
+    a("--min-token-per-response", action="store_true", help="[choice] every kept response keeps at least its best token "
+      "(off: the paper's plain top-K%%)")
+    a("--loss-agg", default=None, choices=["token-mean", "seq-mean-token-mean"], help="loss aggregation (default: "
+      "token-mean for grpo [recipe], seq-mean-token-mean for gspo, GSPO's own: every response weighs the same)")
     a("--normalize-by", default="selected", choices=["selected", "all"], help="[choice] token-mean divides by the selected "
       "tokens (default) or by all response tokens of the kept rollouts (the 80/20 paper's objective)")
     # optimization
     a("--lr", type=float, default=1e-6, help="[recipe] AdamW learning rate (constant)")
     a("--weight-decay", type=float, default=0.0, help="[recipe] AdamW weight decay")
     a("--max-grad-norm", type=float, default=1.0, help="[recipe] gradient clipping (logged before clipping)")
-    a("--clip-low", type=float, default=None, help="[recipe] eps_low of the clipped surrogate (default: 0.2 grpo, 3e-4 gspo)")
-    a("--clip-high", type=float, default=None, help="[recipe] eps_high (default: 0.28 grpo (clip-higher), 4e-4 gspo)")
+    a("--clip-low", type=float, default=None, help="[recipe] eps_low of the clipped surrogate (default: 0.2 grpo, 3e-4 gspo "
+      "(GSPO paper))")
+    a("--clip-high", type=float, default=None, help="[recipe] eps_high (default: 0.28 grpo, DAPO's clip-higher; 4e-4 gspo "
+      "(GSPO paper))")
+    a("--mini-batches", type=int, default=4, help="[recipe] M: optimizer steps per rollout batch, each on 1/M of the kept "
+      "rollouts, old log-probs from before the first (verl's Qwen2.5-Math GRPO examples: train_batch_size 1024 / "
+      "ppo_mini_batch_size 256 = 4); 1 = on-policy (ratio 1: no clipping, GSPO = GRPO)")
     a("--micro-batch-size", type=int, default=4, help="[choice] rollouts per forward/backward (memory only: the loss "
-      "normalizer is computed once for the whole optimizer batch)")
+      "normalizer is computed once for the whole optimizer step)")
+    a("--kl-ref", action="store_true", help="load the initial --model a second time as a frozen reference and log the KL "
+      "(k3) to it on the selected tokens. Costs one more no-grad forward of the kept rollouts per step and, per GPU, "
+      "the reference's bf16 shard (2 bytes x parameters / ranks: 1.9 GB for the 7B on 8 GPUs) plus one gathered layer")
+    a("--kl-coef", type=float, default=0.0, help="[recipe] beta of the k3 KL penalty in the loss (needs --kl-ref)")
     a("--no-activation-checkpointing", dest="activation_checkpointing", action="store_false",
       help="turn off activation checkpointing of the decoder layers")
     # sampling
@@ -162,11 +175,8 @@ def parse_args(argv=None):
       "GPU's name: H100/H200 989, A100 312; unknown GPUs and CPUs log no MFU)")
     args = p.parse_args(argv)
 
-    mid_n, _ = d3s.dynamic_schedule(1, 2, args.n_init, args.n_final)
-    _, mid_k = d3s.dynamic_schedule(1, 2, k_init=args.k_init, k_final=args.k_final)
-    args.static_n = args.static_n or min(mid_n, args.group_size)
-    args.static_k = args.static_k or mid_k
-    defaults = {"grpo": (0.2, 0.28), "gspo": d3s.CLIP_DEFAULTS["gspo"]}[args.loss]
+    defaults = {"grpo": (0.2, 0.28), "gspo": d3s.CLIP_DEFAULTS["gspo"]}[args.loss]  # 0.28: DAPO's clip-higher
+    args.loss_agg = args.loss_agg or d3s.DEFAULT_AGG[args.loss]
     args.clip_low = defaults[0] if args.clip_low is None else args.clip_low
     args.clip_high = defaults[1] if args.clip_high is None else args.clip_high
     args.eval_pass_k = sorted({int(k) for k in args.eval_pass_k.split(",") if k.strip()})
@@ -175,9 +185,15 @@ def parse_args(argv=None):
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.dtype == "auto":
         args.dtype = "bfloat16" if args.device == "cuda" else "float32"
-    if not args.eval_only and METHODS[args.method][1] != "all" and args.n_final > args.group_size:
-        p.error(f"--n-final={args.n_final} > --group-size={args.group_size}: N counts rollouts kept per prompt, "
-                "so raise --group-size or lower --n-final")
+    if not args.eval_only and d3s.LADDER[args.method][1] != "full":  # N counts rollouts kept per prompt: N <= G
+        for flag, value in (("--n-init", args.n_init), ("--n-final", args.n_final), ("--static-n", args.static_n)):
+            if value is not None and value > args.group_size:
+                p.error(f"{flag}={value} > --group-size={args.group_size}: N counts rollouts kept per prompt, "
+                        f"so raise --group-size or lower {flag}")
+    if args.mini_batches < 1:
+        p.error(f"--mini-batches={args.mini_batches}: must be >= 1 (1 = on-policy)")
+    if args.kl_coef < 0 or (args.kl_coef > 0 and not args.kl_ref):
+        p.error(f"--kl-coef={args.kl_coef}: must be >= 0, and a KL penalty needs the reference: add --kl-ref")
     return args
 
 
@@ -412,9 +428,11 @@ def stop_token_ids(tokenizer):
     return sorted(i for i in ids if i is not None)
 
 
-def load_policy(args, dist_):
+def load_policy(args, dist_, reference=False):
     """The trainable policy: fp32 master weights sharded with FSDP2, compute in args.dtype.
 
+    reference=True: the same model, frozen, stored in args.dtype (bf16 on GPU: 2 bytes per
+    parameter, sharded), for the KL of --kl-ref.
     Memory: rank 0 reads the checkpoint on CPU, every other rank builds the model on the meta
     device; after fully_shard the full weights are broadcast from rank 0 and each rank keeps
     only its shard, so a 7B model never sits 8 times in host memory.
@@ -422,18 +440,21 @@ def load_policy(args, dist_):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    storage = getattr(torch, args.dtype) if reference else torch.float32
     config = AutoConfig.from_pretrained(args.model)
     full_state = None
     if dist_.is_main:
-        full_state = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).state_dict()
+        full_state = AutoModelForCausalLM.from_pretrained(args.model, dtype=storage).state_dict()
     checkpoint_dtype = config.dtype  # e.g. bfloat16: what export_hf writes
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=storage)
     model.config.dtype, model.config.use_cache = checkpoint_dtype, False
     shard_policy(model, args)
     model.to_empty(device=dist_.device)
     set_model_state_dict(model, full_state or {}, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     _init_rotary_buffers(model, dist_.device)  # non-persistent: not in the checkpoint, garbage after to_empty
+    if reference:
+        return model.eval().requires_grad_(False)
     model.train()
     return model
 
@@ -721,40 +742,50 @@ DUMMY = {"prompt_ids": [0], "response_ids": [0]}  # a rank with no rows left sti
 # ---------------------------------------------------------------------------------------------
 # 6. One optimizer step on the rollouts (ALGORITHM.md section 6, steps 3-6)
 # ---------------------------------------------------------------------------------------------
-def schedule(step, args, group_size):
-    """(n_keep, k_frac) of this step for args.method."""
-    _, n_rule, token_level = METHODS[args.method]
-    n_sched, k_sched = d3s.dynamic_schedule(step, args.steps, args.n_init, args.n_final, args.k_init, args.k_final)
-    n_keep = {"all": group_size, "schedule": min(n_sched, group_size), "static": min(args.static_n, group_size)}[n_rule]
-    k_frac = (k_sched if n_rule == "schedule" else args.static_k) if token_level else 1.0
-    return n_keep, k_frac
+def budget(step, args, group_size):
+    """(n_keep, k_frac) of this step (0-based) for args.method: d3s.method_budget."""
+    return d3s.method_budget(args.method, step, args.steps, group_size, args.n_init, args.n_final, args.k_init,
+                             args.k_final, args.static_n, args.static_k)
 
 
-def select_tokens_global(scores, mask, k_frac, scope, dist_):
+def select_tokens_global(scores, mask, k_frac, scope, dist_, min_per_seq=0):
     """d3s.select_tokens over the [B, T] scores of ALL ranks at once (on CPU, so every rank
     computes the identical choice); returns this rank's rows of the kept-token mask."""
     all_scores, counts = gather_rows(scores, dist_)
     all_mask, _ = gather_rows(mask, dist_)
-    keep = d3s.select_tokens(all_scores, all_mask, k_frac, scope=scope)
+    keep = d3s.select_tokens(all_scores, all_mask, k_frac, scope=scope, min_per_seq=min_per_seq)
     first = sum(counts[: dist_.rank])
     return keep[first : first + counts[dist_.rank]].to(scores.device)
 
 
-def train_step(model, optimizer, rollouts, rewards, step, args, dist_, pad_id, keep_grads=False):
-    """Select, forward, select tokens, update. Every choice is made on the global batch.
+def minibatch_rows(first, count, total, m):
+    """This rank's rows of each of the m mini-batches of the step.
+
+    The kept rollouts of the whole step, in global order (rank order = prompt order), are split
+    into m contiguous parts of near-equal size (torch.tensor_split's rule, as verl splits its
+    batch); this rank owns the global rows first .. first + count - 1. Returns m lists of local
+    row indices (some may be empty), the same split whatever the number of ranks.
+    """
+    parts = torch.arange(total).tensor_split(m)
+    return [[int(g) - first for g in part if first <= int(g) < first + count] for part in parts]
+
+
+def train_step(model, optimizer, rollouts, rewards, step, args, dist_, pad_id, keep_grads=False, ref_model=None):
+    """Select, forward, select tokens, update (M optimizer steps). Every choice is made on the
+    global batch.
 
     rollouts: this rank's prompts x G, rollouts[i][j] = {prompt_ids, response_ids} (global
-    prompt order = rank order); rewards: [P_rank, G]. Returns a dict of metrics (global).
+    prompt order = rank order); rewards: [P_rank, G]; ref_model: the frozen reference of the
+    logged KL (--kl-ref) or None. Returns a dict of metrics (global).
     """
     device = dist_.device
     P_local, G = rewards.shape
-    rule = METHODS[args.method][0]
-    n_keep, k_frac = schedule(step, args, G)
+    n_keep, k_frac = budget(step, args, G)
 
     # 3) sample selection on the global [P, G] rewards; this rank keeps its own rows
     rewards_all, counts = gather_rows(rewards.float(), dist_)  # [P, G], CPU
     generator = torch.Generator().manual_seed(args.seed * 7919 + step)  # "random": same draw on every rank
-    keep_all, adv_all = d3s.select_samples(rewards_all, n_keep, rule, generator=generator)
+    keep_all, adv_all = d3s.select_samples(rewards_all, n_keep, args.method, generator=generator)
     first = sum(counts[: dist_.rank])
     keep, adv = keep_all[first : first + P_local], adv_all[first : first + P_local]
     kept = keep.nonzero().tolist()  # [(prompt i, rollout j)], prompt-major: rank order = global order
@@ -767,6 +798,7 @@ def train_step(model, optimizer, rollouts, rewards, step, args, dist_, pad_id, k
     n_micro = int(all_reduce(math.ceil(B / args.micro_batch_size), dist_, dist.ReduceOp.MAX)) or 1
     chunks = micro_batches([len(s["prompt_ids"]) + len(s["response_ids"]) for s in seqs], args.micro_batch_size, n_micro)
     old_logp = torch.zeros(B, T, device=device)
+    ref_logp = torch.zeros(B, T, device=device) if ref_model is not None else None
     entropy = torch.zeros(B, T, device=device)
     mask = torch.zeros(B, T, dtype=torch.bool, device=device)
     t0 = time.perf_counter()
@@ -775,48 +807,73 @@ def train_step(model, optimizer, rollouts, rewards, step, args, dist_, pad_id, k
             batch_rows, table = (rows, seqs) if rows else ([0], [DUMMY])
             inputs, targets, resp_mask = pack(table, batch_rows, pad_id, device)
             logp, ent = response_logp(model, inputs, targets, args.temperature, with_entropy=True)
+            ref = response_logp(ref_model, inputs, targets, args.temperature, with_entropy=False)[0] if ref_model else None
             if rows:
                 width = targets.shape[1]
                 old_logp[rows, :width], entropy[rows, :width], mask[rows, :width] = logp, ent, resp_mask
+                if ref is not None:
+                    ref_logp[rows, :width] = ref
 
-    # 5) token selection: top K of |A| * H over the tokens of all ranks; the global normalizer
+    # 5) token selection: top K of |A| * H over the tokens of all ranks
     token_scores = kept_adv.abs().unsqueeze(1) * entropy  # |A_{i,t}| * H_{i,t}, [B, T]
     # a non-finite forward (NaN entropy) would make select_tokens raise: rank it last instead; the
     # loss is then non-finite as well and the step is skipped on every rank below
     token_scores = token_scores.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
-    token_keep = select_tokens_global(token_scores, mask, k_frac, args.token_scope, dist_)
-    if args.loss_agg == "seq-mean-token-mean":
-        normalizer = all_reduce(token_keep.any(-1).sum(), dist_)  # responses with a selected token
-    else:
-        normalizer = all_reduce((token_keep if args.normalize_by == "selected" else mask).sum(), dist_)
-    normalizer = max(normalizer, 1.0)
+    token_keep = select_tokens_global(token_scores, mask, k_frac, args.token_scope, dist_,
+                                      min_per_seq=int(args.min_token_per_response))
 
-    # 6) pass 2: loss and backward per micro-batch; normalizer fixed above, so the sum of the
-    #    micro-batch losses is the optimizer-batch loss whatever the micro-batch size
-    optimizer.zero_grad(set_to_none=True)
-    loss_sum, clip_tokens, trained_tokens = 0.0, 0.0, 0.0
-    for rows in chunks:
-        if rows:
-            inputs, targets, _ = pack(seqs, rows, pad_id, device)
-            width = targets.shape[1]
-            logp, _ = response_logp(model, inputs, targets, args.temperature, with_entropy=False)
-            loss, stats = d3s.policy_loss(logp, old_logp[rows, :width], kept_adv[rows], token_keep[rows, :width],
-                                          kind=args.loss, clip_low=args.clip_low, clip_high=args.clip_high,
-                                          normalizer=normalizer, agg=args.loss_agg)
-            clip_tokens += stats["clip_frac"] * stats["tokens"]
-            trained_tokens += float(inputs["attention_mask"].sum())
-        else:  # this rank has fewer micro-batches: a zero-loss pass keeps FSDP's collectives matched
-            inputs, targets, _ = pack([DUMMY], [0], pad_id, device)
-            logp, _ = response_logp(model, inputs, targets, args.temperature, with_entropy=False)
-            loss = logp.sum() * 0.0
-        loss.backward()
-        loss_sum += float(loss.detach())
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)  # total norm before clipping
-    grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-    loss_total = all_reduce(loss_sum, dist_)
-    skipped = not (math.isfinite(grad_norm) and math.isfinite(loss_total))  # the same on every rank
-    if not skipped:
-        optimizer.step()
+    # 6) pass 2: M mini-batches (global order), one optimizer step each. The normalizer of a
+    #    mini-batch is its selected tokens (or responses) summed over all ranks, computed before
+    #    its micro-batches, so neither the micro-batch size nor the rank count changes the update.
+    total_kept = int(keep_all.sum())
+    loss_total, clip_tokens, kl_tokens, trained_tokens, skipped, applied = 0.0, 0.0, 0.0, 0.0, False, 0
+    grad_norms, clip_fracs = [], []
+    kept_before = int(keep_all[:first].sum())  # kept rollouts of the ranks before this one (global order)
+    for part in minibatch_rows(kept_before, B, total_kept, args.mini_batches):
+        part_keep, part_mask = token_keep[part], mask[part]
+        if args.loss_agg == "seq-mean-token-mean":
+            normalizer = all_reduce(part_keep.any(-1).sum(), dist_)  # responses with a selected token
+        else:
+            normalizer = all_reduce((part_keep if args.normalize_by == "selected" else part_mask).sum(), dist_)
+        n_selected = all_reduce(part_keep.sum(), dist_)
+        if n_selected == 0:  # no selected token in this mini-batch on any rank: no optimizer step
+            continue
+        n_part_micro = int(all_reduce(math.ceil(len(part) / args.micro_batch_size), dist_, dist.ReduceOp.MAX)) or 1
+        part_chunks = [[part[r] for r in c] for c in micro_batches(
+            [len(seqs[r]["prompt_ids"]) + len(seqs[r]["response_ids"]) for r in part], args.micro_batch_size, n_part_micro)]
+        optimizer.zero_grad(set_to_none=True)
+        loss_sum, part_clip = 0.0, 0.0
+        for rows in part_chunks:
+            if rows:
+                inputs, targets, _ = pack(seqs, rows, pad_id, device)
+                width = targets.shape[1]
+                logp, _ = response_logp(model, inputs, targets, args.temperature, with_entropy=False)
+                loss, stats = d3s.policy_loss(logp, old_logp[rows, :width], kept_adv[rows], token_keep[rows, :width],
+                                              kind=args.loss, clip_low=args.clip_low, clip_high=args.clip_high,
+                                              ref_logp=ref_logp[rows, :width] if ref_logp is not None else None,
+                                              beta=args.kl_coef, normalizer=normalizer, agg=args.loss_agg)
+                part_clip += stats["clip_frac"] * stats["tokens"]
+                kl_tokens += stats["kl"] * stats["tokens"]
+                trained_tokens += float(inputs["attention_mask"].sum())
+            else:  # this rank has fewer micro-batches: a zero-loss pass keeps FSDP's collectives matched
+                inputs, targets, _ = pack([DUMMY], [0], pad_id, device)
+                logp, _ = response_logp(model, inputs, targets, args.temperature, with_entropy=False)
+                loss = logp.sum() * 0.0
+            loss.backward()
+            loss_sum += float(loss.detach())
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)  # total norm before clipping
+        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        part_loss = all_reduce(loss_sum, dist_)
+        part_clip = all_reduce(part_clip, dist_) / n_selected
+        if math.isfinite(grad_norm) and math.isfinite(part_loss):  # the same on every rank
+            optimizer.step()
+            applied += 1
+        else:
+            skipped = True
+        grad_norms.append(grad_norm)
+        clip_fracs.append(part_clip)
+        clip_tokens += part_clip * n_selected
+        loss_total += part_loss
     if not keep_grads:
         optimizer.zero_grad(set_to_none=True)
     train_s = time.perf_counter() - t0
@@ -829,13 +886,19 @@ def train_step(model, optimizer, rollouts, rewards, step, args, dist_, pad_id, k
         "reward_mean": float(rewards_all.mean()),
         "acc_train": float(rewards_all.mean()),  # the reward is correctness (0/1): the same number
         "groups_mixed": float((rewards_all.amax(-1) > rewards_all.amin(-1)).float().mean()),  # groups with signal
-        "n_keep": n_keep, "k_frac": k_frac, "kept_samples": int(keep_all.sum()),
+        "n_keep": n_keep, "k_frac": k_frac,
+        "k_real": n_selected / max(n_tokens, 1.0),  # realised fraction of the forwarded tokens
+        "kept_samples": total_kept,
+        "sur": d3s.usefulness_rate(adv_all, keep_all),  # Sample Usefulness Rate: kept rollouts with A != 0
         "kept_tokens": int(n_selected),  # tokens in the loss
         "fwd_tokens": int(n_tokens),  # response tokens forwarded (the kept rollouts')
-        "kept_adv_var": d3s.kept_variance(adv_all, keep_all), "grad_norm": grad_norm,
+        "kept_adv_var": d3s.kept_variance(adv_all, keep_all),
+        "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else 0.0,  # mean over the M optimizer steps
         "entropy_mean": all_reduce((entropy * mask).sum(), dist_) / max(n_tokens, 1.0),
         "entropy_kept": all_reduce((entropy * token_keep).sum(), dist_) / max(n_selected, 1.0),
-        "clip_frac": all_reduce(clip_tokens, dist_) / max(n_selected, 1.0), "loss": loss_total, "skipped": skipped,
+        "kl_ref": all_reduce(kl_tokens, dist_) / max(n_selected, 1.0) if ref_model is not None else None,
+        "clip_frac": clip_tokens / max(n_selected, 1.0), "clip_frac_by_minibatch": clip_fracs,
+        "loss": loss_total, "updates": applied, "skipped": skipped,
         "train_s": train_s,
         "train_tokens": int(train_tokens),  # prompt + response tokens of the kept rollouts (each goes through both passes)
         "train_tokens_per_s": train_tokens / max(train_s, 1e-9),
@@ -1115,6 +1178,7 @@ def main(argv=None):
     order = PromptOrder(len(prompts), args.seed)
 
     model = load_policy(args, dist_)
+    ref_model = load_policy(args, dist_, reference=True) if args.kl_ref else None  # the initial policy, frozen
     optimizer = make_optimizer(model, args)
     step = 0
     ckpt = find_checkpoint(args.resume, args.out) if args.resume else None
@@ -1148,7 +1212,8 @@ def main(argv=None):
             t0 = time.perf_counter()
             rewards = grade(rollouts, batch, tokenizer, grader)  # 2) reward
             reward_s = time.perf_counter() - t0
-            stats = train_step(model, optimizer, rollouts, rewards, step, args, dist_, tokenizer.pad_token_id)  # 3-6
+            stats = train_step(model, optimizer, rollouts, rewards, step, args, dist_, tokenizer.pad_token_id,
+                               ref_model=ref_model)  # 3-6
             gpu_used_train = gpu_used_gb(dist_.device)  # trainer (+ sleeping vLLM), before the sync
             t1 = time.perf_counter()
             engine.update_weights(full_named_tensors(model, getattr(torch, args.dtype)))  # 7) sync

@@ -34,11 +34,18 @@ def make_rollouts(vocab_size, seed=0):
     return rollouts
 
 
-def trainer_args(model_dir, method, loss="grpo"):
+# name -> (method, loss, mini-batches, lr): on-policy GRPO, and M = 2 (the second optimizer step off-policy;
+# GSPO with a larger lr, so that the policy moves past its 3e-4/4e-4 clip range in one step)
+CONFIGS = {"grpo": ("grpo", "grpo", 1, 1e-4), "grpo-m2": ("grpo", "grpo", 2, 1e-4), "d3s-m2": ("d3s", "grpo", 2, 1e-4),
+           "gspo-d3s-i-m2": ("d3s-i", "gspo", 2, 3e-2)}
+
+
+def trainer_args(model_dir, method, loss="grpo", mini_batches=1, lr=1e-4):
     return train_full.parse_args(["--model", model_dir, "--method", method, "--loss", loss, "--device", "cpu",
                                   "--steps", str(STEPS), "--group-size", str(G), "--n-init", "2", "--n-final", "4",
-                                  "--k-init", "0.3", "--k-final", "0.5", "--micro-batch-size", "3", "--lr", "1e-4",
-                                  "--max-grad-norm", "0.05", "--prompts-per-step", str(P)])
+                                  "--k-init", "0.3", "--k-final", "0.5", "--micro-batch-size", "3", "--lr", str(lr),
+                                  "--max-grad-norm", "0.05", "--prompts-per-step", str(P),
+                                  "--mini-batches", str(mini_batches)])
 
 
 def check_global_token_selection(dist_):
@@ -63,7 +70,7 @@ def full_params(model):
 
 def check_resume(cli, dist_, tokenizer, rollouts, mine, workdir):
     """Two steps straight == one step, save_checkpoint, a fresh model + optimizer, load_checkpoint, one step."""
-    args = trainer_args(cli.model, "d3s")
+    args = trainer_args(cli.model, "d3s", mini_batches=2)
     args.out = workdir
     model = train_full.load_policy(args, dist_)
     optimizer = train_full.make_optimizer(model, args)
@@ -106,7 +113,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--methods", default="grpo,d3s")
+    parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--workdir", required=True, help="checkpoints of the resume check")
     cli = parser.parse_args()
     dist_ = train_full.init_distributed("cpu")
@@ -116,19 +123,22 @@ def main():
     per = P // dist_.world
     mine = slice(dist_.rank * per, (dist_.rank + 1) * per)
     result = {"world": dist_.world, "token_selection_ok": check_global_token_selection(dist_)}
-    for method in cli.methods.split(","):
-        args = trainer_args(cli.model, method)
+    for config in cli.configs.split(","):
+        args = trainer_args(cli.model, *CONFIGS[config])
         model = train_full.load_policy(args, dist_)
         optimizer = train_full.make_optimizer(model, args)
+        ref_model = train_full.load_policy(args, dist_, reference=True) if config.startswith("gspo") else None  # --kl-ref
         stats = train_full.train_step(model, optimizer, rollouts[mine], REWARDS[mine], STEP, args, dist_,
-                                      tokenizer.pad_token_id, keep_grads=True)
+                                      tokenizer.pad_token_id, keep_grads=True, ref_model=ref_model)
         params, grads = {}, {}
         for name, p in model.named_parameters():
             params[name] = p.full_tensor().detach().clone()
             grads[name] = p.grad.full_tensor().detach().clone()
-        result[method] = {"params": params, "grads": grads, "keep": stats["_keep"], "token_keep": stats["_token_keep"],
-                          "grad_norm": stats["grad_norm"], "loss": stats["loss"], "n_keep": stats["n_keep"],
-                          "k_frac": stats["k_frac"], "kept_tokens": stats["kept_tokens"]}
+        result[config] = {"params": params, "grads": grads, "keep": stats["_keep"], "token_keep": stats["_token_keep"],
+                        "grad_norm": stats["grad_norm"], "loss": stats["loss"], "n_keep": stats["n_keep"],
+                        "k_frac": stats["k_frac"], "kept_tokens": stats["kept_tokens"], "updates": stats["updates"],
+                        "clip_frac_by_minibatch": stats["clip_frac_by_minibatch"], "k_real": stats["k_real"],
+                        "sur": stats["sur"], "kl_ref": stats["kl_ref"]}
     result["resume"] = check_resume(cli, dist_, tokenizer, rollouts, mine, cli.workdir)
     result["nonfinite"] = check_nonfinite_skip(cli, dist_, tokenizer, rollouts, mine)
     if dist_.is_main:

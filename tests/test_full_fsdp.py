@@ -24,7 +24,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 import full_fsdp_worker as worker  # noqa: E402
 
-METHODS = ("grpo", "d3s")
+CONFIGS = worker.CONFIGS  # name -> (method, loss, mini-batches, lr)
 
 
 def free_port():
@@ -45,21 +45,23 @@ def fsdp_result(tiny_model_dir, tmp_path_factory):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
            str(ROOT / "tests" / "full_fsdp_worker.py"), "--model", tiny_model_dir, "--out", str(out),
-           "--methods", ",".join(METHODS), "--workdir", str(out.parent / "work")]
+           "--configs", ",".join(CONFIGS), "--workdir", str(out.parent / "work")]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return torch.load(out, weights_only=False)
 
 
-def reference_step(model_dir, method):
-    """One step on one process, from d3s.py only (no train_full code)."""
+def reference_step(model_dir, name):
+    """One step on one process, from d3s.py only (no train_full code): select, one no-grad
+    forward for the old log-probs and entropy, select tokens, then M mini-batches of the kept
+    rollouts (contiguous, in order), one AdamW step each with its own selected-token count."""
     from transformers import AutoModelForCausalLM
 
+    method, loss_kind, M, lr = CONFIGS[name]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
     rollouts = [r for group in worker.make_rollouts(model.config.vocab_size) for r in group]  # [P*G], prompt-major
-    n_sched, k_sched = d3s.dynamic_schedule(worker.STEP, worker.STEPS, 2, 4, 0.3, 0.5)
-    n_keep, k_frac = (worker.G, 1.0) if method == "grpo" else (n_sched, k_sched)
+    n_keep, k_frac = d3s.method_budget(method, worker.STEP, worker.STEPS, worker.G, 2, 4, 0.3, 0.5)
     keep, adv = d3s.select_samples(worker.REWARDS, n_keep, method)
     kept = keep.view(-1).nonzero().squeeze(1).tolist()
     seqs = [rollouts[i] for i in kept]
@@ -69,29 +71,44 @@ def reference_step(model_dir, method):
     T = max(len(s["response_ids"]) for s in seqs)
     ids = torch.zeros(len(seqs), length, dtype=torch.long)
     attn = torch.zeros_like(ids)
+    targets = torch.zeros(len(seqs), T, dtype=torch.long)
+    mask = torch.zeros(len(seqs), T, dtype=torch.bool)
     for i, s in enumerate(seqs):
         full = s["prompt_ids"] + s["response_ids"]
         ids[i, : len(full)], attn[i, : len(full)] = torch.tensor(full), 1
-    logits = model(input_ids=ids, attention_mask=attn).logits.float()  # [B, L, V]
-    resp_logits = torch.zeros(len(seqs), T, logits.shape[-1])
-    targets = torch.zeros(len(seqs), T, dtype=torch.long)
-    mask = torch.zeros(len(seqs), T, dtype=torch.bool)
-    rows = []
-    for i, s in enumerate(seqs):
-        p, n = len(s["prompt_ids"]), len(s["response_ids"])
-        rows.append(logits[i, p - 1 : p - 1 + n])
-        targets[i, :n], mask[i, :n] = torch.tensor(s["response_ids"]), True
-    resp_logits = torch.stack([torch.cat([r, r.new_zeros(T - r.shape[0], r.shape[1])]) for r in rows])
-    logp = resp_logits.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        targets[i, : len(s["response_ids"])], mask[i, : len(s["response_ids"])] = torch.tensor(s["response_ids"]), True
+
+    def response_logp(rows):
+        logits = model(input_ids=ids[rows], attention_mask=attn[rows]).logits.float()  # [b, L, V]
+        out = torch.zeros(len(rows), T, logits.shape[-1])
+        for j, i in enumerate(rows):
+            p, n = len(seqs[i]["prompt_ids"]), len(seqs[i]["response_ids"])
+            out[j, :n] = logits[j, p - 1 : p - 1 + n]
+        return out.log_softmax(-1).gather(-1, targets[rows].unsqueeze(-1)).squeeze(-1), out
+
+    everything = list(range(len(seqs)))
+    with torch.no_grad():
+        old_logp, resp_logits = response_logp(everything)
     entropy = d3s.token_entropy(resp_logits)
     token_keep = d3s.select_tokens(kept_adv.abs().unsqueeze(1) * entropy, mask, k_frac)
-    loss, _ = d3s.policy_loss(logp, logp.detach(), kept_adv, token_keep, kind="grpo", clip_low=0.2, clip_high=0.28)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.0)
-    loss.backward()
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
-    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    optimizer.step()
-    return {"keep": keep, "token_keep": token_keep, "grads": grads, "grad_norm": float(grad_norm), "loss": float(loss.detach()),
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    clip = (0.2, 0.28) if loss_kind == "grpo" else d3s.CLIP_DEFAULTS["gspo"]
+    losses, norms, clip_fracs, kls = [], [], [], []
+    for part in torch.arange(len(seqs)).tensor_split(M):
+        rows = part.tolist()
+        optimizer.zero_grad()
+        logp, _ = response_logp(rows)
+        loss, stats = d3s.policy_loss(logp, old_logp[rows], kept_adv[rows], token_keep[rows], kind=loss_kind,
+                                      clip_low=clip[0], clip_high=clip[1], ref_logp=old_logp[rows])  # ref = the start
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)))
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        optimizer.step()
+        losses.append(float(loss.detach()))
+        clip_fracs.append(stats["clip_frac"])
+        kls.append((stats["kl"], stats["tokens"]))
+    return {"keep": keep, "token_keep": token_keep, "grads": grads, "grad_norm": sum(norms) / len(norms),
+            "loss": sum(losses), "clip_fracs": clip_fracs, "kl": sum(k * n for k, n in kls) / sum(n for _, n in kls),
             "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
@@ -100,29 +117,46 @@ def test_global_token_selection_over_uneven_ranks_equals_one_shot_selection(fsdp
     assert fsdp_result["token_selection_ok"]
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_fsdp_two_ranks_keeps_the_same_rollouts_and_tokens_as_one_process(fsdp_result, tiny_model_dir, method):
-    ref, got = reference_step(tiny_model_dir, method), fsdp_result[method]
+@pytest.mark.parametrize("name", CONFIGS)
+def test_fsdp_two_ranks_keeps_the_same_rollouts_and_tokens_as_one_process(fsdp_result, tiny_model_dir, name):
+    ref, got = reference_step(tiny_model_dir, name), fsdp_result[name]
     assert torch.equal(got["keep"], ref["keep"])
     assert torch.equal(got["token_keep"], ref["token_keep"])
-    if method == "d3s":  # cross-group: rank 0 (groups 0, 1) keeps 8 rollouts, rank 1 (groups 2, 3) only 4
+    if name == "d3s-m2":  # cross-group: rank 0 (groups 0, 1) keeps 8 rollouts, rank 1 (groups 2, 3) only 4
         assert got["keep"][:2].sum() == 8 and got["keep"][2:].sum() == 4
         assert 0 < got["kept_tokens"] < ref["token_keep"].numel()
+        assert abs(got["k_real"] - got["k_frac"]) * ref["token_keep"].sum() / got["k_real"] < 1.0  # within one token
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_fsdp_two_ranks_step_equals_single_process_step(fsdp_result, tiny_model_dir, method):
-    ref, got = reference_step(tiny_model_dir, method), fsdp_result[method]
+@pytest.mark.parametrize("name", CONFIGS)
+def test_fsdp_two_ranks_step_equals_single_process_step(fsdp_result, tiny_model_dir, name):
+    ref, got = reference_step(tiny_model_dir, name), fsdp_result[name]
+    assert got["updates"] == CONFIGS[name][2]
+    assert got["clip_frac_by_minibatch"] == pytest.approx(ref["clip_fracs"], abs=1e-6)
     assert got["loss"] == pytest.approx(ref["loss"], abs=1e-6)
     assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
     assert ref["grad_norm"] > 0.05  # clipping binds, so it is compared too
     assert set(got["params"]) == set(ref["params"])
-    for name in ref["params"]:
-        torch.testing.assert_close(got["grads"][name], ref["grads"][name], rtol=1e-4, atol=1e-8, msg=name)
-        torch.testing.assert_close(got["params"][name], ref["params"][name], rtol=0, atol=2e-6, msg=name)
+    lr = CONFIGS[name][3]
+    for param in ref["params"]:
+        torch.testing.assert_close(got["grads"][param], ref["grads"][param], rtol=1e-4, atol=1e-8, msg=param)
+        # Adam moves every weight by about lr, whatever the gradient's size: compare relative to lr
+        torch.testing.assert_close(got["params"][param], ref["params"][param], rtol=0, atol=0.02 * lr, msg=param)
     base = dict(__import__("transformers").AutoModelForCausalLM.from_pretrained(tiny_model_dir).named_parameters())
     moved = max(float((got["params"][n] - base[n].detach()).abs().max()) for n in base)
-    assert moved > 5e-5  # the step did change the weights (lr 1e-4)
+    assert moved > 5e-5  # the step did change the weights (lr >= 1e-4)
+
+
+def test_the_second_mini_batch_is_off_policy_so_gspo_clips_there(fsdp_result):
+    gspo = fsdp_result["gspo-d3s-i-m2"]["clip_frac_by_minibatch"]
+    assert gspo[0] == 0.0 and gspo[1] > 0.0  # on-policy first, then GSPO's 3e-4/4e-4 range binds
+
+
+def test_kl_to_the_reference_is_measured_on_the_selected_tokens(fsdp_result, tiny_model_dir):
+    """--kl-ref: the frozen initial policy. Mini-batch 1 sees KL 0, mini-batch 2 the moved policy."""
+    got, ref = fsdp_result["gspo-d3s-i-m2"]["kl_ref"], reference_step(tiny_model_dir, "gspo-d3s-i-m2")["kl"]
+    assert got > 0 and got == pytest.approx(ref, rel=1e-3)
+    assert fsdp_result["d3s-m2"]["kl_ref"] is None  # without --kl-ref nothing is measured
 
 
 def test_resume_from_a_sharded_checkpoint_continues_exactly(fsdp_result):

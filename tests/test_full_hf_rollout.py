@@ -28,13 +28,19 @@ def test_two_ranks_with_hf_rollouts_train_export_and_evaluate(tmp_path):
            "--eval-data", str(SHARED_DATA / "gsm8k.jsonl"), "--eval-limit", "3", "--eval-samples", "2",
            "--eval-pass-k", "1,2", "--eval-max-tokens", "8", "--out", str(out), "--template", "plain", "--device", "cpu",
            "--steps", "2", "--prompts-per-step", "2", "--group-size", "4", "--n-init", "2", "--n-final", "4",
-           "--max-response-len", "12", "--max-prompt-len", "64", "--micro-batch-size", "3", "--save-every", "2"]
+           "--max-response-len", "12", "--max-prompt-len", "64", "--micro-batch-size", "3", "--save-every", "2",
+           "--kl-ref", "--mini-batches", "2", "--lr", "1e-2", "--min-token-per-response"]
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     lines = [json.loads(line) for line in (out / "metrics.jsonl").open()]
     records = [r for r in lines if r["kind"] == "train"]
     assert [r["step"] for r in records] == [0, 1] and [r["kept_samples"] for r in records] == [4, 6]
+    for r in records:  # the metrics the paper reads, with --kl-ref
+        for key in ("sur", "k_frac", "k_real", "entropy_mean", "entropy_kept", "grad_norm", "kl_ref", "clip_frac_by_minibatch"):
+            assert r[key] is not None, key
+    assert records[0]["kl_ref"] == 0.0 and records[1]["kl_ref"] >= 0.0  # KL to the initial policy (0: nothing to learn yet)
+    assert all(len(r["clip_frac_by_minibatch"]) == 2 for r in records)  # --mini-batches 2: two optimizer steps (each with a token)
     assert lines[-1]["kind"] == "eval" and lines[-1]["step"] == 2 and "gsm8k_pass@2" in lines[-1]
     assert (out / "checkpoints" / "step_000002" / "trainer_state.json").exists()
     assert (out / "hf_final" / "model.safetensors").exists()

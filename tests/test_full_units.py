@@ -36,6 +36,32 @@ def test_defaults_are_the_papers_and_the_recipes():
         train_full.parse_args(["--group-size", "16"])  # N ends at 32 > G
 
 
+def test_ladder_methods_mini_batches_and_gspo_aggregation_defaults():
+    for method in ("grpo", "d1s", "d1s-cross", "d2s", "d3s", "d3s-i", "pods", "random"):
+        assert train_full.parse_args(["--method", method]).method == method
+    with pytest.raises(SystemExit):
+        train_full.parse_args(["--method", "d3s-static"])  # now d2s
+    args = train_full.parse_args([])
+    assert args.mini_batches == 4 and args.loss_agg == "token-mean" and not args.kl_ref and args.kl_coef == 0.0
+    assert train_full.parse_args(["--loss", "gspo"]).loss_agg == "seq-mean-token-mean"
+    assert train_full.budget(0, args, 32) == (8, 0.05) and train_full.budget(0, train_full.parse_args(["--method", "d2s"]), 32) == (20, 0.125)
+    for bad in (["--mini-batches", "0"], ["--kl-coef", "0.1"], ["--static-n", "40"]):
+        with pytest.raises(SystemExit):
+            train_full.parse_args(bad)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_mini_batches_split_the_global_kept_list_the_same_way_on_any_number_of_ranks(world):
+    kept_per_rank = {1: [11], 2: [7, 4], 3: [5, 0, 6]}[world]  # cross-group: ranks keep different counts
+    total = sum(kept_per_rank)
+    got = [[] for _ in range(3)]
+    for rank, count in enumerate(kept_per_rank):
+        first = sum(kept_per_rank[:rank])
+        for m, rows in enumerate(train_full.minibatch_rows(first, count, total, 3)):
+            got[m] += [first + r for r in rows]
+    assert got == [part.tolist() for part in torch.arange(total).tensor_split(3)]
+
+
 def test_prompt_order_resumes_exactly_and_crosses_epochs():
     whole = train_full.PromptOrder(7, seed=3)
     uninterrupted = [whole.take(3) for _ in range(5)]
