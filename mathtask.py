@@ -3,20 +3,24 @@
 What two rungs share beyond d3s.py lives here, once:
   - load_problems: JSONL / JSON / Parquet rows with `problem` and `answer`, checked row by row
   - prompt templates (the Qwen2.5-Math chat template by default for real models)
-  - extract_boxed + Grader: the 0/1 verifiable reward with math-verify, under a hard time limit
+  - extract_boxed + Grader: the 0/1 verifiable reward with math-verify, under a hard time limit,
+    graded by a pool of child processes (default_grader_workers picks its size per rank)
   - pass_at_k: the unbiased Pass@k estimator (Chen et al., 2021)
   - arithmetic_problems: generated word problems with difficulty levels (tiny models, CPU tests)
 
-The grader runs math-verify in a child process that is killed and restarted when one answer
+The grader runs math-verify in child processes; one is killed and replaced when its answer
 takes longer than `timeout_s`: math-verify's own time limit is signal.alarm, which cannot stop
 a long C-level computation (e.g. sympy expanding 9^{9^{9^9}}), and adversarial completions
 must neither hang nor crash a training run.
 """
 
+import collections
 import json
 import math
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import os
+import time
 
 # Qwen2.5-Math eval harness "qwen25-math-cot" template (also Dr.GRPO / SimpleRL-Zoo / LIMR).
 QWEN_MATH_TEMPLATE = (
@@ -220,75 +224,190 @@ def _grader_worker(conn):
             conn.send(0.0)
 
 
+GRADER_START_TIMEOUT_S = 120.0  # a child must import math-verify + sympy within this (seconds on a loaded node)
+GRADER_WORKERS_CAP = 8  # default_grader_workers' cap; the reasoning is in its docstring
+
+
+def default_grader_workers(ranks_per_node, cores=None, cap=GRADER_WORKERS_CAP):
+    """Grader processes per rank: max(1, min(cap, cores // ranks_per_node)).
+
+    `cores` defaults to the CPUs this process may run on (its affinity, which Slurm or a cgroup
+    narrows; os.cpu_count() where affinity is unknown); the ranks of a node share them.
+    Why cap at 8: one answer takes 11-45 ms to grade on this 2-core CPU (256 math500 gold
+    answers in 2.8 s; 512 math500/minerva/olympiadbench answers in 23 s under load, see
+    bench_grader), so a rank's share of 1024 answers on 8 GPUs (128) is ~1.5-6 s on one child
+    and ~0.2-0.7 s on 8. More children would save a fraction of a second next to a step of
+    minutes and next to the per-answer time limit that bounds the slowest answer, while each
+    costs a core and memory: a spawned child re-imports the main script, ~260 MB of RSS when
+    that script imports (CPU) torch, 64 MB without, so 8 ranks x 8 children is ~17 GB of RAM.
+
+    >>> default_grader_workers(8, cores=224), default_grader_workers(8, cores=16), default_grader_workers(8, cores=4)
+    (8, 2, 1)
+    """
+    if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1:
+        raise ValueError(f"ranks_per_node={ranks_per_node!r}: must be an int >= 1 "
+                         "(processes per node, e.g. int(os.environ['LOCAL_WORLD_SIZE']) under torchrun)")
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(cap, cores // ranks_per_node))
+
+
+class _Child:
+    """One grader process and what it is doing: "starting" (importing), "idle", or "busy" with `key`.
+
+    `deadline` (time.monotonic()) is when a starting child must be ready, or a busy one must answer.
+    """
+
+    def __init__(self, ctx):
+        parent, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_grader_worker, args=(child,), daemon=True)
+        self.proc.start()
+        child.close()  # the child holds the only other end: its death reads as EOF here
+        self.conn = parent
+        self.state, self.key, self.deadline = "starting", None, time.monotonic() + GRADER_START_TIMEOUT_S
+
+    def give(self, key, timeout_s):
+        self.conn.send(key)
+        self.state, self.key, self.deadline = "busy", key, time.monotonic() + timeout_s  # the limit starts now
+
+    def kill(self):
+        self.proc.kill()
+        self.proc.join()
+        self.conn.close()
+
+
 class Grader:
     """0/1 math reward: last \\boxed{} of the completion vs the gold answer, with a hard time limit.
 
-    grader = Grader(timeout_s=5.0)
-    grader.score(completion, gold) -> 1.0 or 0.0;  grader.score_batch(completions, golds)
-    A completion whose check takes longer than timeout_s scores 0; the child is then killed
-    and restarted. Use as a context manager or call close().
+    grader = Grader(timeout_s=5.0, workers=4)
+    grader.score(completion, gold) -> 1.0 or 0.0;  grader.score_batch(completions, golds) -> [0/1, ...]
+    Use as a context manager or call close(); grader.start() starts the children ahead of time.
+    Pass all of a step's answers in one score_batch call: the children grade one call's answers.
+
+    Design. `workers` child processes each run math-verify on one (answer, gold) at a time.
+    score_batch drops what needs no grading (no \\boxed{}, too long, already in the cache, a
+    repeat within the batch), then loops: hand a waiting answer to every idle child, wait
+    (multiprocessing.connection.wait) for the first reply or deadline, repeat. An answer that
+    takes longer than timeout_s, counted from when its child got it, scores 0 and counts in
+    `timeouts`; its child is killed. So is a child that dies on an answer. Children start
+    when answers wait for them, all at once (each takes ~2 s to import math-verify), and a
+    killed one is replaced the same way, while the others keep grading. A child that dies
+    before it is ready raises RuntimeError (math-verify does not import, or the main script
+    lacks its `__main__` guard): restarting it would only loop. Rewards come back in input
+    order and do not depend on `workers`: each answer is graded alone, by the same code. The
+    limit is wall-clock, though: with more busy children than free cores, an answer that needs
+    nearly timeout_s of CPU can run past it (why default_grader_workers gives each child a core).
     """
 
-    def __init__(self, timeout_s=5.0):
-        self.timeout_s = timeout_s
-        self.timeouts = 0  # how many answers hit the time limit (logged by the trainers)
+    def __init__(self, timeout_s=5.0, workers=1):
+        if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
+            raise ValueError(f"timeout_s={timeout_s!r}: must be a number of seconds > 0 (per answer)")
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ValueError(f"workers={workers!r}: must be an int >= 1 (grader processes; "
+                             "mathtask.default_grader_workers(ranks_per_node) picks one)")
+        self.timeout_s, self.workers = timeout_s, workers
+        self.timeouts = 0  # how many answers hit the time limit or killed their child (logged by the trainers)
         self._ctx = mp.get_context("spawn")  # safe beside CUDA and vLLM (no fork of their threads)
-        self._proc = None
-        self._cache = {}
+        self._children = []  # at most `workers` _Child; a killed one is dropped and replaced when needed
+        self._cache = {}  # (pred, gold) -> reward
 
-    def _start(self):
-        parent, child = self._ctx.Pipe()
-        self._proc = self._ctx.Process(target=_grader_worker, args=(child,), daemon=True)
-        self._proc.start()
-        child.close()
-        self._conn = parent
-        # Wait for the imports (seconds) outside the time limit: a child restarted after a
-        # timeout must not fail the next, ordinary answer too.
+    def start(self):
+        """Start all `workers` children now, together, and wait until they are ready (optional:
+        score_batch starts them when answers wait; this moves the ~2 s out of the first step)."""
+        while len(self._children) < self.workers:
+            self._children.append(_Child(self._ctx))
+        while any(c.state == "starting" for c in self._children):
+            self._wait({})
+        return self
+
+    def score(self, completion, gold):
+        return self.score_batch([completion], [gold])[0]
+
+    def score_batch(self, completions, golds):
+        completions, golds = list(completions), list(golds)
+        if len(completions) != len(golds):
+            raise ValueError(f"score_batch: {len(completions)} completions but {len(golds)} golds; "
+                             "pass one gold per completion")
+        rewards = [0.0] * len(completions)
+        to_grade = {}  # (pred, gold) -> indices of the completions that need it, in input order
+        for i, (completion, gold) in enumerate(zip(completions, golds)):
+            pred = extract_boxed(completion)
+            if pred is None or not pred.strip() or len(pred) > MAX_BOXED_CHARS:
+                continue  # no final answer: 0
+            key = (pred, gold)
+            if key in self._cache:
+                rewards[i] = self._cache[key]
+            else:
+                to_grade.setdefault(key, []).append(i)
+        for key, reward in self._grade(list(to_grade)).items():
+            if len(self._cache) < 100_000:
+                self._cache[key] = reward
+            for i in to_grade.get(key, ()):  # (a key left busy by an interrupted call is not ours)
+                rewards[i] = reward
+        return rewards
+
+    def _grade(self, keys):
+        """{key: reward} for distinct (pred, gold) keys, graded concurrently by the children."""
+        waiting, rewards = collections.deque(keys), {}
+        while waiting or any(c.state == "busy" for c in self._children):
+            # Start children (together) while more answers wait than children are free or starting.
+            free = sum(c.state != "busy" for c in self._children)
+            for _ in range(min(self.workers - len(self._children), len(waiting) - free)):
+                self._children.append(_Child(self._ctx))
+            for child in list(self._children):
+                if child.state == "idle" and waiting:
+                    try:
+                        child.give(waiting[0], self.timeout_s)
+                        waiting.popleft()
+                    except OSError:  # it died between answers (killed from outside): replace it
+                        self._drop(child)
+            self._wait(rewards)
+        return rewards
+
+    def _wait(self, rewards):
+        """Wait for the first message or deadline of a starting or busy child; handle all that came."""
+        active = [c for c in self._children if c.state != "idle"]
+        if not active:
+            return
+        wait_s = max(0.0, min(c.deadline for c in active) - time.monotonic())
+        ready = mp_connection.wait([c.conn for c in active], wait_s)
+        for child in active:
+            if child.conn in ready:
+                self._receive(child, rewards)
+            elif time.monotonic() >= child.deadline:
+                self._fail(child, rewards)
+
+    def _receive(self, child, rewards):
         try:
-            ready = parent.poll(120.0) and parent.recv() == "ready"
-        except EOFError:  # the child died while starting (its traceback is on stderr)
-            ready = False
-        if not ready:
-            self._kill()
+            message = child.conn.recv()
+        except (EOFError, OSError):  # the child died (e.g. killed for memory)
+            message = None
+        if message is None:
+            self._fail(child, rewards)
+            return
+        if child.state == "busy":
+            rewards[child.key] = message
+        child.state = "idle"  # answered, or ready after its imports
+
+    def _fail(self, child, rewards):
+        """A child missed its deadline or died: score its answer 0 and drop it, or stop if it never started."""
+        if child.state == "starting":
+            self.close()
             raise RuntimeError("the math-verify grader process did not start (see its error above); "
                                "check that math-verify imports, and that the main script has an "
                                "`if __name__ == '__main__':` guard (the child is spawned)")
+        self.timeouts += 1
+        rewards[child.key] = 0.0
+        self._drop(child)
 
-    def _kill(self):
-        if self._proc is not None and self._proc.pid is not None:
-            self._proc.kill()
-            self._proc.join()
-            self._conn.close()
-        self._proc = None
-
-    def score(self, completion, gold):
-        pred = extract_boxed(completion)
-        if pred is None or not pred.strip() or len(pred) > MAX_BOXED_CHARS:
-            return 0.0
-        key = (pred, gold)
-        if key in self._cache:
-            return self._cache[key]
-        if self._proc is None or not self._proc.is_alive():
-            self._start()
-        self._conn.send(key)
-        try:
-            answered = self._conn.poll(self.timeout_s)
-            reward = self._conn.recv() if answered else None
-        except EOFError:  # the child died on this answer (e.g. killed for memory): score 0
-            reward = None
-        if reward is None:  # too slow or dead: kill the child, score 0, restart lazily
-            self.timeouts += 1
-            self._kill()
-            reward = 0.0
-        if len(self._cache) < 100_000:
-            self._cache[key] = reward
-        return reward
-
-    def score_batch(self, completions, golds):
-        return [self.score(c, g) for c, g in zip(completions, golds)]
+    def _drop(self, child):
+        child.kill()
+        self._children.remove(child)
 
     def close(self):
-        self._kill()
+        for child in self._children:
+            child.kill()
+        self._children = []
 
     def __enter__(self):
         return self
@@ -311,3 +430,55 @@ def pass_at_k(n, c, k):
     if n - c < k:
         return 1.0
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+# ---------------------------------------------------------------------------------------------
+# Benchmark (not a test): python mathtask.py --bench-grader [--n 512] [--workers 1,2] [--slow]
+# ---------------------------------------------------------------------------------------------
+def bench_grader(n=512, workers=(1, 2), data_dir=None, timeout_s=5.0, slow=False):
+    """Print the wall time of Grader(timeout_s, w).score_batch on `n` real answers for each w in `workers`.
+
+    The answers are gold answers of math500, minerva_math and olympiadbench (../shared/data),
+    evenly spaced rows, boxed: even positions get their own gold (right), odd positions the next
+    row's gold (a real answer, wrong here). slow=True puts first one answer math-verify never
+    finishes (a power tower), which costs one child timeout_s. Every w gets a fresh grader (empty
+    cache), whose children are started, and timed, before the timed call. Returns {w: seconds}.
+    """
+    data_dir = data_dir or os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "shared", "data")
+    golds = [r["answer"] for name in ("math500.jsonl", "minerva_math.jsonl", "olympiadbench.jsonl")
+             for r in load_problems(os.path.join(data_dir, name))[0]]
+    golds = [golds[i * len(golds) // n] for i in range(n)]
+    completions = [f"The answer is \\boxed{{{golds[i if i % 2 == 0 else (i + 1) % n]}}}." for i in range(n)]
+    if slow:
+        completions, golds = ["\\boxed{9^{9^{9^{9^{9^{9}}}}}}"] + completions[1:], ["7"] + golds[1:]
+    print(f"{n} answers{' (the first one slow)' if slow else ''}, {os.cpu_count()} CPUs, "
+          f"load average {os.getloadavg()[0]:.2f} at the start, timeout {timeout_s} s")
+    times, first = {}, None
+    for w in workers:
+        with Grader(timeout_s, workers=w) as grader:
+            t0 = time.perf_counter()
+            grader.start()
+            start_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            rewards = grader.score_batch(completions, golds)
+            times[w] = time.perf_counter() - t0
+        first = first or (rewards, times[w])
+        print(f"workers={w}: start {start_s:.2f} s, score_batch {times[w]:.2f} s ({n / times[w]:.0f} answers/s, "
+              f"x{first[1] / times[w]:.2f} vs workers={workers[0]}), reward sum {sum(rewards):.0f}, "
+              f"timeouts {grader.timeouts}, rewards identical to workers={workers[0]}: {rewards == first[0]}")
+    return times
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="mathtask.py helpers; see the module docstring")
+    parser.add_argument("--bench-grader", action="store_true", help="time Grader.score_batch for each --workers")
+    parser.add_argument("--n", type=int, default=512, help="answers to grade (--bench-grader)")
+    parser.add_argument("--workers", default="1,2", help="comma-separated grader process counts (--bench-grader)")
+    parser.add_argument("--timeout", type=float, default=5.0, help="seconds per answer (--bench-grader)")
+    parser.add_argument("--slow", action="store_true", help="first answer hits the time limit (--bench-grader)")
+    args = parser.parse_args()
+    if not args.bench_grader:
+        parser.error("nothing to do: pass --bench-grader")
+    bench_grader(args.n, [int(w) for w in args.workers.split(",")], timeout_s=args.timeout, slow=args.slow)

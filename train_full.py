@@ -53,7 +53,8 @@ import torch
 import torch.distributed as dist
 
 import d3s
-from mathtask import PLAIN_TEMPLATE, QWEN_MATH_TEMPLATE, DataError, Grader, extract_boxed, load_problems, pass_at_k
+from mathtask import (PLAIN_TEMPLATE, QWEN_MATH_TEMPLATE, DataError, Grader, default_grader_workers, extract_boxed,
+                      load_problems, pass_at_k)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHARED_DATA = os.path.normpath(os.path.join(HERE, "..", "shared", "data"))
@@ -171,10 +172,16 @@ def parse_args(argv=None):
     a("--vllm-enforce-eager", action="store_true", help="vLLM without CUDA graphs (slower; faster start)")
     a("--hf-generate-batch", type=int, default=16, help="--rollout hf: prompts per generate() call")
     a("--grader-timeout", type=float, default=5.0, help="seconds per answer before math-verify is killed (reward 0)")
+    a("--grader-workers", type=int, default=None, help="math-verify grader processes per rank (default: the CPU cores "
+      "/ the ranks on this node, at most 8: mathtask.default_grader_workers)")
     a("--peak-tflops", type=float, default=0.0, help="peak dense bf16 TFLOP/s of one GPU for the logged MFU (0: from the "
       "GPU's name: H100/H200 989, A100 312; unknown GPUs and CPUs log no MFU)")
     args = p.parse_args(argv)
 
+    if args.grader_workers is None:
+        args.grader_workers = default_grader_workers(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    if args.grader_workers < 1:
+        p.error(f"--grader-workers {args.grader_workers}: must be >= 1 (grader processes per rank)")
     defaults = {"grpo": (0.2, 0.28), "gspo": d3s.CLIP_DEFAULTS["gspo"]}[args.loss]  # 0.28: DAPO's clip-higher
     args.loss_agg = args.loss_agg or d3s.DEFAULT_AGG[args.loss]
     args.clip_low = defaults[0] if args.clip_low is None else args.clip_low
@@ -1023,14 +1030,13 @@ def evaluate(engine, tokenizer, args, dist_, grader, tag="", model_name=None):
         outs = engine.generate([problems[i]["prompt_ids"] for i in mine], args.eval_samples, args.eval_temperature,
                                args.eval_top_p, args.eval_max_tokens, sample_seeds(args, 10**6, mine, args.eval_samples),
                                stops) if mine else []
-        correct = []
-        for i, group in zip(mine, outs):
-            texts = [tokenizer.decode(c["token_ids"], skip_special_tokens=True) for c in group]
-            correct.append(int(sum(grader.score_batch(texts, [problems[i]["answer"]] * len(texts)))))
+        texts = [tokenizer.decode(c["token_ids"], skip_special_tokens=True) for group in outs for c in group]
+        rewards = grader.score_batch(texts, [problems[i]["answer"] for i, group in zip(mine, outs) for _ in group])
+        n = args.eval_samples
+        correct = [int(sum(rewards[j * n : (j + 1) * n])) for j in range(len(outs))]  # correct samples per problem
         gathered = [None] * dist_.world
         dist.all_gather_object(gathered, correct)
         correct = [c for part in gathered for c in part]  # rank order = problem order
-        n = args.eval_samples
         row = {"problems": len(correct), "samples": n, "dropped": dropped, "too_long": too_long}
         for k in [k for k in args.eval_pass_k if k <= n]:
             row[f"pass@{k}"] = 100.0 * sum(pass_at_k(n, c, k) for c in correct) / max(len(correct), 1)
@@ -1079,12 +1085,12 @@ def generate(engine, batch, step, args, stops):
 
 
 def grade(rollouts, batch, tokenizer, grader):
-    """Step 2: 0/1 rewards [P_rank, G], the last \\boxed{} of each response vs the gold answer."""
-    rewards = []
-    for (_, p), group in zip(batch, rollouts):
-        texts = [tokenizer.decode(r["response_ids"], skip_special_tokens=True) for r in group]
-        rewards.append(grader.score_batch(texts, [p["answer"]] * len(group)))
-    return torch.tensor(rewards, dtype=torch.float32)
+    """Step 2: 0/1 rewards [P_rank, G], the last \\boxed{} of each response vs the gold answer.
+    One score_batch call for the rank's P_rank x G answers, so the grader pool grades them together."""
+    texts = [tokenizer.decode(r["response_ids"], skip_special_tokens=True) for group in rollouts for r in group]
+    golds = [p["answer"] for (_, p), group in zip(batch, rollouts) for _ in group]
+    G = len(rollouts[0]) if rollouts else 0
+    return torch.tensor(grader.score_batch(texts, golds), dtype=torch.float32).view(len(rollouts), G)
 
 
 def append_metrics(path, record):
@@ -1161,7 +1167,7 @@ def main(argv=None):
 
     if args.eval_only:
         engine = make_engine(args.model, args, dist_)
-        with Grader(args.grader_timeout) as grader:
+        with Grader(args.grader_timeout, workers=args.grader_workers) as grader:
             evaluate(engine, tokenizer, args, dist_, grader)
         shutdown(engine)
         return
@@ -1199,7 +1205,7 @@ def main(argv=None):
 
     bar = tqdm(total=args.steps, initial=step, disable=not dist_.is_main, desc="steps", dynamic_ncols=True)
     stop_at = min(args.steps, step + args.stop_after) if args.stop_after else args.steps
-    with Grader(args.grader_timeout) as grader:
+    with Grader(args.grader_timeout, workers=args.grader_workers) as grader:
         while step < stop_at:
             if dist_.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(dist_.device)

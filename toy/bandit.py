@@ -33,6 +33,7 @@ Left out on purpose: a KL penalty, batch reuse (ratios and clipping never bind o
 
     python toy/bandit.py                     # 8 methods x 10 seeds: table, runs/toy/toy.png
     python toy/bandit.py --seeds 3 --methods grpo d3s --filler-logit 0
+    python toy/bandit.py --seeds 1 --methods d3s d3s-i --explain-every 20   # + pages: runs/toy/explain/
 """
 
 import argparse
@@ -51,6 +52,7 @@ import torch.nn as nn  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 import d3s  # noqa: E402
+import explain  # noqa: E402
 
 
 
@@ -85,7 +87,11 @@ def parse_args(argv=None):
     a("--target", type=float, nargs="+", default=[0.5, 0.8], help="'steps to target': first step with expected reward >= each")
     a("--workers", type=int, default=2, help="runs in parallel (processes); 1 runs in this process")
     a("--out", default="runs/toy", help="output folder for results.md, metrics.jsonl and toy.png")
+    a("--explain-every", type=int, default=0, help="0: off. N > 0: step 0 and every N-th step write a page of what "
+      "the step trains on (explain.py) to OUT/explain/METHOD_seedS/step_NNNNNN.{html,png}")
     args = p.parse_args(argv)
+    if args.explain_every < 0:
+        p.error(f"--explain-every={args.explain_every}: must be >= 0 (0 turns the pages off)")
     args.static_n, args.static_k = d3s.method_budget("d2s", 0, 1, args.group_size, args.n_init, args.n_final, args.k_init,
                                                      args.k_final, args.static_n, args.static_k)  # checks N <= G
     return args
@@ -211,14 +217,19 @@ def run(method, seed, args):
             ref_logp = initial(prompt_ids[kept], tokens[kept]).log_softmax(-1).gather(-1, tokens[kept].unsqueeze(-1)).squeeze(-1)
         # 5) token selection: top K of s_{i,t} = |A_i| * H_{i,t} over the whole batch
         mask = torch.ones_like(logp, dtype=torch.bool)  # every answer has exactly L tokens
-        token_keep = d3s.select_tokens(kept_adv.abs().unsqueeze(1) * entropy, mask, k_frac,
-                                       min_per_seq=int(args.min_token_per_response))  # [B, L]
+        token_scores = kept_adv.abs().unsqueeze(1) * entropy  # s_{i,t} = |A_i| * H_{i,t}, [B, L]
+        token_keep = d3s.select_tokens(token_scores, mask, k_frac, min_per_seq=int(args.min_token_per_response))  # [B, L]
         # 6) loss on the selected tokens (on-policy, one update: w = 1, gradient -A grad logp / #tokens)
         loss, stats = d3s.policy_loss(logp, logp.detach(), kept_adv, token_keep, kind="grpo", ref_logp=ref_logp)
         opt.zero_grad()
         loss.backward()
         grad_norm = nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)  # norm before clipping
         opt.step()
+        if args.explain_every and step % args.explain_every == 0:  # reads this step's tensors, draws no random number
+            extra = {"loss": loss.item(), "loss normalizer (selected tokens)": int(token_keep.sum()),
+                     "grad norm (before clipping)": float(grad_norm)}
+            write_explain(args, method, seed, step, task, prompts, tokens, rewards, keep, adv, kept, entropy, token_scores,
+                          token_keep, n_keep, k_frac, extra)
         for k, v in (("train_reward", rewards.mean()), ("grad_norm", grad_norm), ("n_keep", n_keep), ("k_frac", k_frac),
                      ("k_real", token_keep.sum() / mask.sum()), ("samples", kept.numel()), ("tokens", token_keep.sum()),
                      ("sur", d3s.usefulness_rate(adv, keep)), ("kept_var", d3s.kept_variance(adv, keep)),
@@ -227,6 +238,34 @@ def run(method, seed, args):
                      ("entropy_decision", sample_entropy[decisions].mean()), ("entropy_filler", sample_entropy[~decisions].mean())):
             log[k].append(float(v))
     return log
+
+
+def write_explain(args, method, seed, step, task, prompts, tokens, rewards, keep, adv, kept, entropy, scores,
+                  token_keep, n_keep, k_frac, extra):
+    """One page of this step (explain.py): the P x G grid of kept rollouts, then the tokens of a
+    few of them. A toy "token" is a position: its id, and a mark on the decision positions (the
+    ones the reward reads). A dropped rollout was never forwarded: no entropy, no score."""
+    G = args.group_size
+    shown_adv = torch.where(keep, adv, d3s.group_advantages(rewards))  # the loss's A on kept, full-group A on dropped
+    row_of = {int(i): r for r, i in enumerate(kept.tolist())}  # flat index -> row of the forwarded batch
+    shown = []
+    for i in explain.pick_rollouts(shown_adv, keep):
+        prompt = int(prompts[i // G])
+        decisions, answers = task["decisions"][prompt].tolist(), task["answers"][prompt].tolist()
+        r = row_of.get(i)
+        shown.append({
+            "index": i, "tokens": [str(v) for v in tokens[i].tolist()],
+            "entropy": None if r is None else entropy[r].tolist(), "score": None if r is None else scores[r].tolist(),
+            "selected": None if r is None else token_keep[r].tolist(),
+            "marked": decisions, "mark_label": "decision position (the reward reads it)",
+            "notes": [(f"decision: the right token is {a}, this one is {'right' if v == a else 'wrong'}" if d
+                       else "filler: the reward ignores it") for d, a, v in zip(decisions, answers, tokens[i].tolist())],
+        })
+    labels = ["prompt %d: %d decision%s" % (p, task["decisions"][p].sum(), "" if task["decisions"][p].sum() == 1 else "s")
+              for p in prompts.tolist()]
+    explain.write_step(os.path.join(args.out, "explain", f"{method}_seed{seed}"), step=step, rung="toy", method=method,
+                       rewards=rewards, adv=shown_adv, keep=keep, n_keep=n_keep, k_frac=k_frac,
+                       k_real=float(token_keep.sum() / token_keep.numel()), shown=shown, prompts=labels, extra=extra)
 
 
 # ---------------------------------------------------------------------------------------------
