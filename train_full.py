@@ -53,6 +53,7 @@ import torch
 import torch.distributed as dist
 
 import d3s
+import explain
 from mathtask import (PLAIN_TEMPLATE, QWEN_MATH_TEMPLATE, DataError, Grader, default_grader_workers, extract_boxed,
                       load_problems, pass_at_k)
 
@@ -154,6 +155,9 @@ def parse_args(argv=None):
     a("--save-every", type=int, default=50, help="sharded checkpoint (model, optimizer, data order, RNG) every N steps")
     a("--keep-checkpoints", type=int, default=2, help="keep the newest N sharded checkpoints")
     a("--export-every", type=int, default=0, help="HF export every N steps (0: only hf_final/ after the last step)")
+    a("--explain-every", type=int, default=0, help="step 0 and every N-th step, rank 0 writes OUT/explain/step_NNNNNN.html "
+      "(+ .png): which rollouts and tokens the step trained on, from the global selection (explain.py; a few "
+      "rollouts' tokens are gathered, never the batch); 0 = off")
     a("--stop-after", type=int, default=0, help="stop after this many steps in this invocation (0: run to --steps); "
       "for preemptible jobs: resume with --resume")
     # systems
@@ -359,7 +363,7 @@ def encode_prompts(rows, tokenizer, template, max_prompt_len):
         if len(ids) > max_prompt_len:
             too_long += 1
             continue
-        out.append({"id": row["id"], "answer": row["answer"], "prompt_ids": ids})
+        out.append({"id": row["id"], "problem": row["problem"], "answer": row["answer"], "prompt_ids": ids})
     return out, too_long
 
 
@@ -777,13 +781,16 @@ def minibatch_rows(first, count, total, m):
     return [[int(g) - first for g in part if first <= int(g) < first + count] for part in parts]
 
 
-def train_step(model, optimizer, rollouts, rewards, step, args, dist_, pad_id, keep_grads=False, ref_model=None):
+def train_step(model, optimizer, rollouts, rewards, step, args, dist_, pad_id, keep_grads=False, ref_model=None,
+               explain_prompts=None):
     """Select, forward, select tokens, update (M optimizer steps). Every choice is made on the
     global batch.
 
     rollouts: this rank's prompts x G, rollouts[i][j] = {prompt_ids, response_ids} (global
     prompt order = rank order); rewards: [P_rank, G]; ref_model: the frozen reference of the
-    logged KL (--kl-ref) or None. Returns a dict of metrics (global).
+    logged KL (--kl-ref) or None; explain_prompts: this rank's problem texts on a step that
+    writes an explain page (rank 0 then gets "_explain"), else None. Returns a dict of metrics
+    (global).
     """
     device = dist_.device
     P_local, G = rewards.shape
@@ -828,6 +835,10 @@ def train_step(model, optimizer, rollouts, rewards, step, args, dist_, pad_id, k
     token_scores = token_scores.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
     token_keep = select_tokens_global(token_scores, mask, k_frac, args.token_scope, dist_,
                                       min_per_seq=int(args.min_token_per_response))
+    shown = None
+    if explain_prompts is not None:  # every rank takes part; rank 0 gets the few rollouts a page shows
+        shown = explain_rows(rollouts, explain_prompts, keep_all, adv_all, rewards_all, first, kept, entropy, token_scores,
+                             token_keep, dist_)
 
     # 6) pass 2: M mini-batches (global order), one optimizer step each. The normalizer of a
     #    mini-batch is its selected tokens (or responses) summed over all ranks, computed before
@@ -909,9 +920,36 @@ def train_step(model, optimizer, rollouts, rewards, step, args, dist_, pad_id, k
         "train_s": train_s,
         "train_tokens": int(train_tokens),  # prompt + response tokens of the kept rollouts (each goes through both passes)
         "train_tokens_per_s": train_tokens / max(train_s, 1e-9),
-        # for the tests: the kept set, in global order
-        "_keep": keep_all, "_token_keep": gather_rows(token_keep, dist_)[0],
+        # for the tests and the explain page: the kept set, in global order
+        "_keep": keep_all, "_token_keep": gather_rows(token_keep, dist_)[0], "_rewards": rewards_all, "_explain": shown,
     }
+
+
+def explain_rows(rollouts, prompts, keep_all, adv_all, rewards_all, first, kept, entropy, token_scores, token_keep, dist_):
+    """The few rollouts an explain page shows (explain.pick_rollouts on the global batch: the same
+    choice on every rank), gathered on rank 0 with their token ids and, when forwarded, entropy,
+    score and selection: a few rollouts, never the batch. Every rank calls it (gather_object).
+    Returns (shown_adv, items, prompt texts) on rank 0, None elsewhere."""
+    G = keep_all.shape[1]
+    shown_adv = torch.where(keep_all, adv_all, d3s.group_advantages(rewards_all))  # the loss's A on kept cells
+    local_row = {(first + i) * G + j: r for r, (i, j) in enumerate(kept)}  # global p * G + g -> row of this rank's batch
+    picked, mine = explain.pick_rollouts(shown_adv, keep_all), []
+    for index in picked:
+        p, g = divmod(index, G)
+        if first <= p < first + len(rollouts):  # this rank holds that rollout
+            ids = list(rollouts[p - first][g]["response_ids"])
+            item = {"index": index, "ids": ids}
+            if index in local_row:  # forwarded: its row of entropy / scores / selection
+                r, n = local_row[index], len(ids)
+                item.update(entropy=entropy[r, :n].tolist(), score=token_scores[r, :n].tolist(),
+                            selected=token_keep[r, :n].tolist())
+            mine.append(item)
+    parts = [None] * dist_.world if dist_.is_main else None
+    dist.gather_object((mine, prompts), parts, dst=0)
+    if not dist_.is_main:
+        return None
+    items = sorted((item for part, _ in parts for item in part), key=lambda item: picked.index(item["index"]))
+    return shown_adv, items, [text for _, texts in parts for text in texts]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1218,8 +1256,18 @@ def main(argv=None):
             t0 = time.perf_counter()
             rewards = grade(rollouts, batch, tokenizer, grader)  # 2) reward
             reward_s = time.perf_counter() - t0
+            explain_now = args.explain_every and step % args.explain_every == 0
             stats = train_step(model, optimizer, rollouts, rewards, step, args, dist_, tokenizer.pad_token_id,
-                               ref_model=ref_model)  # 3-6
+                               ref_model=ref_model, explain_prompts=[p["problem"] for _, p in batch] if explain_now else None)
+            if explain_now and dist_.is_main:  # 3-6 above; the page of this step, from the global selection
+                shown_adv, items, texts = stats["_explain"]
+                for item in items:
+                    item["tokens"] = [tokenizer.decode([t]) for t in item.pop("ids")]
+                explain.write_step(os.path.join(args.out, "explain"), step=step, rung="train_full", method=args.method,
+                                   rewards=stats["_rewards"], adv=shown_adv, keep=stats["_keep"], n_keep=stats["n_keep"],
+                                   k_frac=stats["k_frac"], k_real=stats["k_real"], shown=items, prompts=texts,
+                                   extra={"loss (sum over mini-batches)": stats["loss"], "tokens in the loss": stats["kept_tokens"],
+                                          "grad norm (before clipping)": stats["grad_norm"], "ranks": dist_.world})
             gpu_used_train = gpu_used_gb(dist_.device)  # trainer (+ sleeping vLLM), before the sync
             t1 = time.perf_counter()
             engine.update_weights(full_named_tensors(model, getattr(torch, args.dtype)))  # 7) sync

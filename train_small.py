@@ -55,6 +55,7 @@ import torch
 from tqdm import tqdm
 
 import d3s
+import explain
 from mathtask import (PLAIN_TEMPLATE, QWEN_MATH_TEMPLATE, DataError, Grader, arithmetic_problems,
                       load_problems, pass_at_k)
 
@@ -146,6 +147,8 @@ def parse_args(argv=None):
     g.add_argument("--pass-k", type=int, default=4, help="k of Pass@k (unbiased estimator from n samples; k <= n)")
     g.add_argument("--gen-batch", type=int, default=512, help="sequences per generate call during evaluation")
     g.add_argument("--save-every", type=int, default=20, help="S: write OUT/checkpoint.pt every S steps (and at the end)")
+    g.add_argument("--explain-every", type=int, default=25, help="step 1 and every N-th step write OUT/explain/step_NNNNNN.html "
+                   "(+ .png): which rollouts and tokens the step trained on (explain.py); 0 = off")
     g.add_argument("--stop-after", type=int, default=None,
                    help="for tests of --resume: exit abruptly (os._exit, no cleanup) right after step N and its checkpoint")
     del a
@@ -176,7 +179,7 @@ def check_args(args):
                              ("--pass-k", args.pass_k, 1), ("--eval-size", args.eval_size, 1),
                              ("--train-size", args.train_size, 1), ("--mini-batches", args.mini_batches, 1),
                              ("--gen-batch", args.gen_batch, 1), ("--n-init", args.n_init, 1), ("--n-final", args.n_final, 1),
-                             ("--seeds", args.seeds, 1)):
+                             ("--seeds", args.seeds, 1), ("--explain-every", args.explain_every, 0)):
         if value < low:
             raise UsageError(f"{flag} {value}: must be >= {low}")
     if args.pass_k > args.eval_samples:
@@ -527,6 +530,24 @@ def train_step(model, ref_model, optimizer, tokenizer, grader, train_rows, step,
         "grader_timeouts": grader.timeouts,
         "gen_s": round(gen_s, 3), "reward_s": round(reward_s, 3), "train_s": round(time.time() - t1, 3),
     }
+    if explain_dir is not None:  # a page of this step (explain.py): reads the tensors above, draws no random number
+        shown_adv = torch.where(keep, adv, d3s.group_advantages(rewards))  # the loss's A on kept cells (pods: recomputed)
+        row_of = {int(i): r for r, i in enumerate(kept_rows.tolist())}  # p * G + g -> row of the kept batch
+        shown = []
+        for i in explain.pick_rollouts(shown_adv, keep):
+            n = int(batch["response_mask"][i].sum())  # response tokens up to and including the first EOS
+            item = {"index": i, "tokens": [tokenizer.decode([t]) for t in batch["response_ids"][i, :n].tolist()]}
+            if i in row_of:  # forwarded: its entropy, score and selection
+                r = row_of[i]
+                item.update(entropy=entropy[r, :n].tolist(), score=token_scores[r, :n].tolist(),
+                            selected=token_keep[r, :n].tolist())
+            shown.append(item)
+        explain.write_step(explain_dir, step=step, rung="train_small", method=args.method, rewards=rewards, adv=shown_adv,
+                           keep=keep, n_keep=n_keep, k_frac=k_frac, k_real=metrics["k_real"], shown=shown,
+                           prompts=[r["problem"] for r in problems],
+                           extra={"loss (mean over mini-batches)": metrics["loss"],
+                                  "grad norm (before clipping)": metrics["grad_norm"], "tokens in the loss": kept_tokens,
+                                  "mini-batches": args.mini_batches})
     return metrics
 
 
@@ -647,7 +668,9 @@ def run(args, train_rows=None, eval_rows=None, warm=None):
         bar = tqdm(range(start_step + 1, args.steps + 1), desc=f"{args.method} ({args.loss}, seed {args.rl_seed})", dynamic_ncols=True,
                    initial=start_step, total=args.steps)
         for step in bar:
-            m = train_step(model, ref_model, optimizer, tokenizer, grader, train_rows, step, args)
+            explain_now = args.explain_every and (step == 1 or step % args.explain_every == 0)
+            m = train_step(model, ref_model, optimizer, tokenizer, grader, train_rows, step, args,
+                           explain_dir=os.path.join(args.out, "explain") if explain_now else None)
             totals["samples"] += m["kept_samples"]
             totals["tokens"] += m["kept_tokens"]
             totals["fwd_tokens"] += m["fwd_tokens"]

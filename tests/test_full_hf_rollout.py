@@ -29,7 +29,8 @@ def test_two_ranks_with_hf_rollouts_train_export_and_evaluate(tmp_path):
            "--eval-pass-k", "1,2", "--eval-max-tokens", "8", "--out", str(out), "--template", "plain", "--device", "cpu",
            "--steps", "2", "--prompts-per-step", "2", "--group-size", "4", "--n-init", "2", "--n-final", "4",
            "--max-response-len", "12", "--max-prompt-len", "64", "--micro-batch-size", "3", "--save-every", "2",
-           "--kl-ref", "--mini-batches", "2", "--lr", "1e-2", "--min-token-per-response"]
+           "--kl-ref", "--mini-batches", "2", "--lr", "1e-2", "--min-token-per-response",
+           "--explain-every", "1"]
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -44,5 +45,8 @@ def test_two_ranks_with_hf_rollouts_train_export_and_evaluate(tmp_path):
     assert lines[-1]["kind"] == "eval" and lines[-1]["step"] == 2 and "gsm8k_pass@2" in lines[-1]
     assert (out / "checkpoints" / "step_000002" / "trainer_state.json").exists()
     assert (out / "hf_final" / "model.safetensors").exists()
+    for step in (0, 1):  # rank 0's page of the global selection, named by the global step
+        page = (out / "explain" / f"step_{step:06d}.html").read_text()
+        assert f"Step {step}" in page and "train_full" in page and "ranks" in page
     final = json.loads((out / "eval_final.json").read_text())["results"]
     assert final["gsm8k"]["problems"] == 3 and len(final["gsm8k"]["correct"]) == 3  # 2 + 1 problems over 2 ranks

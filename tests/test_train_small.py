@@ -208,6 +208,9 @@ def test_one_minute_run_trains_evaluates_and_saves(tmp_path, cache_dir):
     assert "warm_start" in evals[0] and summary["warm_start"]["greedy_pass1"] == evals[0]["eval_greedy_pass1"]
     assert (out / "checkpoint.pt").exists() and (out / "summary.json").exists()
     assert set(load_state(out / "final")) == set(load_state(evals[0]["warm_start"]["path"]))  # HF-loadable
+    page = (out / "explain" / "step_000001.html").read_text()  # --explain-every's default: step 1 and every 25th
+    assert "train_small" in page and "d3s" in page and (out / "explain" / "step_000001.png").exists()
+    assert not (out / "explain" / "step_000002.html").exists()
 
 
 def test_resume_after_a_kill_equals_the_uninterrupted_run(tmp_path, cache_dir, two_answer_data):
