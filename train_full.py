@@ -12,7 +12,8 @@ ALGORITHM.md section 6, every algorithmic piece a call into d3s.py:
   1 generate  each rank samples G rollouts for its share of the step's prompts (vLLM)
   2 reward    mathtask.Grader: last \\boxed{} vs the gold answer, 0/1
   3 samples   all_gather the rewards -> d3s.select_samples on the GLOBAL [P, G] batch with N
-              from d3s.dynamic_schedule; each rank keeps its own rows of the kept set
+              from d3s.method_budget; the kept rollouts are spread over the ranks by token count
+              (load balance: a rank whose prompts were all solved still gets work)
   4 pass 1    no-grad forward of the kept rollouts only: old log-probs + d3s.token_entropy
               (+ the reference's log-probs with --kl-ref)
   5 tokens    scores |A| * H, gathered from all ranks -> d3s.select_tokens once, globally
@@ -130,6 +131,8 @@ def parse_args(argv=None):
     a("--mini-batches", type=int, default=4, help="[recipe] M: optimizer steps per rollout batch, each on 1/M of the kept "
       "rollouts, old log-probs from before the first (verl's Qwen2.5-Math GRPO examples: train_batch_size 1024 / "
       "ppo_mini_batch_size 256 = 4); 1 = on-policy (ratio 1: no clipping, GSPO = GRPO)")
+    a("--no-load-balance", dest="load_balance", action="store_false", help="train each kept rollout on the rank that "
+      "generated it (default: spread each mini-batch's kept rollouts over the ranks by token count; the update is the same)")
     a("--micro-batch-size", type=int, default=4, help="[choice] rollouts per forward/backward (memory only: the loss "
       "normalizer is computed once for the whole optimizer step)")
     a("--kl-ref", action="store_true", help="load the initial --model a second time as a frozen reference and log the KL "
@@ -759,26 +762,47 @@ def budget(step, args, group_size):
                              args.k_final, args.static_n, args.static_k)
 
 
-def select_tokens_global(scores, mask, k_frac, scope, dist_, min_per_seq=0):
-    """d3s.select_tokens over the [B, T] scores of ALL ranks at once (on CPU, so every rank
-    computes the identical choice); returns this rank's rows of the kept-token mask."""
-    all_scores, counts = gather_rows(scores, dist_)
-    all_mask, _ = gather_rows(mask, dist_)
-    keep = d3s.select_tokens(all_scores, all_mask, k_frac, scope=scope, min_per_seq=min_per_seq)
-    first = sum(counts[: dist_.rank])
-    return keep[first : first + counts[dist_.rank]].to(scores.device)
+def gather_global(local, mine, total, dist_):
+    """The [rows, ...] tensors of all ranks as one [total, ...] tensor in GLOBAL order (CPU):
+    row r of this rank is global row mine[r]. Every rank gets the same tensor."""
+    gathered, _ = gather_rows(local, dist_)
+    where, _ = gather_rows(torch.tensor(mine, dtype=torch.long).view(-1, 1), dist_)
+    out = torch.empty((total, *gathered.shape[1:]), dtype=gathered.dtype)
+    out[where.view(-1)] = gathered
+    return out
 
 
-def minibatch_rows(first, count, total, m):
-    """This rank's rows of each of the m mini-batches of the step.
+def select_tokens_global(scores, mask, mine, total, k_frac, scope, dist_, min_per_seq=0):
+    """d3s.select_tokens over the [B, T] scores of ALL ranks at once, in global order (on CPU, so
+    every rank computes the identical choice, whichever rank holds which rollout); returns this
+    rank's rows (global rows `mine`) of the kept-token mask."""
+    keep = d3s.select_tokens(gather_global(scores, mine, total, dist_), gather_global(mask, mine, total, dist_),
+                             k_frac, scope=scope, min_per_seq=min_per_seq)
+    return keep[mine].to(scores.device)
 
-    The kept rollouts of the whole step, in global order (rank order = prompt order), are split
-    into m contiguous parts of near-equal size (torch.tensor_split's rule, as verl splits its
-    batch); this rank owns the global rows first .. first + count - 1. Returns m lists of local
-    row indices (some may be empty), the same split whatever the number of ranks.
+
+def assign_rollouts(lengths, home, world, m, balance):
+    """Which rank trains each kept rollout of the step, and the step's m mini-batches.
+
+    lengths: prompt + response tokens of each kept rollout, in global order (rank order =
+    prompt order); home: the rank that generated it. The kept list is split into m contiguous
+    mini-batches (torch.tensor_split, as verl splits its batch), the same whatever the number of
+    ranks. With balance, each mini-batch's rollouts go longest first to the least-loaded rank
+    (LPT), so a rank whose prompts were all solved (cross-group selection kept none of them)
+    still gets its share of the work; without it each rollout stays on its home rank. Which
+    rank computes a rollout changes neither the kept set nor any normalizer.
+    Returns (owner: rank of each kept rollout, parts: m lists of global indices). Pure: the same
+    on every rank.
     """
-    parts = torch.arange(total).tensor_split(m)
-    return [[int(g) - first for g in part if first <= int(g) < first + count] for part in parts]
+    owner = list(home)
+    parts = [part.tolist() for part in torch.arange(len(lengths)).tensor_split(m)]
+    if balance:
+        for part in parts:
+            load = [0] * world
+            for g in sorted(part, key=lambda g: (-lengths[g], g)):
+                owner[g] = min(range(world), key=lambda r: (load[r], r))
+                load[owner[g]] += lengths[g]
+    return owner, parts
 
 
 def train_step(model, optimizer, rollouts, rewards, step, args, dist_, pad_id, keep_grads=False, ref_model=None,
@@ -796,15 +820,24 @@ def train_step(model, optimizer, rollouts, rewards, step, args, dist_, pad_id, k
     P_local, G = rewards.shape
     n_keep, k_frac = budget(step, args, G)
 
-    # 3) sample selection on the global [P, G] rewards; this rank keeps its own rows
+    # 3) sample selection on the global [P, G] rewards
     rewards_all, counts = gather_rows(rewards.float(), dist_)  # [P, G], CPU
     generator = torch.Generator().manual_seed(args.seed * 7919 + step)  # "random": same draw on every rank
     keep_all, adv_all = d3s.select_samples(rewards_all, n_keep, args.method, generator=generator)
-    first = sum(counts[: dist_.rank])
-    keep, adv = keep_all[first : first + P_local], adv_all[first : first + P_local]
-    kept = keep.nonzero().tolist()  # [(prompt i, rollout j)], prompt-major: rank order = global order
-    seqs = [rollouts[i][j] for i, j in kept]
-    kept_adv = torch.tensor([float(adv[i, j]) for i, j in kept], device=device)  # [B]
+    first = sum(counts[: dist_.rank])  # this rank's first prompt, in global order
+    kept_all = keep_all.nonzero().tolist()  # [(prompt p, rollout g)] of the whole step, global order
+    total = len(kept_all)
+    # every rank gets the token ids of every kept rollout (a few MB per step), so that any rank can train any of them
+    shares = [None] * dist_.world
+    dist.all_gather_object(shares, [rollouts[p - first][g] for p, g in kept_all if first <= p < first + P_local])
+    seqs_all = [s for share in shares for s in share]  # global order: rank order = prompt order
+    home = [r for r, share in enumerate(shares) for _ in share]
+    owner, parts = assign_rollouts([len(s["prompt_ids"]) + len(s["response_ids"]) for s in seqs_all], home, dist_.world,
+                                   args.mini_batches, args.load_balance)
+    mine = [g for g in range(total) if owner[g] == dist_.rank]  # the kept rollouts this rank forwards, global order
+    row_of = {g: r for r, g in enumerate(mine)}
+    seqs = [seqs_all[g] for g in mine]
+    kept_adv = adv_all[keep_all][mine].to(device)  # [B], full-group A (pods: recomputed)
 
     # 4) pass 1, no grad: old log-probs and entropy of the kept rollouts (in micro-batches)
     B = len(seqs)
@@ -833,21 +866,20 @@ def train_step(model, optimizer, rollouts, rewards, step, args, dist_, pad_id, k
     # a non-finite forward (NaN entropy) would make select_tokens raise: rank it last instead; the
     # loss is then non-finite as well and the step is skipped on every rank below
     token_scores = token_scores.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
-    token_keep = select_tokens_global(token_scores, mask, k_frac, args.token_scope, dist_,
+    token_keep = select_tokens_global(token_scores, mask, mine, total, k_frac, args.token_scope, dist_,
                                       min_per_seq=int(args.min_token_per_response))
     shown = None
     if explain_prompts is not None:  # every rank takes part; rank 0 gets the few rollouts a page shows
-        shown = explain_rows(rollouts, explain_prompts, keep_all, adv_all, rewards_all, first, kept, entropy, token_scores,
-                             token_keep, dist_)
+        local_row = {kept_all[g][0] * G + kept_all[g][1]: r for g, r in row_of.items()}  # flat p * G + g -> row here
+        shown = explain_rows(rollouts, explain_prompts, keep_all, adv_all, rewards_all, first, local_row, seqs, entropy,
+                             token_scores, token_keep, dist_)
 
     # 6) pass 2: M mini-batches (global order), one optimizer step each. The normalizer of a
     #    mini-batch is its selected tokens (or responses) summed over all ranks, computed before
     #    its micro-batches, so neither the micro-batch size nor the rank count changes the update.
-    total_kept = int(keep_all.sum())
     loss_total, clip_tokens, kl_tokens, trained_tokens, skipped, applied = 0.0, 0.0, 0.0, 0.0, False, 0
     grad_norms, clip_fracs = [], []
-    kept_before = int(keep_all[:first].sum())  # kept rollouts of the ranks before this one (global order)
-    for part in minibatch_rows(kept_before, B, total_kept, args.mini_batches):
+    for part in ([row_of[g] for g in part if g in row_of] for part in parts):  # this rank's rows of each mini-batch
         part_keep, part_mask = token_keep[part], mask[part]
         if args.loss_agg == "seq-mean-token-mean":
             normalizer = all_reduce(part_keep.any(-1).sum(), dist_)  # responses with a selected token
@@ -898,6 +930,7 @@ def train_step(model, optimizer, rollouts, rewards, step, args, dist_, pad_id, k
 
     n_tokens = all_reduce(mask.sum(), dist_)
     n_selected = all_reduce(token_keep.sum(), dist_)
+    rank_tokens = sum(len(s["prompt_ids"]) + len(s["response_ids"]) for s in seqs)  # what this rank forwarded
     train_tokens = all_reduce(trained_tokens, dist_)
     train_s = all_reduce(train_s, dist_, dist.ReduceOp.MAX)  # the slowest rank's
     return {
@@ -906,7 +939,7 @@ def train_step(model, optimizer, rollouts, rewards, step, args, dist_, pad_id, k
         "groups_mixed": float((rewards_all.amax(-1) > rewards_all.amin(-1)).float().mean()),  # groups with signal
         "n_keep": n_keep, "k_frac": k_frac,
         "k_real": n_selected / max(n_tokens, 1.0),  # realised fraction of the forwarded tokens
-        "kept_samples": total_kept,
+        "kept_samples": total,
         "sur": d3s.usefulness_rate(adv_all, keep_all),  # Sample Usefulness Rate: kept rollouts with A != 0
         "kept_tokens": int(n_selected),  # tokens in the loss
         "fwd_tokens": int(n_tokens),  # response tokens forwarded (the kept rollouts')
@@ -920,30 +953,34 @@ def train_step(model, optimizer, rollouts, rewards, step, args, dist_, pad_id, k
         "train_s": train_s,
         "train_tokens": int(train_tokens),  # prompt + response tokens of the kept rollouts (each goes through both passes)
         "train_tokens_per_s": train_tokens / max(train_s, 1e-9),
+        "rank_tokens_max": int(all_reduce(rank_tokens, dist_, dist.ReduceOp.MAX)),  # load balance: the busiest rank's
+        "rank_tokens_min": int(all_reduce(rank_tokens, dist_, dist.ReduceOp.MIN)),  # ... and the idlest rank's tokens
         # for the tests and the explain page: the kept set, in global order
-        "_keep": keep_all, "_token_keep": gather_rows(token_keep, dist_)[0], "_rewards": rewards_all, "_explain": shown,
+        "_keep": keep_all, "_token_keep": gather_global(token_keep, mine, total, dist_), "_rewards": rewards_all,
+        "_explain": shown,
     }
 
 
-def explain_rows(rollouts, prompts, keep_all, adv_all, rewards_all, first, kept, entropy, token_scores, token_keep, dist_):
+def explain_rows(rollouts, prompts, keep_all, adv_all, rewards_all, first, local_row, seqs, entropy, token_scores,
+                 token_keep, dist_):
     """The few rollouts an explain page shows (explain.pick_rollouts on the global batch: the same
     choice on every rank), gathered on rank 0 with their token ids and, when forwarded, entropy,
-    score and selection: a few rollouts, never the batch. Every rank calls it (gather_object).
+    score and selection: a few rollouts, never the batch. local_row: flat index p * G + g -> row
+    of this rank's forwarded batch. Every rank calls it (gather_object).
     Returns (shown_adv, items, prompt texts) on rank 0, None elsewhere."""
     G = keep_all.shape[1]
     shown_adv = torch.where(keep_all, adv_all, d3s.group_advantages(rewards_all))  # the loss's A on kept cells
-    local_row = {(first + i) * G + j: r for r, (i, j) in enumerate(kept)}  # global p * G + g -> row of this rank's batch
     picked, mine = explain.pick_rollouts(shown_adv, keep_all), []
     for index in picked:
         p, g = divmod(index, G)
-        if first <= p < first + len(rollouts):  # this rank holds that rollout
-            ids = list(rollouts[p - first][g]["response_ids"])
-            item = {"index": index, "ids": ids}
-            if index in local_row:  # forwarded: its row of entropy / scores / selection
-                r, n = local_row[index], len(ids)
-                item.update(entropy=entropy[r, :n].tolist(), score=token_scores[r, :n].tolist(),
-                            selected=token_keep[r, :n].tolist())
-            mine.append(item)
+        if index in local_row:  # forwarded here: its row of entropy / scores / selection
+            r = local_row[index]
+            ids = list(seqs[r]["response_ids"])
+            n = len(ids)
+            mine.append({"index": index, "ids": ids, "entropy": entropy[r, :n].tolist(), "score": token_scores[r, :n].tolist(),
+                         "selected": token_keep[r, :n].tolist()})
+        elif not keep_all[p, g] and first <= p < first + len(rollouts):  # dropped: only its home rank has it
+            mine.append({"index": index, "ids": list(rollouts[p - first][g]["response_ids"])})
     parts = [None] * dist_.world if dist_.is_main else None
     dist.gather_object((mine, prompts), parts, dst=0)
     if not dist_.is_main:

@@ -37,7 +37,7 @@ def make_rollouts(vocab_size, seed=0):
 # name -> (method, loss, mini-batches, lr): on-policy GRPO, and M = 2 (the second optimizer step off-policy;
 # GSPO with a larger lr, so that the policy moves past its 3e-4/4e-4 clip range in one step)
 CONFIGS = {"grpo": ("grpo", "grpo", 1, 1e-4), "grpo-m2": ("grpo", "grpo", 2, 1e-4), "d3s-m2": ("d3s", "grpo", 2, 1e-4),
-           "gspo-d3s-i-m2": ("d3s-i", "gspo", 2, 3e-2)}
+           "d3s-m2-unbalanced": ("d3s", "grpo", 2, 1e-4), "gspo-d3s-i-m2": ("d3s-i", "gspo", 2, 3e-2)}
 
 
 def trainer_args(model_dir, method, loss="grpo", mini_batches=1, lr=1e-4):
@@ -59,7 +59,8 @@ def check_global_token_selection(dist_):
     ok = True
     for k in (0.1, 0.35, 1.0):
         for scope in ("batch", "sequence"):
-            local = train_full.select_tokens_global(scores[mine], mask[mine], k, scope, dist_)
+            local = train_full.select_tokens_global(scores[mine], mask[mine], list(range(mine.start, mine.stop)),
+                                                    sum(rows), k, scope, dist_)
             ok &= bool(torch.equal(local, d3s.select_tokens(scores, mask, k, scope=scope)[mine]))
     return ok
 
@@ -125,6 +126,7 @@ def main():
     result = {"world": dist_.world, "token_selection_ok": check_global_token_selection(dist_)}
     for config in cli.configs.split(","):
         args = trainer_args(cli.model, *CONFIGS[config])
+        args.load_balance = not config.endswith("unbalanced")
         model = train_full.load_policy(args, dist_)
         optimizer = train_full.make_optimizer(model, args)
         ref_model = train_full.load_policy(args, dist_, reference=True) if config.startswith("gspo") else None  # --kl-ref
@@ -138,7 +140,8 @@ def main():
                         "grad_norm": stats["grad_norm"], "loss": stats["loss"], "n_keep": stats["n_keep"],
                         "k_frac": stats["k_frac"], "kept_tokens": stats["kept_tokens"], "updates": stats["updates"],
                         "clip_frac_by_minibatch": stats["clip_frac_by_minibatch"], "k_real": stats["k_real"],
-                        "sur": stats["sur"], "kl_ref": stats["kl_ref"]}
+                        "sur": stats["sur"], "kl_ref": stats["kl_ref"], "rank_tokens_max": stats["rank_tokens_max"],
+                          "rank_tokens_min": stats["rank_tokens_min"]}
     result["resume"] = check_resume(cli, dist_, tokenizer, rollouts, mine, cli.workdir)
     result["nonfinite"] = check_nonfinite_skip(cli, dist_, tokenizer, rollouts, mine)
     if dist_.is_main:

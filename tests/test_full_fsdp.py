@@ -122,7 +122,7 @@ def test_fsdp_two_ranks_keeps_the_same_rollouts_and_tokens_as_one_process(fsdp_r
     ref, got = reference_step(tiny_model_dir, name), fsdp_result[name]
     assert torch.equal(got["keep"], ref["keep"])
     assert torch.equal(got["token_keep"], ref["token_keep"])
-    if name == "d3s-m2":  # cross-group: rank 0 (groups 0, 1) keeps 8 rollouts, rank 1 (groups 2, 3) only 4
+    if name.startswith("d3s-m2"):  # cross-group: rank 0 (groups 0, 1) keeps 8 rollouts, rank 1 (groups 2, 3) only 4
         assert got["keep"][:2].sum() == 8 and got["keep"][2:].sum() == 4
         assert 0 < got["kept_tokens"] < ref["token_keep"].numel()
         assert abs(got["k_real"] - got["k_frac"]) * ref["token_keep"].sum() / got["k_real"] < 1.0  # within one token
@@ -145,6 +145,16 @@ def test_fsdp_two_ranks_step_equals_single_process_step(fsdp_result, tiny_model_
     base = dict(__import__("transformers").AutoModelForCausalLM.from_pretrained(tiny_model_dir).named_parameters())
     moved = max(float((got["params"][n] - base[n].detach()).abs().max()) for n in base)
     assert moved > 5e-5  # the step did change the weights (lr >= 1e-4)
+
+
+def test_load_balance_moves_work_between_ranks_and_leaves_the_update_unchanged(fsdp_result):
+    balanced, unbalanced = fsdp_result["d3s-m2"], fsdp_result["d3s-m2-unbalanced"]
+    spread = lambda r: r["rank_tokens_max"] - r["rank_tokens_min"]  # noqa: E731
+    assert spread(balanced) < spread(unbalanced)  # rank 0 generated 8 kept rollouts, rank 1 only 4
+    assert balanced["loss"] == pytest.approx(unbalanced["loss"], abs=1e-6)
+    for param in balanced["params"]:
+        torch.testing.assert_close(balanced["grads"][param], unbalanced["grads"][param], rtol=1e-4, atol=1e-8, msg=param)
+        torch.testing.assert_close(balanced["params"][param], unbalanced["params"][param], rtol=0, atol=2e-6, msg=param)
 
 
 def test_the_second_mini_batch_is_off_policy_so_gspo_clips_there(fsdp_result):

@@ -50,16 +50,24 @@ def test_ladder_methods_mini_batches_and_gspo_aggregation_defaults():
             train_full.parse_args(bad)
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
-def test_mini_batches_split_the_global_kept_list_the_same_way_on_any_number_of_ranks(world):
-    kept_per_rank = {1: [11], 2: [7, 4], 3: [5, 0, 6]}[world]  # cross-group: ranks keep different counts
-    total = sum(kept_per_rank)
-    got = [[] for _ in range(3)]
-    for rank, count in enumerate(kept_per_rank):
-        first = sum(kept_per_rank[:rank])
-        for m, rows in enumerate(train_full.minibatch_rows(first, count, total, 3)):
-            got[m] += [first + r for r in rows]
-    assert got == [part.tolist() for part in torch.arange(total).tensor_split(3)]
+@pytest.mark.parametrize("balance", [False, True])
+def test_mini_batches_are_contiguous_parts_of_the_global_kept_list_whatever_the_ranks(balance):
+    lengths = [5, 9, 2, 7, 7, 1, 8, 3, 6, 4, 10]
+    for world, home in ((1, [0] * 11), (2, [0] * 7 + [1] * 4), (3, [0] * 5 + [2] * 6)):  # rank 1 of 3 kept nothing
+        owner, parts = train_full.assign_rollouts(lengths, home, world, 3, balance)
+        assert parts == [part.tolist() for part in torch.arange(11).tensor_split(3)]
+        assert owner == home or balance
+        assert all(0 <= r < world for r in owner)
+
+
+def test_load_balance_spreads_each_mini_batch_by_token_count():
+    lengths = [100, 90, 80, 70, 10, 10, 10, 10]
+    home = [0] * 8  # rank 0 generated every kept rollout (the others' prompts were all solved)
+    owner, _ = train_full.assign_rollouts(lengths, home, 4, 1, balance=True)
+    load = [sum(n for n, r in zip(lengths, owner) if r == rank) for rank in range(4)]
+    assert owner[:4] == [0, 1, 2, 3] and max(load) - min(load) <= 20  # longest first onto the least loaded
+    owner, _ = train_full.assign_rollouts(lengths, home, 4, 1, balance=False)
+    assert owner == home
 
 
 def test_prompt_order_resumes_exactly_and_crosses_epochs():
