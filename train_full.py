@@ -48,7 +48,9 @@ import random
 import re
 import shutil
 import socket
+import sys
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -166,16 +168,21 @@ def parse_args(argv=None):
     # systems
     a("--seed", type=int, default=0, help="seed of the data order, sampling and init")
     a("--unseeded-sampling", action="store_true", help="no per-prompt sampling seeds (vLLM samples seeded requests "
-      "one by one: a little slower); generation then depends on the number of ranks and resumes are not bit-exact")
+      "one by one: a little slower); each rank's engine is seeded with seed + rank; generation then depends on the "
+      "number of ranks and resumes are not bit-exact")
     a("--device", default="auto", choices=["auto", "cuda", "cpu"], help="auto: cuda if available, else cpu (gloo)")
     a("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="compute dtype; auto: bfloat16 on CUDA "
       "(fp32 master weights and gradient reductions), float32 on CPU")
-    a("--vllm-gpu-memory-utilization", type=float, default=0.5, help="fraction of GPU memory vLLM may take while awake")
+    a("--vllm-gpu-memory-utilization", type=float, default=None, help="fraction of GPU memory vLLM may take while awake "
+      "(default on CUDA: what the trainer's resident shards leave, from vllm_memory_plan; printed at start)")
     a("--vllm-sleep-level", type=int, default=2, choices=[0, 1, 2], help="vLLM sleep during training (CUDA): 2 frees weights "
-      "and KV cache (weights are re-sent after every step anyway), 1 offloads weights to CPU, 0 = no sleep")
+      "and KV cache (weights are re-sent after every step anyway), 1 offloads weights to CPU RAM, 0 = no sleep "
+      "(0 and 1 need --vllm-allow-awake: they cost memory, see the message)")
+    a("--vllm-allow-awake", action="store_true", help="accept --vllm-sleep-level 0 or 1 and the memory it costs")
     a("--vllm-kv-cache-gb", type=float, default=1.0, help="vLLM KV cache size on CPU (ignored on CUDA; the env "
       "VLLM_CPU_KVCACHE_SPACE overrides it)")
-    a("--vllm-max-num-seqs", type=int, default=256, help="vLLM max concurrent sequences")
+    a("--vllm-max-num-seqs", type=int, default=None, help="vLLM max concurrent sequences (default on CUDA: the sequences "
+      "whose full-length KV cache fits, from vllm_memory_plan; 256 on CPU)")
     a("--vllm-enforce-eager", action="store_true", help="vLLM without CUDA graphs (slower; faster start)")
     a("--hf-generate-batch", type=int, default=16, help="--rollout hf: prompts per generate() call")
     a("--grader-timeout", type=float, default=5.0, help="seconds per answer before math-verify is killed (reward 0)")
@@ -199,6 +206,12 @@ def parse_args(argv=None):
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.dtype == "auto":
         args.dtype = "bfloat16" if args.device == "cuda" else "float32"
+    if args.device == "cuda" and args.rollout == "vllm" and args.vllm_sleep_level < 2 and not args.vllm_allow_awake:
+        p.error(f"--vllm-sleep-level {args.vllm_sleep_level} costs memory: level 0 keeps vLLM's whole share of the GPU "
+                "(its weights and KV cache, --vllm-gpu-memory-utilization of the GPU) while the trainer runs, where the "
+                "trainer needs it; level 1 frees the KV cache but parks vLLM's bf16 weights in CPU RAM, 2 bytes x "
+                "parameters per GPU (15 GB per GPU for a 7B model, 122 GB of host RAM on an 8-GPU node). Level 2 (the "
+                "default) frees both: the weights are re-sent after every step anyway. Add --vllm-allow-awake to go on.")
     if not args.eval_only and d3s.LADDER[args.method][1] != "full":  # N counts rollouts kept per prompt: N <= G
         for flag, value in (("--n-init", args.n_init), ("--n-final", args.n_final), ("--static-n", args.static_n)):
             if value is not None and value > args.group_size:
@@ -530,6 +543,44 @@ def context_length(model_path, args):
     return min(window, max(args.max_prompt_len + max(args.max_response_len, args.eval_max_tokens), 4096))
 
 
+def vllm_memory_plan(config, args, ranks, gpu_bytes, kv_ref=False):
+    """gpu_memory_utilization and max_num_seqs of the colocated vLLM engine on one GPU.
+
+    While vLLM generates, the trainer keeps its shards on the same GPU: fp32 weights and
+    AdamW's two moments, 12 bytes x parameters / ranks (gradients are freed after each step;
+    bench/memory.py checks these bytes), plus 2 bytes x parameters / ranks for --kl-ref's bf16
+    reference. vLLM may take the rest, less MARGIN_GIB for the CUDA context, NCCL buffers and
+    fragmentation. Inside vLLM's share its bf16 weights take 2 bytes x parameters and its
+    forward's workspace about VLLM_WORKSPACE_GIB; the KV cache gets the rest, 2 (K and V) x
+    layers x KV heads x head dim x 2 bytes per token. max_num_seqs is the number of sequences
+    whose KV cache fits at full length (prompt + response), so vLLM need not preempt (clamped
+    to 16 .. 1024). Returns a dict with the numbers (printed at start).
+    """
+    params = sum(p.numel() for p in _meta_model(config).parameters())
+    gib = 2**30
+    trainer = (12 + (2 if kv_ref else 0)) * params / ranks
+    share = max(gpu_bytes - trainer - MARGIN_GIB * gib, 0.0)
+    utilization = min(max(share / gpu_bytes, 0.05), 0.95)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 2  # bf16 K and V
+    kv_bytes = utilization * gpu_bytes - 2 * params - VLLM_WORKSPACE_GIB * gib
+    full_length = args.max_prompt_len + max(args.max_response_len, args.eval_max_tokens)
+    max_num_seqs = int(min(1024, max(16, kv_bytes // (kv_per_token * full_length))))
+    return {"params": params, "trainer_resident_gib": trainer / gib, "gpu_gib": gpu_bytes / gib,
+            "gpu_memory_utilization": round(utilization, 3), "kv_cache_gib": kv_bytes / gib,
+            "kv_bytes_per_token": kv_per_token, "max_num_seqs": max_num_seqs}
+
+
+MARGIN_GIB, VLLM_WORKSPACE_GIB = 4.0, 3.0  # CUDA context + NCCL + fragmentation; vLLM's forward workspace
+
+
+def _meta_model(config):
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
 class VLLMEngine:
     """A vLLM engine inside this trainer process, on this rank's GPU (external_launcher, TP=1).
 
@@ -545,14 +596,28 @@ class VLLMEngine:
         self.cuda = cuda = dist_.device.type == "cuda"
         self.sleep_level = args.vllm_sleep_level if cuda else 0  # vLLM has no sleep mode on CPU
         extra = {} if cuda else {"kv_cache_memory_bytes": int(args.vllm_kv_cache_gb * 2**30)}
+        utilization, max_num_seqs = args.vllm_gpu_memory_utilization or 0.5, args.vllm_max_num_seqs or 256
         if cuda:
+            from transformers import AutoConfig
+
             torch.cuda.empty_cache()  # vLLM sizes its KV cache from the free memory
-        self.llm = LLM(model=model_path, tokenizer=model_path, dtype=args.dtype, seed=args.seed, generation_config="vllm",
+            plan = vllm_memory_plan(AutoConfig.from_pretrained(model_path), args, dist_.world,
+                                    torch.cuda.get_device_properties(dist_.device).total_memory, kv_ref=args.kl_ref)
+            utilization = args.vllm_gpu_memory_utilization or plan["gpu_memory_utilization"]
+            max_num_seqs = args.vllm_max_num_seqs or plan["max_num_seqs"]
+            if dist_.is_main:
+                print(f"vLLM memory plan: trainer shards {plan['trainer_resident_gib']:.1f} GiB of {plan['gpu_gib']:.0f}, "
+                      f"gpu_memory_utilization {utilization}, KV cache ~{plan['kv_cache_gib']:.1f} GiB, "
+                      f"max_num_seqs {max_num_seqs}", flush=True)
+        # per-request seeds (the default) fix every sample; with --unseeded-sampling the engine's own
+        # seed draws them, so each rank gets its own (seed + rank) instead of 8 copies of one stream
+        engine_seed = args.seed + (dist_.rank if args.unseeded_sampling else 0)
+        self.llm = LLM(model=model_path, tokenizer=model_path, dtype=args.dtype, seed=engine_seed, generation_config="vllm",
                        distributed_executor_backend="external_launcher", tensor_parallel_size=1,
                        max_model_len=context_length(model_path, args),
-                       gpu_memory_utilization=args.vllm_gpu_memory_utilization, enable_sleep_mode=self.sleep_level > 0,
+                       gpu_memory_utilization=utilization, enable_sleep_mode=self.sleep_level > 0,
                        enable_prefix_caching=True, enforce_eager=args.vllm_enforce_eager or not cuda,
-                       max_num_seqs=args.vllm_max_num_seqs, **extra)
+                       max_num_seqs=max_num_seqs, **extra)
         self.max_model_len = self.llm.llm_engine.vllm_config.model_config.max_model_len
         self.sleeping = False
 
@@ -848,7 +913,7 @@ def train_step(model, optimizer, rollouts, rewards, step, args, dist_, pad_id, k
     ref_logp = torch.zeros(B, T, device=device) if ref_model is not None else None
     entropy = torch.zeros(B, T, device=device)
     mask = torch.zeros(B, T, dtype=torch.bool, device=device)
-    t0 = time.perf_counter()
+    t0 = clock(device)
     with torch.no_grad():
         for rows in chunks:
             batch_rows, table = (rows, seqs) if rows else ([0], [DUMMY])
@@ -926,7 +991,7 @@ def train_step(model, optimizer, rollouts, rewards, step, args, dist_, pad_id, k
         loss_total += part_loss
     if not keep_grads:
         optimizer.zero_grad(set_to_none=True)
-    train_s = time.perf_counter() - t0
+    train_s = clock(device) - t0
 
     n_tokens = all_reduce(mask.sum(), dist_)
     n_selected = all_reduce(token_keep.sum(), dist_)
@@ -1205,15 +1270,35 @@ def memory_peak_gb(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # CPU: peak RSS of this process
 
 
+def clock(device):
+    """time.perf_counter() after the device has finished its queued work: CUDA kernels run
+    asynchronously, so without the synchronize a timer would stop before the GPU does."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+PEAK_TFLOPS = (("H100 PCIe", 756), ("H100 NVL", 835), ("H100", 989), ("H200", 989), ("H800", 989), ("A100", 312), ("A800", 312))  # dense bf16
+
+
 def peak_flops(device, peak_tflops):
-    """Peak dense bf16 FLOP/s of one GPU (for MFU), or None if unknown."""
+    """Peak dense bf16 FLOP/s of one GPU (for MFU), or None if unknown. The first name in
+    PEAK_TFLOPS that the GPU's name contains wins: H100 PCIe 756 TFLOP/s, NVL 835, SXM 989."""
     if peak_tflops:
         return peak_tflops * 1e12
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    known = {"H100": 989, "H200": 989, "H800": 989, "A100": 312, "A800": 312}
-    return next((tf * 1e12 for key, tf in known.items() if key in name), None)
+    return next((tf * 1e12 for key, tf in PEAK_TFLOPS if key in name), None)
+
+
+def flop_params(model):
+    """Parameters that cost 2 FLOPs per token in a forward: all but the input embedding (a
+    lookup). A tied LM head shares the embedding's weight but is a real matmul: counted once."""
+    n = sum(p.numel() for name, p in model.named_parameters() if "embed_tokens" not in name)
+    if getattr(model.config, "tie_word_embeddings", False):
+        n += model.get_input_embeddings().weight.numel()
+    return n
 
 
 def gpu_used_gb(device):
@@ -1268,7 +1353,7 @@ def main(argv=None):
     if ckpt:
         step = load_checkpoint(ckpt, model, optimizer, order, dist_)
         say(f"resumed from {ckpt} at step {step}")
-    n_params = sum(p.numel() for p in model.parameters())  # global counts (DTensor.numel is the full size)
+    n_params = flop_params(model)  # global counts (DTensor.numel is the full size)
     flops_peak = peak_flops(dist_.device, args.peak_tflops)
     engine = make_engine(args.model, args, dist_)
     engine.update_weights(full_named_tensors(model, getattr(torch, args.dtype)))  # the policy, also after a resume
@@ -1285,9 +1370,9 @@ def main(argv=None):
             if dist_.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(dist_.device)
             batch = rank_share([(g, prompts[g]) for g in order.take(args.prompts_per_step)], dist_)
-            t0 = time.perf_counter()
+            t0 = clock(dist_.device)
             rollouts = generate(engine, batch, step, args, stops)  # 1) generate
-            gen_s = all_reduce(time.perf_counter() - t0, dist_, dist.ReduceOp.MAX)  # the slowest rank's
+            gen_s = all_reduce(clock(dist_.device) - t0, dist_, dist.ReduceOp.MAX)  # the slowest rank's
             gpu_used_gen = gpu_used_gb(dist_.device)  # trainer + awake vLLM
             engine.sleep()  # free vLLM's GPU memory for training
             t0 = time.perf_counter()
@@ -1306,9 +1391,9 @@ def main(argv=None):
                                    extra={"loss (sum over mini-batches)": stats["loss"], "tokens in the loss": stats["kept_tokens"],
                                           "grad norm (before clipping)": stats["grad_norm"], "ranks": dist_.world})
             gpu_used_train = gpu_used_gb(dist_.device)  # trainer (+ sleeping vLLM), before the sync
-            t1 = time.perf_counter()
+            t1 = clock(dist_.device)
             engine.update_weights(full_named_tensors(model, getattr(torch, args.dtype)))  # 7) sync
-            sync_s = time.perf_counter() - t1
+            sync_s = clock(dist_.device) - t1
             step += 1
             gen_tokens = all_reduce(sum(len(r["response_ids"]) for group in rollouts for r in group), dist_)
             record = {"kind": "train", "step": step - 1, **{k: v for k, v in stats.items() if not k.startswith("_")},
@@ -1317,10 +1402,11 @@ def main(argv=None):
                       "grader_timeouts": int(all_reduce(grader.timeouts, dist_)),
                       "gen_s": gen_s, "reward_s": all_reduce(reward_s, dist_, dist.ReduceOp.MAX), "sync_s": sync_s,
                       "gen_tokens_per_s": gen_tokens / max(gen_s, 1e-9),
-                      # model FLOPs of the update: pass 1 forward (2 N per token) + pass 2 forward and backward
-                      # (6 N per token); activation recomputation and attention not counted
-                      "mfu": (8 * n_params * stats["train_tokens"] / (stats["train_s"] * dist_.world * flops_peak)
-                              if flops_peak else None),
+                      # model FLOPs of the update: pass 1 forward (2 N per token, + 2 N for the --kl-ref
+                      # reference) + pass 2 forward and backward (6 N per token), N without the embedding;
+                      # activation recomputation and attention not counted
+                      "mfu": ((10 if ref_model is not None else 8) * n_params * stats["train_tokens"]
+                              / (stats["train_s"] * dist_.world * flops_peak) if flops_peak else None),
                       "mem_peak_gb": all_reduce(memory_peak_gb(dist_.device), dist_, dist.ReduceOp.MAX),
                       "gpu_used_gen_gb": all_reduce(gpu_used_gen, dist_, dist.ReduceOp.MAX),
                       "gpu_used_train_gb": all_reduce(gpu_used_train, dist_, dist.ReduceOp.MAX)}
@@ -1349,5 +1435,27 @@ def main(argv=None):
     shutdown(engine)
 
 
+def entry(argv=None):
+    """main() for torchrun: a rank that fails prints its traceback and exits at once (os._exit),
+    skipping the interpreter's shutdown (vLLM's engine and the process group would wait there
+    for ranks that will never answer). torchrun then stops the other ranks within seconds,
+    instead of leaving them in a collective until the 60-minute timeout."""
+    try:
+        main(argv)
+    except SystemExit as e:  # argument and usage errors: their message is already printed
+        if e.code not in (None, 0):
+            if not isinstance(e.code, int):
+                print(e.code, file=sys.stderr)
+            sys.stderr.flush()
+            os._exit(e.code if isinstance(e.code, int) else 1)
+    except BaseException:
+        rank = os.environ.get("RANK", "0")
+        print(f"train_full.py: rank {rank} failed; ending the job (the other ranks are stopped by torchrun)",
+              file=sys.stderr)
+        traceback.print_exc()
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(1)
+
+
 if __name__ == "__main__":
-    main()
+    entry()

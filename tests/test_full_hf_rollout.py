@@ -7,6 +7,7 @@ import pathlib
 import socket
 import subprocess
 import sys
+import time
 
 import tiny
 
@@ -50,3 +51,24 @@ def test_two_ranks_with_hf_rollouts_train_export_and_evaluate(tmp_path):
         assert f"Step {step}" in page and "train_full" in page and "ranks" in page
     final = json.loads((out / "eval_final.json").read_text())["results"]
     assert final["gsm8k"]["problems"] == 3 and len(final["gsm8k"]["correct"]) == 3  # 2 + 1 problems over 2 ranks
+
+
+def test_a_failing_rank_ends_the_whole_job_within_a_minute(tmp_path):
+    tokenizer = tiny.build_char_tokenizer()
+    model_dir = tiny.save_tiny(tiny.build_tiny_model(tokenizer), tokenizer, str(tmp_path / "tiny"))
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"problem": f"{i}+{i}", "answer": str(2 * i)}) + "\n" for i in range(8)))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
+           str(ROOT / "tests" / "full_fail_worker.py"), "--rollout", "hf", "--model", model_dir, "--train-data", str(data),
+           "--eval-data", "none", "--out", str(tmp_path / "run"), "--template", "plain", "--device", "cpu", "--steps", "2",
+           "--prompts-per-step", "2", "--group-size", "4", "--n-init", "2", "--n-final", "4", "--max-response-len", "8"]
+    start = time.time()
+    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                          timeout=600)
+    elapsed = time.time() - start
+    assert proc.returncode != 0
+    assert "injected failure on rank 1" in proc.stderr and "rank 1 failed" in proc.stderr
+    assert elapsed < 120, elapsed  # start-up included; rank 0 waited in a collective that rank 1 never joined

@@ -162,3 +162,47 @@ def test_eval_data_takes_lists_commas_globs_and_none(tmp_path):
     assert specs == [f"{tmp_path}/a.jsonl", f"{tmp_path}/b.jsonl", "x.jsonl", "org/hub-set:test"]
     assert train_full.parse_args(["--eval-data", "none"]).eval_data == []
     assert len(train_full.parse_args([]).eval_data) == 7  # the seven benchmarks of the paper
+
+
+QWEN25_MATH_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                      num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False, max_position_embeddings=4096)
+
+
+def test_vllm_memory_plan_gives_vllm_what_the_trainer_shards_leave():
+    from transformers import Qwen2Config
+
+    config = Qwen2Config(**QWEN25_MATH_7B)
+    args = train_full.parse_args([])
+    gpu = 80 * 2**30
+    plan = train_full.vllm_memory_plan(config, args, 8, gpu)
+    assert 7.5e9 < plan["params"] < 7.7e9  # Qwen2.5-Math-7B: 7.62B
+    assert plan["trainer_resident_gib"] == pytest.approx(12 * plan["params"] / 8 / 2**30)  # fp32 + two Adam moments
+    assert plan["gpu_memory_utilization"] * gpu == pytest.approx(gpu - (plan["trainer_resident_gib"] + 4) * 2**30, rel=1e-3)
+    assert plan["kv_bytes_per_token"] == 2 * 28 * 4 * 128 * 2  # K and V, 28 layers, 4 KV heads of 128, bf16
+    full_length = args.max_prompt_len + args.max_response_len
+    assert plan["max_num_seqs"] * plan["kv_bytes_per_token"] * full_length <= plan["kv_cache_gib"] * 2**30
+    assert plan["max_num_seqs"] >= args.prompts_per_step * args.group_size // 8  # a rank's 128 rollouts run at once
+    one_gpu = train_full.vllm_memory_plan(config, args, 1, gpu)  # the whole 7B trainer state on one GPU: no room
+    assert one_gpu["gpu_memory_utilization"] == 0.05
+
+
+def test_vllm_sleep_levels_that_cost_memory_need_a_flag():
+    for level in ("0", "1"):
+        with pytest.raises(SystemExit):
+            train_full.parse_args(["--device", "cuda", "--vllm-sleep-level", level])
+        assert train_full.parse_args(["--device", "cuda", "--vllm-sleep-level", level, "--vllm-allow-awake"]).vllm_sleep_level == int(level)
+    assert train_full.parse_args(["--device", "cpu", "--vllm-sleep-level", "0"]).vllm_sleep_level == 0  # no sleep on CPU anyway
+
+
+def test_mfu_counts_parameters_without_the_input_embedding():
+    import tiny
+
+    tokenizer = tiny.build_char_tokenizer()
+    tied = tiny.build_tiny_model(tokenizer)
+    total = sum(p.numel() for p in tied.parameters())
+    assert tied.config.tie_word_embeddings and train_full.flop_params(tied) == total  # the head is a matmul: counted
+    embed = tied.get_input_embeddings().weight.numel()
+    untied_config = type(tied.config)(**{**tied.config.to_dict(), "tie_word_embeddings": False})
+    untied = type(tied)(untied_config)
+    assert train_full.flop_params(untied) == sum(p.numel() for p in untied.parameters()) - embed
+    assert dict(train_full.PEAK_TFLOPS)["H100 PCIe"] == 756 and dict(train_full.PEAK_TFLOPS)["H100"] == 989
