@@ -38,10 +38,11 @@ def build_char_tokenizer():
 
 
 def build_tiny_model(tokenizer, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-                     intermediate_size=None, max_position_embeddings=1024, seed=0):
+                     intermediate_size=None, max_position_embeddings=1024, seed=0, tie_word_embeddings=True):
     """A randomly initialized Qwen2ForCausalLM sized for a CPU (about 0.33M params by default).
 
     head_dim = hidden_size / num_heads (32 by default) is one that vLLM's CPU attention accepts.
+    tie_word_embeddings=False gives the LM-head layout of Qwen2.5-Math-7B (a separate lm_head).
     """
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -53,7 +54,7 @@ def build_tiny_model(tokenizer, hidden_size=128, num_layers=2, num_heads=4, num_
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
         max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tie_word_embeddings,
         bos_token_id=tokenizer.eos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

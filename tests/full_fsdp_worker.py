@@ -1,5 +1,8 @@
 """Run under `torchrun --nproc_per_node=R`: one train_full.train_step per method on fixed rollouts.
 
+The device comes from the environment: D3S_TEST_DEVICE=cuda (nccl, one GPU per rank) or cpu
+(gloo, the default), so the same test runs on a GPU node (scripts/gpu_check.sh).
+
 Writes (rank 0) the full parameters, gradients and kept sets after the step to --out, for
 tests/test_full_fsdp.py to compare with a plain single-process step. Also checks that the
 global token selection over uneven per-rank rows equals d3s.select_tokens on the whole batch.
@@ -16,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import d3s  # noqa: E402
 import train_full  # noqa: E402
 
+DEVICE = os.environ.get("D3S_TEST_DEVICE", "cpu")
 P, G, STEP, STEPS = 4, 4, 1, 4  # step 1 of 4 with N 2 -> 4: N = 3 per prompt, K = 0.35
 REWARDS = torch.tensor([[1.0, 0, 0, 0], [1, 1, 0, 0], [0, 0, 0, 0], [1, 1, 1, 0]])  # group 2 has no signal
 
@@ -41,7 +45,7 @@ CONFIGS = {"grpo": ("grpo", "grpo", 1, 1e-4), "grpo-m2": ("grpo", "grpo", 2, 1e-
 
 
 def trainer_args(model_dir, method, loss="grpo", mini_batches=1, lr=1e-4):
-    return train_full.parse_args(["--model", model_dir, "--method", method, "--loss", loss, "--device", "cpu",
+    return train_full.parse_args(["--model", model_dir, "--method", method, "--loss", loss, "--device", DEVICE,
                                   "--steps", str(STEPS), "--group-size", str(G), "--n-init", "2", "--n-final", "4",
                                   "--k-init", "0.3", "--k-final", "0.5", "--micro-batch-size", "3", "--lr", str(lr),
                                   "--max-grad-norm", "0.05", "--prompts-per-step", str(P),
@@ -66,7 +70,7 @@ def check_global_token_selection(dist_):
 
 
 def full_params(model):
-    return {name: p.full_tensor().detach().clone() for name, p in model.named_parameters()}
+    return {name: p.full_tensor().detach().cpu().clone() for name, p in model.named_parameters()}
 
 
 def check_resume(cli, dist_, tokenizer, rollouts, mine, workdir):
@@ -117,7 +121,7 @@ def main():
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--workdir", required=True, help="checkpoints of the resume check")
     cli = parser.parse_args()
-    dist_ = train_full.init_distributed("cpu")
+    dist_ = train_full.init_distributed(DEVICE)
     torch.manual_seed(0)
     tokenizer = train_full.load_tokenizer(cli.model)
     rollouts = make_rollouts(len(tokenizer))
@@ -134,8 +138,8 @@ def main():
                                       tokenizer.pad_token_id, keep_grads=True, ref_model=ref_model)
         params, grads = {}, {}
         for name, p in model.named_parameters():
-            params[name] = p.full_tensor().detach().clone()
-            grads[name] = p.grad.full_tensor().detach().clone()
+            params[name] = p.full_tensor().detach().cpu().clone()
+            grads[name] = p.grad.full_tensor().detach().cpu().clone()
         result[config] = {"params": params, "grads": grads, "keep": stats["_keep"], "token_keep": stats["_token_keep"],
                         "grad_norm": stats["grad_norm"], "loss": stats["loss"], "n_keep": stats["n_keep"],
                         "k_frac": stats["k_frac"], "kept_tokens": stats["kept_tokens"], "updates": stats["updates"],

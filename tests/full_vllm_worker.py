@@ -26,7 +26,8 @@ PROMPTS = ["1+1=", "The answer is", "abc"]
 def trainer_view(model, tokenizer, prompt_ids, completions):
     """The trainer's log-probs of vLLM's tokens, and whether its argmax picks them (greedy)."""
     seqs = [{"prompt_ids": p, "response_ids": c["token_ids"]} for p, c in zip(prompt_ids, completions)]
-    inputs, targets, mask = train_full.pack(seqs, list(range(len(seqs))), tokenizer.pad_token_id, torch.device("cpu"))
+    device = next(model.parameters()).device
+    inputs, targets, mask = train_full.pack(seqs, list(range(len(seqs))), tokenizer.pad_token_id, device)
     with torch.no_grad():
         logits = model(**inputs).logits[:, :-1].float()
     logp = logits.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
@@ -48,11 +49,12 @@ def main():
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", required=True)
     cli = parser.parse_args()
-    args = train_full.parse_args(["--model", cli.model, "--device", "cpu", "--template", "plain", "--method", "grpo",
+    device = os.environ.get("D3S_TEST_DEVICE", "cpu")  # cuda on a GPU node (scripts/gpu_check.sh)
+    args = train_full.parse_args(["--model", cli.model, "--device", device, "--template", "plain", "--method", "grpo",
                                   "--group-size", "4", "--prompts-per-step", "4", "--lr", "3e-2", "--max-grad-norm", "100",
                                   "--max-prompt-len", "32", "--max-response-len", "16", "--eval-max-tokens", "16",
                                   "--vllm-kv-cache-gb", "0.25", "--micro-batch-size", "8"])
-    dist_ = train_full.init_distributed("cpu")
+    dist_ = train_full.init_distributed(device)
     tokenizer = train_full.load_tokenizer(cli.model)
     stops = train_full.stop_token_ids(tokenizer)
     model = train_full.load_policy(args, dist_)
@@ -67,7 +69,7 @@ def main():
     stats = train_full.train_step(model, optimizer, rollouts, full_fsdp_worker.REWARDS[mine], 0, args, dist_,
                                   tokenizer.pad_token_id)
     engine.sleep()  # no-op on CPU (vLLM has no sleep mode there); on CUDA this frees vLLM's memory
-    engine.update_weights(train_full.full_named_tensors(model, torch.float32))
+    engine.update_weights(train_full.full_named_tensors(model, getattr(torch, args.dtype)))
     after = snapshot(engine, model, tokenizer, prompt_ids, stops)
     with open(f"{cli.out}.rank{dist_.rank}", "w") as f:
         json.dump({"before": before, "after": after, "skipped": stats["skipped"], "grad_norm": stats["grad_norm"],

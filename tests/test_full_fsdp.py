@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 import full_fsdp_worker as worker  # noqa: E402
 
 CONFIGS = worker.CONFIGS  # name -> (method, loss, mini-batches, lr)
+RANKS = int(os.environ.get("D3S_TEST_RANKS", "2"))  # scripts/gpu_check.sh: 1 on a single-GPU node
 
 
 def free_port():
@@ -43,7 +44,7 @@ def tiny_model_dir(tmp_path_factory):
 def fsdp_result(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp") / "result.pt"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={RANKS}", f"--master_port={free_port()}",
            str(ROOT / "tests" / "full_fsdp_worker.py"), "--model", tiny_model_dir, "--out", str(out),
            "--configs", ",".join(CONFIGS), "--workdir", str(out.parent / "work")]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
@@ -113,7 +114,7 @@ def reference_step(model_dir, name):
 
 
 def test_global_token_selection_over_uneven_ranks_equals_one_shot_selection(fsdp_result):
-    assert fsdp_result["world"] == 2
+    assert fsdp_result["world"] == RANKS
     assert fsdp_result["token_selection_ok"]
 
 
@@ -148,6 +149,8 @@ def test_fsdp_two_ranks_step_equals_single_process_step(fsdp_result, tiny_model_
 
 
 def test_load_balance_moves_work_between_ranks_and_leaves_the_update_unchanged(fsdp_result):
+    if RANKS < 2:
+        pytest.skip("one rank: nothing to balance")
     balanced, unbalanced = fsdp_result["d3s-m2"], fsdp_result["d3s-m2-unbalanced"]
     spread = lambda r: r["rank_tokens_max"] - r["rank_tokens_min"]  # noqa: E731
     assert spread(balanced) < spread(unbalanced)  # rank 0 generated 8 kept rollouts, rank 1 only 4
@@ -178,5 +181,7 @@ def test_resume_from_a_sharded_checkpoint_continues_exactly(fsdp_result):
 
 
 def test_a_non_finite_loss_on_one_rank_skips_the_step_on_every_rank(fsdp_result):
+    if RANKS < 2:
+        pytest.skip("the NaN is injected on rank 1")
     assert fsdp_result["nonfinite"]["skipped_on_ranks"] == [True, True]
     assert fsdp_result["nonfinite"]["unchanged"]

