@@ -1,0 +1,462 @@
+"""bench/memory.py: the per-GPU memory of train_full.py's training step, simulated on a CPU.
+
+    python bench/memory.py --preset 7b --ranks 8 --micro-batch-size 4 --response-len 3000 --method d3s
+    python bench/memory.py --preset 1.5b --ranks 1 --method grpo
+    python bench/memory.py --preset path/to/model_folder           # its config.json (or the file itself)
+    python bench/memory.py --preset 7b -- --no-activation-checkpointing   # after "--": train_full.py flags
+
+It runs train_full.py's own code for the trainer's part of a step: the model built from the
+config in fp32, train_full.shard_policy (FSDP2 per decoder layer and the root, bf16 compute,
+fp32 reductions, activation checkpointing), train_full.make_optimizer (AdamW), train_full.pack,
+train_full.response_logp (log-probs, and d3s.token_entropy in pass 1), d3s.select_tokens,
+d3s.policy_loss, backward, gradient clipping and the optimizer step. As train_full.train_step:
+
+    pass 1  no grad, per micro-batch: old log-probs + entropy of the kept rollouts
+    tokens  the kept-token mask (d3s.select_tokens keeps K of the tokens; every token for the
+            methods without token selection)
+    pass 2  per micro-batch: forward, d3s.policy_loss over the kept tokens, backward
+            (micro-batch 2 onwards accumulates into the gradients of micro-batch 1)
+    update  clip_grad_norm_, AdamW step, zero_grad(set_to_none=True)
+    sync    train_full.full_named_tensors: each parameter gathered whole, cast to bf16, for vLLM
+            (the trainer's side only)
+
+for --steps steps (default 2: step 1 has no optimizer state yet, step 2 does).
+
+How it allocates nothing: every tensor is a FakeTensor (shape, dtype and device `cpu`, no
+data), under torch's FakeTensorMode. The process is rank 0 of a fake process group of --ranks
+ranks (FakeStore, backend "fake": collectives return at once), on a CPU DeviceMesh, so FSDP2
+holds the 1/R shard a GPU would hold and all-gathers whole layers into buffers of their real
+size. torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker counts the bytes of every
+tensor alive, by category, and keeps the peak. The micro-batch is per rank, as in train_full.
+
+What makes the fake run read like a GPU (each a context manager or a line below):
+- sharding_propagation_apart: DTensor works out each op's global output shape by running the
+  op on global-shape fake tensors under the fake mode it finds active, i.e. ours; the tracker
+  would count those (AdamW's foreach step on global shapes: the 7B at micro-batch 4 reads
+  103.0 GiB instead of 46.4). A fake mode of their own keeps them out: the tracker counts only
+  ops of the fake mode it was entered under.
+- foreach=True: on CUDA, AdamW's default (foreach=None) picks the foreach implementation, whose
+  temporaries span all parameters at once; on CPU tensors it would pick the per-tensor loop.
+- cuda_entropy_chunks: d3s.token_entropy sizes its chunks by device; it gets the CUDA size.
+- zero_reads: d3s.policy_loss logs `stats` with float(...), which needs values that fake
+  tensors do not have. Inside that call only, such reads return 0; the loss is computed as usual.
+- no_hooks_without_grad: keeps the tracker itself from leaking pass 1's embedding outputs.
+
+Why not fake `cuda` tensors: on a CPU-only build, autograd on fake cuda tensors aborts the
+process. CPU and CUDA differ in the attention kernel (here SDPA's CPU flash kernel, on the GPU
+flash / memory-efficient attention; both keep O(L) per head, not the O(L^2) scores).
+
+Left out, so add them when you budget a GPU: the CUDA context, NCCL's buffers,
+the caching allocator's fragmentation (reserved above allocated), and what vLLM keeps while
+it sleeps (level 2 frees weights and KV cache, not its own CUDA context and graphs).
+
+Output: a table of the peak by category, then one JSON line (peak_gib, ranks, micro_batch_size,
+response_len, method, k_frac, breakdown_gib, ...). Figures are GiB (2^30 bytes).
+"""
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import resource
+import sys
+import time
+import weakref
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import d3s  # noqa: E402
+import train_full  # noqa: E402
+
+GIB = 2**30
+# Qwen2.5-Math shapes (the fields that set the memory; the hub configs' other fields do not).
+PRESETS = {
+    "1.5b": {"model_type": "qwen2", "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
+             "num_attention_heads": 12, "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True,
+             "max_position_embeddings": 4096, "rope_theta": 10000.0, "rms_norm_eps": 1e-6},
+    "7b": {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+           "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False,
+           "max_position_embeddings": 4096, "rope_theta": 10000.0, "rms_norm_eps": 1e-6},
+}
+# The tracker's categories, grouped for the table.
+GROUPS = {
+    "parameters": ("Sharded Param", "Unsharded Param", "All Gather", "Buffer"),
+    "gradients": ("Sharded Grad", "Unsharded Grad", "Reduce Scatter"),
+    "optimizer state": ("OptState",),
+    "activations": ("Activation", "Inputs"),
+    "temporaries": ("Temp",),
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Arguments
+# ---------------------------------------------------------------------------------------------
+def parse_args(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    train_argv = argv[argv.index("--") + 1 :] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                                epilog="Arguments after '--' go to train_full.parse_args (e.g. -- --no-activation-checkpointing).")
+    a = p.add_argument
+    a("--preset", default="7b", help="1.5b or 7b (Qwen2.5-Math shapes), or a model folder / its config.json")
+    a("--ranks", type=int, default=8, help="FSDP ranks (GPUs); each holds 1/ranks of the sharded state")
+    a("--micro-batch-size", type=int, default=4, help="rollouts per forward/backward on one rank")
+    a("--response-len", type=int, default=3000, help="response tokens per rollout (train_full --max-response-len)")
+    a("--prompt-len", type=int, default=512, help="prompt tokens per rollout (MATH levels 3-5: 99%% of the problems are "
+      "under 1,060 characters, plus 161 for the Qwen template; train_full drops prompts over --max-prompt-len 1024)")
+    a("--method", default="d3s", help=f"one of {', '.join(d3s.METHODS)}; those with token selection keep K of the tokens")
+    a("--k-frac", type=float, default=None, help="fraction of tokens kept by the token-selecting methods (default: "
+      "train_full's --k-final, 0.20, the largest K of the schedule)")
+    a("--steps", type=int, default=2, help="optimizer steps to simulate (>= 2: step 1 has no optimizer state)")
+    a("--micro-batches", type=int, default=2, help="micro-batches per step on a rank (>= 2: the second accumulates "
+      "into the first one's gradients)")
+    args = p.parse_args(argv)
+    bad = lambda flag, value, fix: p.error(f"{flag}={value!r}: {fix}")  # noqa: E731
+    if args.preset not in PRESETS and not os.path.exists(args.preset):
+        bad("--preset", args.preset, f"choose {' or '.join(PRESETS)}, or give a model folder holding config.json")
+    for flag, value, low in (("--ranks", args.ranks, 1), ("--micro-batch-size", args.micro_batch_size, 1),
+                             ("--response-len", args.response_len, 1), ("--prompt-len", args.prompt_len, 1),
+                             ("--steps", args.steps, 1), ("--micro-batches", args.micro_batches, 1)):
+        if value < low:
+            bad(flag, value, f"must be >= {low}")
+    if args.method not in d3s.METHODS:
+        bad("--method", args.method, f"choose one of {', '.join(d3s.METHODS)}")
+    if args.k_frac is not None and not 0 < args.k_frac <= 1:
+        bad("--k-frac", args.k_frac, "must be in (0, 1]")
+    args.train_argv = train_argv
+    return args
+
+
+def load_config(preset):
+    """A transformers config: a preset's shapes, or a model folder's / file's config.json."""
+    from transformers import AutoConfig
+
+    if preset in PRESETS:
+        fields = dict(PRESETS[preset])
+    else:
+        path = os.path.join(preset, "config.json") if os.path.isdir(preset) else preset
+        if not os.path.isfile(path):
+            raise SystemExit(f"--preset {preset}: no config.json there; give a model folder or its config.json")
+        with open(path) as f:
+            fields = json.load(f)
+        if "model_type" not in fields:
+            raise SystemExit(f"--preset {path}: no 'model_type' field; is this a transformers config.json?")
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    config.use_cache = False  # as train_full.load_policy
+    return config
+
+
+def trainer_args(micro_batch_size, response_len, method, extra=()):
+    """train_full's own arguments and defaults, with the compute dtype it uses on a GPU (bf16)."""
+    argv = ["--model", "simulated", "--device", "cpu", "--dtype", "bfloat16", "--eval-data", "none",
+            "--micro-batch-size", str(micro_batch_size), "--max-response-len", str(response_len)]
+    if method in getattr(train_full, "METHODS", {}):  # the bench takes d3s.METHODS; pass it on where train_full knows it
+        argv += ["--method", method]
+    return train_full.parse_args(argv + list(extra))
+
+
+# ---------------------------------------------------------------------------------------------
+# The simulated world: a fake process group, DTensor's propagation apart, fake reads in the loss
+# ---------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def fake_world(ranks):
+    """This process as rank 0 of `ranks` ranks whose collectives move no data; yields a CPU DeviceMesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("bench/memory.py needs its own process group; torch.distributed is already initialized")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=ranks)
+    try:
+        yield init_device_mesh("cpu", (ranks,))
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def sharding_propagation_apart():
+    """Run DTensor's output-shape propagation under a fake mode of its own.
+
+    DTensor computes each op's global output metadata by running the op on global-shape fake
+    tensors, under `detect_fake_mode()`, i.e. our fake mode when one is active; FSDPMemTracker
+    would then count those global tensors as if they were allocated. It skips ops that run under
+    any fake mode other than the one it was entered under, so a private mode keeps them out.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.tensor import _sharding_prop
+
+    private = FakeTensorMode()
+    original = _sharding_prop.detect_fake_mode
+    _sharding_prop.detect_fake_mode = lambda *args, **kwargs: private
+    try:
+        yield
+    finally:
+        _sharding_prop.detect_fake_mode = original
+
+
+@contextlib.contextmanager
+def cuda_entropy_chunks():
+    """d3s.token_entropy picks its chunk by device: 2^21 fp32 elements on CPU, 2^26 on CUDA (see
+    its code). The simulated tensors are on `cpu`, so it is given the chunk a GPU would use:
+    larger temporaries (V = 152k: 441 rows, 256 MiB each) and far fewer ops to simulate."""
+    original = d3s.token_entropy
+
+    def token_entropy(logits, chunk_size=None):
+        return original(logits, chunk_size=chunk_size or max(1, 2**26 // logits.shape[-1]))
+
+    d3s.token_entropy = token_entropy
+    try:
+        yield
+    finally:
+        d3s.token_entropy = original
+
+
+@contextlib.contextmanager
+def no_hooks_without_grad():
+    """Keep the tracker from holding pass 1's embedding outputs for the rest of the run.
+
+    The tracker's ModTracker puts a multi-grad hook on the inputs of every module call that
+    require grad, also in a no-grad forward, where the hook can never fire. HF's gradient
+    checkpointing makes the embedding output require grad even under no_grad (a leaf), and the
+    hook then keeps it alive in a reference cycle: one [micro-batch, L, hidden] tensor per pass-1
+    micro-batch, never freed. Without grad mode no such hook is registered.
+    """
+    from torch.distributed._tools import mod_tracker
+
+    original = mod_tracker.register_multi_grad_hook
+
+    def register_multi_grad_hook(tensors, fn, **kwargs):
+        return original(tensors, fn, **kwargs) if torch.is_grad_enabled() else None
+
+    mod_tracker.register_multi_grad_hook = register_multi_grad_hook
+    try:
+        yield
+    finally:
+        mod_tracker.register_multi_grad_hook = original
+
+
+class zero_reads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Reading the value of a fake tensor (float(t), bool(t), t.item()) returns 0 / False.
+
+    Used around d3s.policy_loss only, whose `stats` are floats for logging; values that fake
+    tensors do hold (constants such as AdamW's step count) are returned as they are.
+    """
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch._subclasses.fake_tensor import DataDependentOutputException
+
+        try:
+            return func(*args, **(kwargs or {}))
+        except DataDependentOutputException:
+            if func is not torch.ops.aten._local_scalar_dense.default:
+                raise
+            return False if args[0].dtype == torch.bool else 0
+
+
+def step_mem_tracker(model, optimizer, vocab_size):
+    """An FSDPMemTracker that also notes the phase of the step at the peak, each phase's own
+    peak, and the bytes of logits-shaped tensors ([..., V]: logits, their fp32 copies, softmax
+    and their gradients) alive at the peak."""
+    from torch.distributed._tools.common_utils import get_untyped_storages
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    class StepMemTracker(FSDPMemTracker):
+        def __init__(self):
+            super().__init__(model, optimizer)
+            self.phase, self.peak_phase, self.phase_peaks = "setup", None, {}
+            self.logits_now, self.logits_at_peak, self._logits = 0, 0, {}
+
+        def _track(self, reftype, t):
+            if t.dim() > 0 and t.shape[-1] == vocab_size:
+                for st in get_untyped_storages(t):
+                    if st not in self._WINFO and id(st) not in self._logits:
+                        self._note_logits(st)
+            super()._track(reftype, t)
+
+        def _note_logits(self, st):
+            key, nbytes = id(st), st.nbytes()
+
+            def freed(_ref):
+                self.logits_now -= nbytes
+                self._logits.pop(key, None)
+
+            self._logits[key] = weakref.ref(st, freed)
+            self.logits_now += nbytes
+
+        def _update_peak_stats(self, peak_state):
+            # The global peak only: the per-module peaks of the base class walk every module's
+            # stats after every op (most of the run time), and this report does not use them.
+            for dev, snap in self._curr_mem_snap.items():
+                if snap["Total"] > self._peak_mem.get(dev, 0):
+                    self._peak_mem[dev], self._peak_mem_snap[dev] = snap["Total"], dict(snap)
+                    self.peak_phase, self.logits_at_peak = self.phase, self.logits_now
+                self.phase_peaks[self.phase] = max(self.phase_peaks.get(self.phase, 0), snap["Total"])
+
+    return StepMemTracker()
+
+
+# ---------------------------------------------------------------------------------------------
+# The simulation
+# ---------------------------------------------------------------------------------------------
+def rollouts(n, prompt_len, response_len):
+    """n rollouts at full length (the widest micro-batch train_full can pack)."""
+    return [{"prompt_ids": [1] * prompt_len, "response_ids": [2] * response_len} for _ in range(n)]
+
+
+def simulate(config, targs, ranks, micro_batch_size, response_len, prompt_len=512, k_frac=1.0, steps=2,
+             micro_batches=2, fake=True):
+    """Build, shard and train the policy for `steps` steps; returns the tracker's figures (bytes).
+
+    fake=False runs the very same code on real CPU tensors (what the test compares against).
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from transformers import AutoModelForCausalLM
+
+    B, T = micro_batch_size * micro_batches, response_len  # rollouts on this rank, response width
+    seqs = rollouts(B, prompt_len, T)
+    chunks = [list(range(i, i + micro_batch_size)) for i in range(0, B, micro_batch_size)]
+    packed = [train_full.pack(seqs, rows, 0, torch.device("cpu")) for rows in chunks]  # real tensors, KiB
+    # the kept tokens: K of them by d3s.select_tokens on random scores (the values do not matter here)
+    scores = torch.rand(B, T, generator=torch.Generator().manual_seed(0))
+    token_keep = d3s.select_tokens(scores, torch.ones(B, T, dtype=torch.bool), k_frac)
+    normalizer = float(token_keep.sum()) * ranks  # the global count of kept tokens (train_full sums over ranks)
+
+    mode = FakeTensorMode() if fake else contextlib.nullcontext()
+    as_used = (lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t) if fake else (lambda t: t)
+    with fake_world(ranks) as mesh, sharding_propagation_apart(), cuda_entropy_chunks(), mode:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # fp32 master weights
+        train_full.shard_policy(model, targs, mesh=mesh)
+        model.train()
+        optimizer = train_full.make_optimizer(model, targs)
+        for group in optimizer.param_groups:
+            group["foreach"] = True  # what AdamW(foreach=None) picks on CUDA
+        batches = [({k: as_used(v) for k, v in inputs.items()}, as_used(targets), as_used(mask))
+                   for inputs, targets, mask in packed]
+        keep = as_used(token_keep)
+        tracker = step_mem_tracker(model, optimizer, config.vocab_size)
+        with no_hooks_without_grad(), tracker:
+            for step in range(steps):
+                _train_step(model, optimizer, targs, batches, chunks, keep, normalizer, tracker, step)
+                tracker.phase = f"step {step + 1} sync"  # the trainer's side of the weight sync to vLLM
+                for _, tensor in train_full.full_named_tensors(model, getattr(torch, targs.dtype)):
+                    del tensor  # vLLM copies it into its own weights (not simulated) and lets it go
+            tracker.phase = "end"
+            end = tracker.get_tracker_snapshot("current")
+        peak = tracker.get_tracker_snapshot("peak")
+    return {"peak": _by_name(peak), "end": _by_name(end), "peak_phase": tracker.peak_phase,
+            "phase_peaks": tracker.phase_peaks, "logits_at_peak": tracker.logits_at_peak}
+
+
+def _train_step(model, optimizer, targs, batches, chunks, keep, normalizer, tracker, step):
+    """train_full.train_step's passes 1 and 2 and the update, on fixed micro-batches."""
+    B, T = keep.shape
+    old_logp = torch.zeros(B, T)
+    entropy = torch.zeros(B, T)
+    kept_adv = torch.ones(B)
+    # pass 1, no grad: old log-probs and entropy
+    with torch.no_grad():
+        for (inputs, targets, _), rows in zip(batches, chunks):
+            tracker.phase = f"step {step + 1} pass 1"
+            tracker.reset_mod_stats()  # the tracker's per-module stats allow one root forward each
+            logp, ent = train_full.response_logp(model, inputs, targets, targs.temperature, with_entropy=True)
+            old_logp[rows], entropy[rows] = logp, ent
+            del logp, ent
+    # pass 2: loss and backward per micro-batch, gradients accumulate
+    optimizer.zero_grad(set_to_none=True)
+    for (inputs, targets, _), rows in zip(batches, chunks):
+        tracker.phase = f"step {step + 1} pass 2"
+        tracker.reset_mod_stats()
+        logp, _ = train_full.response_logp(model, inputs, targets, targs.temperature, with_entropy=False)
+        with zero_reads():
+            loss, _ = d3s.policy_loss(logp, old_logp[rows], kept_adv[rows], keep[rows], kind=targs.loss,
+                                      clip_low=targs.clip_low, clip_high=targs.clip_high, normalizer=normalizer,
+                                      agg=targs.loss_agg)
+        del logp
+        loss.backward()
+        del loss
+    tracker.phase = f"step {step + 1} update"
+    torch.nn.utils.clip_grad_norm_(model.parameters(), targs.max_grad_norm)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _by_name(snapshot):
+    """{device: {RefType: bytes}} -> {category name: bytes} (one device here)."""
+    out = {}
+    for per_device in snapshot.values():
+        for key, value in per_device.items():
+            name = getattr(key, "value", key)
+            out[name] = out.get(name, 0) + value
+    return out
+
+
+def sharded_state_bytes(config, ranks):
+    """Arithmetic: fp32 bytes of one rank's parameter shards (FSDP2 gives rank 0 ceil(d0 / R) rows)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return sum(math.ceil(p.shape[0] / ranks) * (p.numel() // p.shape[0]) * 4 for p in model.parameters()), \
+        sum(p.numel() for p in model.parameters())
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------------------------
+def report(args, result, state_bytes, n_params, k_frac, wall_s):
+    peak, end = result["peak"], result["end"]
+    gib = lambda b: round(b / GIB, 3)  # noqa: E731
+    groups = {name: sum(peak.get(k, 0) for k in keys) for name, keys in GROUPS.items()}
+    lines = [f"# Simulated peak memory per GPU: {args.preset}, {n_params / 1e9:.2f}B params, {args.ranks} ranks, "
+             f"micro-batch {args.micro_batch_size} x ({args.prompt_len} prompt + {args.response_len} response) tokens, "
+             f"{args.method} (K = {k_frac:g}), {args.steps} steps x {args.micro_batches} micro-batches",
+             "", "| category (at the peak) | GiB | tracker categories |", "|---|---|---|"]
+    for name, keys in GROUPS.items():
+        parts = ", ".join(f"{k} {gib(peak.get(k, 0))}" for k in keys if peak.get(k, 0))
+        lines.append(f"| {name} | {gib(groups[name]):.2f} | {parts} |")
+    lines.append(f"| of which logits-shaped [..., V] | {gib(result['logits_at_peak']):.2f} | activations + temporaries |")
+    lines.append(f"| **peak** | **{gib(peak.get('Total', 0)):.2f}** | in {result['peak_phase']} |")
+    lines += ["", "| phase | peak GiB |", "|---|---|"]
+    lines += [f"| {phase} | {gib(b):.2f} |" for phase, b in result["phase_peaks"].items()]
+    lines += ["", f"Sharded state at the end (arithmetic: 4 B x ceil(rows / ranks) x columns = {gib(state_bytes):.3f} GiB "
+              f"per copy): weights {gib(end.get('Sharded Param', 0)):.3f} GiB, AdamW moments "
+              f"{gib(end.get('OptState', 0)):.3f} GiB (2 copies + step counts).",
+              "Not included: CUDA context, NCCL buffers, allocator fragmentation, vLLM's sleeping remainder.",
+              f"Simulated in {wall_s:.1f} s, max RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB."]
+    record = {"peak_gib": gib(peak.get("Total", 0)), "preset": args.preset, "params": n_params, "ranks": args.ranks,
+              "micro_batch_size": args.micro_batch_size, "response_len": args.response_len, "prompt_len": args.prompt_len,
+              "method": args.method, "k_frac": k_frac, "steps": args.steps, "micro_batches": args.micro_batches,
+              "train_args": args.train_argv, "peak_phase": result["peak_phase"],
+              "categories_gib": {name: gib(b) for name, b in groups.items()},
+              "breakdown_gib": {k: gib(v) for k, v in peak.items() if k != "Total"},
+              "logits_gib": gib(result["logits_at_peak"]),
+              "phase_peaks_gib": {k: gib(v) for k, v in result["phase_peaks"].items()},
+              "sharded_params_gib": gib(end.get("Sharded Param", 0)), "optimizer_state_gib": gib(end.get("OptState", 0)),
+              "arithmetic_sharded_params_gib": gib(state_bytes), "peak_bytes": peak.get("Total", 0),
+              "breakdown_bytes": {k: v for k, v in peak.items() if k != "Total"},
+              "end_bytes": {k: v for k, v in end.items() if k != "Total"}, "wall_s": round(wall_s, 1),
+              "max_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}
+    return "\n".join(lines), record
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    t0 = time.perf_counter()
+    config = load_config(args.preset)
+    targs = trainer_args(args.micro_batch_size, args.response_len, args.method, args.train_argv)
+    selects_tokens = d3s.LADDER[args.method][2]
+    k_frac = (args.k_frac if args.k_frac is not None else targs.k_final) if selects_tokens else 1.0
+    result = simulate(config, targs, args.ranks, args.micro_batch_size, args.response_len, args.prompt_len, k_frac,
+                      args.steps, args.micro_batches)
+    state_bytes, n_params = sharded_state_bytes(config, args.ranks)
+    table, record = report(args, result, state_bytes, n_params, k_frac, time.perf_counter() - t0)
+    print(table)
+    print(json.dumps(record), flush=True)
+    return record
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""bench/memory.py on a tiny Qwen2: the simulated state bytes equal the arithmetic, and a real
+CPU run of the same step under the same tracker peaks where the fake run does.
+
+The fake run goes through the script's command line in a fresh process: DTensor caches its
+sharding propagation per process, and only a cold cache shows whether the propagation's
+global-shape tensors are kept out of the count (they add ~50% to this tiny step's peak).
+"""
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import tiny  # tests/conftest.py puts the repository root on sys.path
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "bench", "memory.py")
+RANKS, MICRO_BATCH, RESPONSE, PROMPT = 2, 2, 48, 16
+
+
+def _load_bench():
+    spec = importlib.util.spec_from_file_location("bench_memory", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A tiny Qwen2 folder (config.json is what the bench reads). vocab 259 rows shard 130 + 129
+    over 2 ranks, so FSDP2's padding of the last shard is exercised."""
+    tokenizer = tiny.build_char_tokenizer()
+    return tiny.save_tiny(tiny.build_tiny_model(tokenizer), tokenizer, str(tmp_path_factory.mktemp("tiny")))
+
+
+@pytest.fixture(scope="module")
+def fake_run(tiny_dir):
+    cmd = [sys.executable, SCRIPT, "--preset", tiny_dir, "--ranks", str(RANKS), "--micro-batch-size", str(MICRO_BATCH),
+           "--response-len", str(RESPONSE), "--prompt-len", str(PROMPT), "--method", "d3s"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout, json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def shard_bytes(model_dir, ranks):
+    """4 bytes x ceil(rows / ranks) x columns per parameter: rank 0's fp32 shard under FSDP2."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    params = list(model.parameters())
+    return sum(4 * math.ceil(p.shape[0] / ranks) * (p.numel() // p.shape[0]) for p in params), len(params)
+
+
+def test_prints_a_table_and_one_json_line(fake_run):
+    stdout, record = fake_run
+    assert "| **peak** |" in stdout and "| optimizer state |" in stdout
+    for key in ("peak_gib", "ranks", "micro_batch_size", "response_len", "method", "k_frac", "breakdown_gib",
+                "categories_gib", "logits_gib"):
+        assert key in record, key
+    assert (record["ranks"], record["micro_batch_size"], record["response_len"]) == (RANKS, MICRO_BATCH, RESPONSE)
+    assert record["method"] == "d3s" and record["k_frac"] == 0.2  # train_full's --k-final
+    assert record["peak_phase"].startswith("step 2 pass 2")  # with Adam state and accumulated gradients
+
+
+def test_simulated_parameter_gradient_and_optimizer_bytes_equal_the_arithmetic(fake_run, tiny_dir):
+    _, record = fake_run
+    weights, n_tensors = shard_bytes(tiny_dir, RANKS)
+    end, peak = record["end_bytes"], record["breakdown_bytes"]
+    assert end["Sharded Param"] == weights  # fp32 master shards
+    assert end["OptState"] == 2 * weights + 4 * n_tensors  # exp_avg, exp_avg_sq + one fp32 step count per tensor
+    assert peak["Sharded Grad"] == weights  # micro-batch 2's backward: micro-batch 1's gradients are all there
+    assert end["Sharded Grad"] == 0  # zero_grad(set_to_none=True) after the step
+
+
+def test_a_real_cpu_run_of_the_same_step_peaks_within_10_percent_of_the_fake_run(fake_run, tiny_dir):
+    _, record = fake_run
+    bench = _load_bench()
+    config = bench.load_config(tiny_dir)
+    targs = bench.trainer_args(MICRO_BATCH, RESPONSE, "d3s")
+    real = bench.simulate(config, targs, RANKS, MICRO_BATCH, RESPONSE, PROMPT, k_frac=0.2, fake=False)
+    assert real["end"]["Sharded Param"] == record["end_bytes"]["Sharded Param"]
+    assert real["peak"]["Total"] == pytest.approx(record["peak_bytes"], rel=0.10)
+    assert real["peak_phase"] == record["peak_phase"]
+
+
+@pytest.mark.parametrize("argv,flag", [
+    (["--method", "ppo"], "--method"),
+    (["--ranks", "0"], "--ranks"),
+    (["--k-frac", "1.5"], "--k-frac"),
+    (["--preset", "no/such/folder"], "--preset"),
+])
+def test_bad_flags_name_the_flag_and_the_fix(argv, flag, capsys):
+    bench = _load_bench()
+    with pytest.raises(SystemExit) as exit_info:
+        bench.parse_args(argv)
+    assert exit_info.value.code == 2
+    assert flag in capsys.readouterr().err
