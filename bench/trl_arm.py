@@ -1,11 +1,14 @@
-"""bench/trl_arm.py: the TRL arm of bench/vs_trl.py, a minimal trl.GRPOTrainer run, timed.
+"""bench/trl_arm.py: the TRL arms of bench/vs_trl.py, a minimal trl.GRPOTrainer run, timed.
 
-It runs in the benchmark's own environment (TRL is not a dependency of this project):
+It runs in the TRL venv (TRL is not a dependency of the project's own .venv):
 
-    python3 -m venv .venv-trl
-    .venv-trl/bin/pip install torch==2.13.0 "transformers>=5.16.1,<5.20" trl math-verify tqdm matplotlib
+    python3 -m venv .venv-trl && .venv-trl/bin/pip install -r requirements-trl.txt
     .venv-trl/bin/python bench/trl_arm.py --model WARM_START_FOLDER --train-file train.jsonl \\
         --eval-file eval.jsonl --out runs/bench_vs_trl/trl --steps 20 --prompts-per-step 16 --group-size 16
+    .venv-trl/bin/python bench/trl_arm.py ... --d3s-method d3s --n-init 4 --n-final 16   # TRL + D3S
+
+With --d3s-method the trainer is integrations/trl.py's D3SGRPOTrainer (D3SGRPOConfig: the same
+GRPOConfig plus d3s_method, n_init, n_final, k_init, k_final); everything else is unchanged.
 
 bench/vs_trl.py passes the same values to this script and to train_small.py. The run is
 matched to `train_small.py --method grpo` as closely as TRL allows:
@@ -88,6 +91,12 @@ def parse_args(argv=None):
                    help="GRPOConfig.gradient_checkpointing: on is TRL's default (recomputes every decoder layer's "
                         "forward during backward); off matches train_small.py")
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
+    p.add_argument("--d3s-method", default=None, help="train with integrations/trl.py's D3SGRPOTrainer and this "
+                   "d3s.LADDER row (e.g. d3s); default: TRL's own GRPOTrainer")
+    p.add_argument("--n-init", type=int, default=None, help="D3SGRPOConfig.n_init (default G/4)")
+    p.add_argument("--n-final", type=int, default=None, help="D3SGRPOConfig.n_final (default G)")
+    p.add_argument("--k-init", type=float, default=0.05, help="D3SGRPOConfig.k_init")
+    p.add_argument("--k-final", type=float, default=0.20, help="D3SGRPOConfig.k_final")
     return p.parse_args(argv)
 
 
@@ -128,6 +137,14 @@ def main(argv=None):
     import train_small
     from mathtask import Grader, load_problems
 
+    if args.d3s_method:
+        from integrations.trl import D3SGRPOConfig as GRPOConfig  # noqa: F811
+        from integrations.trl import D3SGRPOTrainer as GRPOTrainer  # noqa: F811
+
+        d3s_fields = {"d3s_method": args.d3s_method, "n_init": args.n_init, "n_final": args.n_final,
+                      "k_init": args.k_init, "k_final": args.k_final}
+    else:
+        d3s_fields = {}
     if args.threads:
         torch.set_num_threads(args.threads)
     os.makedirs(args.out, exist_ok=True)
@@ -149,9 +166,9 @@ def main(argv=None):
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     grader = Grader()
-    eval_args = SimpleNamespace(seed=args.seed, template=args.template, eval_samples=args.eval_samples, pass_k=1,
-                                gen_batch=args.gen_batch, max_new_tokens=args.max_new_tokens,
-                                temperature=args.temperature)
+    eval_args = SimpleNamespace(seed=args.seed, rl_seed=args.seed, template=args.template,  # rl_seed: train_small's
+                                eval_samples=args.eval_samples, pass_k=1, gen_batch=args.gen_batch,  # --rl-seed
+                                max_new_tokens=args.max_new_tokens, temperature=args.temperature)
     eval0 = train_small.evaluate(model, tokenizer, grader, eval_rows, 0, eval_args)
 
     def math_reward(prompts, completions, answer, **kwargs):
@@ -173,7 +190,7 @@ def main(argv=None):
         use_vllm=False, bf16=False, fp16=False, use_cpu=True,
         seed=args.seed, data_seed=args.seed,
         logging_steps=1, report_to="none", eval_strategy="no", save_strategy="no", disable_tqdm=True,
-        dataloader_num_workers=0, log_completions=False,
+        dataloader_num_workers=0, log_completions=False, **d3s_fields,
     )
 
     timings = {k: 0.0 for k in ("gen_s", "reward_s", "prep_s", "loss_fwd_s", "training_step_s")}
@@ -253,6 +270,19 @@ def main(argv=None):
                    "gen_tokens": timings.get("gen_tokens"), "response_len": timings.get("response_len"),
                    "rss_mb": peak_rss_mb()}
             rows_out.append(row)
+            self.pending = row  # written by on_log, which follows with the step's logged metrics
+
+        def on_log(self, a, state, control, logs=None, **kw):
+            row, self.pending = getattr(self, "pending", None), None
+            if row is None:
+                return
+            logs = logs or {}
+            row["loss_tokens"] = logs.get("d3s/kept_tokens", row["gen_tokens"])  # tokens in the loss
+            row["fwd_tokens"] = logs.get("d3s/forwarded_tokens", row["gen_tokens"])  # response tokens forwarded with grad
+            row["kept_rollouts"] = logs.get("d3s/kept_rollouts", P * G)
+            for key in ("d3s/n_keep", "d3s/k_frac", "d3s/k_realised", "d3s/sample_usefulness_rate", "loss", "grad_norm"):
+                if key in logs:
+                    row[key] = logs[key]
             metrics_file.write(json.dumps(row) + "\n")
             metrics_file.flush()
 
@@ -271,7 +301,7 @@ def main(argv=None):
         "eval_pass1_mean": final["eval_pass1_mean"], "eval_n": len(eval_rows), "eval_s": eval0["eval_s"] + final["eval_s"],
         "train_wall_s": train_wall_s, "total_wall_s": time.perf_counter() - t_start,
         "peak_rss_mb_self": peak_rss_mb(), "torch_threads": torch.get_num_threads(),
-        "grader_timeouts": grader.timeouts, "same_prompts": args.same_prompts,
+        "grader_timeouts": grader.timeouts, "same_prompts": args.same_prompts, "d3s": d3s_fields or None,
         "versions": {"trl": trl.__version__, "transformers": transformers.__version__, "torch": torch.__version__,
                      "python": platform.python_version()},
         "config": {k: getattr(config, k) for k in (

@@ -1,14 +1,14 @@
-"""bench/vs_trl.py: TRL's GRPOTrainer against train_small.py (grpo and d3s), same everything else.
+"""bench/vs_trl.py: TRL's GRPOTrainer against train_small.py (grpo and d3s) and TRL + D3S, same everything else.
 
     .venv/bin/python bench/vs_trl.py                         # 20 steps x 2 repeats (tens of minutes on 2 cores)
     .venv/bin/python bench/vs_trl.py --quick                 # 2 steps, 1 repeat, tiny batch (the smoke test)
+    .venv/bin/python bench/vs_trl.py --arms trl,trl-d3s --seeds 0,1,2 --repeats 1   # TRL + D3S vs TRL, 3 seeds
     .venv/bin/python bench/vs_trl.py --steps 40 --repeats 3 --out docs_table.md
 
-Needs the benchmark's own environment with TRL (not a dependency of this project):
-    python3 -m venv .venv-trl
-    .venv-trl/bin/pip install torch==2.13.0 "transformers>=5.16.1,<5.20" trl math-verify tqdm matplotlib
+Needs the TRL venv (TRL is not a dependency of the project's own .venv; .ci/run builds it):
+    python3 -m venv .venv-trl && .venv-trl/bin/pip install -r requirements-trl.txt
 
-What is compared. Four arms, each one subprocess, on the same tiny Qwen2 model (train_small.py's
+What is compared. Five arms, each one subprocess, on the same tiny Qwen2 model (train_small.py's
 supervised warm start, cached in --cache-dir and loaded from that folder by every arm), the same
 generated arithmetic problems (written once to WORK/train.jsonl and WORK/eval.jsonl), the same
 batch (P prompts x G rollouts), response length, temperature, learning rate, clipping and seed:
@@ -17,14 +17,19 @@ batch (P prompts x G rollouts), response length, temperature, learning rate, cli
   trl-nogc  the same with gradient_checkpointing=False (no recomputation: train_small's setting)
   grpo      .venv/bin/python train_small.py --method grpo
   d3s       .venv/bin/python train_small.py --method d3s  (N and K on train_small's default schedule)
+  trl-d3s   .venv-trl/bin/python bench/trl_arm.py --d3s-method d3s: integrations/trl.py's D3SGRPOTrainer,
+            the trl arm's GRPOConfig plus D3S's fields (the same N and K schedule as the d3s arm)
+The train_small arms run one optimizer step per batch (--mini-batches 1) and clip 0.2/0.2, as TRL does.
 trl_arm.py replays train_small.py's prompt order and per-step sampling seed, so with the same
 weights the TRL and grpo arms draw the same step-1 rollouts (the table says whether they did).
-The arms run in the order trl, trl-nogc, grpo, d3s, trl, ... (--repeats rounds), so drift of
-a shared machine hits all of them. Every arm uses --threads torch threads (default 1: on a
+The arms run in the order trl, trl-nogc, grpo, d3s, trl-d3s, trl, ... (--repeats rounds, and
+within a round one pass per --seeds entry), so drift of a shared machine hits all of them.
+--seeds sets the RL seed of each run (prompt order, sampling, TRL's seed: train_small's --rl-seed);
+the data, the warm start and the held-out set stay those of --seed. Every arm uses --threads torch threads (default 1: on a
 shared 2-core machine two threads per process oversubscribe the cores and a step gets many
 times slower, unevenly across arms).
 
-Measured per arm (means over repeats; per-step numbers are means over steps 2..S of each run,
+Measured per arm (means over seeds and repeats; per-step numbers are means over steps 2..S of each run,
 step 1 also pays one-off costs such as the grader's first math-verify import):
   gen      rollouts: tokenize + HF generate + decode      (TRL: GRPOTrainer._generate)
   reward   math-verify grading (mathtask.Grader)           (TRL: GRPOTrainer._calculate_rewards)
@@ -51,8 +56,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-ARMS = ("trl", "trl-nogc", "grpo", "d3s")
-TRL_ARMS = ("trl", "trl-nogc")  # GRPOConfig as TRL ships it (gradient checkpointing on), and with it off
+ARMS = ("trl", "trl-nogc", "grpo", "d3s", "trl-d3s")
+TRL_ARMS = ("trl", "trl-nogc", "trl-d3s")  # run by trl_arm.py in the TRL venv
+PLAIN_TRL_ARMS = ("trl", "trl-nogc")  # GRPOConfig as TRL ships it (gradient checkpointing on), and with it off
 TRL_SPLIT = ("prep_other_s", "loss_fwd_s", "backward_s", "optim_s")  # trl_arm.py's split of its update_s
 
 
@@ -68,7 +74,8 @@ def parse_args(argv=None):
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--lr", type=float, default=3e-5)
     p.add_argument("--max-grad-norm", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the data, the warm start and (without --seeds) the RL runs")
+    p.add_argument("--seeds", default=None, help="comma-separated RL seeds, one run per arm and seed (default: --seed)")
     p.add_argument("--train-size", type=int, default=5000, help="generated training problems (also the warm start's data)")
     p.add_argument("--eval-size", type=int, default=200, help="held-out problems")
     p.add_argument("--sft-steps", type=int, default=None, help="warm-start steps (default: train_small's; 20 with --quick)")
@@ -87,6 +94,10 @@ def parse_args(argv=None):
         args.train_size, args.eval_size = min(args.train_size, 200), min(args.eval_size, 16)
         args.sft_steps = 20 if args.sft_steps is None else args.sft_steps
     args.arms = [a for a in args.arms.split(",") if a]
+    try:
+        args.seeds = [int(x) for x in args.seeds.split(",") if x] if args.seeds else [args.seed]
+    except ValueError:
+        p.error(f"--seeds {args.seeds!r}: give comma-separated integers, e.g. 0,1,2")
     for a in args.arms:
         if a not in ARMS:
             p.error(f"--arms: unknown arm {a!r}; choose from {','.join(ARMS)}")
@@ -183,25 +194,28 @@ def run_measured(cmd, log_path, interval=0.1):
             "peak_tree_rss_mb": peak["kb"] / 1024}
 
 
-def arm_command(arm, args, warm_path, out):
+def arm_command(arm, args, warm_path, out, seed):
+    G = args.group_size
     common = ["--steps", str(args.steps), "--prompts-per-step", str(args.prompts_per_step),
               "--group-size", str(args.group_size), "--max-new-tokens", str(args.max_new_tokens),
               "--temperature", str(args.temperature), "--lr", str(args.lr), "--max-grad-norm", str(args.max_grad_norm),
-              "--seed", str(args.seed), "--train-file", os.path.join(args.work, "train.jsonl"),
+              "--train-file", os.path.join(args.work, "train.jsonl"),
               "--eval-file", os.path.join(args.work, "eval.jsonl"), "--train-size", str(args.train_size),
               "--eval-size", str(args.eval_size), "--template", "plain", "--threads", str(args.threads),
               "--model", warm_path, "--out", out,
               # evaluation generates P x G sequences per call, as a training step does, so that the peak
               # memory is the training step's, not that of a larger evaluation batch
               "--gen-batch", str(args.prompts_per_step * args.group_size)]
+    schedule = ["--n-init", str(max(1, G // 4)), "--n-final", str(G)]  # train_small's N 4 -> 16 of G = 16, scaled to G
     if arm in TRL_ARMS:
-        return [args.trl_python, os.path.join(ROOT, "bench", "trl_arm.py"), *common, "--eval-samples", "1",
-                "--gradient-checkpointing", "off" if arm == "trl-nogc" else "on"]
-    G = args.group_size
-    return [args.python, os.path.join(ROOT, "train_small.py"), "--method", arm, *common, "--sft-steps", "0",
-            "--eval-every", str(args.steps), "--save-every", str(args.steps), "--eval-samples", "1", "--pass-k", "1",
-            # train_small's default schedule N 4 -> 16 of G = 16, scaled to G
-            "--n-init", str(max(1, G // 4)), "--n-final", str(G)]
+        return [args.trl_python, os.path.join(ROOT, "bench", "trl_arm.py"), *common, "--seed", str(seed),
+                "--eval-samples", "1", "--gradient-checkpointing", "off" if arm == "trl-nogc" else "on",
+                *(["--d3s-method", "d3s", *schedule] if arm == "trl-d3s" else [])]
+    return [args.python, os.path.join(ROOT, "train_small.py"), "--method", arm, *common, "--seed", str(args.seed),
+            "--rl-seed", str(seed), "--sft-steps", "0", "--eval-every", str(args.steps), "--save-every", str(args.steps),
+            "--eval-samples", "1", "--pass-k", "1", *schedule,
+            # one on-policy optimizer step per batch and clip 0.2 / 0.2, as the TRL arms
+            "--mini-batches", "1", "--clip-low", "0.2", "--clip-high", "0.2"]
 
 
 def read_jsonl(path):
@@ -216,6 +230,7 @@ def collect(arm, out):
               "update_s": r["update_s"] if arm in TRL_ARMS else r["train_s"],
               "reward_mean": r["reward_mean"], "gen_tokens": r["gen_tokens"],
               "fwd_tokens": r.get("fwd_tokens", r["gen_tokens"]), "outside_s": r.get("outside_s"),
+              "loss_tokens": r.get("loss_tokens", r.get("kept_tokens", r["gen_tokens"])),
               **{k: r.get(k) for k in TRL_SPLIT}} for r in rows]
     if arm in TRL_ARMS:
         with open(os.path.join(out, "result.json")) as f:
@@ -239,7 +254,7 @@ def summarize(runs_by_arm):
     """Mean over repeats of the per-run means over steps 2..S (all steps if S = 1)."""
     summary = {}
     for arm, runs in runs_by_arm.items():
-        if arm in TRL_ARMS and "grpo" in runs_by_arm:  # how long TRL and grpo stay on the same trajectory
+        if arm in PLAIN_TRL_ARMS and "grpo" in runs_by_arm:  # how long TRL and grpo stay on the same trajectory
             same = []
             for r_trl, r_grpo in zip(runs, runs_by_arm["grpo"]):
                 n = 0
@@ -251,7 +266,8 @@ def summarize(runs_by_arm):
         per_run = []
         for r in runs:
             steps = r["steps"][1:] or r["steps"]
-            m = {k: mean([s[k] for s in steps]) for k in ("gen_s", "reward_s", "update_s", "gen_tokens", "fwd_tokens")}
+            m = {k: mean([s[k] for s in steps])
+                 for k in ("gen_s", "reward_s", "update_s", "gen_tokens", "fwd_tokens", "loss_tokens")}
             for k in ("outside_s",) + TRL_SPLIT:
                 m[k] = mean([s[k] for s in steps])
             m["total_s"] = m["gen_s"] + m["reward_s"] + m["update_s"]
@@ -263,10 +279,13 @@ def summarize(runs_by_arm):
         s["acc0"] = mean([r["acc0"] for r in runs])
         s["acc"] = mean([r["acc"] for r in runs])
         s["accs"] = [r["acc"] for r in runs]
+        s["acc_sd"] = statistics.stdev(s["accs"]) if len(runs) > 1 else 0.0
+        s["update_sd"] = statistics.stdev([m["update_s"] for m in per_run]) if len(per_run) > 1 else 0.0
+        s["seeds"] = [r["seed"] for r in runs]
         s["wall_s"] = mean([r["wall_s"] for r in runs])
         s["n_runs"] = len(runs)
         s["step1"] = [(round(r["steps"][0]["reward_mean"], 6), r["steps"][0]["gen_tokens"]) for r in runs]
-        if arm in TRL_ARMS and "grpo" in runs_by_arm:
+        if arm in PLAIN_TRL_ARMS and "grpo" in runs_by_arm:
             s["same_as_grpo"] = same
         summary[arm] = s
     return summary
@@ -277,27 +296,30 @@ def ratio(a, b):
 
 
 def render(args, summary, warm, versions, started, total_s):
-    ref_arm = next((a for a in args.arms if a in TRL_ARMS), None)
+    ref_arm = next((a for a in args.arms if a in PLAIN_TRL_ARMS), next((a for a in args.arms if a in TRL_ARMS), None))
     ref = summary.get(ref_arm)
     lines = [
         f"| arm | gen s/step | reward s/step | update s/step | total s/step | total vs TRL | update vs TRL | "
-        "response tokens/step (gen / fwd) | peak RSS MB (process) | peak RSS MB (tree) | held-out greedy Pass@1 (before -> after) |",
+        "response tokens/step (gen / fwd / loss) | peak RSS MB (process) | peak RSS MB (tree) | "
+        "held-out greedy Pass@1 (before -> after) |",
         "|---|---|---|---|---|---|---|---|---|---|---|"]
     names = {"trl": f"TRL GRPOTrainer {versions.get('trl', '')}".strip(),
              "trl-nogc": f"TRL GRPOTrainer {versions.get('trl', '')}, gradient_checkpointing=False".strip(),
              "grpo": "train_small.py grpo",
-             "d3s": "train_small.py d3s"}
+             "d3s": "train_small.py d3s",
+             "trl-d3s": f"TRL GRPOTrainer {versions.get('trl', '')} + D3S (integrations/trl.py)"}
     for arm in args.arms:
         s = summary[arm]
         sd = f" ± {s['total_sd']:.3f}" if s["n_runs"] > 1 else ""
         accs = ", ".join(f"{a:.3f}" for a in s["accs"])
+        acc_sd = f" ± {s['acc_sd']:.3f}" if s["n_runs"] > 1 else ""
         lines.append(
             f"| {names[arm]} | {s['gen_s']:.3f} | {s['reward_s']:.3f} | {s['update_s']:.3f} | {s['total_s']:.3f}{sd} | "
             f"{ratio(s['total_s'], ref['total_s']) if ref else 'n/a'} | {ratio(s['update_s'], ref['update_s']) if ref else 'n/a'} | "
-            f"{s['gen_tokens']:.0f} / {s['fwd_tokens']:.0f} | {s['peak_rss_mb']:.0f} | {s['peak_tree_rss_mb']:.0f} | "
-            f"{s['acc0']:.3f} -> {s['acc']:.3f} ({accs}) |")
+            f"{s['gen_tokens']:.0f} / {s['fwd_tokens']:.0f} / {s['loss_tokens']:.0f} | {s['peak_rss_mb']:.0f} | "
+            f"{s['peak_tree_rss_mb']:.0f} | {s['acc0']:.3f} -> {s['acc']:.3f}{acc_sd} ({accs}) |")
     same = []
-    for arm in (a for a in args.arms if a in TRL_ARMS and "grpo" in summary):
+    for arm in (a for a in args.arms if a in PLAIN_TRL_ARMS and "grpo" in summary):
         t1, g1 = summary[arm]["step1"], summary["grpo"]["step1"]
         same.append(f"`{arm}` vs `grpo`: step-1 rollouts " + (
             "identical (same mean reward and generated-token count in every repeat)" if t1 == g1
@@ -315,7 +337,8 @@ def render(args, summary, warm, versions, started, total_s):
         f"({warm.get('sft_steps')} supervised steps, cached at `{warm.get('path')}`); P = {args.prompts_per_step} "
         f"prompts x G = {args.group_size} rollouts per step, {args.max_new_tokens} new tokens max, temperature "
         f"{args.temperature}, AdamW lr {args.lr}, grad clip {args.max_grad_norm}, beta 0, one update per batch, seed "
-        f"{args.seed}; {args.steps} steps per run, {args.repeats} repeat(s), arms alternating "
+        f"{args.seed} (data, warm start), RL seeds {','.join(map(str, args.seeds))}; {args.steps} steps per run, "
+        f"{args.repeats} repeat(s) x {len(args.seeds)} seed(s) per arm, arms alternating "
         f"{' -> '.join(args.arms)}; held-out set {args.eval_size} generated problems.  ",
         *(["Same weights, prompts and sampling seed, so the same trajectory until rounding differs:  "] + same
           if same else []),
@@ -332,16 +355,22 @@ def render(args, summary, warm, versions, started, total_s):
                   "`compute_loss`; backward includes gradient checkpointing's recomputation; optim = grad clip + "
                   "AdamW + zero_grad.)", ""]
     notes += [
-        "Columns: per-step seconds are means over steps 2..S of each run (step 1 also pays one-off costs), then over "
-        "repeats (± = standard deviation of the per-run totals across repeats). gen = tokenize + HF `generate` + "
+        "Columns: per-step seconds and tokens are means over steps 2..S of each run (step 1 also pays one-off costs), "
+        "then over runs (seeds x repeats; ± = standard deviation of the per-run totals across runs). gen = tokenize + HF `generate` + "
         "decode; reward = math-verify grading; update = the rest of the step (advantages, selection, loss "
-        "forward/backward, clipping, AdamW). Ratios are against the TRL row. Response tokens: generated per step / "
-        "forwarded in the loss per step. Peak RSS (process): `os.wait4` ru_maxrss of the arm's process (the largest of "
+        "forward/backward, clipping, AdamW). Ratios are against the TRL row. Response tokens per step: generated / "
+        "forwarded with gradients (the kept rollouts') / in the loss (the selected tokens). Peak RSS (process): `os.wait4` ru_maxrss of the arm's process (the largest of "
         "it and its reaped children, e.g. the grader's math-verify child); (tree): the peak of the summed VmRSS of the "
         "process tree, sampled every 0.1 s (evaluation generates at most P x G sequences per call, so the peaks are "
         "the training steps'). Held-out: greedy Pass@1 with `train_small.evaluate` in both "
-        "environments, before and after the run (per repeat in parentheses).",
+        "environments, before and after the run (mean ± standard deviation over runs; per run in parentheses, in "
+        "the order repeat by repeat, seed by seed).",
     ]
+    if "trl-d3s" in summary:
+        notes += ["", "`trl-d3s` is the `trl` arm with `D3SGRPOTrainer` and `D3SGRPOConfig(d3s_method=\"d3s\", n_init=G/4, "
+                  "n_final=G, k_init=0.05, k_final=0.20)`: the same GRPOConfig, generation, grader and seeds. Its "
+                  "prep other includes `d3s.select_samples` on the batch; its loss fwd forwards only the kept rollouts "
+                  "and includes `d3s.select_tokens` and `d3s.policy_loss`."]
     return "\n".join(header + lines + notes) + "\n"
 
 
@@ -404,17 +433,18 @@ def main(argv=None):
     print(f"warm start: {warm.get('path')} ({'cached' if warm.get('cached') else 'built'})", flush=True)
     runs = {arm: [] for arm in args.arms}
     versions = {}
-    for rep in range(args.repeats):
+    for rep, seed in ((rep, seed) for rep in range(args.repeats) for seed in args.seeds):
         for arm in args.arms:
-            out = os.path.join(args.work, f"{arm}-r{rep}")
-            cmd = arm_command(arm, args, warm["path"], out)
-            print(f"[repeat {rep + 1}/{args.repeats}] {arm}: {' '.join(cmd)}", flush=True)
-            m = run_measured(cmd, os.path.join(args.work, f"{arm}-r{rep}.log"))
+            name = f"{arm}-r{rep}" + (f"-s{seed}" if len(args.seeds) > 1 else "")
+            out = os.path.join(args.work, name)
+            cmd = arm_command(arm, args, warm["path"], out, seed)
+            print(f"[repeat {rep + 1}/{args.repeats}, seed {seed}] {arm}: {' '.join(cmd)}", flush=True)
+            m = run_measured(cmd, os.path.join(args.work, f"{name}.log"))
             if m["rc"] != 0:
-                with open(os.path.join(args.work, f"{arm}-r{rep}.log")) as f:
+                with open(os.path.join(args.work, f"{name}.log")) as f:
                     tail = f.read()[-3000:]
-                sys.exit(f"vs_trl.py: arm {arm} failed (rc {m['rc']}); log {args.work}/{arm}-r{rep}.log:\n{tail}")
-            r = {**collect(arm, out), **m}
+                sys.exit(f"vs_trl.py: arm {arm} failed (rc {m['rc']}); log {args.work}/{name}.log:\n{tail}")
+            r = {**collect(arm, out), **m, "seed": seed}
             if arm in TRL_ARMS:
                 with open(os.path.join(out, "result.json")) as f:
                     versions = json.load(f)["versions"]

@@ -1,8 +1,9 @@
-"""Smoke test of bench/vs_trl.py --quick (TRL GRPOTrainer vs train_small.py; no timing assertions).
+"""Smoke test of bench/vs_trl.py --quick (TRL GRPOTrainer vs train_small.py and TRL + D3S; no timing assertions).
 
-Opt-in: TRL is not part of this project or of CI. It runs only with D3S_BENCH=1 and the
-benchmark's own venv (.venv-trl, see bench/vs_trl.py's docstring); otherwise it is skipped
-with the reason. About a minute on a 2-core CPU (four arms of 2 steps, a 20-step warm start).
+Opt-in: it runs only with D3S_BENCH=1 and the TRL venv (.venv-trl, `pip install -r
+requirements-trl.txt`, which .ci/run builds); otherwise it is skipped with the reason. About a
+minute and a half on a 2-core CPU (five arms of 2 steps, a 20-step warm start).
+(integrations/trl.py's own tests, tests/test_integration_trl.py, run in CI.)
 """
 
 import json
@@ -33,17 +34,20 @@ def test_quick_run_writes_the_table(tmp_path):
     assert res.returncode == 0, (res.stdout[-3000:], res.stderr[-3000:])
     text = out.read_text()
     assert "| arm | gen s/step | reward s/step | update s/step | total s/step | total vs TRL |" in text
-    for row in ("| TRL GRPOTrainer", "gradient_checkpointing=False |", "| train_small.py grpo |", "| train_small.py d3s |"):
+    for row in ("| TRL GRPOTrainer", "gradient_checkpointing=False |", "| train_small.py grpo |", "| train_small.py d3s |",
+                "+ D3S (integrations/trl.py) |"):
         assert row in text, row
     assert "What differs between the arms beyond the algorithm" in text
     results = json.loads((work / "results.json").read_text())
     summary = results["summary"]
-    assert set(summary) == {"trl", "trl-nogc", "grpo", "d3s"}
+    assert set(summary) == {"trl", "trl-nogc", "grpo", "d3s", "trl-d3s"}
     for arm, s in summary.items():
         assert s["gen_s"] > 0 and s["update_s"] > 0 and s["peak_rss_mb"] > 0, (arm, s)
         assert 0.0 <= s["acc"] <= 1.0
         assert all(len(r["steps"]) == 2 for r in results["runs"][arm])
     # Same weights, prompts and sampling seed: TRL and train_small's grpo draw the same step-1 rollouts.
-    assert summary["trl"]["step1"] == summary["trl-nogc"]["step1"] == summary["grpo"]["step1"]
+    assert summary["trl"]["step1"] == summary["trl-nogc"]["step1"] == summary["grpo"]["step1"] == summary["trl-d3s"]["step1"]
+    # TRL + D3S generates what TRL generates and trains on fewer tokens (kept rollouts, top-K tokens).
+    assert summary["trl-d3s"]["loss_tokens"] < summary["trl-d3s"]["fwd_tokens"] <= summary["trl-d3s"]["gen_tokens"]
     # Same warm start: the held-out accuracy before training agrees exactly.
     assert len({s["acc0"] for s in summary.values()}) == 1
