@@ -799,13 +799,82 @@ def pack(seqs, rows, pad_id, device):
     return inputs, ids[:, width_p:].to(device), attn[:, width_p:].bool().to(device)
 
 
-def response_logp(model, inputs, targets, temperature, with_entropy):
-    """log pi(o_t | ...) of the response tokens [n, T] (and the entropy H_t), fp32 from the logits."""
-    logits = model(**inputs).logits[:, :-1].float()  # [n, T, V]: position t predicts response token t
+HEAD_CHUNK = 1024  # response positions per LM-head block: [1024, vocab] fp32 logits, 0.6 GB at Qwen's 152k vocabulary
+
+
+def response_hidden(model, inputs):
+    """The final (normed) hidden states of the positions that predict the response tokens, [n, T, H].
+
+    The policy runs as usual (through the FSDP root, which gathers its parameters), but with
+    logits_to_keep=1 its LM head sees one position only; a forward hook on the decoder keeps
+    its output. So the [n, T, vocab] logits are never made: the loss head below makes them in
+    blocks, or only at the selected tokens.
+    """
+    T = inputs["logits_to_keep"] - 1
+    captured = []
+    hook = model.model.register_forward_hook(lambda module, args, output: captured.append(output.last_hidden_state))
+    try:
+        model(**{**inputs, "logits_to_keep": 1})
+    finally:
+        hook.remove()
+    return captured[0][:, -(T + 1) : -1]  # position width_p - 1 + t predicts response token t
+
+
+def _head_logp(head, hidden, targets, temperature):
+    """log pi(target) for [m, H] hidden states: fp32 logits of one block, divided by the sampling
+    temperature (the distribution the rollouts came from); returns ([m] log-probs, [m, V] logits)."""
+    logits = head(hidden).float()
     if temperature != 1.0:
-        logits = logits / temperature  # the distribution the rollouts were sampled from
-    logp = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
-    return logp, (d3s.token_entropy(logits) if with_entropy else None)
+        logits = logits / temperature
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1), logits
+
+
+def response_logp(model, inputs, targets, temperature, with_entropy):
+    """Pass 1 (no grad): log pi(o_t | ...) [n, T] of every response token, and the entropy H_t.
+
+    The LM head runs over blocks of HEAD_CHUNK positions of the hidden states, so at most one
+    [HEAD_CHUNK, vocab] fp32 block of logits exists at a time (never [n, T, vocab]).
+    """
+    hidden = response_hidden(model, inputs)  # [n, T, H]
+    n, T, H = hidden.shape
+    flat, flat_targets = hidden.reshape(n * T, H), targets.reshape(n * T)
+    logp = torch.zeros(n * T, dtype=torch.float32, device=hidden.device)
+    entropy = torch.zeros_like(logp) if with_entropy else None
+    for start in range(0, n * T, HEAD_CHUNK):
+        block = slice(start, start + HEAD_CHUNK)
+        logp[block], logits = _head_logp(model.lm_head, flat[block], flat_targets[block], temperature)
+        if with_entropy:
+            entropy[block] = d3s.token_entropy(logits)
+        del logits
+    return logp.view(n, T), (entropy.view(n, T) if with_entropy else None)
+
+
+def response_logp_at(model, inputs, targets, positions, temperature):
+    """Pass 2 (with grad): log pi of the response tokens at `positions` only, [n, T] (0 elsewhere).
+
+    positions: the tokens in the loss, a bool [n, T] mask or its (rows, cols) index. For a
+    token-selecting method (d2s, d3s, d3s-i) that is the top K (5-20%), so the LM head costs 1/K
+    less memory and FLOPs: D3S's own saving, which a full-logits loss throws away. Every other
+    method passes all valid tokens. Either way the head runs in blocks of HEAD_CHUNK positions
+    whose logits are recomputed in backward (torch.utils.checkpoint): one [HEAD_CHUNK, vocab]
+    fp32 block at a time. The loss and its gradients equal those of the full-logits head:
+    tokens outside `positions` have weight 0 in d3s.policy_loss.
+    """
+    from functools import partial
+
+    from torch.utils.checkpoint import checkpoint
+
+    hidden = response_hidden(model, inputs)  # [n, T, H]
+    index = positions.nonzero(as_tuple=True) if isinstance(positions, torch.Tensor) else positions
+    picked, picked_targets = hidden[index], targets[index]  # [m, H], [m]
+    logp = torch.zeros(hidden.shape[:2], dtype=torch.float32, device=hidden.device)
+    if picked.shape[0] == 0:  # nothing selected here: keep the graph (FSDP's backward hooks) with a zero
+        return logp + 0.0 * hidden.sum()
+    block_logp = partial(_head_logp, model.lm_head, temperature=temperature)
+    blocks = [checkpoint(lambda h, y: block_logp(h, y)[0], picked[s : s + HEAD_CHUNK], picked_targets[s : s + HEAD_CHUNK],
+                         use_reentrant=False)
+              for s in range(0, picked.shape[0], HEAD_CHUNK)]
+    return logp.index_put(index, torch.cat(blocks))
 
 
 def micro_batches(lengths, size, n_micro):
@@ -962,7 +1031,7 @@ def train_step(model, optimizer, rollouts, rewards, step, args, dist_, pad_id, k
             if rows:
                 inputs, targets, _ = pack(seqs, rows, pad_id, device)
                 width = targets.shape[1]
-                logp, _ = response_logp(model, inputs, targets, args.temperature, with_entropy=False)
+                logp = response_logp_at(model, inputs, targets, token_keep[rows, :width], args.temperature)  # [b, width]
                 loss, stats = d3s.policy_loss(logp, old_logp[rows, :width], kept_adv[rows], token_keep[rows, :width],
                                               kind=args.loss, clip_low=args.clip_low, clip_high=args.clip_high,
                                               ref_logp=ref_logp[rows, :width] if ref_logp is not None else None,
@@ -972,8 +1041,8 @@ def train_step(model, optimizer, rollouts, rewards, step, args, dist_, pad_id, k
                 trained_tokens += float(inputs["attention_mask"].sum())
             else:  # this rank has fewer micro-batches: a zero-loss pass keeps FSDP's collectives matched
                 inputs, targets, _ = pack([DUMMY], [0], pad_id, device)
-                logp, _ = response_logp(model, inputs, targets, args.temperature, with_entropy=False)
-                loss = logp.sum() * 0.0
+                loss = response_logp_at(model, inputs, targets, torch.zeros_like(targets, dtype=torch.bool),
+                                        args.temperature).sum() * 0.0
             loss.backward()
             loss_sum += float(loss.detach())
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)  # total norm before clipping

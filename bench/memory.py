@@ -153,9 +153,7 @@ def trainer_args(micro_batch_size, response_len, method, extra=()):
     """train_full's own arguments and defaults, with the compute dtype it uses on a GPU (bf16)."""
     argv = ["--model", "simulated", "--device", "cpu", "--dtype", "bfloat16", "--eval-data", "none",
             "--micro-batch-size", str(micro_batch_size), "--max-response-len", str(response_len)]
-    if method in getattr(train_full, "METHODS", {}):  # the bench takes d3s.METHODS; pass it on where train_full knows it
-        argv += ["--method", method]
-    return train_full.parse_args(argv + list(extra))
+    return train_full.parse_args(argv + ["--method", method] + list(extra))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -323,6 +321,7 @@ def simulate(config, targs, ranks, micro_batch_size, response_len, prompt_len=51
     scores = torch.rand(B, T, generator=torch.Generator().manual_seed(0))
     token_keep = d3s.select_tokens(scores, torch.ones(B, T, dtype=torch.bool), k_frac)
     normalizer = float(token_keep.sum()) * ranks  # the global count of kept tokens (train_full sums over ranks)
+    kept_index = [token_keep[rows].nonzero(as_tuple=True) for rows in chunks]  # per micro-batch, real tensors
 
     mode = FakeTensorMode() if fake else contextlib.nullcontext()
     as_used = (lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t) if fake else (lambda t: t)
@@ -336,10 +335,13 @@ def simulate(config, targs, ranks, micro_batch_size, response_len, prompt_len=51
         batches = [({k: as_used(v) for k, v in inputs.items()}, as_used(targets), as_used(mask))
                    for inputs, targets, mask in packed]
         keep = as_used(token_keep)
+        # pass 2 computes the LM head at the kept tokens only: their positions, counted on the real
+        # mask (a fake tensor cannot count a mask: nonzero has a data-dependent shape)
+        positions = [tuple(as_used(i) for i in index) for index in kept_index]
         tracker = step_mem_tracker(model, optimizer, config.vocab_size)
         with no_hooks_without_grad(), tracker:
             for step in range(steps):
-                _train_step(model, optimizer, targs, batches, chunks, keep, normalizer, tracker, step)
+                _train_step(model, optimizer, targs, batches, chunks, keep, positions, normalizer, tracker, step)
                 tracker.phase = f"step {step + 1} sync"  # the trainer's side of the weight sync to vLLM
                 for _, tensor in train_full.full_named_tensors(model, getattr(torch, targs.dtype)):
                     del tensor  # vLLM copies it into its own weights (not simulated) and lets it go
@@ -350,7 +352,7 @@ def simulate(config, targs, ranks, micro_batch_size, response_len, prompt_len=51
             "phase_peaks": tracker.phase_peaks, "logits_at_peak": tracker.logits_at_peak}
 
 
-def _train_step(model, optimizer, targs, batches, chunks, keep, normalizer, tracker, step):
+def _train_step(model, optimizer, targs, batches, chunks, keep, positions, normalizer, tracker, step):
     """train_full.train_step's passes 1 and 2 and the update, on fixed micro-batches."""
     B, T = keep.shape
     old_logp = torch.zeros(B, T)
@@ -366,10 +368,10 @@ def _train_step(model, optimizer, targs, batches, chunks, keep, normalizer, trac
             del logp, ent
     # pass 2: loss and backward per micro-batch, gradients accumulate
     optimizer.zero_grad(set_to_none=True)
-    for (inputs, targets, _), rows in zip(batches, chunks):
+    for (inputs, targets, _), rows, index in zip(batches, chunks, positions):
         tracker.phase = f"step {step + 1} pass 2"
         tracker.reset_mod_stats()
-        logp, _ = train_full.response_logp(model, inputs, targets, targs.temperature, with_entropy=False)
+        logp = train_full.response_logp_at(model, inputs, targets, index, targs.temperature)
         with zero_reads():
             loss, _ = d3s.policy_loss(logp, old_logp[rows], kept_adv[rows], keep[rows], kind=targs.loss,
                                       clip_low=targs.clip_low, clip_high=targs.clip_high, normalizer=normalizer,

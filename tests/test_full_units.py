@@ -206,3 +206,43 @@ def test_mfu_counts_parameters_without_the_input_embedding():
     untied = type(tied)(untied_config)
     assert train_full.flop_params(untied) == sum(p.numel() for p in untied.parameters()) - embed
     assert dict(train_full.PEAK_TFLOPS)["H100 PCIe"] == 756 and dict(train_full.PEAK_TFLOPS)["H100"] == 989
+
+
+@pytest.mark.parametrize("method", ["grpo", "d3s"])
+def test_the_blockwise_loss_head_equals_the_full_logits_head(method, monkeypatch):
+    """Pass 1 (log-probs, entropy) and pass 2 (loss, gradients) of train_full's loss head, which
+    never holds [n, T, vocab] logits, against the plain full-logits computation, on CPU."""
+    import d3s
+    import tiny
+
+    monkeypatch.setattr(train_full, "HEAD_CHUNK", 7)  # several blocks, a ragged last one
+    tokenizer = tiny.build_char_tokenizer()
+    for tied in (True, False):
+        model = tiny.build_tiny_model(tokenizer, tie_word_embeddings=tied).train()
+        gen = torch.Generator().manual_seed(3)
+        seqs = [{"prompt_ids": torch.randint(3, 60, (int(p),), generator=gen).tolist(),
+                 "response_ids": torch.randint(3, 60, (int(r),), generator=gen).tolist()}
+                for p, r in zip(torch.randint(2, 6, (5,), generator=gen), torch.randint(1, 9, (5,), generator=gen))]
+        inputs, targets, mask = train_full.pack(seqs, list(range(5)), 0, torch.device("cpu"))
+        temperature = 0.7
+        full = model(**inputs).logits[:, :-1].float() / temperature  # [n, T, V], the old head
+        full_logp = full.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        with torch.no_grad():
+            logp, entropy = train_full.response_logp(model, inputs, targets, temperature, with_entropy=True)
+        torch.testing.assert_close(logp[mask], full_logp[mask].detach(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(entropy[mask], d3s.token_entropy(full)[mask], rtol=1e-5, atol=1e-5)
+
+        adv = torch.randn(5, generator=gen)
+        k = 1.0 if method == "grpo" else 0.2
+        keep = d3s.select_tokens(adv.abs().unsqueeze(1) * entropy, mask, k)
+        old = logp + 0.05 * torch.randn(logp.shape, generator=gen)  # off-policy: ratios and clipping act
+        grads = {}
+        for head in ("full", "blocks"):
+            model.zero_grad()
+            new = full_logp if head == "full" else train_full.response_logp_at(model, inputs, targets, keep, temperature)
+            loss, _ = d3s.policy_loss(new, old, adv, keep, kind="grpo", clip_low=0.2, clip_high=0.28)
+            loss.backward(retain_graph=head == "full")
+            grads[head] = (loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()})
+        assert grads["blocks"][0] == pytest.approx(grads["full"][0], abs=1e-6)
+        for name, grad in grads["full"][1].items():
+            torch.testing.assert_close(grads["blocks"][1][name], grad, rtol=1e-4, atol=1e-6)  # fp32 sums in another order
