@@ -187,7 +187,8 @@ def run(method, seed, args):
     opt = torch.optim.Adam(policy.parameters(), lr=args.lr)
     gen = torch.Generator().manual_seed(seed)  # prompt order, rollouts and "random" selection
     P, G, L = args.batch_prompts, args.group_size, args.length
-    log = {k: [] for k in ("step", "reward", "solved", "train_reward", "grad_norm", "n_keep", "k_frac", "k_real", "samples",
+    log = {k: [] for k in ("step", "reward", "solved", "train_reward", "grad_norm", "grad_norm_grpo_scale", "n_keep", "k_frac",
+                           "k_real", "samples",
                            "tokens", "sur", "decision_share", "kept_var", "entropy_mean", "entropy_kept", "kl_ref",
                            "entropy_decision", "entropy_filler")}
     for step in range(args.steps + 1):
@@ -231,6 +232,9 @@ def run(method, seed, args):
             write_explain(args, method, seed, step, task, prompts, tokens, rewards, keep, adv, kept, entropy, token_scores,
                           token_keep, n_keep, k_frac, extra)
         for k, v in (("train_reward", rewards.mean()), ("grad_norm", grad_norm), ("n_keep", n_keep), ("k_frac", k_frac),
+                     # the norm the same gradient has when divided by GRPO's count (all P * G * L tokens) instead of
+                     # the tokens in the loss: what is left of the gradient-norm gain once the normalizer is set aside
+                     ("grad_norm_grpo_scale", grad_norm * token_keep.sum() / (P * G * L)),
                      ("k_real", token_keep.sum() / mask.sum()), ("samples", kept.numel()), ("tokens", token_keep.sum()),
                      ("sur", d3s.usefulness_rate(adv, keep)), ("kept_var", d3s.kept_variance(adv, keep)),
                      ("decision_share", decisions[kept][token_keep].float().mean()),  # of the trained tokens
@@ -279,8 +283,10 @@ def mean_std(values):
 def summarize(logs, args):
     """Markdown table, one row per method, mean ± std over seeds."""
     head = ["method"] + ["steps to reward ≥ %g" % t for t in args.target]
-    head += ["final reward", "prompts solved /%d" % args.prompts, "mean grad norm", "SUR", "rollouts trained", "tokens trained",
-             "K realised / scheduled"]
+    head += ["final reward", "prompts solved /%d" % args.prompts, "mean grad norm", "… at GRPO's normalizer", "SUR",
+             "rollouts trained", "tokens trained"]
+    head += ["final reward − grpo's, same seed (seeds above)"] if "grpo" in logs else []
+    head += ["K realised / scheduled"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for method, runs in logs.items():
         cells = [method]
@@ -289,9 +295,14 @@ def summarize(logs, args):
             reached = [h for h in hits if h is not None]
             cells.append("%.0f ± %.0f (%d/%d)" % (*mean_std(reached), len(reached), len(runs)) if reached else "– (0/%d)" % len(runs))
         for key, reduce, fmt in (("reward", lambda v: v[-1], "%.3f ± %.3f"), ("solved", lambda v: v[-1], "%.1f ± %.1f"),
-                                 ("grad_norm", lambda v: sum(v) / len(v), "%.3f ± %.3f"), ("sur", lambda v: sum(v) / len(v), "%.2f"),
+                                 ("grad_norm", lambda v: sum(v) / len(v), "%.3f ± %.3f"),
+                                 ("grad_norm_grpo_scale", lambda v: sum(v) / len(v), "%.3f ± %.3f"),
+                                 ("sur", lambda v: sum(v) / len(v), "%.2f"),
                                  ("samples", sum, "%.0f"), ("tokens", sum, "%.0f ± %.0f")):
             cells.append(fmt % mean_std([reduce(log[key]) for log in runs])[: fmt.count("%")])
+        if "grpo" in logs:  # paired by seed (same task, init and prompt order): final reward minus GRPO's
+            diffs = [log["reward"][-1] - base["reward"][-1] for log, base in zip(runs, logs["grpo"])]
+            cells.append("%+.3f ± %.3f (%d/%d)" % (*mean_std(diffs), sum(d > 0 for d in diffs), len(diffs)))
         realised = [sum(log["k_real"]) / len(log["k_real"]) for log in runs]
         scheduled = [sum(log["k_frac"]) / len(log["k_frac"]) for log in runs]
         cells.append("%.3f / %.3f" % (sum(realised) / len(runs), sum(scheduled) / len(runs)))
