@@ -135,8 +135,10 @@ def parse_args(argv=None):
       "ppo_mini_batch_size 256 = 4); 1 = on-policy (ratio 1: no clipping, GSPO = GRPO)")
     a("--no-load-balance", dest="load_balance", action="store_false", help="train each kept rollout on the rank that "
       "generated it (default: spread each mini-batch's kept rollouts over the ranks by token count; the update is the same)")
-    a("--micro-batch-size", type=int, default=4, help="[choice] rollouts per forward/backward (memory only: the loss "
-      "normalizer is computed once for the whole optimizer step)")
+    a("--micro-batch-size", type=int, default=16, help="[choice] rollouts per forward/backward on one GPU (memory only: "
+      "the loss normalizer is computed once for the whole optimizer step). 16: bench/memory.py simulates a peak of 46.6 "
+      "GiB per GPU for the 7B on 8 ranks at 3000 response tokens (36.8 GiB for the 1.5B on one GPU), leaving room for "
+      "what it leaves out; lower it first if a GPU runs out of memory")
     a("--kl-ref", action="store_true", help="load the initial --model a second time as a frozen reference and log the KL "
       "(k3) to it on the selected tokens. Costs one more no-grad forward of the kept rollouts per step and, per GPU, "
       "the reference's bf16 shard (2 bytes x parameters / ranks: 1.9 GB for the 7B on 8 GPUs) plus one gathered layer")
