@@ -8,7 +8,7 @@
 Three tables, each a median over repeats (after a warm-up call) of the wall time of one call:
 
 1. Sample level, rewards [P, G] (P prompts x G rollouts), keeping m = keep_frac * G per group:
-   max_variance_subset and select_samples (every method in d3s.METHODS) against the floor of
+   max_variance_subset and select_samples (one method per sample rule of d3s.LADDER) against the floor of
    one torch.sort of the same [P, G] data, and against a straightforward Python reference (the
    PODS algorithm as written in the paper: per group, sort, then try every k in 0..m and
    compute the variance of "k largest + (m-k) smallest" directly). Cross-group "d3s" is one
@@ -174,9 +174,7 @@ def bench_samples(args, device, sync, summary):
         t = tm(lambda: d3s.max_variance_subset(r, m))
         rows.append([size, "max_variance_subset per group", fmt_time(t), fmt_ratio(t, floor)])
         summary["max_variance_subset per group"].append((t / floor, t))
-        for method in d3s.METHODS:
-            if method == "d3s":
-                continue  # cross-group: below, against a sort of P*G values
+        for method in ("grpo", "pods", "d3s-i", "random"):  # one per per-group sample rule of d3s.LADDER (d1s: as d3s-i)
             t = tm(lambda: d3s.select_samples(r, m, method, generator=gen))
             rows.append([size, f"select_samples {method!r}", fmt_time(t), fmt_ratio(t, floor)])
             if method != "grpo":
