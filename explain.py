@@ -98,7 +98,7 @@ def write_step(out_dir, *, step, rung, method, rewards, adv, keep, n_keep, k_fra
     """Write out_dir/step_NNNNNN.html (and .png when png=True); return the html path.
 
     step: the global step as the rung counts it; rung: "toy" | "train_small" | "train_full";
-    method: the method's name (a d3s.LADDER row, or a rung's own name such as d3s-static).
+    method: the method's name (a d3s.LADDER row).
     rewards [P, G]; keep [P, G] bool (from d3s.select_samples); adv [P, G]: the advantage each
     cell shows, i.e. the one the loss uses on kept cells and the full-group one on dropped
     cells: torch.where(keep, adv_from_select_samples, d3s.group_advantages(rewards)). For
@@ -446,12 +446,8 @@ def _check_shown(item, n):
 
 
 def _samples_rule(method):
-    """LADDER's `samples` column for a method name; a rung's variant named "<ladder row>-<suffix>"
-    (train_full's d3s-static) takes its row's. None when unknown."""
-    if method in d3s.LADDER:
-        return d3s.LADDER[method][0]
-    rows = [m for m in d3s.LADDER if str(method).startswith(m + "-")]
-    return d3s.LADDER[max(rows, key=len)][0] if rows else None
+    """LADDER's `samples` column for a method name; None when unknown."""
+    return d3s.LADDER[method][0] if method in d3s.LADDER else None
 
 
 def _row_order(adv_row, keep_row):

@@ -217,9 +217,9 @@ def test_toy_rejects_a_negative_explain_every():
         bandit.parse_args(["--explain-every", "-1"])
 
 
-def test_a_rung_variant_is_described_by_its_ladder_row(tmp_path):
-    keep, adv = d3s.select_samples(REWARDS, 2, "d3s")  # train_full's d3s-static selects as d3s
-    path = explain.write_step(tmp_path, step=1, rung="train_full", method="d3s-static", rewards=REWARDS, adv=adv,
+def test_a_page_describes_the_methods_ladder_row(tmp_path):
+    keep, adv = d3s.select_samples(REWARDS, 2, "d2s")  # d2s selects rollouts as d3s does (cross-group)
+    path = explain.write_step(tmp_path, step=1, rung="train_full", method="d2s", rewards=REWARDS, adv=adv,
                               keep=keep, n_keep=2, k_frac=0.1, k_real=0.1, shown=[], png=False)
     text = " ".join(Page(open(path, encoding="utf-8").read()).text)
-    assert "cross-group" in text and "d3s-static" in text and "train_full" in text
+    assert "cross-group" in text and "d2s" in text and "train_full" in text
