@@ -19,14 +19,19 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 SHARED_DATA = ROOT.parent / "shared" / "data"
 
 
-def test_two_ranks_with_hf_rollouts_train_export_and_evaluate(tmp_path):
+def tiny_model_data_and_port(tmp_path):
+    """A tiny model folder, 8 training rows and a free port for torchrun."""
     tokenizer = tiny.build_char_tokenizer()
     model_dir = tiny.save_tiny(tiny.build_tiny_model(tokenizer), tokenizer, str(tmp_path / "tiny"))
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"problem": f"{i}+{i}", "answer": str(2 * i)}) + "\n" for i in range(8)))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return model_dir, data, s.getsockname()[1]
+
+
+def test_two_ranks_with_hf_rollouts_train_export_and_evaluate(tmp_path):
+    model_dir, data, port = tiny_model_data_and_port(tmp_path)
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
            str(ROOT / "train_full.py"), "--rollout", "hf", "--model", model_dir, "--train-data", str(data),
@@ -58,13 +63,7 @@ def test_two_ranks_with_hf_rollouts_train_export_and_evaluate(tmp_path):
 
 
 def test_a_failing_rank_ends_the_whole_job_within_a_minute(tmp_path):
-    tokenizer = tiny.build_char_tokenizer()
-    model_dir = tiny.save_tiny(tiny.build_tiny_model(tokenizer), tokenizer, str(tmp_path / "tiny"))
-    data = tmp_path / "train.jsonl"
-    data.write_text("".join(json.dumps({"problem": f"{i}+{i}", "answer": str(2 * i)}) + "\n" for i in range(8)))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    model_dir, data, port = tiny_model_data_and_port(tmp_path)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
            str(ROOT / "tests" / "full_fail_worker.py"), "--rollout", "hf", "--model", model_dir, "--train-data", str(data),
            "--eval-data", "none", "--out", str(tmp_path / "run"), "--template", "plain", "--device", DEVICE, "--steps", "2",
