@@ -43,7 +43,7 @@ def test_every_method_starts_from_the_same_policy(short_runs):
 def test_methods_train_on_the_rollouts_and_tokens_they_claim(short_runs):
     args = bandit.parse_args(SHORT)
     P, G, L = args.batch_prompts, args.group_size, args.length
-    grpo, d3s_run, pods = short_runs["grpo"][0], short_runs["d3s"][0], short_runs["pods"][0]
+    grpo, d3s_run = short_runs["grpo"][0], short_runs["d3s"][0]
     assert grpo["samples"] == [P * G] * args.steps and grpo["tokens"] == [P * G * L] * args.steps
     for static in ("pods", "d1s", "d1s-cross", "d2s"):  # the static rows: N fixed at the schedule's midpoint
         assert short_runs[static][0]["samples"] == [P * args.static_n] * args.steps, static
