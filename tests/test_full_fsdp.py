@@ -141,8 +141,13 @@ def test_fsdp_two_ranks_step_equals_single_process_step(fsdp_result, tiny_model_
     lr = CONFIGS[name][3]
     for param in ref["params"]:
         torch.testing.assert_close(got["grads"][param], ref["grads"][param], rtol=1e-4, atol=1e-8, msg=param)
-        # Adam moves every weight by about lr, whatever the gradient's size: compare relative to lr
-        torch.testing.assert_close(got["params"][param], ref["params"][param], rtol=0, atol=0.02 * lr, msg=param)
+        # Adam moves every weight by about lr, whatever the gradient's size: compare relative to lr. Its step
+        # lr * g / (|g| + eps) is ill-conditioned where |g| is near eps (1e-8): there a rounding-level difference
+        # of g (3.2e-9 against 3.7e-9 seen on CPU) moves the weight by 0.02 lr, so those weights are left to the
+        # gradient check above
+        sure = ref["grads"][param].abs() > 1e-7
+        torch.testing.assert_close(got["params"][param][sure], ref["params"][param][sure], rtol=0, atol=0.02 * lr,
+                                   msg=param)
     base = dict(__import__("transformers").AutoModelForCausalLM.from_pretrained(tiny_model_dir).named_parameters())
     moved = max(float((got["params"][n] - base[n].detach()).abs().max()) for n in base)
     assert moved > 5e-5  # the step did change the weights (lr >= 1e-4)
