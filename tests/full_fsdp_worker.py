@@ -41,7 +41,7 @@ def make_rollouts(vocab_size, seed=0):
 # name -> (method, loss, mini-batches, lr): on-policy GRPO, and M = 2 (the second optimizer step off-policy;
 # GSPO with a larger lr, so that the policy moves past its 3e-4/4e-4 clip range in one step)
 CONFIGS = {"grpo": ("grpo", "grpo", 1, 1e-4), "grpo-m2": ("grpo", "grpo", 2, 1e-4), "d3s-m2": ("d3s", "grpo", 2, 1e-4),
-           "d3s-m2-unbalanced": ("d3s", "grpo", 2, 1e-4), "gspo-d3s-i-m2": ("d3s-i", "gspo", 2, 3e-2)}
+           "d3s-m2-unbalanced": ("d3s", "grpo", 2, 1e-4), "gspo-d3s-i-m2": ("d3s-i", "gspo", 2, 1e-1)}
 
 
 def trainer_args(model_dir, method, loss="grpo", mini_batches=1, lr=1e-4):
@@ -49,7 +49,8 @@ def trainer_args(model_dir, method, loss="grpo", mini_batches=1, lr=1e-4):
                                   "--steps", str(STEPS), "--group-size", str(G), "--n-init", "2", "--n-final", "4",
                                   "--k-init", "0.3", "--k-final", "0.5", "--micro-batch-size", "3", "--lr", str(lr),
                                   "--max-grad-norm", "0.05", "--prompts-per-step", str(P),
-                                  "--mini-batches", str(mini_batches)])
+                                  "--mini-batches", str(mini_batches),
+                                  "--mlp-chunk-tokens", "6"])  # 3 rows: the tiled MLP runs 2 positions at a time
 
 
 def check_global_token_selection(dist_):

@@ -34,10 +34,13 @@ def free_port():
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory):
+@pytest.fixture(scope="module", params=["tied", "untied"])
+def tiny_model_dir(request, tmp_path_factory):
+    """Both LM-head layouts: tied (Qwen2.5-Math-1.5B; the embedding lives in the FSDP root) and
+    untied (the 7B; the embedding is an FSDP unit of its own, freed after forward)."""
     tokenizer = tiny.build_char_tokenizer()
-    return tiny.save_tiny(tiny.build_tiny_model(tokenizer), tokenizer, str(tmp_path_factory.mktemp("tiny")))
+    model = tiny.build_tiny_model(tokenizer, tie_word_embeddings=request.param == "tied")
+    return tiny.save_tiny(model, tokenizer, str(tmp_path_factory.mktemp(request.param)))
 
 
 @pytest.fixture(scope="module")

@@ -246,3 +246,33 @@ def test_the_blockwise_loss_head_equals_the_full_logits_head(method, monkeypatch
         assert grads["blocks"][0] == pytest.approx(grads["full"][0], abs=1e-6)
         for name, grad in grads["full"][1].items():
             torch.testing.assert_close(grads["blocks"][1][name], grad, rtol=1e-4, atol=1e-6)  # fp32 sums in another order
+
+
+def test_the_tiled_mlp_gives_the_whole_mlps_outputs_and_gradients():
+    """train_full.chunk_mlps (MLP over slices of the sequence, each recomputed in backward),
+    under activation checkpointing as in training, against the untouched model: same logits
+    with and without grad, same gradients."""
+    import copy
+
+    import tiny
+
+    tokenizer = tiny.build_char_tokenizer()
+    whole = tiny.build_tiny_model(tokenizer).train()
+    whole.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    tiled = copy.deepcopy(whole)
+    train_full.chunk_mlps(tiled, chunk_tokens=6)  # 3 rows: slices of 2 positions, a ragged last one
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 60, (3, 11), generator=gen)
+    weights = torch.randn(3, 11, whole.config.vocab_size, generator=gen)
+    outputs = {}
+    for name, model in (("whole", whole), ("tiled", tiled)):
+        with torch.no_grad():
+            no_grad = model(input_ids=ids).logits
+        logits = model(input_ids=ids).logits
+        (logits * weights).sum().backward()
+        outputs[name] = (no_grad, logits.detach(), {n: p.grad for n, p in model.named_parameters()})
+    torch.testing.assert_close(outputs["tiled"][0], outputs["whole"][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outputs["tiled"][1], outputs["whole"][1], rtol=1e-5, atol=1e-5)
+    for name, grad in outputs["whole"][2].items():
+        torch.testing.assert_close(outputs["tiled"][2][name], grad, rtol=1e-4, atol=1e-4)  # fp32 sums in another order
+    assert all(layer.mlp.forward.func.__name__ == "tiled" for layer in tiled.model.layers)
