@@ -6,8 +6,8 @@
     python bench/memory.py --preset 7b -- --no-activation-checkpointing   # after "--": train_full.py flags
 
 It runs train_full.py's own code for the trainer's part of a step: the model built from the
-config in fp32, train_full.shard_policy (FSDP2 per decoder layer and the root, bf16 compute,
-fp32 reductions, activation checkpointing), train_full.make_optimizer (AdamW), train_full.pack,
+config in fp32, train_full.shard_policy (FSDP2 per decoder layer, the untied embedding and the
+root, bf16 compute, fp32 reductions, activation checkpointing, tiled MLP), train_full.make_optimizer (AdamW), train_full.pack,
 train_full.response_logp (log-probs, and d3s.token_entropy in pass 1), d3s.select_tokens,
 d3s.policy_loss, backward, gradient clipping and the optimizer step. As train_full.train_step:
 

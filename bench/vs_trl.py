@@ -299,7 +299,7 @@ def render(args, summary, warm, versions, started, total_s):
     ref_arm = next((a for a in args.arms if a in PLAIN_TRL_ARMS), next((a for a in args.arms if a in TRL_ARMS), None))
     ref = summary.get(ref_arm)
     lines = [
-        f"| arm | gen s/step | reward s/step | update s/step | total s/step | total vs TRL | update vs TRL | "
+        "| arm | gen s/step | reward s/step | update s/step | total s/step | total vs TRL | update vs TRL | "
         "response tokens/step (gen / fwd / loss) | peak RSS MB (process) | peak RSS MB (tree) | "
         "held-out greedy Pass@1 (before -> after) |",
         "|---|---|---|---|---|---|---|---|---|---|---|"]

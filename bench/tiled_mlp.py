@@ -1,0 +1,85 @@
+"""bench/tiled_mlp.py: what train_full's tiled MLP (--mlp-chunk-tokens) costs in time, on a CPU.
+
+    python bench/tiled_mlp.py                                  # 7B-shaped layer ratios, scaled down
+    python bench/tiled_mlp.py --rows 4 --seq-len 2048 --chunk-tokens 2048 --repeats 3
+
+train_full.chunk_mlps runs each decoder MLP over slices of the sequence and checkpoints each
+slice, so under activation checkpointing the MLP's forward runs three times per training
+micro-batch instead of two (forward; the layer's recompute in backward; the slice's recompute
+just before its backward). Memory is bench/memory.py's job (the 7B at [4, 3000]: 24.95 ->
+23.20 GiB per GPU); this script times a forward + backward of a Qwen2 model with Qwen2.5-Math-7B's
+proportions (intermediate = 5.29 x hidden, 7 query heads per KV head), whole MLP against tiled,
+and prints the FLOP arithmetic for the 7B itself. Prints a markdown table.
+"""
+
+import argparse
+import copy
+import os
+import platform
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import train_full  # noqa: E402
+
+
+def seven_b_extra_flops(seq_len=3512):
+    """Extra FLOPs of pass 2 (forward, recompute, backward = 4 forwards) from one more MLP forward, 7B shapes."""
+    H, I, kv, layers = 3584, 18944, 512, 28
+    mlp = 2 * 3 * H * I  # per token: gate, up, down
+    attn = 2 * (2 * H * H + 2 * H * kv) + 2 * 2 * seq_len * H  # q, o, k, v projections + scores and values (full L)
+    return mlp / (4 * (mlp + attn)), layers
+
+
+def time_pass2(model, ids, repeats):
+    """Median seconds of forward + backward (a sum of the logits as the loss) over `repeats` runs, after a warm-up."""
+    runs = []
+    for i in range(repeats + 1):
+        model.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        model(input_ids=ids, logits_to_keep=1).logits.sum().backward()
+        if i:
+            runs.append(time.perf_counter() - t0)
+    return sorted(runs)[len(runs) // 2]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--hidden", type=int, default=448, help="hidden size (7B: 3584); intermediate = 5.29 x hidden")
+    p.add_argument("--layers", type=int, default=4, help="decoder layers")
+    p.add_argument("--rows", type=int, default=4, help="rollouts in the micro-batch")
+    p.add_argument("--seq-len", type=int, default=1024, help="tokens per rollout")
+    p.add_argument("--chunk-tokens", type=int, default=1024, help="--mlp-chunk-tokens of the tiled arm (rows x seq-len / "
+                   "chunk-tokens slices; 4 as the 7B's default at [4, 3512])")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per arm (the median is reported)")
+    args = p.parse_args(argv)
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    heads = max(7, args.hidden // 64 // 7 * 7)
+    config = Qwen2Config(vocab_size=512, hidden_size=args.hidden, intermediate_size=round(args.hidden * 18944 / 3584),
+                         num_hidden_layers=args.layers, num_attention_heads=heads, num_key_value_heads=heads // 7,
+                         tie_word_embeddings=False)
+    whole = Qwen2ForCausalLM(config).train()
+    whole.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # as train_full
+    tiled = copy.deepcopy(whole)
+    train_full.chunk_mlps(tiled, args.chunk_tokens)
+    ids = torch.randint(0, config.vocab_size, (args.rows, args.seq_len), generator=torch.Generator().manual_seed(0))
+    t_whole, t_tiled = time_pass2(whole, ids, args.repeats), time_pass2(tiled, ids, args.repeats)
+    share, _ = seven_b_extra_flops()
+    slices = -(-args.seq_len // max(1, args.chunk_tokens // args.rows))
+    print(f"# bench/tiled_mlp.py: hidden {args.hidden}, intermediate {config.intermediate_size}, {args.layers} layers, "
+          f"[{args.rows}, {args.seq_len}] tokens, activation checkpointing on; {platform.machine()}, {os.cpu_count()} CPUs, "
+          f"torch {torch.__version__}, {torch.get_num_threads()} threads; median of {args.repeats}\n")
+    print("| MLP | forward + backward s | vs whole |")
+    print("|---|---|---|")
+    print(f"| whole (--mlp-chunk-tokens 0) | {t_whole:.3f} | 1.00 |")
+    print(f"| tiled, {slices} slices (--mlp-chunk-tokens {args.chunk_tokens}) | {t_tiled:.3f} | {t_tiled / t_whole:.2f} |")
+    print(f"\nArithmetic for Qwen2.5-Math-7B at 3512 tokens: one more MLP forward adds {share:.0%} to pass 2's FLOPs "
+          "(forward + recompute + backward = 4 forwards; the MLP is most of a layer's FLOPs).")
+
+
+if __name__ == "__main__":
+    main()
