@@ -137,8 +137,8 @@ def parse_args(argv=None):
     a("--no-load-balance", dest="load_balance", action="store_false", help="train each kept rollout on the rank that "
       "generated it (default: spread each mini-batch's kept rollouts over the ranks by token count; the update is the same)")
     a("--micro-batch-size", type=int, default=16, help="[choice] rollouts per forward/backward on one GPU (memory only: "
-      "the loss normalizer is computed once for the whole optimizer step). 16: bench/memory.py simulates a peak of 46.6 "
-      "GiB per GPU for the 7B on 8 ranks at 3000 response tokens (36.8 GiB for the 1.5B on one GPU), leaving room for "
+      "the loss normalizer is computed once for the whole optimizer step). 16: bench/memory.py simulates a peak of 36.9 "
+      "GiB per GPU for the 7B on 8 ranks at 3000 response tokens (32.5 GiB for the 1.5B on one GPU), leaving room for "
       "what it leaves out; lower it first if a GPU runs out of memory")
     a("--kl-ref", action="store_true", help="load the initial --model a second time as a frozen reference and log the KL "
       "(k3) to it on the selected tokens. Costs one more no-grad forward of the kept rollouts per step and, per GPU, "
@@ -226,6 +226,8 @@ def parse_args(argv=None):
                         f"so raise --group-size or lower {flag}")
     if args.mini_batches < 1:
         p.error(f"--mini-batches={args.mini_batches}: must be >= 1 (1 = on-policy)")
+    if args.mlp_chunk_tokens < 0:
+        p.error(f"--mlp-chunk-tokens={args.mlp_chunk_tokens}: must be >= 0 (0 = the whole micro-batch at once)")
     if args.kl_coef < 0 or (args.kl_coef > 0 and not args.kl_ref):
         p.error(f"--kl-coef={args.kl_coef}: must be >= 0, and a KL penalty needs the reference: add --kl-ref")
     return args
@@ -442,7 +444,7 @@ def sample_seeds(args, step, indices, n):
 
 
 # ---------------------------------------------------------------------------------------------
-# 3. Policy: HF model -> FSDP2 (fully_shard per decoder layer, then the root)
+# 3. Policy: HF model -> FSDP2 (fully_shard per decoder layer and the untied embedding, then the root)
 # ---------------------------------------------------------------------------------------------
 def load_tokenizer(path):
     from transformers import AutoTokenizer
@@ -494,7 +496,8 @@ def load_policy(args, dist_, reference=False):
 
 
 def shard_policy(model, args, mesh=None):
-    """FSDP2 in place: activation checkpointing, fully_shard per decoder layer, then the root.
+    """FSDP2 in place: activation checkpointing, tiled MLPs, fully_shard per decoder layer and the
+    untied embedding, then the root.
 
     fp32 master weights, compute in args.dtype, fp32 gradient reduction; gradients are SUMMED
     over ranks (the loss already divides by the global token count). bench/memory.py calls

@@ -45,7 +45,7 @@ def test_ladder_methods_mini_batches_and_gspo_aggregation_defaults():
     assert args.mini_batches == 4 and args.loss_agg == "token-mean" and not args.kl_ref and args.kl_coef == 0.0
     assert train_full.parse_args(["--loss", "gspo"]).loss_agg == "seq-mean-token-mean"
     assert train_full.budget(0, args, 32) == (8, 0.05) and train_full.budget(0, train_full.parse_args(["--method", "d2s"]), 32) == (20, 0.125)
-    for bad in (["--mini-batches", "0"], ["--kl-coef", "0.1"], ["--static-n", "40"]):
+    for bad in (["--mini-batches", "0"], ["--kl-coef", "0.1"], ["--static-n", "40"], ["--mlp-chunk-tokens", "-1"]):
         with pytest.raises(SystemExit):
             train_full.parse_args(bad)
 
