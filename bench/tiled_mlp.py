@@ -23,14 +23,18 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import train_full  # noqa: E402
+from memory import PRESETS  # noqa: E402  (bench/memory.py, beside this file: the Qwen2.5-Math shapes)
+
+SEVEN_B = PRESETS["7b"]
 
 
 def seven_b_extra_flops(seq_len=3512):
-    """Extra FLOPs of pass 2 (forward, recompute, backward = 4 forwards) from one more MLP forward, 7B shapes."""
-    H, I, kv, layers = 3584, 18944, 512, 28
+    """Share of pass 2's FLOPs (forward, recompute, backward = 4 forwards) that one more MLP forward adds, 7B."""
+    H, I = SEVEN_B["hidden_size"], SEVEN_B["intermediate_size"]
+    kv = SEVEN_B["num_key_value_heads"] * H // SEVEN_B["num_attention_heads"]  # K/V width: 4 heads x 128
     mlp = 2 * 3 * H * I  # per token: gate, up, down
     attn = 2 * (2 * H * H + 2 * H * kv) + 2 * 2 * seq_len * H  # q, o, k, v projections + scores and values (full L)
-    return mlp / (4 * (mlp + attn)), layers
+    return mlp / (4 * (mlp + attn))
 
 
 def time_pass2(model, ids, repeats):
@@ -59,7 +63,8 @@ def main(argv=None):
 
     torch.manual_seed(0)
     heads = max(7, args.hidden // 64 // 7 * 7)
-    config = Qwen2Config(vocab_size=512, hidden_size=args.hidden, intermediate_size=round(args.hidden * 18944 / 3584),
+    ratio = SEVEN_B["intermediate_size"] / SEVEN_B["hidden_size"]  # 5.29
+    config = Qwen2Config(vocab_size=512, hidden_size=args.hidden, intermediate_size=round(args.hidden * ratio),
                          num_hidden_layers=args.layers, num_attention_heads=heads, num_key_value_heads=heads // 7,
                          tie_word_embeddings=False)
     whole = Qwen2ForCausalLM(config).train()
@@ -68,7 +73,7 @@ def main(argv=None):
     train_full.chunk_mlps(tiled, args.chunk_tokens)
     ids = torch.randint(0, config.vocab_size, (args.rows, args.seq_len), generator=torch.Generator().manual_seed(0))
     t_whole, t_tiled = time_pass2(whole, ids, args.repeats), time_pass2(tiled, ids, args.repeats)
-    share, _ = seven_b_extra_flops()
+    share = seven_b_extra_flops()
     slices = -(-args.seq_len // max(1, args.chunk_tokens // args.rows))
     print(f"# bench/tiled_mlp.py: hidden {args.hidden}, intermediate {config.intermediate_size}, {args.layers} layers, "
           f"[{args.rows}, {args.seq_len}] tokens, activation checkpointing on; {platform.machine()}, {os.cpu_count()} CPUs, "
