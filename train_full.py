@@ -523,8 +523,10 @@ def shard_policy(model, args, mesh=None):
             module.set_gradient_divide_factor(1.0)  # SUM over ranks: the loss already divides by the global count
             module.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
             # a rank whose micro-batch has no selected token gives an untied lm_head no gradient: reduce-scatter
-            # zeros for it, so that every rank runs the same collectives
-            module.set_reduce_scatter_unused_params(True)
+            # zeros for it, so that every rank runs the same collectives (torch >= 2.13, requirements.txt's pin;
+            # older torch lacks the switch, and only an untied model on several ranks needs it)
+            if hasattr(module, "set_reduce_scatter_unused_params"):
+                module.set_reduce_scatter_unused_params(True)
     return model
 
 

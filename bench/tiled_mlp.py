@@ -1,7 +1,8 @@
-"""bench/tiled_mlp.py: what train_full's tiled MLP (--mlp-chunk-tokens) costs in time, on a CPU.
+"""bench/tiled_mlp.py: what train_full's tiled MLP (--mlp-chunk-tokens) costs in time, on a CPU or a GPU.
 
     python bench/tiled_mlp.py                                  # 7B-shaped layer ratios, scaled down
     python bench/tiled_mlp.py --rows 4 --seq-len 2048 --chunk-tokens 2048 --repeats 3
+    python bench/tiled_mlp.py --device cuda --dtype bfloat16 --hidden 3584 --seq-len 3512 --chunk-tokens 4096   # the 7B's layers
 
 train_full.chunk_mlps runs each decoder MLP over slices of the sequence and checkpoints each
 slice, so under activation checkpointing the MLP's forward runs three times per training
@@ -38,15 +39,29 @@ def seven_b_extra_flops(seq_len=3512):
 
 
 def time_pass2(model, ids, repeats):
-    """Median seconds of forward + backward (a sum of the logits as the loss) over `repeats` runs, after a warm-up."""
-    runs = []
+    """Median seconds of forward + backward (a sum of the logits as the loss) over `repeats` runs, after a warm-up,
+    and the peak memory of the device (bytes; CUDA only, else None)."""
+    runs, cuda = [], ids.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     for i in range(repeats + 1):
         model.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
-        model(input_ids=ids, logits_to_keep=1).logits.sum().backward()
+        model(input_ids=ids, logits_to_keep=1).logits.float().sum().backward()
+        if cuda:
+            torch.cuda.synchronize()
         if i:
             runs.append(time.perf_counter() - t0)
-    return sorted(runs)[len(runs) // 2]
+    model.zero_grad(set_to_none=True)  # the other arm's peak must not hold these gradients
+    return sorted(runs)[len(runs) // 2], (torch.cuda.max_memory_allocated() if cuda else None)
+
+
+def device_name(device):
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return f"{platform.machine()}, {os.cpu_count()} CPUs, {torch.get_num_threads()} threads"
 
 
 def main(argv=None):
@@ -58,7 +73,13 @@ def main(argv=None):
     p.add_argument("--chunk-tokens", type=int, default=1024, help="--mlp-chunk-tokens of the tiled arm (rows x seq-len / "
                    "chunk-tokens slices; 4 as the 7B's default at [4, 3512])")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per arm (the median is reported)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (on a GPU: --hidden 3584 --seq-len 3512 --chunk-tokens 4096 "
+                   "times the 7B's own layers)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="parameter and compute dtype "
+                   "(train_full computes in bfloat16 on a GPU)")
     args = p.parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        p.error(f"--device {args.device}: torch sees no CUDA device; use --device cpu")
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
@@ -67,21 +88,24 @@ def main(argv=None):
     config = Qwen2Config(vocab_size=512, hidden_size=args.hidden, intermediate_size=round(args.hidden * ratio),
                          num_hidden_layers=args.layers, num_attention_heads=heads, num_key_value_heads=heads // 7,
                          tie_word_embeddings=False)
-    whole = Qwen2ForCausalLM(config).train()
+    whole = Qwen2ForCausalLM(config).to(device=args.device, dtype=getattr(torch, args.dtype)).train()
     whole.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # as train_full
     tiled = copy.deepcopy(whole)
     train_full.chunk_mlps(tiled, args.chunk_tokens)
     ids = torch.randint(0, config.vocab_size, (args.rows, args.seq_len), generator=torch.Generator().manual_seed(0))
-    t_whole, t_tiled = time_pass2(whole, ids, args.repeats), time_pass2(tiled, ids, args.repeats)
+    ids = ids.to(args.device)
+    (t_whole, m_whole), (t_tiled, m_tiled) = time_pass2(whole, ids, args.repeats), time_pass2(tiled, ids, args.repeats)
     share = seven_b_extra_flops()
     slices = -(-args.seq_len // max(1, args.chunk_tokens // args.rows))
     print(f"# bench/tiled_mlp.py: hidden {args.hidden}, intermediate {config.intermediate_size}, {args.layers} layers, "
-          f"[{args.rows}, {args.seq_len}] tokens, activation checkpointing on; {platform.machine()}, {os.cpu_count()} CPUs, "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads; median of {args.repeats}\n")
-    print("| MLP | forward + backward s | vs whole |")
-    print("|---|---|---|")
-    print(f"| whole (--mlp-chunk-tokens 0) | {t_whole:.3f} | 1.00 |")
-    print(f"| tiled, {slices} slices (--mlp-chunk-tokens {args.chunk_tokens}) | {t_tiled:.3f} | {t_tiled / t_whole:.2f} |")
+          f"[{args.rows}, {args.seq_len}] tokens, activation checkpointing on, {args.dtype}; "
+          f"{device_name(args.device)}, torch {torch.__version__}; median of {args.repeats}\n")
+    mem = lambda m: f" {m / 2**30:.2f} |" if m is not None else ""  # noqa: E731
+    print("| MLP | forward + backward s | vs whole |" + (" peak GiB |" if m_whole is not None else ""))
+    print("|---|---|---|" + ("---|" if m_whole is not None else ""))
+    print(f"| whole (--mlp-chunk-tokens 0) | {t_whole:.3f} | 1.00 |" + mem(m_whole))
+    print(f"| tiled, {slices} slices (--mlp-chunk-tokens {args.chunk_tokens}) | {t_tiled:.3f} | {t_tiled / t_whole:.2f} |"
+          + mem(m_tiled))
     print(f"\nArithmetic for Qwen2.5-Math-7B at 3512 tokens: one more MLP forward adds {share:.0%} to pass 2's FLOPs "
           "(forward + recompute + backward = 4 forwards; the MLP is most of a layer's FLOPs).")
 

@@ -50,6 +50,7 @@ def trainer_args(model_dir, method, loss="grpo", mini_batches=1, lr=1e-4):
                                   "--k-init", "0.3", "--k-final", "0.5", "--micro-batch-size", "3", "--lr", str(lr),
                                   "--max-grad-norm", "0.05", "--prompts-per-step", str(P),
                                   "--mini-batches", str(mini_batches),
+                                  "--dtype", "float32",  # the reference is fp32 (on CUDA auto would compute in bf16)
                                   "--mlp-chunk-tokens", "6"])  # 3 rows: the tiled MLP runs 2 positions at a time
 
 
