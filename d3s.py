@@ -41,10 +41,14 @@ __all__ = [
     "kept_variance",
     "usefulness_rate",
     "token_entropy",
+    "TOKEN_RULES",
+    "token_scores",
     "select_tokens",
     "dynamic_schedule",
-    "policy_loss",
+    "CLIP_DEFAULTS",
+    "DEFAULT_AGG",
     "kl_k3",
+    "policy_loss",
 ]
 
 # ---------------------------------------------------------------------------------------------
@@ -303,6 +307,47 @@ def token_entropy(logits, chunk_size=None):
     return out.reshape(logits.shape[:-1])
 
 
+TOKEN_RULES = ("adv-entropy", "entropy", "adv", "random")
+
+
+def token_scores(adv, entropy, rule="adv-entropy", generator=None):
+    """The score select_tokens ranks by. D3S: s_{i,t} = |A_{i,t}| * H_{i,t}.
+
+    adv: [B] (one outcome advantage per response) or [B, T];  entropy: [B, T].  Returns [B, T] fp32.
+    rule (choice; the paper's is "adv-entropy", the others are one flag away for comparison):
+      "adv-entropy"  |A| * H                       the paper's rule
+      "entropy"      H                             the high-entropy "minority tokens" rule of
+                                                   Wang et al. 2025 (80/20): with select_tokens,
+                                                   the top ceil(K * N) tokens by H, token-mean
+                                                   over them (TRL's top_entropy_quantile instead
+                                                   divides by all tokens)
+      "adv"          |A|, ties broken at random    with outcome rewards A is constant inside a
+                                                   response, so this picks responses, not tokens
+      "random"       uniform noise                 a control
+    Non-finite entries (a NaN forward) score 0: that step's loss is NaN too and is skipped.
+
+    >>> token_scores(torch.tensor([2., -1.]), torch.tensor([[0.5, 1.], [3., 0.]]))
+    tensor([[1., 2.],
+            [3., 0.]])
+    """
+    _require(rule in TOKEN_RULES, "rule", rule, f"choose one of {', '.join(TOKEN_RULES)}")
+    _require(isinstance(entropy, torch.Tensor) and entropy.dim() == 2, "entropy.shape",
+             tuple(getattr(entropy, "shape", ())), "expected [B, T]")
+    abs_adv = adv.abs().float()
+    abs_adv = abs_adv.unsqueeze(-1) if abs_adv.dim() == 1 else abs_adv  # [B, 1] or [B, T]
+    if rule == "adv-entropy":
+        scores = abs_adv * entropy.float()
+    elif rule == "entropy":
+        scores = entropy.float().clone()
+    else:
+        noise = torch.rand(entropy.shape, generator=generator).to(entropy.device)  # CPU generator, any device
+        if rule == "random":
+            scores = noise
+        else:  # |A| first; among equal |A| a random order (1e-6 of the largest |A| never reorders distinct A's here)
+            scores = abs_adv.expand(entropy.shape) + noise * 1e-6 * abs_adv.max().clamp(min=1e-30)
+    return scores.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+
+
 def select_tokens(scores, mask, k_frac, scope="batch", min_per_seq=0):
     """Keep the top `k_frac` of valid tokens by score (D3S: score = |A_{i,t}| * H_{i,t}).
 
@@ -420,7 +465,9 @@ def method_budget(method, step, total_steps, group_size, n_init=8, n_final=32, k
 # ---------------------------------------------------------------------------------------------
 # 5. Policy losses: GRPO (token ratios) and GSPO (sequence ratio), clipped surrogate, k3 KL
 # ---------------------------------------------------------------------------------------------
-CLIP_DEFAULTS = {"grpo": (0.2, 0.2), "gspo": (3e-4, 4e-4)}  # (eps_low, eps_high)
+# (eps_low, eps_high). GRPO: 0.2 / 0.28, DAPO's clip-higher, the Qwen2.5-Math zero-RL recipe [recipe]
+# (the paper states none); GSPO: 3e-4 / 4e-4, the GSPO paper's. Every rung takes its defaults from here.
+CLIP_DEFAULTS = {"grpo": (0.2, 0.28), "gspo": (3e-4, 4e-4)}
 DEFAULT_AGG = {"grpo": "token-mean", "gspo": "seq-mean-token-mean"}  # GSPO weighs each response the same
 
 
@@ -439,7 +486,7 @@ def policy_loss(logp, old_logp, adv, mask, kind="grpo", clip_low=None, clip_high
                 ref_logp=None, beta=0.0, normalizer=None, agg=None):
     """Clipped surrogate over the selected tokens, per token:
         l_{i,t} = -min(w * A_i, clip(w, 1 - eps_low, 1 + eps_high) * A_i) + beta * KL_{i,t}
-    GRPO: w_{i,t} = exp(logp_{i,t} - old_{i,t})                    (default eps 0.2 / 0.2)
+    GRPO: w_{i,t} = exp(logp_{i,t} - old_{i,t})                    (default eps 0.2 / 0.28)
     GSPO: w_i = exp(mean_t (logp_{i,t} - old_{i,t})) over the selected tokens, implemented as
           log w_{i,t} = logp - sg(logp) + sg(mean_t(logp - old)) so the gradient flows per
           token (the paper's GSPO-token form). Under token selection the mean runs over the

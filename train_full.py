@@ -203,7 +203,7 @@ def parse_args(argv=None):
         args.grader_workers = default_grader_workers(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     if args.grader_workers < 1:
         p.error(f"--grader-workers {args.grader_workers}: must be >= 1 (grader processes per rank)")
-    defaults = {"grpo": (0.2, 0.28), "gspo": d3s.CLIP_DEFAULTS["gspo"]}[args.loss]  # 0.28: DAPO's clip-higher
+    defaults = d3s.CLIP_DEFAULTS[args.loss]  # grpo 0.2 / 0.28 (DAPO's clip-higher), gspo 3e-4 / 4e-4
     args.loss_agg = args.loss_agg or d3s.DEFAULT_AGG[args.loss]
     args.clip_low = defaults[0] if args.clip_low is None else args.clip_low
     args.clip_high = defaults[1] if args.clip_high is None else args.clip_high
@@ -1037,10 +1037,9 @@ def train_step(model, optimizer, rollouts, rewards, step, args, dist_, pad_id, k
                     ref_logp[rows, :width] = ref
 
     # 5) token selection: top K of |A| * H over the tokens of all ranks
-    token_scores = kept_adv.abs().unsqueeze(1) * entropy  # |A_{i,t}| * H_{i,t}, [B, T]
-    # a non-finite forward (NaN entropy) would make select_tokens raise: rank it last instead; the
-    # loss is then non-finite as well and the step is skipped on every rank below
-    token_scores = token_scores.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+    # a non-finite forward (NaN entropy) scores 0 (ranked last): the loss is then non-finite as well and the
+    # step is skipped on every rank below
+    token_scores = d3s.token_scores(kept_adv, entropy)  # |A_{i,t}| * H_{i,t}, [B, T]
     token_keep = select_tokens_global(token_scores, mask, mine, total, k_frac, args.token_scope, dist_,
                                       min_per_seq=int(args.min_token_per_response))
     shown = None

@@ -201,7 +201,7 @@ def check_args(args):
                                                      args.n_final, args.k_init, args.k_final, args.static_n, args.static_k)
     args.rl_seed = args.seed if args.rl_seed is None else args.rl_seed
     args.loss_agg = args.loss_agg or d3s.DEFAULT_AGG[args.loss]
-    default_clip = {"grpo": (0.2, 0.28), "gspo": d3s.CLIP_DEFAULTS["gspo"]}[args.loss]  # 0.28: DAPO's clip-higher
+    default_clip = d3s.CLIP_DEFAULTS[args.loss]  # grpo 0.2 / 0.28 (DAPO's clip-higher), gspo 3e-4 / 4e-4
     args.clip_low = default_clip[0] if args.clip_low is None else args.clip_low
     args.clip_high = default_clip[1] if args.clip_high is None else args.clip_high
     if args.sft_steps is None:
@@ -465,8 +465,7 @@ def train_step(model, ref_model, optimizer, tokenizer, grader, train_rows, step,
         ref_logp, _ = forward_logprobs_entropy(ref_model, kept, args.temperature, with_entropy=False)
 
     # 5) token selection: top K of |A_{i,t}| * H_{i,t} over the whole batch
-    token_scores = kept_adv.abs().unsqueeze(-1) * entropy  # [B, T]
-    token_scores = token_scores.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)  # a NaN forward: the loss is NaN too, the update is skipped
+    token_scores = d3s.token_scores(kept_adv, entropy)  # |A_i| * H_{i,t}, [B, T]; NaN -> 0 (the update is skipped then)
     token_keep = d3s.select_tokens(token_scores, response_mask, k_frac, scope=args.token_scope,
                                    min_per_seq=int(args.min_token_per_response))  # [B, T]
 

@@ -339,10 +339,10 @@ class D3SGRPOTrainer(GRPOTrainer):
                     _, entropy, _ = self._get_per_token_logps_and_entropies(
                         self.model, input_ids, attention_mask, T, batch_size=self.args.per_device_train_batch_size,
                         compute_entropy=True)
-                    scores = mb["advantages"][rows].abs().unsqueeze(1) * entropy.float()  # |A_i| * H_{i,t}
+                    scores = d3s.token_scores(mb["advantages"][rows], entropy)  # |A_i| * H_{i,t}
                 else:
                     scores = torch.zeros(mask.shape, device=mask.device)
-                parts.append((mb, rows, scores.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0), mask))
+                parts.append((mb, rows, scores, mask))
         width = max(s.shape[1] for _, _, s, _ in parts)
         pad = lambda x: torch.nn.functional.pad(x, (0, width - x.shape[1]))  # noqa: E731
         scores = torch.cat([pad(s) for _, _, s, _ in parts])
@@ -383,7 +383,7 @@ class D3SGRPOTrainer(GRPOTrainer):
             token_keep = inputs["d3s_token_keep"][rows, :T] & mask.bool()
             normalizer = float(inputs["d3s_normalizer"])
         else:  # one micro-batch per optimizer step: select from this forward's entropies
-            scores = (adv.abs().unsqueeze(1) * entropy.float()).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+            scores = d3s.token_scores(adv, entropy)  # |A_i| * H_{i,t}
             token_keep = self._select_tokens(scores, mask, k_frac) if k_frac < 1.0 else mask.bool()
             normalizer, n_selected, n_tokens = self._normalizer(token_keep, mask)
             self._log_token_counts(n_selected, n_tokens)

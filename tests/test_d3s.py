@@ -729,7 +729,7 @@ def test_grpo_clips_both_sides_and_zeroes_gradient_only_on_binding_tokens():
     old = -log_ratio
     adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
     mask = torch.ones(2, 4, dtype=torch.float64)
-    loss, stats = policy_loss(logp, old, adv, mask, kind="grpo")
+    loss, stats = policy_loss(logp, old, adv, mask, kind="grpo", clip_low=0.2, clip_high=0.2)  # symmetric
     loss.backward()
     w = log_ratio.exp()
     # per token -min(w A, clip(w, 0.8, 1.2) A), by hand
@@ -739,6 +739,33 @@ def test_grpo_clips_both_sides_and_zeroes_gradient_only_on_binding_tokens():
     expected_grad[0, 0] = expected_grad[1, 0] = 0.0  # clipped tokens get no gradient
     torch.testing.assert_close(logp.grad, expected_grad)
     assert stats["clip_frac"] == pytest.approx(2 / 8)
+
+
+def test_clip_defaults_are_dapo_clip_higher_for_grpo_and_the_gspo_papers_for_gspo():
+    assert d3s.CLIP_DEFAULTS == {"grpo": (0.2, 0.28), "gspo": (3e-4, 4e-4)}
+    logp = torch.zeros(1, 2, dtype=torch.float64, requires_grad=True)
+    old = -torch.tensor([[0.25, 0.22]], dtype=torch.float64)  # w = 1.284 (> 1.28: binds), 1.246 (does not)
+    _, stats = policy_loss(logp, old, torch.tensor([1.0], dtype=torch.float64), torch.ones(1, 2))
+    assert stats["clip_frac"] == pytest.approx(0.5)
+
+
+def test_token_scores_rank_by_what_each_rule_says():
+    adv = torch.tensor([2.0, -1.0, 0.5])
+    entropy = torch.tensor([[0.5, 1.0, 0.1], [3.0, 0.0, 0.2], [4.0, 4.0, 4.0]])
+    torch.testing.assert_close(d3s.token_scores(adv, entropy), adv.abs().unsqueeze(1) * entropy)  # the paper's |A| * H
+    torch.testing.assert_close(d3s.token_scores(adv, entropy, "entropy"), entropy)
+    by_adv = d3s.token_scores(adv, entropy, "adv", generator=torch.Generator().manual_seed(0))
+    assert (by_adv[0].min() > by_adv[1].max()) and (by_adv[1].min() > by_adv[2].max())  # |A| decides between responses
+    orders = {tuple(d3s.token_scores(adv, entropy, "adv", generator=torch.Generator().manual_seed(s))[0].argsort().tolist())
+              for s in range(20)}
+    assert len(orders) > 1  # ties (equal |A| inside a response) are broken at random, not by position
+    r = d3s.token_scores(adv, entropy, "random", generator=torch.Generator().manual_seed(0))
+    assert r.shape == entropy.shape and 0 <= r.min() and r.max() < 1
+    # per-token advantages [B, T] work too, and a NaN entropy scores 0 instead of reaching select_tokens
+    nan = torch.tensor([[float("nan"), 1.0, 1.0]] * 3)
+    assert d3s.token_scores(adv.unsqueeze(1).expand(3, 3), nan)[0, 0] == 0
+    with pytest.raises(ValueError, match="rule='bogus'"):
+        d3s.token_scores(adv, entropy, "bogus")
 
 
 def test_grpo_custom_clip_range_is_used():

@@ -218,7 +218,7 @@ def run(method, seed, args):
             ref_logp = initial(prompt_ids[kept], tokens[kept]).log_softmax(-1).gather(-1, tokens[kept].unsqueeze(-1)).squeeze(-1)
         # 5) token selection: top K of s_{i,t} = |A_i| * H_{i,t} over the whole batch
         mask = torch.ones_like(logp, dtype=torch.bool)  # every answer has exactly L tokens
-        token_scores = kept_adv.abs().unsqueeze(1) * entropy  # s_{i,t} = |A_i| * H_{i,t}, [B, L]
+        token_scores = d3s.token_scores(kept_adv, entropy)  # s_{i,t} = |A_i| * H_{i,t}, [B, L]
         token_keep = d3s.select_tokens(token_scores, mask, k_frac, min_per_seq=int(args.min_token_per_response))  # [B, L]
         # 6) loss on the selected tokens (on-policy, one update: w = 1, gradient -A grad logp / #tokens)
         loss, stats = d3s.policy_loss(logp, logp.detach(), kept_adv, token_keep, kind="grpo", ref_logp=ref_logp)
