@@ -14,16 +14,18 @@ arguments it builds a tiny model (cached), warm-starts it with a short supervise
     python train_small.py --model Qwen/Qwen2.5-0.5B-Instruct --max-new-tokens 512 \\
         --train-file ../shared/data/gsm8k.jsonl --eval-file ../shared/data/gsm8k.jsonl
 
-One RL step (ALGORITHM.md section 6), one function or d3s.py call per line:
+One RL step (docs/algorithm.md section 6), one function or d3s.py call per line:
   1. rollout                    G samples per prompt with HF generate (temperature sampling)
   2. compute_rewards            0/1: last \\boxed{} vs the gold answer, math-verify under a time limit
   3. d3s.select_samples         keep N per prompt (N and K from d3s.method_budget)
-  4. forward_logprobs_entropy   pass 1, no grad, kept rollouts only: old log-probs, d3s.token_entropy
-                                of the same logits, and the warm-start reference's log-probs (KL)
-  5. d3s.select_tokens          keep the top K of |A| * H
-  6. d3s.policy_loss            per mini-batch (M optimizer steps per batch): forward with grad,
-                                GRPO or GSPO loss; a NaN/inf loss or gradient skips the update
-                                (logged), else backward, clip the gradient norm, AdamW step
+  4. forward_logprobs_entropy   kept rollouts only: mini-batch 1 with grad (on-policy: its own
+                                log-probs are the old ones), mini-batches 2..M without (pass 1:
+                                old log-probs); d3s.token_entropy of the same logits
+  5. d3s.token_scores,          keep the top K of |A| * H
+     d3s.select_tokens
+  6. d3s.policy_loss            per mini-batch (M optimizer steps per batch): GRPO or GSPO loss;
+                                a NaN/inf loss or gradient skips the update (logged), else
+                                backward, clip the gradient norm, AdamW step
 
 Methods: the rows of d3s.LADDER (all generate the same P x G rollouts per step; they differ in
 what they train on): the paper's ablation ladder grpo -> d1s (intra-group samples, static N)
@@ -35,7 +37,7 @@ With one mini-batch (--mini-batches 1) training is on-policy: the importance rat
 1, clipping never binds, and --loss gspo gives the same gradient as grpo. With M > 1 the later
 mini-batches are off-policy (old log-probs from before the first), so ratios, clipping and
 GSPO act. The KL to the warm start is measured on the selected tokens (--kl-coef 0: not in
-the loss, as in the paper's recipe).
+the loss, as in the paper's recipe, and measured every --kl-every steps only).
 """
 
 import argparse
@@ -137,6 +139,9 @@ def parse_args(argv=None):
                    "train_batch_size 1024 / ppo_mini_batch_size 256 = 4); 1 = on-policy (ratio 1, GSPO = GRPO)")
     g.add_argument("--kl-coef", type=float, default=0.0, help="beta of the k3 KL penalty to the warm-start model (recipe: 0; "
                    "the KL is logged either way)")
+    g.add_argument("--kl-every", type=int, default=None, help="with --kl-coef 0 the KL to the warm start is only a metric: "
+                   "the warm-start model is forwarded on step 1, every E steps and the last step (kl_ref is null on the "
+                   "others); default: --eval-every. With --kl-coef > 0 it is in the loss and measured every step")
     g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (rollouts and eval samples)")
     g.add_argument("--max-new-tokens", type=int, default=None,
                    help=f"response length limit (default: {TINY_MAX_NEW_TOKENS} tiny model, {HF_MAX_NEW_TOKENS} with --model; paper: 3k)")
@@ -191,6 +196,9 @@ def check_args(args):
         raise UsageError(f"--temperature {args.temperature}: must be > 0 (greedy decoding is used for eval_greedy_pass1 anyway)")
     if args.kl_coef < 0:
         raise UsageError(f"--kl-coef {args.kl_coef}: must be >= 0")
+    args.kl_every = args.eval_every if args.kl_every is None else args.kl_every
+    if args.kl_every < 1:
+        raise UsageError(f"--kl-every {args.kl_every}: must be >= 1 (steps between KL measurements)")
     # N counts rollouts kept per prompt, so N <= G (grpo keeps all G and uses no N).
     if any(d3s.LADDER[m][1] != "full" for m in methods):
         for flag, value in (("--n-init", args.n_init), ("--n-final", args.n_final), ("--static-n", args.static_n)):
@@ -361,28 +369,52 @@ def rollout(model, tokenizer, prompts, group_size, max_new_tokens, temperature=1
 
     Returns a dict: prompt_ids [B, Lp] and prompt_mask (left-padded), response_ids [B, T] and
     response_mask (1 up to and including the first EOS; 0 after it), texts (decoded responses).
-    Pure temperature sampling (top-k, top-p and repetition penalty of the model's own
-    generation config are switched off), or greedy.
+    Pure temperature sampling, pi(o_t) = softmax(logits / temperature), or greedy.
+
+    HF `generate`'s sampling loop, cut to what this rung needs: each prompt is encoded once and
+    its KV cache repeated G times (generate would encode every prompt G times), then one token
+    per step for all P x G rows with torch.multinomial, as generate does (same distribution; with
+    the same seed the same tokens up to rounding, tested). Rows that hit EOS stay in the batch,
+    padded, until every row has ended or max_new_tokens is reached.
     """
-    from transformers import GenerationConfig
+    from transformers import DynamicCache
 
     enc = tokenizer(prompts, padding=True, return_tensors="pt", add_special_tokens=False)
-    prompt_ids = enc.input_ids.repeat_interleave(group_size, 0)  # [B, Lp]
-    prompt_mask = enc.attention_mask.repeat_interleave(group_size, 0)
-    eos = eos_token_ids(model, tokenizer)
-    sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
-    config = GenerationConfig(max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos,
-                              repetition_penalty=1.0, **sampling)
+    prompt_mask = enc.attention_mask  # [P, Lp], left-padded
+    positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # as generate: left padding does not shift positions
+    eos = torch.tensor(eos_token_ids(model, tokenizer))
     model.eval()
-    out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config)
-    response_ids = out[:, prompt_ids.shape[1]:]  # [B, T]
-    is_eos = torch.isin(response_ids, torch.tensor(eos))
+    cache = DynamicCache()
+    logits = model(input_ids=enc.input_ids, attention_mask=prompt_mask, position_ids=positions, past_key_values=cache,
+                   use_cache=True, logits_to_keep=1).logits[:, -1]  # [P, V]: the prefill, once per prompt
+    cache.batch_repeat_interleave(group_size)  # the prompt's keys and values, shared by its G rollouts
+    logits = logits.repeat_interleave(group_size, 0)  # [B, V]
+    attention_mask = prompt_mask.repeat_interleave(group_size, 0)  # [B, Lp + t]
+    position = positions[:, -1:].repeat_interleave(group_size, 0)  # [B, 1]
+    B = logits.shape[0]
+    response_ids = torch.full((B, max_new_tokens), tokenizer.pad_token_id)
+    ended = torch.zeros(B, dtype=torch.bool)
+    for t in range(max_new_tokens):
+        if greedy:
+            token = logits.float().argmax(-1)  # [B]
+        else:
+            token = torch.multinomial((logits.float() / temperature).softmax(-1), 1).squeeze(1)  # o_t ~ pi
+        response_ids[:, t] = torch.where(ended, tokenizer.pad_token_id, token)
+        ended |= torch.isin(token, eos)
+        if bool(ended.all()) or t == max_new_tokens - 1:
+            break
+        attention_mask = torch.cat([attention_mask, torch.ones(B, 1, dtype=attention_mask.dtype)], 1)
+        position = position + 1
+        logits = model(input_ids=token[:, None], attention_mask=attention_mask, position_ids=position,
+                       past_key_values=cache, use_cache=True).logits[:, -1]
+    response_ids = response_ids[:, : t + 1]  # [B, T]
+    is_eos = torch.isin(response_ids, eos)
     after_eos = (is_eos.cumsum(-1) - is_eos.long()) > 0  # strictly after the first EOS: padding
     response_mask = (~after_eos).long()
     lengths = response_mask.sum(-1).tolist()
     texts = [tokenizer.decode(ids[:n], skip_special_tokens=True) for ids, n in zip(response_ids, lengths)]
-    return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "response_ids": response_ids,
-            "response_mask": response_mask, "texts": texts}
+    return {"prompt_ids": enc.input_ids.repeat_interleave(group_size, 0), "prompt_mask": prompt_mask.repeat_interleave(group_size, 0),
+            "response_ids": response_ids, "response_mask": response_mask, "texts": texts}
 
 
 def compute_rewards(grader, texts, golds):
@@ -391,8 +423,9 @@ def compute_rewards(grader, texts, golds):
 
 
 def forward_logprobs_entropy(model, batch, temperature=1.0, with_entropy=True):
-    """4) One forward of the (kept) rollouts: log pi(o_t | prompt, o_<t) [B, T] with grad, and
-    the full-vocabulary entropy H_t [B, T] from the same logits (d3s.token_entropy, no grad).
+    """4) One forward of (kept) rollouts: log pi(o_t | prompt, o_<t) [B, T], with grad unless the
+    caller holds torch.no_grad(), and the full-vocabulary entropy H_t [B, T] of the same logits
+    (d3s.token_entropy, always without grad).
 
     Logits are divided by the sampling temperature, so logp is the log-prob of the policy that
     sampled. Position ids follow the left padding, as in generate. Only the last T + 1
@@ -417,6 +450,12 @@ def budget(step, args):
                              args.k_init, args.k_final, args.static_n, args.static_k)
 
 
+def measures_kl(step, args):
+    """Whether `step` forwards the reference model: every step when the KL is in the loss (--kl-coef > 0);
+    else the KL is only a metric, measured on step 1, every --kl-every steps and the last step."""
+    return args.kl_coef > 0 or step == 1 or step % args.kl_every == 0 or step == args.steps
+
+
 def step_seed(seed, step, salt=0):
     """Every step (and eval) reseeds from (seed, step): the trajectory depends on neither when
     evaluations happen nor whether the run was resumed."""
@@ -431,10 +470,10 @@ def take_rows(batch, rows):
 
 
 def train_step(model, ref_model, optimizer, tokenizer, grader, train_rows, step, args, explain_dir=None):
-    """One RL step (ALGORITHM.md section 6); returns its metrics (one JSONL line).
+    """One RL step (docs/algorithm.md section 6); returns its metrics (one JSONL line).
 
-    ref_model: the warm-start model, for the KL (k3) on the selected tokens (logged; in the
-    loss only with --kl-coef > 0).
+    ref_model: the warm-start model, for the KL (k3) on the selected tokens (in the loss with
+    --kl-coef > 0, else a metric on the steps measures_kl names).
     """
     P, G = args.prompts_per_step, args.group_size
     torch.manual_seed(step_seed(args.rl_seed, step))
@@ -457,31 +496,66 @@ def train_step(model, ref_model, optimizer, tokenizer, grader, train_rows, step,
     kept_rows = keep.view(-1).nonzero().squeeze(-1)  # [B] indices of the kept rollouts
     kept = take_rows(batch, kept_rows)
     kept_adv = adv.view(-1)[kept_rows]  # [B]
+
+    # 4)-6) forward the kept rollouts, select tokens, M optimizer steps
+    update = update_policy(model, ref_model, optimizer, kept, kept_adv, k_frac, measures_kl(step, args), args)
+
+    metrics = step_metrics(step, batch, rewards, keep, adv, n_keep, k_frac, kept, update, grader)
+    metrics.update(gen_s=round(gen_s, 3), reward_s=round(reward_s, 3), train_s=round(time.time() - t1, 3))
+    if explain_dir is not None:
+        write_explain_page(explain_dir, step, tokenizer, problems, batch, rewards, keep, adv, kept_rows, n_keep,
+                           k_frac, update, metrics, args)
+    return metrics
+
+
+def update_policy(model, ref_model, optimizer, kept, kept_adv, k_frac, with_kl, args):
+    """4) forward, 5) token selection and 6) M mini-batches of the kept rollouts, one optimizer step each.
+
+    Only the work the step needs. Mini-batch 1 goes first and is on-policy, so the forward that
+    builds its gradient also gives its old log-probs (detached) and entropy. Pass 1, a no-grad
+    forward taking the old log-probs before any update, covers mini-batches 2..M only
+    (M = 1: no pass 1). The reference model is forwarded only when with_kl. Token selection
+    needs every kept token's entropy, so it runs after pass 1, over the whole batch.
+    Returns a dict: token_keep, entropy, token_scores [B, T] and the per-mini-batch statistics.
+    """
+    B, T = kept["response_ids"].shape
     response_mask = kept["response_mask"]  # [B, T]
+    parts = [rows for rows in torch.arange(B).tensor_split(args.mini_batches) if len(rows)]  # contiguous, in order
+    old_logp, entropy = torch.zeros(B, T), torch.zeros(B, T)
 
-    # 4) pass 1, no grad: old log-probs (the policy that sampled), entropy, reference log-probs
+    # 4) mini-batch 1 with grad (its graph is used in 6); pass 1, no grad, over the rest; the reference
+    first = take_rows(kept, parts[0])
+    width = first["response_ids"].shape[1]
+    first_logp, first_entropy = forward_logprobs_entropy(model, first, args.temperature)  # [b, width], with grad
+    old_logp[parts[0], :width], entropy[parts[0], :width] = first_logp.detach(), first_entropy
     with torch.no_grad():
-        old_logp, entropy = forward_logprobs_entropy(model, kept, args.temperature)  # [B, T] each
-        ref_logp, _ = forward_logprobs_entropy(ref_model, kept, args.temperature, with_entropy=False)
+        for rows in parts[1:]:
+            part = take_rows(kept, rows)
+            width = part["response_ids"].shape[1]
+            old_logp[rows, :width], entropy[rows, :width] = forward_logprobs_entropy(model, part, args.temperature)
+        ref_logp = forward_logprobs_entropy(ref_model, kept, args.temperature, with_entropy=False)[0] if with_kl else None
 
-    # 5) token selection: top K of |A_{i,t}| * H_{i,t} over the whole batch
-    token_scores = d3s.token_scores(kept_adv, entropy)  # |A_i| * H_{i,t}, [B, T]; NaN -> 0 (the update is skipped then)
+    # 5) token selection: top K of |A_i| * H_{i,t} over the whole batch
+    token_scores = d3s.token_scores(kept_adv, entropy)  # [B, T]; a NaN entropy scores 0 (the update is skipped then)
     token_keep = d3s.select_tokens(token_scores, response_mask, k_frac, scope=args.token_scope,
                                    min_per_seq=int(args.min_token_per_response))  # [B, T]
 
-    # 6) M mini-batches of the kept rollouts (in order), one optimizer step each. The loss of a
-    #    mini-batch divides by its own selected tokens (or responses): the normalizer is per
-    #    optimizer step. Mini-batch 1 is on-policy (w = 1); the later ones see the updated policy.
+    # 6) the mini-batches in order, one optimizer step each. The loss of a mini-batch divides by its own
+    #    selected tokens (or responses): the normalizer is per optimizer step. Mini-batch 1 is on-policy
+    #    (w = 1); the later ones see the updated policy.
     grad_norms, clip_fracs, losses, kls, skipped = [], [], [], [], 0
-    for rows in torch.arange(len(kept_rows)).tensor_split(args.mini_batches):
+    for i, rows in enumerate(parts):
         if not bool(token_keep[rows].any()):  # no selected token in this part: nothing to learn from
             continue
-        part = take_rows(kept, rows)  # trimmed to its longest response
-        width = part["response_ids"].shape[1]
-        logp, _ = forward_logprobs_entropy(model, part, args.temperature, with_entropy=False)  # [b, width], with grad
+        if i == 0:
+            logp = first_logp
+        else:
+            logp, _ = forward_logprobs_entropy(model, take_rows(kept, rows), args.temperature, with_entropy=False)
+        width = logp.shape[1]
         loss, stats = d3s.policy_loss(logp, old_logp[rows, :width], kept_adv[rows], token_keep[rows, :width], kind=args.loss,
-                                      clip_low=args.clip_low, clip_high=args.clip_high, ref_logp=ref_logp[rows, :width],
-                                      beta=args.kl_coef, agg=args.loss_agg)
+                                      clip_low=args.clip_low, clip_high=args.clip_high,
+                                      ref_logp=ref_logp[rows, :width] if with_kl else None, beta=args.kl_coef,
+                                      agg=args.loss_agg)
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
         clip_fracs.append(stats["clip_frac"])
@@ -498,18 +572,26 @@ def train_step(model, ref_model, optimizer, tokenizer, grader, train_rows, step,
             continue
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    return {"token_keep": token_keep, "entropy": entropy, "token_scores": token_scores, "grad_norms": grad_norms,
+            "clip_fracs": clip_fracs, "losses": losses, "skipped": skipped,
+            "kl_ref": sum(k * n for k, n in kls) / max(sum(n for _, n in kls), 1.0) if with_kl else None}
 
+
+def step_metrics(step, batch, rewards, keep, adv, n_keep, k_frac, kept, update, grader):
+    """The step's line of metrics.jsonl (docs/metrics.md)."""
+    token_keep, entropy, response_mask = update["token_keep"], update["entropy"], kept["response_mask"]
+    grad_norms = update["grad_norms"]
     gen_tokens = int(batch["response_mask"].sum())
     fwd_tokens = int(response_mask.sum())
     kept_tokens = int(token_keep.sum())
-    metrics = {
+    return {
         "kind": "train", "step": step,
         "reward_mean": float(rewards.mean()),
         "acc_train": float(rewards.mean()),  # the reward is correctness (0/1): the same number
         "groups_mixed": float((rewards.amax(-1) > rewards.amin(-1)).float().mean()),  # groups with signal
         "n_keep": n_keep, "k_frac": k_frac,
         "k_real": kept_tokens / max(fwd_tokens, 1),  # realised fraction of the forwarded tokens
-        "kept_samples": int(kept_rows.numel()),
+        "kept_samples": int(keep.sum()),
         "sur": d3s.usefulness_rate(adv, keep),  # Sample Usefulness Rate: kept rollouts with A != 0
         "kept_tokens": kept_tokens,  # tokens in the loss
         "fwd_tokens": fwd_tokens,  # response tokens forwarded (compute scales with these)
@@ -519,35 +601,38 @@ def train_step(model, ref_model, optimizer, tokenizer, grader, train_rows, step,
         "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else float("nan"),
         "entropy_mean": float((entropy * response_mask).sum() / response_mask.sum().clamp(min=1)),  # all forwarded tokens
         "entropy_kept": float(entropy[token_keep].mean()) if token_keep.any() else 0.0,  # the selected tokens
-        "kl_ref": sum(k * n for k, n in kls) / max(sum(n for _, n in kls), 1.0),  # k3 to the warm start, selected tokens
-        "clip_frac": sum(clip_fracs) / max(len(clip_fracs), 1),
-        "clip_frac_by_minibatch": clip_fracs,
-        "loss": sum(losses) / max(len(losses), 1),
+        "kl_ref": update["kl_ref"],  # k3 to the warm start on the selected tokens; None on steps that do not measure it
+        "clip_frac": sum(update["clip_fracs"]) / max(len(update["clip_fracs"]), 1),
+        "clip_frac_by_minibatch": update["clip_fracs"],
+        "loss": sum(update["losses"]) / max(len(update["losses"]), 1),
         "updates": len(grad_norms) - sum(not math.isfinite(g) for g in grad_norms),
-        "skipped": skipped > 0,
+        "skipped": update["skipped"] > 0,
         "response_len": gen_tokens / rewards.numel(),
         "grader_timeouts": grader.timeouts,
-        "gen_s": round(gen_s, 3), "reward_s": round(reward_s, 3), "train_s": round(time.time() - t1, 3),
     }
-    if explain_dir is not None:  # a page of this step (explain.py): reads the tensors above, draws no random number
-        shown_adv = torch.where(keep, adv, d3s.group_advantages(rewards))  # the loss's A on kept cells (pods: recomputed)
-        row_of = {int(i): r for r, i in enumerate(kept_rows.tolist())}  # p * G + g -> row of the kept batch
-        shown = []
-        for i in explain.pick_rollouts(shown_adv, keep):
-            n = int(batch["response_mask"][i].sum())  # response tokens up to and including the first EOS
-            item = {"index": i, "tokens": [tokenizer.decode([t]) for t in batch["response_ids"][i, :n].tolist()]}
-            if i in row_of:  # forwarded: its entropy, score and selection
-                r = row_of[i]
-                item.update(entropy=entropy[r, :n].tolist(), score=token_scores[r, :n].tolist(),
-                            selected=token_keep[r, :n].tolist())
-            shown.append(item)
-        explain.write_step(explain_dir, step=step, rung="train_small", method=args.method, rewards=rewards, adv=shown_adv,
-                           keep=keep, n_keep=n_keep, k_frac=k_frac, k_real=metrics["k_real"], shown=shown,
-                           prompts=[r["problem"] for r in problems],
-                           extra={"loss (mean over mini-batches)": metrics["loss"],
-                                  "grad norm (before clipping)": metrics["grad_norm"], "tokens in the loss": kept_tokens,
-                                  "mini-batches": args.mini_batches})
-    return metrics
+
+
+def write_explain_page(explain_dir, step, tokenizer, problems, batch, rewards, keep, adv, kept_rows, n_keep, k_frac,
+                       update, metrics, args):
+    """The page of this step (explain.py): reads the tensors of the step, draws no random number."""
+    entropy, token_scores, token_keep = update["entropy"], update["token_scores"], update["token_keep"]
+    shown_adv = torch.where(keep, adv, d3s.group_advantages(rewards))  # the loss's A on kept cells (pods: recomputed)
+    row_of = {int(i): r for r, i in enumerate(kept_rows.tolist())}  # p * G + g -> row of the kept batch
+    shown = []
+    for i in explain.pick_rollouts(shown_adv, keep):
+        n = int(batch["response_mask"][i].sum())  # response tokens up to and including the first EOS
+        item = {"index": i, "tokens": [tokenizer.decode([t]) for t in batch["response_ids"][i, :n].tolist()]}
+        if i in row_of:  # forwarded: its entropy, score and selection
+            r = row_of[i]
+            item.update(entropy=entropy[r, :n].tolist(), score=token_scores[r, :n].tolist(),
+                        selected=token_keep[r, :n].tolist())
+        shown.append(item)
+    explain.write_step(explain_dir, step=step, rung="train_small", method=args.method, rewards=rewards, adv=shown_adv,
+                       keep=keep, n_keep=n_keep, k_frac=k_frac, k_real=metrics["k_real"], shown=shown,
+                       prompts=[r["problem"] for r in problems],
+                       extra={"loss (mean over mini-batches)": metrics["loss"],
+                              "grad norm (before clipping)": metrics["grad_norm"], "tokens in the loss": metrics["kept_tokens"],
+                              "mini-batches": args.mini_batches})
 
 
 # ---------------------------------------------------------------------------------------------

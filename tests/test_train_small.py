@@ -327,3 +327,107 @@ def test_time_to_target_is_the_first_evaluation_at_the_baselines_best():
     assert train_small.time_to_target(base, base) == (20, 9)  # step 0 does not count
     assert train_small.time_to_target(base, fast) == (10, 4)
     assert train_small.time_to_target(base, slow) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# Only the work a step needs: the sampler, pass 1 and the KL schedule change no number
+# ---------------------------------------------------------------------------------------------
+def _tiny_policy(seed=0):
+    import copy
+
+    import tiny
+
+    tokenizer = tiny.build_char_tokenizer()
+    model = tiny.build_tiny_model(tokenizer, hidden_size=32, num_layers=2, seed=seed)
+    return model, copy.deepcopy(model), tokenizer
+
+
+@torch.no_grad()
+def _hf_generate(model, tokenizer, prompts, group_size, max_new_tokens, greedy):
+    """The rollout of the previous version: transformers' own generate on every prompt repeated G times."""
+    from transformers import GenerationConfig
+
+    enc = tokenizer(prompts, padding=True, return_tensors="pt", add_special_tokens=False)
+    ids, mask = enc.input_ids.repeat_interleave(group_size, 0), enc.attention_mask.repeat_interleave(group_size, 0)
+    sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
+    config = GenerationConfig(max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+                              eos_token_id=train_small.eos_token_ids(model, tokenizer), **sampling)
+    model.eval()
+    out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1]:]
+    is_eos = torch.isin(out, torch.tensor(train_small.eos_token_ids(model, tokenizer)))
+    return torch.where((is_eos.cumsum(-1) - is_eos.long()) > 0, tokenizer.pad_token_id, out)  # padding after EOS
+
+
+def test_the_sampler_gives_generates_greedy_tokens_and_with_the_same_seed_its_samples(cache_dir):
+    warm_dir = train_small.load_warm_start(train_small.check_args(train_small.parse_args(TINY + ["--cache-dir", cache_dir])),
+                                           arithmetic_problems(200, "train"))[2]["path"]
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(warm_dir)  # a warm start: answers that end with EOS at different lengths
+    tokenizer = AutoTokenizer.from_pretrained(warm_dir, padding_side="left")
+    prompts = [train_small.format_prompt(r["problem"], "plain") for r in arithmetic_problems(8, "eval")]
+    greedy = train_small.rollout(model, tokenizer, prompts, 1, 12, greedy=True)
+    expected = _hf_generate(model, tokenizer, prompts, 1, 12, greedy=True)
+    assert torch.equal(greedy["response_ids"], expected[:, : greedy["response_ids"].shape[1]])
+    assert (expected[:, greedy["response_ids"].shape[1]:] == tokenizer.pad_token_id).all()
+    same = 0
+    for seed in range(3):  # sampling: torch.multinomial on the same logits, so the same draws up to rounding
+        torch.manual_seed(seed)
+        mine = train_small.rollout(model, tokenizer, prompts, 8, 12)["response_ids"]
+        torch.manual_seed(seed)
+        theirs = _hf_generate(model, tokenizer, prompts, 8, 12, greedy=False)[:, : mine.shape[1]]
+        same += int((mine == theirs).all(-1).sum())
+    assert same >= 0.9 * 3 * 64, same  # measured: all but a few rows, where prefill rounding moves a draw
+
+
+@pytest.mark.parametrize("mini_batches,k_frac", [(1, 1.0), (1, 0.3), (2, 0.3), (3, 1.0)])
+def test_the_update_without_pass_1_for_mini_batch_1_equals_the_update_with_it(mini_batches, k_frac):
+    """Pass 1 over every kept rollout (the old way) against update_policy, which forwards mini-batch 1
+    once, with grad, and uses its detached log-probs as the old ones (M = 1: no pass 1 at all)."""
+    model, ref_model, tokenizer = _tiny_policy()
+    args = train_small.check_args(train_small.parse_args(["--mini-batches", str(mini_batches)]))
+    torch.manual_seed(0)
+    kept = train_small.rollout(model, tokenizer, ["1+2=", "Ann had 23 pens", "x"], 4, 8)
+    kept = train_small.take_rows(kept, torch.arange(12))
+    kept_adv = torch.randn(12)
+
+    # SGD, so that a parameter moves by lr x its gradient: Adam would turn a 1e-7 rounding difference in a
+    # near-zero gradient into a visible step (g / (|g| + eps))
+    expected = train_small.copy.deepcopy(model)
+    opt = torch.optim.SGD(expected.parameters(), lr=1.0)
+    with torch.no_grad():
+        old_logp, entropy = train_small.forward_logprobs_entropy(expected, kept)
+    token_keep = train_small.d3s.select_tokens(train_small.d3s.token_scores(kept_adv, entropy), kept["response_mask"], k_frac)
+    for rows in torch.arange(12).tensor_split(mini_batches):
+        part = train_small.take_rows(kept, rows)
+        logp, _ = train_small.forward_logprobs_entropy(expected, part, with_entropy=False)
+        w = logp.shape[1]
+        loss, _ = train_small.d3s.policy_loss(logp, old_logp[rows, :w], kept_adv[rows], token_keep[rows, :w],
+                                              clip_low=args.clip_low, clip_high=args.clip_high)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(expected.parameters(), args.max_grad_norm)
+        opt.step()
+
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    update = train_small.update_policy(model, ref_model, opt, kept, kept_adv, k_frac, False, args)
+    # M = 1 forwards the very same batch: bit for bit. M > 1 forwards the later mini-batches on their own
+    # (another batch shape, so another rounding): fp32 tolerance.
+    exact = dict(rtol=0, atol=0) if mini_batches == 1 else dict(rtol=1e-5, atol=1e-6)
+    assert torch.equal(update["token_keep"], token_keep)
+    torch.testing.assert_close(update["entropy"], entropy, **exact)
+    assert len(update["grad_norms"]) == mini_batches and update["kl_ref"] is None
+    for (name, got), want in zip(model.named_parameters(), expected.parameters()):
+        torch.testing.assert_close(got, want, **exact, msg=lambda m: f"{name}: {m}")
+    assert any(not torch.equal(a, b) for a, b in zip(model.parameters(), ref_model.parameters()))  # it did train
+
+
+def test_the_kl_measured_every_e_steps_equals_the_kl_measured_every_step(tmp_path, cache_dir, two_answer_data):
+    every, _ = _run(tmp_path, cache_dir, two_answer_data, "every", ["--steps", "5", "--kl-every", "1"])
+    sched, _ = _run(tmp_path, cache_dir, two_answer_data, "sched", ["--steps", "5", "--kl-every", "2"])
+    assert [m["kl_ref"] is not None for m in sched] == [True, True, False, True, True]  # step 1, 2, 4 and the last
+    for a, b in zip(every, sched):
+        if b["kl_ref"] is not None:
+            assert a["kl_ref"] == b["kl_ref"]
+        strip = lambda m: {k: v for k, v in m.items() if not k.endswith("_s") and k != "kl_ref"}  # noqa: E731
+        assert strip(a) == strip(b)  # the reference forward changes nothing else
