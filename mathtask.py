@@ -1,7 +1,8 @@
 """mathtask.py: the math task shared by train_small.py and train_full.py.
 
 What two rungs share beyond d3s.py lives here, once:
-  - load_problems: JSONL / JSON / Parquet rows with `problem` and `answer`, checked row by row
+  - load_problems: JSONL / JSON / Parquet files or hub datasets -> rows with `problem` and `answer`,
+    checked row by row (errors name file:line), one loader for both trainers
   - prompt templates (the Qwen2.5-Math chat template by default for real models)
   - extract_boxed + Grader: the 0/1 verifiable reward with math-verify, under a hard time limit,
     graded by a pool of child processes (default_grader_workers picks its size per rank)
@@ -38,65 +39,154 @@ class DataError(ValueError):
 
 
 # ---------------------------------------------------------------------------------------------
-# Data
+# Data: one loader for both trainers (local JSONL / JSON / Parquet, or a hub dataset)
 # ---------------------------------------------------------------------------------------------
+PROBLEM_KEYS = ("problem", "question", "prompt", "query", "input")
+ANSWER_KEYS = ("answer", "final_answer", "gt_answer", "ground_truth", "target", "solution")
+
+
 def _read_rows(path):
-    """Yield (line_no, row) from .jsonl, .json (a list) or .parquet."""
+    """Yield (line_no, row) from .jsonl, .json (a list) or .parquet. UTF-8, with or without a byte-order
+    mark; CRLF line ends are fine. A byte that is not UTF-8 raises DataError naming its line."""
     if path.endswith(".parquet"):
         try:
             import pyarrow.parquet as pq
         except ImportError as e:
             raise DataError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow), or convert to JSONL") from e
-        for i, row in enumerate(pq.read_table(path).to_pylist(), start=1):
-            yield i, row
+        try:
+            table = pq.read_table(path)
+        except Exception as e:  # pyarrow's own errors: not Parquet, truncated, ...
+            raise DataError(f"{path}: not a readable Parquet file ({str(e).splitlines()[0]}); check the file") from e
+        yield from enumerate(table.to_pylist(), start=1)
         return
-    with open(path, encoding="utf-8") as f:
-        if path.endswith(".json"):
-            try:
-                rows = json.load(f)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}: not valid JSON ({e}); expected a list of objects or use .jsonl") from e
-            if not isinstance(rows, list):
-                raise DataError(f"{path}: expected a JSON list of objects with 'problem' and 'answer'")
-            yield from enumerate(rows, start=1)
-            return
-        for i, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                yield i, json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{i}: not valid JSON ({e.msg}); fix or delete that line") from e
+    with open(path, "rb") as f:
+        raw = f.read()
+    lines = raw.split(b"\n")
+    for i, line in enumerate(lines, start=1):
+        try:
+            line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path}:{i}: byte 0x{line[e.start]:02x} at column {e.start + 1} is not UTF-8; "
+                            f"save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from e
+    text = raw.decode("utf-8-sig")  # a leading byte-order mark is dropped
+    if path.endswith(".json"):
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{e.lineno}: not valid JSON ({e.msg}); expected a list of objects, or use .jsonl") from e
+        if not isinstance(rows, list):
+            raise DataError(f"{path}: expected a JSON list of objects with 'problem' and 'answer', got {type(rows).__name__}")
+        yield from enumerate(rows, start=1)
+        return
+    for i, line in enumerate(text.split("\n"), start=1):
+        if not line.strip():
+            continue
+        try:
+            yield i, json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{i}: not valid JSON ({e.msg}); fix or delete that line") from e
 
 
-def load_problems(path, drop_missing=False, limit=None):
-    """Load rows with a non-empty `problem` and `answer` from a JSONL/JSON/Parquet file.
+def _text_field(value, where, name):
+    """A problem or answer as a string: numbers are written as text; a one-element list is its element;
+    a chat list ([{"role": "user", "content": ...}], problems only) is its last user turn. Other lists,
+    dicts and booleans raise DataError: a row has one problem and one answer (the grader compares the
+    last \\boxed{} with one gold answer)."""
+    if isinstance(value, list) and name == "problem" and value and all(isinstance(m, dict) for m in value):
+        value = next((m.get("content") for m in reversed(value) if m.get("role") == "user"), None)
+    elif isinstance(value, list) and len(value) == 1:
+        value = value[0]
+    if isinstance(value, bool) or isinstance(value, (list, dict, tuple)):
+        raise DataError(f"{where}: '{name}' is a {type(value).__name__} ({json.dumps(value)[:60]}); give one "
+                        f"{name} as a string or a number (a list is accepted only with one element)")
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)  # 2.0 -> "2"
+    return None if value is None else str(value).strip()
 
-    Returns (rows, n_dropped); rows are dicts with at least `problem`, `answer` (str) and `id`.
-    drop_missing=False: a row without `problem` or `answer` raises DataError naming file:line.
-    drop_missing=True: such rows are skipped and counted (train_full.py on big hub data).
-    An empty file (or one with no usable row) always raises DataError.
+
+def normalize_row(row, where="row"):
+    """{problem, answer} from a row's common column names, or None if it has no problem or no answer.
+
+    Problem: the first of PROBLEM_KEYS present. Answer: the first of ANSWER_KEYS, or
+    reward_model.ground_truth (verl's format); a `solution` gives its last \\boxed{}; a GSM8K
+    answer ("... #### 72") gives what follows ####.
+    >>> normalize_row({"question": "1+1?", "solution": "so \\\\boxed{2}."})
+    {'problem': '1+1?', 'answer': '2'}
+    >>> normalize_row({"question": "1+1?", "answer": "1 + 1 = 2\\n#### 2"})
+    {'problem': '1+1?', 'answer': '2'}
+    >>> normalize_row({"problem": "half of 5?", "answer": 2.5})
+    {'problem': 'half of 5?', 'answer': '2.5'}
     """
-    if not os.path.exists(path):
-        raise DataError(f"{path}: file not found; pass an existing JSONL/JSON/Parquet file with 'problem' and 'answer'")
+    problem_key = next((k for k in PROBLEM_KEYS if row.get(k) not in (None, "", [])), None)
+    answer_key = next((k for k in ANSWER_KEYS if row.get(k) not in (None, "", [])), None)
+    problem = _text_field(row[problem_key], where, "problem") if problem_key else None
+    answer = _text_field(row[answer_key], where, "answer") if answer_key else None
+    if answer_key is None and isinstance(row.get("reward_model"), dict):
+        answer = _text_field(row["reward_model"].get("ground_truth"), where, "answer")
+    if answer_key == "solution" and answer is not None:
+        answer = extract_boxed(answer)  # a worked solution: its final \boxed{} is the answer
+    if answer is not None and "####" in answer:
+        answer = answer.rsplit("####", 1)[1].strip()  # GSM8K style: "...reasoning... #### 72"
+    if not problem or not answer:
+        return None
+    return {"problem": problem, "answer": answer}
+
+
+def load_problems(spec, drop_missing=False, limit=None):
+    """Rows {problem, answer, id, ...} from a local JSONL / JSON / Parquet file, or a hub dataset
+    `name`, `name:split` or `name:config:split` (needs `pip install datasets`).
+
+    Returns (rows, n_dropped). Column names are mapped by normalize_row; a row's other fields
+    (e.g. `level`) are kept. drop_missing=False: a row without a problem or an answer raises
+    DataError naming file:line; drop_missing=True: such rows are skipped and counted (hub
+    datasets and train_full.py's large files). A row whose problem or answer is a list, dict or
+    boolean always raises DataError (see _text_field). No usable row at all raises DataError.
+    """
+    if os.path.isdir(spec):
+        raise DataError(f"{spec}: is a folder; pass a JSONL/JSON/Parquet file with 'problem' and 'answer'")
+    if os.path.exists(spec):
+        raws = ((f"{spec}:{i}", f"{os.path.basename(spec)}:{i}", raw) for i, raw in _read_rows(spec))
+    elif spec.endswith((".jsonl", ".json", ".parquet")) or spec.startswith((".", "/", "~")):
+        raise DataError(f"{spec}: file not found; pass an existing JSONL/JSON/Parquet file with 'problem' and 'answer'")
+    else:
+        raws = _hub_rows(spec)
     rows, dropped = [], 0
-    for line_no, row in _read_rows(path):
-        if not isinstance(row, dict):
-            raise DataError(f"{path}:{line_no}: expected a JSON object with 'problem' and 'answer', got {type(row).__name__}")
-        missing = [k for k in ("problem", "answer") if row.get(k) is None or str(row.get(k)).strip() == ""]
-        if missing:
+    for where, default_id, raw in raws:
+        if not isinstance(raw, dict):
+            raise DataError(f"{where}: expected a JSON object with 'problem' and 'answer', got {type(raw).__name__}")
+        row = normalize_row(raw, where)
+        if row is None:
             if drop_missing:
                 dropped += 1
                 continue
-            raise DataError(f"{path}:{line_no}: row has no {' or '.join(repr(k) for k in missing)}; "
-                            f"every row needs a non-empty 'problem' and 'answer' (fix or delete the row)")
-        rows.append({**row, "problem": str(row["problem"]), "answer": str(row["answer"]),
-                     "id": str(row.get("id", f"{os.path.basename(path)}:{line_no}"))})
+            raise DataError(f"{where}: row has no problem ({'/'.join(PROBLEM_KEYS)}) or no answer "
+                            f"({'/'.join(ANSWER_KEYS)}); every row needs a non-empty 'problem' and 'answer' "
+                            f"(fix or delete the row)")
+        rows.append({**raw, **row, "id": str(raw.get("id", default_id))})
         if limit is not None and len(rows) >= limit:
             break
     if not rows:
-        raise DataError(f"{path}: no usable rows (empty file, or every row lacks 'problem'/'answer')")
+        raise DataError(f"{spec}: no usable rows (empty, or no row has a problem and an answer)")
     return rows, dropped
+
+
+def _hub_rows(spec):
+    """(where, default id, row) of a hub dataset `name[:config]:split` (default split: train)."""
+    try:
+        import datasets
+    except ImportError as e:
+        raise DataError(f"{spec}: not a local file, and loading it from the hub needs `pip install datasets` "
+                        "(requirements-full.txt)") from e
+    parts = spec.split(":")  # name, name:split, or name:config:split
+    name, config, split = parts[0], (parts[1] if len(parts) == 3 else None), (parts[-1] if len(parts) > 1 else "train")
+    try:
+        table = datasets.load_dataset(name, config, split=split)
+    except Exception as e:  # no network, no such dataset, split or config
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DataError(f"{spec}: cannot load this hub dataset ({first}); pass a local file, or check the name, "
+                        f"config and split") from e
+    for i, raw in enumerate(table):
+        yield f"{spec} row {i}", f"{name}:{i}", raw
 
 
 # ---------------------------------------------------------------------------------------------

@@ -307,76 +307,14 @@ def all_reduce(value, dist_, op=dist.ReduceOp.SUM):
 # ---------------------------------------------------------------------------------------------
 # 2. Data: local files or hub datasets -> tokenized prompts; one global order for all ranks
 # ---------------------------------------------------------------------------------------------
-PROBLEM_KEYS = ("problem", "question", "prompt", "query", "input")
-ANSWER_KEYS = ("answer", "final_answer", "gt_answer", "ground_truth", "target", "solution")
-
-
-def normalize_row(row):
-    """Map a hub row's common column names to {problem, answer}; None if it has no answer.
-
-    prompt may be a chat list ([{"role": "user", "content": ...}]); answer may sit in
-    reward_model.ground_truth (verl format) or be the last \\boxed{} of a solution.
-    >>> normalize_row({"question": "1+1?", "solution": "so \\\\boxed{2}."})
-    {'problem': '1+1?', 'answer': '2'}
-    >>> normalize_row({"question": "1+1?", "answer": "1 + 1 = 2\\n#### 2"})
-    {'problem': '1+1?', 'answer': '2'}
-    """
-    problem = next((row[k] for k in PROBLEM_KEYS if row.get(k) not in (None, "")), None)
-    if isinstance(problem, list):  # chat messages: the last user turn
-        problem = next((m.get("content") for m in reversed(problem) if isinstance(m, dict) and m.get("role") == "user"), None)
-    answer = next(((k, row[k]) for k in ANSWER_KEYS if row.get(k) not in (None, "")), (None, None))
-    key, answer = answer
-    if answer is None and isinstance(row.get("reward_model"), dict):
-        key, answer = "ground_truth", row["reward_model"].get("ground_truth")
-    if isinstance(answer, list):
-        answer = answer[0] if answer else None
-    if key == "solution" and answer is not None:
-        answer = extract_boxed(str(answer))  # a worked solution: its final \boxed{} is the answer
-    if answer is not None and "####" in str(answer):
-        answer = str(answer).rsplit("####", 1)[1]  # GSM8K style: "...reasoning... #### 72"
-    if problem is None or answer is None or str(answer).strip() == "":
-        return None
-    return {"problem": str(problem), "answer": str(answer).strip()}
-
-
-def load_rows(spec, limit=None):
-    """Rows {problem, answer, id} from a local JSONL/JSON/Parquet file or a hub dataset 'name[:split]'.
-
-    Rows without an answer are dropped and counted. Returns (rows, n_dropped).
-    """
-    if os.path.exists(spec) or spec.endswith((".jsonl", ".json", ".parquet")):
-        return load_problems(spec, drop_missing=True, limit=limit)
-    try:
-        import datasets
-    except ImportError as e:
-        raise DataError(f"{spec}: not a local file, and loading it from the hub needs `pip install datasets` "
-                        "(requirements-full.txt)") from e
-    parts = spec.split(":")  # name, name:split, or name:config:split
-    name, config, split = parts[0], (parts[1] if len(parts) == 3 else None), (parts[-1] if len(parts) > 1 else "train")
-    table = datasets.load_dataset(name, config, split=split)
-    rows, dropped = [], 0
-    for i, raw in enumerate(table):
-        row = normalize_row(raw)
-        if row is None:
-            dropped += 1
-            continue
-        rows.append({**row, "id": str(raw.get("id", f"{name}:{i}"))})
-        if limit and len(rows) >= limit:
-            break
-    if not rows:
-        raise DataError(f"{spec}: no row with a problem ({'/'.join(PROBLEM_KEYS)}) and an answer "
-                        f"({'/'.join(ANSWER_KEYS)}); columns are {table.column_names}. Convert it to JSONL with "
-                        "'problem' and 'answer' fields")
-    return rows, dropped
-
-
 def load_rows_once(spec, dist_, limit=None):
-    """load_rows on rank 0 first (a hub download happens once, into the cache), then on the others."""
+    """mathtask.load_problems (rows without an answer dropped and counted) on rank 0 first, so that a hub
+    download happens once, into the cache; then on the other ranks."""
     if dist_.is_main:
-        result = load_rows(spec, limit)
+        result = load_problems(spec, drop_missing=True, limit=limit)
     dist.barrier()
     if not dist_.is_main:
-        result = load_rows(spec, limit)
+        result = load_problems(spec, drop_missing=True, limit=limit)
     return result
 
 

@@ -100,18 +100,6 @@ def test_sampling_seeds_of_one_call_never_share_a_noise_stream():
     assert len(set(streams)) == len(streams)
 
 
-def test_hub_rows_map_common_column_names():
-    assert train_full.normalize_row({"question": "1+1?", "answer": "2"}) == {"problem": "1+1?", "answer": "2"}
-    assert train_full.normalize_row({"problem": "x", "solution": "so \\boxed{\\frac{1}{2}}."})["answer"] == "\\frac{1}{2}"
-    chat = {"prompt": [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}],
-            "reward_model": {"ground_truth": "7"}}
-    assert train_full.normalize_row(chat) == {"problem": "q", "answer": "7"}
-    assert train_full.normalize_row({"problem": "x", "answer": ""}) is None
-    assert train_full.normalize_row({"problem": "x", "solution": "no box"}) is None
-    gsm8k = {"question": "q", "answer": "Half of 8 is <<8/2=4>>4.\n#### 4"}  # openai/gsm8k's answer column
-    assert train_full.normalize_row(gsm8k) == {"problem": "q", "answer": "4"}
-
-
 def test_resume_keeps_the_metrics_the_checkpoint_covers(tmp_path):
     path = tmp_path / "metrics.jsonl"
     lines = [{"kind": "train", "step": 0}, {"kind": "train", "step": 1}, {"kind": "eval", "step": 2},
@@ -131,13 +119,6 @@ def test_a_fresh_run_into_a_folder_with_checkpoints_stops_and_overwrites_nothing
     assert proc.returncode != 0 and "--resume" in proc.stderr and str(tmp_path) in proc.stderr
     assert (tmp_path / "metrics.jsonl").read_text() == '{"kind": "train", "step": 0}\n'
     assert not (tmp_path / "args.json").exists()
-
-
-def test_local_rows_without_an_answer_are_dropped_and_counted(tmp_path):
-    path = tmp_path / "d.jsonl"
-    path.write_text('{"problem": "a", "answer": "1"}\n{"problem": "b", "answer": ""}\n{"problem": "c"}\n')
-    rows, dropped = train_full.load_rows(str(path))
-    assert [r["problem"] for r in rows] == ["a"] and dropped == 2
 
 
 def test_pack_aligns_responses_and_numbers_positions_as_without_padding():
