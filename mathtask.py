@@ -34,6 +34,23 @@ PLAIN_TEMPLATE = "{problem}\nAnswer: "
 MAX_BOXED_CHARS = 400  # a final answer longer than this is not an answer: reward 0
 
 
+def stop_token_ids(tokenizer, generation_config=None):
+    """The token ids that end a response, one rule for every rung and engine: the tokenizer's EOS,
+    the model's generation_config.eos_token_id (an int or a list), and Qwen's <|im_end|> when the
+    vocabulary has it (the chat template ends the assistant turn with it).
+
+    >>> import tiny; tok = tiny.build_char_tokenizer(); stop_token_ids(tok) == [tok.eos_token_id, 2]
+    True
+    """
+    ids = {tokenizer.eos_token_id}
+    config_eos = getattr(generation_config, "eos_token_id", None)
+    ids.update(config_eos if isinstance(config_eos, (list, tuple)) else [config_eos])
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    if isinstance(im_end, int) and im_end != tokenizer.unk_token_id:
+        ids.add(im_end)
+    return sorted(i for i in ids if i is not None)
+
+
 class DataError(ValueError):
     """A data file or row that cannot be used; the message names the file, line and fix."""
 

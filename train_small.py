@@ -59,7 +59,7 @@ from tqdm import tqdm
 import d3s
 import explain
 from mathtask import (PLAIN_TEMPLATE, QWEN_MATH_TEMPLATE, DataError, Grader, arithmetic_problems,
-                      load_problems, pass_at_k)
+                      load_problems, pass_at_k, stop_token_ids)
 
 TINY_MAX_NEW_TOKENS, HF_MAX_NEW_TOKENS = 16, 512  # "\boxed{123}" + EOS is 12 tokens for the tiny model
 TINY_SFT_STEPS = 1000  # ~3 min on 2 cores: held-out greedy Pass@1 ~0.77, levels 2-3 at ~30% (groups with spread)
@@ -269,14 +269,6 @@ def load_base_model(args):
     return model, tokenizer
 
 
-def eos_token_ids(model, tokenizer):
-    """Every id that ends a response (the tokenizer's EOS and the generation config's)."""
-    ids = {tokenizer.eos_token_id}
-    config_eos = model.generation_config.eos_token_id
-    ids.update(config_eos if isinstance(config_eos, (list, tuple)) else [config_eos])
-    return sorted(i for i in ids if i is not None)
-
-
 def warm_start_key(args, train_rows):
     """Everything the warm-started weights depend on; its hash names the cache folder."""
     data = hashlib.sha256(json.dumps([[r["problem"], r["answer"]] for r in train_rows]).encode()).hexdigest()
@@ -382,7 +374,7 @@ def rollout(model, tokenizer, prompts, group_size, max_new_tokens, temperature=1
     enc = tokenizer(prompts, padding=True, return_tensors="pt", add_special_tokens=False)
     prompt_mask = enc.attention_mask  # [P, Lp], left-padded
     positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # as generate: left padding does not shift positions
-    eos = torch.tensor(eos_token_ids(model, tokenizer))
+    eos = torch.tensor(stop_token_ids(tokenizer, model.generation_config))  # the one rule of every rung
     model.eval()
     cache = DynamicCache()
     logits = model(input_ids=enc.input_ids, attention_mask=prompt_mask, position_ids=positions, past_key_values=cache,

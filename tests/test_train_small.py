@@ -351,10 +351,10 @@ def _hf_generate(model, tokenizer, prompts, group_size, max_new_tokens, greedy):
     ids, mask = enc.input_ids.repeat_interleave(group_size, 0), enc.attention_mask.repeat_interleave(group_size, 0)
     sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
     config = GenerationConfig(max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                              eos_token_id=train_small.eos_token_ids(model, tokenizer), **sampling)
+                              eos_token_id=train_small.stop_token_ids(tokenizer, model.generation_config), **sampling)
     model.eval()
     out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1]:]
-    is_eos = torch.isin(out, torch.tensor(train_small.eos_token_ids(model, tokenizer)))
+    is_eos = torch.isin(out, torch.tensor(train_small.stop_token_ids(tokenizer, model.generation_config)))
     return torch.where((is_eos.cumsum(-1) - is_eos.long()) > 0, tokenizer.pad_token_id, out)  # padding after EOS
 
 
