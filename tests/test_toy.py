@@ -4,10 +4,13 @@ and the script writes its table, metrics and plot."""
 import json
 import math
 import os
+import subprocess
 import sys
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "toy"))
 import bandit  # noqa: E402
@@ -113,10 +116,12 @@ def test_main_writes_table_metrics_and_plot(tmp_path, capsys):
     out = tmp_path / "toy"
     bandit.main(["--seeds", "2", "--steps", "4", "--methods", "grpo", "d3s", "--workers", "1", "--out", str(out)])
     printed = capsys.readouterr().out
-    table = (out / "results.md").read_text()
-    assert table.strip() in printed
-    rows = [line for line in table.splitlines() if line.startswith("| ")]
-    assert [r.split("|")[1].strip() for r in rows] == ["method", "grpo", "d3s"]
+    results = (out / "results.md").read_text()
+    table = results.split("\n\n")[:2]  # per method; paired with grpo; then the notes and the command
+    assert "\n\n".join(table) in printed
+    rows = [line for line in results.splitlines() if line.startswith("| ")]
+    assert [r.split("|")[1].strip() for r in rows] == ["method", "grpo", "d3s", "method", "d3s"]
+    assert "95% t interval" in results and "--seeds 2 --steps 4" in results
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 2 * 2 * (4 + 1)  # methods x seeds x (steps + the final evaluation)
     assert {(m["method"], m["seed"]) for m in metrics} == {(m, s) for m in ("grpo", "d3s") for s in (0, 1)}
@@ -130,3 +135,177 @@ def test_parallel_workers_give_the_same_numbers(tmp_path):
     bandit.main(common + ["--workers", "2", "--out", str(tmp_path / "two")])
     one, two = ((tmp_path / d / "metrics.jsonl").read_text() for d in ("one", "two"))
     assert one == two
+
+
+def test_d3s_at_the_full_budget_trains_exactly_as_grpo():
+    """N = G and K = 1: cross-group selection keeps every rollout and top-K every token, so the run is
+    GRPO's, number for number (what the ablations in docs/toy.md vary starts from here)."""
+    args = bandit.parse_args(["--steps", "4", "--workers", "1", "--n-init", "32", "--n-final", "32", "--k-init", "1",
+                              "--k-final", "1"])
+    full, grpo = bandit.run("d3s", 3, args), bandit.run("grpo", 3, args)
+    assert full["reward"] == grpo["reward"] and full["grad_norm"] == grpo["grad_norm"]
+
+
+def test_ablation_switches_do_what_they_say():
+    def run(method, *flags):
+        return bandit.run(method, 2, bandit.parse_args(["--steps", "3", "--workers", "1", *flags]))
+
+    base = run("d3s")
+    # The loss at GRPO's normalizer: D3S's gradient norm is the logged "at GRPO's normalizer" one.
+    at_grpo_scale = run("d3s", "--normalizer", "all")
+    assert at_grpo_scale["grad_norm"][0] == pytest.approx(base["grad_norm_grpo_scale"][0], rel=1e-5)
+    assert at_grpo_scale["grad_norm"] == at_grpo_scale["grad_norm_grpo_scale"]
+    # No clipping: the same as clipping at a norm no step reaches; clipping at 1.0 does bind for D3S.
+    assert run("d3s", "--max-grad-norm", "0") == run("d3s", "--max-grad-norm", "1e6")
+    assert base["grad_norm"][0] > 1.0 and run("d3s", "--max-grad-norm", "0")["reward"] != base["reward"]
+    # The token rule moves the rows that select tokens, never the others (their rollouts stay the same).
+    assert run("grpo", "--token-rule", "random") == run("grpo")
+    assert run("d3s", "--token-rule", "random")["reward"] != base["reward"]
+    # SGD keeps the gradient's scale: the same first gradient, a different first step.
+    sgd = run("d3s", "--optimizer", "sgd", "--lr", "0.1")
+    assert sgd["grad_norm"][0] == base["grad_norm"][0] and sgd["reward"][1] != base["reward"][1]
+
+
+# ---------------------------------------------------------------------------------------------
+# The paired table: 95% t intervals, verdicts only where an interval excludes 0
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("q, df, expected", [  # Student's t quantiles, from printed tables
+    (0.975, 1, 12.7062), (0.975, 2, 4.3027), (0.975, 3, 3.1824), (0.975, 5, 2.5706), (0.975, 9, 2.2622),
+    (0.975, 29, 2.0452), (0.975, 30, 2.0423), (0.975, 100, 1.9840), (0.975, 1000, 1.9623), (0.95, 10, 1.8125),
+    (0.995, 4, 4.6041), (0.025, 9, -2.2622)])
+def test_t_quantile_matches_the_tables(q, df, expected):
+    assert bandit.t_quantile(q, df) == pytest.approx(expected, abs=1e-4)
+
+
+def test_t_cdf_is_a_distribution_function():
+    for df in (1, 2, 7, 30):
+        assert bandit.t_cdf(0.0, df) == 0.5
+        assert bandit.t_cdf(-1.3, df) == pytest.approx(1 - bandit.t_cdf(1.3, df))
+        values = [bandit.t_cdf(t / 4, df) for t in range(-40, 41)]
+        assert values == sorted(values) and values[0] > 0 and values[-1] < 1
+    assert bandit.t_cdf(1.96, 10**4) == pytest.approx(0.975, abs=1e-4)  # -> the normal
+
+
+def test_paired_interval():
+    m, lo, hi = bandit.paired_interval([1.0, 2.0, 3.0])  # mean 2, sd 1, t_{0.975, 2} = 4.3027
+    assert m == 2.0 and lo == pytest.approx(2 - 4.3027 / math.sqrt(3), abs=1e-4) and hi == pytest.approx(2 + 4.3027 / math.sqrt(3), abs=1e-4)
+    assert bandit.paired_interval([0.5]) == (0.5, None, None)  # one seed: no interval
+    assert bandit.paired_interval([0.2] * 5)[1:] == (0.2, 0.2)
+
+
+def fake_log(rewards):
+    """The keys summarize reads, for a run whose expected reward is `rewards` at steps 0, 1, ..."""
+    steps = len(rewards) - 1
+    log = {k: [0.5] * steps for k in ("grad_norm", "grad_norm_grpo_scale", "sur", "samples", "tokens", "k_real", "k_frac")}
+    return {**log, "step": list(range(steps + 1)), "reward": list(rewards), "solved": [0] * (steps + 1)}
+
+
+def test_the_verdict_needs_an_interval_that_excludes_zero():
+    args = bandit.parse_args(["--seeds", "4", "--target", "0.5", "0.8"])
+    base = [[0.1, 0.5, 0.6, 0.7], [0.1, 0.4, 0.6, 0.8], [0.1, 0.5, 0.7, 0.8], [0.1, 0.3, 0.5, 0.6]]
+    logs = {
+        "grpo": [fake_log(r) for r in base],
+        "later": [fake_log([r[0], r[0]] + r[1:-1]) for r in base],  # one step later everywhere: reward lower
+        "noise": [fake_log(r[:-1] + [r[-1] + d]) for r, d in zip(base, (0.05, -0.05, 0.04, -0.04))],
+    }
+    table = bandit.summarize(logs, args)
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in table.splitlines()[-2:]}
+    assert rows["later"][-1] == "lower final reward, lower mean reward over the run, slower to 0.5"
+    assert rows["later"][3].startswith("+1.0 [+1.0, +1.0] (4/4)")  # steps to 0.5: exactly one later on every seed
+    assert rows["noise"][-1] == "no" and rows["noise"][1] == "2/4"
+    assert "− grpo's" in table and "95%" in table
+
+
+def test_an_interval_that_touches_zero_as_printed_is_no_difference():
+    assert not bandit.excludes_zero(0.0002, 0.053, "%+.3f")  # printed [+0.000, +0.053]
+    assert bandit.excludes_zero(0.0006, 0.053, "%+.3f") and bandit.excludes_zero(-0.9, -0.06, "%+.1f")
+    assert not bandit.excludes_zero(-0.9, -0.04, "%+.1f") and not bandit.excludes_zero(None, None, "%+.3f")
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad input: one line `bandit.py: error: --flag VALUE: what; fix` on stderr, exit 2, before any work
+# ---------------------------------------------------------------------------------------------
+SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "toy", "bandit.py")
+A_FILE = os.path.abspath(__file__)  # an existing file: not a folder for --out
+BAD = [  # (argv, a fragment the one line must contain)
+    (["--steps", "-3"], "--steps -3"), (["--steps", "abc"], "--steps 'abc'"),
+    (["--steps", "2.5"], "--steps '2.5'"), (["--steps", "10000000"], "--steps"), (["--seeds", "0"], "--seeds 0"),
+    (["--lr", "nan"], "--lr nan"), (["--lr", "-1"], "--lr -1"), (["--lr", "inf"], "--lr inf"), (["--lr", "0"], "--lr 0"),
+    (["--lr=-inf"], "--lr -inf"), (["--lr", "-1e-3"], "--lr -1e-3"), (["--lr"], "--lr=VALUE"), (["--lr", ""], "--lr ''"),
+    (["--out", A_FILE], "is a file"), (["--out", os.path.join(A_FILE, "sub")], "cannot be made"), (["--out", ""], "--out ''"),
+    (["--prompts", "0"], "--prompts 0"), (["--batch-prompts", "-2"], "--batch-prompts -2"),
+    (["--batch-prompts", "17"], "--batch-prompts 17"), (["--group-size", "1"], "--group-size 1"),
+    (["--length", "0"], "--length 0"), (["--vocab", "1"], "--vocab 1"), (["--hidden", "0"], "--hidden 0"),
+    (["--max-decisions", "9"], "--max-decisions 9"),
+    (["--k-init", "0"], "--k-init 0"), (["--k-final", "1.5"], "--k-final 1.5"), (["--static-k", "nan"], "--static-k nan"),
+    (["--n-init", "33"], "--n-init 33"), (["--static-n", "64"], "--static-n 64"),
+    (["--hint", "nan"], "--hint nan"), (["--filler-logit", "inf"], "--filler-logit inf"), (["--hint", "1e9"], "--hint 1e9"),
+    (["--max-grad-norm", "-1"], "--max-grad-norm -1"), (["--target", "0.5", "1.5"], "--target 1.5"),
+    (["--workers", "0"], "--workers 0"), (["--explain-every", "-1"], "--explain-every -1"),
+    (["--methods", "nope"], "--methods"), (["--methods", "grpo", "grpo"], "named twice"),
+    (["--optimizer", "rmsprop"], "--optimizer"), (["--token-rule", "x"], "--token-rule"),
+    (["--group-size", "4096", "--vocab", "256", "--batch-prompts", "16"], "tensor elements"), (["--no-such-flag"], "--no-such-flag"),
+]
+
+
+@pytest.fixture(scope="module")
+def bad_runs(tmp_path_factory):
+    """Every BAD argv run as a script, a few at a time (each costs an interpreter start). In front of
+    each, a tiny valid setting (a later flag wins): should a bad value slip through, it runs for a second."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    tiny = ["--seeds", "1", "--steps", "1", "--workers", "1", "--methods", "grpo", "--out", str(tmp_path_factory.mktemp("bad"))]
+
+    def one(argv):
+        return subprocess.run([sys.executable, SCRIPT, *tiny, *argv], capture_output=True, text=True, timeout=60)
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        return dict(zip((tuple(a) for a, _ in BAD), pool.map(one, [a for a, _ in BAD])))
+
+
+@pytest.mark.parametrize("argv, fragment", BAD, ids=[" ".join(a) or "empty" for a, _ in BAD])
+def test_bad_input_gets_one_line_and_exit_2(bad_runs, argv, fragment):
+    result = bad_runs[tuple(argv)]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr and len(lines) == 1, result.stderr
+    assert lines[0].startswith("bandit.py: error: ") and fragment in lines[0], lines[0]
+    assert result.stdout == ""  # nothing ran
+
+
+WIDE = st.one_of(  # wider than any flag's valid range
+    st.integers(-10, 10), st.integers(10**6, 10**12), st.integers(-(10**12), -(10**6)),
+    st.floats(allow_nan=True, allow_infinity=True), st.sampled_from(["", "abc", "1e999", "-inf", "0x10", "DIR", "FILE"]))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(flags=st.dictionaries(st.sampled_from(["--steps", "--seeds", "--lr", "--hint", "--max-grad-norm", "--group-size",
+                                              "--n-init", "--k-init", "--target", "--out"]), WIDE, max_size=3))
+def test_fuzzed_flags_run_or_fail_with_one_line(tmp_path_factory, flags):
+    """In this process (an interpreter start per example would cost more than the runs): any value
+    either runs (tiny settings) or exits 2 with one line; another exception would fail the test."""
+    import contextlib
+    import io
+
+    folder = tmp_path_factory.mktemp("fuzz")
+    (folder / "a_file").write_text("")
+    argv = ["--steps", "1", "--seeds", "1", "--methods", "grpo", "d3s", "--workers", "1", "--prompts", "4",
+            "--batch-prompts", "2", "--group-size", "4", "--n-init", "2", "--n-final", "4", "--length", "4", "--vocab", "4",
+            "--hidden", "8", "--out", str(folder / "out")]
+    for flag, value in flags.items():
+        value = {"DIR": str(folder), "FILE": str(folder / "a_file")}.get(value, value)
+        argv += [flag, str(value)]
+    err, here = io.StringIO(), os.getcwd()
+    os.chdir(folder)  # a relative --out ("41308667") lands in the temporary folder, not in the repository
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            bandit.main(argv)
+            code = 0
+        except SystemExit as e:
+            code = e.code
+        finally:
+            os.chdir(here)
+    lines = [line for line in err.getvalue().splitlines() if line.strip()]
+    assert code in (0, 2), (argv, code, err.getvalue())
+    if code == 2:
+        assert len(lines) == 1 and lines[0].startswith("bandit.py: error: "), (argv, err.getvalue())

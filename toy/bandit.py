@@ -24,15 +24,24 @@ d2s -> d3s, plus d3s-i, pods and a random control.
 
 Reported per method, mean ± std over seeds: steps until the exact expected reward over all
 prompts, mean_p E[R | p], first reaches each --target (seeds that never do are counted, not
-averaged); that reward and the prompts with E[R | p] >= 0.5 after the last step; the mean
-gradient norm (before clipping); the Sample Usefulness Rate; the rollouts and tokens trained
-on in the whole run. Per step, metrics.jsonl also has the scheduled and realised K, the
-entropy of the trained rollouts' tokens and of the selected ones, and the KL (k3) to the
-initial policy on the selected tokens (measured, not in the loss).
+averaged); that reward after the last step and its mean over the run; the prompts with
+E[R | p] >= 0.5; the mean gradient norm (before clipping); the Sample Usefulness Rate; the
+rollouts and tokens trained on in the whole run. Then each method paired by seed with grpo
+(same task, initial policy and prompt order): the difference in final reward, in mean reward
+over the run and in steps to each target (seeds where both reach it), as mean [95% t interval
+over seeds], and the verdict: a method differs from grpo only where an interval excludes 0.
+Per-seed numbers move with the CPU's floating-point path; the verdicts should not.
+Per step, metrics.jsonl also has the scheduled and realised K, the entropy of the trained
+rollouts' tokens and of the selected ones, and the KL (k3) to the initial policy on the
+selected tokens (measured, not in the loss).
 Left out on purpose: a KL penalty, batch reuse (ratios and clipping never bind on-policy), GSPO.
+Ablation switches (docs/toy.md, "why is D3S slower in steps"): --optimizer, --normalizer,
+--max-grad-norm 0, --token-rule, and the schedule's --n-init/--n-final/--k-init/--k-final.
+Bad flags stop before any work with one line, `bandit.py: error: --flag VALUE: what; fix`, exit 2.
 
-    python toy/bandit.py                     # 8 methods x 10 seeds: table, runs/toy/toy.png
+    python toy/bandit.py                     # 8 methods x 30 seeds: tables, runs/toy/toy.png
     python toy/bandit.py --seeds 3 --methods grpo d3s --filler-logit 0
+    python toy/bandit.py --methods grpo d3s --n-init 32 --k-init 0.2     # D3S at its final budget from step 0
     python toy/bandit.py --seeds 1 --methods d3s d3s-i --explain-every 20   # + pages: runs/toy/explain/
 """
 
@@ -42,6 +51,7 @@ import json
 import math
 import multiprocessing as mp
 import os
+import re
 import sys
 import time
 
@@ -55,46 +65,177 @@ import d3s  # noqa: E402
 import explain  # noqa: E402
 
 
+PROG = "bandit.py"  # the name in every error line, however the script is started
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are ONE line on stderr, `bandit.py: error: --flag VALUE: what is wrong; what to
+    do`, exit 2 (argparse's own error prints the usage block first)."""
+
+    def error(self, message):
+        message = " ".join(str(message).split())  # one line, whatever argparse put in it
+        flag = re.match(r"argument (--[\w-]+)(?:/\S+)?: expected one argument$", message)
+        if flag:  # "--lr -inf": argparse takes only "-1" and "-.5" for numbers, anything else for a flag
+            message = f"{flag.group(1)}: expected one value; pass it after the flag (one that starts with '-' as {flag.group(1)}=VALUE)"
+        message = re.sub(r"^argument (--[\w-]+)(?:/\S+)?: ", r"\1: ", message)  # "argument --x: ..." -> "--x: ..."
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+# Every numeric flag: (type, lowest, highest, open at the lowest?, what it is). Checked after parsing
+# (parse_args), so every message has one form; the highest values keep a run's tensors within memory
+# (and _check_args bounds the products).
+LIMITS = {
+    "seeds": (int, 1, 10_000, False, "the seeds per method"),
+    "steps": (int, 1, 100_000, False, "the training steps per run"),
+    "prompts": (int, 1, 4096, False, "the prompts in the task"),
+    "batch_prompts": (int, 1, 4096, False, "the prompts per step (at most --prompts)"),
+    "group_size": (int, 2, 4096, False, "the rollouts per prompt (an advantage needs 2)"),
+    "length": (int, 1, 256, False, "the tokens per answer"),
+    "vocab": (int, 2, 256, False, "the vocabulary size"),
+    "max_decisions": (int, 1, 256, False, "the decision positions of the hardest prompt (at most --length)"),
+    "hint": (float, -100.0, 100.0, False, "a logit bonus"),
+    "filler_logit": (float, -100.0, 100.0, False, "a logit bonus"),
+    "hidden": (int, 1, 4096, False, "the MLP width"),
+    "lr": (float, 0.0, 100.0, True, "a learning rate"),
+    "max_grad_norm": (float, 0.0, 1e6, False, "a clipping norm (0: no clipping)"),
+    "n_init": (int, 1, 4096, False, "rollouts kept per prompt (at most --group-size)"),
+    "n_final": (int, 1, 4096, False, "rollouts kept per prompt (at most --group-size)"),
+    "k_init": (float, 0.0, 1.0, True, "a fraction of the tokens"),
+    "k_final": (float, 0.0, 1.0, True, "a fraction of the tokens"),
+    "static_n": (int, 1, 4096, False, "rollouts kept per prompt (at most --group-size)"),
+    "static_k": (float, 0.0, 1.0, True, "a fraction of the tokens"),
+    "target": (float, 0.0, 1.0, True, "an expected reward"),
+    "workers": (int, 1, 64, False, "a number of processes"),
+    "explain_every": (int, 0, 10**9, False, "a number of steps (0: no pages)"),
+}
+MAX_ELEMENTS = 2**26  # the largest tensors of a step: sampling logits P*G*L*V, the exact-reward grid prompts*L*(V+1)*max(V, hidden)
+
+
+def _number(p, name, raw):
+    """The value of numeric flag `name`, converted and checked; a one-line error naming flag, value and fix."""
+    kind, low, high, open_low, what = LIMITS[name]
+    flag, shown = "--" + name.replace("_", "-"), raw if isinstance(raw, str) else repr(raw)
+    interval = f"{'(' if open_low else '['}{low:g}, {high:g}]"
+    try:
+        value = kind(raw)
+    except (TypeError, ValueError, OverflowError):
+        p.error(f"{flag} {shown!r}: not {'an integer' if kind is int else 'a number'}; pass {what}, in {interval}")
+    if kind is float and not math.isfinite(value):
+        p.error(f"{flag} {shown}: not a finite number; pass {what}, in {interval}")
+    if not (low < value if open_low else low <= value) or value > high:
+        p.error(f"{flag} {shown}: out of range; pass {what}, in {interval}")
+    return value
+
+
+def _check_out(p, out):
+    """--out must name a folder that exists or can be made: not a file, writable."""
+    if not out.strip():
+        p.error("--out '': empty; pass a folder for the results, e.g. runs/toy")
+    path = os.path.abspath(out)
+    if os.path.exists(path) and not os.path.isdir(path):
+        p.error(f"--out {out}: is a file, not a folder; pass a folder (it is made if missing)")
+    parent = path
+    while not os.path.exists(parent):  # the nearest ancestor that exists: the one makedirs would write into
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        p.error(f"--out {out}: {parent} is a file, so the folder cannot be made; pass another folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        p.error(f"--out {out}: {parent} is not writable; pass a folder you can write to")
+
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    a = p.add_argument
+    p = _Parser(prog=PROG, description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    a = p.add_argument  # numbers are parsed as text and checked below (LIMITS): one message form for all
     a("--methods", nargs="+", default=list(d3s.METHODS), choices=list(d3s.METHODS),
       help="methods to compare (rows of d3s.LADDER: the paper's ablation ladder, pods and a random control)")
-    a("--seeds", type=int, default=10, help="seeds per method (seed s: same task, init and prompt order for all methods)")
-    a("--steps", type=int, default=80, help="training steps per run")
-    a("--prompts", type=int, default=16, help="prompts in the task")
-    a("--batch-prompts", type=int, default=8, help="P: prompts per step")
-    a("--group-size", type=int, default=32, help="G: rollouts per prompt (the paper's N schedule ends at 32)")
-    a("--length", type=int, default=8, help="L: tokens per answer")
-    a("--vocab", type=int, default=8, help="V: vocabulary size")
-    a("--max-decisions", type=int, default=3, help="prompt p has 1 + p %% max-decisions decision positions")
-    a("--hint", type=float, default=1.0, help="base-policy logit bonus of the right token at decision positions")
-    a("--filler-logit", type=float, default=3.0, help="base-policy logit bonus of a habitual token at filler positions "
+    a("--seeds", default=30, help="seeds per method (seed s: same task, init and prompt order for all methods); "
+      "the paired 95%% intervals against grpo shrink as 1/sqrt(seeds)")
+    a("--steps", default=80, help="training steps per run")
+    a("--prompts", default=16, help="prompts in the task")
+    a("--batch-prompts", default=8, help="P: prompts per step")
+    a("--group-size", default=32, help="G: rollouts per prompt (the paper's N schedule ends at 32)")
+    a("--length", default=8, help="L: tokens per answer")
+    a("--vocab", default=8, help="V: vocabulary size")
+    a("--max-decisions", default=3, help="prompt p has 1 + p %% max-decisions decision positions")
+    a("--hint", default=1.0, help="base-policy logit bonus of the right token at decision positions")
+    a("--filler-logit", default=3.0, help="base-policy logit bonus of a habitual token at filler positions "
       "(high: filler has low entropy, as most LLM tokens; 0: filler is as uncertain as the decisions)")
-    a("--hidden", type=int, default=64, help="policy MLP width")
-    a("--lr", type=float, default=1e-2, help="Adam learning rate")
-    a("--max-grad-norm", type=float, default=1.0, help="gradient clipping (the norm is logged before clipping)")
-    a("--n-init", type=int, default=8, help="D3S schedule: rollouts kept per prompt at step 0")
-    a("--n-final", type=int, default=32, help="D3S schedule: rollouts kept per prompt at the last step")
-    a("--k-init", type=float, default=0.05, help="D3S schedule: fraction of tokens kept at step 0")
-    a("--k-final", type=float, default=0.20, help="D3S schedule: fraction of tokens kept at the last step")
-    a("--static-n", type=int, default=None, help="N of the static rows d1s, d1s-cross, d2s, pods (default: the "
+    a("--hidden", default=64, help="policy MLP width")
+    a("--optimizer", default="adam", choices=["adam", "sgd"], help="adam: torch.optim.Adam (the rungs' AdamW without "
+      "weight decay); sgd: plain SGD, which, unlike Adam, keeps the gradient's scale (ablation, docs/toy.md)")
+    a("--lr", default=1e-2, help="learning rate")
+    a("--max-grad-norm", default=1.0, help="gradient clipping (the norm is logged before clipping); 0: no clipping")
+    a("--normalizer", default="selected", choices=["selected", "all"], help="the loss divides by: selected = the "
+      "tokens it trains on (the paper's token-mean); all = every token of the P*G rollouts (GRPO's count, so "
+      "every method's gradient has GRPO's scale; ablation, docs/toy.md)")
+    a("--n-init", default=8, help="D3S schedule: rollouts kept per prompt at step 0")
+    a("--n-final", default=32, help="D3S schedule: rollouts kept per prompt at the last step")
+    a("--k-init", default=0.05, help="D3S schedule: fraction of tokens kept at step 0")
+    a("--k-final", default=0.20, help="D3S schedule: fraction of tokens kept at the last step")
+    a("--static-n", default=None, help="N of the static rows d1s, d1s-cross, d2s, pods (default: the "
       "schedule's midpoint, 20) (choice)")
-    a("--static-k", type=float, default=None, help="K of d2s (default: the schedule's midpoint, 0.125) (choice)")
+    a("--static-k", default=None, help="K of d2s (default: the schedule's midpoint, 0.125) (choice)")
+    a("--token-rule", default="adv-entropy", choices=list(d3s.TOKEN_RULES), help="token score of the methods that "
+      "select tokens (d3s.token_scores): adv-entropy = |A| * H, the paper's; entropy = H; adv = |A|; random = a control")
     a("--min-token-per-response", action="store_true", help="every kept response keeps at least its best token "
       "(off: the paper's plain top-K%%; with L = 8 the floor would keep >= 12.5%% of the tokens at any K)")
-    a("--target", type=float, nargs="+", default=[0.5, 0.8], help="'steps to target': first step with expected reward >= each")
-    a("--workers", type=int, default=2, help="runs in parallel (processes); 1 runs in this process")
-    a("--out", default="runs/toy", help="output folder for results.md, metrics.jsonl and toy.png")
-    a("--explain-every", type=int, default=0, help="0: off. N > 0: step 0 and every N-th step write a page of what "
+    a("--target", nargs="+", default=[0.5, 0.8], help="'steps to target': first step with expected reward >= each")
+    a("--workers", default=2, help="runs in parallel (processes); 1 runs in this process")
+    a("--out", default="runs/toy", help="output folder for results.md, metrics.jsonl and toy.png (made if missing)")
+    a("--explain-every", default=0, help="0: off. N > 0: step 0 and every N-th step write a page of what "
       "the step trains on (explain.py) to OUT/explain/METHOD_seedS/step_NNNNNN.{html,png}")
-    args = p.parse_args(argv)
-    if args.explain_every < 0:
-        p.error(f"--explain-every={args.explain_every}: must be >= 0 (0 turns the pages off)")
-    args.static_n, args.static_k = d3s.method_budget("d2s", 0, 1, args.group_size, args.n_init, args.n_final, args.k_init,
-                                                     args.k_final, args.static_n, args.static_k)  # checks N <= G
+    args = p.parse_args(_glue_dash_values(p, sys.argv[1:] if argv is None else argv))
+    _check_args(p, args)
     return args
+
+
+def _glue_dash_values(p, argv):
+    """["--lr", "-inf"] -> ["--lr=-inf"]: argparse takes only "-1" and "-.5" for values, so "-inf" or
+    "-1e-3" after a one-value flag would be read as an unknown flag instead of a bad (or good) value."""
+    options = {o for action in p._actions for o in action.option_strings}
+    one_value = {o for action in p._actions if action.nargs is None for o in action.option_strings}
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] in one_value and i + 1 < len(argv) and argv[i + 1].startswith("-") and argv[i + 1] not in options:
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
+
+
+def _check_args(p, args):
+    """Every flag, before any work: one line `bandit.py: error: --flag VALUE: what is wrong; what to do`, exit 2."""
+    for name in LIMITS:
+        raw = getattr(args, name)
+        if name == "target":
+            args.target = [_number(p, name, v) for v in raw]
+        elif raw is not None:  # --static-n and --static-k default to None: the schedule's midpoint
+            setattr(args, name, _number(p, name, raw))
+    if len(set(args.methods)) < len(args.methods):
+        p.error(f"--methods {' '.join(args.methods)}: a method is named twice; name each once")
+    if args.batch_prompts > args.prompts:
+        p.error(f"--batch-prompts {args.batch_prompts}: more than the {args.prompts} prompts of the task; "
+                f"lower it or raise --prompts")
+    if args.max_decisions > args.length:
+        p.error(f"--max-decisions {args.max_decisions}: more than the {args.length} positions of an answer; "
+                f"lower it or raise --length")
+    for name in ("n_init", "n_final", "static_n"):
+        value = getattr(args, name)
+        if value is not None and value > args.group_size:
+            p.error(f"--{name.replace('_', '-')} {value}: more than the {args.group_size} rollouts of a group; "
+                    f"lower it or raise --group-size")
+    rollout_logits = args.batch_prompts * args.group_size * args.length * args.vocab
+    reward_grid = args.prompts * args.length * (args.vocab + 1) * max(args.vocab, args.hidden)
+    for size, flags in ((rollout_logits, "--batch-prompts x --group-size x --length x --vocab"),
+                        (reward_grid, "--prompts x --length x (--vocab + 1) x max(--vocab, --hidden)")):
+        if size > MAX_ELEMENTS:
+            p.error(f"{flags.split(' ')[0]} {getattr(args, flags.split(' ')[0][2:].replace('-', '_'))}: "
+                    f"{flags} = {size:,} tensor elements, over {MAX_ELEMENTS:,}; make one of them smaller")
+    _check_out(p, args.out)
+    args.static_n, args.static_k = d3s.method_budget("d2s", 0, 1, args.group_size, args.n_init, args.n_final, args.k_init,
+                                                     args.k_final, args.static_n, args.static_k)  # checked above
 
 
 # ---------------------------------------------------------------------------------------------
@@ -178,21 +319,32 @@ def expected_reward(policy, task):
 # ---------------------------------------------------------------------------------------------
 # 3. One run: the six-step loop of ALGORITHM.md section 6
 # ---------------------------------------------------------------------------------------------
+class Diverged(RuntimeError):
+    """The policy went non-finite (a learning rate too large for the setting): main turns it into one line."""
+
+
 def run(method, seed, args):
     """Train one policy with `method`; returns per-step lists (reward, grad norm, counts)."""
     task = make_task(args, seed)
     torch.manual_seed(seed)  # same initial policy for every method of a seed
     policy = Policy(task["prior"], args.hidden)
     initial = copy.deepcopy(policy).requires_grad_(False)  # the reference of the logged KL
-    opt = torch.optim.Adam(policy.parameters(), lr=args.lr)
+    optimizer = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD}[args.optimizer]
+    opt = optimizer(policy.parameters(), lr=args.lr)
+    clip = args.max_grad_norm if args.max_grad_norm > 0 else math.inf  # inf: the norm is measured, nothing is scaled
+    all_tokens = args.normalizer == "all"
+    rule = args.token_rule if d3s.LADDER[method][2] else "adv-entropy"  # rows without token selection keep every token
     gen = torch.Generator().manual_seed(seed)  # prompt order, rollouts and "random" selection
+    score_gen = torch.Generator().manual_seed(seed)  # --token-rule random/adv: its own stream, the rollouts' is untouched
     P, G, L = args.batch_prompts, args.group_size, args.length
     log = {k: [] for k in ("step", "reward", "solved", "train_reward", "grad_norm", "grad_norm_grpo_scale", "n_keep", "k_frac",
                            "k_real", "samples",
                            "tokens", "sur", "decision_share", "kept_var", "entropy_mean", "entropy_kept", "kl_ref",
-                           "entropy_decision", "entropy_filler")}
+                           "entropy_decision", "entropy_filler", "skipped")}
     for step in range(args.steps + 1):
         reward_per_prompt = expected_reward(policy, task)  # [prompts], before the update of `step`
+        if not torch.isfinite(reward_per_prompt).all():  # a NaN anywhere in the policy's table of pi(v | p, t, u)
+            raise Diverged(f"{method} seed {seed}: the policy went non-finite before step {step}")
         log["step"].append(step)
         log["reward"].append(float(reward_per_prompt.mean()))
         log["solved"].append(int((reward_per_prompt >= 0.5).sum()))
@@ -218,23 +370,28 @@ def run(method, seed, args):
             ref_logp = initial(prompt_ids[kept], tokens[kept]).log_softmax(-1).gather(-1, tokens[kept].unsqueeze(-1)).squeeze(-1)
         # 5) token selection: top K of s_{i,t} = |A_i| * H_{i,t} over the whole batch
         mask = torch.ones_like(logp, dtype=torch.bool)  # every answer has exactly L tokens
-        token_scores = d3s.token_scores(kept_adv, entropy)  # s_{i,t} = |A_i| * H_{i,t}, [B, L]
+        token_scores = d3s.token_scores(kept_adv, entropy, rule=rule, generator=score_gen)  # s_{i,t} = |A_i| * H_{i,t}, [B, L]
         token_keep = d3s.select_tokens(token_scores, mask, k_frac, min_per_seq=int(args.min_token_per_response))  # [B, L]
         # 6) loss on the selected tokens (on-policy, one update: w = 1, gradient -A grad logp / #tokens)
-        loss, stats = d3s.policy_loss(logp, logp.detach(), kept_adv, token_keep, kind="grpo", ref_logp=ref_logp)
+        normalizer = P * G * L if all_tokens else None  # None: the selected tokens (token-mean)
+        loss, stats = d3s.policy_loss(logp, logp.detach(), kept_adv, token_keep, kind="grpo", ref_logp=ref_logp,
+                                      normalizer=normalizer)
         opt.zero_grad()
         loss.backward()
-        grad_norm = nn.utils.clip_grad_norm_(policy.parameters(), args.max_grad_norm)  # norm before clipping
-        opt.step()
+        grad_norm = nn.utils.clip_grad_norm_(policy.parameters(), clip)  # norm before clipping
+        skipped = not torch.isfinite(grad_norm)  # a non-finite gradient: no update this step
+        if not skipped:
+            opt.step()
         if args.explain_every and step % args.explain_every == 0:  # reads this step's tensors, draws no random number
-            extra = {"loss": loss.item(), "loss normalizer (selected tokens)": int(token_keep.sum()),
+            extra = {"loss": loss.item(), "loss normalizer (%s tokens)" % args.normalizer: int(normalizer or token_keep.sum()),
                      "grad norm (before clipping)": float(grad_norm)}
             write_explain(args, method, seed, step, task, prompts, tokens, rewards, keep, adv, kept, entropy, token_scores,
                           token_keep, n_keep, k_frac, extra)
         for k, v in (("train_reward", rewards.mean()), ("grad_norm", grad_norm), ("n_keep", n_keep), ("k_frac", k_frac),
                      # the norm the same gradient has when divided by GRPO's count (all P * G * L tokens) instead of
                      # the tokens in the loss: what is left of the gradient-norm gain once the normalizer is set aside
-                     ("grad_norm_grpo_scale", grad_norm * token_keep.sum() / (P * G * L)),
+                     ("grad_norm_grpo_scale", grad_norm * (P * G * L if all_tokens else token_keep.sum()) / (P * G * L)),
+                     ("skipped", skipped),
                      ("k_real", token_keep.sum() / mask.sum()), ("samples", kept.numel()), ("tokens", token_keep.sum()),
                      ("sur", d3s.usefulness_rate(adv, keep)), ("kept_var", d3s.kept_variance(adv, keep)),
                      ("decision_share", decisions[kept][token_keep].float().mean()),  # of the trained tokens
@@ -280,32 +437,122 @@ def mean_std(values):
     return m, math.sqrt(sum((v - m) ** 2 for v in values) / max(len(values) - 1, 1))
 
 
-def summarize(logs, args):
-    """Markdown table, one row per method, mean ± std over seeds."""
+def t_cdf(t, df):
+    """P(T <= t) for Student's t with an integer df >= 1, exact: the finite series of Abramowitz &
+    Stegun 26.7.3 (odd df) and 26.7.4 (even df) in theta = atan(t / sqrt(df)); no scipy needed."""
+    theta = math.atan(abs(t) / math.sqrt(df))
+    c2, s = math.cos(theta) ** 2, math.sin(theta)
+    term, total = 1.0, 1.0
+    if df % 2:  # A = 2/pi (theta + sin cos (1 + 2/3 c^2 + 2*4/(3*5) c^4 + ... up to c^(df-3)))
+        for k in range(1, (df - 1) // 2):
+            term *= c2 * (2 * k) / (2 * k + 1)
+            total += term
+        a = 2 / math.pi * (theta + (s * math.cos(theta) * total if df > 1 else 0.0))
+    else:  # A = sin (1 + 1/2 c^2 + 1*3/(2*4) c^4 + ... up to c^(df-2))
+        for k in range(1, df // 2):
+            term *= c2 * (2 * k - 1) / (2 * k)
+            total += term
+        a = s * total
+    return 0.5 + math.copysign(a / 2, t)  # A = P(|T| < |t|)
+
+
+def t_quantile(q, df):
+    """The q-quantile of Student's t with integer df >= 1, q in (0, 1): bisection on t_cdf to 1e-10.
+    t_quantile(0.975, 9) = 2.2622, (0.975, 29) = 2.0452, (0.975, 10**4) = 1.9602."""
+    if q < 0.5:
+        return -t_quantile(1 - q, df)
+    low, high = 0.0, 1.0
+    while t_cdf(high, df) < q:
+        high *= 2
+    while high - low > 1e-10 * max(1.0, high):
+        mid = (low + high) / 2
+        low, high = (mid, high) if t_cdf(mid, df) < q else (low, mid)
+    return (low + high) / 2
+
+
+def paired_interval(diffs, level=0.95):
+    """(mean, lower, upper) of paired differences: mean ± t_{(1+level)/2, n-1} * sd / sqrt(n); no bounds for n < 2."""
+    n = len(diffs)
+    m, sd = mean_std(diffs)
+    if n < 2:
+        return m, None, None
+    half = t_quantile((1 + level) / 2, n - 1) * sd / math.sqrt(n)
+    return m, m - half, m + half
+
+
+def excludes_zero(lower, upper, fmt):
+    """Does the interval exclude 0 as printed with `fmt`? [+0.000, +0.053] is read as touching 0, as a reader
+    sees it: the verdict never rests on a digit the table does not show."""
+    return lower is not None and (float(fmt % lower) > 0 or float(fmt % upper) < 0)
+
+
+def steps_to(log, target):
+    """The first step whose expected reward is >= target, None if the run never gets there."""
+    return next((s for s, r in zip(log["step"], log["reward"]) if r >= target), None)
+
+
+def summarize(logs, args, reference="grpo"):
+    """Markdown: one row per method, mean ± std over seeds; then, when `reference` ran, each method
+    paired by seed with it (same task, initial policy and prompt order) with 95% t intervals."""
     head = ["method"] + ["steps to reward ≥ %g" % t for t in args.target]
-    head += ["final reward", "prompts solved /%d" % args.prompts, "mean grad norm", "… at GRPO's normalizer", "SUR",
-             "rollouts trained", "tokens trained"]
-    head += ["final reward − grpo's, same seed (seeds above)"] if "grpo" in logs else []
-    head += ["K realised / scheduled"]
+    head += ["final reward", "mean reward over the run", "prompts solved /%d" % args.prompts, "mean grad norm",
+             "… at GRPO's normalizer", "SUR", "rollouts trained", "tokens trained", "K realised / scheduled"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for method, runs in logs.items():
         cells = [method]
         for target in args.target:  # seeds that never reach the target are counted, not averaged
-            hits = [next((s for s, r in zip(log["step"], log["reward"]) if r >= target), None) for log in runs]
-            reached = [h for h in hits if h is not None]
+            reached = [h for h in (steps_to(log, target) for log in runs) if h is not None]
             cells.append("%.0f ± %.0f (%d/%d)" % (*mean_std(reached), len(reached), len(runs)) if reached else "– (0/%d)" % len(runs))
-        for key, reduce, fmt in (("reward", lambda v: v[-1], "%.3f ± %.3f"), ("solved", lambda v: v[-1], "%.1f ± %.1f"),
+        for key, reduce, fmt in (("reward", lambda v: v[-1], "%.3f ± %.3f"), ("reward", lambda v: sum(v) / len(v), "%.3f ± %.3f"),
+                                 ("solved", lambda v: v[-1], "%.1f ± %.1f"),
                                  ("grad_norm", lambda v: sum(v) / len(v), "%.3f ± %.3f"),
                                  ("grad_norm_grpo_scale", lambda v: sum(v) / len(v), "%.3f ± %.3f"),
                                  ("sur", lambda v: sum(v) / len(v), "%.2f"),
                                  ("samples", sum, "%.0f"), ("tokens", sum, "%.0f ± %.0f")):
             cells.append(fmt % mean_std([reduce(log[key]) for log in runs])[: fmt.count("%")])
-        if "grpo" in logs:  # paired by seed (same task, init and prompt order): final reward minus GRPO's
-            diffs = [log["reward"][-1] - base["reward"][-1] for log, base in zip(runs, logs["grpo"])]
-            cells.append("%+.3f ± %.3f (%d/%d)" % (*mean_std(diffs), sum(d > 0 for d in diffs), len(diffs)))
         realised = [sum(log["k_real"]) / len(log["k_real"]) for log in runs]
         scheduled = [sum(log["k_frac"]) / len(log["k_frac"]) for log in runs]
         cells.append("%.3f / %.3f" % (sum(realised) / len(runs), sum(scheduled) / len(runs)))
+        rows.append("| " + " | ".join(cells) + " |")
+    table = "\n".join(rows)
+    if reference in logs and len(logs) > 1:
+        table += "\n\n" + paired_table(logs, args, reference)
+    return table
+
+
+def paired_table(logs, args, reference="grpo"):
+    """Each method minus `reference`, seed by seed: mean [95% t interval], and the verdict: it differs
+    only where the interval, as printed, excludes 0."""
+    fmt_interval = lambda m, lo, hi, f: (f % m) + (" [%s, %s]" % (f % lo, f % hi) if lo is not None else " (no interval: 1 seed)")  # noqa: E731
+    head = ["method", f"final reward − {reference}'s", "seeds better", f"mean reward over the run − {reference}'s"]
+    head += [f"steps to ≥ {t:g} − {reference}'s (seeds where both reach it)" for t in args.target]
+    head += [f"differs from {reference} (95%)"]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    base = logs[reference]
+    for method, runs in logs.items():
+        if method == reference:
+            continue
+        verdict, cells = [], [method]
+        for name, key, reduce in (("final reward", "reward", lambda v: v[-1]),
+                                  ("mean reward over the run", "reward", lambda v: sum(v) / len(v))):
+            diffs = [reduce(log[key]) - reduce(ref[key]) for log, ref in zip(runs, base)]
+            m, lo, hi = paired_interval(diffs)
+            cells.append(fmt_interval(m, lo, hi, "%+.3f"))
+            if name == "final reward":
+                cells.append("%d/%d" % (sum(d > 0 for d in diffs), len(diffs)))
+            if excludes_zero(lo, hi, "%+.3f"):
+                verdict.append(("higher " if lo > 0 else "lower ") + name)
+        for target in args.target:
+            pairs = [(steps_to(log, target), steps_to(ref, target)) for log, ref in zip(runs, base)]
+            diffs = [a - b for a, b in pairs if a is not None and b is not None]
+            if not diffs:
+                cells.append("– (0/%d)" % len(runs))
+                continue
+            m, lo, hi = paired_interval(diffs)
+            cells.append(fmt_interval(m, lo, hi, "%+.1f") + " (%d/%d)" % (len(diffs), len(runs)))
+            if excludes_zero(lo, hi, "%+.1f"):
+                verdict.append(("slower" if lo > 0 else "faster") + " to %g" % target)
+        cells.append(", ".join(verdict) if verdict else "no")
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
@@ -333,7 +580,8 @@ def plot(logs, args, path):
     for target in args.target:
         ax_r.axhline(target, color="grey", lw=0.6, ls=":")
     ax_r.set(xlabel="step", ylabel="expected reward, all prompts", title="reward (mean ± std of %d seeds)" % args.seeds)
-    ax_g.set(xlabel="step", ylabel="gradient norm before clipping", yscale="log",
+    positive = any(v > 0 for runs in logs.values() for log in runs for v in log["grad_norm"])  # else no log axis
+    ax_g.set(xlabel="step", ylabel="gradient norm before clipping", yscale="log" if positive else "linear",
              title="gradient norm (mean ± std, 5-step mean)")
     ax_r.legend(fontsize=7, ncol=2)
     fig.tight_layout()
@@ -350,6 +598,16 @@ def _run_job(job):
     return method, seed, run(method, seed, args)
 
 
+def notes(args, reference="grpo"):
+    """What the tables' numbers are, written under them in results.md."""
+    return ("First table: mean ± std over the %d seeds; steps to a target average the seeds that reach it (counted in "
+            "brackets). Second table: each method minus %s on the same seed (same task, initial policy and prompt "
+            "order), mean [95%% t interval over seeds: mean ± t_{0.975, n-1} · sd / √n]; steps to a target over the "
+            "seeds where both reach it (counted in brackets). A method differs from %s only where the interval, as "
+            "printed, excludes 0. Per-seed numbers move with the CPU's floating-point path (RL amplifies a last-bit "
+            "difference); the interval verdicts should not." % (args.seeds, reference, reference))
+
+
 def main(argv=None):
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -357,8 +615,14 @@ def main(argv=None):
     jobs = [(m, s, args) for m in args.methods for s in range(args.seeds)]
     pool = mp.get_context("spawn").Pool(args.workers) if args.workers > 1 else None  # runs are independent
     results = pool.imap_unordered(_run_job, jobs) if pool else map(_run_job, jobs)
-    for method, seed, log in tqdm(results, total=len(jobs), desc="runs", leave=False):
-        logs[method][seed] = log
+    try:
+        for method, seed, log in tqdm(results, total=len(jobs), desc="runs", leave=False):
+            logs[method][seed] = log
+    except Diverged as e:  # one line, as for a bad flag: the setting (a learning rate) is the cause
+        if pool:
+            pool.terminate()
+        print(f"{PROG}: error: --lr {args.lr:g}: {e}; lower --lr (or keep --max-grad-norm above 0)", file=sys.stderr)
+        sys.exit(2)
     if pool:
         pool.close(), pool.join()
     logs = {m: [runs[s] for s in sorted(runs)] for m, runs in logs.items()}  # seed order, whatever the workers did
@@ -368,12 +632,13 @@ def main(argv=None):
                 for i, step in enumerate(log["step"]):  # the last step has only the evaluation
                     f.write(json.dumps({"method": method, "seed": seed, **{k: v[i] for k, v in log.items() if i < len(v)}}) + "\n")
     table = summarize(logs, args)
+    done = "%d runs in %.1f s (static N=%d, K=%.3f)" % (len(jobs), time.time() - start, args.static_n, args.static_k)
     with open(os.path.join(args.out, "results.md"), "w") as f:
-        f.write(table + "\n")
+        f.write("%s\n\n%s\n\n%s; %s, %s\n" % (table, notes(args), done, " ".join(["toy/bandit.py"] + list(argv if argv is not None else sys.argv[1:])),
+                                                time.strftime("%Y-%m-%d %H:%M %Z")))
     plot(logs, args, os.path.join(args.out, "toy.png"))
     print(table)
-    print("%d runs in %.1f s (static N=%d, K=%.3f); wrote %s/{results.md,metrics.jsonl,toy.png}"
-          % (len(jobs), time.time() - start, args.static_n, args.static_k, args.out))
+    print(done + "; wrote %s/{results.md,metrics.jsonl,toy.png}" % args.out)
     return logs
 
 
