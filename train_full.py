@@ -14,8 +14,12 @@ ALGORITHM.md section 6, every algorithmic piece a call into d3s.py:
   3 samples   all_gather the rewards -> d3s.select_samples on the GLOBAL [P, G] batch with N
               from d3s.method_budget; the kept rollouts are spread over the ranks by token count
               (load balance: a rank whose prompts were all solved still gets work)
-  4 pass 1    no-grad forward of the kept rollouts only: old log-probs + d3s.token_entropy
-              (+ the reference's log-probs with --kl-ref)
+  4 pass 1    no-grad forward of the kept rollouts only, and only what the step needs: with
+              token selection (d2s, d3s, d3s-i) every kept rollout, for d3s.token_entropy (and the
+              old log-probs); without it the old log-probs of mini-batches 2..M only (none at
+              M = 1: mini-batch 1 is on-policy, its old log-probs are pass 2's own, detached).
+              The --kl-ref reference on step 1, every --kl-every steps and the last (every step
+              with --kl-coef > 0)
   5 tokens    scores |A| * H, gathered from all ranks -> d3s.select_tokens once, globally
   6 pass 2    the kept rollouts in M mini-batches (global order), one optimizer step each:
               micro-batched forward/backward of d3s.policy_loss(normalizer = the mini-batch's
@@ -52,6 +56,7 @@ import socket
 import sys
 import time
 import traceback
+import types
 
 import torch
 import torch.distributed as dist
@@ -143,7 +148,11 @@ def parse_args(argv=None):
     a("--kl-ref", action="store_true", help="load the initial --model a second time as a frozen reference and log the KL "
       "(k3) to it on the selected tokens. Costs one more no-grad forward of the kept rollouts per step and, per GPU, "
       "the reference's bf16 shard (2 bytes x parameters / ranks: 1.9 GB for the 7B on 8 GPUs) plus one gathered layer")
-    a("--kl-coef", type=float, default=0.0, help="[recipe] beta of the k3 KL penalty in the loss (needs --kl-ref)")
+    a("--kl-coef", type=float, default=0.0, help="[recipe] beta of the k3 KL penalty in the loss (needs --kl-ref); "
+      "with beta > 0 the KL is in the loss and measured every step")
+    a("--kl-every", type=int, default=None, help="[choice] with --kl-ref and --kl-coef 0 the KL is only a metric: the "
+      "reference is forwarded on step 1, every N-th step and the last step, kl_ref is null on the others (default: "
+      "--eval-every, or 10 when that is 0; 0 = never)")
     a("--no-activation-checkpointing", dest="activation_checkpointing", action="store_false",
       help="turn off activation checkpointing of the decoder layers")
     a("--mlp-chunk-tokens", type=int, default=4096, help="[choice] run each decoder MLP over this many tokens at a time, "
@@ -230,6 +239,8 @@ def parse_args(argv=None):
         p.error(f"--mlp-chunk-tokens={args.mlp_chunk_tokens}: must be >= 0 (0 = the whole micro-batch at once)")
     if args.kl_coef < 0 or (args.kl_coef > 0 and not args.kl_ref):
         p.error(f"--kl-coef={args.kl_coef}: must be >= 0, and a KL penalty needs the reference: add --kl-ref")
+    if args.kl_every is None:
+        args.kl_every = args.eval_every or 10
     return args
 
 
@@ -828,7 +839,7 @@ def response_logp(model, inputs, targets, temperature, with_entropy):
     return logp.view(n, T), (entropy.view(n, T) if with_entropy else None)
 
 
-def response_logp_at(model, inputs, targets, positions, temperature):
+def response_logp_at(model, inputs, targets, positions, temperature, with_entropy=False):
     """Pass 2 (with grad): log pi of the response tokens at `positions` only, [n, T] (0 elsewhere).
 
     positions: the tokens in the loss, a bool [n, T] mask or its (rows, cols) index. For a
@@ -838,22 +849,35 @@ def response_logp_at(model, inputs, targets, positions, temperature):
     whose logits are recomputed in backward (torch.utils.checkpoint): one [HEAD_CHUNK, vocab]
     fp32 block at a time. The loss and its gradients equal those of the full-logits head:
     tokens outside `positions` have weight 0 in d3s.policy_loss.
-    """
-    from functools import partial
 
+    with_entropy: also return d3s.token_entropy of the same logits at `positions` ([n, T], no
+    grad, 0 elsewhere), computed once in the forward (not again when backward recomputes a block):
+    the entropy metric of the methods without token selection, which need no pass 1 for it.
+    """
     from torch.utils.checkpoint import checkpoint
 
     hidden = response_hidden(model, inputs)  # [n, T, H]
     index = positions.nonzero(as_tuple=True) if isinstance(positions, torch.Tensor) else positions
     picked, picked_targets = hidden[index], targets[index]  # [m, H], [m]
     logp = torch.zeros(hidden.shape[:2], dtype=torch.float32, device=hidden.device)
+    entropy = torch.zeros_like(logp) if with_entropy else None
     if picked.shape[0] == 0:  # nothing selected here: keep the graph (FSDP's backward hooks) with a zero
-        return logp + 0.0 * hidden.sum()
-    block_logp = partial(_head_logp, model.lm_head, temperature=temperature)
-    blocks = [checkpoint(lambda h, y: block_logp(h, y)[0], picked[s : s + HEAD_CHUNK], picked_targets[s : s + HEAD_CHUNK],
-                         use_reentrant=False)
-              for s in range(0, picked.shape[0], HEAD_CHUNK)]
-    return logp.index_put(index, torch.cat(blocks))
+        return (logp + 0.0 * hidden.sum(), entropy) if with_entropy else logp + 0.0 * hidden.sum()
+    starts = range(0, picked.shape[0], HEAD_CHUNK)
+    block_entropy = [None] * len(starts)
+
+    def block_logp(i, h, y):
+        lp, logits = _head_logp(model.lm_head, h, y, temperature)
+        if with_entropy and block_entropy[i] is None:  # the forward, not backward's recomputation
+            block_entropy[i] = d3s.token_entropy(logits.detach())
+        return lp
+
+    blocks = [checkpoint(functools.partial(block_logp, i), picked[s : s + HEAD_CHUNK], picked_targets[s : s + HEAD_CHUNK],
+                         use_reentrant=False) for i, s in enumerate(starts)]
+    logp = logp.index_put(index, torch.cat(blocks))
+    if not with_entropy:
+        return logp
+    return logp, entropy.index_put(index, torch.cat(block_entropy))
 
 
 def micro_batches(lengths, size, n_micro):
@@ -918,85 +942,112 @@ def assign_rollouts(lengths, home, world, m, balance):
     return owner, parts
 
 
-def train_step(model, optimizer, rollouts, rewards, step, args, dist_, pad_id, keep_grads=False, ref_model=None,
-               explain_prompts=None):
-    """Select, forward, select tokens, update (M optimizer steps). Every choice is made on the
-    global batch.
-
-    rollouts: this rank's prompts x G, rollouts[i][j] = {prompt_ids, response_ids} (global
-    prompt order = rank order); rewards: [P_rank, G]; ref_model: the frozen reference of the
-    logged KL (--kl-ref) or None; explain_prompts: this rank's problem texts on a step that
-    writes an explain page (rank 0 then gets "_explain"), else None. Returns a dict of metrics
-    (global).
-    """
-    device = dist_.device
+def select_and_assign(rollouts, rewards, step, args, dist_):
+    """Step 3 on the GLOBAL batch: d3s.select_samples on the [P, G] rewards of all ranks, then which
+    rank forwards which kept rollout (assign_rollouts) and the step's M mini-batches. Every rank
+    gets the token ids of every kept rollout (a few MB per step), so that any rank can train any."""
     P_local, G = rewards.shape
     n_keep, k_frac = budget(step, args, G)
-
-    # 3) sample selection on the global [P, G] rewards
     rewards_all, counts = gather_rows(rewards.float(), dist_)  # [P, G], CPU
     generator = torch.Generator().manual_seed(args.seed * 7919 + step)  # "random": same draw on every rank
     keep_all, adv_all = d3s.select_samples(rewards_all, n_keep, args.method, generator=generator)
     first = sum(counts[: dist_.rank])  # this rank's first prompt, in global order
     kept_all = keep_all.nonzero().tolist()  # [(prompt p, rollout g)] of the whole step, global order
-    total = len(kept_all)
-    # every rank gets the token ids of every kept rollout (a few MB per step), so that any rank can train any of them
     shares = [None] * dist_.world
     dist.all_gather_object(shares, [rollouts[p - first][g] for p, g in kept_all if first <= p < first + P_local])
     seqs_all = [s for share in shares for s in share]  # global order: rank order = prompt order
     home = [r for r, share in enumerate(shares) for _ in share]
     owner, parts = assign_rollouts([len(s["prompt_ids"]) + len(s["response_ids"]) for s in seqs_all], home, dist_.world,
                                    args.mini_batches, args.load_balance)
-    mine = [g for g in range(total) if owner[g] == dist_.rank]  # the kept rollouts this rank forwards, global order
+    mine = [g for g in range(len(kept_all)) if owner[g] == dist_.rank]  # the kept rollouts this rank forwards
     row_of = {g: r for r, g in enumerate(mine)}
     seqs = [seqs_all[g] for g in mine]
-    kept_adv = adv_all[keep_all][mine].to(device)  # [B], full-group A (pods: recomputed)
-
-    # 4) pass 1, no grad: old log-probs and entropy of the kept rollouts (in micro-batches)
-    B = len(seqs)
     T = int(all_reduce(max([len(s["response_ids"]) for s in seqs], default=1), dist_, dist.ReduceOp.MAX))
-    n_micro = int(all_reduce(math.ceil(B / args.micro_batch_size), dist_, dist.ReduceOp.MAX)) or 1
-    chunks = micro_batches([len(s["prompt_ids"]) + len(s["response_ids"]) for s in seqs], args.micro_batch_size, n_micro)
-    old_logp = torch.zeros(B, T, device=device)
-    ref_logp = torch.zeros(B, T, device=device) if ref_model is not None else None
-    entropy = torch.zeros(B, T, device=device)
-    mask = torch.zeros(B, T, dtype=torch.bool, device=device)
-    t0 = clock(device)
+    mask = torch.zeros(len(seqs), T, dtype=torch.bool, device=dist_.device)  # the response tokens, [B, T]
+    for r, s in enumerate(seqs):
+        mask[r, : len(s["response_ids"])] = True
+    return types.SimpleNamespace(
+        n_keep=n_keep, k_frac=k_frac, rewards_all=rewards_all, keep_all=keep_all, adv_all=adv_all, kept_all=kept_all,
+        first=first, total=len(kept_all), mine=mine, row_of=row_of, seqs=seqs, mask=mask,
+        kept_adv=adv_all[keep_all][mine].to(dist_.device),  # [B], full-group A (pods: recomputed)
+        parts=[[row_of[g] for g in part if g in row_of] for part in parts])  # this rank's rows of each mini-batch
+
+
+def forward_no_grad(model, seqs, rows, T, args, dist_, pad_id, with_entropy):
+    """log pi [B, T] (and d3s.token_entropy) of `rows` of seqs, no grad, in micro-batches. Every rank
+    runs the same number of forwards (FSDP's all-gathers): a rank with fewer rows forwards DUMMY;
+    no rank forwards when no rank has a row."""
+    device = dist_.device
+    logp_out = torch.zeros(len(seqs), T, device=device)
+    entropy_out = torch.zeros(len(seqs), T, device=device) if with_entropy else None
+    n_micro = int(all_reduce(math.ceil(len(rows) / args.micro_batch_size), dist_, dist.ReduceOp.MAX))
+    lengths = [len(seqs[r]["prompt_ids"]) + len(seqs[r]["response_ids"]) for r in rows]
     with torch.no_grad():
-        for rows in chunks:
-            batch_rows, table = (rows, seqs) if rows else ([0], [DUMMY])
-            inputs, targets, resp_mask = pack(table, batch_rows, pad_id, device)
-            logp, ent = response_logp(model, inputs, targets, args.temperature, with_entropy=True)
-            ref = response_logp(ref_model, inputs, targets, args.temperature, with_entropy=False)[0] if ref_model else None
-            if rows:
-                width = targets.shape[1]
-                old_logp[rows, :width], entropy[rows, :width], mask[rows, :width] = logp, ent, resp_mask
-                if ref is not None:
-                    ref_logp[rows, :width] = ref
+        for chunk in micro_batches(lengths, args.micro_batch_size, n_micro):
+            chunk = [rows[i] for i in chunk]
+            inputs, targets, _ = pack(seqs, chunk, pad_id, device) if chunk else pack([DUMMY], [0], pad_id, device)
+            logp, entropy = response_logp(model, inputs, targets, args.temperature, with_entropy=with_entropy)
+            if chunk:
+                logp_out[chunk, : targets.shape[1]] = logp
+                if with_entropy:
+                    entropy_out[chunk, : targets.shape[1]] = entropy
+    return logp_out, entropy_out, all_reduce(sum(lengths), dist_)
 
-    # 5) token selection: top K of |A| * H over the tokens of all ranks
-    # a non-finite forward (NaN entropy) scores 0 (ranked last): the loss is then non-finite as well and the
-    # step is skipped on every rank below
-    token_scores = d3s.token_scores(kept_adv, entropy)  # |A_{i,t}| * H_{i,t}, [B, T]
-    token_keep = select_tokens_global(token_scores, mask, mine, total, k_frac, args.token_scope, dist_,
-                                      min_per_seq=int(args.min_token_per_response))
-    shown = None
-    if explain_prompts is not None:  # every rank takes part; rank 0 gets the few rollouts a page shows
-        local_row = {kept_all[g][0] * G + kept_all[g][1]: r for g, r in row_of.items()}  # flat p * G + g -> row here
-        shown = explain_rows(rollouts, explain_prompts, keep_all, adv_all, rewards_all, first, local_row, seqs, entropy,
-                             token_scores, token_keep, dist_)
 
-    # 6) pass 2: M mini-batches (global order), one optimizer step each. The normalizer of a
-    #    mini-batch is its selected tokens (or responses) summed over all ranks, computed before
-    #    its micro-batches, so neither the micro-batch size nor the rank count changes the update.
-    loss_total, clip_tokens, kl_tokens, trained_tokens, skipped, applied = 0.0, 0.0, 0.0, 0.0, False, 0
-    grad_norms, clip_fracs = [], []
-    for part in ([row_of[g] for g in part if g in row_of] for part in parts):  # this rank's rows of each mini-batch
-        part_keep, part_mask = token_keep[part], mask[part]
+def pass_one(model, ref_model, sel, args, dist_, pad_id, full=False):
+    """Step 4, only what the step needs (no grad):
+    - the methods that select tokens (d2s, d3s, d3s-i) need the entropy of every kept token
+      before the global top K: the policy forwards every kept rollout, giving the old log-probs too;
+    - the others need the old log-probs of mini-batches 2..M only (mini-batch 1 runs first and is
+      on-policy: its old log-probs are pass 2's own, detached), and no entropy (their entropy
+      metric comes from pass 2's logits); with M = 1 the policy is not forwarded at all;
+    - ref_model (given on the steps that measure or use the KL): every kept rollout.
+    full=True forwards every kept rollout with entropy whatever the method (tests compare the two).
+    Returns (old_logp [B, T], has_old [B] bool, entropy [B, T] or None, ref_logp or None, tokens forwarded)."""
+    selects = d3s.LADDER[args.method][2] or full
+    rows = [r for part in (sel.parts if selects else sel.parts[1:]) for r in part]
+    T = sel.mask.shape[1]
+    old_logp, entropy, tokens = forward_no_grad(model, sel.seqs, rows, T, args, dist_, pad_id, with_entropy=selects)
+    has_old = torch.zeros(len(sel.seqs), dtype=torch.bool)
+    has_old[rows] = True
+    ref_logp = None
+    if ref_model is not None:
+        every = list(range(len(sel.seqs)))
+        ref_logp, _, ref_tokens = forward_no_grad(ref_model, sel.seqs, every, T, args, dist_, pad_id, with_entropy=False)
+        tokens += ref_tokens
+    return old_logp, has_old, entropy, ref_logp, tokens
+
+
+def select_tokens_step(sel, entropy, args, dist_):
+    """Step 5: the top K of |A| * H over the kept tokens of all ranks (d3s.select_tokens once, globally);
+    every response token for the methods without token selection. A non-finite forward (NaN
+    entropy) scores 0 (ranked last): the loss is then non-finite as well and the step is skipped."""
+    if not d3s.LADDER[args.method][2]:
+        return sel.mask.clone()
+    scores = d3s.token_scores(sel.kept_adv, entropy)  # |A_{i,t}| * H_{i,t}, [B, T]
+    return select_tokens_global(scores, sel.mask, sel.mine, sel.total, sel.k_frac, args.token_scope, dist_,
+                                min_per_seq=int(args.min_token_per_response))
+
+
+def update_policy(model, optimizer, sel, token_keep, old_logp, has_old, entropy, ref_logp, args, dist_, pad_id):
+    """Step 6: the M mini-batches (global order), one optimizer step each. The normalizer of a
+    mini-batch is its selected tokens (or responses) summed over all ranks, computed before its
+    micro-batches, so neither the micro-batch size nor the rank count changes the update. Rows
+    without pass-1 log-probs (mini-batch 1 of the methods without token selection) are on-policy:
+    their old log-probs are this forward's, detached. Without a pass-1 entropy, the entropy
+    metric is taken from this forward's logits (no grad) and written into `entropy`."""
+    device = dist_.device
+    entropy_here = entropy is None
+    if entropy_here:
+        entropy = torch.zeros(sel.mask.shape, device=device)
+    seqs, kept_adv = sel.seqs, sel.kept_adv
+    losses, grad_norms, clip_fracs, clip_tokens, kl_tokens, trained_tokens, skipped = [], [], [], 0.0, 0.0, 0.0, False
+    for part in sel.parts:  # this rank's rows of each mini-batch
+        part_keep = token_keep[part]
         if args.loss_agg == "seq-mean-token-mean":
             normalizer = all_reduce(part_keep.any(-1).sum(), dist_)  # responses with a selected token
         else:
-            normalizer = all_reduce((part_keep if args.normalize_by == "selected" else part_mask).sum(), dist_)
+            normalizer = all_reduce((part_keep if args.normalize_by == "selected" else sel.mask[part]).sum(), dist_)
         n_selected = all_reduce(part_keep.sum(), dist_)
         if n_selected == 0:  # no selected token in this mini-batch on any rank: no optimizer step
             continue
@@ -1009,9 +1060,13 @@ def train_step(model, optimizer, rollouts, rewards, step, args, dist_, pad_id, k
             if rows:
                 inputs, targets, _ = pack(seqs, rows, pad_id, device)
                 width = targets.shape[1]
-                logp = response_logp_at(model, inputs, targets, token_keep[rows, :width], args.temperature)  # [b, width]
-                loss, stats = d3s.policy_loss(logp, old_logp[rows, :width], kept_adv[rows], token_keep[rows, :width],
-                                              kind=args.loss, clip_low=args.clip_low, clip_high=args.clip_high,
+                keep = token_keep[rows, :width]
+                logp = response_logp_at(model, inputs, targets, keep, args.temperature, with_entropy=entropy_here)
+                if entropy_here:
+                    logp, entropy[rows, :width] = logp
+                old = old_logp[rows, :width] if bool(has_old[rows].all()) else logp.detach()  # on-policy: ratio 1
+                loss, stats = d3s.policy_loss(logp, old, kept_adv[rows], keep, kind=args.loss, clip_low=args.clip_low,
+                                              clip_high=args.clip_high,
                                               ref_logp=ref_logp[rows, :width] if ref_logp is not None else None,
                                               beta=args.kl_coef, normalizer=normalizer, agg=args.loss_agg)
                 part_clip += stats["clip_frac"] * stats["tokens"]
@@ -1026,50 +1081,90 @@ def train_step(model, optimizer, rollouts, rewards, step, args, dist_, pad_id, k
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)  # total norm before clipping
         grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
         part_loss = all_reduce(loss_sum, dist_)
-        part_clip = all_reduce(part_clip, dist_) / n_selected
         if math.isfinite(grad_norm) and math.isfinite(part_loss):  # the same on every rank
             optimizer.step()
-            applied += 1
+            grad_norms.append(grad_norm)
         else:
             skipped = True
-        grad_norms.append(grad_norm)
-        clip_fracs.append(part_clip)
-        clip_tokens += part_clip * n_selected
-        loss_total += part_loss
+        losses.append(part_loss)
+        clip_fracs.append(all_reduce(part_clip, dist_) / n_selected)
+        clip_tokens += clip_fracs[-1] * n_selected
+    return types.SimpleNamespace(entropy=entropy, losses=losses, grad_norms=grad_norms, clip_fracs=clip_fracs,
+                                 clip_tokens=clip_tokens, skipped=skipped, kl_tokens=all_reduce(kl_tokens, dist_),
+                                 trained_tokens=all_reduce(trained_tokens, dist_))
+
+
+def train_step(model, optimizer, rollouts, rewards, step, args, dist_, pad_id, keep_grads=False, ref_model=None,
+               explain_prompts=None, full_pass1=False):
+    """Steps 3-6 of docs/algorithm.md section 6 on this rank's rollouts, every choice made on the
+    global batch: select and assign, pass 1, token selection, the mini-batch updates, metrics.
+
+    rollouts: this rank's prompts x G, rollouts[i][j] = {prompt_ids, response_ids} (global
+    prompt order = rank order); rewards: [P_rank, G]; ref_model: the frozen reference, given on
+    the steps that measure (or use) the KL, else None; explain_prompts: this rank's problem texts
+    on a step that writes an explain page (rank 0 then gets "_explain"), else None; full_pass1:
+    forward every kept rollout in pass 1 whatever the method (for tests). Returns a dict of
+    metrics (global).
+    """
+    device = dist_.device
+    sel = select_and_assign(rollouts, rewards, step, args, dist_)  # 3) samples, and who forwards them
+    t0 = clock(device)
+    old_logp, has_old, entropy, ref_logp, pass1_tokens = pass_one(model, ref_model, sel, args, dist_, pad_id,
+                                                                  full=full_pass1)  # 4)
+    token_keep = select_tokens_step(sel, entropy, args, dist_)  # 5)
+    upd = update_policy(model, optimizer, sel, token_keep, old_logp, has_old, entropy, ref_logp, args, dist_, pad_id)  # 6)
     if not keep_grads:
         optimizer.zero_grad(set_to_none=True)
-    train_s = clock(device) - t0
+    train_s = all_reduce(clock(device) - t0, dist_, dist.ReduceOp.MAX)  # the slowest rank's
+    shown = None
+    if explain_prompts is not None:  # every rank takes part; rank 0 gets the few rollouts a page shows
+        G = rewards.shape[1]
+        local_row = {sel.kept_all[g][0] * G + sel.kept_all[g][1]: r for g, r in sel.row_of.items()}  # p * G + g -> row
+        shown = explain_rows(rollouts, explain_prompts, sel.keep_all, sel.adv_all, sel.rewards_all, sel.first, local_row,
+                             sel.seqs, upd.entropy, d3s.token_scores(sel.kept_adv, upd.entropy), token_keep, dist_)
+    metrics = step_metrics(sel, token_keep, upd, train_s, pass1_tokens, ref_model is not None, dist_)
+    # for the tests and the explain page: the kept set, in global order
+    metrics.update({"_keep": sel.keep_all, "_token_keep": gather_global(token_keep, sel.mine, sel.total, dist_),
+                    "_rewards": sel.rewards_all, "_explain": shown})
+    return metrics
 
-    n_tokens = all_reduce(mask.sum(), dist_)
+
+def step_metrics(sel, token_keep, upd, train_s, pass1_tokens, measured_kl, dist_):
+    """The step's metrics (global), the ones the paper reads first. entropy_mean is over every kept
+    response token, entropy_kept over the selected ones. For the methods that select tokens both
+    come from pass 1 (the policy before the step's updates); for the others, from pass 2's logits
+    (no grad), so on mini-batches 2..M they are the entropy of the policy at their forward, after
+    the earlier mini-batches' updates."""
+    n_tokens = all_reduce(sel.mask.sum(), dist_)
     n_selected = all_reduce(token_keep.sum(), dist_)
-    rank_tokens = sum(len(s["prompt_ids"]) + len(s["response_ids"]) for s in seqs)  # what this rank forwarded
-    train_tokens = all_reduce(trained_tokens, dist_)
-    train_s = all_reduce(train_s, dist_, dist.ReduceOp.MAX)  # the slowest rank's
+    rank_tokens = sum(len(s["prompt_ids"]) + len(s["response_ids"]) for s in sel.seqs)  # what this rank forwarded
+    rewards_all, grad_norms, losses = sel.rewards_all, upd.grad_norms, upd.losses
     return {
         "reward_mean": float(rewards_all.mean()),
         "acc_train": float(rewards_all.mean()),  # the reward is correctness (0/1): the same number
         "groups_mixed": float((rewards_all.amax(-1) > rewards_all.amin(-1)).float().mean()),  # groups with signal
-        "n_keep": n_keep, "k_frac": k_frac,
+        "n_keep": sel.n_keep, "k_frac": sel.k_frac,
         "k_real": n_selected / max(n_tokens, 1.0),  # realised fraction of the forwarded tokens
-        "kept_samples": total,
-        "sur": d3s.usefulness_rate(adv_all, keep_all),  # Sample Usefulness Rate: kept rollouts with A != 0
+        "kept_samples": sel.total,
+        "sur": d3s.usefulness_rate(sel.adv_all, sel.keep_all),  # Sample Usefulness Rate: kept rollouts with A != 0
         "kept_tokens": int(n_selected),  # tokens in the loss
-        "fwd_tokens": int(n_tokens),  # response tokens forwarded (the kept rollouts')
-        "kept_adv_var": d3s.kept_variance(adv_all, keep_all),
-        "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else 0.0,  # mean over the M optimizer steps
-        "entropy_mean": all_reduce((entropy * mask).sum(), dist_) / max(n_tokens, 1.0),
-        "entropy_kept": all_reduce((entropy * token_keep).sum(), dist_) / max(n_selected, 1.0),
-        "kl_ref": all_reduce(kl_tokens, dist_) / max(n_selected, 1.0) if ref_model is not None else None,
-        "clip_frac": clip_tokens / max(n_selected, 1.0), "clip_frac_by_minibatch": clip_fracs,
-        "loss": loss_total, "updates": applied, "skipped": skipped,
+        "fwd_tokens": int(n_tokens),  # response tokens of the kept rollouts
+        "kept_adv_var": d3s.kept_variance(sel.adv_all, sel.keep_all),
+        # mean over the optimizer steps whose gradient was finite, before clipping; None if there is none
+        "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else None,
+        "entropy_mean": all_reduce((upd.entropy * sel.mask).sum(), dist_) / max(n_tokens, 1.0),
+        "entropy_kept": all_reduce((upd.entropy * token_keep).sum(), dist_) / max(n_selected, 1.0),
+        "kl_ref": upd.kl_tokens / max(n_selected, 1.0) if measured_kl else None,
+        "clip_frac": upd.clip_tokens / max(n_selected, 1.0),  # over the selected tokens of every mini-batch
+        "clip_frac_by_minibatch": upd.clip_fracs,
+        "loss": sum(losses) / len(losses) if losses else None,  # mean over the optimizer steps
+        "updates": len(grad_norms), "skipped": upd.skipped,  # skipped: an optimizer step had a non-finite loss/gradient
         "train_s": train_s,
-        "train_tokens": int(train_tokens),  # prompt + response tokens of the kept rollouts (each goes through both passes)
-        "train_tokens_per_s": train_tokens / max(train_s, 1e-9),
+        "train_tokens": int(upd.trained_tokens),  # prompt + response tokens through pass 2
+        "pass1_tokens": int(pass1_tokens),  # prompt + response tokens through the no-grad forwards (policy + reference)
+        "train_tokens_per_s": upd.trained_tokens / max(train_s, 1e-9),
         "rank_tokens_max": int(all_reduce(rank_tokens, dist_, dist.ReduceOp.MAX)),  # load balance: the busiest rank's
         "rank_tokens_min": int(all_reduce(rank_tokens, dist_, dist.ReduceOp.MIN)),  # ... and the idlest rank's tokens
-        # for the tests and the explain page: the kept set, in global order
-        "_keep": keep_all, "_token_keep": gather_global(token_keep, mine, total, dist_), "_rewards": rewards_all,
-        "_explain": shown,
     }
 
 
@@ -1263,6 +1358,14 @@ def write_eval_report(results, keys, args, tag, model_name):
 # ---------------------------------------------------------------------------------------------
 # 9. The run
 # ---------------------------------------------------------------------------------------------
+def measures_kl(step, args):
+    """Whether step `step` (1-based) forwards the --kl-ref reference: every step when the KL is in the
+    loss (--kl-coef > 0); else, the KL being only a metric, step 1, every --kl-every steps and the last."""
+    if args.kl_coef > 0:
+        return True
+    return args.kl_every > 0 and (step == 1 or step % args.kl_every == 0 or step == args.steps)
+
+
 def generate(engine, batch, step, args, stops):
     """Step 1 for this rank's share of the batch [(global index, prompt)]: G rollouts per prompt."""
     outs = engine.generate([p["prompt_ids"] for _, p in batch], args.group_size, args.temperature, args.top_p,
@@ -1427,7 +1530,8 @@ def main(argv=None):
             reward_s = time.perf_counter() - t0
             explain_now = args.explain_every and step % args.explain_every == 0
             stats = train_step(model, optimizer, rollouts, rewards, step, args, dist_, tokenizer.pad_token_id,
-                               ref_model=ref_model, explain_prompts=[p["problem"] for _, p in batch] if explain_now else None)
+                               ref_model=ref_model if measures_kl(step + 1, args) else None,
+                               explain_prompts=[p["problem"] for _, p in batch] if explain_now else None)
             if explain_now and dist_.is_main:  # 3-6 above; the page of this step, from the global selection
                 shown_adv, items, texts = stats["_explain"]
                 for item in items:
@@ -1435,7 +1539,7 @@ def main(argv=None):
                 explain.write_step(os.path.join(args.out, "explain"), step=step, rung="train_full", method=args.method,
                                    rewards=stats["_rewards"], adv=shown_adv, keep=stats["_keep"], n_keep=stats["n_keep"],
                                    k_frac=stats["k_frac"], k_real=stats["k_real"], shown=items, prompts=texts,
-                                   extra={"loss (sum over mini-batches)": stats["loss"], "tokens in the loss": stats["kept_tokens"],
+                                   extra={"loss (mean over optimizer steps)": stats["loss"], "tokens in the loss": stats["kept_tokens"],
                                           "grad norm (before clipping)": stats["grad_norm"], "ranks": dist_.world})
             gpu_used_train = gpu_used_gb(dist_.device)  # trainer (+ sleeping vLLM), before the sync
             t1 = clock(dist_.device)
@@ -1449,10 +1553,10 @@ def main(argv=None):
                       "grader_timeouts": int(all_reduce(grader.timeouts, dist_)),
                       "gen_s": gen_s, "reward_s": all_reduce(reward_s, dist_, dist.ReduceOp.MAX), "sync_s": sync_s,
                       "gen_tokens_per_s": gen_tokens / max(gen_s, 1e-9),
-                      # model FLOPs of the update: pass 1 forward (2 N per token, + 2 N for the --kl-ref
+                      # model FLOPs of the update: the no-grad forwards (2 N per token: pass 1 and the
                       # reference) + pass 2 forward and backward (6 N per token), N without the embedding;
                       # activation recomputation and attention not counted
-                      "mfu": ((10 if ref_model is not None else 8) * n_params * stats["train_tokens"]
+                      "mfu": ((2 * stats["pass1_tokens"] + 6 * stats["train_tokens"]) * n_params
                               / (stats["train_s"] * dist_.world * flops_peak) if flops_peak else None),
                       "mem_peak_gb": all_reduce(memory_peak_gb(dist_.device), dist_, dist.ReduceOp.MAX),
                       "gpu_used_gen_gb": all_reduce(gpu_used_gen, dist_, dist.ReduceOp.MAX),
@@ -1460,7 +1564,7 @@ def main(argv=None):
             if dist_.is_main:
                 append_metrics(metrics_path, record)
                 bar.set_postfix(reward=f"{record['reward_mean']:.3f}", N=record["n_keep"], K=f"{record['k_frac']:.2f}",
-                                gnorm=f"{record['grad_norm']:.3f}")
+                                gnorm=f"{record['grad_norm'] or float('nan'):.3f}")
                 bar.update(1)
             if step % args.save_every == 0 or step == stop_at:
                 save_checkpoint(model, optimizer, order, step, args, dist_)

@@ -11,11 +11,13 @@ root, bf16 compute, fp32 reductions, activation checkpointing, tiled MLP), train
 train_full.response_logp (log-probs, and d3s.token_entropy in pass 1), d3s.select_tokens,
 d3s.policy_loss, backward, gradient clipping and the optimizer step. As train_full.train_step:
 
-    pass 1  no grad, per micro-batch: old log-probs + entropy of the kept rollouts
+    pass 1  no grad, per micro-batch: old log-probs + entropy of the kept rollouts (the
+            methods without token selection: old log-probs only, as for mini-batches 2..M)
     tokens  the kept-token mask (d3s.select_tokens keeps K of the tokens; every token for the
             methods without token selection)
     pass 2  per micro-batch: forward, d3s.policy_loss over the kept tokens, backward
-            (micro-batch 2 onwards accumulates into the gradients of micro-batch 1)
+            (micro-batch 2 onwards accumulates into the gradients of micro-batch 1); the
+            methods without token selection also take their entropy metric from its logits
     update  clip_grad_norm_, AdamW step, zero_grad(set_to_none=True)
     sync    train_full.full_named_tensors: each parameter gathered whole, cast to bf16, for vLLM
             (the trainer's side only)
@@ -358,20 +360,28 @@ def _train_step(model, optimizer, targs, batches, chunks, keep, positions, norma
     old_logp = torch.zeros(B, T)
     entropy = torch.zeros(B, T)
     kept_adv = torch.ones(B)
-    # pass 1, no grad: old log-probs and entropy
+    selects = d3s.LADDER[targs.method][2]
+    # pass 1, no grad: old log-probs and entropy (token selection); without token selection, the old
+    # log-probs only, as for mini-batches 2..M (at M = 1 train_full skips pass 1 for those methods)
     with torch.no_grad():
-        for (inputs, targets, _), rows in zip(batches, chunks):
+        for (inputs, targets, _), rows in zip(batches, chunks if selects or targs.mini_batches > 1 else []):
             tracker.phase = f"step {step + 1} pass 1"
             tracker.reset_mod_stats()  # the tracker's per-module stats allow one root forward each
-            logp, ent = train_full.response_logp(model, inputs, targets, targs.temperature, with_entropy=True)
-            old_logp[rows], entropy[rows] = logp, ent
+            logp, ent = train_full.response_logp(model, inputs, targets, targs.temperature, with_entropy=selects)
+            old_logp[rows] = logp
+            if selects:
+                entropy[rows] = ent
             del logp, ent
-    # pass 2: loss and backward per micro-batch, gradients accumulate
+    # pass 2: loss and backward per micro-batch, gradients accumulate; the methods without token
+    # selection take their entropy metric from this forward's logits
     optimizer.zero_grad(set_to_none=True)
     for (inputs, targets, _), rows, index in zip(batches, chunks, positions):
         tracker.phase = f"step {step + 1} pass 2"
         tracker.reset_mod_stats()
-        logp = train_full.response_logp_at(model, inputs, targets, index, targs.temperature)
+        logp = train_full.response_logp_at(model, inputs, targets, index, targs.temperature, with_entropy=not selects)
+        if not selects:
+            logp, ent = logp
+            del ent
         with zero_reads():
             loss, _ = d3s.policy_loss(logp, old_logp[rows], kept_adv[rows], keep[rows], kind=targs.loss,
                                       clip_low=targs.clip_low, clip_high=targs.clip_high, normalizer=normalizer,

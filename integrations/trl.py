@@ -28,7 +28,13 @@ section 6):
 With gradient accumulation (an optimizer step over several micro-batches), step 4 needs the
 entropies of the whole optimizer batch before the first backward: a no-grad forward of the kept
 completions of that step runs first (pass 1), the loss forward follows per micro-batch (pass 2),
-as in train_full.py. Without accumulation, one forward does both.
+as in train_full.py. Without accumulation, one forward does both. Only the work a step needs:
+pass 1 runs for the methods that select tokens only (d2s, d3s, d3s-i); the others (K = 1: every
+token of the kept rollouts) skip it and gather nothing but the normalizer. Their old log-probs are
+TRL's: the loss forward's own, detached, unless TRL computed them (num_iterations > 1,
+steps_per_generation > gradient_accumulation_steps, vLLM importance sampling). Their entropy is a
+metric only; TRL's fused LM head computes it in the same pass over the logit tiles as the
+log-probs, a small cost that TRL's own trainer pays as well.
 
 TRL options this trainer rejects, with an error naming the field, because they change the
 objective that d3s.policy_loss computes: loss_type other than "dapo" (token-mean) or "grpo"

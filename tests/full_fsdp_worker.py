@@ -116,6 +116,48 @@ def check_nonfinite_skip(cli, dist_, tokenizer, rollouts, mine):
     return {"skipped_on_ranks": skipped, "unchanged": all(torch.equal(before[n], after[n]) for n in before)}
 
 
+def check_pass1_skip(cli, dist_, tokenizer, rollouts, mine):
+    """The update without the skipped parts of pass 1 against the update with a full pass 1, for the
+    methods without token selection: M = 1 (no pass 1 at all) and M = 2 (pass 1 over mini-batch 2
+    only). SGD, so that a rounding-level difference of a near-zero gradient stays that small (Adam
+    would scale it to a step of about lr)."""
+    out = {}
+    for name, method, M in (("grpo-m1", "grpo", 1), ("grpo-m2", "grpo", 2), ("pods-m2", "pods", 2)):
+        args = trainer_args(cli.model, method, mini_batches=M)
+        runs = {}
+        for full in (False, True):
+            model = train_full.load_policy(args, dist_)
+            optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+            stats = train_full.train_step(model, optimizer, rollouts[mine], REWARDS[mine], STEP, args, dist_,
+                                          tokenizer.pad_token_id, keep_grads=True, full_pass1=full)
+            runs[full] = {"params": full_params(model),
+                          "grads": {n: p.grad.full_tensor().detach().cpu().clone() for n, p in model.named_parameters()},
+                          **{k: stats[k] for k in ("loss", "grad_norm", "pass1_tokens", "train_tokens", "entropy_mean",
+                                                   "entropy_kept", "updates", "clip_frac_by_minibatch")}}
+        out[name] = {"skipped": runs[False], "full": runs[True]}
+    return out
+
+
+def check_kl_schedule(cli, dist_, tokenizer, rollouts, mine):
+    """Four steps with the reference forwarded every step, and on train_full's schedule only
+    (--kl-every 3 of --steps 4: steps 1, 3 and 4): the same updates, the same KL where both measure."""
+    args = trainer_args(cli.model, "d3s-i", loss="gspo", mini_batches=2, lr=1e-1)
+    args.kl_ref, args.kl_every = True, 3
+    result = {}
+    for schedule in ("every", "scheduled"):
+        model = train_full.load_policy(args, dist_)
+        optimizer = train_full.make_optimizer(model, args)
+        ref_model = train_full.load_policy(args, dist_, reference=True)
+        kls = []
+        for step in range(1, STEPS + 1):
+            measure = schedule == "every" or train_full.measures_kl(step, args)
+            stats = train_full.train_step(model, optimizer, rollouts[mine], REWARDS[mine], step - 1, args, dist_,
+                                          tokenizer.pad_token_id, ref_model=ref_model if measure else None)
+            kls.append(stats["kl_ref"])
+        result[schedule] = {"kl": kls, "params": full_params(model)}
+    return result
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
@@ -150,6 +192,8 @@ def main():
                           "rank_tokens_min": stats["rank_tokens_min"]}
     result["resume"] = check_resume(cli, dist_, tokenizer, rollouts, mine, cli.workdir)
     result["nonfinite"] = check_nonfinite_skip(cli, dist_, tokenizer, rollouts, mine)
+    result["pass1_skip"] = check_pass1_skip(cli, dist_, tokenizer, rollouts, mine)
+    result["kl_schedule"] = check_kl_schedule(cli, dist_, tokenizer, rollouts, mine)
     if dist_.is_main:
         torch.save(result, cli.out)
     dist.barrier()

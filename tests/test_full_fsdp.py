@@ -112,7 +112,7 @@ def reference_step(model_dir, name):
         clip_fracs.append(stats["clip_frac"])
         kls.append((stats["kl"], stats["tokens"]))
     return {"keep": keep, "token_keep": token_keep, "grads": grads, "grad_norm": sum(norms) / len(norms),
-            "loss": sum(losses), "clip_fracs": clip_fracs, "kl": sum(k * n for k, n in kls) / sum(n for _, n in kls),
+            "loss": sum(losses) / len(losses), "clip_fracs": clip_fracs, "kl": sum(k * n for k, n in kls) / sum(n for _, n in kls),
             "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
@@ -137,7 +137,7 @@ def test_fsdp_two_ranks_step_equals_single_process_step(fsdp_result, tiny_model_
     ref, got = reference_step(tiny_model_dir, name), fsdp_result[name]
     assert got["updates"] == CONFIGS[name][2]
     assert got["clip_frac_by_minibatch"] == pytest.approx(ref["clip_fracs"], abs=1e-6)
-    assert got["loss"] == pytest.approx(ref["loss"], abs=1e-6)
+    assert got["loss"] == pytest.approx(ref["loss"], abs=1e-6)  # the mean over the optimizer steps
     assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
     assert ref["grad_norm"] > 0.05  # clipping binds, so it is compared too
     assert set(got["params"]) == set(ref["params"])
@@ -193,3 +193,37 @@ def test_a_non_finite_loss_on_one_rank_skips_the_step_on_every_rank(fsdp_result)
         pytest.skip("the NaN is injected on rank 1")
     assert fsdp_result["nonfinite"]["skipped_on_ranks"] == [True, True]
     assert fsdp_result["nonfinite"]["unchanged"]
+
+
+@pytest.mark.parametrize("name", ["grpo-m1", "grpo-m2", "pods-m2"])
+def test_skipping_pass_1_where_the_step_needs_none_leaves_the_update_unchanged(fsdp_result, name):
+    """Methods without token selection: at M = 1 no pass 1 (the old log-probs are pass 2's own,
+    detached); at M = 2 pass 1 covers mini-batch 2 only, without entropy. Against a full pass 1:
+    the same loss, gradients and (SGD) weights, to fp32 rounding."""
+    skipped, full = fsdp_result["pass1_skip"][name]["skipped"], fsdp_result["pass1_skip"][name]["full"]
+    if name == "grpo-m1":
+        assert skipped["pass1_tokens"] == 0 < full["pass1_tokens"]
+        assert skipped["entropy_mean"] == pytest.approx(full["entropy_mean"], rel=1e-5)  # pass 2's logits, pre-update
+    else:  # mini-batch 2's rows only: fewer tokens than all kept rollouts
+        assert 0 < skipped["pass1_tokens"] < full["pass1_tokens"] == full["train_tokens"]
+    assert skipped["entropy_kept"] == skipped["entropy_mean"]  # every token is in the loss
+    assert skipped["updates"] == full["updates"] == int(name[-1])
+    assert skipped["loss"] == pytest.approx(full["loss"], abs=1e-6)
+    assert skipped["grad_norm"] == pytest.approx(full["grad_norm"], rel=1e-5)
+    assert skipped["clip_frac_by_minibatch"] == pytest.approx(full["clip_frac_by_minibatch"], abs=1e-6)
+    for param, grad in full["grads"].items():
+        torch.testing.assert_close(skipped["grads"][param], grad, rtol=1e-5, atol=1e-8, msg=param)
+        torch.testing.assert_close(skipped["params"][param], full["params"][param], rtol=0, atol=1e-8, msg=param)
+
+
+def test_the_kl_measured_on_its_schedule_equals_the_kl_measured_every_step(fsdp_result):
+    """--kl-every 3 over 4 steps: the reference is forwarded on steps 1, 3 and 4 only; there its KL
+    equals the every-step run's, and the updates are the same (the KL is only a metric)."""
+    every, scheduled = fsdp_result["kl_schedule"]["every"], fsdp_result["kl_schedule"]["scheduled"]
+    assert all(kl is not None for kl in every["kl"]) and every["kl"][-1] > 0
+    assert [kl is None for kl in scheduled["kl"]] == [False, True, False, False]
+    for a, b in zip(every["kl"], scheduled["kl"]):
+        if b is not None:
+            assert a == b
+    for param in every["params"]:
+        assert torch.equal(every["params"][param], scheduled["params"][param]), param

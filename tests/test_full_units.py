@@ -50,6 +50,15 @@ def test_ladder_methods_mini_batches_and_gspo_aggregation_defaults():
             train_full.parse_args(bad)
 
 
+def test_the_kl_to_the_reference_is_measured_on_step_1_every_kl_every_steps_and_the_last():
+    measured = lambda argv: [s for s in range(1, 26) if train_full.measures_kl(s, train_full.parse_args(argv))]  # noqa: E731
+    assert train_full.parse_args(["--kl-ref"]).kl_every == 10  # --eval-every 0: 10
+    assert measured(["--kl-ref", "--steps", "25"]) == [1, 10, 20, 25]
+    assert measured(["--kl-ref", "--steps", "25", "--eval-every", "12"]) == [1, 12, 24, 25]  # default: --eval-every
+    assert measured(["--kl-ref", "--steps", "25", "--kl-every", "0"]) == []
+    assert measured(["--kl-ref", "--steps", "25", "--kl-coef", "0.1"]) == list(range(1, 26))  # in the loss: every step
+
+
 @pytest.mark.parametrize("balance", [False, True])
 def test_mini_batches_are_contiguous_parts_of_the_global_kept_list_whatever_the_ranks(balance):
     lengths = [5, 9, 2, 7, 7, 1, 8, 3, 6, 4, 10]
