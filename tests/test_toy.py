@@ -273,6 +273,18 @@ def test_bad_input_gets_one_line_and_exit_2(bad_runs, argv, fragment):
     assert result.stdout == ""  # nothing ran
 
 
+def test_a_run_that_goes_non_finite_stops_with_one_line(tmp_path, monkeypatch, capsys):
+    def diverging(method, seed, args):
+        raise bandit.Diverged(f"{method} seed {seed}: the policy went non-finite before step 3")
+
+    monkeypatch.setattr(bandit, "run", diverging)
+    with pytest.raises(SystemExit) as exit_:
+        bandit.main(["--seeds", "1", "--steps", "4", "--methods", "grpo", "--workers", "1", "--out", str(tmp_path)])
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip() and "runs:" not in line]
+    assert exit_.value.code == 2 and len(lines) == 1
+    assert lines[0].startswith("bandit.py: error: --lr 0.01: grpo seed 0: the policy went non-finite") and "lower --lr" in lines[0]
+
+
 WIDE = st.one_of(  # wider than any flag's valid range
     st.integers(-10, 10), st.integers(10**6, 10**12), st.integers(-(10**12), -(10**6)),
     st.floats(allow_nan=True, allow_infinity=True), st.sampled_from(["", "abc", "1e999", "-inf", "0x10", "DIR", "FILE"]))
