@@ -5,9 +5,10 @@
     python bench/memory.py --preset path/to/model_folder           # its config.json (or the file itself)
     python bench/memory.py --preset 7b -- --no-activation-checkpointing   # after "--": train_full.py flags
 
-It runs train_full.py's own code for the trainer's part of a step: the model built from the
-config in fp32, train_full.shard_policy (FSDP2 per decoder layer, the untied embedding and the
-root, bf16 compute, fp32 reductions, activation checkpointing, tiled MLP), train_full.make_optimizer (AdamW), train_full.pack,
+It runs train_full.py's own code (and its plumbing's, fsdp_vllm.py) for the trainer's part of
+a step: the model built from the config in fp32, fsdp_vllm.shard_policy (FSDP2 per decoder
+layer, the untied embedding and the root, bf16 compute, fp32 reductions, activation
+checkpointing, tiled MLP), fsdp_vllm.make_optimizer (AdamW), train_full.pack,
 train_full.response_logp (log-probs, and d3s.token_entropy in pass 1), d3s.select_tokens,
 d3s.policy_loss, backward, gradient clipping and the optimizer step. As train_full.train_step:
 
@@ -19,7 +20,7 @@ d3s.policy_loss, backward, gradient clipping and the optimizer step. As train_fu
             (micro-batch 2 onwards accumulates into the gradients of micro-batch 1); the
             methods without token selection also take their entropy metric from its logits
     update  clip_grad_norm_, AdamW step, zero_grad(set_to_none=True)
-    sync    train_full.full_named_tensors: each parameter gathered whole, cast to bf16, for vLLM
+    sync    fsdp_vllm.full_named_tensors: each parameter gathered whole, cast to bf16, for vLLM
             (the trainer's side only)
 
 for --steps steps (default 2: step 1 has no optimizer state yet, step 2 does).
@@ -71,6 +72,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import d3s  # noqa: E402
+import fsdp_vllm  # noqa: E402
 import train_full  # noqa: E402
 
 GIB = 2**30
@@ -147,7 +149,7 @@ def load_config(preset):
         if "model_type" not in fields:
             raise SystemExit(f"--preset {path}: no 'model_type' field; is this a transformers config.json?")
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
-    config.use_cache = False  # as train_full.load_policy
+    config.use_cache = False  # as fsdp_vllm.load_policy
     return config
 
 
@@ -329,9 +331,9 @@ def simulate(config, targs, ranks, micro_batch_size, response_len, prompt_len=51
     as_used = (lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t) if fake else (lambda t: t)
     with fake_world(ranks) as mesh, sharding_propagation_apart(), cuda_entropy_chunks(), mode:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # fp32 master weights
-        train_full.shard_policy(model, targs, mesh=mesh)
+        fsdp_vllm.shard_policy(model, targs, mesh=mesh)
         model.train()
-        optimizer = train_full.make_optimizer(model, targs)
+        optimizer = fsdp_vllm.make_optimizer(model, targs)
         for group in optimizer.param_groups:
             group["foreach"] = True  # what AdamW(foreach=None) picks on CUDA
         batches = [({k: as_used(v) for k, v in inputs.items()}, as_used(targets), as_used(mask))
@@ -345,7 +347,7 @@ def simulate(config, targs, ranks, micro_batch_size, response_len, prompt_len=51
             for step in range(steps):
                 _train_step(model, optimizer, targs, batches, chunks, keep, positions, normalizer, tracker, step)
                 tracker.phase = f"step {step + 1} sync"  # the trainer's side of the weight sync to vLLM
-                for _, tensor in train_full.full_named_tensors(model, getattr(torch, targs.dtype)):
+                for _, tensor in fsdp_vllm.full_named_tensors(model, getattr(torch, targs.dtype)):
                     del tensor  # vLLM copies it into its own weights (not simulated) and lets it go
             tracker.phase = "end"
             end = tracker.get_tracker_snapshot("current")

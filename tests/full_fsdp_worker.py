@@ -17,10 +17,11 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import d3s  # noqa: E402
+import fsdp_vllm  # noqa: E402
 import train_full  # noqa: E402
 
 DEVICE = os.environ.get("D3S_TEST_DEVICE", "cpu")
-P, G, STEP, STEPS = 4, 4, 1, 4  # step 1 of 4 with N 2 -> 4: N = 3 per prompt, K = 0.35
+P, G, STEP, STEPS = 4, 4, 2, 4  # step 2 of 4 (method_budget at 1 of 4) with N 2 -> 4: N = 3 per prompt, K = 0.35
 REWARDS = torch.tensor([[1.0, 0, 0, 0], [1, 1, 0, 0], [0, 0, 0, 0], [1, 1, 1, 0]])  # group 2 has no signal
 
 
@@ -79,23 +80,23 @@ def check_resume(cli, dist_, tokenizer, rollouts, mine, workdir):
     """Two steps straight == one step, save_checkpoint, a fresh model + optimizer, load_checkpoint, one step."""
     args = trainer_args(cli.model, "d3s", mini_batches=2)
     args.out = workdir
-    model = train_full.load_policy(args, dist_)
-    optimizer = train_full.make_optimizer(model, args)
-    for step in (0, 1):
+    model = fsdp_vllm.load_policy(args, dist_)
+    optimizer = fsdp_vllm.make_optimizer(model, args)
+    for step in (1, 2):
         train_full.train_step(model, optimizer, rollouts[mine], REWARDS[mine], step, args, dist_, tokenizer.pad_token_id)
     straight = full_params(model)
 
-    model = train_full.load_policy(args, dist_)
-    optimizer = train_full.make_optimizer(model, args)
+    model = fsdp_vllm.load_policy(args, dist_)
+    optimizer = fsdp_vllm.make_optimizer(model, args)
     order = train_full.PromptOrder(10, seed=0)
     order.take(3)
-    train_full.train_step(model, optimizer, rollouts[mine], REWARDS[mine], 0, args, dist_, tokenizer.pad_token_id)
-    path = train_full.save_checkpoint(model, optimizer, order, 1, args, dist_)
-    model = train_full.load_policy(args, dist_)
-    optimizer = train_full.make_optimizer(model, args)
+    train_full.train_step(model, optimizer, rollouts[mine], REWARDS[mine], 1, args, dist_, tokenizer.pad_token_id)
+    path = fsdp_vllm.save_checkpoint(model, optimizer, args.out, 1, train_full.trainer_state(args, order), dist_, 2)
+    model = fsdp_vllm.load_policy(args, dist_)
+    optimizer = fsdp_vllm.make_optimizer(model, args)
     order = train_full.PromptOrder(10, seed=0)
-    step = train_full.load_checkpoint(path, model, optimizer, order, dist_)
-    train_full.train_step(model, optimizer, rollouts[mine], REWARDS[mine], step, args, dist_, tokenizer.pad_token_id)
+    step = train_full.resume_from(path, model, optimizer, order, dist_)
+    train_full.train_step(model, optimizer, rollouts[mine], REWARDS[mine], step + 1, args, dist_, tokenizer.pad_token_id)
     resumed = full_params(model)
     return {"step": step, "order": order.state_dict(), "max_diff": max(float((straight[n] - resumed[n]).abs().max())
                                                                        for n in straight)}
@@ -104,12 +105,13 @@ def check_resume(cli, dist_, tokenizer, rollouts, mine, workdir):
 def check_nonfinite_skip(cli, dist_, tokenizer, rollouts, mine):
     """NaN logits on rank 1 only: every rank skips the step, and no weight changes."""
     args = trainer_args(cli.model, "d3s")
-    model = train_full.load_policy(args, dist_)
-    optimizer = train_full.make_optimizer(model, args)
+    model = fsdp_vllm.load_policy(args, dist_)
+    optimizer = fsdp_vllm.make_optimizer(model, args)
     before = full_params(model)
     if dist_.rank == 1:
         model.lm_head.register_forward_hook(lambda module, inputs, output: output * float("nan"))
-    stats = train_full.train_step(model, optimizer, rollouts[mine], REWARDS[mine], STEP, args, dist_, tokenizer.pad_token_id)
+    stats, _ = train_full.train_step(model, optimizer, rollouts[mine], REWARDS[mine], STEP, args, dist_,
+                                     tokenizer.pad_token_id)
     after = full_params(model)
     skipped = [None] * dist_.world
     dist.all_gather_object(skipped, stats["skipped"])
@@ -126,10 +128,10 @@ def check_pass1_skip(cli, dist_, tokenizer, rollouts, mine):
         args = trainer_args(cli.model, method, mini_batches=M)
         runs = {}
         for full in (False, True):
-            model = train_full.load_policy(args, dist_)
+            model = fsdp_vllm.load_policy(args, dist_)
             optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
-            stats = train_full.train_step(model, optimizer, rollouts[mine], REWARDS[mine], STEP, args, dist_,
-                                          tokenizer.pad_token_id, keep_grads=True, full_pass1=full)
+            stats, _ = train_full.train_step(model, optimizer, rollouts[mine], REWARDS[mine], STEP, args, dist_,
+                                             tokenizer.pad_token_id, keep_grads=True, full_pass1=full)
             runs[full] = {"params": full_params(model),
                           "grads": {n: p.grad.full_tensor().detach().cpu().clone() for n, p in model.named_parameters()},
                           **{k: stats[k] for k in ("loss", "grad_norm", "pass1_tokens", "train_tokens", "entropy_mean",
@@ -145,14 +147,14 @@ def check_kl_schedule(cli, dist_, tokenizer, rollouts, mine):
     args.kl_ref, args.kl_every = True, 3
     result = {}
     for schedule in ("every", "scheduled"):
-        model = train_full.load_policy(args, dist_)
-        optimizer = train_full.make_optimizer(model, args)
-        ref_model = train_full.load_policy(args, dist_, reference=True)
+        model = fsdp_vllm.load_policy(args, dist_)
+        optimizer = fsdp_vllm.make_optimizer(model, args)
+        ref_model = fsdp_vllm.load_policy(args, dist_, reference=True)
         kls = []
         for step in range(1, STEPS + 1):
             measure = schedule == "every" or train_full.measures_kl(step, args)
-            stats = train_full.train_step(model, optimizer, rollouts[mine], REWARDS[mine], step - 1, args, dist_,
-                                          tokenizer.pad_token_id, ref_model=ref_model if measure else None)
+            stats, _ = train_full.train_step(model, optimizer, rollouts[mine], REWARDS[mine], step, args, dist_,
+                                             tokenizer.pad_token_id, ref_model=ref_model if measure else None)
             kls.append(stats["kl_ref"])
         result[schedule] = {"kl": kls, "params": full_params(model)}
     return result
@@ -165,9 +167,9 @@ def main():
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--workdir", required=True, help="checkpoints of the resume check")
     cli = parser.parse_args()
-    dist_ = train_full.init_distributed(DEVICE)
+    dist_ = fsdp_vllm.init_distributed(DEVICE)
     torch.manual_seed(0)
-    tokenizer = train_full.load_tokenizer(cli.model)
+    tokenizer = fsdp_vllm.load_tokenizer(cli.model)
     rollouts = make_rollouts(len(tokenizer))
     per = P // dist_.world
     mine = slice(dist_.rank * per, (dist_.rank + 1) * per)
@@ -175,16 +177,16 @@ def main():
     for config in cli.configs.split(","):
         args = trainer_args(cli.model, *CONFIGS[config])
         args.load_balance = not config.endswith("unbalanced")
-        model = train_full.load_policy(args, dist_)
-        optimizer = train_full.make_optimizer(model, args)
-        ref_model = train_full.load_policy(args, dist_, reference=True) if config.startswith("gspo") else None  # --kl-ref
-        stats = train_full.train_step(model, optimizer, rollouts[mine], REWARDS[mine], STEP, args, dist_,
-                                      tokenizer.pad_token_id, keep_grads=True, ref_model=ref_model)
+        model = fsdp_vllm.load_policy(args, dist_)
+        optimizer = fsdp_vllm.make_optimizer(model, args)
+        ref_model = fsdp_vllm.load_policy(args, dist_, reference=True) if config.startswith("gspo") else None  # --kl-ref
+        stats, details = train_full.train_step(model, optimizer, rollouts[mine], REWARDS[mine], STEP, args, dist_,
+                                               tokenizer.pad_token_id, keep_grads=True, ref_model=ref_model)
         params, grads = {}, {}
         for name, p in model.named_parameters():
             params[name] = p.full_tensor().detach().cpu().clone()
             grads[name] = p.grad.full_tensor().detach().cpu().clone()
-        result[config] = {"params": params, "grads": grads, "keep": stats["_keep"], "token_keep": stats["_token_keep"],
+        result[config] = {"params": params, "grads": grads, "keep": details["keep"], "token_keep": details["token_keep"],
                         "grad_norm": stats["grad_norm"], "loss": stats["loss"], "n_keep": stats["n_keep"],
                         "k_frac": stats["k_frac"], "kept_tokens": stats["kept_tokens"], "updates": stats["updates"],
                         "clip_frac_by_minibatch": stats["clip_frac_by_minibatch"], "k_real": stats["k_real"],

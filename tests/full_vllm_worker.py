@@ -4,7 +4,7 @@
 
 Builds the FSDP policy (sharded over the ranks) and a colocated vLLM engine per rank, generates greedily,
 takes one optimizer step with a large learning rate, sends the new weights to vLLM
-(train_full.VLLMEngine.update_weights) and generates again. For both, it records vLLM's tokens
+(fsdp_vllm.VLLMEngine.update_weights) and generates again. For both, it records vLLM's tokens
 and log-probs and the trainer's own log-probs and greedy choices on those tokens.
 """
 
@@ -18,6 +18,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import full_fsdp_worker  # noqa: E402
+import fsdp_vllm  # noqa: E402
+import mathtask  # noqa: E402
 import train_full  # noqa: E402
 
 PROMPTS = ["1+1=", "The answer is", "abc"]
@@ -54,27 +56,27 @@ def main():
                                   "--group-size", "4", "--prompts-per-step", "4", "--lr", "3e-2", "--max-grad-norm", "100",
                                   "--max-prompt-len", "32", "--max-response-len", "16", "--eval-max-tokens", "16",
                                   "--vllm-kv-cache-gb", "0.25", "--micro-batch-size", "8"])
-    dist_ = train_full.init_distributed(device)
-    tokenizer = train_full.load_tokenizer(cli.model)
-    stops = train_full.stop_token_ids(tokenizer)
-    model = train_full.load_policy(args, dist_)
-    optimizer = train_full.make_optimizer(model, args)
-    engine = train_full.VLLMEngine(cli.model, args, dist_)
+    dist_ = fsdp_vllm.init_distributed(device)
+    tokenizer = fsdp_vllm.load_tokenizer(cli.model)
+    stops = mathtask.stop_token_ids(tokenizer, fsdp_vllm.load_generation_config(cli.model))
+    model = fsdp_vllm.load_policy(args, dist_)
+    optimizer = fsdp_vllm.make_optimizer(model, args)
+    engine = fsdp_vllm.VLLMEngine(cli.model, args, dist_)
     prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
 
     before = snapshot(engine, model, tokenizer, prompt_ids, stops)
     per = full_fsdp_worker.P // dist_.world
     mine = slice(dist_.rank * per, (dist_.rank + 1) * per)
     rollouts = full_fsdp_worker.make_rollouts(len(tokenizer))[mine]
-    stats = train_full.train_step(model, optimizer, rollouts, full_fsdp_worker.REWARDS[mine], 0, args, dist_,
-                                  tokenizer.pad_token_id)
+    stats, _ = train_full.train_step(model, optimizer, rollouts, full_fsdp_worker.REWARDS[mine], 1, args, dist_,
+                                     tokenizer.pad_token_id)
     engine.sleep()  # no-op on CPU (vLLM has no sleep mode there); on CUDA this frees vLLM's memory
-    engine.update_weights(train_full.full_named_tensors(model, getattr(torch, args.dtype)))
+    engine.update_weights(fsdp_vllm.full_named_tensors(model, getattr(torch, args.dtype)))
     after = snapshot(engine, model, tokenizer, prompt_ids, stops)
     with open(f"{cli.out}.rank{dist_.rank}", "w") as f:
         json.dump({"before": before, "after": after, "skipped": stats["skipped"], "grad_norm": stats["grad_norm"],
                    "world": dist_.world}, f)
-    train_full.shutdown(engine)
+    fsdp_vllm.shutdown(engine)
 
 
 if __name__ == "__main__":

@@ -65,7 +65,7 @@ def reference_step(model_dir, name):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
     rollouts = [r for group in worker.make_rollouts(model.config.vocab_size) for r in group]  # [P*G], prompt-major
-    n_keep, k_frac = d3s.method_budget(method, worker.STEP, worker.STEPS, worker.G, 2, 4, 0.3, 0.5)
+    n_keep, k_frac = d3s.method_budget(method, worker.STEP - 1, worker.STEPS, worker.G, 2, 4, 0.3, 0.5)  # steps count from 1
     keep, adv = d3s.select_samples(worker.REWARDS, n_keep, method)
     kept = keep.view(-1).nonzero().squeeze(1).tolist()
     seqs = [rollouts[i] for i in kept]
@@ -184,7 +184,7 @@ def test_resume_from_a_sharded_checkpoint_continues_exactly(fsdp_result):
     """Model and optimizer shards (DCP) and the data order come back: step 2 after a resume equals
     step 2 of an uninterrupted run."""
     resume = fsdp_result["resume"]
-    assert resume["step"] == 1 and resume["order"]["pos"] == 3
+    assert resume["step"] == 1 and resume["order"]["pos"] == 3  # 1 step completed
     assert resume["max_diff"] <= 1e-7
 
 

@@ -9,6 +9,7 @@ import types
 import pytest
 import torch
 
+import fsdp_vllm
 import train_full
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -44,7 +45,8 @@ def test_ladder_methods_mini_batches_and_gspo_aggregation_defaults():
     args = train_full.parse_args([])
     assert args.mini_batches == 4 and args.loss_agg == "token-mean" and not args.kl_ref and args.kl_coef == 0.0
     assert train_full.parse_args(["--loss", "gspo"]).loss_agg == "seq-mean-token-mean"
-    assert train_full.budget(0, args, 32) == (8, 0.05) and train_full.budget(0, train_full.parse_args(["--method", "d2s"]), 32) == (20, 0.125)
+    assert train_full.budget(1, args, 32) == (8, 0.05) and train_full.budget(1, train_full.parse_args(["--method", "d2s"]), 32) == (20, 0.125)
+    assert train_full.budget(250, args, 32) == (32, pytest.approx(0.2 - 0.15 / 250))  # step S: method_budget at S - 1
     for bad in (["--mini-batches", "0"], ["--kl-coef", "0.1"], ["--static-n", "40"], ["--mlp-chunk-tokens", "-1"]):
         with pytest.raises(SystemExit):
             train_full.parse_args(bad)
@@ -55,7 +57,7 @@ def test_the_kl_to_the_reference_is_measured_on_step_1_every_kl_every_steps_and_
     assert train_full.parse_args(["--kl-ref"]).kl_every == 10  # --eval-every 0: 10
     assert measured(["--kl-ref", "--steps", "25"]) == [1, 10, 20, 25]
     assert measured(["--kl-ref", "--steps", "25", "--eval-every", "12"]) == [1, 12, 24, 25]  # default: --eval-every
-    assert measured(["--kl-ref", "--steps", "25", "--kl-every", "0"]) == []
+    assert measured(["--steps", "25", "--kl-every", "0"]) == []  # (with --kl-ref: refused, the reference would idle)
     assert measured(["--kl-ref", "--steps", "25", "--kl-coef", "0.1"]) == list(range(1, 26))  # in the loss: every step
 
 
@@ -111,11 +113,11 @@ def test_sampling_seeds_of_one_call_never_share_a_noise_stream():
 
 def test_resume_keeps_the_metrics_the_checkpoint_covers(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    lines = [{"kind": "train", "step": 0}, {"kind": "train", "step": 1}, {"kind": "eval", "step": 2},
-             {"kind": "train", "step": 2}, {"kind": "eval", "step": 3}]
+    lines = [{"kind": "eval", "step": 0}, {"kind": "train", "step": 1}, {"kind": "train", "step": 2},
+             {"kind": "eval", "step": 2}, {"kind": "train", "step": 3}, {"kind": "eval", "step": 3}]
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    train_full.truncate_metrics(str(path), 2)  # checkpoint after 2 steps (train lines are 0-based)
-    assert [json.loads(x) for x in path.read_text().splitlines()] == lines[:3]
+    train_full.truncate_metrics(str(path), 2)  # checkpoint after 2 steps (steps count from 1; eval 0 before training)
+    assert [json.loads(x) for x in path.read_text().splitlines()] == lines[:4]
 
 
 def test_a_fresh_run_into_a_folder_with_checkpoints_stops_and_overwrites_nothing(tmp_path):
@@ -123,9 +125,9 @@ def test_a_fresh_run_into_a_folder_with_checkpoints_stops_and_overwrites_nothing
     ckpt.mkdir(parents=True)
     (ckpt / "trainer_state.json").write_text("{}")
     (tmp_path / "metrics.jsonl").write_text('{"kind": "train", "step": 0}\n')
-    proc = subprocess.run([sys.executable, str(ROOT / "train_full.py"), "--out", str(tmp_path), "--device", "cpu"],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0 and "--resume" in proc.stderr and str(tmp_path) in proc.stderr
+    proc = subprocess.run([sys.executable, str(ROOT / "train_full.py"), "--out", str(tmp_path), "--device", "cpu",
+                           "--rollout", "hf"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--resume" in proc.stderr and str(tmp_path) in proc.stderr
     assert (tmp_path / "metrics.jsonl").read_text() == '{"kind": "train", "step": 0}\n'
     assert not (tmp_path / "args.json").exists()
 
@@ -164,7 +166,7 @@ def test_vllm_memory_plan_gives_vllm_what_the_trainer_shards_leave():
     config = Qwen2Config(**QWEN25_MATH_7B)
     args = train_full.parse_args([])
     gpu = 80 * 2**30
-    plan = train_full.vllm_memory_plan(config, args, 8, gpu)
+    plan = fsdp_vllm.vllm_memory_plan(config, args, 8, gpu)
     assert 7.5e9 < plan["params"] < 7.7e9  # Qwen2.5-Math-7B: 7.62B
     assert plan["trainer_resident_gib"] == pytest.approx(12 * plan["params"] / 8 / 2**30)  # fp32 + two Adam moments
     assert plan["gpu_memory_utilization"] * gpu == pytest.approx(gpu - (plan["trainer_resident_gib"] + 4) * 2**30, rel=1e-3)
@@ -172,7 +174,7 @@ def test_vllm_memory_plan_gives_vllm_what_the_trainer_shards_leave():
     full_length = args.max_prompt_len + args.max_response_len
     assert plan["max_num_seqs"] * plan["kv_bytes_per_token"] * full_length <= plan["kv_cache_gib"] * 2**30
     assert plan["max_num_seqs"] >= args.prompts_per_step * args.group_size // 8  # a rank's 128 rollouts run at once
-    one_gpu = train_full.vllm_memory_plan(config, args, 1, gpu)  # the whole 7B trainer state on one GPU: no room
+    one_gpu = fsdp_vllm.vllm_memory_plan(config, args, 1, gpu)  # the whole 7B trainer state on one GPU: no room
     assert one_gpu["gpu_memory_utilization"] == 0.05
 
 
@@ -190,12 +192,12 @@ def test_mfu_counts_parameters_without_the_input_embedding():
     tokenizer = tiny.build_char_tokenizer()
     tied = tiny.build_tiny_model(tokenizer)
     total = sum(p.numel() for p in tied.parameters())
-    assert tied.config.tie_word_embeddings and train_full.flop_params(tied) == total  # the head is a matmul: counted
+    assert tied.config.tie_word_embeddings and fsdp_vllm.flop_params(tied) == total  # the head is a matmul: counted
     embed = tied.get_input_embeddings().weight.numel()
     untied_config = type(tied.config)(**{**tied.config.to_dict(), "tie_word_embeddings": False})
     untied = type(tied)(untied_config)
-    assert train_full.flop_params(untied) == sum(p.numel() for p in untied.parameters()) - embed
-    assert dict(train_full.PEAK_TFLOPS)["H100 PCIe"] == 756 and dict(train_full.PEAK_TFLOPS)["H100"] == 989
+    assert fsdp_vllm.flop_params(untied) == sum(p.numel() for p in untied.parameters()) - embed
+    assert dict(fsdp_vllm.PEAK_TFLOPS)["H100 PCIe"] == 756 and dict(fsdp_vllm.PEAK_TFLOPS)["H100"] == 989
 
 
 @pytest.mark.parametrize("method", ["grpo", "d3s"])
@@ -239,7 +241,7 @@ def test_the_blockwise_loss_head_equals_the_full_logits_head(method, monkeypatch
 
 
 def test_the_tiled_mlp_gives_the_whole_mlps_outputs_and_gradients():
-    """train_full.chunk_mlps (MLP over slices of the sequence, each recomputed in backward),
+    """fsdp_vllm.chunk_mlps (MLP over slices of the sequence, each recomputed in backward),
     under activation checkpointing as in training, against the untouched model: same logits
     with and without grad, same gradients."""
     import copy
@@ -250,7 +252,7 @@ def test_the_tiled_mlp_gives_the_whole_mlps_outputs_and_gradients():
     whole = tiny.build_tiny_model(tokenizer).train()
     whole.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     tiled = copy.deepcopy(whole)
-    train_full.chunk_mlps(tiled, chunk_tokens=6)  # 3 rows: slices of 2 positions, a ragged last one
+    fsdp_vllm.chunk_mlps(tiled, chunk_tokens=6)  # 3 rows: slices of 2 positions, a ragged last one
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 60, (3, 11), generator=gen)
     weights = torch.randn(3, 11, whole.config.vocab_size, generator=gen)

@@ -23,7 +23,7 @@ import pytest
 import tiny
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-SHARED_DATA = ROOT.parent / "shared" / "data"
+DATA = ROOT / "data"  # the repository's own data files
 VLLM_PYTHON = os.environ.get("D3S_VLLM_PYTHON", str(ROOT / ".venv-vllm" / "bin" / "python"))
 DEVICE = os.environ.get("D3S_TEST_DEVICE", "cpu")  # cuda on a GPU node: scripts/gpu_check.sh
 SYNC_RANKS = int(os.environ.get("D3S_TEST_RANKS", "2"))  # ranks of the weight-sync check (1 on a single GPU)
@@ -103,7 +103,7 @@ def test_vllm_greedy_tokens_and_logprobs_match_the_trainer_after_a_step_and_weig
 @pytest.fixture(scope="module")
 def train_data(tmp_path_factory):
     """The first 24 rows of the real training set, plus one row without an answer (dropped, counted)."""
-    rows = [json.loads(line) for line in (SHARED_DATA / "train_math_lvl3to5_8k.jsonl").open()][:24]
+    rows = [json.loads(line) for line in (DATA / "train_math_lvl3to5_8k.jsonl").open()][:24]
     path = tmp_path_factory.mktemp("data") / "train.jsonl"
     with path.open("w") as f:
         for row in rows + [{"id": "no-answer", "problem": "What is 1+1?", "answer": ""}]:
@@ -121,7 +121,7 @@ def train_cmd(python, model, data, out, *extra):
 
 @pytest.fixture(scope="module")
 def first_run(vllm_python, tiny_model_dir, train_data, tmp_path_factory):
-    """Steps 0-1 of a 3-step run, then stop (as if preempted); a checkpoint after each step."""
+    """Steps 1-2 of a 3-step run, then stop (--stop-after 2, as if preempted); a checkpoint after each step."""
     out = str(tmp_path_factory.mktemp("run"))
     log = run(train_cmd(vllm_python, tiny_model_dir, train_data, out, "--stop-after", "2", "--export-every", "2",
                         "--eval-data", "none"))
@@ -136,7 +136,7 @@ def test_two_steps_on_two_ranks_with_vllm_rollouts_log_metrics_and_write_checkpo
     out, log = first_run
     assert "22 prompts (1 rows without an answer dropped, 2 longer than 400 tokens dropped)" in log
     records = metrics(out)
-    assert [r["step"] for r in records] == [0, 1]
+    assert [r["step"] for r in records] == [1, 2]
     for r in records:
         for key in ("reward_mean", "n_keep", "k_frac", "kept_samples", "kept_tokens", "kept_tokens_frac", "kept_adv_var",
                     "grad_norm", "entropy_mean", "clip_frac", "loss", "skipped", "gen_s", "train_s", "gen_tokens_per_s",
@@ -161,7 +161,7 @@ def test_hf_export_loads_in_transformers(first_run):
 def test_eval_only_on_real_benchmark_problems_writes_pass_at_k_tables(vllm_python, first_run):
     out = first_run[0]
     eval_out = os.path.join(out, "eval_only")
-    benchmarks = ",".join(str(SHARED_DATA / f"{b}.jsonl") for b in ("gsm8k", "amc23"))
+    benchmarks = ",".join(str(DATA / f"{b}.jsonl") for b in ("gsm8k", "amc23"))
     run([vllm_python, str(ROOT / "train_full.py"), "--eval-only", "--model", os.path.join(out, "hf_step_000002"),
          "--eval-data", benchmarks, "--out", eval_out, "--template", "plain", "--device", DEVICE, "--eval-limit", "2",
          "--eval-samples", "2", "--eval-pass-k", "1,2", "--eval-max-tokens", "16", "--max-prompt-len", "1000",
@@ -180,11 +180,11 @@ def test_resume_continues_from_the_last_complete_checkpoint(vllm_python, tiny_mo
     broken = os.path.join(out, "checkpoints", "step_000003.tmp")  # a save killed halfway
     os.makedirs(broken)
     log = run(train_cmd(vllm_python, tiny_model_dir, train_data, out, "--resume",
-                        "--eval-data", str(SHARED_DATA / "gsm8k.jsonl")))
+                        "--eval-data", str(DATA / "gsm8k.jsonl")))
     assert "resumed from" in log and "step_000002 at step 2" in log
     records = metrics(out)
-    assert [r["step"] for r in records] == [0, 1, 2]
-    assert records[2]["n_keep"] == 3 and records[2]["k_frac"] == pytest.approx(0.15)  # schedule at step 2 of 3
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert records[2]["n_keep"] == 3 and records[2]["k_frac"] == pytest.approx(0.15)  # step 3 of 3: method_budget at 2
     assert os.path.exists(os.path.join(out, "hf_final", "config.json"))
     final = json.load(open(os.path.join(out, "eval_final.json")))["results"]
     assert final["gsm8k"]["problems"] == 2  # evaluated on both ranks (one problem each), gathered
