@@ -22,10 +22,12 @@ import functools
 import json
 import math
 import os
+import pickle
 import random
 import re
 import shutil
 import socket
+import sys
 import time
 
 import torch
@@ -488,11 +490,21 @@ def make_engine(model_path, args, dist_):
 # ---------------------------------------------------------------------------------------------
 
 CKPT_RE = re.compile(r"^step_(\d+)$")
+CHECKPOINT_FORMAT = 2  # 2: tensors (DCP) + RNG as tensors + JSON; 1 (before): pickled RNG state, optimizer param_groups
+STALL_ENV = "D3S_TEST_STALL_CHECKPOINT"  # tests: "N" stalls the write of step N's checkpoint halfway (a SIGKILL lands there)
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be resumed: missing, truncated, corrupt, of an older format, or holding
+    a pickled object. The message names the file and the fix (train_full prints it as one line, exit 2)."""
 
 
 def save_checkpoint(model, optimizer, out, step, trainer_state, dist_, keep):
-    """OUT/checkpoints/step_NNNNNN (NNNNNN: the number of completed steps): model + optimizer shards
-    (DCP), the RNG of every rank, and trainer_state (JSON: the data position, the run's flags).
+    """OUT/checkpoints/step_NNNNNN (NNNNNN: the number of completed steps): the model and AdamW's
+    state as tensors (DCP shards; the optimizer's param_groups are not saved, they follow from the
+    run's flags), each rank's RNG as tensors (rng_rankR.pt), and trainer_state.json (the format,
+    the step, the world size, and train_full's JSON: data position, the run's flags). Nothing in it
+    needs pickle to load beyond DCP's .metadata, which load_checkpoint reads with an allow-list.
 
     Written to step_NNNNNN.tmp and renamed when complete: a run killed at any moment leaves
     either a complete checkpoint or a .tmp folder that --resume ignores. The newest `keep` stay.
@@ -508,15 +520,21 @@ def save_checkpoint(model, optimizer, out, step, trainer_state, dist_, keep):
         os.makedirs(tmp)
     dist.barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
-    rng = {"torch": torch.get_rng_state(), "python": random.getstate(),
-           "cuda": torch.cuda.get_rng_state() if dist_.device.type == "cuda" else None}
+    dcp.save({"model": model_sd, "optim": {"state": optim_sd["state"]}}, checkpoint_id=tmp)
+    version, words, gauss = random.getstate()
+    rng = {"torch": torch.get_rng_state(), "python_words": torch.tensor(words, dtype=torch.int64),
+           "python_version": torch.tensor(version), "python_gauss": torch.tensor([math.nan if gauss is None else gauss])}
+    if dist_.device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state()
     torch.save(rng, os.path.join(tmp, f"rng_rank{dist_.rank}.pt"))
-    if dist_.is_main:
-        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-            json.dump({"step": step, "world": dist_.world, **trainer_state}, f, indent=1)
+    if os.environ.get(STALL_ENV) == str(step):
+        print(f"checkpoint of step {step}: shards written, stalled before completion ({STALL_ENV})", file=sys.stderr,
+              flush=True)
+        time.sleep(600)
     dist.barrier()
     if dist_.is_main:
+        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+            json.dump({"format": CHECKPOINT_FORMAT, "step": step, "world": dist_.world, **trainer_state}, f, indent=1)
         shutil.rmtree(final, ignore_errors=True)  # resumed from an older checkpoint: this step is redone
         os.replace(tmp, final)  # atomic: the checkpoint exists only once it is complete
         done = sorted(d for d in os.listdir(root) if CKPT_RE.match(d))
@@ -527,7 +545,7 @@ def save_checkpoint(model, optimizer, out, step, trainer_state, dist_, keep):
 
 
 def find_checkpoint(spec, out):
-    """The folder to resume from: spec itself, or the newest complete OUT/checkpoints/step_*."""
+    """The folder to resume from: spec itself, or the newest complete OUT/checkpoints/step_* (None if none)."""
     if spec != "latest":
         return spec
     root = os.path.join(out, "checkpoints")
@@ -536,24 +554,114 @@ def find_checkpoint(spec, out):
     return os.path.join(root, done[-1]) if done else None
 
 
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's .metadata is a pickle: allow the classes DCP writes there (its metadata dataclasses, torch
+    sizes, dtypes and layouts, paths), refuse anything else before it runs."""
+
+    ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+               ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath")}
+
+    def find_class(self, module, name):
+        obj = getattr(sys.modules.get(module), name, None) if module in sys.modules else None
+        if ((module, name) in self.ALLOWED or (module == "torch" and isinstance(obj, torch.dtype))
+                or (module in ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+                    and isinstance(obj, type) and name != "BytesStorageMetadata")):
+            return super().find_class(module, name)
+        raise _Refused(f"{module}.{name}")
+
+
+class _Refused(pickle.UnpicklingError):
+    """A global that a train_full checkpoint never holds."""
+
+
+def read_checkpoint(path, rank=None):
+    """Check a checkpoint folder without loading it into a model (cheap: before any model is built) and
+    return its trainer_state. Raises CheckpointError for a missing, truncated, corrupt or older
+    checkpoint, or one that holds a pickled object (in .metadata or an RNG file)."""
+    import torch.distributed.checkpoint.filesystem  # noqa: F401  (the classes .metadata names)
+
+    fix = "resume from an older checkpoint (--resume OUT/checkpoints/step_NNNNNN) or start a new run with a new --out"
+    state_file = os.path.join(path, "trainer_state.json")
+    try:
+        with open(state_file) as f:
+            meta = json.load(f)
+        assert isinstance(meta, dict) and isinstance(meta.get("step", 0), int)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: not a complete checkpoint (no trainer_state.json); {fix}") from None
+    except (ValueError, AssertionError, UnicodeDecodeError):
+        raise CheckpointError(f"{state_file}: truncated or corrupt (not the JSON train_full writes); {fix}") from None
+    if meta.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"{state_file}: checkpoint format {meta.get('format', 1)}, written by an older train_full.py "
+                              f"(this one reads format {CHECKPOINT_FORMAT} only: no pickled state); finish that run with "
+                              "the train_full.py that wrote it, or start a new run with a new --out")
+    for key in ("step", "world", "order", "run"):
+        if key not in meta:
+            raise CheckpointError(f"{state_file}: no '{key}' (truncated or edited); {fix}")
+    try:
+        with open(os.path.join(path, ".metadata"), "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        for info in metadata.storage_data.values():  # every shard file holds the bytes .metadata points to
+            shard = os.path.join(path, info.relative_path)
+            if not os.path.isfile(shard) or os.path.getsize(shard) < info.offset + info.length:
+                raise CheckpointError(f"{shard}: {'truncated' if os.path.isfile(shard) else 'missing'} (the write did "
+                                      f"not complete); {fix}")
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}/.metadata: missing (the shards were not written completely); {fix}") from None
+    except _Refused as e:  # (non-tensor entries, BytesStorageMetadata, would be unpickled by DCP: refused too)
+        raise CheckpointError(f"{path}/.metadata: refused: it holds a pickled object ({e}) that train_full never "
+                              f"writes there (loading it could run code); {fix}") from None
+    except CheckpointError:
+        raise
+    except Exception as e:  # UnpicklingError, EOFError, ...: a damaged file
+        raise CheckpointError(f"{path}/.metadata: truncated or corrupt ({type(e).__name__}); {fix}") from None
+    for r in range(meta["world"]) if rank is None else [rank]:
+        rng_file = os.path.join(path, f"rng_rank{r}.pt")
+        if os.path.exists(rng_file):
+            load_rng_file(rng_file, fix)
+    return meta
+
+
+def load_rng_file(rng_file, fix):
+    """One rank's RNG state: tensors only (torch.load(weights_only=True))."""
+    try:
+        rng = torch.load(rng_file, weights_only=True)
+        assert isinstance(rng, dict) and all(isinstance(v, torch.Tensor) for v in rng.values())
+        return rng
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        if "weights_only" in str(e) or "Unsupported global" in str(e):
+            raise CheckpointError(f"{rng_file}: refused: it holds a pickled Python object, not tensors (loading it could "
+                                  f"run code); {fix}") from None
+        raise CheckpointError(f"{rng_file}: truncated or corrupt ({first}); {fix}") from None
+    except Exception as e:
+        raise CheckpointError(f"{rng_file}: truncated or corrupt ({type(e).__name__}); {fix}") from None
+
+
 def load_checkpoint(path, model, optimizer, dist_):
-    """Restore model + optimizer shards (any world size: DCP reshards) and this rank's RNG (same
-    world size only); returns trainer_state."""
+    """Restore the model and AdamW's state (any world size: DCP reshards the shards) and, when the
+    world size is the one that wrote it, this rank's RNG; returns trainer_state. Every file is
+    checked first (read_checkpoint): DCP then reads tensors only."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    with open(os.path.join(path, "trainer_state.json")) as f:
-        meta = json.load(f)
+    meta = read_checkpoint(path, rank=dist_.rank)
+    model_sd, optim_sd = get_state_dict(model, optimizer)  # a fresh optimizer's state is initialised (zeros)
+    state = {"model": model_sd, "optim": {"state": optim_sd["state"]}}
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except (Exception, dcp.api.CheckpointException) as e:  # (DCP's own is a BaseException)
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{path}: its shards cannot be read ({first}): truncated or corrupt, or from another "
+                              "model; resume from an older checkpoint or start a new run with a new --out") from None
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict={"state": state["optim"]["state"], "param_groups": optim_sd["param_groups"]})
     rng_file = os.path.join(path, f"rng_rank{dist_.rank}.pt")
-    if meta["world"] == dist_.world and os.path.exists(rng_file):
-        rng = torch.load(rng_file, weights_only=False)
+    if meta["world"] == dist_.world and os.path.exists(rng_file):  # another world size: sampling is seeded per prompt
+        rng = load_rng_file(rng_file, "start a new run")
         torch.set_rng_state(rng["torch"])
-        random.setstate(rng["python"])
-        if rng["cuda"] is not None and dist_.device.type == "cuda":
+        gauss = float(rng["python_gauss"][0])
+        random.setstate((int(rng["python_version"]), tuple(rng["python_words"].tolist()), None if math.isnan(gauss) else gauss))
+        if "cuda" in rng and dist_.device.type == "cuda":
             torch.cuda.set_rng_state(rng["cuda"])
     return meta
 

@@ -60,11 +60,11 @@ import torch
 import torch.distributed as dist
 
 import d3s
-from fsdp_vllm import (all_reduce, append_metrics, clock, context_length, eval_record, explain_rows, export_hf,
-                       find_checkpoint, flop_params, full_named_tensors, gather_global, gather_rows, gpu_used_gb,
+from fsdp_vllm import (CheckpointError, all_reduce, append_metrics, clock, context_length, eval_record, explain_rows,
+                       export_hf, find_checkpoint, flop_params, full_named_tensors, gather_global, gather_rows, gpu_used_gb,
                        init_distributed, load_checkpoint, load_generation_config, load_policy, load_tokenizer, make_engine,
-                       make_optimizer, memory_peak_gb, peak_flops, save_checkpoint, shutdown, truncate_metrics,
-                       write_eval_report, write_explain_page)
+                       make_optimizer, memory_peak_gb, peak_flops, read_checkpoint, save_checkpoint, shutdown,
+                       truncate_metrics, write_eval_report, write_explain_page)
 from mathtask import (PLAIN_TEMPLATE, QWEN_MATH_TEMPLATE, DataError, Grader, default_grader_workers, load_problems,
                       pass_at_k, stop_token_ids)
 
@@ -239,7 +239,6 @@ def check_args(args, world):
     """Every flag, before any work (no model, data or process group yet): ranges, NaN and inf,
     combinations, paths. Raises UsageError naming the flag, its value and the fix. Fills in the
     defaults that depend on other flags (clip range, loss aggregation, --kl-every, dtype, ...)."""
-    finite = math.isfinite
     rules = [  # (flag, value, ok, what it must be); a None value (not given, default decided below) passes
         ("--steps", args.steps, lambda v: v >= 1, "an int >= 1"),
         ("--prompts-per-step", args.prompts_per_step, lambda v: v >= 1, "an int >= 1"),
@@ -249,8 +248,8 @@ def check_args(args, world):
         ("--k-init", args.k_init, lambda v: 0 < v <= 1, "a fraction of tokens in (0, 1]"),
         ("--k-final", args.k_final, lambda v: 0 < v <= 1, "a fraction of tokens in (0, 1]"),
         ("--static-k", args.static_k, lambda v: 0 < v <= 1, "a fraction of tokens in (0, 1]"),
-        ("--lr", args.lr, lambda v: 0 < v < math.inf, "a finite number > 0 (the recipe's: 1e-6)"),
-        ("--weight-decay", args.weight_decay, lambda v: 0 <= v < math.inf, "a finite number >= 0"),
+        ("--lr", args.lr, lambda v: 0 < v <= 1, "in (0, 1] (the recipe's: 1e-6)"),
+        ("--weight-decay", args.weight_decay, lambda v: 0 <= v <= 1, "in [0, 1] (AdamW's decoupled decay)"),
         ("--max-grad-norm", args.max_grad_norm, lambda v: 0 < v < math.inf, "a finite number > 0 (the norm the "
          "gradient is clipped to)"),
         ("--clip-low", args.clip_low, lambda v: 0 <= v < 1, "in [0, 1): the ratio is clipped at 1 - eps_low"),
@@ -260,14 +259,14 @@ def check_args(args, world):
         ("--kl-coef", args.kl_coef, lambda v: 0 <= v < math.inf, "a finite number >= 0"),
         ("--kl-every", args.kl_every, lambda v: v >= 0, "an int >= 0 (0 = never)"),
         ("--mlp-chunk-tokens", args.mlp_chunk_tokens, lambda v: v >= 0, "an int >= 0 (0 = the whole micro-batch at once)"),
-        ("--temperature", args.temperature, lambda v: 0 < v < math.inf, "a finite number > 0 (the loss divides the "
-         "logits by it)"),
+        ("--temperature", args.temperature, lambda v: 0.01 <= v <= 100, "in [0.01, 100] (the loss divides the logits "
+         "by it)"),
         ("--top-p", args.top_p, lambda v: 0 < v <= 1, "in (0, 1]"),
         ("--max-prompt-len", args.max_prompt_len, lambda v: v >= 1, "an int >= 1"),
         ("--max-response-len", args.max_response_len, lambda v: v >= 1, "an int >= 1"),
         ("--eval-every", args.eval_every, lambda v: v >= 0, "an int >= 0 (0 = only after the last step)"),
         ("--eval-samples", args.eval_samples, lambda v: 1 <= v <= 1024, "an int in [1, 1024] (samples per problem)"),
-        ("--eval-temperature", args.eval_temperature, lambda v: 0 <= v < math.inf, "a finite number >= 0 (0: greedy)"),
+        ("--eval-temperature", args.eval_temperature, lambda v: v == 0 or 0.01 <= v <= 100, "0 (greedy) or in [0.01, 100]"),
         ("--eval-top-p", args.eval_top_p, lambda v: 0 < v <= 1, "in (0, 1]"),
         ("--eval-max-tokens", args.eval_max_tokens, lambda v: v >= 1, "an int >= 1"),
         ("--eval-limit", args.eval_limit, lambda v: v >= 0, "an int >= 0 (0 = every problem)"),
@@ -278,10 +277,10 @@ def check_args(args, world):
         ("--stop-after", args.stop_after, lambda v: 1 <= v <= args.steps, f"an int in [1, --steps {args.steps}]"),
         ("--seed", args.seed, lambda v: 0 <= v < 2**31, "an int in [0, 2^31)"),
         ("--vllm-gpu-memory-utilization", args.vllm_gpu_memory_utilization, lambda v: 0 < v <= 1, "in (0, 1]"),
-        ("--vllm-kv-cache-gb", args.vllm_kv_cache_gb, lambda v: 0 < v < math.inf, "a finite number > 0"),
+        ("--vllm-kv-cache-gb", args.vllm_kv_cache_gb, lambda v: 0 < v <= 4096, "in (0, 4096] GB"),
         ("--vllm-max-num-seqs", args.vllm_max_num_seqs, lambda v: v >= 1, "an int >= 1"),
         ("--hf-generate-batch", args.hf_generate_batch, lambda v: v >= 1, "an int >= 1"),
-        ("--grader-timeout", args.grader_timeout, lambda v: 0 < v < math.inf, "a finite number of seconds > 0"),
+        ("--grader-timeout", args.grader_timeout, lambda v: 0 < v <= 3600, "in (0, 3600] seconds per answer"),
         ("--grader-workers", args.grader_workers, lambda v: 1 <= v <= 64, "an int in [1, 64] (processes per rank)"),
         ("--peak-tflops", args.peak_tflops, lambda v: 0 <= v < math.inf, "a finite number >= 0 (0: from the GPU's name)"),
     ]
@@ -387,9 +386,24 @@ def check_out(out):
         raise UsageError(f"--out {out}: {parent} is not a writable folder; pass a folder you can write")
 
 
+RUN_FLAGS = ("model", "train_data", "template", "max_prompt_len", "method", "loss", "loss_agg", "steps", "prompts_per_step",
+             "group_size", "n_init", "n_final", "k_init", "k_final", "static_n", "static_k", "token_scope",
+             "min_token_per_response", "normalize_by", "lr", "weight_decay", "max_grad_norm", "clip_low", "clip_high",
+             "mini_batches", "kl_coef", "temperature", "top_p", "max_response_len", "seed", "unseeded_sampling")
+# the flags that define a run's trajectory: a resume must repeat them (--steps too: the schedule runs over it).
+# Free to change on a resume: the world size (DCP reshards), memory and systems flags, evaluation, checkpoints.
+
+
+def run_flags(args):
+    """RUN_FLAGS of this run, local paths made absolute (a resume may start from another folder)."""
+    value = lambda k, v: os.path.abspath(v) if k in ("model", "train_data") and os.path.exists(v) else v  # noqa: E731
+    return {k: value(k, getattr(args, k)) for k in RUN_FLAGS}
+
+
 def check_resume(args, world):
-    """The checkpoint folder to continue from (--resume), or None for a fresh run, whose --out must
-    hold no checkpoint (nothing is overwritten)."""
+    """The checkpoint folder to continue from (--resume), checked before any work: complete, readable,
+    of this format, holding no pickled object, written by a run with these RUN_FLAGS. A fresh run's
+    --out must hold no checkpoint (nothing is overwritten). Returns the folder or None."""
     if args.eval_only:
         return None
     if not args.resume:
@@ -398,16 +412,28 @@ def check_resume(args, world):
                              "or a new --out (nothing was overwritten)")
         return None
     path = find_checkpoint(args.resume, args.out)
-    if path is None or not os.path.exists(os.path.join(path, "trainer_state.json")):
-        where = f"{args.out}/checkpoints" if args.resume == "latest" else args.resume
-        raise UsageError(f"--resume {'' if args.resume == 'latest' else args.resume}: no complete checkpoint in {where}; "
-                         "drop --resume to start a new run, or pass a checkpoint folder (OUT/checkpoints/step_NNNNNN)")
+    if path is None:
+        raise UsageError(f"--resume: no complete checkpoint in {os.path.join(args.out, 'checkpoints')}; drop --resume to "
+                         "start a new run, or pass a checkpoint folder")
+    if not os.path.isdir(path):
+        raise UsageError(f"--resume {path}: no such folder; pass a checkpoint folder (OUT/checkpoints/step_NNNNNN)")
+    meta = read_checkpoint(path)  # CheckpointError: the file and the fix
+    for flag, value in run_flags(args).items():
+        if meta["run"].get(flag) != value:
+            then = meta["run"].get(flag)
+            raise UsageError(f"--{flag.replace('_', '-')} {value}: the checkpoint {path} is of a run with "
+                             f"--{flag.replace('_', '-')} {then}" + (" (the D3S schedule runs over --steps)" if flag == "steps" else "")
+                             + f"; resume with the run's flags (its trainer_state.json lists them), or start a new run "
+                             "with a new --out")
+    if args.stop_after is not None and args.stop_after <= meta["step"]:
+        raise UsageError(f"--stop-after {args.stop_after}: the checkpoint {path} is already at step {meta['step']}; "
+                         "raise --stop-after or drop it")
     return path
 
 
 def trainer_state(args, order):
-    """The JSON part of a checkpoint: the data position."""
-    return {"order": order.state_dict()}
+    """The JSON part of a checkpoint: the data position and the run's flags."""
+    return {"order": order.state_dict(), "run": run_flags(args)}
 
 
 def resume_from(path, model, optimizer, order, dist_):
@@ -959,6 +985,10 @@ def grade(rollouts, batch, tokenizer, grader):
 def load_inputs(args):
     """Tokenizer, stop tokens, training prompts and eval sets: read on every rank before the process
     group exists, so that a bad model folder or data file stops every rank with exit 2 at once."""
+    from huggingface_hub.utils import logging as hub_logging
+
+    verbosity = hub_logging.get_verbosity()
+    hub_logging.set_verbosity_error()  # offline, the hub's retries would print a line each
     try:
         tokenizer = load_tokenizer(args.model)
         generation_config = load_generation_config(args.model)
@@ -966,6 +996,8 @@ def load_inputs(args):
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UsageError(f"--model {args.model}: cannot load its tokenizer ({first}); pass a folder with config.json "
                          "and the tokenizer files, or a hub name") from None
+    finally:
+        hub_logging.set_verbosity(verbosity)
     stops = stop_token_ids(tokenizer, generation_config)
     eval_sets = load_eval_sets(args, tokenizer, context_length(args.model, args))
     if args.eval_only:
@@ -985,6 +1017,9 @@ def main(argv=None):
     check_machine(args)
     ckpt = check_resume(args, int(os.environ.get("WORLD_SIZE", "1")))  # the checkpoint to continue from, or None
     tokenizer, stops, prompts, eval_sets, note = load_inputs(args)
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()  # one bar per rank and model load would flood the log
     dist_ = init_distributed(args.device)
     torch.manual_seed(args.seed + dist_.rank)
     random.seed(args.seed + dist_.rank)
@@ -1102,7 +1137,7 @@ def entry(argv=None):
         if e.code not in (None, 0):
             sys.stdout.flush(), sys.stderr.flush()
             os._exit(e.code if isinstance(e.code, int) else 2)
-    except (UsageError, DataError) as e:
+    except (UsageError, DataError, CheckpointError) as e:
         if os.environ.get("RANK", "0") == "0":
             print(f"train_full.py: error: {e}", file=sys.stderr)
         sys.stdout.flush(), sys.stderr.flush()
