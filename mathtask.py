@@ -220,17 +220,17 @@ _ITEMS = ("pens", "cups", "eggs", "hats", "keys", "maps", "nuts", "figs", "jars"
 
 
 def _arithmetic_problem(rng, level):
-    """(problem text, integer answer) of one random problem of `level` (answers are >= 0)."""
+    """(problem text, None (no worked solution), integer answer) of one random problem of `level` (answers >= 0)."""
     who, items = rng.choice(_NAMES), rng.choice(_ITEMS)
     if level == 4:
         a, b = rng.randint(1, 9), rng.randint(1, 9)
         c = rng.randint(1, min(9, a + b))
-        return f"{who} had {a} {items}, got {b}, lost {c}. How many left?", a + b - c
+        return f"{who} had {a} {items}, got {b}, lost {c}. How many left?", None, a + b - c
     a = rng.randint(1, 9) if level == 1 else rng.randint(10, 99)
     b = rng.randint(10, 99) if level == 3 else rng.randint(1, 9)
     if level > 1 and rng.random() < 0.5 and a >= b:
-        return f"{who} had {a} {items}, lost {b}. How many left?", a - b
-    return f"{who} had {a} {items}, got {b} more. How many now?", a + b
+        return f"{who} had {a} {items}, lost {b}. How many left?", None, a - b
+    return f"{who} had {a} {items}, got {b} more. How many now?", None, a + b
 
 
 def arithmetic_problems(n, split="train", seed=0, levels=(1, 2, 3, 4), eval_fraction=0.2):
@@ -249,29 +249,74 @@ def arithmetic_problems(n, split="train", seed=0, levels=(1, 2, 3, 4), eval_frac
     >>> any(r["problem"] in train for r in arithmetic_problems(500, "eval"))
     False
     """
+    return _generated(n, split, seed, levels, eval_fraction, ARITHMETIC_LEVELS, _arithmetic_problem, "arith")
+
+
+def _generated(n, split, seed, levels, eval_fraction, level_names, draw, prefix):
+    """n distinct problems from draw(rng, level) -> (text, solution or None, answer), levels cycling;
+    a problem's split is fixed by a hash of its text, so train and eval are disjoint."""
     import random
     import zlib
 
     if split not in ("train", "eval"):
         raise ValueError(f"split={split!r}: choose 'train' or 'eval'")
-    if not levels or any(level not in ARITHMETIC_LEVELS for level in levels):
-        raise ValueError(f"levels={levels!r}: choose from {sorted(ARITHMETIC_LEVELS)}")
-    rng = random.Random(f"arithmetic-{seed}-{split}")
+    if not levels or any(level not in level_names for level in levels):
+        raise ValueError(f"levels={levels!r}: choose from {sorted(level_names)}")
+    rng = random.Random(f"{'arithmetic' if prefix == 'arith' else prefix}-{seed}-{split}")
     rows, seen = [], set()
     for attempt in range(200 * n + 1000):
         if len(rows) == n:
             break
         level = levels[len(rows) % len(levels)]
-        problem, answer = _arithmetic_problem(rng, level)
+        problem, solution, answer = draw(rng, level)
         is_eval = zlib.crc32(problem.encode()) % 1000 < 1000 * eval_fraction
         if problem in seen or is_eval != (split == "eval"):
             continue
         seen.add(problem)
-        rows.append({"id": f"arith-{split}-{seed}-{len(rows)}", "problem": problem,
-                     "answer": str(answer), "level": level})
+        row = {"id": f"{prefix}-{split}-{seed}-{len(rows)}", "problem": problem, "answer": str(answer), "level": level}
+        rows.append(row if solution is None else {**row, "solution": solution})
     if len(rows) < n:
         raise ValueError(f"n={n}: could not draw that many distinct {split} problems of levels {levels}")
     return rows
+
+
+# Worked solutions: multi-step word problems whose answers write every intermediate result
+# (the default task of train_small.py; arithmetic_problems above is --task direct)
+STEP_LEVELS = {
+    1: "a + b, one digit each (one step)",
+    2: "a + b - c, one digit each (two steps)",
+    3: "a + b - c, a two-digit, b and c one-digit (two steps)",
+    4: "a + b - c, a and b two-digit, c one-digit (two steps, carries)",
+}
+
+
+def _step_problem(rng, level):
+    """(problem text, worked solution, integer answer) of one random problem of `level`."""
+    who, items = rng.choice(_NAMES), rng.choice(_ITEMS)
+    if level == 1:
+        a, b = rng.randint(1, 9), rng.randint(1, 9)
+        return f"{who} had {a} {items}, got {b} more. How many now?", f"{a}+{b}={a + b}.", a + b
+    a = rng.randint(1, 9) if level == 2 else rng.randint(10, 99)
+    b = rng.randint(10, 99) if level == 4 else rng.randint(1, 9)
+    c = rng.randint(1, min(9, a + b))
+    text = f"{who} had {a} {items}, got {b}, lost {c}. How many left?"
+    return text, f"{a}+{b}={a + b}. {a + b}-{c}={a + b - c}.", a + b - c
+
+
+def step_problems(n, split="train", seed=0, levels=(1, 2, 3, 4), eval_fraction=0.2):
+    """`n` distinct word problems whose `solution` works every step out before the answer, rows like
+    load_problems' (+ `level` and `solution`). A response is the solution then \\boxed{answer}:
+
+        Ann had 47 pens, got 8, lost 13. How many left?   ->   47+8=55. 55-13=42. \\boxed{42}
+
+    so every intermediate result is a decision the policy can get wrong (and the grader, which
+    reads the last \\boxed{}, scores only the end). Levels (STEP_LEVELS) cycle as in
+    arithmetic_problems, and train / eval are disjoint by a hash of the problem text.
+
+    >>> r = step_problems(4, seed=0)[3]; r["level"], r["solution"].count("="), r["answer"] == r["solution"].split("=")[-1][:-1]
+    (4, 2, True)
+    """
+    return _generated(n, split, seed, levels, eval_fraction, STEP_LEVELS, _step_problem, "steps")
 
 
 # ---------------------------------------------------------------------------------------------

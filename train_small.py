@@ -46,11 +46,14 @@ import hashlib
 import json
 import math
 import os
+import pickle
 import platform
 import random
+import re
 import shutil
 import sys
 import time
+import zlib
 
 import numpy as np
 import torch
@@ -58,11 +61,14 @@ from tqdm import tqdm
 
 import d3s
 import explain
-from mathtask import (PLAIN_TEMPLATE, QWEN_MATH_TEMPLATE, DataError, Grader, arithmetic_problems,
+from mathtask import (PLAIN_TEMPLATE, QWEN_MATH_TEMPLATE, DataError, Grader, arithmetic_problems, step_problems,
                       load_problems, pass_at_k, stop_token_ids)
 
-TINY_MAX_NEW_TOKENS, HF_MAX_NEW_TOKENS = 16, 512  # "\boxed{123}" + EOS is 12 tokens for the tiny model
-TINY_SFT_STEPS = 1000  # ~3 min on 2 cores: held-out greedy Pass@1 ~0.77, levels 2-3 at ~30% (groups with spread)
+# response length limits: a worked answer "73+96=169. 169-6=163. \boxed{163}" + EOS is 34 tokens for the tiny
+# model, a direct one "\boxed{123}" + EOS 12; any HF model with --model
+TINY_MAX_NEW_TOKENS, HF_MAX_NEW_TOKENS = {"steps": 48, "direct": 16}, 512
+TASKS = {"steps": step_problems, "direct": arithmetic_problems}  # mathtask's generated tasks
+TINY_SFT_STEPS = {"steps": 300, "direct": 1000}  # warm-start length per task: a start with headroom (docs/small_compare.md)
 
 
 class UsageError(ValueError):
@@ -72,8 +78,19 @@ class UsageError(ValueError):
 # ---------------------------------------------------------------------------------------------
 # Arguments
 # ---------------------------------------------------------------------------------------------
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(
+class Parser(argparse.ArgumentParser):
+    """argparse, with its errors as one line on stderr (no usage block), exit 2."""
+
+    def error(self, message):
+        message = " ".join(str(message).split())
+        flag = re.match(r"argument (--[\w-]+): expected one argument$", message)
+        if flag:  # "--lr -inf": argparse reads a value that starts with '-' as a flag
+            message = f"argument {flag.group(1)}: expected one value; pass one that starts with '-' as {flag.group(1)}=VALUE"
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser():
+    p = Parser(
         prog="train_small.py", description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         epilog="Paper recipe (Qwen2.5-Math-7B): G >= 32, N 8 -> 32, K 5% -> 20%, lr 1e-6, clip 0.2/0.28, "
                "temperature 1.0, 3k response tokens. The CPU defaults here are scaled down; each flag says so.")
@@ -87,7 +104,9 @@ def parse_args(argv=None):
                         "each, then write OUT/compare.md and OUT/compare.png (mean ± std over seeds)")
     g.add_argument("--seeds", type=int, default=1, help="with --compare: RL seeds per method (--rl-seed, --rl-seed + 1, ...); "
                    "the warm start is the same for all")
-    g.add_argument("--resume", action="store_true", help="continue the run in --out from OUT/checkpoint.pt")
+    g.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
+                   help="continue a killed or stopped run: from PATH (a checkpoint.pt), or with no PATH from OUT/checkpoint.pt; "
+                        "the run's flags must be the ones it was started with")
     g.add_argument("--out", default="runs/small", help="run directory: metrics.jsonl, checkpoint.pt, summary.json, final/")
     g.add_argument("--seed", type=int, default=0, help="seed of the tiny model, the generated data and the warm start")
     g.add_argument("--rl-seed", type=int, default=None, help="seed of the RL run: prompt order, sampling, random selection "
@@ -100,6 +119,9 @@ def parse_args(argv=None):
                    "(Qwen2.5-Math chat template), or auto (plain for the tiny model, qwen-math with --model)")
     g.add_argument("--hidden-size", type=int, default=128, help="tiny model: hidden size")
     g.add_argument("--num-layers", type=int, default=4, help="tiny model: transformer layers")
+    g.add_argument("--task", default="steps", help="the generated task of the tiny model: steps (worked solutions, "
+                   "'47+8=55. 55-13=42. \\boxed{42}': every intermediate result is a decision; mathtask.step_problems) or "
+                   "direct (the answer only, '\\boxed{42}'; mathtask.arithmetic_problems)")
     g.add_argument("--train-file", default=None, help="JSONL/JSON/Parquet with 'problem' and 'answer' (default: generated arithmetic)")
     g.add_argument("--eval-file", default=None, help="held-out JSONL/JSON/Parquet (default: generated arithmetic, disjoint from train)")
     g.add_argument("--train-size", type=int, default=5000, help="generated training problems (or the first rows of --train-file)")
@@ -107,7 +129,10 @@ def parse_args(argv=None):
     g.add_argument("--cache-dir", default="runs/cache", help="where the warm-started model is cached")
     g = p.add_argument_group("warm start (supervised, on '\\boxed{answer}' of the training problems; cached)")
     g.add_argument("--sft-steps", type=int, default=None,
-                   help=f"supervised steps before RL (default: {TINY_SFT_STEPS} for the tiny model, 0 with --model)")
+                   help=f"supervised steps before RL (default for the tiny model: {TINY_SFT_STEPS['steps']} with --task steps, {TINY_SFT_STEPS['direct']} with direct, 0 with --model)")
+    g.add_argument("--sft-shortcut", type=float, default=0.5, help="share of the multi-step demonstrations (--task steps) "
+                   "that skip the last step and box the first result: a habit of the warm start that the reward punishes "
+                   "and RL can unlearn (0: every demonstration right) (choice)")
     g.add_argument("--sft-lr", type=float, default=1e-3, help="supervised learning rate (linear decay to 10%%)")
     g.add_argument("--sft-batch", type=int, default=64, help="supervised batch size")
     g = p.add_argument_group("RL")
@@ -127,6 +152,8 @@ def parse_args(argv=None):
                    "(off: the paper's plain top-K%%, so the realised fraction is K)")
     g.add_argument("--lr", type=float, default=3e-5, help="AdamW learning rate (recipe, 7B: 1e-6; at 3e-4, with a 300-step warm start, held-out "
                    "greedy Pass@1 collapsed from 0.30 to 0.02-0.04 within 60 steps, for grpo and d3s alike)")
+    g.add_argument("--warmup-steps", type=int, default=0, help="W: the RL learning rate rises linearly over the first W steps "
+                   "(lr * step / W), so that AdamW's first, sign-like steps are small (paper: not stated) (choice)")
     g.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping (grad_norm is logged before clipping)")
     g.add_argument("--loss-agg", default=None, help="token-mean (every selected token weighs the same) or seq-mean-token-mean "
                    "(every response weighs the same, GSPO's own); default: token-mean for grpo, seq-mean-token-mean for gspo")
@@ -141,7 +168,7 @@ def parse_args(argv=None):
                    "the KL is logged either way)")
     g.add_argument("--kl-every", type=int, default=None, help="with --kl-coef 0 the KL to the warm start is only a metric: "
                    "the warm-start model is forwarded on step 1, every E steps and the last step (kl_ref is null on the "
-                   "others); default: --eval-every. With --kl-coef > 0 it is in the loss and measured every step")
+                   "others); default: --eval-every; 0: never. With --kl-coef > 0 it is in the loss and measured every step")
     g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (rollouts and eval samples)")
     g.add_argument("--max-new-tokens", type=int, default=None,
                    help=f"response length limit (default: {TINY_MAX_NEW_TOKENS} tiny model, {HF_MAX_NEW_TOKENS} with --model; paper: 3k)")
@@ -149,15 +176,21 @@ def parse_args(argv=None):
     g = p.add_argument_group("evaluation, logging, checkpoints")
     g.add_argument("--eval-every", type=int, default=10, help="E: evaluate on the held-out set every E steps (and at step 0 and the end)")
     g.add_argument("--eval-samples", type=int, default=8, help="n: samples per held-out problem for Pass@1 (mean) and Pass@k")
-    g.add_argument("--pass-k", type=int, default=4, help="k of Pass@k (unbiased estimator from n samples; k <= n)")
+    g.add_argument("--pass-k", type=int, default=8, help="k of Pass@k (unbiased estimator from n samples; k <= n; k = n: "
+                   "the share of problems with at least one correct sample)")
     g.add_argument("--gen-batch", type=int, default=512, help="sequences per generate call during evaluation")
     g.add_argument("--save-every", type=int, default=20, help="S: write OUT/checkpoint.pt every S steps (and at the end)")
     g.add_argument("--explain-every", type=int, default=25, help="step 1 and every N-th step write OUT/explain/step_NNNNNN.html "
                    "(+ .png): which rollouts and tokens the step trained on (explain.py); 0 = off")
-    g.add_argument("--stop-after", type=int, default=None,
-                   help="for tests of --resume: exit abruptly (os._exit, no cleanup) right after step N and its checkpoint")
+    g.add_argument("--stop-after", type=int, default=None, metavar="N",
+                   help="stop cleanly after step N: write the checkpoint and exit 0, without the final model and summary "
+                        "(continue with --resume)")
     del a
-    args = p.parse_args(argv)
+    return p
+
+
+def parse_args(argv=None):
+    args = build_parser().parse_args(argv)
     args.command = " ".join(["python train_small.py"] + list(sys.argv[1:] if argv is None else argv))
     return args
 
@@ -176,29 +209,68 @@ def check_args(args):
         raise UsageError(f"--loss-agg {args.loss_agg!r}: choose token-mean or seq-mean-token-mean")
     if args.token_scope not in ("batch", "sequence"):
         raise UsageError(f"--token-scope {args.token_scope!r}: choose batch or sequence")
+    if args.task not in TASKS:
+        raise UsageError(f"--task {args.task!r}: choose {' or '.join(TASKS)}")
     if args.template not in ("auto", "plain", "qwen-math"):
         raise UsageError(f"--template {args.template!r}: choose auto, plain or qwen-math")
-    for flag, value, low in (("--steps", args.steps, 1), ("--prompts-per-step", args.prompts_per_step, 1),
-                             ("--group-size", args.group_size, 2), ("--eval-every", args.eval_every, 1),
-                             ("--save-every", args.save_every, 1), ("--eval-samples", args.eval_samples, 1),
-                             ("--pass-k", args.pass_k, 1), ("--eval-size", args.eval_size, 1),
-                             ("--train-size", args.train_size, 1), ("--mini-batches", args.mini_batches, 1),
-                             ("--gen-batch", args.gen_batch, 1), ("--n-init", args.n_init, 1), ("--n-final", args.n_final, 1),
-                             ("--seeds", args.seeds, 1), ("--explain-every", args.explain_every, 0)):
-        if value < low:
-            raise UsageError(f"{flag} {value}: must be >= {low}")
-    if args.pass_k > args.eval_samples:
-        raise UsageError(f"--pass-k {args.pass_k} > --eval-samples {args.eval_samples}: Pass@k needs k <= n samples; lower --pass-k or raise --eval-samples")
-    for flag, value in (("--k-init", args.k_init), ("--k-final", args.k_final), ("--static-k", args.static_k)):
-        if value is not None and not 0 < value <= 1:
-            raise UsageError(f"{flag} {value}: a fraction of tokens, must be in (0, 1]")
-    if args.temperature <= 0:
-        raise UsageError(f"--temperature {args.temperature}: must be > 0 (greedy decoding is used for eval_greedy_pass1 anyway)")
-    if args.kl_coef < 0:
-        raise UsageError(f"--kl-coef {args.kl_coef}: must be >= 0")
+    finite = lambda v: v is not None and math.isfinite(v)  # noqa: E731
+    rules = [  # (flag, value, ok, what it must be); None = not given (a default follows below)
+        ("--steps", args.steps, lambda v: v >= 1, "an int >= 1"),
+        ("--seeds", args.seeds, lambda v: 1 <= v <= 1000, "an int in [1, 1000]"),
+        ("--seed", args.seed, lambda v: 0 <= v < 2**31, "an int in [0, 2^31)"),
+        ("--rl-seed", args.rl_seed, lambda v: 0 <= v < 2**31, "an int in [0, 2^31)"),
+        ("--threads", args.threads, lambda v: 0 <= v <= 1024, "an int >= 0 (0: torch's default)"),
+        ("--hidden-size", args.hidden_size, lambda v: 8 <= v <= 4096 and v % 4 == 0, "a multiple of 4 in [8, 4096] (4 heads)"),
+        ("--num-layers", args.num_layers, lambda v: 1 <= v <= 64, "an int in [1, 64]"),
+        ("--train-size", args.train_size, lambda v: 1 <= v <= 10**6, "an int in [1, 10^6]"),
+        ("--eval-size", args.eval_size, lambda v: 1 <= v <= 10**5, "an int in [1, 10^5]"),
+        ("--sft-steps", args.sft_steps, lambda v: 0 <= v <= 10**6, "an int >= 0"),
+        ("--sft-lr", args.sft_lr, lambda v: finite(v) and 0 < v <= 1, "in (0, 1]"),
+        ("--sft-shortcut", args.sft_shortcut, lambda v: finite(v) and 0 <= v <= 1, "a share in [0, 1]"),
+        ("--sft-batch", args.sft_batch, lambda v: 1 <= v <= 65536, "an int >= 1"),
+        ("--prompts-per-step", args.prompts_per_step, lambda v: 1 <= v <= 4096, "an int in [1, 4096]"),
+        ("--group-size", args.group_size, lambda v: 2 <= v <= 1024, "an int in [2, 1024] (advantages need 2 rollouts)"),
+        ("--n-init", args.n_init, lambda v: v >= 1, "an int >= 1"),
+        ("--n-final", args.n_final, lambda v: v >= 1, "an int >= 1"),
+        ("--static-n", args.static_n, lambda v: v >= 1, "an int >= 1"),
+        ("--k-init", args.k_init, lambda v: finite(v) and 0 < v <= 1, "a fraction of tokens in (0, 1]"),
+        ("--k-final", args.k_final, lambda v: finite(v) and 0 < v <= 1, "a fraction of tokens in (0, 1]"),
+        ("--static-k", args.static_k, lambda v: finite(v) and 0 < v <= 1, "a fraction of tokens in (0, 1]"),
+        ("--lr", args.lr, lambda v: finite(v) and 0 < v <= 1, "in (0, 1]"),
+        ("--warmup-steps", args.warmup_steps, lambda v: v >= 0, "an int >= 0 (0: no warmup)"),
+        ("--max-grad-norm", args.max_grad_norm, lambda v: finite(v) and v > 0, "a finite number > 0 (the norm the "
+         "gradient is clipped to)"),
+        ("--clip-low", args.clip_low, lambda v: finite(v) and 0 <= v < 1, "in [0, 1): the ratio is clipped at 1 - eps_low"),
+        ("--clip-high", args.clip_high, lambda v: finite(v) and 0 <= v <= 100, "in [0, 100]: the ratio is clipped at 1 + eps_high"),
+        ("--mini-batches", args.mini_batches, lambda v: 1 <= v <= 4096, "an int >= 1"),
+        ("--kl-coef", args.kl_coef, lambda v: finite(v) and v >= 0, "a finite number >= 0"),
+        ("--kl-every", args.kl_every, lambda v: v >= 0, "an int >= 0 (steps between KL measurements; 0: never)"),
+        ("--temperature", args.temperature, lambda v: finite(v) and 0.01 <= v <= 100, "in [0.01, 100] (greedy decoding "
+         "is measured by eval_greedy_pass1 anyway)"),
+        ("--max-new-tokens", args.max_new_tokens, lambda v: 1 <= v <= 65536, "an int >= 1"),
+        ("--grade-timeout", args.grade_timeout, lambda v: finite(v) and 0 < v <= 3600, "in (0, 3600] seconds"),
+        ("--eval-every", args.eval_every, lambda v: v >= 1, "an int >= 1"),
+        ("--eval-samples", args.eval_samples, lambda v: 1 <= v <= 1024, "an int in [1, 1024]"),
+        ("--pass-k", args.pass_k, lambda v: 1 <= v <= args.eval_samples, f"an int in [1, --eval-samples {args.eval_samples}] "
+         "(Pass@k needs k <= n samples)"),
+        ("--gen-batch", args.gen_batch, lambda v: v >= 1, "an int >= 1"),
+        ("--save-every", args.save_every, lambda v: v >= 1, "an int >= 1"),
+        ("--explain-every", args.explain_every, lambda v: v >= 0, "an int >= 0 (0: off)"),
+        ("--stop-after", args.stop_after, lambda v: 1 <= v <= args.steps, f"an int in [1, --steps {args.steps}]"),
+    ]
+    for flag, value, ok, what in rules:
+        if value is not None and not ok(value):
+            raise UsageError(f"{flag} {value}: must be {what}")
     args.kl_every = args.eval_every if args.kl_every is None else args.kl_every
-    if args.kl_every < 1:
-        raise UsageError(f"--kl-every {args.kl_every}: must be >= 1 (steps between KL measurements)")
+    if args.stop_after is not None and args.compare:
+        raise UsageError(f"--stop-after {args.stop_after}: stops one run; drop it with --compare")
+    for flag, path in (("--out", args.out), ("--cache-dir", args.cache_dir)):
+        check_out_path(flag, path)
+    for flag, path in (("--train-file", args.train_file), ("--eval-file", args.eval_file)):
+        if path is not None and os.path.isdir(path):
+            raise UsageError(f"{flag} {path}: is a folder; pass a JSONL, JSON or Parquet file")
+    if args.model is not None:
+        check_model_path(args.model)
     # N counts rollouts kept per prompt, so N <= G (grpo keeps all G and uses no N).
     if any(d3s.LADDER[m][1] != "full" for m in methods):
         for flag, value in (("--n-init", args.n_init), ("--n-final", args.n_final), ("--static-n", args.static_n)):
@@ -213,12 +285,38 @@ def check_args(args):
     args.clip_low = default_clip[0] if args.clip_low is None else args.clip_low
     args.clip_high = default_clip[1] if args.clip_high is None else args.clip_high
     if args.sft_steps is None:
-        args.sft_steps = 0 if args.model else TINY_SFT_STEPS
+        args.sft_steps = 0 if args.model else TINY_SFT_STEPS[args.task]
     if args.max_new_tokens is None:
-        args.max_new_tokens = HF_MAX_NEW_TOKENS if args.model else TINY_MAX_NEW_TOKENS
+        args.max_new_tokens = HF_MAX_NEW_TOKENS if args.model else TINY_MAX_NEW_TOKENS[args.task]
     if args.template == "auto":
         args.template = "qwen-math" if args.model else "plain"
     return args
+
+
+def check_out_path(flag, path):
+    """An output folder: not empty, not a file, and it (or the nearest existing parent) writable."""
+    if not path:
+        raise UsageError(f"{flag} '': empty; pass a folder")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(f"{flag} {path}: is a file; pass a folder (it is created if missing)")
+    parent = os.path.abspath(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"{flag} {path}: {parent} is not a writable folder; pass a folder you can write")
+
+
+def check_model_path(model):
+    """--model: a local folder with config.json, or a hub name (org/name, loaded later)."""
+    if not model:
+        raise UsageError("--model '': empty; pass a model folder or a hub name like Qwen/Qwen2.5-Math-1.5B")
+    if os.path.isfile(model):
+        raise UsageError(f"--model {model}: is a file; pass the model's folder (with config.json) or a hub name")
+    if os.path.isdir(model):
+        if not os.path.exists(os.path.join(model, "config.json")):
+            raise UsageError(f"--model {model}: has no config.json; pass a folder saved with save_pretrained, or a hub name")
+    elif model.startswith((".", "/", "~")) or model.count("/") != 1:
+        raise UsageError(f"--model {model}: no such folder (and not a hub name like Qwen/Qwen2.5-Math-1.5B); check the path")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,11 +327,11 @@ def load_data(args):
     if args.train_file:
         train_rows, _ = load_problems(args.train_file, limit=args.train_size)
     else:
-        train_rows = arithmetic_problems(args.train_size, "train", seed=args.seed)
+        train_rows = TASKS[args.task](args.train_size, "train", seed=args.seed)
     if args.eval_file:
         eval_rows, _ = load_problems(args.eval_file, limit=args.eval_size)
     else:
-        eval_rows = arithmetic_problems(args.eval_size, "eval", seed=args.seed)
+        eval_rows = TASKS[args.task](args.eval_size, "eval", seed=args.seed)
     return train_rows, eval_rows
 
 
@@ -271,10 +369,10 @@ def load_base_model(args):
 
 def warm_start_key(args, train_rows):
     """Everything the warm-started weights depend on; its hash names the cache folder."""
-    data = hashlib.sha256(json.dumps([[r["problem"], r["answer"]] for r in train_rows]).encode()).hexdigest()
+    data = hashlib.sha256(json.dumps([[r["problem"], sft_target(r, args.sft_shortcut)] for r in train_rows]).encode()).hexdigest()
     return {"model": args.model or f"tiny-qwen2-h{args.hidden_size}-l{args.num_layers}", "seed": args.seed,
             "sft_steps": args.sft_steps, "sft_lr": args.sft_lr, "sft_batch": args.sft_batch,
-            "template": args.template, "train_data": data[:16], "version": 1}
+            "template": args.template, "train_data": data[:16], "version": 2}
 
 
 def load_warm_start(args, train_rows):
@@ -313,12 +411,12 @@ def load_warm_start(args, train_rows):
 
 
 def supervised_warm_start(model, tokenizer, train_rows, args):
-    """Teacher-forced cross-entropy on '\\boxed{answer}<eos>' after each prompt (prompt tokens masked)."""
+    """Teacher-forced cross-entropy on sft_target(row) + <eos> after each prompt (prompt tokens masked)."""
     rng = random.Random(args.seed)
     examples = []  # (prompt token ids, target token ids)
     for row in train_rows:
         prompt = tokenizer(format_prompt(row["problem"], args.template), add_special_tokens=False).input_ids
-        target = tokenizer("\\boxed{" + row["answer"] + "}", add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+        target = tokenizer(sft_target(row, args.sft_shortcut), add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
         examples.append((prompt, target))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.sft_lr, weight_decay=0.01)
     warmup_then_decay = lambda s: min(1.0, (s + 1) / 20) * (1 - 0.9 * s / args.sft_steps)  # noqa: E731
@@ -336,6 +434,22 @@ def supervised_warm_start(model, tokenizer, train_rows, args):
         losses.append(loss.item())
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
     return losses
+
+
+def sft_target(row, shortcut=0.0):
+    """The warm start's target response: the row's worked `solution` (if it has one) and \\boxed{answer}.
+
+    With `shortcut` > 0, that share of the multi-step solutions (chosen by a hash of the problem)
+    stops after its first step and boxes that result: '47+8=55. \\boxed{55}' for
+    '47+8=55. 55-13=42. \\boxed{42}'. The warm-started model then has a habit, skipping the last
+    step, that the reward punishes: a decision RL can unlearn (--sft-shortcut).
+    """
+    solution = row.get("solution") or ""
+    steps = solution.split(". ")
+    if len(steps) > 1 and zlib.crc32(row["problem"].encode()) % 1000 < 1000 * shortcut:
+        first = steps[0].rstrip(".")
+        return f"{first}. \\boxed{{{first.split('=')[-1]}}}"
+    return (solution + " " if solution else "") + "\\boxed{" + row["answer"] + "}"
 
 
 def sft_batch(examples, pad_id):
@@ -444,8 +558,10 @@ def budget(step, args):
 
 def measures_kl(step, args):
     """Whether `step` forwards the reference model: every step when the KL is in the loss (--kl-coef > 0);
-    else the KL is only a metric, measured on step 1, every --kl-every steps and the last step."""
-    return args.kl_coef > 0 or step == 1 or step % args.kl_every == 0 or step == args.steps
+    else the KL is only a metric, measured on step 1, every --kl-every steps and the last step (never with 0)."""
+    if args.kl_coef > 0:
+        return True
+    return args.kl_every > 0 and (step == 1 or step % args.kl_every == 0 or step == args.steps)
 
 
 def step_seed(seed, step, salt=0):
@@ -493,7 +609,8 @@ def train_step(model, ref_model, optimizer, tokenizer, grader, train_rows, step,
     update = update_policy(model, ref_model, optimizer, kept, kept_adv, k_frac, measures_kl(step, args), args)
 
     metrics = step_metrics(step, batch, rewards, keep, adv, n_keep, k_frac, kept, update, grader)
-    metrics.update(gen_s=round(gen_s, 3), reward_s=round(reward_s, 3), train_s=round(time.time() - t1, 3))
+    metrics.update(gen_s=round(gen_s, 3), reward_s=round(reward_s, 3), train_s=round(time.time() - t1, 3),
+                   pass1_s=round(update["pass1_s"], 3))  # train_s: selection + pass 1 + the M updates
     if explain_dir is not None:
         write_explain_page(explain_dir, step, tokenizer, problems, batch, rewards, keep, adv, kept_rows, n_keep,
                            k_frac, update, metrics, args)
@@ -520,12 +637,14 @@ def update_policy(model, ref_model, optimizer, kept, kept_adv, k_frac, with_kl, 
     width = first["response_ids"].shape[1]
     first_logp, first_entropy = forward_logprobs_entropy(model, first, args.temperature)  # [b, width], with grad
     old_logp[parts[0], :width], entropy[parts[0], :width] = first_logp.detach(), first_entropy
+    t_pass1 = time.time()
     with torch.no_grad():
         for rows in parts[1:]:
             part = take_rows(kept, rows)
             width = part["response_ids"].shape[1]
             old_logp[rows, :width], entropy[rows, :width] = forward_logprobs_entropy(model, part, args.temperature)
         ref_logp = forward_logprobs_entropy(ref_model, kept, args.temperature, with_entropy=False)[0] if with_kl else None
+    pass1_s = time.time() - t_pass1  # pass 1 and the reference forward: the no-grad work before the updates
 
     # 5) token selection: top K of |A_i| * H_{i,t} over the whole batch
     token_scores = d3s.token_scores(kept_adv, entropy)  # [B, T]; a NaN entropy scores 0 (the update is skipped then)
@@ -565,7 +684,7 @@ def update_policy(model, ref_model, optimizer, kept, kept_adv, k_frac, with_kl, 
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return {"token_keep": token_keep, "entropy": entropy, "token_scores": token_scores, "grad_norms": grad_norms,
-            "clip_fracs": clip_fracs, "losses": losses, "skipped": skipped,
+            "clip_fracs": clip_fracs, "losses": losses, "skipped": skipped, "pass1_s": pass1_s,
             "kl_ref": sum(k * n for k, n in kls) / max(sum(n for _, n in kls), 1.0) if with_kl else None}
 
 
@@ -652,6 +771,8 @@ def evaluate(model, tokenizer, grader, eval_rows, step, args):
     for level in levels:  # success by difficulty: the spread that gives groups a signal
         idx = [i for i, r in enumerate(eval_rows) if r.get("level") == level]
         metrics[f"eval_pass1_mean_level{level}"] = sum(correct[i] for i in idx) / (n * len(idx))
+        metrics[f"eval_passk_level{level}"] = sum(pass_at_k(n, int(correct[i]), args.pass_k) for i in idx) / len(idx)
+        metrics[f"eval_greedy_pass1_level{level}"] = sum(greedy[i] for i in idx) / len(idx)
     metrics["eval_s"] = round(time.time() - t0, 3)
     return metrics
 
@@ -660,38 +781,79 @@ def evaluate(model, tokenizer, grader, eval_rows, step, args):
 # Checkpoints (atomic) and metrics
 # ---------------------------------------------------------------------------------------------
 TRAJECTORY_FLAGS = ("method", "loss", "steps", "seed", "rl_seed", "model", "template", "hidden_size", "num_layers",
-                    "train_file", "train_size", "sft_steps", "sft_lr", "sft_batch", "prompts_per_step", "group_size",
+                    "train_file", "train_size", "sft_steps", "sft_shortcut", "sft_lr", "sft_batch", "prompts_per_step", "group_size",
                     "n_init", "n_final", "k_init", "k_final", "static_n", "static_k", "token_scope",
-                    "min_token_per_response", "lr", "max_grad_norm", "loss_agg", "clip_low", "clip_high", "mini_batches",
+                    "min_token_per_response", "lr", "warmup_steps", "max_grad_norm", "loss_agg", "clip_low", "clip_high",
+                    "mini_batches", "task",
                     "kl_coef", "temperature", "max_new_tokens")
 
 
 def save_checkpoint(path, model, optimizer, step, args, totals):
-    """Model, optimizer, RNG states and step in one file, written to a temp file then renamed."""
-    state = {"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(), "totals": totals,
-             "args": {k: getattr(args, k) for k in TRAJECTORY_FLAGS},
-             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}}
+    """Model, optimizer, RNG states and step in one file of tensors and plain values (it loads with
+    torch.load(weights_only=True): no pickled objects), written to a temp file then renamed."""
+    version, words, gauss = random.getstate()
+    _, keys, pos, has_gauss, cached = np.random.get_state()
+    rng = {"torch": torch.get_rng_state(), "python": [version, torch.tensor(words, dtype=torch.int64), gauss],
+           "numpy": [torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)]}
+    state = {"format": CHECKPOINT_FORMAT, "step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+             "totals": totals, "args": {k: getattr(args, k) for k in TRAJECTORY_FLAGS}, "rng": rng}
     tmp = path + ".tmp"
     with open(tmp, "wb") as f:
         torch.save(state, f)
         f.flush()
+        if os.environ.get(STALL_ENV) == str(step):  # tests: a SIGKILL lands while the checkpoint is half written
+            f.truncate(f.tell() // 2)
+            print(f"checkpoint of step {step}: half written, stalled ({STALL_ENV})", file=sys.stderr, flush=True)
+            time.sleep(600)
         os.fsync(f.fileno())
     os.replace(tmp, path)  # a kill leaves either the old or the new checkpoint, never half of one
 
 
-def load_checkpoint(path, model, optimizer, args):
-    if not os.path.exists(path):
-        raise UsageError(f"--resume: no checkpoint at {path}; run without --resume, or point --out at the killed run")
-    state = torch.load(path, weights_only=False)
+CHECKPOINT_FORMAT = 2  # 2: tensors and plain values only; 1 (before 2026-11): pickled RNG state
+STALL_ENV = "D3S_TEST_STALL_CHECKPOINT"
+
+
+def read_checkpoint(path, args):
+    """The checkpoint --resume continues from, checked before any work: it exists, is complete, holds
+    no pickled object (torch.load(weights_only=True)), and was written by a run with these flags."""
+    fix = "run without --resume to start again, or use a new --out"
+    if not os.path.isfile(path):
+        where = "no checkpoint at" if not os.path.isdir(path) else "is a folder, not a checkpoint file:"
+        raise UsageError(f"--resume: {where} {path}; {fix} (a run writes OUT/checkpoint.pt every --save-every steps)")
+    try:
+        state = torch.load(path, weights_only=True)
+        assert isinstance(state, dict) and {"step", "model", "optimizer", "totals", "args", "rng"} <= set(state)
+    except pickle.UnpicklingError as e:
+        if "weights_only" in str(e) or "Unsupported global" in str(e):
+            raise UsageError(f"--resume {path}: refused: it holds a pickled Python object, not tensors (loading it "
+                             f"could run code); {fix}") from None
+        raise UsageError(f"--resume {path}: truncated or corrupt (not a checkpoint train_small.py wrote); {fix}") from None
+    except Exception:  # EOFError, RuntimeError (a truncated zip), AssertionError, ...
+        raise UsageError(f"--resume {path}: truncated or corrupt (not a checkpoint train_small.py wrote); {fix}") from None
+    if state.get("format") != CHECKPOINT_FORMAT:
+        raise UsageError(f"--resume {path}: checkpoint format {state.get('format', 1)} of an older train_small.py; "
+                         f"finish that run with the version that wrote it, or {fix}")
     for flag, value in state["args"].items():
-        if getattr(args, flag) != value:
-            raise UsageError(f"--resume: {path} was made with --{flag.replace('_', '-')} {value}, not {getattr(args, flag)}; "
-                             f"rerun with the same flags, or use a new --out")
+        if getattr(args, flag, None) != value:
+            raise UsageError(f"--{flag.replace('_', '-')} {getattr(args, flag, None)}: {path} was made with "
+                             f"--{flag.replace('_', '-')} {value}; resume with the run's flags, or use a new --out")
+    if args.stop_after is not None and args.stop_after <= state["step"]:
+        raise UsageError(f"--stop-after {args.stop_after}: {path} is already at step {state['step']}; raise --stop-after "
+                         "or drop it")
+    if state["step"] >= args.steps:
+        raise UsageError(f"--resume {path}: the run already finished its {args.steps} steps; {fix}")
+    return state
+
+
+def load_checkpoint(state, model, optimizer):
+    """Restore what read_checkpoint read; returns (step, totals)."""
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["rng"]["torch"])
-    random.setstate(state["rng"]["python"])
-    np.random.set_state(state["rng"]["numpy"])
+    version, words, gauss = state["rng"]["python"]
+    random.setstate((version, tuple(words.tolist()), gauss))
+    keys, pos, has_gauss, cached = state["rng"]["numpy"]
+    np.random.set_state(("MT19937", keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     return state["step"], state["totals"]
 
 
@@ -726,7 +888,9 @@ def run(args, train_rows=None, eval_rows=None, warm=None):
     totals = {"samples": 0, "tokens": 0, "fwd_tokens": 0, "gen_s": 0.0, "train_s": 0.0, "skipped": 0}
     start_step = 0
     if args.resume:
-        start_step, totals = load_checkpoint(ckpt_path, model, optimizer, args)
+        state = read_checkpoint(ckpt_path if args.resume == "latest" else args.resume, args)
+        start_step, totals = load_checkpoint(state, model, optimizer)
+        del state
         kept_lines = read_metrics(metrics_path, up_to_step=start_step)  # drop what the killed run logged after it
         with open(metrics_path + ".tmp", "w") as f:
             f.writelines(json.dumps(m) + "\n" for m in kept_lines)
@@ -744,6 +908,8 @@ def run(args, train_rows=None, eval_rows=None, warm=None):
         bar = tqdm(range(start_step + 1, args.steps + 1), desc=f"{args.method} ({args.loss}, seed {args.rl_seed})", dynamic_ncols=True,
                    initial=start_step, total=args.steps)
         for step in bar:
+            for group in optimizer.param_groups:  # linear warmup: lr * min(1, step / W)
+                group["lr"] = args.lr * min(1.0, step / args.warmup_steps) if args.warmup_steps else args.lr
             explain_now = args.explain_every and (step == 1 or step % args.explain_every == 0)
             m = train_step(model, ref_model, optimizer, tokenizer, grader, train_rows, step, args,
                            explain_dir=os.path.join(args.out, "explain") if explain_now else None)
@@ -763,9 +929,11 @@ def run(args, train_rows=None, eval_rows=None, warm=None):
                           f"Pass@1 (mean of {e['n']}) {e['eval_pass1_mean']:.3f}, Pass@{e['k']} {e['eval_passk']:.3f}")
             if step % args.save_every == 0 or step == args.steps:
                 save_checkpoint(ckpt_path, model, optimizer, step, args, totals)
-            if args.stop_after is not None and step >= args.stop_after:
-                sys.stdout.flush()
-                os._exit(3)  # as if killed: no cleanup, no final save
+            if step == args.stop_after:  # a clean stop: the checkpoint of this step, then --resume continues
+                if step % args.save_every:
+                    save_checkpoint(ckpt_path, model, optimizer, step, args, totals)
+                bar.write(f"stopped after step {step} (--stop-after); continue with --resume")
+                return None
         timeouts = grader.timeouts
     final_dir = os.path.join(args.out, "final")
     shutil.rmtree(final_dir + ".tmp", ignore_errors=True)
@@ -784,7 +952,7 @@ def write_summary(args, lines, warm_info, totals, timeouts, rl_s, wall_s):
     summary = {
         "method": args.method, "loss": args.loss, "steps": args.steps, "out": args.out,
         "evals": [{"step": m["step"], "pass1_mean": m["eval_pass1_mean"], "greedy_pass1": m["eval_greedy_pass1"],
-                   "rl_s": m["gen_s"] + m["train_s"], "tokens": m["tokens"]} for m in evals],
+                   "rl_s": m["gen_s"] + m["train_s"], "update_s": m["train_s"], "tokens": m["tokens"]} for m in evals],
         "warm_start": {"greedy_pass1": first["eval_greedy_pass1"], "pass1_mean": first["eval_pass1_mean"],
                        "passk": first["eval_passk"], "train_reward_step1": train[0]["reward_mean"] if train else None,
                        **{k.replace("eval_pass1_mean_", ""): v for k, v in first.items() if k.startswith("eval_pass1_mean_level")},
@@ -800,7 +968,11 @@ def write_summary(args, lines, warm_info, totals, timeouts, rl_s, wall_s):
         "mean_sur": sum(m["sur"] for m in train) / max(len(train), 1),
         "mean_k_frac": sum(m["k_frac"] for m in train) / max(len(train), 1),
         "mean_k_real": sum(m["k_real"] for m in train) / max(len(train), 1),
-        "final_kl_ref": train[-1]["kl_ref"] if train else 0.0,
+        "final_kl_ref": next((m["kl_ref"] for m in reversed(train) if m.get("kl_ref") is not None), None),
+        "mean_entropy": sum(m["entropy_mean"] for m in train) / max(len(train), 1),
+        "mean_entropy_kept": sum(m["entropy_kept"] for m in train) / max(len(train), 1),
+        "time_per_step": {key: sum(m.get(f"{key}_s", 0.0) for m in train) / max(len(train), 1)
+                          for key in ("gen", "reward", "pass1", "train")},
         "rl_seed": args.rl_seed,
         "skipped_updates": totals["skipped"], "grader_timeouts": timeouts,
         "gen_s": round(totals["gen_s"], 1), "train_s": round(totals["train_s"], 1),
@@ -842,7 +1014,7 @@ def compare(args):
                 with open(done) as f:
                     summaries[method].append(json.load(f))  # finished before the kill
                 continue
-            sub.resume = args.resume and os.path.exists(os.path.join(sub.out, "checkpoint.pt"))
+            sub.resume = "latest" if args.resume and os.path.exists(os.path.join(sub.out, "checkpoint.pt")) else None
             summaries[method].append(run(sub, train_rows, eval_rows, warm=load_warm_start(sub, train_rows)))
     write_compare(args, methods, seeds, summaries, time.time() - t0)
     return summaries
@@ -857,13 +1029,54 @@ def mean_std(values, fmt="%.3f"):
     return f"{fmt % m} ± {fmt % s}"
 
 
-def time_to_target(base, summary):
-    """(step, RL seconds) of the first evaluation after step 0 at which `summary` reaches the
-    best held-out Pass@1 (mean of n) of `base` (the same seed's baseline run), or None."""
-    best = max((e["pass1_mean"] for e in base["evals"] if e["step"] > 0), default=None)
-    if best is None:
-        return None
-    return next(((e["step"], e["rl_s"]) for e in summary["evals"] if e["step"] > 0 and e["pass1_mean"] >= best - 1e-12), None)
+def crossing(xs, ys, target):
+    """The first x at which the piecewise-linear curve through (xs, ys) reaches `target`, linearly
+    interpolated between the two evaluations around it; None if it never does."""
+    for i, (x, y) in enumerate(zip(xs, ys)):
+        if y >= target - 1e-12:
+            if i == 0 or y == ys[i - 1]:
+                return float(x)
+            return xs[i - 1] + (x - xs[i - 1]) * (target - ys[i - 1]) / (y - ys[i - 1])
+    return None
+
+
+def ladder_rows(summaries, methods, base="grpo"):
+    """The numbers of compare.md, per method (summaries[m]: one summary per seed, in the same seed
+    order for every method):
+      final:  held-out Pass@1 (mean of n) at the last step, one per seed;
+      diff:   (mean, lower, upper) of the same-seed differences to `base`, 95% t interval over seeds
+              (toy.bandit.paired_interval); verdict 'better' / 'worse' only if the interval excludes 0;
+      to_target: the paper's "training speed-up", both ways: on the seed-mean curve of Pass@1, the
+              step, the update seconds and the whole-step seconds (generate + grade + update) at which
+              it first reaches `base`'s final mean Pass@1 (interpolated; None: never), and the
+              speed-up = base's / this row's (> 1: faster than base).
+    """
+    from toy.bandit import paired_interval
+
+    base_final = [s["final"]["pass1_mean"] for s in summaries[base]]
+    target = sum(base_final) / len(base_final)
+    curves = {}
+    for m in methods:
+        evals = [s["evals"] for s in summaries[m]]
+        n_evals = min(len(e) for e in evals)
+        mean = lambda key: [sum(e[i][key] for e in evals) / len(evals) for i in range(n_evals)]  # noqa: E731
+        curves[m] = {"step": mean("step"), "pass1": mean("pass1_mean"), "update_s": mean("update_s"), "step_s": mean("rl_s")}
+    rows = {}
+    for m in methods:
+        final = [s["final"]["pass1_mean"] for s in summaries[m]]
+        c = curves[m]
+        to_target = {x: crossing(c[x], c["pass1"], target) for x in ("step", "update_s", "step_s")}
+        row = {"final": final, "to_target": to_target, "curve": c}
+        if m != base:
+            d, lo, hi = paired_interval([a - b for a, b in zip(final, base_final)])
+            row["diff"] = (d, lo, hi)
+            row["verdict"] = ("no interval (1 seed)" if lo is None else "better" if lo > 0 else "worse" if hi < 0
+                              else "no difference")
+        rows[m] = row
+    for m in methods:
+        rows[m]["speedup"] = {x: (None if rows[m]["to_target"][x] in (None, 0.0) or rows[base]["to_target"][x] is None
+                                  else rows[base]["to_target"][x] / rows[m]["to_target"][x]) for x in ("step", "update_s", "step_s")}
+    return target, rows
 
 
 def write_compare(args, methods, seeds, summaries, total_s):
@@ -876,23 +1089,44 @@ def write_compare(args, methods, seeds, summaries, total_s):
     k, n = s0["final"]["k"], s0["final"]["n"]
     base = "grpo" if "grpo" in methods else methods[0]
     S = len(seeds)
-    rows = [f"| method | Pass@1 (mean of {n}) | greedy Pass@1 | Pass@{k} | best Pass@1 | steps to {base}'s best | "
-            f"RL s to {base}'s best | rollouts trained | tokens in loss | tokens forwarded | SUR | K realised / scheduled | "
-            f"mean grad norm | update s |", "|" + "---|" * 14]
+    target, lrows = ladder_rows(summaries, methods, base)
+    avg = lambda values: sum(values) / len(values)  # noqa: E731
+    fmt_x = lambda v, f="%.0f": "never" if v is None else f % v  # noqa: E731
+    fmt_r = lambda v: "" if v is None else f" ({v:.2f}x)"  # noqa: E731
+
+    outcome = [f"| method | Pass@1 (mean of {n}) | Δ vs {base}, 95% interval | verdict | greedy Pass@1 | Pass@{k} |",
+               "|---|---|---|---|---|---|"]
+    speed = [f"| method | steps to {target:.3f} | update s to it | whole-step s to it |", "|---|---|---|---|"]
+    levels = sorted(key for key in s0["final"] if key.startswith("level"))
+    by_level = ["| method | " + " | ".join(f"L{key[5:]} start → end" for key in levels) + " |", "|---" * (len(levels) + 1) + "|"]
+    costs = ["| method | rollouts trained | tokens in loss | tokens forwarded | SUR | K realised / scheduled | KL to start "
+             "(last) | entropy all / kept | mean grad norm |", "|---" * 9 + "|"]
+    times = ["| method | generate s/step | grade s/step | pass 1 s/step | update s/step | whole step s |", "|---" * 6 + "|"]
     for m in methods:
-        runs = summaries[m]
+        runs, r = summaries[m], lrows[m]
         col = lambda f, fmt="%.3f": mean_std([f(s) for s in runs], fmt)  # noqa: E731
-        hits = [time_to_target(b, s) for b, s in zip(summaries[base], runs)]
-        reached = [h for h in hits if h is not None]
-        steps_to = f"{mean_std([h[0] for h in reached], '%.0f')} ({len(reached)}/{S})" if reached else f"never (0/{S})"
-        secs_to = f"{mean_std([h[1] for h in reached], '%.0f')}" if reached else "never"
-        rows.append(f"| {m} | {col(lambda s: s['final']['pass1_mean'])} | {col(lambda s: s['final']['greedy_pass1'])} | "
-                    f"{col(lambda s: s['final']['passk'])} | {col(lambda s: max(e['pass1_mean'] for e in s['evals']))} | "
-                    f"{steps_to} | {secs_to} | {col(lambda s: s['samples_trained'], '%.0f')} | "
-                    f"{col(lambda s: s['tokens_trained'], '%.0f')} | {col(lambda s: s['tokens_forwarded'], '%.0f')} | "
-                    f"{col(lambda s: s['mean_sur'], '%.2f')} | {col(lambda s: s['mean_k_real'])} / "
-                    f"{col(lambda s: s['mean_k_frac'])} | {col(lambda s: s['mean_grad_norm'])} | "
-                    f"{col(lambda s: s['train_s'], '%.0f')} |")
+        if m == base:
+            diff, verdict = "(reference)", ""
+        else:
+            d, lo, hi = r["diff"]
+            diff = f"{d:+.3f}" + ("" if lo is None else f" [{lo:+.3f}, {hi:+.3f}]")
+            verdict = r["verdict"]
+        outcome.append(f"| {m} | {mean_std(r['final'])} | {diff} | {verdict} | {col(lambda s: s['final']['greedy_pass1'])} | "
+                       f"{col(lambda s: s['final']['passk'])} |")
+        t, sp = r["to_target"], r["speedup"]
+        speed.append(f"| {m} | {fmt_x(t['step'], '%.1f')}{fmt_r(sp['step'])} | {fmt_x(t['update_s'])}{fmt_r(sp['update_s'])} | "
+                     f"{fmt_x(t['step_s'])}{fmt_r(sp['step_s'])} |")
+        by_level.append(f"| {m} | " + " | ".join(f"{avg([s['warm_start'].get(key, 0) for s in runs]):.2f} → "
+                                                 f"{avg([s['final'][key] for s in runs]):.2f}" for key in levels) + " |")
+        kl = [s["final_kl_ref"] for s in runs if s.get("final_kl_ref") is not None]
+        costs.append(f"| {m} | {col(lambda s: s['samples_trained'], '%.0f')} | {col(lambda s: s['tokens_trained'], '%.0f')} | "
+                     f"{col(lambda s: s['tokens_forwarded'], '%.0f')} | {col(lambda s: s['mean_sur'], '%.2f')} | "
+                     f"{col(lambda s: s['mean_k_real'])} / {col(lambda s: s['mean_k_frac'])} | "
+                     f"{mean_std(kl) if kl else 'n/a'} | {col(lambda s: s['mean_entropy'])} / "
+                     f"{col(lambda s: s['mean_entropy_kept'])} | {col(lambda s: s['mean_grad_norm'])} |")
+        tp = {key: avg([s["time_per_step"][key] for s in runs]) for key in ("gen", "reward", "pass1", "train")}
+        times.append(f"| {m} | {tp['gen']:.2f} | {tp['reward']:.2f} | {tp['pass1']:.2f} | {tp['train'] - tp['pass1']:.2f} | "
+                     f"{tp['gen'] + tp['reward'] + tp['train']:.2f} |")
     w = s0["warm_start"]
     text = "\n".join([
         f"# train_small.py --compare ({args.loss} loss, {args.steps} steps, {S} RL seed{'s' * (S > 1)}: "
@@ -901,41 +1135,58 @@ def write_compare(args, methods, seeds, summaries, total_s):
         f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__} with {torch.get_num_threads()} threads; "
         f"total time {total_s / 60:.1f} min.  ",
         f"Warm start (the same for every run): held-out greedy Pass@1 {w['greedy_pass1']:.3f}, Pass@1 mean@{n} "
-        f"{w['pass1_mean']:.3f}, Pass@{k} {w['passk']:.3f}; by level (mean@{n}): "
-        + ", ".join(f"{key} {v:.2f}" for key, v in w.items() if key.startswith("level")) + ".", "",
-        *rows, "",
+        f"{w['pass1_mean']:.3f}, Pass@{k} {w['passk']:.3f}.", "",
+        "## Held-out Pass@1 at the last step", "", *outcome, "",
         f"Mean ± std over the {S} seeds (same warm start, data and held-out set; the seed sets prompt order, sampling and "
-        f"random selection). Held-out set: {args.eval_size} problems; Pass@1 (mean) and Pass@{k} from {n} samples at "
-        f"temperature {args.temperature}, every {args.eval_every} steps. 'Steps to {base}'s best': the first evaluation "
-        f"(after step 0) at which a run reaches the best Pass@1 (mean of {n}) of the same seed's {base} run, with the "
-        f"seeds that reach it counted; 'RL s' is the generation + grading + update time up to then (evaluation excluded). "
-        f"Tokens in loss: the response tokens that token selection kept; tokens forwarded: the response tokens of the "
-        f"kept rollouts (the forward/backward cost). SUR: the share of trained rollouts with a non-zero advantage. "
-        f"Update s: forward, backward and optimizer time of the whole run.", ""])
+        f"random selection). Δ: the mean of the same-seed differences to {base}, with a 95% Student-t interval over the "
+        f"{S} paired differences (mean ± t(0.975, {S - 1}) · sd / √{S}); a row differs from {base} only if its interval "
+        f"excludes 0. Held-out set: {args.eval_size} problems, {n} samples each at temperature {args.temperature}.", "",
+        f"## Training speed-up: reaching {base}'s final mean Pass@1 ({target:.3f})", "", *speed, "",
+        f"On the seed-mean curve of held-out Pass@1 (evaluated every {args.eval_every} steps), the first point at which a "
+        f"row reaches {base}'s final mean, interpolated linearly between evaluations; in steps, in update seconds "
+        f"(forward, backward, optimizer) and in whole-step seconds (generate + grade + update; evaluation excluded). "
+        f"In brackets: the speed-up, {base}'s figure / the row's (> 1: faster). 'never': not reached in {args.steps} steps.", "",
+        "## Where RL helped: held-out Pass@1 by level (mean over seeds)", "", *by_level, "",
+        "## Costs and the paper's metrics (mean ± std over seeds)", "", *costs, "",
+        "Tokens in loss: the response tokens that token selection kept; tokens forwarded: the response tokens of the kept "
+        "rollouts (the forward/backward cost). SUR: the share of trained rollouts with a non-zero advantage. KL: k3 to the "
+        "warm start on the selected tokens, at the last step that measured it. Entropy: per token, of all forwarded tokens "
+        "/ of the selected ones, mean over steps.", "",
+        "## Where a step's time goes (mean over steps and seeds)", "", *times, "",
+        "Pass 1: the no-grad forward for the old log-probs of mini-batches 2..M (and the reference on KL steps); update: "
+        "token selection and the M forward/backward/optimizer steps.", ""])
     with open(os.path.join(args.out, "compare.md"), "w") as f:
         f.write(text)
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.2))
     for i, m in enumerate(methods):
         color, style = f"C{i % 10}", "-" if d3s.LADDER[m][2] else "--"  # dashed: no token selection
         evals = [s["evals"] for s in summaries[m]]
-        steps = [e["step"] for e in evals[0]]
-        acc = torch.tensor([[e["pass1_mean"] for e in ev] for ev in evals])  # [seeds, evals]
-        secs = torch.tensor([[e["rl_s"] for e in ev] for ev in evals]).mean(0)
-        train = [[t for t in read_metrics(os.path.join(s["out"], "metrics.jsonl")) if t["kind"] == "train"] for s in summaries[m]]
-        gnorm = torch.tensor([[t["grad_norm"] for t in tr] for tr in train])  # [seeds, steps]
-        for ax, x, y in ((axes[0], steps, acc), (axes[1], secs.tolist(), acc),
-                         (axes[2], [t["step"] for t in train[0]], gnorm)):
-            mean, std = y.mean(0), (y.std(0) if len(y) > 1 else torch.zeros(y.shape[1]))
+        n_evals = min(len(e) for e in evals)
+        acc = torch.tensor([[e["pass1_mean"] for e in ev[:n_evals]] for ev in evals])  # [seeds, evals]
+        curve = lrows[m]["curve"]
+        for ax, x in ((axes[0], curve["step"]), (axes[1], curve["step_s"])):
+            mean, std = acc.mean(0), (acc.std(0) if len(acc) > 1 else torch.zeros(acc.shape[1]))
             ax.plot(x, mean, style, color=color, label=m, lw=1.3)
             ax.fill_between(x, mean - std, mean + std, color=color, alpha=0.12, lw=0)
-    axes[0].set(xlabel="RL step", ylabel=f"held-out Pass@1 (mean of {n})")
-    axes[1].set(xlabel="RL seconds (generate + grade + update)", ylabel=f"held-out Pass@1 (mean of {n})")
-    axes[2].set(xlabel="RL step", ylabel="gradient norm before clipping", yscale="log")
+        if m != base:
+            d, lo, hi = lrows[m]["diff"]
+            axes[2].errorbar([d], [i], xerr=None if lo is None else [[d - lo], [hi - d]], fmt="o", color=color, capsize=4)
+        train = [[t for t in read_metrics(os.path.join(s["out"], "metrics.jsonl")) if t["kind"] == "train"] for s in summaries[m]]
+        gnorm = torch.tensor([[t["grad_norm"] if t.get("grad_norm") is not None else math.nan for t in tr] for tr in train])
+        axes[3].plot([t["step"] for t in train[0]], gnorm.nanmean(0), style, color=color, label=m, lw=1.0)
+    for ax in axes[:2]:
+        ax.axhline(target, color="grey", lw=0.8, ls=":")
+    axes[0].set(xlabel="RL step", ylabel=f"held-out Pass@1 (mean of {n})", title="mean ± std over seeds")
+    axes[1].set(xlabel="whole-step seconds (generate + grade + update)", ylabel=f"held-out Pass@1 (mean of {n})")
+    axes[2].axvline(0, color="grey", lw=0.8)
+    axes[2].set(yticks=range(len(methods)), yticklabels=methods, xlabel=f"final Pass@1 − {base} (same seed), 95% interval",
+                title="paired differences")
+    axes[3].set(xlabel="RL step", ylabel="gradient norm before clipping (seed mean)", yscale="log")
     for ax in axes:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7, ncol=2)
-    fig.suptitle(f"train_small.py: tiny Qwen2 on arithmetic, {args.loss} loss, mean ± std over {S} seed{'s' * (S > 1)}")
+    fig.suptitle(f"train_small.py --compare: tiny Qwen2, --task {args.task}, {args.loss} loss, {S} seed{'s' * (S > 1)}")
     fig.tight_layout()
     fig.savefig(os.path.join(args.out, "compare.png"), dpi=100)
     plt.close(fig)
@@ -950,11 +1201,13 @@ def main(argv=None):
             load_data(args)
             return compare(args)
         train_rows, eval_rows = load_data(args)
+        if args.resume:  # checked before the warm start: a bad checkpoint stops here
+            read_checkpoint(os.path.join(args.out, "checkpoint.pt") if args.resume == "latest" else args.resume, args)
         warm = load_warm_start(args, train_rows)
+        return run(args, train_rows, eval_rows, warm)
     except (UsageError, DataError) as e:
         print(f"train_small.py: error: {e}", file=sys.stderr)
         sys.exit(2)
-    return run(args, train_rows, eval_rows, warm)
 
 
 if __name__ == "__main__":

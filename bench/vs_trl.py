@@ -70,7 +70,8 @@ def parse_args(argv=None):
     p.add_argument("--arms", default=",".join(ARMS), help="subset/order of " + ",".join(ARMS))
     p.add_argument("--prompts-per-step", type=int, default=16, help="P")
     p.add_argument("--group-size", type=int, default=16, help="G")
-    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--task", default="steps", help="train_small.py's generated task (steps: worked solutions; direct)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default: train_small.py's for the task")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--lr", type=float, default=3e-5)
     p.add_argument("--max-grad-norm", type=float, default=1.0)
@@ -93,6 +94,10 @@ def parse_args(argv=None):
         args.steps, args.repeats, args.prompts_per_step, args.group_size = 2, 1, 2, 4
         args.train_size, args.eval_size = min(args.train_size, 200), min(args.eval_size, 16)
         args.sft_steps = 20 if args.sft_steps is None else args.sft_steps
+    if args.max_new_tokens is None:
+        import train_small
+
+        args.max_new_tokens = train_small.TINY_MAX_NEW_TOKENS[args.task]
     args.arms = [a for a in args.arms.split(",") if a]
     try:
         args.seeds = [int(x) for x in args.seeds.split(",") if x] if args.seeds else [args.seed]
@@ -114,7 +119,7 @@ def parse_args(argv=None):
 def small_flags(args):
     """train_small.py flags that fix the model, data and warm start (same for the warm start and the arms)."""
     return ["--seed", str(args.seed), "--hidden-size", str(args.hidden_size), "--num-layers", str(args.num_layers),
-            "--template", "plain", "--train-size", str(args.train_size), "--eval-size", str(args.eval_size),
+            "--template", "plain", "--task", args.task, "--train-size", str(args.train_size), "--eval-size", str(args.eval_size),
             "--cache-dir", args.cache_dir] + (["--sft-steps", str(args.sft_steps)] if args.sft_steps is not None else [])
 
 
@@ -214,8 +219,8 @@ def arm_command(arm, args, warm_path, out, seed):
     return [args.python, os.path.join(ROOT, "train_small.py"), "--method", arm, *common, "--seed", str(args.seed),
             "--rl-seed", str(seed), "--sft-steps", "0", "--eval-every", str(args.steps), "--save-every", str(args.steps),
             "--eval-samples", "1", "--pass-k", "1", *schedule,
-            # one on-policy optimizer step per batch and clip 0.2 / 0.2, as the TRL arms
-            "--mini-batches", "1", "--clip-low", "0.2", "--clip-high", "0.2"]
+            # one on-policy optimizer step per batch, clip 0.2 / 0.2 and no reference forward, as the TRL arms (beta 0)
+            "--mini-batches", "1", "--clip-low", "0.2", "--clip-high", "0.2", "--kl-every", "0"]
 
 
 def read_jsonl(path):

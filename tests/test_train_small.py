@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import train_small
-from mathtask import Grader, arithmetic_problems, load_problems
+from mathtask import Grader, arithmetic_problems, load_problems, step_problems
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(os.path.dirname(ROOT), "shared", "data")
@@ -121,6 +121,31 @@ def test_arithmetic_train_and_eval_problems_are_disjoint_and_cover_every_level()
     assert all(int(r["answer"]) >= 0 for r in train + held_out)
 
 
+def test_the_steps_task_works_each_step_out_and_its_targets_grade_correct():
+    """The default task: disjoint splits over every level, each solution's arithmetic right and
+    chained (the next step starts from the last result), the answer its last result, a mean
+    response (solution + \\boxed{answer}) of at least 20 characters (= tokens of the tiny model),
+    and mathtask's grader scoring the SFT target 1 and a wrong intermediate result 0."""
+    import re
+
+    train, held_out = step_problems(2000), step_problems(400, "eval")
+    assert not {r["problem"] for r in train} & {r["problem"] for r in held_out}
+    assert [r["level"] for r in held_out[:8]] == [1, 2, 3, 4, 1, 2, 3, 4]
+    for r in train + held_out:
+        steps = re.findall(r"(\d+)([+-])(\d+)=(\d+)\.", r["solution"])
+        assert len(steps) == (1 if r["level"] == 1 else 2), r
+        for a, op, b, result in steps:
+            assert int(result) == (int(a) + int(b) if op == "+" else int(a) - int(b)), r
+        assert all(steps[i + 1][0] == steps[i][3] for i in range(len(steps) - 1)), r
+        assert steps[-1][3] == r["answer"] and int(r["answer"]) >= 0
+    targets = [train_small.sft_target(r) for r in held_out]
+    assert sum(map(len, targets)) / len(targets) >= 20
+    with Grader(timeout_s=5.0) as grader:
+        assert grader.score_batch(targets[:8], [r["answer"] for r in held_out[:8]]) == [1.0] * 8
+        wrong = held_out[1]["solution"].rsplit("=", 1)[0] + f"={int(held_out[1]['answer']) + 1}. \\boxed{{{int(held_out[1]['answer']) + 1}}}"
+        assert grader.score(wrong, held_out[1]["answer"]) == 0.0
+
+
 # ---------------------------------------------------------------------------------------------
 # Bad input stops before training with one line that names the file:line or the flag
 # ---------------------------------------------------------------------------------------------
@@ -186,6 +211,69 @@ def test_the_old_name_d3s_static_points_to_d2s(tmp_path, capsys):
     assert "d2s" in _bad_input(tmp_path, capsys, ["--method", "d3s-static"])
 
 
+BAD_FLAGS = [  # (flags added to a valid tiny run, a fragment of the one line)
+    (["--lr", "nan"], "--lr nan: must be in (0, 1]"), (["--lr", "-1"], "--lr -1.0: must be"), (["--lr", "inf"], "--lr inf"),
+    (["--sft-lr", "0"], "--sft-lr 0.0"), (["--clip-low", "-0.5"], "--clip-low -0.5: must be in [0, 1)"),
+    (["--clip-high", "nan"], "--clip-high nan"), (["--max-grad-norm", "-1"], "--max-grad-norm -1.0: must be a finite number > 0"),
+    (["--max-grad-norm", "inf"], "--max-grad-norm inf"), (["--kl-coef", "-0.1"], "--kl-coef -0.1"),
+    (["--temperature", "0"], "--temperature 0.0"), (["--temperature", "nan"], "--temperature nan"),
+    (["--k-init", "0"], "--k-init 0.0: must be a fraction"), (["--k-final", "1.5"], "--k-final 1.5"),
+    (["--steps", "0"], "--steps 0: must be an int >= 1"), (["--steps", "x"], "argument --steps: invalid int value: 'x'"),
+    (["--group-size", "1"], "--group-size 1"), (["--mini-batches", "0"], "--mini-batches 0"),
+    (["--eval-samples", "0"], "--eval-samples 0"), (["--pass-k", "3"], "--pass-k 3: must be an int in [1, --eval-samples 2]"),
+    (["--warmup-steps", "-1"], "--warmup-steps -1"), (["--grade-timeout", "0"], "--grade-timeout 0.0"),
+    (["--hidden-size", "30"], "--hidden-size 30: must be a multiple of 4"), (["--num-layers", "0"], "--num-layers 0"),
+    (["--stop-after", "9"], "--stop-after 9: must be an int in [1, --steps 3]"), (["--seed", "-1"], "--seed -1"),
+    (["--threads", "-2"], "--threads -2"), (["--max-new-tokens", "0"], "--max-new-tokens 0"),
+    (["--kl-every", "-1"], "--kl-every -1"), (["--loss", "ppo"], "--loss 'ppo'"), (["--task", "chess"], "--task 'chess'"),
+    (["--out", "{file}"], "is a file; pass a folder"), (["--out", ""], "--out '': empty"),
+    (["--cache-dir", "{file}"], "--cache-dir {file}: is a file"),
+    (["--train-file", "{dir}"], "--train-file {dir}: is a folder"), (["--eval-file", "{missing}"], "missing.jsonl"),
+    (["--train-file", "{latin1}"], "latin1.jsonl:1: byte 0xe9 at column 17 is not UTF-8"),
+    (["--model", "{file}"], "--model {file}: is a file"), (["--model", "{dir}"], "has no config.json"),
+    (["--resume"], "--resume: no checkpoint at"),
+]
+
+
+@pytest.mark.parametrize("extra, fragment", BAD_FLAGS, ids=[" ".join(c[0]) for c in BAD_FLAGS])
+def test_bad_flags_and_paths_are_one_line_and_exit_2_before_any_work(tmp_path, capsys, extra, fragment):
+    paths = {"file": tmp_path / "a_file.txt", "dir": tmp_path / "a_dir", "missing": tmp_path / "missing.jsonl",
+             "latin1": tmp_path / "latin1.jsonl"}
+    paths["file"].write_text("x")
+    paths["dir"].mkdir()
+    paths["latin1"].write_bytes('{"problem": "caf\xe9", "answer": "1"}\n'.encode("latin-1"))
+    err = _bad_input(tmp_path, capsys, ["--steps", "3"] + [e.format(**paths) for e in extra])
+    assert err.startswith("train_small.py: error: ") and fragment.format(**paths) in err, err
+
+
+def test_fuzzed_flags_pass_the_checks_or_fail_with_one_usage_line():
+    """Any value of any flag: argparse's own exit 2, a UsageError (one line, naming a flag), or accepted,
+    never another exception (check_args does no work, so thousands of cases are cheap)."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    numeric = [a.option_strings[-1] for a in train_small.build_parser()._actions
+               if a.option_strings and a.type in (int, float)]
+    values = st.one_of(st.integers(-10**12, 10**12).map(str), st.floats(allow_nan=True, allow_infinity=True).map(repr),
+                       st.sampled_from(["", "x", "1e999", "-inf", "nan", "0", "1", "0.5"]))
+
+    @settings(max_examples=400, deadline=None)
+    @given(st.lists(st.tuples(st.sampled_from(numeric), values), min_size=1, max_size=4))
+    def check(pairs):
+        argv = [x for pair in pairs for x in pair]
+        try:
+            args = train_small.build_parser().parse_args(argv)
+        except SystemExit as e:
+            assert e.code == 2
+            return
+        try:
+            train_small.check_args(args)
+        except train_small.UsageError as e:
+            assert "\n" not in str(e) and str(e).startswith("--"), str(e)
+
+    check()
+
+
 # ---------------------------------------------------------------------------------------------
 # Runs
 # ---------------------------------------------------------------------------------------------
@@ -213,26 +301,92 @@ def test_one_minute_run_trains_evaluates_and_saves(tmp_path, cache_dir):
     assert not (out / "explain" / "step_000002.html").exists()
 
 
-def test_resume_after_a_kill_equals_the_uninterrupted_run(tmp_path, cache_dir, two_answer_data):
+@pytest.fixture(scope="module")
+def whole_run(tmp_path_factory, cache_dir, two_answer_data):
+    """6 uninterrupted steps (checkpoints at 3 and 6): what a stopped or killed run must equal once resumed."""
     train_file, eval_file = two_answer_data
     flags = TINY + ["--steps", "6", "--train-file", train_file, "--eval-file", eval_file, "--cache-dir", cache_dir]
-    train_small.main(flags + ["--out", str(tmp_path / "whole")])
+    out = tmp_path_factory.mktemp("whole") / "run"
+    train_small.main(flags + ["--out", str(out)])
+    return flags, out
 
-    killed = tmp_path / "killed"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "train_small.py")] + flags +
-                          ["--out", str(killed), "--stop-after", "4"], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 3, proc.stderr[-2000:]  # os._exit after step 4: the checkpoint is from step 3
-    assert not (killed / "final").exists()
-    assert max(m["step"] for m in read_jsonl(killed / "metrics.jsonl")) == 4
-    train_small.main(flags + ["--out", str(killed), "--resume"])
 
-    whole_lines, resumed_lines = read_jsonl(tmp_path / "whole" / "metrics.jsonl"), read_jsonl(killed / "metrics.jsonl")
+def assert_same_run(whole, resumed):
+    whole_lines, resumed_lines = read_jsonl(whole / "metrics.jsonl"), read_jsonl(resumed / "metrics.jsonl")
     assert without_timings(resumed_lines) == without_timings(whole_lines)
-    whole, resumed = load_state(tmp_path / "whole" / "final"), load_state(killed / "final")
+    a, b = load_state(whole / "final"), load_state(resumed / "final")
     warm = load_state(whole_lines[0]["warm_start"]["path"])
-    for name in whole:
-        assert torch.equal(whole[name], resumed[name]), name
-    assert any(not torch.equal(whole[name], warm[name]) for name in whole)  # the steps really trained
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    assert any(not torch.equal(a[name], warm[name]) for name in a)  # the steps really trained
+
+
+def test_stop_after_then_resume_equals_the_uninterrupted_run(tmp_path, whole_run):
+    flags, whole = whole_run
+    out = tmp_path / "stopped"
+    assert train_small.main(flags + ["--out", str(out), "--stop-after", "4"]) is None  # a clean stop, exit 0
+    assert not (out / "final").exists() and not (out / "summary.json").exists()
+    assert torch.load(out / "checkpoint.pt", weights_only=True)["step"] == 4  # its own checkpoint (not --save-every's)
+    train_small.main(flags + ["--out", str(out), "--resume"])
+    assert_same_run(whole, out)
+
+
+def test_a_sigkill_while_the_checkpoint_is_written_then_resume_equals_the_uninterrupted_run(tmp_path, whole_run):
+    """Killed at step 6 with its checkpoint half written: the step-3 checkpoint is intact, the
+    half-written file is ignored, the metrics after step 3 are dropped, and the resumed run is the same."""
+    import signal
+
+    flags, whole = whole_run
+    out = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train_small.py")] + flags + ["--out", str(out)], cwd=ROOT,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, train_small.STALL_ENV: "6"})
+    for line in proc.stderr:  # tqdm's lines end in \r: a \n-ended line is a message
+        if "half written, stalled" in line:
+            break
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert (out / "checkpoint.pt.tmp").exists() and max(m["step"] for m in read_jsonl(out / "metrics.jsonl")) == 6
+    assert torch.load(out / "checkpoint.pt", weights_only=True)["step"] == 3
+    train_small.main(flags + ["--out", str(out), "--resume"])
+    assert_same_run(whole, out)
+
+
+class NotATensor:
+    """A Python object, pickled by reference: torch.load(weights_only=True) must refuse it."""
+
+
+def test_a_bad_checkpoint_is_one_line_naming_the_file_and_the_fix(tmp_path, capsys, whole_run):
+    import shutil
+
+    flags, whole = whole_run
+    good = whole / "checkpoint.pt"  # step 6 of 6
+    damages = {
+        "truncated": (lambda p: p.write_bytes(good.read_bytes()[: good.stat().st_size // 2]), "truncated or corrupt"),
+        "empty": (lambda p: p.write_bytes(b""), "truncated or corrupt"),
+        "pickled object": (lambda p: torch.save({**torch.load(good, weights_only=True), "x": NotATensor()}, p),
+                           "refused: it holds a pickled Python object"),
+        "older format": (lambda p: torch.save({k: v for k, v in torch.load(good, weights_only=True).items() if k != "format"}, p),
+                         "checkpoint format 1 of an older train_small.py"),
+        "a folder": (lambda p: p.mkdir(), "is a folder, not a checkpoint file"),
+    }
+    for name, (damage, fragment) in damages.items():
+        path = tmp_path / name.replace(" ", "_") / "checkpoint.pt"
+        path.parent.mkdir()
+        damage(path)
+        with pytest.raises(SystemExit) as e:
+            train_small.main(flags + ["--steps", "6", "--out", str(tmp_path / "x"), "--resume", str(path)])
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and len(err.splitlines()) == 1 and fragment in err and str(path) in err, (name, err)
+    finished_copy = tmp_path / "finished"
+    shutil.copytree(whole, finished_copy)
+    for extra, fragment in ((["--resume"], "already finished its 6 steps"),
+                            (["--resume", "--lr", "1e-3"], "--lr 0.001: "),
+                            (["--resume", str(tmp_path / "missing.pt")], "no checkpoint at"),
+                            (["--resume", "--steps", "8"], "--steps 8: ")):
+        with pytest.raises(SystemExit) as e:
+            train_small.main(flags + ["--out", str(finished_copy)] + extra)
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and len(err.splitlines()) == 1 and fragment in err, (extra, err)
 
 
 def test_a_nan_loss_skips_the_update_and_is_logged(tmp_path, cache_dir, two_answer_data, monkeypatch):
@@ -299,7 +453,7 @@ def test_kl_to_the_warm_start_is_zero_before_training_and_grows(tmp_path, cache_
     assert train[-1]["kl_ref"] > 0.0
 
 
-def test_compare_over_seeds_writes_mean_std_and_steps_to_grpos_best(tmp_path, cache_dir, two_answer_data):
+def test_compare_over_seeds_writes_the_ladder_tables_and_plot(tmp_path, cache_dir, two_answer_data):
     train_file, eval_file = two_answer_data
     out = tmp_path / "cmp"
     summaries = train_small.main(TINY + ["--steps", "3", "--train-file", train_file, "--eval-file", eval_file,
@@ -311,22 +465,43 @@ def test_compare_over_seeds_writes_mean_std_and_steps_to_grpos_best(tmp_path, ca
     assert summaries["grpo"][0]["rl_seed"] == 0 and summaries["grpo"][1]["rl_seed"] == 1
     assert summaries["grpo"][0]["warm_start"]["path"] == summaries["d3s"][1]["warm_start"]["path"]  # one warm start
     table = (out / "compare.md").read_text()
-    assert "steps to grpo's best" in table and "RL s to grpo's best" in table and " ± " in table
-    grpo_row = next(line for line in table.splitlines() if line.startswith("| grpo |"))
-    assert "(2/2)" in grpo_row  # grpo reaches its own best in every seed, by definition
+    for heading in ("Held-out Pass@1 at the last step", "Training speed-up", "by level", "Costs and the paper's metrics",
+                    "Where a step's time goes"):
+        assert heading in table
+    d3s_row = next(line for line in table.splitlines() if line.startswith("| d3s |"))
+    assert " ± " in d3s_row and "[" in d3s_row  # mean ± std, and the paired interval
     assert (out / "compare.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_time_to_target_is_the_first_evaluation_at_the_baselines_best():
-    base = {"evals": [{"step": 0, "pass1_mean": 0.9, "rl_s": 0}, {"step": 10, "pass1_mean": 0.5, "rl_s": 5},
-                      {"step": 20, "pass1_mean": 0.6, "rl_s": 9}]}
-    fast = {"evals": [{"step": 0, "pass1_mean": 0.9, "rl_s": 0}, {"step": 10, "pass1_mean": 0.6, "rl_s": 4},
-                      {"step": 20, "pass1_mean": 0.7, "rl_s": 8}]}
-    slow = {"evals": [{"step": 0, "pass1_mean": 0.9, "rl_s": 0}, {"step": 10, "pass1_mean": 0.4, "rl_s": 6},
-                      {"step": 20, "pass1_mean": 0.59, "rl_s": 12}]}
-    assert train_small.time_to_target(base, base) == (20, 9)  # step 0 does not count
-    assert train_small.time_to_target(base, fast) == (10, 4)
-    assert train_small.time_to_target(base, slow) is None
+def test_ladder_rows_paired_intervals_and_speed_ups_on_a_hand_made_fixture():
+    """3 seeds, evaluations at steps 0, 10, 20. grpo ends at 0.5, 0.6, 0.7 (mean 0.6); 'fast' ends
+    0.1 higher on every seed but 0.2 -> 0.4 -> 0.6... (see below), 'flat' never gets there."""
+    def run(finals, mids, secs):  # finals and mids per seed; secs = (update s, whole-step s) at steps 10 and 20
+        return [{"final": {"pass1_mean": f}, "evals": [
+            {"step": 0, "pass1_mean": 0.2, "update_s": 0.0, "rl_s": 0.0},
+            {"step": 10, "pass1_mean": m, "update_s": secs[0][0], "rl_s": secs[0][1]},
+            {"step": 20, "pass1_mean": f, "update_s": secs[1][0], "rl_s": secs[1][1]}]} for f, m in zip(finals, mids)]
+
+    summaries = {"grpo": run([0.5, 0.6, 0.7], [0.4, 0.4, 0.4], ((10, 20), (20, 40))),
+                 "fast": run([0.62, 0.69, 0.83], [0.6, 0.6, 0.6], ((5, 15), (10, 30))),
+                 "flat": run([0.3, 0.3, 0.3], [0.3, 0.3, 0.3], ((10, 20), (20, 40)))}
+    target, rows = train_small.ladder_rows(summaries, ["grpo", "fast", "flat"], "grpo")
+    assert target == pytest.approx(0.6)
+    # fast - grpo per seed: +0.12, +0.09, +0.13: mean 0.1133, sd 0.0208, t(0.975, 2) = 4.3027 -> half 0.0517
+    d, lo, hi = rows["fast"]["diff"]
+    assert d == pytest.approx(0.34 / 3) and hi - d == pytest.approx(4.3027 * 0.020817 / 3 ** 0.5, rel=1e-3)
+    assert rows["fast"]["verdict"] == "better" and rows["flat"]["verdict"] == "worse"
+    # grpo's mean curve 0.2, 0.4, 0.6 reaches 0.6 at step 20, update 20 s, whole-step 40 s; fast's (0.2, 0.6, 0.713)
+    # at step 10 (5 s, 15 s): speed-ups 2x, 4x, 2.67x; flat never
+    assert rows["grpo"]["to_target"] == pytest.approx({"step": 20.0, "update_s": 20.0, "step_s": 40.0})
+    assert rows["fast"]["to_target"] == pytest.approx({"step": 10.0, "update_s": 5.0, "step_s": 15.0})
+    assert rows["fast"]["speedup"] == pytest.approx({"step": 2.0, "update_s": 4.0, "step_s": 40 / 15})
+    assert rows["flat"]["to_target"]["step"] is None and rows["flat"]["speedup"]["step"] is None
+    # interpolation between evaluations: a curve 0.2 -> 0.5 -> 0.7 reaches 0.6 halfway from step 10 to 20
+    assert train_small.crossing([0, 10, 20], [0.2, 0.5, 0.7], 0.6) == pytest.approx(15.0)
+    assert train_small.crossing([0, 10], [0.2, 0.5], 0.6) is None
+    # flat - grpo: -0.2, -0.3, -0.4: sd 0.1, half-width 4.3027 * 0.1 / sqrt(3) = 0.248: [-0.548, -0.052]
+    assert rows["flat"]["diff"] == pytest.approx((-0.3, -0.3 - 0.24842, -0.3 + 0.24842), abs=1e-4)
 
 
 # ---------------------------------------------------------------------------------------------
