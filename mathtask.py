@@ -590,13 +590,13 @@ def pass_at_k(n, c, k):
 def bench_grader(n=512, workers=(1, 2), data_dir=None, timeout_s=5.0, slow=False):
     """Print the wall time of Grader(timeout_s, w).score_batch on `n` real answers for each w in `workers`.
 
-    The answers are gold answers of math500, minerva_math and olympiadbench (../shared/data),
+    The answers are gold answers of math500, minerva_math and olympiadbench (the repo's data/),
     evenly spaced rows, boxed: even positions get their own gold (right), odd positions the next
     row's gold (a real answer, wrong here). slow=True puts first one answer math-verify never
     finishes (a power tower), which costs one child timeout_s. Every w gets a fresh grader (empty
     cache), whose children are started, and timed, before the timed call. Returns {w: seconds}.
     """
-    data_dir = data_dir or os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "shared", "data")
+    data_dir = data_dir or os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
     golds = [r["answer"] for name in ("math500.jsonl", "minerva_math.jsonl", "olympiadbench.jsonl")
              for r in load_problems(os.path.join(data_dir, name))[0]]
     golds = [golds[i * len(golds) // n] for i in range(n)]

@@ -8,7 +8,7 @@
 
 Everything else is TRL's: generation (HF generate, vLLM colocate or server), reward functions,
 the HF Trainer loop (gradient accumulation, DDP/FSDP/DeepSpeed through accelerate, checkpoints,
-callbacks, logging). Inside TRL's step, every D3S piece is a call into d3s.py (ALGORITHM.md,
+callbacks, logging). Inside TRL's step, every D3S piece is a call into d3s.py (docs/algorithm.md,
 section 6):
 
   1 rewards   TRL's reward functions, weighted and gathered from every process ([P * G] rollouts)

@@ -1,6 +1,6 @@
 """Specification tests for d3s.py: one behaviour per test, named after it.
 
-Sections follow d3s.py and ALGORITHM.md: 1 group advantages, 2 max-variance subset, 3 sample
+Sections follow d3s.py and docs/algorithm.md: 1 group advantages, 2 max-variance subset, 3 sample
 selection (Lemma 1, cross-group D3S, PODS / D3S-I / GRPO / random), 4 token entropy, 5 token
 selection, 6 dynamic schedule, 7 policy loss, 8 argument errors, 9 doctests.
 

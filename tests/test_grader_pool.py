@@ -1,7 +1,7 @@
 """mathtask.Grader with a pool of grader processes, as a specification.
 
 The pool gives the rewards of one grader (hand-written answers offline, a few hundred real gold
-answers from ../shared/data); a slow answer hits the time limit in its own child while the
+answers from the repo's data/); a slow answer hits the time limit in its own child while the
 others are graded; a killed child is replaced; close() leaves no child alive. Every grader here
 is real: math-verify in spawned children. About 30 s on a loaded 2-core CPU.
 """
@@ -17,7 +17,7 @@ import pytest
 from mathtask import Grader, default_grader_workers, load_problems
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DATA = os.path.join(os.path.dirname(ROOT), "shared", "data")
+DATA = os.path.join(ROOT, "data")  # the repository's own benchmark files (data/README.md)
 
 SLOW = "\\boxed{9^{9^{9^{9^{9^{9}}}}}}"  # sympy evaluates the power tower: math-verify never returns
 
@@ -71,8 +71,6 @@ def test_pool_gives_the_hand_checked_rewards_of_one_grader_in_input_order(one_gr
 
 
 def test_pool_gives_the_rewards_of_one_grader_on_real_gold_answers(one_grader, pool):
-    if not os.path.isdir(DATA):
-        pytest.skip(f"{DATA} is absent (the shared data folder is not checked out beside the repo)")
     golds = []
     for name in ("math500.jsonl", "minerva_math.jsonl", "olympiadbench.jsonl"):
         rows, _ = load_problems(os.path.join(DATA, name))
