@@ -14,7 +14,7 @@ they matter, so token selection has something to choose.
 The policy is a tiny autoregressive model, logits_t = prior[p, t] + MLP(e_prompt + e_pos + e_prev),
 its last layer zero-initialised so that step 0 is exactly the "base model" prior.
 
-One training step (ALGORITHM.md section 6), every piece of the method taken from d3s.py:
+One training step (docs/algorithm.md section 6), every piece of the method taken from d3s.py:
   sample P prompts x G rollouts -> reward -> d3s.select_samples (N per prompt, from
   d3s.method_budget) -> forward the kept rollouts -> d3s.token_entropy -> scores |A| * H
   -> d3s.select_tokens (top K) -> d3s.policy_loss (on-policy, one update) -> Adam.
@@ -317,7 +317,7 @@ def expected_reward(policy, task):
 
 
 # ---------------------------------------------------------------------------------------------
-# 3. One run: the six-step loop of ALGORITHM.md section 6
+# 3. One run: the six-step loop of docs/algorithm.md section 6
 # ---------------------------------------------------------------------------------------------
 class Diverged(RuntimeError):
     """The policy went non-finite (a learning rate too large for the setting): main turns it into one line."""
