@@ -8,10 +8,21 @@ One training step of every rung in this repo (toy bandit, train_small.py, train_
     -> policy_loss on the selected tokens -> backward / optimizer step
 
 with N and K from dynamic_schedule (D3S: N 8 -> 32, K 5% -> 20%). Which of those pieces a
-method uses is the LADDER table below (the paper's ablation ladder, GRPO -> D1S -> D1S-Cross ->
+method uses is the LADDER table (the paper's ablation ladder, GRPO -> D1S -> D1S-Cross ->
 D2S -> D3S, plus D3S-I, PODS and a random control), read by method_budget and select_samples.
-This file holds every function in that list, in that order, and nothing else: no I/O, no model,
-no mutable state.
+The file, top to bottom (the sections of docs/algorithm.md):
+
+    0  LADDER, METHODS                       the methods: which rollouts, which budget, tokens or not
+    1  group_advantages                      A = (R - mean) / (std + eps) per group
+    2  max_variance_subset, select_samples,  the first level: keep N rollouts per prompt; the
+       kept_variance, usefulness_rate        Var(A) and Sample Usefulness Rate of the kept set
+    3  token_entropy, TOKEN_RULES,           the second level: H per token, the score |A| * H,
+       token_scores, select_tokens           keep the top K
+    4  dynamic_schedule, method_budget       N and K at a step: the linear curriculum; a row's budget
+    5  CLIP_DEFAULTS, DEFAULT_AGG, kl_k3,    the GRPO / GSPO clipped surrogate on the selected
+       policy_loss                           tokens, with an optional k3 KL
+
+and nothing else: no I/O, no model, no mutable state.
 
 Papers:
   D3S  "Learning More with Less: A Dynamic Dual-Level Down-Sampling Framework for Efficient
@@ -34,7 +45,6 @@ import torch
 __all__ = [
     "LADDER",
     "METHODS",
-    "method_budget",
     "group_advantages",
     "max_variance_subset",
     "select_samples",
@@ -45,6 +55,7 @@ __all__ = [
     "token_scores",
     "select_tokens",
     "dynamic_schedule",
+    "method_budget",
     "CLIP_DEFAULTS",
     "DEFAULT_AGG",
     "kl_k3",
@@ -87,11 +98,14 @@ def _require(ok, name, value, fix):
 
 
 def _check_rewards(rewards):
-    _require(isinstance(rewards, torch.Tensor), "rewards", type(rewards).__name__, "pass a torch.Tensor of shape [P, G]")
-    _require(rewards.dim() == 2, "rewards.shape", tuple(rewards.shape), "expected [P, G] (prompts x rollouts per prompt)")
+    _require(isinstance(rewards, torch.Tensor), "rewards", type(rewards).__name__,
+             "pass a torch.Tensor of shape [P, G]")
+    _require(rewards.dim() == 2, "rewards.shape", tuple(rewards.shape),
+             "expected [P, G] (prompts x rollouts per prompt)")
     _require(rewards.numel() > 0, "rewards.shape", tuple(rewards.shape), "need at least one prompt and one rollout")
     bad = ~torch.isfinite(rewards.double())
-    _require(not bad.any(), "rewards", rewards[bad][:4].tolist(), "rewards must be finite (no NaN/inf); check the reward function")
+    _require(not bad.any(), "rewards", rewards[bad][:4].tolist(),
+             "rewards must be finite (no NaN/inf); check the reward function")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -377,14 +391,16 @@ def select_tokens(scores, mask, k_frac, scope="batch", min_per_seq=0):
     """
     _require(isinstance(scores, torch.Tensor) and scores.dim() == 2, "scores.shape",
              tuple(getattr(scores, "shape", ())), "expected a [B, T] tensor")
-    _require(isinstance(mask, torch.Tensor), "mask", type(mask).__name__, "pass a [B, T] tensor (1 on real response tokens)")
+    _require(isinstance(mask, torch.Tensor), "mask", type(mask).__name__,
+             "pass a [B, T] tensor (1 on real response tokens)")
     _require(tuple(mask.shape) == tuple(scores.shape), "mask.shape", tuple(mask.shape),
              f"must equal scores.shape {tuple(scores.shape)}")
     _require(isinstance(k_frac, (int, float)) and 0 < k_frac <= 1, "k_frac", k_frac, "must be in (0, 1]")
     _require(scope in ("batch", "sequence"), "scope", scope, "choose 'batch' or 'sequence'")
     _require(min_per_seq in (0, 1), "min_per_seq", min_per_seq, "choose 1 (every response keeps its best token) or 0")
     valid = mask.bool()
-    _require(bool(torch.isfinite(scores[valid]).all()), "scores", scores[valid][~torch.isfinite(scores[valid])][:4].tolist(),
+    bad = scores[valid][~torch.isfinite(scores[valid])]
+    _require(not bool(bad.numel()), "scores", bad[:4].tolist(),
              "must be finite on valid tokens (check the entropy and advantages)")
     masked = torch.where(valid, scores.float(), torch.full_like(scores, -math.inf, dtype=torch.float))
     if scope == "batch":
@@ -521,13 +537,19 @@ def policy_loss(logp, old_logp, adv, mask, kind="grpo", clip_low=None, clip_high
     agg = agg or DEFAULT_AGG[kind]
     _require(agg in ("token-mean", "seq-mean-token-mean"), "agg", agg, "choose 'token-mean' or 'seq-mean-token-mean'")
     _require(logp.dim() == 2, "logp.shape", tuple(logp.shape), "expected [B, T]")
-    for name, t in (("old_logp", old_logp), ("mask", mask)) + ((("ref_logp", ref_logp),) if ref_logp is not None else ()):
-        _require(tuple(t.shape) == tuple(logp.shape), f"{name}.shape", tuple(t.shape), f"must equal logp.shape {tuple(logp.shape)}")
-    _require(tuple(adv.shape) == (logp.shape[0],), "adv.shape", tuple(adv.shape), f"expected [B] = ({logp.shape[0]},), one advantage per response")
-    _require(isinstance(adv, torch.Tensor) and isinstance(mask, torch.Tensor), "adv/mask", (type(adv).__name__, type(mask).__name__),
+    same_shape = (("old_logp", old_logp), ("mask", mask)) + ((("ref_logp", ref_logp),) if ref_logp is not None else ())
+    for name, t in same_shape:
+        _require(tuple(t.shape) == tuple(logp.shape), f"{name}.shape", tuple(t.shape),
+                 f"must equal logp.shape {tuple(logp.shape)}")
+    _require(tuple(adv.shape) == (logp.shape[0],), "adv.shape", tuple(adv.shape),
+             f"expected [B] = ({logp.shape[0]},), one advantage per response")
+    _require(isinstance(adv, torch.Tensor) and isinstance(mask, torch.Tensor), "adv/mask",
+             (type(adv).__name__, type(mask).__name__),
              "pass torch tensors")
-    _require(normalizer is None or float(normalizer) > 0, "normalizer", normalizer, "must be > 0 (count of tokens or responses in the optimizer batch)")
-    _require(beta == 0 or ref_logp is not None, "beta", beta, "a KL penalty needs ref_logp (the reference policy's log-probs); pass it or set beta=0")
+    _require(normalizer is None or float(normalizer) > 0, "normalizer", normalizer,
+             "must be > 0 (count of tokens or responses in the optimizer batch)")
+    _require(beta == 0 or ref_logp is not None, "beta", beta,
+             "a KL penalty needs ref_logp (the reference policy's log-probs); pass it or set beta=0")
     for name, val in (("clip_low", clip_low), ("clip_high", clip_high)):
         _require(val is None or 0 <= val, name, val, "must be >= 0")
     eps_low, eps_high = CLIP_DEFAULTS[kind]
