@@ -199,10 +199,10 @@ def test_toy_pages_are_written_and_do_not_change_the_numbers(tmp_path):
     assert not (tmp_path / "plain" / "explain").exists()
     for method in ("d3s", "grpo"):
         folder = tmp_path / "x" / "explain" / f"{method}_seed1"
-        assert sorted(os.listdir(folder)) == ["step_000000.html", "step_000000.png", "step_000002.html", "step_000002.png"]
-    page = Page(open(tmp_path / "x" / "explain" / "d3s_seed1" / "step_000000.html", encoding="utf-8").read())
+        assert sorted(os.listdir(folder)) == ["step_000001.html", "step_000001.png", "step_000002.html", "step_000002.png"]
+    page = Page(open(tmp_path / "x" / "explain" / "d3s_seed1" / "step_000001.html", encoding="utf-8").read())
     text = " ".join(page.text)
-    assert "Step 0" in text and "d3s" in text and "toy" in text
+    assert "Step 1" in text and "d3s" in text and "toy" in text
     tokens, L = page.tokens, plain.length
     assert len(tokens) % L == 0 and len(tokens) >= 2 * L  # whole answers, a few of them
     for start in range(0, len(tokens), L):  # every answer marks its prompt's 1 to 3 decision positions

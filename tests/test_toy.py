@@ -32,14 +32,14 @@ def short_runs():
 def test_every_method_raises_the_expected_reward(short_runs, method):
     # The reward is exact (no sampling noise) and starts at ~0.14; 30 updates of a method that
     # learns add > 0.1 (observed: 0.15 to 0.3), one that does nothing or climbs the wrong way does not.
-    initial = sum(log["reward"][0] for log in short_runs[method]) / 2
-    final = sum(log["reward"][-1] for log in short_runs[method]) / 2
+    initial = sum(log["eval_reward"][0] for log in short_runs[method]) / 2
+    final = sum(log["eval_reward"][-1] for log in short_runs[method]) / 2
     assert 0.1 < initial < 0.2
     assert final > initial + 0.1, f"{method}: {initial:.3f} -> {final:.3f}"
 
 
 def test_every_method_starts_from_the_same_policy(short_runs):
-    first = {m: logs[0]["reward"][0] for m, logs in short_runs.items()}
+    first = {m: logs[0]["eval_reward"][0] for m, logs in short_runs.items()}
     assert len(set(first.values())) == 1, first
 
 
@@ -47,14 +47,14 @@ def test_methods_train_on_the_rollouts_and_tokens_they_claim(short_runs):
     args = bandit.parse_args(SHORT)
     P, G, L = args.batch_prompts, args.group_size, args.length
     grpo, d3s_run = short_runs["grpo"][0], short_runs["d3s"][0]
-    assert grpo["samples"] == [P * G] * args.steps and grpo["tokens"] == [P * G * L] * args.steps
+    assert grpo["kept_samples"] == [P * G] * args.steps and grpo["kept_tokens"] == [P * G * L] * args.steps
     for static in ("pods", "d1s", "d1s-cross", "d2s"):  # the static rows: N fixed at the schedule's midpoint
-        assert short_runs[static][0]["samples"] == [P * args.static_n] * args.steps, static
-    assert short_runs["d1s"][0]["tokens"] == [P * args.static_n * L] * args.steps  # d1s: every token
-    assert d3s_run["samples"] == [P * n for n in d3s_run["n_keep"]]  # cross-group: N * P in all
+        assert short_runs[static][0]["kept_samples"] == [P * args.static_n] * args.steps, static
+    assert short_runs["d1s"][0]["kept_tokens"] == [P * args.static_n * L] * args.steps  # d1s: every token
+    assert d3s_run["kept_samples"] == [P * n for n in d3s_run["n_keep"]]  # cross-group: N * P in all
     assert d3s_run["n_keep"][0] == args.n_init and d3s_run["n_keep"] == sorted(d3s_run["n_keep"])
     # Top K of |A| * H: exactly ceil(K * tokens) by default (no floor of one token per response).
-    for tokens, samples, k in zip(d3s_run["tokens"], d3s_run["samples"], d3s_run["k_frac"]):
+    for tokens, samples, k in zip(d3s_run["kept_tokens"], d3s_run["kept_samples"], d3s_run["k_frac"]):
         assert tokens == math.ceil(k * samples * L - 1e-9)
     # At the start the high-entropy positions are the decisions: token selection trains mostly
     # on them, GRPO on all positions (decisions are 2 of 8 on average).
@@ -66,7 +66,7 @@ def test_methods_train_on_the_rollouts_and_tokens_they_claim(short_runs):
 def test_realised_token_fraction_is_the_scheduled_k_within_one_token(short_runs, method):
     args = bandit.parse_args(SHORT)
     for log in short_runs[method]:
-        for k_real, k_frac, samples in zip(log["k_real"], log["k_frac"], log["samples"]):
+        for k_real, k_frac, samples in zip(log["k_real"], log["k_frac"], log["kept_samples"]):
             tokens = samples * args.length
             assert abs(k_real * tokens - k_frac * tokens) < 1.0
 
@@ -109,7 +109,7 @@ def test_expected_reward_is_exact():
 def test_a_run_is_deterministic_given_its_seed():
     args = bandit.parse_args(["--steps", "5", "--workers", "1"])
     assert bandit.run("d3s", 7, args) == bandit.run("d3s", 7, args)
-    assert bandit.run("d3s", 7, args)["reward"] != bandit.run("d3s", 8, args)["reward"]
+    assert bandit.run("d3s", 7, args)["eval_reward"] != bandit.run("d3s", 8, args)["eval_reward"]
 
 
 def test_main_writes_table_metrics_and_plot(tmp_path, capsys):
@@ -123,9 +123,12 @@ def test_main_writes_table_metrics_and_plot(tmp_path, capsys):
     assert [r.split("|")[1].strip() for r in rows] == ["method", "grpo", "d3s", "method", "d3s"]
     assert "95% t interval" in results and "--seeds 2 --steps 4" in results
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert len(metrics) == 2 * 2 * (4 + 1)  # methods x seeds x (steps + the final evaluation)
+    assert len(metrics) == 2 * 2 * (4 + 4 + 1)  # methods x seeds x (train lines + eval lines, the first before training)
     assert {(m["method"], m["seed"]) for m in metrics} == {(m, s) for m in ("grpo", "d3s") for s in (0, 1)}
-    assert all("reward" in m for m in metrics) and sum("grad_norm" in m for m in metrics) == 2 * 2 * 4
+    one_run = [(m["kind"], m["step"]) for m in metrics if (m["method"], m["seed"]) == ("d3s", 1)]
+    assert one_run == [("eval", 0)] + [(kind, s) for s in range(1, 5) for kind in ("train", "eval")]  # steps from 1
+    assert all("eval_reward" in m for m in metrics if m["kind"] == "eval")
+    assert all("grad_norm" in m and "loss" in m for m in metrics if m["kind"] == "train")
     assert (out / "toy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -143,7 +146,7 @@ def test_d3s_at_the_full_budget_trains_exactly_as_grpo():
     args = bandit.parse_args(["--steps", "4", "--workers", "1", "--n-init", "32", "--n-final", "32", "--k-init", "1",
                               "--k-final", "1"])
     full, grpo = bandit.run("d3s", 3, args), bandit.run("grpo", 3, args)
-    assert full["reward"] == grpo["reward"] and full["grad_norm"] == grpo["grad_norm"]
+    assert full["eval_reward"] == grpo["eval_reward"] and full["grad_norm"] == grpo["grad_norm"]
 
 
 def test_ablation_switches_do_what_they_say():
@@ -157,13 +160,13 @@ def test_ablation_switches_do_what_they_say():
     assert at_grpo_scale["grad_norm"] == at_grpo_scale["grad_norm_grpo_scale"]
     # No clipping: the same as clipping at a norm no step reaches; clipping at 1.0 does bind for D3S.
     assert run("d3s", "--max-grad-norm", "0") == run("d3s", "--max-grad-norm", "1e6")
-    assert base["grad_norm"][0] > 1.0 and run("d3s", "--max-grad-norm", "0")["reward"] != base["reward"]
+    assert base["grad_norm"][0] > 1.0 and run("d3s", "--max-grad-norm", "0")["eval_reward"] != base["eval_reward"]
     # The token rule moves the rows that select tokens, never the others (their rollouts stay the same).
     assert run("grpo", "--token-rule", "random") == run("grpo")
-    assert run("d3s", "--token-rule", "random")["reward"] != base["reward"]
+    assert run("d3s", "--token-rule", "random")["eval_reward"] != base["eval_reward"]
     # SGD keeps the gradient's scale: the same first gradient, a different first step.
     sgd = run("d3s", "--optimizer", "sgd", "--lr", "0.1")
-    assert sgd["grad_norm"][0] == base["grad_norm"][0] and sgd["reward"][1] != base["reward"][1]
+    assert sgd["grad_norm"][0] == base["grad_norm"][0] and sgd["eval_reward"][1] != base["eval_reward"][1]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -196,8 +199,10 @@ def test_paired_interval():
 def fake_log(rewards):
     """The keys summarize reads, for a run whose expected reward is `rewards` at steps 0, 1, ..."""
     steps = len(rewards) - 1
-    log = {k: [0.5] * steps for k in ("grad_norm", "grad_norm_grpo_scale", "sur", "samples", "tokens", "k_real", "k_frac")}
-    return {**log, "step": list(range(steps + 1)), "reward": list(rewards), "solved": [0] * (steps + 1)}
+    log = {k: [0.5] * steps for k in ("grad_norm", "grad_norm_grpo_scale", "sur", "kept_samples", "kept_tokens", "k_real",
+                                      "k_frac")}
+    return {**log, "step": list(range(1, steps + 1)), "eval_step": list(range(steps + 1)), "eval_reward": list(rewards),
+            "eval_solved": [0] * (steps + 1)}
 
 
 def test_the_verdict_needs_an_interval_that_excludes_zero():
@@ -275,7 +280,7 @@ def test_bad_input_gets_one_line_and_exit_2(bad_runs, argv, fragment):
 
 def test_a_run_that_goes_non_finite_stops_with_one_line(tmp_path, monkeypatch, capsys):
     def diverging(method, seed, args):
-        raise bandit.Diverged(f"{method} seed {seed}: the policy went non-finite before step 3")
+        raise bandit.Diverged(f"{method} seed {seed}: the policy went non-finite after step 3")
 
     monkeypatch.setattr(bandit, "run", diverging)
     with pytest.raises(SystemExit) as exit_:

@@ -31,9 +31,11 @@ rollouts and tokens trained on in the whole run. Then each method paired by seed
 over the run and in steps to each target (seeds where both reach it), as mean [95% t interval
 over seeds], and the verdict: a method differs from grpo only where an interval excludes 0.
 Per-seed numbers move with the CPU's floating-point path; the verdicts should not.
-Per step, metrics.jsonl also has the scheduled and realised K, the entropy of the trained
-rollouts' tokens and of the selected ones, and the KL (k3) to the initial policy on the
-selected tokens (measured, not in the loss).
+metrics.jsonl follows docs/metrics.md, the schema of every rung: train line s (kind "train",
+steps count from 1) is the s-th update, with the scheduled and realised K, the entropy of the
+trained rollouts' tokens and of the selected ones, and the KL (k3) to the initial policy on the
+selected tokens (measured, not in the loss); eval line s (kind "eval") is the exact expected
+reward after s updates, from s = 0 (the initial policy) to --steps.
 Left out on purpose: a KL penalty, batch reuse (ratios and clipping never bind on-policy), GSPO.
 Ablation switches (docs/toy.md, "why is D3S slower in steps"): --optimizer, --normalizer,
 --max-grad-norm 0, --token-rule, and the schedule's --n-init/--n-final/--k-init/--k-final.
@@ -168,9 +170,9 @@ def parse_args(argv=None):
     a("--normalizer", default="selected", choices=["selected", "all"], help="the loss divides by: selected = the "
       "tokens it trains on (the paper's token-mean); all = every token of the P*G rollouts (GRPO's count, so "
       "every method's gradient has GRPO's scale; ablation, docs/toy.md)")
-    a("--n-init", default=8, help="D3S schedule: rollouts kept per prompt at step 0")
+    a("--n-init", default=8, help="D3S schedule: rollouts kept per prompt at step 1")
     a("--n-final", default=32, help="D3S schedule: rollouts kept per prompt at the last step")
-    a("--k-init", default=0.05, help="D3S schedule: fraction of tokens kept at step 0")
+    a("--k-init", default=0.05, help="D3S schedule: fraction of tokens kept at step 1")
     a("--k-final", default=0.20, help="D3S schedule: fraction of tokens kept at the last step")
     a("--static-n", default=None, help="N of the static rows d1s, d1s-cross, d2s, pods (default: the "
       "schedule's midpoint, 20) (choice)")
@@ -182,7 +184,7 @@ def parse_args(argv=None):
     a("--target", nargs="+", default=[0.5, 0.8], help="'steps to target': first step with expected reward >= each")
     a("--workers", default=2, help="runs in parallel (processes); 1 runs in this process")
     a("--out", default="runs/toy", help="output folder for results.md, metrics.jsonl and toy.png (made if missing)")
-    a("--explain-every", default=0, help="0: off. N > 0: step 0 and every N-th step write a page of what "
+    a("--explain-every", default=0, help="0: off. N > 0: step 1 and every N-th step write a page of what "
       "the step trains on (explain.py) to OUT/explain/METHOD_seedS/step_NNNNNN.{html,png}")
     args = p.parse_args(_glue_dash_values(p, sys.argv[1:] if argv is None else argv))
     _check_args(p, args)
@@ -323,8 +325,19 @@ class Diverged(RuntimeError):
     """The policy went non-finite (a learning rate too large for the setting): main turns it into one line."""
 
 
+# The keys of the log run() returns and of metrics.jsonl (docs/metrics.md): an eval line after every
+# update and before the first, a train line per update. Steps count from 1 (eval step 0: the initial policy).
+EVAL_KEYS = ("eval_reward", "eval_solved")
+TRAIN_KEYS = ("reward_mean", "acc_train", "groups_mixed", "n_keep", "k_frac", "k_real", "kept_samples", "sur",
+              "kept_tokens", "fwd_tokens", "gen_tokens", "kept_tokens_frac", "kept_adv_var", "grad_norm",
+              "entropy_mean", "entropy_kept", "kl_ref", "clip_frac", "loss", "updates", "skipped", "response_len",
+              # the toy's own
+              "grad_norm_grpo_scale", "decision_share", "entropy_decision", "entropy_filler")
+
+
 def run(method, seed, args):
-    """Train one policy with `method`; returns per-step lists (reward, grad norm, counts)."""
+    """Train one policy with `method`. Returns the run's log, one list per key: eval_step (0..S) and
+    EVAL_KEYS, one value per evaluation; step (1..S) and TRAIN_KEYS, one value per update."""
     task = make_task(args, seed)
     torch.manual_seed(seed)  # same initial policy for every method of a seed
     policy = Policy(task["prior"], args.hidden)
@@ -337,19 +350,17 @@ def run(method, seed, args):
     gen = torch.Generator().manual_seed(seed)  # prompt order, rollouts and "random" selection
     score_gen = torch.Generator().manual_seed(seed)  # --token-rule random/adv: its own stream, the rollouts' is untouched
     P, G, L = args.batch_prompts, args.group_size, args.length
-    log = {k: [] for k in ("step", "reward", "solved", "train_reward", "grad_norm", "grad_norm_grpo_scale", "n_keep", "k_frac",
-                           "k_real", "samples",
-                           "tokens", "sur", "decision_share", "kept_var", "entropy_mean", "entropy_kept", "kl_ref",
-                           "entropy_decision", "entropy_filler", "skipped")}
-    for step in range(args.steps + 1):
-        reward_per_prompt = expected_reward(policy, task)  # [prompts], before the update of `step`
+    log = {k: [] for k in ("eval_step", *EVAL_KEYS, "step", *TRAIN_KEYS)}
+    for step in range(args.steps + 1):  # the evaluation after `step` updates, then update step + 1
+        reward_per_prompt = expected_reward(policy, task)  # [prompts]
         if not torch.isfinite(reward_per_prompt).all():  # a NaN anywhere in the policy's table of pi(v | p, t, u)
-            raise Diverged(f"{method} seed {seed}: the policy went non-finite before step {step}")
-        log["step"].append(step)
-        log["reward"].append(float(reward_per_prompt.mean()))
-        log["solved"].append(int((reward_per_prompt >= 0.5).sum()))
+            raise Diverged(f"{method} seed {seed}: the policy went non-finite after step {step}")
+        log["eval_step"].append(step)
+        log["eval_reward"].append(float(reward_per_prompt.mean()))
+        log["eval_solved"].append(int((reward_per_prompt >= 0.5).sum()))
         if step == args.steps:
             break
+        s = step + 1  # this update: steps count from 1, the schedule's position is s - 1 of --steps
         # 1) generate G rollouts for each of P prompts, 2) reward
         prompts = torch.randperm(args.prompts, generator=gen)[:P]  # [P]
         prompt_ids = prompts.repeat_interleave(G)  # [P*G], grouped by prompt
@@ -357,7 +368,7 @@ def run(method, seed, args):
         rewards = reward(task, prompt_ids, tokens).view(P, G)  # [P, G]
         sample_entropy, decisions = d3s.token_entropy(sample_logits), task["decisions"][prompt_ids]  # for the log only
         # 3) advantages + sample selection: N per prompt and K from the method's budget
-        n_keep, k_frac = d3s.method_budget(method, step, args.steps, G, args.n_init, args.n_final, args.k_init,
+        n_keep, k_frac = d3s.method_budget(method, s - 1, args.steps, G, args.n_init, args.n_final, args.k_init,
                                            args.k_final, args.static_n, args.static_k)
         keep, adv = d3s.select_samples(rewards, n_keep, method, generator=gen)  # [P, G] each
         kept = keep.view(-1).nonzero().squeeze(1)  # [B] indices of the kept rollouts
@@ -382,22 +393,31 @@ def run(method, seed, args):
         skipped = not torch.isfinite(grad_norm)  # a non-finite gradient: no update this step
         if not skipped:
             opt.step()
-        if args.explain_every and step % args.explain_every == 0:  # reads this step's tensors, draws no random number
+        if args.explain_every and (s == 1 or s % args.explain_every == 0):  # reads the step's tensors, draws nothing
             extra = {"loss": loss.item(), "loss normalizer (%s tokens)" % args.normalizer: int(normalizer or token_keep.sum()),
                      "grad norm (before clipping)": float(grad_norm)}
-            write_explain(args, method, seed, step, task, prompts, tokens, rewards, keep, adv, kept, entropy, token_scores,
+            write_explain(args, method, seed, s, task, prompts, tokens, rewards, keep, adv, kept, entropy, token_scores,
                           token_keep, n_keep, k_frac, extra)
-        for k, v in (("train_reward", rewards.mean()), ("grad_norm", grad_norm), ("n_keep", n_keep), ("k_frac", k_frac),
-                     # the norm the same gradient has when divided by GRPO's count (all P * G * L tokens) instead of
-                     # the tokens in the loss: what is left of the gradient-norm gain once the normalizer is set aside
-                     ("grad_norm_grpo_scale", grad_norm * (P * G * L if all_tokens else token_keep.sum()) / (P * G * L)),
-                     ("skipped", skipped),
-                     ("k_real", token_keep.sum() / mask.sum()), ("samples", kept.numel()), ("tokens", token_keep.sum()),
-                     ("sur", d3s.usefulness_rate(adv, keep)), ("kept_var", d3s.kept_variance(adv, keep)),
-                     ("decision_share", decisions[kept][token_keep].float().mean()),  # of the trained tokens
+        # the norm the same gradient has when divided by GRPO's count (all P * G * L tokens) instead of the tokens
+        # in the loss: what is left of the gradient-norm gain once the normalizer is set aside
+        grpo_scale = grad_norm * (P * G * L if all_tokens else token_keep.sum()) / (P * G * L)
+        kept_tokens, fwd_tokens = int(token_keep.sum()), int(mask.sum())
+        log["step"].append(s)
+        for k, v in (("reward_mean", rewards.mean()), ("acc_train", rewards.mean()),  # a 0/1 reward is correctness
+                     ("groups_mixed", (rewards.amax(-1) > rewards.amin(-1)).float().mean()), ("k_frac", k_frac),
+                     ("k_real", token_keep.sum() / mask.sum()), ("sur", d3s.usefulness_rate(adv, keep)),
+                     ("kept_tokens_frac", kept_tokens / (P * G * L)), ("kept_adv_var", d3s.kept_variance(adv, keep)),
                      ("entropy_mean", entropy.mean()), ("entropy_kept", entropy[token_keep].mean()), ("kl_ref", stats["kl"]),
+                     ("clip_frac", stats["clip_frac"]), ("loss", loss.detach()), ("response_len", L),
+                     ("decision_share", decisions[kept][token_keep].float().mean()),  # of the trained tokens
                      ("entropy_decision", sample_entropy[decisions].mean()), ("entropy_filler", sample_entropy[~decisions].mean())):
             log[k].append(float(v))
+        for k, v in (("n_keep", n_keep), ("kept_samples", kept.numel()), ("kept_tokens", kept_tokens),
+                     ("fwd_tokens", fwd_tokens), ("gen_tokens", P * G * L), ("updates", 0 if skipped else 1)):
+            log[k].append(int(v))
+        log["skipped"].append(bool(skipped))
+        log["grad_norm"].append(None if skipped else float(grad_norm))  # one optimizer step: its norm, if finite
+        log["grad_norm_grpo_scale"].append(None if skipped else float(grpo_scale))
     return log
 
 
@@ -487,8 +507,15 @@ def excludes_zero(lower, upper, fmt):
 
 
 def steps_to(log, target):
-    """The first step whose expected reward is >= target, None if the run never gets there."""
-    return next((s for s, r in zip(log["step"], log["reward"]) if r >= target), None)
+    """The updates after which the expected reward first is >= target (0: already at the start), None if
+    the run never gets there."""
+    return next((s for s, r in zip(log["eval_step"], log["eval_reward"]) if r >= target), None)
+
+
+def mean_finite(values):
+    """The mean of the values that are not None (a skipped update logs grad_norm None); None if there are none."""
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
 
 
 def summarize(logs, args, reference="grpo"):
@@ -503,13 +530,15 @@ def summarize(logs, args, reference="grpo"):
         for target in args.target:  # seeds that never reach the target are counted, not averaged
             reached = [h for h in (steps_to(log, target) for log in runs) if h is not None]
             cells.append("%.0f ± %.0f (%d/%d)" % (*mean_std(reached), len(reached), len(runs)) if reached else "– (0/%d)" % len(runs))
-        for key, reduce, fmt in (("reward", lambda v: v[-1], "%.3f ± %.3f"), ("reward", lambda v: sum(v) / len(v), "%.3f ± %.3f"),
-                                 ("solved", lambda v: v[-1], "%.1f ± %.1f"),
-                                 ("grad_norm", lambda v: sum(v) / len(v), "%.3f ± %.3f"),
-                                 ("grad_norm_grpo_scale", lambda v: sum(v) / len(v), "%.3f ± %.3f"),
+        for key, reduce, fmt in (("eval_reward", lambda v: v[-1], "%.3f ± %.3f"),
+                                 ("eval_reward", lambda v: sum(v) / len(v), "%.3f ± %.3f"),
+                                 ("eval_solved", lambda v: v[-1], "%.1f ± %.1f"),
+                                 ("grad_norm", mean_finite, "%.3f ± %.3f"),
+                                 ("grad_norm_grpo_scale", mean_finite, "%.3f ± %.3f"),
                                  ("sur", lambda v: sum(v) / len(v), "%.2f"),
-                                 ("samples", sum, "%.0f"), ("tokens", sum, "%.0f ± %.0f")):
-            cells.append(fmt % mean_std([reduce(log[key]) for log in runs])[: fmt.count("%")])
+                                 ("kept_samples", sum, "%.0f"), ("kept_tokens", sum, "%.0f ± %.0f")):
+            values = [v for v in (reduce(log[key]) for log in runs) if v is not None]  # None: a run with no update
+            cells.append(fmt % mean_std(values)[: fmt.count("%")] if values else "–")
         realised = [sum(log["k_real"]) / len(log["k_real"]) for log in runs]
         scheduled = [sum(log["k_frac"]) / len(log["k_frac"]) for log in runs]
         cells.append("%.3f / %.3f" % (sum(realised) / len(runs), sum(scheduled) / len(runs)))
@@ -533,8 +562,8 @@ def paired_table(logs, args, reference="grpo"):
         if method == reference:
             continue
         verdict, cells = [], [method]
-        for name, key, reduce in (("final reward", "reward", lambda v: v[-1]),
-                                  ("mean reward over the run", "reward", lambda v: sum(v) / len(v))):
+        for name, key, reduce in (("final reward", "eval_reward", lambda v: v[-1]),
+                                  ("mean reward over the run", "eval_reward", lambda v: sum(v) / len(v))):
             diffs = [reduce(log[key]) - reduce(ref[key]) for log, ref in zip(runs, base)]
             m, lo, hi = paired_interval(diffs)
             cells.append(fmt_interval(m, lo, hi, "%+.3f"))
@@ -567,12 +596,11 @@ def plot(logs, args, path):
     fig, (ax_r, ax_g) = plt.subplots(1, 2, figsize=(11, 4))
     for i, (method, runs) in enumerate(logs.items()):
         color, style = "C%d" % (i % 10), "-" if d3s.LADDER[method][2] else "--"  # dashed: no token selection
-        reward = torch.tensor([log["reward"] for log in runs])  # [seeds, steps + 1]
-        grad_norm = torch.tensor([log["grad_norm"] for log in runs])  # [seeds, steps]
+        reward = torch.tensor([log["eval_reward"] for log in runs])  # [seeds, steps + 1]: after 0..S updates
+        grad_norm = torch.tensor([[math.nan if g is None else g for g in log["grad_norm"]] for log in runs])
         smooth = min(5, grad_norm.shape[1])  # running mean over 5 steps: the raw curve is noisy
         grad_norm = grad_norm.unfold(1, smooth, 1).mean(-1)  # [seeds, steps - smooth + 1]
-        steps = runs[0]["step"]
-        for ax, x, y in ((ax_r, steps, reward), (ax_g, steps[smooth - 1 : grad_norm.shape[1] + smooth - 1], grad_norm)):
+        for ax, x, y in ((ax_r, runs[0]["eval_step"], reward), (ax_g, runs[0]["step"][smooth - 1 :], grad_norm)):
             mean, std = y.mean(0), (y.std(0) if len(runs) > 1 else torch.zeros_like(y[0]))
             lower = (mean - std).clamp(min=0.0) if ax is ax_r else (mean - std).clamp(min=mean / 3)  # log axis: no band to 0
             ax.plot(x, mean, style, color=color, label=method, lw=1.2)
@@ -580,7 +608,7 @@ def plot(logs, args, path):
     for target in args.target:
         ax_r.axhline(target, color="grey", lw=0.6, ls=":")
     ax_r.set(xlabel="step", ylabel="expected reward, all prompts", title="reward (mean ± std of %d seeds)" % args.seeds)
-    positive = any(v > 0 for runs in logs.values() for log in runs for v in log["grad_norm"])  # else no log axis
+    positive = any(v is not None and v > 0 for runs in logs.values() for log in runs for v in log["grad_norm"])
     ax_g.set(xlabel="step", ylabel="gradient norm before clipping", yscale="log" if positive else "linear",
              title="gradient norm (mean ± std, 5-step mean)")
     ax_r.legend(fontsize=7, ncol=2)
@@ -590,6 +618,19 @@ def plot(logs, args, path):
     from PIL import Image  # comes with matplotlib
 
     Image.open(path).convert("RGB").quantize(256, dither=Image.Dither.NONE).save(path, optimize=True)  # ~3x fewer bytes
+
+
+def metric_lines(log, method, seed):
+    """The run's lines of metrics.jsonl (docs/metrics.md), in the trainers' order: eval 0, then per step s
+    the train line s and the eval line s."""
+    lines = []
+    for i, step in enumerate(log["eval_step"]):
+        if step > 0:  # train line `step` is entry step - 1 of the train lists (log["step"] = 1..S)
+            lines.append({"kind": "train", "step": step, "method": method, "seed": seed,
+                          **{k: log[k][step - 1] for k in TRAIN_KEYS}})
+        lines.append({"kind": "eval", "step": step, "method": method, "seed": seed,
+                      **{k: log[k][i] for k in EVAL_KEYS}})
+    return lines
 
 
 def _run_job(job):
@@ -629,8 +670,7 @@ def main(argv=None):
     with open(os.path.join(args.out, "metrics.jsonl"), "w") as f:
         for method, runs in logs.items():
             for seed, log in enumerate(runs):
-                for i, step in enumerate(log["step"]):  # the last step has only the evaluation
-                    f.write(json.dumps({"method": method, "seed": seed, **{k: v[i] for k, v in log.items() if i < len(v)}}) + "\n")
+                f.writelines(json.dumps(line) + "\n" for line in metric_lines(log, method, seed))
     table = summarize(logs, args)
     done = "%d runs in %.1f s (static N=%d, K=%.3f)" % (len(jobs), time.time() - start, args.static_n, args.static_k)
     with open(os.path.join(args.out, "results.md"), "w") as f:
