@@ -15,7 +15,7 @@ What they check:
   - gradient accumulation (pass 1 + pass 2) gives the update of one micro-batch;
   - two processes (torchrun, gloo) keep the same global set, and update the same, as one;
   - misconfigurations stop before training with one error naming the field;
-  - the "Use D3S from TRL" example in README.md runs.
+  - the "Use D3S from TRL" example in docs/trl.md runs.
 """
 
 import os
@@ -258,7 +258,7 @@ def test_trainer_wants_a_d3s_config_and_a_supported_trl(tiny_model_dir, tmp_path
 
 @needs_trl
 def test_use_d3s_from_trl_example_runs(tmp_path):
-    with open(os.path.join(ROOT, "README.md")) as f:
+    with open(os.path.join(ROOT, "docs", "trl.md")) as f:
         text = f.read()
     code = re.search(r"```python\n(# train_trl_d3s\.py.*?)```", text, re.S).group(1)
     script = tmp_path / "train_trl_d3s.py"
