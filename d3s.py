@@ -444,7 +444,7 @@ def dynamic_schedule(step, total_steps, n_init=8, n_final=32, k_init=0.05, k_fin
     p = min(step / total_steps, 1.0)
     n = int(math.floor(n_init + (n_final - n_init) * p + 0.5))  # round half up
     k = k_init + (k_final - k_init) * p
-    return n, round(k, 12)
+    return n, round(k, 12) if k >= 1e-9 else k  # rounding drops float noise (0.12500000000000003), never K itself
 
 
 def method_budget(method, step, total_steps, group_size, n_init=8, n_final=32, k_init=0.05, k_final=0.20,

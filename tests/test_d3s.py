@@ -612,6 +612,14 @@ def test_schedule_is_constant_when_init_equals_final():
     assert values == {(16, 0.1)}
 
 
+def test_schedule_keeps_a_tiny_k_positive():
+    """K in (0, 1] stays in (0, 1]: the rounding that cleans float noise must not round a tiny K to 0."""
+    for step in (0, 1, 2):
+        k = d3s.dynamic_schedule(step, 2, k_init=1e-37, k_final=1e-30)[1]
+        assert 0 < k <= 1e-30
+    assert d3s.method_budget("d3s", 0, 80, 32, k_init=8e-37)[1] == 8e-37
+
+
 def test_schedule_returns_int_n_and_float_k():
     n, k = dynamic_schedule(3, 7)
     assert type(n) is int and type(k) is float
