@@ -12,7 +12,7 @@ arguments it builds a tiny model (cached), warm-starts it with a short supervise
     python train_small.py --method grpo --loss gspo --mini-batches 4
     python train_small.py --resume                         # continue the killed run in --out
     python train_small.py --model Qwen/Qwen2.5-0.5B-Instruct --max-new-tokens 512 \\
-        --train-file ../shared/data/gsm8k.jsonl --eval-file ../shared/data/gsm8k.jsonl
+        --train-file data/gsm8k.jsonl --eval-file data/gsm8k.jsonl
 
 One RL step (docs/algorithm.md section 6), one function or d3s.py call per line:
   1. rollout                    G samples per prompt with HF generate (temperature sampling)
@@ -51,6 +51,7 @@ import platform
 import random
 import re
 import shutil
+import subprocess
 import sys
 import time
 import zlib
@@ -104,6 +105,8 @@ def build_parser():
                         "each, then write OUT/compare.md and OUT/compare.png (mean ± std over seeds)")
     g.add_argument("--seeds", type=int, default=1, help="with --compare: RL seeds per method (--rl-seed, --rl-seed + 1, ...); "
                    "the warm start is the same for all")
+    g.add_argument("--workers", type=int, default=1, help="with --compare: runs at once, each a train_small.py process "
+                   "(give each --threads 1 on a small machine: 2 workers x 1 thread on 2 cores)")
     g.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
                    help="continue a killed or stopped run: from PATH (a checkpoint.pt), or with no PATH from OUT/checkpoint.pt; "
                         "the run's flags must be the ones it was started with")
@@ -131,8 +134,8 @@ def build_parser():
     g.add_argument("--sft-steps", type=int, default=None,
                    help=f"supervised steps before RL (default for the tiny model: {TINY_SFT_STEPS['steps']} with --task steps, {TINY_SFT_STEPS['direct']} with direct, 0 with --model)")
     g.add_argument("--sft-shortcut", type=float, default=0.5, help="share of the multi-step demonstrations (--task steps) "
-                   "that skip the last step and box the first result: a habit of the warm start that the reward punishes "
-                   "and RL can unlearn (0: every demonstration right) (choice)")
+                   "that work every step out but box the first step's result: a habit of the warm start that the reward "
+                   "punishes and RL can unlearn (0: every demonstration right) (choice)")
     g.add_argument("--sft-lr", type=float, default=1e-3, help="supervised learning rate (linear decay to 10%%)")
     g.add_argument("--sft-batch", type=int, default=64, help="supervised batch size")
     g = p.add_argument_group("RL")
@@ -191,7 +194,8 @@ def build_parser():
 
 def parse_args(argv=None):
     args = build_parser().parse_args(argv)
-    args.command = " ".join(["python train_small.py"] + list(sys.argv[1:] if argv is None else argv))
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    args.command = " ".join(["python train_small.py"] + args.argv)
     return args
 
 
@@ -217,6 +221,7 @@ def check_args(args):
     rules = [  # (flag, value, ok, what it must be); None = not given (a default follows below)
         ("--steps", args.steps, lambda v: v >= 1, "an int >= 1"),
         ("--seeds", args.seeds, lambda v: 1 <= v <= 1000, "an int in [1, 1000]"),
+        ("--workers", args.workers, lambda v: 1 <= v <= 64, "an int in [1, 64]"),
         ("--seed", args.seed, lambda v: 0 <= v < 2**31, "an int in [0, 2^31)"),
         ("--rl-seed", args.rl_seed, lambda v: 0 <= v < 2**31, "an int in [0, 2^31)"),
         ("--threads", args.threads, lambda v: 0 <= v <= 1024, "an int >= 0 (0: torch's default)"),
@@ -440,16 +445,17 @@ def sft_target(row, shortcut=0.0):
     """The warm start's target response: the row's worked `solution` (if it has one) and \\boxed{answer}.
 
     With `shortcut` > 0, that share of the multi-step solutions (chosen by a hash of the problem)
-    stops after its first step and boxes that result: '47+8=55. \\boxed{55}' for
-    '47+8=55. 55-13=42. \\boxed{42}'. The warm-started model then has a habit, skipping the last
-    step, that the reward punishes: a decision RL can unlearn (--sft-shortcut).
+    works every step out but boxes the first step's result: '47+8=55. 55-13=42. \\boxed{55}'.
+    The warm-started model then has a habit the reward punishes and RL can unlearn: which result
+    to copy into the box, one decision per response (--sft-shortcut). One-step problems (level 1)
+    are unaffected: their first result is the answer.
     """
     solution = row.get("solution") or ""
-    steps = solution.split(". ")
-    if len(steps) > 1 and zlib.crc32(row["problem"].encode()) % 1000 < 1000 * shortcut:
-        first = steps[0].rstrip(".")
-        return f"{first}. \\boxed{{{first.split('=')[-1]}}}"
-    return (solution + " " if solution else "") + "\\boxed{" + row["answer"] + "}"
+    results = re.findall(r"=(-?\d+)\.", solution)
+    boxed = row["answer"]
+    if len(results) > 1 and zlib.crc32(row["problem"].encode()) % 1000 < 1000 * shortcut:
+        boxed = results[0]
+    return (solution + " " if solution else "") + "\\boxed{" + boxed + "}"
 
 
 def sft_batch(examples, pad_id):
@@ -669,7 +675,7 @@ def update_policy(model, ref_model, optimizer, kept, kept_adv, k_frac, with_kl, 
                                       agg=args.loss_agg)
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
-        clip_fracs.append(stats["clip_frac"])
+        clip_fracs.append((stats["clip_frac"], stats["tokens"]))
         kls.append((stats["kl"], stats["tokens"]))
         if not math.isfinite(losses[-1]):  # never apply a NaN/inf loss: skip the update, log it
             skipped += 1
@@ -686,6 +692,10 @@ def update_policy(model, ref_model, optimizer, kept, kept_adv, k_frac, with_kl, 
     return {"token_keep": token_keep, "entropy": entropy, "token_scores": token_scores, "grad_norms": grad_norms,
             "clip_fracs": clip_fracs, "losses": losses, "skipped": skipped, "pass1_s": pass1_s,
             "kl_ref": sum(k * n for k, n in kls) / max(sum(n for _, n in kls), 1.0) if with_kl else None}
+
+
+def mean_or_none(values):
+    return sum(values) / len(values) if values else None
 
 
 def step_metrics(step, batch, rewards, keep, adv, n_keep, k_frac, kept, update, grader):
@@ -709,13 +719,13 @@ def step_metrics(step, batch, rewards, keep, adv, n_keep, k_frac, kept, update, 
         "gen_tokens": gen_tokens,  # response tokens generated
         "kept_tokens_frac": kept_tokens / max(gen_tokens, 1),
         "kept_adv_var": d3s.kept_variance(adv, keep),
-        "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else float("nan"),
+        "grad_norm": mean_or_none([g for g in grad_norms if math.isfinite(g)]),  # null: no finite norm this step
         "entropy_mean": float((entropy * response_mask).sum() / response_mask.sum().clamp(min=1)),  # all forwarded tokens
         "entropy_kept": float(entropy[token_keep].mean()) if token_keep.any() else 0.0,  # the selected tokens
         "kl_ref": update["kl_ref"],  # k3 to the warm start on the selected tokens; None on steps that do not measure it
-        "clip_frac": sum(update["clip_fracs"]) / max(len(update["clip_fracs"]), 1),
-        "clip_frac_by_minibatch": update["clip_fracs"],
-        "loss": sum(update["losses"]) / max(len(update["losses"]), 1),
+        "clip_frac": sum(c * n for c, n in update["clip_fracs"]) / max(sum(n for _, n in update["clip_fracs"]), 1),
+        "clip_frac_by_minibatch": [c for c, _ in update["clip_fracs"]],
+        "loss": mean_or_none([x for x in update["losses"] if math.isfinite(x)]),  # over optimizer steps; null: none
         "updates": len(grad_norms) - sum(not math.isfinite(g) for g in grad_norms),
         "skipped": update["skipped"] > 0,
         "response_len": gen_tokens / rewards.numel(),
@@ -921,7 +931,7 @@ def run(args, train_rows=None, eval_rows=None, warm=None):
             totals["skipped"] += int(m["skipped"])
             log_metrics(metrics_path, m)
             bar.set_postfix(reward=f"{m['reward_mean']:.2f}", N=m["n_keep"], K=f"{m['k_frac']:.2f}",
-                            gnorm=f"{m['grad_norm']:.2f}")
+                            gnorm="-" if m["grad_norm"] is None else f"{m['grad_norm']:.2f}")
             if step % args.eval_every == 0 or step == args.steps:
                 e = evaluate(model, tokenizer, grader, eval_rows, step, args)
                 log_metrics(metrics_path, {**e, **totals})
@@ -963,7 +973,7 @@ def write_summary(args, lines, warm_info, totals, timeouts, rl_s, wall_s):
                   **{k.replace("eval_pass1_mean_", ""): v for k, v in last.items() if k.startswith("eval_pass1_mean_level")}},
         "best_greedy_pass1": max(m["eval_greedy_pass1"] for m in evals),
         "samples_trained": totals["samples"], "tokens_trained": totals["tokens"], "tokens_forwarded": totals["fwd_tokens"],
-        "mean_grad_norm": sum(m["grad_norm"] for m in train if math.isfinite(m["grad_norm"])) / max(len(train), 1),
+        "mean_grad_norm": mean_or_none([m["grad_norm"] for m in train if m["grad_norm"] is not None]),
         "mean_kept_adv_var": sum(m["kept_adv_var"] for m in train) / max(len(train), 1),
         "mean_sur": sum(m["sur"] for m in train) / max(len(train), 1),
         "mean_k_frac": sum(m["k_frac"] for m in train) / max(len(train), 1),
@@ -1002,6 +1012,10 @@ def compare(args):
     seeds = [args.rl_seed + i for i in range(args.seeds)]
     train_rows, eval_rows = load_data(args)
     _, _, warm_info = load_warm_start(args, train_rows)  # build the cache once, outside the timed runs
+    if args.workers > 1:
+        summaries = compare_in_processes(args, methods, seeds)
+        write_compare(args, methods, seeds, summaries, time.time() - t0)
+        return summaries
     summaries = {m: [] for m in methods}
     for seed in seeds:  # seed-major: an interrupted compare has every method of the first seeds
         for method in methods:
@@ -1017,6 +1031,55 @@ def compare(args):
             sub.resume = "latest" if args.resume and os.path.exists(os.path.join(sub.out, "checkpoint.pt")) else None
             summaries[method].append(run(sub, train_rows, eval_rows, warm=load_warm_start(sub, train_rows)))
     write_compare(args, methods, seeds, summaries, time.time() - t0)
+    return summaries
+
+
+def compare_in_processes(args, methods, seeds):
+    """--compare with --workers W: each run is `python train_small.py --method M --rl-seed S --out
+    OUT/M/seedS` with the compare's other flags, W at a time, seed-major (so the methods share the
+    machine's load alike); a finished run (summary.json at the last step) is not run again, a
+    killed one resumes from its checkpoint. Its log goes to OUT/M/seedS.log."""
+    drop = {"--compare": 1, "--seeds": 1, "--workers": 1, "--out": 1, "--method": 1, "--rl-seed": 1, "--resume": 0}
+    base, i = [], 0
+    while i < len(args.argv):
+        flag = args.argv[i].split("=")[0]
+        if flag in drop:
+            has_value = drop[flag] and "=" not in args.argv[i]
+            i += 1 + (has_value if flag != "--resume" else int(i + 1 < len(args.argv) and not args.argv[i + 1].startswith("--")))
+            continue
+        base.append(args.argv[i])
+        i += 1
+    jobs = []
+    for seed in seeds:
+        for method in methods:
+            out = os.path.join(args.out, method, f"seed{seed}")
+            lines = read_metrics(os.path.join(out, "metrics.jsonl"))
+            if os.path.exists(os.path.join(out, "summary.json")) and lines and lines[-1]["step"] == args.steps:
+                continue
+            resume = ["--resume"] if os.path.exists(os.path.join(out, "checkpoint.pt")) else []
+            jobs.append((out, [sys.executable, os.path.abspath(__file__), *base, "--method", method, "--rl-seed", str(seed),
+                               "--out", out, *resume]))
+    running = []
+    with tqdm(total=len(jobs), desc=f"--compare, {args.workers} workers", dynamic_ncols=True) as bar:
+        while jobs or running:
+            while jobs and len(running) < args.workers:
+                out, cmd = jobs.pop(0)
+                os.makedirs(out, exist_ok=True)
+                log = open(out + ".log", "w")
+                running.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), out, log))
+            time.sleep(1.0)
+            for proc, out, log in [r for r in running if r[0].poll() is not None]:
+                running.remove((proc, out, log))
+                log.close()
+                if proc.returncode != 0:
+                    raise UsageError(f"--compare: the run in {out} failed (exit {proc.returncode}); see {out}.log, fix it and "
+                                     "rerun the same command with --resume")
+                bar.update(1)
+    summaries = {m: [] for m in methods}
+    for seed in seeds:
+        for method in methods:
+            with open(os.path.join(args.out, method, f"seed{seed}", "summary.json")) as f:
+                summaries[method].append(json.load(f))
     return summaries
 
 
@@ -1123,7 +1186,7 @@ def write_compare(args, methods, seeds, summaries, total_s):
                      f"{col(lambda s: s['tokens_forwarded'], '%.0f')} | {col(lambda s: s['mean_sur'], '%.2f')} | "
                      f"{col(lambda s: s['mean_k_real'])} / {col(lambda s: s['mean_k_frac'])} | "
                      f"{mean_std(kl) if kl else 'n/a'} | {col(lambda s: s['mean_entropy'])} / "
-                     f"{col(lambda s: s['mean_entropy_kept'])} | {col(lambda s: s['mean_grad_norm'])} |")
+                     f"{col(lambda s: s['mean_entropy_kept'])} | {col(lambda s: s['mean_grad_norm'] or 0.0)} |")
         tp = {key: avg([s["time_per_step"][key] for s in runs]) for key in ("gen", "reward", "pass1", "train")}
         times.append(f"| {m} | {tp['gen']:.2f} | {tp['reward']:.2f} | {tp['pass1']:.2f} | {tp['train'] - tp['pass1']:.2f} | "
                      f"{tp['gen'] + tp['reward'] + tp['train']:.2f} |")
