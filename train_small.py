@@ -69,7 +69,7 @@ from mathtask import (PLAIN_TEMPLATE, QWEN_MATH_TEMPLATE, DataError, Grader, ari
 # model, a direct one "\boxed{123}" + EOS 12; any HF model with --model
 TINY_MAX_NEW_TOKENS, HF_MAX_NEW_TOKENS = {"steps": 48, "direct": 16}, 512
 TASKS = {"steps": step_problems, "direct": arithmetic_problems}  # mathtask's generated tasks
-TINY_SFT_STEPS = {"steps": 300, "direct": 1000}  # warm-start length per task: a start with headroom (docs/small_compare.md)
+TINY_SFT_STEPS = {"steps": 600, "direct": 1000}  # warm-start length per task: a start with headroom (docs/small_compare.md)
 
 
 class UsageError(ValueError):
@@ -153,9 +153,9 @@ def build_parser():
                    "(sequence) (choice; paper: not stated)")
     g.add_argument("--min-token-per-response", action="store_true", help="every kept response keeps at least its best token "
                    "(off: the paper's plain top-K%%, so the realised fraction is K)")
-    g.add_argument("--lr", type=float, default=3e-5, help="AdamW learning rate (recipe, 7B: 1e-6; at 3e-4, with a 300-step warm start, held-out "
-                   "greedy Pass@1 collapsed from 0.30 to 0.02-0.04 within 60 steps, for grpo and d3s alike)")
-    g.add_argument("--warmup-steps", type=int, default=0, help="W: the RL learning rate rises linearly over the first W steps "
+    g.add_argument("--lr", type=float, default=5e-5, help="AdamW learning rate (recipe, 7B: 1e-6; the tiny model's, "
+                   "and the rates that collapsed it: docs/small_compare.md)")
+    g.add_argument("--warmup-steps", type=int, default=10, help="W: the RL learning rate rises linearly over the first W steps "
                    "(lr * step / W), so that AdamW's first, sign-like steps are small (paper: not stated) (choice)")
     g.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping (grad_norm is logged before clipping)")
     g.add_argument("--loss-agg", default=None, help="token-mean (every selected token weighs the same) or seq-mean-token-mean "
