@@ -55,6 +55,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import _cli  # noqa: E402  (bench/_cli.py: one-line errors, the shared checks)
 
 ARMS = ("trl", "trl-nogc", "grpo", "d3s", "trl-d3s")
 TRL_ARMS = ("trl", "trl-nogc", "trl-d3s")  # run by trl_arm.py in the TRL venv
@@ -63,7 +65,8 @@ TRL_SPLIT = ("prep_other_s", "loss_fwd_s", "backward_s", "optim_s")  # trl_arm.p
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = _cli.Parser(prog="vs_trl.py", description=__doc__.split("\n\n")[0],
+                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--quick", action="store_true", help="2 steps, 1 repeat, 2 prompts x 4 rollouts, short warm start")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--repeats", type=int, default=2, help="rounds of all arms, in --arms order")
@@ -90,6 +93,7 @@ def parse_args(argv=None):
     p.add_argument("--trl-python", default=os.path.join(ROOT, ".venv-trl", "bin", "python"), help="python with trl")
     p.add_argument("--out", default=None, help="also write the markdown here")
     args = p.parse_args(argv)
+    check_args(p, args)
     if args.quick:
         args.steps, args.repeats, args.prompts_per_step, args.group_size = 2, 1, 2, 4
         args.train_size, args.eval_size = min(args.train_size, 200), min(args.eval_size, 16)
@@ -98,19 +102,62 @@ def parse_args(argv=None):
         import train_small
 
         args.max_new_tokens = train_small.TINY_MAX_NEW_TOKENS[args.task]
-    args.arms = [a for a in args.arms.split(",") if a]
-    try:
-        args.seeds = [int(x) for x in args.seeds.split(",") if x] if args.seeds else [args.seed]
-    except ValueError:
-        p.error(f"--seeds {args.seeds!r}: give comma-separated integers, e.g. 0,1,2")
-    for a in args.arms:
-        if a not in ARMS:
-            p.error(f"--arms: unknown arm {a!r}; choose from {','.join(ARMS)}")
-    if args.steps < 1 or args.repeats < 1:
-        p.error("--steps and --repeats must be >= 1")
-    if any(a in TRL_ARMS for a in args.arms) and not os.path.exists(args.trl_python):
-        p.error(f"--trl-python {args.trl_python}: not found; create the TRL venv (see this file's docstring)")
     return args
+
+
+def check_args(p, args):
+    """Every flag before any work, and before TRL (the TRL venv runs only the arms): the ranges the
+    arms' train_small.py and trl_arm.py accept (train_small.check_args'), paths, combinations. A
+    bad one ends in one line, `vs_trl.py: error: --flag VALUE: ...`, exit 2."""
+    finite = _cli.finite
+    _cli.check_rules(p, [
+        ("--steps", args.steps, lambda v: 1 <= v <= 10**6, "an int >= 1"),
+        ("--repeats", args.repeats, lambda v: 1 <= v <= 1000, "an int in [1, 1000]"),
+        ("--prompts-per-step", args.prompts_per_step, lambda v: 1 <= v <= 4096, "an int in [1, 4096]"),
+        ("--group-size", args.group_size, lambda v: 2 <= v <= 1024, "an int in [2, 1024] (advantages need 2 rollouts)"),
+        ("--max-new-tokens", args.max_new_tokens, lambda v: 1 <= v <= 65536, "an int in [1, 65536]"),
+        ("--temperature", args.temperature, lambda v: finite(v) and 0.01 <= v <= 100, "in [0.01, 100]"),
+        ("--lr", args.lr, lambda v: finite(v) and 0 < v <= 1, "in (0, 1]"),
+        ("--max-grad-norm", args.max_grad_norm, lambda v: finite(v) and v > 0, "a finite number > 0 (the norm the "
+         "gradient is clipped to)"),
+        ("--seed", args.seed, lambda v: 0 <= v < 2**31, "an int in [0, 2^31)"),
+        ("--train-size", args.train_size, lambda v: 1 <= v <= 10**6, "an int in [1, 10^6]"),
+        ("--eval-size", args.eval_size, lambda v: 1 <= v <= 10**5, "an int in [1, 10^5]"),
+        ("--sft-steps", args.sft_steps, lambda v: 0 <= v <= 10**6, "an int in [0, 10^6]"),
+        ("--hidden-size", args.hidden_size, lambda v: 8 <= v <= 4096 and v % 4 == 0, "a multiple of 4 in [8, 4096] "
+         "(4 heads)"),
+        ("--num-layers", args.num_layers, lambda v: 1 <= v <= 64, "an int in [1, 64]"),
+        ("--threads", args.threads, lambda v: 0 <= v <= 1024, "an int in [0, 1024] (0: torch's default)"),
+    ])
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    if not arms:
+        p.error(f"--arms {args.arms!r}: empty; pass some of {','.join(ARMS)}")
+    for a in arms:
+        if a not in ARMS:
+            p.error(f"--arms {args.arms}: unknown arm {a!r}; choose from {','.join(ARMS)}")
+    if len(set(arms)) != len(arms):
+        p.error(f"--arms {args.arms}: an arm is repeated; give each arm once (--repeats runs them again)")
+    args.arms = arms
+    if args.seeds is None:
+        args.seeds = [args.seed]
+    else:
+        args.seeds = _cli.int_list(p, "--seeds", args.seeds, low=0, what="comma-separated integers >= 0", unique=True)
+        if max(args.seeds) >= 2**31:
+            p.error(f"--seeds {','.join(map(str, args.seeds))}: each seed must be < 2^31")
+    _cli.check_out_dir(p, "--work", args.work)
+    _cli.check_out_dir(p, "--cache-dir", args.cache_dir)
+    _cli.check_out_file(p, "--out", args.out)
+    if args.out and os.path.abspath(args.out) == os.path.abspath(os.path.join(args.work, "results.json")):
+        p.error(f"--out {args.out}: is WORK/results.json, where the raw numbers go; pass another file")
+    _cli.check_program(p, "--python", args.python, "create the project's venv (python3 -m venv .venv && .venv/bin/pip "
+                       "install -r requirements.txt), or pass its python")  # the warm start runs in it, whatever the arms
+    if any(a in TRL_ARMS for a in args.arms):
+        _cli.check_program(p, "--trl-python", args.trl_python, "create the TRL venv (see this file's docstring), or run "
+                           "only the train_small arms: --arms grpo,d3s")
+    import train_small  # the tasks (and their lengths) are train_small's; it imports torch, so it comes last
+
+    if args.task not in train_small.TASKS:
+        p.error(f"--task {args.task!r}: not a task of train_small.py; choose {' or '.join(train_small.TASKS)}")
 
 
 # ---------------------------------------------------------------------------------------------
