@@ -20,6 +20,10 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import _cli  # noqa: E402  (bench/_cli.py: one-line errors, the shared checks)
+
+PROG = "headroom.py"
 
 
 def is_shortcut(text):
@@ -29,24 +33,45 @@ def is_shortcut(text):
     return len(results) > 1 and bool(boxed) and boxed[-1] == results[0] != results[-1]
 
 
+def split_out(argv):
+    """This script's own --out (a markdown file to write), checked, and the rest: train_small.py's flags.
+    A bad --out is one line, `headroom.py: error: --out PATH: ...`, exit 2, before torch is imported."""
+    p = _cli.Parser(prog=PROG)
+    out, rest, i = None, [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":  # everything after it is positional: train_small.py's business
+            rest += argv[i:]
+            break
+        if arg == "--out":
+            if i + 1 >= len(argv) or (argv[i + 1].startswith("--") and len(argv[i + 1]) > 2):
+                p.error("--out: expected one value; pass a file for the markdown table, e.g. --out runs/headroom.md")
+            out, i = argv[i + 1], i + 2
+            continue
+        if arg.startswith("--out="):
+            out, i = arg[len("--out="):], i + 1
+            continue
+        rest.append(arg)
+        i += 1
+    _cli.check_out_file(p, "--out", out)
+    return out, rest
+
+
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    out, argv = split_out(argv)  # before torch: a bad --out costs no import
     import torch
 
     import train_small
     from mathtask import Grader, pass_at_k
 
-    argv = sys.argv[1:] if argv is None else argv
-    out = None
-    if "--out" in argv:  # this script's own --out (a markdown file); the rest are train_small.py's flags
-        i = argv.index("--out")
-        out, argv = argv[i + 1], argv[:i] + argv[i + 2:]
-    args = train_small.parse_args(argv)
+    args = train_small.parse_args(argv)  # its argparse errors are one line too, as `train_small.py: error: ...`
     try:
         train_small.check_args(args)
         train_rows, eval_rows = train_small.load_data(args)
         model, tokenizer, info = train_small.load_warm_start(args, train_rows)
     except (train_small.UsageError, train_small.DataError) as e:
-        print(f"headroom.py: error: {e}", file=sys.stderr)
+        print(f"{PROG}: error: {' '.join(str(e).split())}", file=sys.stderr)
         sys.exit(2)
     if args.threads:
         torch.set_num_threads(args.threads)

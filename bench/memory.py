@@ -59,6 +59,7 @@ response_len, method, k_frac, breakdown_gib, ...). Figures are GiB (2^30 bytes).
 
 import argparse
 import contextlib
+import io
 import json
 import math
 import os
@@ -71,6 +72,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _cli  # noqa: E402  (bench/_cli.py: one-line errors, the shared checks)
 import d3s  # noqa: E402
 import fsdp_vllm  # noqa: E402
 import train_full  # noqa: E402
@@ -102,8 +105,9 @@ def parse_args(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     train_argv = argv[argv.index("--") + 1 :] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                                epilog="Arguments after '--' go to train_full.parse_args (e.g. -- --no-activation-checkpointing).")
+    p = _cli.Parser(prog="memory.py", description=__doc__.split("\n\n")[0],
+                    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                    epilog="Arguments after '--' go to train_full.parse_args (e.g. -- --no-activation-checkpointing).")
     a = p.add_argument
     a("--preset", default="7b", help="1.5b or 7b (Qwen2.5-Math shapes), or a model folder / its config.json")
     a("--ranks", type=int, default=8, help="FSDP ranks (GPUs); each holds 1/ranks of the sharded state")
@@ -118,20 +122,65 @@ def parse_args(argv=None):
     a("--micro-batches", type=int, default=2, help="micro-batches per step on a rank (>= 2: the second accumulates "
       "into the first one's gradients)")
     args = p.parse_args(argv)
-    bad = lambda flag, value, fix: p.error(f"{flag}={value!r}: {fix}")  # noqa: E731
-    if args.preset not in PRESETS and not os.path.exists(args.preset):
-        bad("--preset", args.preset, f"choose {' or '.join(PRESETS)}, or give a model folder holding config.json")
-    for flag, value, low in (("--ranks", args.ranks, 1), ("--micro-batch-size", args.micro_batch_size, 1),
-                             ("--response-len", args.response_len, 1), ("--prompt-len", args.prompt_len, 1),
-                             ("--steps", args.steps, 1), ("--micro-batches", args.micro_batches, 1)):
-        if value < low:
-            bad(flag, value, f"must be >= {low}")
+    _cli.check_rules(p, [
+        ("--ranks", args.ranks, lambda v: 1 <= v <= 65536, "an int in [1, 65536] (GPUs)"),
+        ("--micro-batch-size", args.micro_batch_size, lambda v: 1 <= v <= 65536, "an int in [1, 65536]"),
+        ("--response-len", args.response_len, lambda v: 1 <= v <= 2**20, "an int in [1, 2^20]"),
+        ("--prompt-len", args.prompt_len, lambda v: 1 <= v <= 2**20, "an int in [1, 2^20]"),
+        ("--steps", args.steps, lambda v: 1 <= v <= 100, "an int in [1, 100] (2: the second step has the optimizer "
+         "state)"),
+        ("--micro-batches", args.micro_batches, lambda v: 1 <= v <= 1024, "an int in [1, 1024]"),
+        ("--k-frac", args.k_frac, lambda v: 0 < v <= 1, "a fraction of the tokens in (0, 1]"),
+    ])
     if args.method not in d3s.METHODS:
-        bad("--method", args.method, f"choose one of {', '.join(d3s.METHODS)}")
-    if args.k_frac is not None and not 0 < args.k_frac <= 1:
-        bad("--k-frac", args.k_frac, "must be in (0, 1]")
+        p.error(f"--method {args.method!r}: not a method; choose one of {', '.join(d3s.METHODS)}")
+    check_preset(p, args.preset)
+    # train_full's own flags (after "--"), checked by train_full.parse_args now rather than after the model is built;
+    # its one-line error is given this script's name and says where the flag came from
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            trainer_args(args.micro_batch_size, args.response_len, args.method, train_argv)
+    except SystemExit as e:
+        if not e.code:  # -- --help: train_full.py's help is printed; stop there
+            raise
+        message = err.getvalue().strip().splitlines()[-1] if err.getvalue().strip() else str(e.code)
+        message = message.split(": error: ", 1)[-1]
+        if message.startswith("unrecognized arguments: "):
+            p.error(f"unrecognized arguments after '--': {message.split(': ', 1)[1]}; they go to train_full.py, see "
+                    "python train_full.py --help for its flags")
+        p.error(f"{message} (a train_full.py flag, given after '--')")
     args.train_argv = train_argv
     return args
+
+
+def check_preset(p, preset):
+    """--preset: a preset's name, or a model folder holding config.json, or that file: readable JSON with a
+    model_type that transformers knows."""
+    if preset in PRESETS:
+        return
+    fix = f"choose {' or '.join(PRESETS)}, or give a model folder holding config.json (or the file itself)"
+    if not preset.strip() or not os.path.exists(preset):
+        p.error(f"--preset {preset!r}: no such preset, folder or file; {fix}")
+    path = os.path.join(preset, "config.json") if os.path.isdir(preset) else preset
+    if not os.path.isfile(path):
+        p.error(f"--preset {preset}: the folder holds no config.json; {fix}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            fields = json.load(f)
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        p.error(f"--preset {path}: not a readable JSON config ({type(e).__name__}: {' '.join(str(e).split())}); {fix}")
+    if not isinstance(fields, dict) or not isinstance(fields.get("model_type"), str):
+        p.error(f"--preset {path}: no 'model_type' field; is this a transformers config.json? {fix}")
+    from transformers import CONFIG_MAPPING
+
+    if fields["model_type"] not in CONFIG_MAPPING:
+        p.error(f"--preset {path}: model_type {fields['model_type']!r} is not one transformers knows; {fix}")
+    try:
+        load_config(path)
+    except Exception as e:  # a field transformers refuses: the same config is built again in main
+        p.error(f"--preset {path}: transformers cannot build a config from it ({type(e).__name__}: "
+                f"{' '.join(str(e).split())[:200]}); {fix}")
 
 
 def load_config(preset):

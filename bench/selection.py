@@ -38,6 +38,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _cli  # noqa: E402  (bench/_cli.py: one-line errors, the shared checks)
 import d3s  # noqa: E402
 
 DEFAULT_SIZES = "64x8,256x16,1024x32,4096x64"
@@ -448,8 +450,8 @@ def bench_entropy(args, device, sync):
 # Main
 # ---------------------------------------------------------------------------------------------
 def build_parser():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = _cli.Parser(prog="selection.py", description=__doc__.split("\n")[0],
+                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--quick", action="store_true",
                    help=f"small sizes that finish in seconds (samples {QUICK_SIZES}, tokens {QUICK_TOKEN_SIZES}, "
                         f"entropy {QUICK_ENTROPY_TOKENS}); overrides the size flags")
@@ -482,8 +484,45 @@ def build_parser():
     return p
 
 
+TABLES = ("samples", "tokens", "entropy")
+
+
+def parse_args(argv=None):
+    """The flags, every one checked before any timing: one line `selection.py: error: --flag VALUE: ...`, exit 2."""
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args._mem_child:  # this script's own child process (peak_extra_memory): its arguments are the parent's
+        return args
+    finite = _cli.finite
+    _cli.check_rules(p, [
+        ("--keep-frac", args.keep_frac, lambda v: 0 < v <= 1, "a fraction of each group in (0, 1]"),
+        ("--k-frac", args.k_frac, lambda v: 0 < v <= 1, "a fraction of the tokens in (0, 1]"),
+        ("--vocab", args.vocab, lambda v: 2 <= v <= 2**24, "an int in [2, 2^24]"),
+        ("--chunk-size", args.chunk_size, lambda v: v >= 1, "an int >= 1 (rows per chunk)"),
+        ("--mem-tokens", args.mem_tokens, lambda v: v >= 1, "an int >= 1"),
+        ("--repeats", args.repeats, lambda v: 1 <= v <= 10**6, "an int >= 1"),
+        ("--min-run", args.min_run, lambda v: finite(v) and v > 0, "a finite number of seconds > 0"),
+        ("--budget", args.budget, lambda v: finite(v) and v > 0, "a finite number of seconds > 0"),
+        ("--ref-cap", args.ref_cap, lambda v: finite(v) and v > 0, "a finite number of seconds > 0"),
+        ("--step-seconds", args.step_seconds, lambda v: finite(v) and v > 0, "a finite number of seconds > 0"),
+        ("--threads", args.threads, lambda v: 0 <= v <= 1024, "an int in [0, 1024] (0: torch's choice)"),
+        ("--seed", args.seed, lambda v: 0 <= v < 2**63 - 1, "an int in [0, 2^63 - 1)"),
+    ])
+    _cli.size_list(p, "--sizes", args.sizes, ("P", "G"), lows=(1, 2))  # advantages need 2 rollouts per group
+    _cli.size_list(p, "--token-sizes", args.token_sizes, ("B", "T"))
+    _cli.int_list(p, "--entropy-tokens", args.entropy_tokens, low=1, what="comma-separated token counts >= 1")
+    _cli.int_list(p, "--chunk-sweep", args.chunk_sweep, low=1, what="comma-separated chunk sizes >= 1 ('' to skip)",
+                  allow_empty=True)
+    unknown = [t for t in (x.strip() for x in args.skip.split(",")) if t and t not in TABLES]
+    if unknown:
+        p.error(f"--skip {args.skip}: {unknown[0]!r} is not a table; skip some of {', '.join(TABLES)}")
+    _cli.check_out_file(p, "--out", args.out)
+    _cli.check_device(p, "--device", args.device, torch.cuda.device_count)
+    return args
+
+
 def main(argv=None):
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     if args._mem_child:
         variants, N, V, dtype_name, chunk = args._mem_child
         return mem_child(variants.split(","), int(N), int(V), dtype_name, int(chunk))
@@ -493,9 +532,7 @@ def main(argv=None):
         args.repeats, args.min_run, args.budget, args.ref_cap = 3, 0.01, 1.0, 1.0
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        sys.exit("--device cuda: CUDA is not available in this torch build")
+    device = torch.device(args.device)  # checked in parse_args: cpu, or a CUDA device torch sees
     sync = make_sync(device)
     if args.chunk_size is None:  # d3s.token_entropy's default for this device and vocabulary
         args.chunk_size = max(1, (2**21 if device.type == "cpu" else 2**26) // args.vocab)

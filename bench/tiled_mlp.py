@@ -23,6 +23,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _cli  # noqa: E402  (bench/_cli.py: one-line errors, the shared checks)
 import fsdp_vllm  # noqa: E402
 from memory import PRESETS  # noqa: E402  (bench/memory.py, beside this file: the Qwen2.5-Math shapes)
 
@@ -64,8 +66,15 @@ def device_name(device):
     return f"{platform.machine()}, {os.cpu_count()} CPUs, {torch.get_num_threads()} threads"
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def heads_of(hidden):
+    """Query heads of the scaled-down model: 7 per KV head, as the 7B (28 / 4), about 64 wide."""
+    return max(7, hidden // 64 // 7 * 7)
+
+
+def parse_args(argv=None):
+    """The flags, every one checked before any work: one line `tiled_mlp.py: error: --flag VALUE: ...`, exit 2."""
+    p = _cli.Parser(prog="tiled_mlp.py", description=__doc__.split("\n\n")[0],
+                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--hidden", type=int, default=448, help="hidden size (7B: 3584); intermediate = 5.29 x hidden")
     p.add_argument("--layers", type=int, default=4, help="decoder layers")
     p.add_argument("--rows", type=int, default=4, help="rollouts in the micro-batch")
@@ -78,12 +87,30 @@ def main(argv=None):
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="parameter and compute dtype "
                    "(train_full computes in bfloat16 on a GPU)")
     args = p.parse_args(argv)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        p.error(f"--device {args.device}: torch sees no CUDA device; use --device cpu")
+    _cli.check_rules(p, [
+        ("--hidden", args.hidden, lambda v: 14 <= v <= 65536, "an int in [14, 65536]"),
+        ("--layers", args.layers, lambda v: 1 <= v <= 1024, "an int in [1, 1024]"),
+        ("--rows", args.rows, lambda v: 1 <= v <= 65536, "an int in [1, 65536]"),
+        ("--seq-len", args.seq_len, lambda v: 1 <= v <= 2**20, "an int in [1, 2^20]"),
+        ("--chunk-tokens", args.chunk_tokens, lambda v: 1 <= v <= 2**30, "an int >= 1 (tokens per slice of the tiled "
+         "arm; the whole arm is the other row)"),
+        ("--repeats", args.repeats, lambda v: 1 <= v <= 10**6, "an int >= 1"),
+    ])
+    heads = heads_of(args.hidden)
+    if (args.hidden // heads) % 2:  # rotary embeddings rotate pairs of a head's dimensions
+        fits = [h for h in range(args.hidden - 64, args.hidden + 65) if h >= 14 and (h // heads_of(h)) % 2 == 0]
+        p.error(f"--hidden {args.hidden}: gives {heads} heads of {args.hidden // heads} dimensions, and rotary "
+                f"embeddings need an even head size; pass e.g. {min(fits, key=lambda h: abs(h - args.hidden))}")
+    _cli.check_device(p, "--device", args.device, torch.cuda.device_count)
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    heads = max(7, args.hidden // 64 // 7 * 7)
+    heads = heads_of(args.hidden)
     ratio = SEVEN_B["intermediate_size"] / SEVEN_B["hidden_size"]  # 5.29
     config = Qwen2Config(vocab_size=512, hidden_size=args.hidden, intermediate_size=round(args.hidden * ratio),
                          num_hidden_layers=args.layers, num_attention_heads=heads, num_key_value_heads=heads // 7,
