@@ -269,3 +269,35 @@ def test_fuzzed_flags_train_or_fail_with_one_line(cli, files, tmp_path_factory, 
     assert result["code"] in (0, 2), (argv, result)
     if result["code"] == 2:
         one_line_exit_2(result)
+
+
+def test_a_sigkill_while_a_checkpoint_is_written_then_resume_continues_as_the_uninterrupted_run(cli, files, tmp_path):
+    """train_full.py killed (SIGKILL) while step 2's checkpoint is half written: step_000002.tmp is
+    ignored, --resume continues from step_000001, and the resumed run's metrics equal those of an
+    uninterrupted run (wall-clock and memory fields aside)."""
+    import signal
+
+    flags = ["--steps", "3", "--save-every", "1", "--keep-checkpoints", "3"]
+    whole = tmp_path / "whole"
+    assert cli(base(files, str(whole)) + flags)["code"] == 0
+    killed = tmp_path / "killed"
+    env = {**ENV, "D3S_TEST_STALL_CHECKPOINT": "2"}
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train_full.py"), *base(files, str(killed)), *flags], cwd=files["work"],
+                            env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    for line in proc.stderr:
+        if "stalled before completion" in line:
+            break
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert sorted(os.listdir(killed / "checkpoints")) == ["step_000001", "step_000002.tmp"]
+    resumed = cli(base(files, str(killed)) + flags + ["--resume"])
+    assert resumed["code"] == 0, resumed
+
+    def lines(run):
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        return [{k: v for k, v in r.items() if not (k.endswith("_s") or "per_s" in k or k.startswith(("mem_", "gpu_", "mfu")))}
+                for r in rows]
+
+    assert [r["step"] for r in lines(killed)] == [1, 2, 3]
+    assert lines(killed) == lines(whole)
+    assert sorted(os.listdir(killed / "checkpoints")) == ["step_000001", "step_000002", "step_000003"]
