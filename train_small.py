@@ -87,6 +87,8 @@ class Parser(argparse.ArgumentParser):
         flag = re.match(r"argument (--[\w-]+): expected one argument$", message)
         if flag:  # "--lr -inf": argparse reads a value that starts with '-' as a flag
             message = f"argument {flag.group(1)}: expected one value; pass one that starts with '-' as {flag.group(1)}=VALUE"
+        if "invalid" in message or "unrecognized" in message or "expected" in message:
+            message += f"; see {self.prog} --help"  # what to do: argparse says only what is wrong
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
