@@ -443,6 +443,30 @@ def resume_from(path, model, optimizer, order, dist_):
     return meta["step"]
 
 
+def other_world_note(path, world, args):
+    """'' when the checkpoint was saved on `world` ranks; else what a resume on another rank count
+    keeps and what it cannot (docs/train_full.md, "Resuming on another number of ranks")."""
+    with open(os.path.join(path, "trainer_state.json")) as f:
+        saved = json.load(f)["world"]
+    if saved == world:
+        return ""
+
+    def hf_calls(ranks):  # the prompts of each generate() call of --rollout hf: one seed per call
+        share, batch = args.prompts_per_step // ranks, args.hf_generate_batch
+        return {(r * share + k, r * share + min(k + batch, share)) for r in range(ranks) for k in range(0, share, batch)}
+
+    if args.unseeded_sampling:
+        rollouts = "; with --unseeded-sampling the rollouts differ from an uninterrupted run's"
+    elif args.rollout == "hf" and hf_calls(saved) != hf_calls(world):
+        rollouts = (f"; --rollout hf seeds each generate() call of --hf-generate-batch {args.hf_generate_batch} prompts "
+                    "and the calls now group the prompts differently, so the rollouts differ from an uninterrupted run's")
+    else:
+        rollouts = " (sampling is seeded per prompt, not drawn from it)"
+    return (f"; saved on {saved} ranks, resumed on {world}: the model and AdamW state are resharded exactly and the data "
+            "order continues, but the per-rank RNG is not restored" + rollouts + "; losses and gradient norms equal an "
+            "uninterrupted run's to rounding only, not bit for bit (the sums over ranks run in another order)")
+
+
 def expand_specs(items):
     """['a.jsonl,b.jsonl', 'dir/*.jsonl', 'none'] -> the list of files / hub names ('none' drops out)."""
     specs = []
@@ -1044,7 +1068,7 @@ def main(argv=None):
     step = 0  # completed steps
     if ckpt:
         step = resume_from(ckpt, model, optimizer, order, dist_)
-        say(f"resumed from {ckpt} at step {step}")
+        say(f"resumed from {ckpt} at step {step}" + other_world_note(ckpt, dist_.world, args))
     n_params = flop_params(model)  # global counts (DTensor.numel is the full size)
     flops_peak = peak_flops(dist_.device, args.peak_tflops)
     engine = make_engine(args.model, args, dist_)
