@@ -192,7 +192,7 @@ def test_an_unwritable_folder_in_process(check, name, tmp_path, monkeypatch, cap
     assert err.count("\n") == 1 and err.startswith(f"x.py: error: --out {tmp_path / name}: ") and "not writable" in err
 
 
-INTERNAL = {"trl_arm.py"}  # run by vs_trl.py in the TRL venv with flags it builds, not by users
+INTERNAL = {"trl_arm.py", "_cli.py"}  # trl_arm.py: run by vs_trl.py with flags it builds; _cli.py: the shared parser, not a script
 
 
 def test_every_bench_script_the_docs_name_has_a_table():
