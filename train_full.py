@@ -78,12 +78,20 @@ TEMPLATES = {"qwen-math": QWEN_MATH_TEMPLATE, "plain": PLAIN_TEMPLATE}
 # 0. Arguments
 # ---------------------------------------------------------------------------------------------
 class Parser(argparse.ArgumentParser):
-    """argparse, with every error as one line on stderr (printed by rank 0 only under torchrun), exit 2."""
+    """argparse, with every error as one line on stderr (once per job under torchrun: usage_error_line), exit 2."""
 
     def error(self, message):
-        if os.environ.get("RANK", "0") == "0":
-            print(f"{self.prog}: error: {message}", file=sys.stderr, flush=True)
+        usage_error_line(f"{self.prog}: error: {message}")
         sys.exit(2)
+
+
+def usage_error_line(line, wait_s=10.0):
+    """Print a bad-input line once per job. Every rank finds the same bad flag, so rank 0 prints at once and
+    the others wait: torchrun stops them when rank 0 exits. A rank that alone finds a fault (a file missing
+    on its node only) prints it after wait_s, so the line is never lost."""
+    if os.environ.get("RANK", "0") != "0":
+        time.sleep(wait_s)
+    print(line, file=sys.stderr, flush=True)
 
 
 def parse_args(argv=None):
@@ -1150,8 +1158,8 @@ def main(argv=None):
 
 
 def entry(argv=None):
-    """main() for torchrun. A bad flag, file, model or checkpoint is one line on stderr (rank 0) and exit 2
-    on every rank. A rank that fails otherwise prints its traceback and exits at once (os._exit),
+    """main() for torchrun. A bad flag, file, model or checkpoint is one line on stderr (usage_error_line)
+    and exit 2. A rank that fails otherwise prints its traceback and exits at once (os._exit),
     skipping the interpreter's shutdown (vLLM's engine and the process group would wait there for
     ranks that will never answer): torchrun then stops the other ranks within seconds, instead of
     leaving them in a collective until the 60-minute timeout."""
@@ -1162,8 +1170,7 @@ def entry(argv=None):
             sys.stdout.flush(), sys.stderr.flush()
             os._exit(e.code if isinstance(e.code, int) else 2)
     except (UsageError, DataError, CheckpointError) as e:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"train_full.py: error: {e}", file=sys.stderr)
+        usage_error_line(f"train_full.py: error: {e}")
         sys.stdout.flush(), sys.stderr.flush()
         os._exit(2)
     except BaseException:
