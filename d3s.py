@@ -9,7 +9,8 @@ One training step of every rung in this repo (toy bandit, train_small.py, train_
 
 with N and K from dynamic_schedule (D3S: N 8 -> 32, K 5% -> 20%). Which of those pieces a
 method uses is the LADDER table (the paper's ablation ladder, GRPO -> D1S -> D1S-Cross ->
-D2S -> D3S, plus D3S-I, PODS and a random control), read by method_budget and select_samples.
+D2S -> D3S, plus D3S-I, PODS, DAPO's group filter and a random control), read by method_budget
+and select_samples.
 The file, top to bottom (the sections of docs/algorithm.md):
 
     0  LADDER, METHODS                       the methods: which rollouts, which budget, tokens or not
@@ -18,7 +19,8 @@ The file, top to bottom (the sections of docs/algorithm.md):
        kept_variance, usefulness_rate        Var(A) and Sample Usefulness Rate of the kept set
     3  token_entropy, TOKEN_RULES,           the second level: H per token, the score |A| * H,
        token_scores, select_tokens           keep the top K
-    4  dynamic_schedule, method_budget       N and K at a step: the linear curriculum; a row's budget
+    4  SCHEDULES, dynamic_schedule,          N and K at a step: the paper's linear curriculum (and four
+       method_budget                         other shapes, docs/questions.md); a row's budget
     5  CLIP_DEFAULTS, DEFAULT_AGG, kl_k3,    the GRPO / GSPO clipped surrogate on the selected
        policy_loss                           tokens, with an optional k3 KL
 
@@ -54,6 +56,7 @@ __all__ = [
     "TOKEN_RULES",
     "token_scores",
     "select_tokens",
+    "SCHEDULES",
     "dynamic_schedule",
     "method_budget",
     "CLIP_DEFAULTS",
@@ -72,21 +75,26 @@ __all__ = [
 #            "cross"  over the whole batch, the max-variance N * P of the pooled A   (choice, see
 #                     select_samples); full-group A kept
 #            "pods"   per group, the max-variance N by reward; A recomputed on the kept N
+#            "mixed"  every rollout of each group whose rewards are not all equal (0 < #correct < G
+#                     for 0/1 rewards): DAPO's dynamic-sampling filter without its oversampling, so
+#                     the rollout budget stays P * G and the kept count varies (no N)
 #            "random" per group, a uniform N (a control, not in the paper)
-#   budget   where N and K come from: "linear" = dynamic_schedule (N_init -> N_final, K_init ->
-#            K_final); "static" = fixed N and K (default: the schedule's midpoint, so a static row
-#            trains on about as many rollouts over a run as the schedule) (choice); "full" =
-#            N = G and K = 1
+#   budget   where N and K come from: "schedule" = dynamic_schedule (N_init -> N_final, K_init ->
+#            K_final; linear unless kind= says otherwise); "static" = fixed N and K (default: the
+#            linear schedule's midpoint, so a static row trains on about as many rollouts over a run
+#            as the schedule) (choice); "full" = N = G and K = 1
 #   tokens   True: keep the top K of the tokens by |A| * H (select_tokens); False: every token
 LADDER = {
     "grpo": ("all", "full", False),  # GRPO: every rollout, every token
     "d1s": ("intra", "static", False),  # + sample level: max-variance N per group
     "d1s-cross": ("cross", "static", False),  # ... chosen across groups
     "d2s": ("cross", "static", True),  # + token level: top K by |A| * H
-    "d3s": ("cross", "linear", True),  # + the dynamic schedule of N and K: D3S
-    "d3s-i": ("intra", "linear", True),  # D3S with intra-group samples (the paper's stable variant)
+    "d3s": ("cross", "schedule", True),  # + the dynamic schedule of N and K: D3S
+    "d3s-i": ("intra", "schedule", True),  # D3S with intra-group samples (the paper's stable variant)
     "pods": ("pods", "static", False),  # PODS: max-variance by reward, A recomputed (arXiv 2504.13818)
-    "random": ("random", "linear", False),  # control: a uniform N of G on D3S's schedule
+    "random": ("random", "schedule", False),  # control: a uniform N of G on D3S's schedule
+    "dapo-filter": ("mixed", "full", False),  # DAPO's filter: the groups with spread, every token (as GRPO)
+    "dapo-filter-k": ("mixed", "schedule", True),  # ... with D3S's token level: top K by |A| * H on K's schedule
 }
 METHODS = tuple(LADDER)
 
@@ -204,10 +212,14 @@ def select_samples(rewards, n_keep, method, scale=True, eps=1e-6, generator=None
     | "intra"  | d1s, d3s-i              | per group, max-variance n_keep of G by A    | full-group A       |
     | "cross"  | d1s-cross, d2s, d3s     | n_keep*P of P*G maximizing Var of pooled A  | full-group A       |
     | "pods"   | pods                    | per group, max-variance n_keep of G by R    | recomputed on kept |
+    | "mixed"  | dapo-filter(-k)         | all G of each group with spread (n_keep     | full-group A       |
+    |          |                         | is ignored): DAPO's filter, no oversampling |                    |
     | "random" | random                  | per group, uniform n_keep of G (control)    | full-group A       |
 
     Within a group A is increasing in R, so "intra" and "pods" keep the same rollouts; they
-    differ in the advantages. Keeping full-group A gives Var(A') >= 1 on each group's kept
+    differ in the advantages. "mixed" drops exactly the groups whose A is all 0, keeps the others
+    whole, and keeps nothing on a step where no group has spread (that step has no token to train on).
+    Keeping full-group A gives Var(A') >= 1 on each group's kept
     subset (D3S Lemma 1, unbiased variance), hence a larger bound on the policy-gradient norm.
     Lemma 1 is about one group: it holds for "intra", not for "cross" (see below).
 
@@ -234,6 +246,9 @@ def select_samples(rewards, n_keep, method, scale=True, eps=1e-6, generator=None
     >>> keep, adv = select_samples(r, 2, "pods")
     >>> keep[0].tolist(), [round(a, 3) for a in adv[0].tolist()]  # the 1 and one 0, A recomputed
     ([True, False, False, True], [0.707, 0.0, 0.0, -0.707])
+    >>> select_samples(r, 2, "dapo-filter")[0]  # the group with spread, whole
+    tensor([[ True,  True,  True,  True],
+            [False, False, False, False]])
     """
     _check_rewards(rewards)
     P, G = rewards.shape
@@ -242,6 +257,10 @@ def select_samples(rewards, n_keep, method, scale=True, eps=1e-6, generator=None
     adv = group_advantages(rewards, scale=scale, eps=eps)  # [P, G], on all G rollouts
     if samples == "all":  # every rollout: n_keep is not used
         return torch.ones(P, G, dtype=torch.bool, device=rewards.device), adv
+    if samples == "mixed":  # DAPO's filter: keep a group iff its rewards are not all equal; n_keep is not used
+        spread = rewards.amax(-1, keepdim=True) > rewards.amin(-1, keepdim=True)  # [P, 1]
+        keep = spread.expand(P, G).clone()
+        return keep, adv * keep
     _require(isinstance(n_keep, int) and 1 <= n_keep <= G, "n_keep", n_keep,
              f"must be an int in [1, G={G}] (rollouts kept per prompt); raise G or lower N")
     keep = torch.zeros(P, G, dtype=torch.bool, device=rewards.device)
@@ -358,7 +377,8 @@ def token_scores(adv, entropy, rule="adv-entropy", generator=None):
         if rule == "random":
             scores = noise
         else:  # |A| first; among equal |A| a random order (1e-6 of the largest |A| never reorders distinct A's here)
-            scores = abs_adv.expand(entropy.shape) + noise * 1e-6 * abs_adv.max().clamp(min=1e-30)
+            largest = abs_adv.max().clamp(min=1e-30) if abs_adv.numel() else 1.0  # no rollout kept: nothing to rank
+            scores = abs_adv.expand(entropy.shape) + noise * 1e-6 * largest
     return scores.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
 
@@ -423,9 +443,43 @@ def select_tokens(scores, mask, k_frac, scope="batch", min_per_seq=0):
 # ---------------------------------------------------------------------------------------------
 # 4. Dynamic schedule (curriculum): aggressive down-sampling early, mild late
 # ---------------------------------------------------------------------------------------------
-def dynamic_schedule(step, total_steps, n_init=8, n_final=32, k_init=0.05, k_final=0.20):
-    """Linear curriculum on p = step / total_steps in [0, 1]:
-        N(p) = round(N_init + (N_final - N_init) * p),   K(p) = K_init + (K_final - K_init) * p
+SCHEDULES = ("linear", "cosine", "step", "constant", "adaptive")  # "linear" is the paper's
+
+
+def _plateaus(history, window, tol):
+    """How many steps of `history` ended on a plateau: the mean of their last `window` values minus the
+    mean of the `window` before is below `tol`. Steps with fewer than 2 * window values before them never do.
+
+    >>> _plateaus([0.5] * 12, 5, 0.02), _plateaus([0.1 * i for i in range(12)], 5, 0.02)
+    (3, 0)
+    """
+    values = [float(v) for v in history]
+    _require(all(math.isfinite(v) for v in values), "history", [v for v in values if not math.isfinite(v)][:4],
+             "must be finite (the signal of each past step)")
+    prefix = [0.0]
+    for v in values:
+        prefix.append(prefix[-1] + v)
+    mean = lambda a, b: (prefix[b] - prefix[a]) / window  # noqa: E731  the mean of values[a:b]
+    return sum(mean(j - window, j) - mean(j - 2 * window, j - window) < tol for j in range(2 * window, len(values) + 1))
+
+
+def dynamic_schedule(step, total_steps, n_init=8, n_final=32, k_init=0.05, k_final=0.20, kind="linear",
+                     history=None, window=10, tol=0.02):
+    """N and K at `step` of `total_steps`, along a curve f from the init values (f = 0) to the final ones (f = 1):
+        N = round(N_init + (N_final - N_init) * f),   K = K_init + (K_final - K_init) * f,   p = step / total_steps
+    kind (the paper's is "linear", the default; the others answer its open question 2, docs/questions.md):
+      "linear"    f = p                          the paper's
+      "cosine"    f = (1 - cos(pi * p)) / 2      slow at both ends, fastest at the middle
+      "step"      f = 0 for p < 1/2, else 1      the init values for the first half, the final ones after
+      "constant"  f = 0                          the init values throughout (choice: the aggressive end, so
+                                                 it asks "does relaxing matter at all?"; constant at the
+                                                 final values is n_init = n_final, k_init = k_final)
+      "adaptive"  f = min(1, 2 * plateaus / total_steps), plateaus = _plateaus(history, window, tol)
+                  Rule: hold N and K while the signal still rises; each step on which it has plateaued
+                  (mean of its last `window` values - mean of the `window` before < tol) relaxes them by
+                  two linear steps (so a run that plateaus half the time ends where linear ends).
+                  `history`: the signal of each step taken so far (the trainers pass the train reward
+                  of steps 1..s-1); `step` is not read. Pure: the same history gives the same N, K.
     Paper defaults: N 8 -> 32 rollouts per prompt, K 5% -> 20% of tokens. N_init = N_final
     (and K_init = K_final) gives static D3S / PODS. Returns (n: int, k: float).
     `step` counts from 0; N_final and K_final are reached at step == total_steps, so a loop over
@@ -434,6 +488,12 @@ def dynamic_schedule(step, total_steps, n_init=8, n_final=32, k_init=0.05, k_fin
 
     >>> dynamic_schedule(0, 100), dynamic_schedule(50, 100), dynamic_schedule(100, 100)
     ((8, 0.05), (20, 0.125), (32, 0.2))
+    >>> [dynamic_schedule(25, 100, kind=kind)[0] for kind in ("linear", "cosine", "step", "constant")]  # N at p = 1/4
+    [14, 12, 8, 8]
+    >>> dynamic_schedule(49, 100, kind="step"), dynamic_schedule(50, 100, kind="step")
+    ((8, 0.05), (32, 0.2))
+    >>> dynamic_schedule(0, 100, kind="adaptive", history=[0.5] * 30)  # 11 plateau steps: f = 0.22
+    (13, 0.083)
     """
     _require(isinstance(total_steps, int) and total_steps >= 1, "total_steps", total_steps, "must be an int >= 1")
     _require(isinstance(step, int) and step >= 0, "step", step, "must be an int >= 0")
@@ -441,38 +501,54 @@ def dynamic_schedule(step, total_steps, n_init=8, n_final=32, k_init=0.05, k_fin
         _require(isinstance(val, int) and val >= 1, name, val, "must be an int >= 1")
     for name, val in (("k_init", k_init), ("k_final", k_final)):
         _require(0 < val <= 1, name, val, "must be in (0, 1]")
+    _require(kind in SCHEDULES, "kind", kind, f"choose one of {', '.join(SCHEDULES)}")
     p = min(step / total_steps, 1.0)
-    n = int(math.floor(n_init + (n_final - n_init) * p + 0.5))  # round half up
-    k = k_init + (k_final - k_init) * p
+    if kind == "linear":
+        f = p
+    elif kind == "cosine":
+        f = (1 - math.cos(math.pi * p)) / 2
+    elif kind == "step":
+        f = 0.0 if p < 0.5 else 1.0
+    elif kind == "constant":
+        f = 0.0
+    else:  # adaptive
+        _require(history is not None, "history", history, "kind='adaptive' needs the signal's past values (a list)")
+        _require(isinstance(window, int) and window >= 1, "window", window, "must be an int >= 1")
+        f = min(1.0, 2 * _plateaus(history, window, tol) / total_steps)
+    n = int(math.floor(n_init + (n_final - n_init) * f + 0.5))  # round half up
+    k = k_init + (k_final - k_init) * f
     return n, round(k, 12) if k >= 1e-9 else k  # rounding drops float noise (0.12500000000000003), never K itself
 
 
 def method_budget(method, step, total_steps, group_size, n_init=8, n_final=32, k_init=0.05, k_final=0.20,
-                  static_n=None, static_k=None):
+                  static_n=None, static_k=None, kind="linear", history=None):
     """(n_keep, k_frac) of a LADDER method at `step`: rollouts kept per prompt, fraction of tokens.
 
-    budget "full"   -> (G, 1.0): every rollout, every token (GRPO)
-    budget "linear" -> dynamic_schedule(step, total_steps, ...)
-    budget "static" -> (static_n, static_k), by default the schedule's midpoint (choice)
-    k_frac is 1.0 for methods without token selection (tokens = False in LADDER).
+    budget "full"     -> (G, 1.0): every rollout, every token (GRPO, dapo-filter)
+    budget "schedule" -> dynamic_schedule(step, total_steps, ..., kind, history)
+    budget "static"   -> (static_n, static_k), by default the linear schedule's midpoint (choice), whatever kind
+    k_frac is 1.0 for methods without token selection (tokens = False in LADDER); n_keep is G for
+    the rows that keep whole groups (samples "mixed": select_samples ignores n_keep).
 
     >>> method_budget("d3s", 0, 100, 32), method_budget("d2s", 0, 100, 32), method_budget("d1s", 0, 100, 32)
     ((8, 0.05), (20, 0.125), (20, 1.0))
-    >>> method_budget("grpo", 0, 100, 16)
-    (16, 1.0)
+    >>> method_budget("grpo", 0, 100, 16), method_budget("dapo-filter-k", 0, 100, 16)
+    ((16, 1.0), (16, 0.05))
     """
     _require(method in LADDER, "method", method, f"choose one of {', '.join(METHODS)}")
     _require(isinstance(group_size, int) and group_size >= 1, "group_size", group_size, "must be an int >= 1")
-    _, budget, tokens = LADDER[method]
+    samples, budget, tokens = LADDER[method]
     if budget == "full":
         return group_size, 1.0
-    mid_n, mid_k = dynamic_schedule(1, 2, n_init, n_final, k_init, k_final)  # p = 1/2
-    if budget == "linear":
-        n, k = dynamic_schedule(step, total_steps, n_init, n_final, k_init, k_final)
+    mid_n, mid_k = dynamic_schedule(1, 2, n_init, n_final, k_init, k_final)  # p = 1/2, linear
+    if budget == "schedule":
+        n, k = dynamic_schedule(step, total_steps, n_init, n_final, k_init, k_final, kind=kind, history=history)
     else:
         n = mid_n if static_n is None else static_n
         k = mid_k if static_k is None else static_k
         _require(0 < k <= 1, "static_k", k, "must be in (0, 1]")
+    if samples == "mixed":  # whole groups: no N
+        n = group_size
     _require(isinstance(n, int) and 1 <= n <= group_size, "n_keep", n,
              f"N counts rollouts kept per prompt and must be in [1, G={group_size}]; lower N or raise G")
     return n, (k if tokens else 1.0)

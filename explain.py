@@ -45,6 +45,8 @@ RULES = {  # LADDER's `samples` column, in words (d3s.select_samples)
     "pods": "PODS: in every row, the N rollouts whose rewards have the largest variance; A is recomputed on "
             "the kept N (kept cells show that A, dropped cells their full-group A).",
     "random": "random control: N uniform rollouts per row.",
+    "mixed": "DAPO's filter: every rollout of each row whose rewards are not all equal (0 &lt; #correct &lt; G); "
+             "rows with no spread (A = 0) keep none. No N: the count follows the batch.",
 }
 
 

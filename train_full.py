@@ -107,7 +107,9 @@ def parse_args(argv=None):
       "(with --eval-only: the model to evaluate, e.g. an hf_final/ export)")
     a("--method", default="d3s", choices=list(d3s.METHODS), help="[paper] what to train on, a row of d3s.LADDER: grpo "
       "(all), d1s (intra-group samples, static N), d1s-cross (cross-group), d2s (+ top-K tokens, static K), d3s (+ the "
-      "schedule), d3s-i (intra-group + tokens + schedule), pods (max-variance by reward, A recomputed), random (control)")
+      "schedule), d3s-i (intra-group + tokens + schedule), pods (max-variance by reward, A recomputed), random (control), "
+      "dapo-filter (every rollout of the groups with spread, DAPO's filter without oversampling; a step with none "
+      "makes no optimizer step), dapo-filter-k (+ D3S's tokens)")
     a("--loss", default="grpo", choices=["grpo", "gspo"], help="[paper] token-ratio GRPO or sequence-ratio GSPO surrogate "
       "(GSPO needs --mini-batches > 1 to differ from GRPO)")
     a("--rollout", default="vllm", choices=["vllm", "hf"], help="[choice] rollout engine: vLLM (colocated, sleep mode on "
@@ -309,7 +311,7 @@ def check_args(args, world):
     if args.prompts_per_step % world:
         raise UsageError(f"--prompts-per-step {args.prompts_per_step}: must be divisible by the {world} ranks; "
                          "change it or the number of ranks")
-    if d3s.LADDER[args.method][1] != "full":  # N counts rollouts kept per prompt: N <= G
+    if d3s.LADDER[args.method][0] not in ("all", "mixed"):  # N counts rollouts kept per prompt: N <= G (whole groups: no N)
         for flag, value in (("--n-init", args.n_init), ("--n-final", args.n_final), ("--static-n", args.static_n)):
             if value is not None and value > args.group_size:
                 raise UsageError(f"{flag} {value}: more than --group-size {args.group_size} (N counts rollouts kept "

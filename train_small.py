@@ -30,7 +30,9 @@ One RL step (docs/algorithm.md section 6), one function or d3s.py call per line:
 Methods: the rows of d3s.LADDER (all generate the same P x G rollouts per step; they differ in
 what they train on): the paper's ablation ladder grpo -> d1s (intra-group samples, static N)
 -> d1s-cross (cross-group) -> d2s (+ top-K tokens, static K) -> d3s (+ the schedule), and d3s-i
-(intra-group, tokens, schedule), pods (max-variance by reward, A recomputed) and random.
+(intra-group, tokens, schedule), pods (max-variance by reward, A recomputed), random, and DAPO's
+filter, dapo-filter (every rollout of the groups with spread) and dapo-filter-k (+ D3S's tokens).
+The questions the paper left open (--schedule, --token-rule, --token-scope): docs/questions.md.
 
 Left out on purpose: value functions, reward models and distributed training (train_full.py).
 With one mini-batch (--mini-batches 1) training is on-policy: the importance ratio is exactly
@@ -151,6 +153,12 @@ def build_parser():
     g.add_argument("--static-n", type=int, default=None, help="N of the static rows d1s, d1s-cross, d2s, pods (default: "
                    "the schedule's midpoint, so they train on about as many rollouts as the schedule) (choice)")
     g.add_argument("--static-k", type=float, default=None, help="K of d2s (default: the schedule's midpoint) (choice)")
+    g.add_argument("--schedule", default="linear", help="the curve N and K follow from init to final in the scheduled rows "
+                   "(d3s, d3s-i, random, dapo-filter-k): linear (paper), cosine, step (init for the first half, final "
+                   "after), constant (init throughout), adaptive (relax only when the train reward plateaus; "
+                   "d3s.dynamic_schedule)")
+    g.add_argument("--token-rule", default="adv-entropy", help="token score of the rows that select tokens: adv-entropy "
+                   "(|A| * H, paper), entropy (H), adv (|A|, ties at random), random (a control) (d3s.token_scores)")
     g.add_argument("--token-scope", default="batch", help="top-K tokens over the whole batch (batch) or within each response "
                    "(sequence) (choice; paper: not stated)")
     g.add_argument("--min-token-per-response", action="store_true", help="every kept response keeps at least its best token "
@@ -215,6 +223,10 @@ def check_args(args):
         raise UsageError(f"--loss-agg {args.loss_agg!r}: choose token-mean or seq-mean-token-mean")
     if args.token_scope not in ("batch", "sequence"):
         raise UsageError(f"--token-scope {args.token_scope!r}: choose batch or sequence")
+    if args.schedule not in d3s.SCHEDULES:
+        raise UsageError(f"--schedule {args.schedule!r}: choose {', '.join(d3s.SCHEDULES)}")
+    if args.token_rule not in d3s.TOKEN_RULES:
+        raise UsageError(f"--token-rule {args.token_rule!r}: choose {', '.join(d3s.TOKEN_RULES)}")
     if args.task not in TASKS:
         raise UsageError(f"--task {args.task!r}: choose {' or '.join(TASKS)}")
     if args.template not in ("auto", "plain", "qwen-math"):
@@ -278,8 +290,8 @@ def check_args(args):
             raise UsageError(f"{flag} {path}: is a folder; pass a JSONL, JSON or Parquet file")
     if args.model is not None:
         check_model_path(args.model)
-    # N counts rollouts kept per prompt, so N <= G (grpo keeps all G and uses no N).
-    if any(d3s.LADDER[m][1] != "full" for m in methods):
+    # N counts rollouts kept per prompt, so N <= G (grpo and the dapo-filter rows keep whole groups and use no N).
+    if any(d3s.LADDER[m][0] not in ("all", "mixed") for m in methods):
         for flag, value in (("--n-init", args.n_init), ("--n-final", args.n_final), ("--static-n", args.static_n)):
             if value is not None and value > args.group_size:
                 raise UsageError(f"{flag} {value} > --group-size {args.group_size}: N counts rollouts kept per prompt "
@@ -558,10 +570,12 @@ def forward_logprobs_entropy(model, batch, temperature=1.0, with_entropy=True):
     return logp, entropy
 
 
-def budget(step, args):
-    """(N rollouts kept per prompt, K fraction of tokens kept) of `step` (1-based) for args.method."""
+def budget(step, args, history=()):
+    """(N rollouts kept per prompt, K fraction of tokens kept) of `step` (1-based) for args.method;
+    history: the train reward of steps 1..step-1 (read by --schedule adaptive only)."""
     return d3s.method_budget(args.method, step - 1, args.steps, args.group_size, args.n_init, args.n_final,
-                             args.k_init, args.k_final, args.static_n, args.static_k)
+                             args.k_init, args.k_final, args.static_n, args.static_k, kind=args.schedule,
+                             history=list(history))
 
 
 def measures_kl(step, args):
@@ -579,17 +593,18 @@ def step_seed(seed, step, salt=0):
 
 
 def take_rows(batch, rows):
-    """The rollouts `rows` of a rollout batch, trimmed to their longest response."""
-    T = int(batch["response_mask"][rows].sum(-1).max())
+    """The rollouts `rows` of a rollout batch, trimmed to their longest response (none: [0, 0])."""
+    T = int(batch["response_mask"][rows].sum(-1).max()) if len(rows) else 0
     return {"prompt_ids": batch["prompt_ids"][rows], "prompt_mask": batch["prompt_mask"][rows],
             "response_ids": batch["response_ids"][rows, :T], "response_mask": batch["response_mask"][rows, :T]}
 
 
-def train_step(model, ref_model, optimizer, tokenizer, grader, train_rows, step, args, explain_dir=None):
+def train_step(model, ref_model, optimizer, tokenizer, grader, train_rows, step, args, explain_dir=None, history=()):
     """One RL step (docs/algorithm.md section 6); returns its metrics (one JSONL line).
 
     ref_model: the warm-start model, for the KL (k3) on the selected tokens (in the loss with
-    --kl-coef > 0, else a metric on the steps measures_kl names).
+    --kl-coef > 0, else a metric on the steps measures_kl names). history: the train reward of
+    the steps before this one (--schedule adaptive reads it).
     """
     P, G = args.prompts_per_step, args.group_size
     torch.manual_seed(step_seed(args.rl_seed, step))
@@ -606,7 +621,7 @@ def train_step(model, ref_model, optimizer, tokenizer, grader, train_rows, step,
 
     # 3) advantages + sample selection (N and K from the method's budget)
     t1 = time.time()
-    n_keep, k_frac = budget(step, args)
+    n_keep, k_frac = budget(step, args, history)
     keep, adv = d3s.select_samples(rewards, n_keep, args.method,
                                    generator=torch.Generator().manual_seed(step_seed(args.rl_seed, step, 1)))
     kept_rows = keep.view(-1).nonzero().squeeze(-1)  # [B] indices of the kept rollouts
@@ -614,7 +629,8 @@ def train_step(model, ref_model, optimizer, tokenizer, grader, train_rows, step,
     kept_adv = adv.view(-1)[kept_rows]  # [B]
 
     # 4)-6) forward the kept rollouts, select tokens, M optimizer steps
-    update = update_policy(model, ref_model, optimizer, kept, kept_adv, k_frac, measures_kl(step, args), args)
+    score_gen = torch.Generator().manual_seed(step_seed(args.rl_seed, step, 2))  # --token-rule random/adv: own stream
+    update = update_policy(model, ref_model, optimizer, kept, kept_adv, k_frac, measures_kl(step, args), args, score_gen)
 
     metrics = step_metrics(step, batch, rewards, keep, adv, n_keep, k_frac, kept, update, grader)
     metrics.update(gen_s=round(gen_s, 3), reward_s=round(reward_s, 3), train_s=round(time.time() - t1, 3),
@@ -625,7 +641,7 @@ def train_step(model, ref_model, optimizer, tokenizer, grader, train_rows, step,
     return metrics
 
 
-def update_policy(model, ref_model, optimizer, kept, kept_adv, k_frac, with_kl, args):
+def update_policy(model, ref_model, optimizer, kept, kept_adv, k_frac, with_kl, args, score_gen=None):
     """4) forward, 5) token selection and 6) M mini-batches of the kept rollouts, one optimizer step each.
 
     Only the work the step needs. Mini-batch 1 goes first and is on-policy, so the forward that
@@ -634,11 +650,16 @@ def update_policy(model, ref_model, optimizer, kept, kept_adv, k_frac, with_kl, 
     (M = 1: no pass 1). The reference model is forwarded only when with_kl. Token selection
     needs every kept token's entropy, so it runs after pass 1, over the whole batch.
     Returns a dict: token_keep, entropy, token_scores [B, T] and the per-mini-batch statistics.
+    No kept rollout (dapo-filter on a step without a group with spread): no forward, no update.
     """
     B, T = kept["response_ids"].shape
     response_mask = kept["response_mask"]  # [B, T]
     parts = [rows for rows in torch.arange(B).tensor_split(args.mini_batches) if len(rows)]  # contiguous, in order
     old_logp, entropy = torch.zeros(B, T), torch.zeros(B, T)
+    if not parts:
+        nothing = torch.zeros(B, T, dtype=torch.bool)
+        return {"token_keep": nothing, "entropy": entropy, "token_scores": entropy, "grad_norms": [], "clip_fracs": [],
+                "losses": [], "skipped": 0, "pass1_s": 0.0, "kl_ref": None}
 
     # 4) mini-batch 1 with grad (its graph is used in 6); pass 1, no grad, over the rest; the reference
     first = take_rows(kept, parts[0])
@@ -655,7 +676,8 @@ def update_policy(model, ref_model, optimizer, kept, kept_adv, k_frac, with_kl, 
     pass1_s = time.time() - t_pass1  # pass 1 and the reference forward: the no-grad work before the updates
 
     # 5) token selection: top K of |A_i| * H_{i,t} over the whole batch
-    token_scores = d3s.token_scores(kept_adv, entropy)  # [B, T]; a NaN entropy scores 0 (the update is skipped then)
+    token_scores = d3s.token_scores(kept_adv, entropy, rule=args.token_rule, generator=score_gen)  # [B, T]; a NaN
+    # entropy scores 0 (the update is skipped then); rows without token selection (K = 1) keep every token whatever the rule
     token_keep = d3s.select_tokens(token_scores, response_mask, k_frac, scope=args.token_scope,
                                    min_per_seq=int(args.min_token_per_response))  # [B, T]
 
@@ -794,7 +816,7 @@ def evaluate(model, tokenizer, grader, eval_rows, step, args):
 # ---------------------------------------------------------------------------------------------
 TRAJECTORY_FLAGS = ("method", "loss", "steps", "seed", "rl_seed", "model", "template", "hidden_size", "num_layers",
                     "train_file", "train_size", "sft_steps", "sft_shortcut", "sft_lr", "sft_batch", "prompts_per_step", "group_size",
-                    "n_init", "n_final", "k_init", "k_final", "static_n", "static_k", "token_scope",
+                    "n_init", "n_final", "k_init", "k_final", "static_n", "static_k", "schedule", "token_rule", "token_scope",
                     "min_token_per_response", "lr", "warmup_steps", "max_grad_norm", "loss_agg", "clip_low", "clip_high",
                     "mini_batches", "task",
                     "kl_coef", "temperature", "max_new_tokens")
@@ -912,6 +934,7 @@ def run(args, train_rows=None, eval_rows=None, warm=None):
         for stale in (metrics_path, ckpt_path):
             if os.path.exists(stale):
                 os.remove(stale)
+    history = [m["reward_mean"] for m in read_metrics(metrics_path) if m["kind"] == "train"]  # --schedule adaptive's signal
     rl_start = time.time()
     with Grader(timeout_s=args.grade_timeout) as grader:
         if start_step == 0:
@@ -924,7 +947,8 @@ def run(args, train_rows=None, eval_rows=None, warm=None):
                 group["lr"] = args.lr * min(1.0, step / args.warmup_steps) if args.warmup_steps else args.lr
             explain_now = args.explain_every and (step == 1 or step % args.explain_every == 0)
             m = train_step(model, ref_model, optimizer, tokenizer, grader, train_rows, step, args,
-                           explain_dir=os.path.join(args.out, "explain") if explain_now else None)
+                           explain_dir=os.path.join(args.out, "explain") if explain_now else None, history=history)
+            history.append(m["reward_mean"])
             totals["samples"] += m["kept_samples"]
             totals["tokens"] += m["kept_tokens"]
             totals["fwd_tokens"] += m["fwd_tokens"]

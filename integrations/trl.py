@@ -104,7 +104,7 @@ def check_trl_version(version=None):
 class D3SGRPOConfig(GRPOConfig):
     """GRPOConfig plus D3S's fields. The defaults are the paper's schedule scaled to num_generations.
 
-    d3s_method   a row of d3s.LADDER: grpo, d1s, d1s-cross, d2s, d3s, d3s-i, pods, random
+    d3s_method   a row of d3s.LADDER: grpo, d1s, d1s-cross, d2s, d3s, d3s-i, pods, random, dapo-filter(-k)
     n_init/n_final   rollouts kept per prompt at the first/last step (default G/4 -> G: the
                  paper's 8 -> 32 of G = 32); k_init/k_final the fraction of tokens kept (5% -> 20%)
     static_n/static_k   N and K of the static rows (d1s, d1s-cross, d2s, pods); default the midpoint

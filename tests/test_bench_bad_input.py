@@ -125,8 +125,19 @@ HEADROOM = [  # (argv, fragment[, prog]): train_small.py's argparse errors carry
     (["--bogus"], "unrecognized arguments: --bogus", "train_small.py"),
 ]
 
+QUESTIONS_TOY = [
+    (["--seeds", "1"], "--seeds 1: must be an int in [2, 1000]"),
+    (["--seeds", "x"], "--seeds 'x': not an integer"),
+    (["--steps", "0"], "--steps 0: must be an int in [1, 100000]"),
+    (["--workers", "0"], "--workers 0: must be an int in [1, 64]"),
+    (["--question", "5"], "--question '5': not a choice"),
+    (["--out", "{file}"], "--out {file}: is a file, not a folder"),
+    (["--out", "{file}/sub"], "is a file, so the folder cannot be made"),
+    (["--bogus"], "unrecognized arguments: --bogus"),
+]
+
 TABLES = {"vs_trl.py": VS_TRL, "memory.py": MEMORY, "selection.py": SELECTION, "loss_head.py": LOSS_HEAD,
-          "tiled_mlp.py": TILED_MLP, "headroom.py": HEADROOM}
+          "tiled_mlp.py": TILED_MLP, "headroom.py": HEADROOM, "questions_toy.py": QUESTIONS_TOY}
 CASES = [(script, *case) if len(case) == 3 else (script, *case, script)
          for script, table in TABLES.items() for case in table]
 

@@ -1,6 +1,8 @@
 """Smoke tests of the timing scripts bench/loss_head.py and bench/tiled_mlp.py, at tiny sizes:
-they run and print their tables (no timing assertions: times live in docs/benchmarks.md)."""
+they run and print their tables (no timing assertions: times live in docs/benchmarks.md); and of
+bench/questions_toy.py on a few steps."""
 
+import json
 import os
 import subprocess
 import sys
@@ -28,3 +30,13 @@ def test_tiled_mlp_bench_times_whole_and_tiled():
     assert "| whole (--mlp-chunk-tokens 0) |" in out
     assert "| tiled, 4 slices (--mlp-chunk-tokens 32) |" in out
     assert "adds 20% to pass 2's FLOPs" in out
+
+
+def test_questions_toy_writes_a_table_paired_with_each_rows_reference(tmp_path):
+    out = run("questions_toy.py", "--question", "7", "--seeds", "2", "--steps", "2", "--out", str(tmp_path))
+    rows = {line.split("|")[1].strip(" `"): line.split("|")[-2].strip(" `") for line in out.splitlines()
+            if line.startswith("| `")}
+    assert rows == {"grpo": "d3s", "d1s-cross": "grpo", "dapo-filter": "d1s-cross", "d3s": "grpo", "dapo-filter-k": "d3s"}
+    assert (tmp_path / "q7.md").read_text().split("\n\n")[0] in out and (tmp_path / "q7.png").exists()
+    numbers = json.loads((tmp_path / "q7.json").read_text())["numbers"]
+    assert len(numbers["dapo-filter"]["final"]) == 2

@@ -1023,12 +1023,13 @@ def test_token_entropy_of_a_non_contiguous_slice_and_bf16():
 # 10. The ladder (LADDER, method_budget) and the cross-group guarantees
 # =============================================================================================
 def test_the_ladder_names_are_the_papers():
-    assert set(d3s.METHODS) == {"grpo", "pods", "random", "d1s", "d1s-cross", "d2s", "d3s", "d3s-i"}
+    assert set(d3s.METHODS) == {"grpo", "pods", "random", "d1s", "d1s-cross", "d2s", "d3s", "d3s-i",
+                                "dapo-filter", "dapo-filter-k"}  # + DAPO's filter (docs/questions.md, question 7)
     assert d3s.LADDER["d1s"] == ("intra", "static", False)
     assert d3s.LADDER["d1s-cross"] == ("cross", "static", False)
     assert d3s.LADDER["d2s"] == ("cross", "static", True)
-    assert d3s.LADDER["d3s"] == ("cross", "linear", True)
-    assert d3s.LADDER["d3s-i"] == ("intra", "linear", True)
+    assert d3s.LADDER["d3s"] == ("cross", "schedule", True)
+    assert d3s.LADDER["d3s-i"] == ("intra", "schedule", True)
 
 
 @pytest.mark.parametrize("same", [("d1s", "d3s-i"), ("d1s-cross", "d3s"), ("d2s", "d3s")])

@@ -62,6 +62,18 @@ def test_methods_train_on_the_rollouts_and_tokens_they_claim(short_runs):
     assert early_share(grpo) < 0.35 and early_share(d3s_run) > 0.6
 
 
+def test_the_dapo_filter_trains_on_every_rollout_of_the_groups_with_spread(short_runs):
+    args = bandit.parse_args(SHORT)
+    P, G, L = args.batch_prompts, args.group_size, args.length
+    for log in short_runs["dapo-filter"]:
+        assert log["kept_samples"] == [round(mixed * P) * G for mixed in log["groups_mixed"]]
+        assert log["kept_tokens"] == [n * L for n in log["kept_samples"]] and all(s == 1.0 for s in log["sur"] if s)
+        assert log["updates"] == [int(n > 0) for n in log["kept_samples"]]  # no group with spread: no update
+    for log in short_runs["dapo-filter-k"]:  # the same rollouts, D3S's token level
+        assert log["kept_samples"] == [round(mixed * P) * G for mixed in log["groups_mixed"]]
+        assert all(t == math.ceil(k * n * L - 1e-9) for t, k, n in zip(log["kept_tokens"], log["k_frac"], log["kept_samples"]))
+
+
 @pytest.mark.parametrize("method", ["d2s", "d3s", "d3s-i"])
 def test_realised_token_fraction_is_the_scheduled_k_within_one_token(short_runs, method):
     args = bandit.parse_args(SHORT)
@@ -164,6 +176,11 @@ def test_ablation_switches_do_what_they_say():
     # The token rule moves the rows that select tokens, never the others (their rollouts stay the same).
     assert run("grpo", "--token-rule", "random") == run("grpo")
     assert run("d3s", "--token-rule", "random")["eval_reward"] != base["eval_reward"]
+    # The token scope and the schedule's shape move the rows they concern, never grpo; linear is the default.
+    assert run("d3s", "--token-scope", "sequence")["eval_reward"] != base["eval_reward"]
+    assert run("grpo", "--token-scope", "sequence") == run("grpo") == run("grpo", "--schedule", "step")
+    assert run("d3s", "--schedule", "linear") == base
+    assert run("d3s", "--schedule", "constant")["n_keep"] == [8, 8, 8] != base["n_keep"]
     # SGD keeps the gradient's scale: the same first gradient, a different first step.
     sgd = run("d3s", "--optimizer", "sgd", "--lr", "0.1")
     assert sgd["grad_norm"][0] == base["grad_norm"][0] and sgd["eval_reward"][1] != base["eval_reward"][1]
@@ -249,6 +266,7 @@ BAD = [  # (argv, a fragment the one line must contain)
     (["--workers", "0"], "--workers 0"), (["--explain-every", "-1"], "--explain-every -1"),
     (["--methods", "nope"], "--methods"), (["--methods", "grpo", "grpo"], "named twice"),
     (["--optimizer", "rmsprop"], "--optimizer"), (["--token-rule", "x"], "--token-rule"),
+    (["--schedule", "cubic"], "--schedule"), (["--token-scope", "response"], "--token-scope"),
     (["--group-size", "4096", "--vocab", "256", "--batch-prompts", "16"], "tensor elements"), (["--no-such-flag"], "--no-such-flag"),
 ]
 

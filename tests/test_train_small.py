@@ -195,13 +195,15 @@ def test_help_documents_every_flag_with_its_default(capsys):
     text = " ".join(capsys.readouterr().out.split())  # undo argparse's line wrapping
     for flag in ("--method", "--loss", "--steps", "--compare", "--resume", "--model", "--train-file", "--eval-file",
                  "--out", "--group-size", "--prompts-per-step", "--n-init", "--n-final", "--k-init", "--k-final",
-                 "--static-n", "--static-k", "--token-scope", "--min-token-per-response", "--lr", "--clip-low",
+                 "--static-n", "--static-k", "--schedule", "--token-rule", "--token-scope", "--min-token-per-response",
+                 "--lr", "--clip-low",
                  "--clip-high", "--loss-agg", "--mini-batches", "--kl-coef", "--temperature", "--max-new-tokens",
                  "--eval-every", "--eval-samples", "--save-every", "--seed", "--rl-seed", "--seeds"):
         assert flag in text
     assert "(default: d3s)" in text and "paper: 8" in text
+    assert "linear (paper)" in text and "(default: linear)" in text and "(|A| * H, paper)" in text
     assert "[inferred] from N_final = 32" in text and "DAPO's clip-higher" in text and "[recipe]" in text
-    for method in ("grpo", "d1s", "d1s-cross", "d2s", "d3s", "d3s-i", "pods", "random"):
+    for method in ("grpo", "d1s", "d1s-cross", "d2s", "d3s", "d3s-i", "pods", "random", "dapo-filter", "dapo-filter-k"):
         assert method in text
 
 
@@ -224,6 +226,9 @@ BAD_FLAGS = [  # (flags added to a valid tiny run, a fragment of the one line)
     (["--stop-after", "9"], "--stop-after 9: must be an int in [1, --steps 3]"), (["--seed", "-1"], "--seed -1"),
     (["--threads", "-2"], "--threads -2"), (["--max-new-tokens", "0"], "--max-new-tokens 0"),
     (["--kl-every", "-1"], "--kl-every -1"), (["--loss", "ppo"], "--loss 'ppo'"), (["--task", "chess"], "--task 'chess'"),
+    (["--schedule", "cubic"], "--schedule 'cubic': choose linear, cosine, step, constant, adaptive"),
+    (["--token-rule", "h"], "--token-rule 'h': choose adv-entropy, entropy, adv, random"),
+    (["--token-scope", "response"], "--token-scope 'response': choose batch or sequence"),
     (["--out", "{file}"], "is a file; pass a folder"), (["--out", ""], "--out '': empty"),
     (["--cache-dir", "{file}"], "--cache-dir {file}: is a file"),
     (["--train-file", "{dir}"], "--train-file {dir}: is a folder"), (["--eval-file", "{missing}"], "missing.jsonl"),
@@ -415,6 +420,16 @@ def _run(tmp_path, cache_dir, data, name, extra):
     train_small.main(TINY + ["--train-file", train_file, "--eval-file", eval_file, "--cache-dir", cache_dir,
                              "--out", str(out)] + extra)
     return [m for m in read_jsonl(out / "metrics.jsonl") if m["kind"] == "train"], load_state(out / "final")
+
+
+def test_the_dapo_filter_trains_on_every_rollout_of_the_groups_with_spread(tmp_path, cache_dir, two_answer_data):
+    """--n-final 8 > G = 4 is no error here: the filter keeps whole groups and has no N."""
+    train, _ = _run(tmp_path, cache_dir, two_answer_data, "dapo", ["--steps", "2", "--method", "dapo-filter-k",
+                                                                   "--n-final", "8", "--schedule", "step"])
+    P, G = 2, 4
+    for m in train:
+        assert m["kept_samples"] == round(m["groups_mixed"] * P) * G and m["n_keep"] == G
+    assert [m["k_frac"] for m in train] == [0.05, 0.2]  # --schedule step: K_init for the first half, K_final after
 
 
 def test_realised_token_fraction_is_the_scheduled_k_within_one_token(tmp_path, cache_dir, two_answer_data):

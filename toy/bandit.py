@@ -20,7 +20,7 @@ One training step (docs/algorithm.md section 6), every piece of the method taken
   -> d3s.select_tokens (top K) -> d3s.policy_loss (on-policy, one update) -> Adam.
 Every method generates the same P x G rollouts per step; they differ only in what they train on.
 The methods are the rows of d3s.LADDER: the paper's ablation ladder grpo -> d1s -> d1s-cross ->
-d2s -> d3s, plus d3s-i, pods and a random control.
+d2s -> d3s, plus d3s-i, pods, DAPO's group filter (dapo-filter, dapo-filter-k) and a random control.
 
 Reported per method, mean ± std over seeds: steps until the exact expected reward over all
 prompts, mean_p E[R | p], first reaches each --target (seeds that never do are counted, not
@@ -37,8 +37,9 @@ trained rollouts' tokens and of the selected ones, and the KL (k3) to the initia
 selected tokens (measured, not in the loss); eval line s (kind "eval") is the exact expected
 reward after s updates, from s = 0 (the initial policy) to --steps.
 Left out on purpose: a KL penalty, batch reuse (ratios and clipping never bind on-policy), GSPO.
-Ablation switches (docs/toy.md, "why is D3S slower in steps"): --optimizer, --normalizer,
---max-grad-norm 0, --token-rule, and the schedule's --n-init/--n-final/--k-init/--k-final.
+Ablation switches (docs/toy.md, "why is D3S slower in steps"; docs/questions.md): --optimizer,
+--normalizer, --max-grad-norm 0, --token-rule, --token-scope, and the schedule's --schedule and
+--n-init/--n-final/--k-init/--k-final.
 Bad flags stop before any work with one line, `bandit.py: error: --flag VALUE: what; fix`, exit 2.
 
     python toy/bandit.py                     # 8 methods x 30 seeds: tables, runs/toy/toy.png
@@ -68,6 +69,7 @@ import explain  # noqa: E402
 
 
 PROG = "bandit.py"  # the name in every error line, however the script is started
+DEFAULT_METHODS = ("grpo", "d1s", "d1s-cross", "d2s", "d3s", "d3s-i", "pods", "random")  # docs/toy.md's default table
 
 
 class _Parser(argparse.ArgumentParser):
@@ -148,8 +150,9 @@ def _check_out(p, out):
 def parse_args(argv=None):
     p = _Parser(prog=PROG, description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     a = p.add_argument  # numbers are parsed as text and checked below (LIMITS): one message form for all
-    a("--methods", nargs="+", default=list(d3s.METHODS), choices=list(d3s.METHODS),
-      help="methods to compare (rows of d3s.LADDER: the paper's ablation ladder, pods and a random control)")
+    a("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=list(d3s.METHODS),
+      help="methods to compare (rows of d3s.LADDER; the default: the paper's ablation ladder, pods and a random "
+      "control, the table of docs/toy.md; dapo-filter and dapo-filter-k when named)")
     a("--seeds", default=30, help="seeds per method (seed s: same task, init and prompt order for all methods); "
       "the paired 95%% intervals against grpo shrink as 1/sqrt(seeds)")
     a("--steps", default=80, help="training steps per run")
@@ -177,8 +180,14 @@ def parse_args(argv=None):
     a("--static-n", default=None, help="N of the static rows d1s, d1s-cross, d2s, pods (default: the "
       "schedule's midpoint, 20) (choice)")
     a("--static-k", default=None, help="K of d2s (default: the schedule's midpoint, 0.125) (choice)")
+    a("--schedule", default="linear", choices=list(d3s.SCHEDULES), help="the curve N and K follow from init to final "
+      "in the scheduled rows (d3s, d3s-i, random, dapo-filter-k; d3s.dynamic_schedule kind): linear = the paper's; "
+      "cosine; step = init for the first half, final after; constant = init throughout; adaptive = relax only when the "
+      "train reward plateaus")
     a("--token-rule", default="adv-entropy", choices=list(d3s.TOKEN_RULES), help="token score of the methods that "
       "select tokens (d3s.token_scores): adv-entropy = |A| * H, the paper's; entropy = H; adv = |A|; random = a control")
+    a("--token-scope", default="batch", choices=["batch", "sequence"], help="top K of the scores over the whole batch "
+      "(batch, this repo's reading: the paper does not say) or within each response (sequence) (d3s.select_tokens)")
     a("--min-token-per-response", action="store_true", help="every kept response keeps at least its best token "
       "(off: the paper's plain top-K%%; with L = 8 the floor would keep >= 12.5%% of the tokens at any K)")
     a("--target", nargs="+", default=[0.5, 0.8], help="'steps to target': first step with expected reward >= each")
@@ -369,7 +378,8 @@ def run(method, seed, args):
         sample_entropy, decisions = d3s.token_entropy(sample_logits), task["decisions"][prompt_ids]  # for the log only
         # 3) advantages + sample selection: N per prompt and K from the method's budget
         n_keep, k_frac = d3s.method_budget(method, s - 1, args.steps, G, args.n_init, args.n_final, args.k_init,
-                                           args.k_final, args.static_n, args.static_k)
+                                           args.k_final, args.static_n, args.static_k, kind=args.schedule,
+                                           history=log["reward_mean"])  # history: the train reward of steps 1..s-1
         keep, adv = d3s.select_samples(rewards, n_keep, method, generator=gen)  # [P, G] each
         kept = keep.view(-1).nonzero().squeeze(1)  # [B] indices of the kept rollouts
         kept_adv = adv.view(-1)[kept]  # [B]
@@ -382,7 +392,8 @@ def run(method, seed, args):
         # 5) token selection: top K of s_{i,t} = |A_i| * H_{i,t} over the whole batch
         mask = torch.ones_like(logp, dtype=torch.bool)  # every answer has exactly L tokens
         token_scores = d3s.token_scores(kept_adv, entropy, rule=rule, generator=score_gen)  # s_{i,t} = |A_i| * H_{i,t}, [B, L]
-        token_keep = d3s.select_tokens(token_scores, mask, k_frac, min_per_seq=int(args.min_token_per_response))  # [B, L]
+        token_keep = d3s.select_tokens(token_scores, mask, k_frac, scope=args.token_scope,
+                                       min_per_seq=int(args.min_token_per_response))  # [B, L]
         # 6) loss on the selected tokens (on-policy, one update: w = 1, gradient -A grad logp / #tokens)
         normalizer = P * G * L if all_tokens else None  # None: the selected tokens (token-mean)
         loss, stats = d3s.policy_loss(logp, logp.detach(), kept_adv, token_keep, kind="grpo", ref_logp=ref_logp,
@@ -391,7 +402,8 @@ def run(method, seed, args):
         loss.backward()
         grad_norm = nn.utils.clip_grad_norm_(policy.parameters(), clip)  # norm before clipping
         skipped = not torch.isfinite(grad_norm)  # a non-finite gradient: no update this step
-        if not skipped:
+        updated = not skipped and bool(token_keep.any())  # dapo-filter on a step with no mixed group: nothing to train on
+        if updated:
             opt.step()
         if args.explain_every and (s == 1 or s % args.explain_every == 0):  # reads the step's tensors, draws nothing
             extra = {"loss": loss.item(), "loss normalizer (%s tokens)" % args.normalizer: int(normalizer or token_keep.sum()),
@@ -407,18 +419,23 @@ def run(method, seed, args):
                      ("groups_mixed", (rewards.amax(-1) > rewards.amin(-1)).float().mean()), ("k_frac", k_frac),
                      ("k_real", token_keep.sum() / mask.sum()), ("sur", d3s.usefulness_rate(adv, keep)),
                      ("kept_tokens_frac", kept_tokens / (P * G * L)), ("kept_adv_var", d3s.kept_variance(adv, keep)),
-                     ("entropy_mean", entropy.mean()), ("entropy_kept", entropy[token_keep].mean()), ("kl_ref", stats["kl"]),
+                     ("entropy_mean", mean0(entropy)), ("entropy_kept", mean0(entropy[token_keep])), ("kl_ref", stats["kl"]),
                      ("clip_frac", stats["clip_frac"]), ("loss", loss.detach()), ("response_len", L),
-                     ("decision_share", decisions[kept][token_keep].float().mean()),  # of the trained tokens
+                     ("decision_share", mean0(decisions[kept][token_keep].float())),  # of the trained tokens
                      ("entropy_decision", sample_entropy[decisions].mean()), ("entropy_filler", sample_entropy[~decisions].mean())):
             log[k].append(float(v))
         for k, v in (("n_keep", n_keep), ("kept_samples", kept.numel()), ("kept_tokens", kept_tokens),
-                     ("fwd_tokens", fwd_tokens), ("gen_tokens", P * G * L), ("updates", 0 if skipped else 1)):
+                     ("fwd_tokens", fwd_tokens), ("gen_tokens", P * G * L), ("updates", int(updated))):
             log[k].append(int(v))
         log["skipped"].append(bool(skipped))
-        log["grad_norm"].append(None if skipped else float(grad_norm))  # one optimizer step: its norm, if finite
-        log["grad_norm_grpo_scale"].append(None if skipped else float(grpo_scale))
+        log["grad_norm"].append(float(grad_norm) if updated else None)  # one optimizer step: its norm, if finite
+        log["grad_norm_grpo_scale"].append(float(grpo_scale) if updated else None)
     return log
+
+
+def mean0(values):
+    """The mean of a tensor, 0.0 when it is empty (a dapo-filter step that kept no rollout)."""
+    return float(values.mean()) if values.numel() else 0.0
 
 
 def write_explain(args, method, seed, step, task, prompts, tokens, rewards, keep, adv, kept, entropy, scores,
