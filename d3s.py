@@ -13,7 +13,7 @@ D2S -> D3S, plus D3S-I, PODS, DAPO's group filter and a random control), read by
 and select_samples.
 The file, top to bottom (the sections of docs/algorithm.md):
 
-    0  LADDER, METHODS                       the methods: which rollouts, which budget, tokens or not
+    0  LADDER, METHODS, WHOLE_GROUPS         the methods: which rollouts, which budget, tokens or not
     1  group_advantages                      A = (R - mean) / (std + eps) per group
     2  max_variance_subset, select_samples,  the first level: keep N rollouts per prompt; the
        kept_variance, usefulness_rate        Var(A) and Sample Usefulness Rate of the kept set
@@ -47,6 +47,7 @@ import torch
 __all__ = [
     "LADDER",
     "METHODS",
+    "WHOLE_GROUPS",
     "group_advantages",
     "max_variance_subset",
     "select_samples",
@@ -97,6 +98,7 @@ LADDER = {
     "dapo-filter-k": ("mixed", "schedule", True),  # ... with D3S's token level: top K by |A| * H on K's schedule
 }
 METHODS = tuple(LADDER)
+WHOLE_GROUPS = ("all", "mixed")  # the sample rules that keep whole groups: they use no N (grpo, dapo-filter)
 
 
 def _require(ok, name, value, fix):

@@ -311,7 +311,7 @@ def check_args(args, world):
     if args.prompts_per_step % world:
         raise UsageError(f"--prompts-per-step {args.prompts_per_step}: must be divisible by the {world} ranks; "
                          "change it or the number of ranks")
-    if d3s.LADDER[args.method][0] not in ("all", "mixed"):  # N counts rollouts kept per prompt: N <= G (whole groups: no N)
+    if d3s.LADDER[args.method][0] not in d3s.WHOLE_GROUPS:  # N counts rollouts kept per prompt: N <= G (whole groups: no N)
         for flag, value in (("--n-init", args.n_init), ("--n-final", args.n_final), ("--static-n", args.static_n)):
             if value is not None and value > args.group_size:
                 raise UsageError(f"{flag} {value}: more than --group-size {args.group_size} (N counts rollouts kept "

@@ -291,7 +291,7 @@ def check_args(args):
     if args.model is not None:
         check_model_path(args.model)
     # N counts rollouts kept per prompt, so N <= G (grpo and the dapo-filter rows keep whole groups and use no N).
-    if any(d3s.LADDER[m][0] not in ("all", "mixed") for m in methods):
+    if any(d3s.LADDER[m][0] not in d3s.WHOLE_GROUPS for m in methods):
         for flag, value in (("--n-init", args.n_init), ("--n-final", args.n_final), ("--static-n", args.static_n)):
             if value is not None and value > args.group_size:
                 raise UsageError(f"{flag} {value} > --group-size {args.group_size}: N counts rollouts kept per prompt "
