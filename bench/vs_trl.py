@@ -441,6 +441,11 @@ What differs between the arms beyond the algorithm (TRL 1.16.0 as installed, rea
   per step, to save activation memory. The `trl-nogc` row turns it off; the difference between the two TRL
   rows is that recomputation. train_small.py does not checkpoint. (GRPOConfig also defaults to bf16=True;
   trl_arm.py sets bf16=False, as the project trains in fp32.)
+- One prompt forward per group in train_small: its loss forward runs each distinct prompt once (keys and
+  values with grad, the logits of o_1) and the G responses on those keys and values
+  (`forward_logprobs_entropy`, share_prompts=True), as its sampler does for generation. TRL forwards
+  prompt + completion for every row, so the prompt (~56 characters here, against ~26 completion tokens)
+  is forwarded and backpropagated G times. Same log-probs and gradients up to fp32 rounding (tested).
 - No old-log-prob or reference forward: with `num_iterations=1`, `steps_per_generation =
   gradient_accumulation_steps = 1`, `beta=0` and `use_vllm=False`, `_generate_and_score_completions` skips
   the no-grad forward for `old_per_token_logps` (the loss uses `per_token_logps.detach()`) and loads no

@@ -587,6 +587,33 @@ def test_the_sampler_gives_generates_greedy_tokens_and_with_the_same_seed_its_sa
     assert same >= 0.9 * 3 * 64, same  # measured: all but a few rows, where prefill rounding moves a draw
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_the_shared_prompt_forward_equals_the_row_by_row_forward_in_log_probs_entropy_and_gradients(temperature):
+    """forward_logprobs_entropy forwards each distinct prompt once and every response on its prompt's keys
+    and values; the plain forward runs prompt + response per row. Same log-probs, entropies and gradients
+    (fp32 rounding), on prompts of three lengths (left padding), whole groups and a subset of rows
+    (d3s's N of G: prompts with 1, 2 and 4 rollouts), responses that end at different lengths."""
+    model, _, tokenizer = _tiny_policy(seed=3)
+    torch.manual_seed(0)
+    batch = train_small.rollout(model, tokenizer, ["1+2=", "Ann had 23 pens", "x"], 4, 10)
+    assert batch["response_mask"].sum(-1).unique().numel() > 1  # responses of several lengths
+    for rows in (torch.arange(12), torch.tensor([0, 4, 5, 8, 9, 10, 11])):
+        part = train_small.take_rows(batch, rows)
+        mask = part["response_mask"].bool()
+        results = []
+        for share in (False, True):
+            model.zero_grad(set_to_none=True)
+            logp, entropy = train_small.forward_logprobs_entropy(model, part, temperature, share_prompts=share)
+            (logp * torch.linspace(-1, 1, logp.numel()).view_as(logp))[mask].sum().backward()  # every row weighs in
+            results.append((logp.detach(), entropy, [p.grad.clone() for p in model.parameters()]))
+        (plain_logp, plain_entropy, plain_grads), (logp, entropy, grads) = results
+        torch.testing.assert_close(logp[mask], plain_logp[mask], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(entropy[mask], plain_entropy[mask], rtol=1e-5, atol=1e-5)
+        for (name, _), got, want in zip(model.named_parameters(), grads, plain_grads):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        assert max(float(g.abs().max()) for g in grads) > 1e-3  # the gradients are not all ~0
+
+
 @pytest.mark.parametrize("mini_batches,k_frac", [(1, 1.0), (1, 0.3), (2, 0.3), (3, 1.0)])
 def test_the_update_without_pass_1_for_mini_batch_1_equals_the_update_with_it(mini_batches, k_frac):
     """Pass 1 over every kept rollout (the old way) against update_policy, which forwards mini-batch 1
