@@ -656,17 +656,33 @@ def train_step(model, ref_model, optimizer, tokenizer, grader, train_rows, step,
     kept = take_rows(batch, kept_rows)
     kept_adv = adv.view(-1)[kept_rows]  # [B]
 
+    # the KL to the warm start on every response token of the step, on the steps that measure the KL
+    kl_all = kl_ref_all(model, ref_model, batch, args.temperature) if measures_kl(step, args) else None
+
     # 4)-6) forward the kept rollouts, select tokens, M optimizer steps
     score_gen = torch.Generator().manual_seed(step_seed(args.rl_seed, step, 2))  # --token-rule random/adv: own stream
     update = update_policy(model, ref_model, optimizer, kept, kept_adv, k_frac, measures_kl(step, args), args, score_gen)
 
     metrics = step_metrics(step, batch, rewards, keep, adv, n_keep, k_frac, kept, update, grader)
+    metrics["kl_ref_all"] = kl_all
     metrics.update(gen_s=round(gen_s, 3), reward_s=round(reward_s, 3), train_s=round(time.time() - t1, 3),
                    pass1_s=round(update["pass1_s"], 3))  # train_s: selection + pass 1 + the M updates
     if explain_dir is not None:
         write_explain_page(explain_dir, step, tokenizer, problems, batch, rewards, keep, adv, kept_rows, n_keep,
                            k_frac, update, metrics, args)
     return metrics
+
+
+@torch.no_grad()
+def kl_ref_all(model, ref_model, batch, temperature=1.0):
+    """KL(pi || pi_ref) (k3) of the policy that sampled the step, before its update, to the warm start,
+    on every response token of all P x G rollouts: the same tokens whatever the method keeps, so rows
+    compare like with like (kl_ref is measured on each method's selected tokens). Two no-grad forwards
+    of the whole batch, on the steps measures_kl names."""
+    logp = forward_logprobs_entropy(model, batch, temperature, with_entropy=False)[0]  # [P*G, T]
+    ref_logp = forward_logprobs_entropy(ref_model, batch, temperature, with_entropy=False)[0]
+    mask = batch["response_mask"].bool()
+    return float(d3s.kl_k3(logp, ref_logp)[mask].mean())
 
 
 def update_policy(model, ref_model, optimizer, kept, kept_adv, k_frac, with_kl, args, score_gen=None):

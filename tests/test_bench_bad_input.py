@@ -136,8 +136,21 @@ QUESTIONS_TOY = [
     (["--bogus"], "unrecognized arguments: --bogus"),
 ]
 
+QUESTIONS_SMALL = [
+    (["--question", "4"], "the following arguments are required: --runs"),
+    (["--question", "6", "--runs", "{dir}"], "--question 6: not a choice; choose from 4, 5"),
+    (["--question", "4", "--runs", "{missing}"], "--runs {missing}: not a folder"),
+    (["--question", "4", "--runs", "{dir}"], "--runs {dir}: no d2s/ in it"),
+    (["--question", "5", "--runs", "{dir}", "--spike", "nan"], "--spike nan: must be a number > 0"),
+    (["--question", "4", "--runs", "{dir}", "--window", "0"], "--window 0: must be a number > 0"),
+    (["--question", "4", "--runs", "{dir}", "--rows", "d2s,"], "--rows 'd2s,': name methods"),
+    (["--question", "4", "--runs", "{dir}", "--out", "{dir}"], "--out {dir}: is a folder, not a file"),
+    (["--question", "4", "--runs", "{dir}", "--plot", "{missing}/q4.png"], "does not exist"),
+]
+
 TABLES = {"vs_trl.py": VS_TRL, "memory.py": MEMORY, "selection.py": SELECTION, "loss_head.py": LOSS_HEAD,
-          "tiled_mlp.py": TILED_MLP, "headroom.py": HEADROOM, "questions_toy.py": QUESTIONS_TOY}
+          "tiled_mlp.py": TILED_MLP, "headroom.py": HEADROOM, "questions_toy.py": QUESTIONS_TOY,
+          "questions_small.py": QUESTIONS_SMALL}
 CASES = [(script, *case) if len(case) == 3 else (script, *case, script)
          for script, table in TABLES.items() for case in table]
 

@@ -40,3 +40,31 @@ def test_questions_toy_writes_a_table_paired_with_each_rows_reference(tmp_path):
     assert (tmp_path / "q7.md").read_text().split("\n\n")[0] in out and (tmp_path / "q7.png").exists()
     numbers = json.loads((tmp_path / "q7.json").read_text())["numbers"]
     assert len(numbers["dapo-filter"]["final"]) == 2
+
+
+def _fake_runs(root, method, seeds):
+    """METHOD/seedS/metrics.jsonl as train_small.py --compare writes them: 20 train steps, evals at 0, 10 and 20.
+    The train reward is 0.6 + 0.01 * seed, held-out Pass@1 0.5 + 0.01 * seed (a gap of 0.1); seed 1's grad_norm
+    jumps tenfold at step 15."""
+    for seed in seeds:
+        d = root / method / f"seed{seed}"
+        d.mkdir(parents=True)
+        lines = [{"kind": "eval", "step": 0, "eval_pass1_mean": 0.4}]
+        for step in range(1, 21):
+            lines.append({"kind": "train", "step": step, "reward_mean": 0.6 + 0.01 * seed,
+                          "grad_norm": 10.0 if (seed == 1 and step == 15) else 1.0,
+                          "kl_ref": 0.002 * step if step % 10 == 0 else None,
+                          "kl_ref_all": 0.001 * step if step % 10 == 0 else None})
+            if step % 10 == 0:
+                lines.append({"kind": "eval", "step": step, "eval_pass1_mean": 0.5 + 0.01 * seed})
+        (d / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+
+
+def test_questions_small_reads_the_gap_the_kl_and_the_spikes_from_compare_runs(tmp_path):
+    for method in ("d2s", "d3s", "d3s-i"):
+        _fake_runs(tmp_path, method, [0, 1, 2])
+    out = run("questions_small.py", "--question", "4", "--runs", str(tmp_path), "--plot", str(tmp_path / "q4.png"))
+    assert "| d3s | 20 | 0.610 | 0.510 | +0.100 | 0.02000 | 0.04000 |" in out, out
+    assert "d3s − d2s in gap, same seed, 95% t interval over 3 seeds: +0.000" in out and (tmp_path / "q4.png").exists()
+    out = run("questions_small.py", "--question", "5", "--runs", str(tmp_path), "--rows", "d3s")
+    assert "| d3s | 3 | 0.3 ± 0.6 | 4.0 ± 5.2 | 0.0200 ± 0.0000 | 0.510 ± 0.010 | +0.000" in out, out

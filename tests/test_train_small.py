@@ -466,6 +466,22 @@ def test_kl_to_the_warm_start_is_zero_before_training_and_grows(tmp_path, cache_
     assert train[-1]["kl_ref"] > 0.0
 
 
+def test_kl_on_all_response_tokens_equals_the_selected_tokens_kl_for_grpo_and_is_measured_on_the_same_steps(
+        tmp_path, cache_dir, two_answer_data):
+    """kl_ref_all: every response token of every rollout. grpo with one mini-batch selects all of them and its
+    kl_ref is taken before the update, so the two agree; d3s selects a few, so its two differ."""
+    common = ["--steps", "4", "--mini-batches", "1", "--kl-every", "2"]
+    grpo, _ = _run(tmp_path, cache_dir, two_answer_data, "grpo", common + ["--method", "grpo"])
+    d3s_, _ = _run(tmp_path, cache_dir, two_answer_data, "d3s", common + ["--method", "d3s"])
+    for train in (grpo, d3s_):
+        assert [m["kl_ref_all"] is not None for m in train] == [m["kl_ref"] is not None for m in train] == [True, True, False, True]
+        assert train[0]["kl_ref_all"] == pytest.approx(0.0, abs=1e-7) and train[-1]["kl_ref_all"] > 0.0
+    for m in grpo:
+        if m["kl_ref"] is not None:
+            assert m["kl_ref_all"] == pytest.approx(m["kl_ref"], rel=1e-4, abs=1e-8)
+    assert any(m["kl_ref"] != pytest.approx(m["kl_ref_all"], rel=1e-2) for m in d3s_[1:] if m["kl_ref"] is not None)
+
+
 def test_compare_over_seeds_writes_the_ladder_tables_and_plot(tmp_path, cache_dir, two_answer_data):
     train_file, eval_file = two_answer_data
     out = tmp_path / "cmp"
@@ -663,5 +679,5 @@ def test_the_kl_measured_every_e_steps_equals_the_kl_measured_every_step(tmp_pat
     for a, b in zip(every, sched):
         if b["kl_ref"] is not None:
             assert a["kl_ref"] == b["kl_ref"]
-        strip = lambda m: {k: v for k, v in m.items() if not k.endswith("_s") and k != "kl_ref"}  # noqa: E731
+        strip = lambda m: {k: v for k, v in m.items() if not k.endswith("_s") and not k.startswith("kl_ref")}  # noqa: E731
         assert strip(a) == strip(b)  # the reference forward changes nothing else
