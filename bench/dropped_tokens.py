@@ -42,9 +42,11 @@ whose advantage is not zero, i.e. dropped for a low score rather than for a zero
                 ‖sel‖ / ‖all‖, ‖rand‖ / ‖all‖                   norm ratio. token-mean divides each loss by its
                                                                 own token count, so this is per token
                                                                 (the mean gradient of a selected token against
-                                                                that of any token)
-                sum ‖sel‖ / ‖all‖, sum ‖rand‖ / ‖all‖           the same for the summed (un-normalised) gradients:
-                                                                the ratio times n_sel / n_all
+                                                                that of any token). A mean over fewer tokens
+                                                                cancels less, so a random selection's ratio is
+                                                                above 1 as well: compare sel with rand
+                sum ‖sel‖ / ‖all‖, sum ‖rand‖ / ‖all‖,          the same for the summed (un-normalised) gradients:
+                sum ‖drop‖ / ‖all‖                              the ratio times n_sel / n_all (n_drop / n_all)
               g_drop is not another backward: n_all g_all = n_sel g_sel + n_drop g_drop (summed gradients add).
               A cosine or ratio whose gradient is zero (no token, or A = 0 everywhere) prints as "–".
 
@@ -389,13 +391,15 @@ def gradient_row(grads):
     n_all, n_sel = grads["n_all"], grads["n_sel"]
     sel = ratio(grads["sel"], grads["all"])
     rand = mean_or_none([ratio(g, grads["all"]) for g in grads["rand"]])  # the mean over the random draws
+    drop = ratio(grads["drop"], grads["all"])
     return {"n_all": n_all, "n_sel": n_sel, "cos_sel": cosine(grads["sel"], grads["all"]),
             "cos_rand": mean_or_none([cosine(g, grads["all"]) for g in grads["rand"]]),
             "cos_drop": cosine(grads["drop"], grads["all"]),
             "cos_sel_drop": cosine(grads["sel"], grads["drop"]),
             "ratio_sel": sel, "ratio_rand": rand,
             "sum_sel": None if sel is None else sel * n_sel / n_all,
-            "sum_rand": None if rand is None else rand * n_sel / n_all}
+            "sum_rand": None if rand is None else rand * n_sel / n_all,
+            "sum_drop": None if drop is None else drop * (n_all - n_sel) / n_all}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -452,9 +456,10 @@ def table_classes(records):
 
 
 def table_gradient(rows):
-    keys = ("cos_sel", "cos_rand", "cos_drop", "cos_sel_drop", "ratio_sel", "ratio_rand", "sum_sel", "sum_rand")
+    keys = ("cos_sel", "cos_rand", "cos_drop", "cos_sel_drop", "ratio_sel", "ratio_rand", "sum_sel", "sum_rand", "sum_drop")
     head = ["batch", "tokens (all)", "selected", "cos(sel, all)", "cos(rand, all)", "cos(drop, all)", "cos(sel, drop)",
-            "‖sel‖ / ‖all‖ (per token)", "‖rand‖ / ‖all‖ (per token)", "sum ‖sel‖ / ‖all‖", "sum ‖rand‖ / ‖all‖"]
+            "‖sel‖ / ‖all‖ (per token)", "‖rand‖ / ‖all‖ (per token)", "sum ‖sel‖ / ‖all‖", "sum ‖rand‖ / ‖all‖",
+            "sum ‖drop‖ / ‖all‖"]
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for b, row in enumerate(rows):
         if row is None:
@@ -495,7 +500,8 @@ def report(args, source, command, batches, records, grad_rows, seconds):
              "## 3. Character class", "", table_classes(records), "",
              "## 4. Gradient share (on-policy, GRPO token-mean loss, all parameters)", "",
              "`‖x‖ / ‖all‖` divides the norms of the token-mean gradients, each normalised by its own token count: the "
-             "mean gradient per token. `sum` multiplies that by n_sel / n_all: the un-normalised (summed) gradients. "
+             "mean gradient per token (a mean over fewer tokens cancels less, so a random selection's is above 1 too). `sum` "
+             "multiplies that by n_sel / n_all (n_drop / n_all): the un-normalised (summed) gradients. "
              f"Each random selection has as many tokens as the selected one; the rand columns are the mean of "
              f"{args.random_draws} draws.", "",
              table_gradient(grad_rows), ""]

@@ -135,15 +135,17 @@ def test_dropped_tokens_shares_counts_and_the_gradient_of_every_token(tmp_path, 
         dropped_tokens.main(["--model", model, *DROPPED_SMALL, "--k-init", "0.3", "--explain-out", str(tmp_path / "e.md")])
         n_sel, n_drop, grad = check_dropped_report(capsys.readouterr().out)
         assert n_sel and n_drop and "[[" in (tmp_path / "e.md").read_text()
-        cos_sel, cos_rand = float(grad[1][3]), float(grad[1][4])
-        assert -1 <= cos_sel <= 1 and -1 <= cos_rand <= 1
+        row = dict(zip(grad[0], grad[1]))
+        assert all(-1 <= float(row[f"cos({x}, all)"]) <= 1 for x in ("sel", "rand", "drop"))
+        # the summed gradients add up: n_all g_all = n_sel g_sel + n_drop g_drop, so the triangle inequality holds
+        assert float(row["sum ‖sel‖ / ‖all‖"]) + float(row["sum ‖drop‖ / ‖all‖"]) >= 1 - 1e-3
         for flags in (["--k", "1.0"], ["--method", "d1s-cross"]):  # every forwarded token selected
             dropped_tokens.main(["--model", model, *DROPPED_SMALL, *flags])
             n_sel, n_drop, grad = check_dropped_report(capsys.readouterr().out)
             assert n_drop == 0
-            head, row = grad[0], dict(zip(grad[0], grad[1]))
+            row = dict(zip(grad[0], grad[1]))
             assert abs(float(row["cos(sel, all)"]) - 1) < 1e-5 and abs(float(row["cos(rand, all)"]) - 1) < 1e-5, row
             assert abs(float(row["‖sel‖ / ‖all‖ (per token)"]) - 1) < 1e-5 and abs(float(row["sum ‖sel‖ / ‖all‖"]) - 1) < 1e-5
-            assert row["cos(drop, all)"] == "–"  # no dropped token: no gradient to compare
+            assert row["cos(drop, all)"] == row["sum ‖drop‖ / ‖all‖"] == "–"  # no dropped token: no gradient to compare
     finally:
         torch.set_num_threads(threads)
