@@ -148,9 +148,30 @@ QUESTIONS_SMALL = [
     (["--question", "4", "--runs", "{dir}", "--plot", "{missing}/q4.png"], "does not exist"),
 ]
 
+DROPPED_TOKENS = [
+    (["--model", "{missing}"], "--model {missing}: no such folder"),
+    (["--model", "{file}"], "--model {file}: is a file"),
+    (["--model", "{dir}"], "--model {dir}: has no config.json"),
+    (["--batches", "0"], "--batches 0: must be an int in [1, 10000]"),
+    (["--method", "ppo"], "--method 'ppo': not a method; choose from grpo"),
+    (["--out", "{dir}"], "--out {dir}: is a folder, not a file"),
+    (["--explain-out", "{missing}/example.md"], "does not exist"),
+    (["--step", "0"], "--step 0: must be an int >= 1"),
+    (["--step", "101"], "--step 101: must be in [1, --steps 100]"),
+    (["--k", "0"], "--k 0.0: must be a fraction of tokens in (0, 1]"),
+    (["--k", "0.5", "--method", "d1s-cross"], "--k 0.5: --method d1s-cross has no token level"),
+    (["--group-size", "8"], "--n-final 16 > --group-size 8: N counts rollouts kept per prompt"),
+    (["--token-rule", "loud"], "--token-rule 'loud': not a rule"),
+    (["--task", "proofs"], "--task 'proofs': not a task"),
+    (["--temperature", "nan"], "--temperature nan: must be in [0.01, 100]"),
+    (["--random-draws", "0"], "--random-draws 0: must be"),
+    (["--cache-dir", "{file}"], "--cache-dir {file}: is a file, not a folder"),
+    (["--bogus"], "unrecognized arguments: --bogus"),
+]
+
 TABLES = {"vs_trl.py": VS_TRL, "memory.py": MEMORY, "selection.py": SELECTION, "loss_head.py": LOSS_HEAD,
           "tiled_mlp.py": TILED_MLP, "headroom.py": HEADROOM, "questions_toy.py": QUESTIONS_TOY,
-          "questions_small.py": QUESTIONS_SMALL}
+          "questions_small.py": QUESTIONS_SMALL, "dropped_tokens.py": DROPPED_TOKENS}
 CASES = [(script, *case) if len(case) == 3 else (script, *case, script)
          for script, table in TABLES.items() for case in table]
 
@@ -190,7 +211,7 @@ def test_bad_input_is_one_line_and_exit_2(script, argv, fragment, prog, paths):
 
 @pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root may write anywhere")
 @pytest.mark.parametrize("script,flag", [("vs_trl.py", "--out"), ("selection.py", "--out"), ("headroom.py", "--out"),
-                                         ("vs_trl.py", "--work")])
+                                         ("vs_trl.py", "--work"), ("dropped_tokens.py", "--out")])
 def test_an_output_in_a_folder_that_cannot_be_written(script, flag, tmp_path):
     locked = tmp_path / "locked"
     locked.mkdir()

@@ -1,9 +1,13 @@
 """Smoke tests of the timing scripts bench/loss_head.py and bench/tiled_mlp.py, at tiny sizes:
-they run and print their tables (no timing assertions: times live in docs/benchmarks.md); and of
-bench/questions_toy.py on a few steps."""
+they run and print their tables (no timing assertions: times live in docs/benchmarks.md); of
+bench/questions_toy.py on a few steps; and of bench/dropped_tokens.py on an untrained 1-layer model
+(real grader) and, in process with the rewards patched so that every group has spread, its shares,
+counts and the gradient check (K = 1 selects every token: cosine 1, norm ratio 1)."""
 
 import json
+import math
 import os
+import re
 import subprocess
 import sys
 
@@ -68,3 +72,80 @@ def test_questions_small_reads_the_gap_the_kl_and_the_spikes_from_compare_runs(t
     assert "d3s − d2s in gap, same seed, 95% t interval over 3 seeds: +0.000" in out and (tmp_path / "q4.png").exists()
     out = run("questions_small.py", "--question", "5", "--runs", str(tmp_path), "--rows", "d3s")
     assert "| d3s | 3 | 0.3 ± 0.6 | 4.0 ± 5.2 | 0.0200 ± 0.0000 | 0.510 ± 0.010 | +0.000" in out, out
+
+
+DROPPED_SMALL = ["--prompts-per-step", "2", "--group-size", "4", "--n-init", "2", "--n-final", "4", "--max-new-tokens", "12",
+                 "--batches", "1", "--train-size", "50", "--random-draws", "2"]
+
+
+def tiny_model_dir(path):
+    import tiny
+
+    tok = tiny.build_char_tokenizer()
+    return tiny.save_tiny(tiny.build_tiny_model(tok, hidden_size=32, num_layers=1), tok, str(path))
+
+
+def md_table(text, heading):
+    """The rows of the markdown table under `## heading` as lists of cells (the header row first)."""
+    section = text.split(f"## {heading}", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("|") and not line.startswith("|---")]
+    return [[c.strip() for c in re.split(r"(?<!\\)\|", row)[1:-1]] for row in rows]
+
+
+def check_dropped_report(text):
+    """The tables are there, each share column sums to 1, and selected + dropped = the forwarded tokens."""
+    tokens = {row[0]: row[1:] for row in md_table(text, "1. Selected and dropped tokens")}
+    n_sel, n_drop, _, n_all = (int(x) for x in tokens["tokens"])
+    forwarded = sum(int(row[1]) for row in md_table(text, "4. Gradient share")[1:] if row[0] != "mean ± std")
+    assert n_sel + n_drop == n_all == forwarded > 0
+    classes = md_table(text, "3. Character class")
+    assert [row[0] for row in classes[1:]] == ["digit", "operator", "format", "eos", "other"]
+    assert sum(int(row[4]) for row in classes[1:]) == n_all
+    for column, count in ((1, n_sel), (2, n_drop)):
+        if count:
+            assert abs(sum(float(row[column]) for row in classes[1:]) - 1) < 2e-3, classes
+    position = md_table(text, "2. Relative position in the response")
+    assert sum(int(row[3]) for row in position[1:]) == n_all
+    return n_sel, n_drop, md_table(text, "4. Gradient share")
+
+
+def test_dropped_tokens_runs_on_an_untrained_model_and_prints_the_tables(tmp_path):
+    model = tiny_model_dir(tmp_path / "tiny")
+    out, example = tmp_path / "report.md", tmp_path / "example.md"
+    text = run("dropped_tokens.py", "--model", model, *DROPPED_SMALL, "--out", str(out), "--explain-out", str(example))
+    assert out.read_text() in text
+    n_sel, n_drop, grad = check_dropped_report(text)
+    assert n_sel == math.ceil(0.05 * (n_sel + n_drop) - 1e-9)  # d3s at step 1: K = 5% of the forwarded tokens
+    assert example.read_text().startswith("# Worked example")
+
+
+def test_dropped_tokens_shares_counts_and_the_gradient_of_every_token(tmp_path, monkeypatch, capsys):
+    import torch
+
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import dropped_tokens
+    import train_small
+
+    threads = torch.get_num_threads()
+    model = tiny_model_dir(tmp_path / "tiny")
+    # 0/1 rewards alternating within each group: every group has spread, so A != 0 and the gradients are not zero
+    monkeypatch.setattr(train_small, "compute_rewards", lambda grader, texts, golds: torch.tensor(
+        [float(i % 2) for i in range(len(texts))]))
+    try:
+        dropped_tokens.main(["--model", model, *DROPPED_SMALL, "--k-init", "0.3", "--explain-out", str(tmp_path / "e.md")])
+        n_sel, n_drop, grad = check_dropped_report(capsys.readouterr().out)
+        assert n_sel and n_drop and "[[" in (tmp_path / "e.md").read_text()
+        row = dict(zip(grad[0], grad[1]))
+        assert all(-1 <= float(row[f"cos({x}, all)"]) <= 1 for x in ("sel", "rand", "drop"))
+        # the summed gradients add up: n_all g_all = n_sel g_sel + n_drop g_drop, so the triangle inequality holds
+        assert float(row["sum ‖sel‖ / ‖all‖"]) + float(row["sum ‖drop‖ / ‖all‖"]) >= 1 - 1e-3
+        for flags in (["--k", "1.0"], ["--method", "d1s-cross"]):  # every forwarded token selected
+            dropped_tokens.main(["--model", model, *DROPPED_SMALL, *flags])
+            n_sel, n_drop, grad = check_dropped_report(capsys.readouterr().out)
+            assert n_drop == 0
+            row = dict(zip(grad[0], grad[1]))
+            assert abs(float(row["cos(sel, all)"]) - 1) < 1e-5 and abs(float(row["cos(rand, all)"]) - 1) < 1e-5, row
+            assert abs(float(row["‖sel‖ / ‖all‖ (per token)"]) - 1) < 1e-5 and abs(float(row["sum ‖sel‖ / ‖all‖"]) - 1) < 1e-5
+            assert row["cos(drop, all)"] == row["sum ‖drop‖ / ‖all‖"] == "–"  # no dropped token: no gradient to compare
+    finally:
+        torch.set_num_threads(threads)

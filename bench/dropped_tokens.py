@@ -1,0 +1,602 @@
+"""bench/dropped_tokens.py: which tokens D3S's token level drops, and how much of the gradient the kept ones carry.
+
+Question 6 of issue 18 (reviewer 3): do the tokens D3S masks out carry less information? On the tiny rung
+(train_small.py), it replays the first half of train_small's step S (the same functions, nothing
+re-implemented) on --batches B fresh batches and compares the response tokens of the kept rollouts that the
+token level selects with the ones it drops.
+
+    .venv/bin/python bench/dropped_tokens.py --model runs/cache/warmstart-4028f0221846   # train_small's default
+                                                    # warm start, d3s at step 1 of 100 (N 4 of 16, K 5%), 4 batches
+    .venv/bin/python bench/dropped_tokens.py        # the same warm start, built (minutes) or loaded from runs/cache
+    .venv/bin/python bench/dropped_tokens.py --model runs/small/final --step 100 --out runs/dropped.md \\
+        --explain-out runs/dropped_example.md
+    .venv/bin/python bench/dropped_tokens.py --model M --method d2s --token-rule entropy     # another row or rule
+
+Batch b (0..B-1) is train_small.py's step S with --rl-seed SEED + b, up to its update (train_step, update_policy):
+train_small.rollout of P x G responses to P problems of train_small.TASKS[--task] (the problems and the sampling
+seeded as that step's), train_small.compute_rewards (mathtask.Grader), N and K from d3s.method_budget (the
+method's budget at step S of --steps; linear schedule), d3s.select_samples, one train_small.forward_logprobs_entropy
+of the kept rollouts (its entropy is d3s.token_entropy), d3s.token_scores and d3s.select_tokens over the whole
+kept batch. The weights are never updated: every batch is scored by the same model.
+
+Tables (all over the kept rollouts' response tokens, up to and including EOS; "selected" = token_keep,
+"dropped" = the other response tokens of the kept rollouts; "dropped, A != 0": the dropped tokens of rollouts
+whose advantage is not zero, i.e. dropped for a low score rather than for a zero advantage):
+  1 tokens    count and share; entropy H (nats, of the policy that sampled: logits / temperature) mean and
+              median; |A| mean; the share with A = 0; the score |A| * H mean; relative position t / L mean
+              (t = 0 the first response token, L the response length with its EOS)
+  2 position  t / L in 5 bins: each bin's share of the selected and of the dropped tokens, and the share of
+              the bin's tokens that are selected
+  3 class     the character class of the token's decoded text (below): its share among the selected and
+              among the dropped tokens (each column sums to 1), and the share of the class's tokens selected
+  4 gradient  per batch, the gradient of d3s.policy_loss (GRPO, token-mean) w.r.t. all model parameters
+              (flattened), on-policy (old log-probs = the detached forward: ratio 1, as mini-batch 1 of
+              train_small's update, here over all kept rollouts at once), with mask = every response token
+              (g_all), the selected tokens (g_sel), a random selection of as many tokens (g_rand:
+              d3s.token_scores rule "random" with a seeded generator, then d3s.select_tokens with the same K
+              and scope; --random-draws R of them, each column the mean over the R), and the dropped
+              tokens (g_drop):
+                cos(sel, all), cos(rand, all), cos(drop, all)   cosine similarity with g_all
+                cos(sel, drop)                                  how the selected and the dropped tokens' gradients
+                                                                relate (0: orthogonal)
+                ‖sel‖ / ‖all‖, ‖rand‖ / ‖all‖                   norm ratio. token-mean divides each loss by its
+                                                                own token count, so this is per token
+                                                                (the mean gradient of a selected token against
+                                                                that of any token). A mean over fewer tokens
+                                                                cancels less, so a random selection's ratio is
+                                                                above 1 as well: compare sel with rand
+                sum ‖sel‖ / ‖all‖, sum ‖rand‖ / ‖all‖,          the same for the summed (un-normalised) gradients:
+                sum ‖drop‖ / ‖all‖                              the ratio times n_sel / n_all (n_drop / n_all)
+              g_drop is not another backward: n_all g_all = n_sel g_sel + n_drop g_drop (summed gradients add).
+              A cosine or ratio whose gradient is zero (no token, or A = 0 everywhere) prints as "–".
+
+Character classes (choice; the tiny model's tokenizer is one token per character, so on the tiny rung each
+class is exact; on a BPE tokenizer a token counts by its whole text):
+  eos       a stop token (mathtask.stop_token_ids)
+  format    a token inside a "\\boxed{" of the response, a "}", a ".", or a space: the answer's wrapper and
+            the separators of the worked steps ("47+8=55. 55-13=42. \\boxed{42}")
+  digit     digits only (surrounding spaces ignored): the numbers, intermediate results and the answer
+  operator  one of + - = * / only: "=" counts as an operator, not as format (choice)
+  other     anything else (letters outside \\boxed{, newlines, ...)
+
+--explain-out FILE.md writes a worked example: from batch 0, the kept rollout with the highest and the one with
+the lowest advantage among those with a selected token, the text with the selected tokens in [[ ]] (a run of
+consecutive selected tokens shares one pair), reward, advantage, and a table of its tokens: entropy, score, class.
+
+The figures are a measurement on one model and a few batches, not a test: they move with the model, the step
+and the machine (sampling in float32 on another CPU draws other tokens).
+"""
+
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import _cli  # noqa: E402  (bench/_cli.py: one-line errors, the shared checks)
+
+PROG = "dropped_tokens.py"
+CLASSES = ("digit", "operator", "format", "eos", "other")
+OPERATORS, FORMAT_CHARS, BOXED = set("+-=*/"), set(".}"), "\\boxed{"
+BINS = 5  # relative-position histogram
+SHOWN_TOKENS = 60  # worked example: at most this many tokens in a rollout's table
+
+
+# ---------------------------------------------------------------------------------------------
+# Arguments: every flag checked before any model or data work
+# ---------------------------------------------------------------------------------------------
+def train_small_defaults():
+    """train_small.py's own defaults for the flags this script shares with it (read from its parser)."""
+    import train_small
+
+    return vars(train_small.build_parser().parse_args([]))
+
+
+def parse_args(argv):
+    p = _cli.Parser(prog=PROG, description=__doc__.split("\n\n")[0])
+    a = p.add_argument
+    a("--model", default=None, metavar="PATH", help="a saved HF model folder (config.json): a train_small run's final/ or "
+      "a warm-start cache folder; default: train_small.py's default warm start (built or loaded from --cache-dir)")
+    a("--cache-dir", default="runs/cache", help="without --model: where train_small's warm start is cached (default: runs/cache)")
+    a("--method", default="d3s", help="a row of d3s.LADDER (default: d3s)")
+    a("--steps", type=int, default=None, help="the run's length the schedule is read on (default: train_small's, 100)")
+    a("--step", type=int, default=1, help="S: the step (1-based, as train_small counts) whose N and K are used and whose "
+      "seeds batch 0 replays (default: 1, where D3S keeps the fewest)")
+    a("--batches", type=int, default=4, help="B: batches of P x G rollouts (default: 4)")
+    a("--prompts-per-step", type=int, default=None, help="P (default: train_small's, 16)")
+    a("--group-size", type=int, default=None, help="G (default: train_small's, 16)")
+    a("--n-init", type=int, default=None, help="N at the first step (default: train_small's, 4)")
+    a("--n-final", type=int, default=None, help="N at the last step (default: train_small's, 16)")
+    a("--k-init", type=float, default=None, help="K at the first step (default: train_small's, 0.05)")
+    a("--k-final", type=float, default=None, help="K at the last step (default: train_small's, 0.2)")
+    a("--k", type=float, default=None, help="fix K (fraction of the forwarded tokens selected) instead of the method's "
+      "budget; 1.0 selects every token (a method with a token level only)")
+    a("--random-draws", type=int, default=4, help="R: random selections per batch for the gradient reference, each "
+      "of as many tokens as the selection; the table shows their mean (default: 4)")
+    a("--token-rule", default="adv-entropy", help="d3s.token_scores rule (default: adv-entropy, |A| * H)")
+    a("--token-scope", default="batch", help="top K over the whole batch (batch, default) or per response (sequence)")
+    a("--task", default=None, help="train_small's generated task: steps or direct (default: train_small's, steps)")
+    a("--train-size", type=int, default=None, help="generated training problems the batches draw from (default: "
+      "train_small's, 5000: the same problems as its runs)")
+    a("--template", default="auto", help="prompt template: plain, qwen-math, or auto (the warm start's, from the "
+      "folder's warmstart.json; else plain, the tiny rung's)")
+    a("--temperature", type=float, default=None, help="sampling temperature (default: train_small's, 1.0)")
+    a("--max-new-tokens", type=int, default=None, help="response length limit (default: train_small's for the tiny "
+      "model and --task, 48 for steps)")
+    a("--grade-timeout", type=float, default=None, help="seconds math-verify may spend on one answer (default: 5)")
+    a("--seed", type=int, default=0, help="seed of the generated problems (train_small's --seed) and of batch 0's "
+      "rollouts (its --rl-seed); batch b uses SEED + b (default: 0)")
+    a("--threads", type=int, default=1, help="torch CPU threads (default: 1; 0: torch's default)")
+    a("--out", default=None, metavar="FILE", help="also write the markdown report to FILE")
+    a("--explain-out", default=None, metavar="FILE.md", help="write a worked example (markdown) to FILE.md")
+    args = p.parse_args(argv)
+    check_args(p, args)
+    return args
+
+
+def check_args(p, args):
+    finite = _cli.finite
+    _cli.check_rules(p, [
+        ("--batches", args.batches, lambda v: 1 <= v <= 10_000, "an int in [1, 10000]"),
+        ("--random-draws", args.random_draws, lambda v: 1 <= v <= 1000, "an int in [1, 1000]"),
+        ("--steps", args.steps, lambda v: v >= 1, "an int >= 1"),
+        ("--step", args.step, lambda v: v >= 1, "an int >= 1 (train_small counts steps from 1)"),
+        ("--prompts-per-step", args.prompts_per_step, lambda v: 1 <= v <= 4096, "an int in [1, 4096]"),
+        ("--group-size", args.group_size, lambda v: 2 <= v <= 1024, "an int in [2, 1024] (advantages need 2 rollouts)"),
+        ("--n-init", args.n_init, lambda v: v >= 1, "an int >= 1"),
+        ("--n-final", args.n_final, lambda v: v >= 1, "an int >= 1"),
+        ("--k-init", args.k_init, lambda v: finite(v) and 0 < v <= 1, "a fraction of tokens in (0, 1]"),
+        ("--k-final", args.k_final, lambda v: finite(v) and 0 < v <= 1, "a fraction of tokens in (0, 1]"),
+        ("--k", args.k, lambda v: finite(v) and 0 < v <= 1, "a fraction of tokens in (0, 1]"),
+        ("--train-size", args.train_size, lambda v: 1 <= v <= 10**6, "an int in [1, 10^6]"),
+        ("--temperature", args.temperature, lambda v: finite(v) and 0.01 <= v <= 100, "in [0.01, 100]"),
+        ("--max-new-tokens", args.max_new_tokens, lambda v: 1 <= v <= 65536, "an int in [1, 65536]"),
+        ("--grade-timeout", args.grade_timeout, lambda v: finite(v) and 0 < v <= 3600, "in (0, 3600] seconds"),
+        ("--seed", args.seed, lambda v: 0 <= v < 2**31, "an int in [0, 2^31)"),
+        ("--threads", args.threads, lambda v: 0 <= v <= 1024, "an int in [0, 1024] (0: torch's default)"),
+    ])
+    if args.template not in ("auto", "plain", "qwen-math"):
+        p.error(f"--template {args.template!r}: not a template; choose auto, plain or qwen-math")
+    if args.token_scope not in ("batch", "sequence"):
+        p.error(f"--token-scope {args.token_scope!r}: not a scope; choose batch or sequence")
+    if args.task is not None and args.task not in ("steps", "direct"):
+        p.error(f"--task {args.task!r}: not a task of train_small.py; choose steps or direct")
+    if args.model is not None:
+        if not args.model.strip():
+            p.error("--model '': empty; pass a saved model folder (with config.json), e.g. runs/small/final")
+        if not os.path.exists(args.model):
+            p.error(f"--model {args.model}: no such folder; pass a saved model folder (with config.json), e.g. runs/small/final")
+        if not os.path.isdir(args.model):
+            p.error(f"--model {args.model}: is a file; pass the model's folder (with config.json)")
+        if not os.path.isfile(os.path.join(args.model, "config.json")):
+            p.error(f"--model {args.model}: has no config.json; pass a folder saved with save_pretrained")
+    else:
+        _cli.check_out_dir(p, "--cache-dir", args.cache_dir)
+    _cli.check_out_file(p, "--out", args.out)
+    _cli.check_out_file(p, "--explain-out", args.explain_out)
+    if args.out and args.explain_out and os.path.abspath(args.out) == os.path.abspath(args.explain_out):
+        p.error(f"--explain-out {args.explain_out}: the same file as --out; pass another file")
+
+    import d3s  # torch: after the checks that need no import
+
+    defaults = train_small_defaults()
+    for name in ("steps", "prompts_per_step", "group_size", "n_init", "n_final", "k_init", "k_final", "task", "train_size",
+                 "temperature", "grade_timeout"):
+        if getattr(args, name) is None:
+            setattr(args, name, defaults[name])
+    if args.max_new_tokens is None:
+        import train_small
+
+        args.max_new_tokens = train_small.TINY_MAX_NEW_TOKENS[args.task]
+    if args.method not in d3s.LADDER:
+        p.error(f"--method {args.method!r}: not a method; choose from {', '.join(d3s.METHODS)}")
+    if args.token_rule not in d3s.TOKEN_RULES:
+        p.error(f"--token-rule {args.token_rule!r}: not a rule; choose from {', '.join(d3s.TOKEN_RULES)}")
+    if args.step > args.steps:
+        p.error(f"--step {args.step}: must be in [1, --steps {args.steps}]")
+    if args.k is not None and not d3s.LADDER[args.method][2]:
+        p.error(f"--k {args.k}: --method {args.method} has no token level (it trains on every token); drop --k or pick "
+                f"a method that selects tokens ({', '.join(m for m in d3s.METHODS if d3s.LADDER[m][2])})")
+    if d3s.LADDER[args.method][0] not in d3s.WHOLE_GROUPS:
+        for flag, value in (("--n-init", args.n_init), ("--n-final", args.n_final)):
+            if value > args.group_size:
+                p.error(f"{flag} {value} > --group-size {args.group_size}: N counts rollouts kept per prompt and must be "
+                        f"<= G; lower {flag} or raise --group-size")
+    try:
+        args.n_keep, args.k_frac = d3s.method_budget(args.method, args.step - 1, args.steps, args.group_size, args.n_init,
+                                                     args.n_final, args.k_init, args.k_final)
+    except ValueError as e:
+        p.error(f"--method {args.method}: {' '.join(str(e).split())}")
+    if args.k is not None:
+        args.k_frac = args.k
+    if args.template == "auto":
+        args.template = warm_start_template(args.model)
+
+
+def warm_start_template(model):
+    """The template the warm start was trained with (its warmstart.json), else plain (the tiny rung's)."""
+    import json
+
+    path = os.path.join(model, "warmstart.json") if model else None
+    if path and os.path.isfile(path):
+        try:
+            with open(path) as f:
+                return json.load(f).get("template", "plain")
+        except (OSError, ValueError):
+            pass
+    return "plain"
+
+
+# ---------------------------------------------------------------------------------------------
+# The model, and one batch: train_small's step up to its update
+# ---------------------------------------------------------------------------------------------
+def load_model(args, train_rows):
+    """(model, tokenizer, where it came from): --model through train_small.load_base_model, else train_small's
+    default warm start through train_small.load_warm_start (cached in --cache-dir)."""
+    import train_small
+
+    flags = ["--seed", str(args.seed), "--task", args.task, "--train-size", str(args.train_size), "--cache-dir", args.cache_dir]
+    ts = train_small.check_args(train_small.parse_args(flags + (["--model", args.model] if args.model else [])))
+    if args.model:
+        model, tokenizer = train_small.load_base_model(ts)  # a folder: AutoModelForCausalLM, fp32, left padding
+        return model, tokenizer, args.model
+    model, tokenizer, info = train_small.load_warm_start(ts, train_rows)
+    return model, tokenizer, f"{info['path']} (train_small's default warm start{', cached' if info.get('cached') else ''})"
+
+
+def one_batch(model, tokenizer, grader, train_rows, b, args):
+    """Batch b: train_small's step --step with --rl-seed SEED + b, through token selection, and the gradients."""
+    import random
+
+    import torch
+
+    import d3s
+    import train_small
+
+    seed, step, P, G = args.seed + b, args.step, args.prompts_per_step, args.group_size
+    torch.manual_seed(train_small.step_seed(seed, step))
+    problems = random.Random(train_small.step_seed(seed, step)).sample(train_rows, min(P, len(train_rows)))
+    P = len(problems)
+    batch = train_small.rollout(model, tokenizer, [train_small.format_prompt(r["problem"], args.template) for r in problems],
+                                G, args.max_new_tokens, args.temperature)
+    rewards = train_small.compute_rewards(grader, batch["texts"], [r["answer"] for r in problems for _ in range(G)]).view(P, G)
+    keep, adv = d3s.select_samples(rewards, args.n_keep, args.method,
+                                   generator=torch.Generator().manual_seed(train_small.step_seed(seed, step, 1)))
+    kept_rows = keep.view(-1).nonzero().squeeze(-1)
+    kept = train_small.take_rows(batch, kept_rows)
+    kept_adv = adv.view(-1)[kept_rows]
+    out = {"problems": problems, "rewards": rewards, "keep": keep, "kept_rows": kept_rows, "kept": kept,
+           "kept_adv": kept_adv, "texts": batch["texts"]}
+    if not len(kept_rows):  # dapo-filter on a batch without spread: nothing forwarded
+        out.update(entropy=torch.zeros(0, 0), scores=torch.zeros(0, 0), token_keep=torch.zeros(0, 0, dtype=torch.bool),
+                   grads=None)
+        return out
+
+    logp, entropy = train_small.forward_logprobs_entropy(model, kept, args.temperature)  # with grad, as mini-batch 1
+    mask = kept["response_mask"]
+    score_gen = torch.Generator().manual_seed(train_small.step_seed(seed, step, 2))  # train_small's stream for rule random/adv
+    scores = d3s.token_scores(kept_adv, entropy, rule=args.token_rule, generator=score_gen)
+    token_keep = d3s.select_tokens(scores, mask, args.k_frac, scope=args.token_scope)
+    rand_keeps = []  # the reference: --random-draws random selections of as many tokens, each a stream of its own
+    for d in range(args.random_draws):
+        rand_gen = torch.Generator().manual_seed(train_small.step_seed(seed, step, 3 + d))
+        rand_keeps.append(d3s.select_tokens(d3s.token_scores(kept_adv, entropy, rule="random", generator=rand_gen), mask,
+                                            args.k_frac, scope=args.token_scope))
+        assert int(rand_keeps[-1].sum()) == int(token_keep.sum()), (int(rand_keeps[-1].sum()), int(token_keep.sum()))
+
+    params = [q for q in model.parameters() if q.requires_grad]
+    old = logp.detach()  # on-policy: ratio 1
+
+    def grad(m):
+        loss, _ = d3s.policy_loss(logp, old, kept_adv, m, kind="grpo", agg="token-mean")
+        g = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+        return torch.cat([(x if x is not None else torch.zeros_like(q)).reshape(-1) for x, q in zip(g, params)]).double()
+
+    n_all, n_sel = int(mask.sum()), int(token_keep.sum())
+    g_all, g_sel, g_rand = grad(mask), grad(token_keep), [grad(m) for m in rand_keeps]
+    n_drop = n_all - n_sel
+    g_drop = (n_all * g_all - n_sel * g_sel) / n_drop if n_drop else None  # summed gradients add
+    out.update(entropy=entropy, scores=scores, token_keep=token_keep,
+               grads={"n_all": n_all, "n_sel": n_sel, "all": g_all, "sel": g_sel, "rand": g_rand, "drop": g_drop})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Token classes and the measures
+# ---------------------------------------------------------------------------------------------
+def token_classes(pieces, is_eos):
+    """The class of each token of one response (CLASSES; see the module docstring), from the decoded text of
+    each token alone (pieces) and whether it is a stop token."""
+    text_pieces = ["" if e else s for s, e in zip(pieces, is_eos)]
+    starts, pos = [], 0
+    for s in text_pieces:
+        starts.append(pos)
+        pos += len(s)
+    text = "".join(text_pieces)
+    boxed = []  # [start, end) of every "\boxed{" of the response
+    i = text.find(BOXED)
+    while i >= 0:
+        boxed.append((i, i + len(BOXED)))
+        i = text.find(BOXED, i + 1)
+    classes = []
+    for s, e, start in zip(pieces, is_eos, starts):
+        core = s.strip(" ")
+        if e:
+            classes.append("eos")
+        elif s and any(a <= start and start + len(s) <= z for a, z in boxed):
+            classes.append("format")
+        elif core == "" and s:
+            classes.append("format")  # spaces
+        elif core.isdigit() and core.isascii():
+            classes.append("digit")
+        elif set(core) <= OPERATORS:
+            classes.append("operator")
+        elif set(core) <= FORMAT_CHARS:
+            classes.append("format")
+        else:
+            classes.append("other")
+    return classes
+
+
+def collect_tokens(out, tokenizer, eos_ids):
+    """One record per response token of the kept rollouts: (selected, H, |A|, score, t / L, class, position bin)."""
+    records = []
+    kept, token_keep = out["kept"], out["token_keep"]
+    for r in range(len(out["kept_rows"])):
+        n = int(kept["response_mask"][r].sum())
+        ids = kept["response_ids"][r, :n].tolist()
+        pieces = [tokenizer.decode([t]) for t in ids]
+        classes = token_classes(pieces, [t in eos_ids for t in ids])
+        a = abs(float(out["kept_adv"][r]))
+        for t in range(n):
+            records.append({"sel": bool(token_keep[r, t]), "H": float(out["entropy"][r, t]), "absA": a,
+                            "score": float(out["scores"][r, t]), "pos": t / n, "cls": classes[t],
+                            "bin": min(int(t / n * BINS), BINS - 1)})
+    return records
+
+
+def mean(xs):
+    return sum(xs) / len(xs) if xs else None
+
+
+def mean_or_none(xs):
+    """The mean of the values that are not None (None if there is none)."""
+    return mean([x for x in xs if x is not None])
+
+
+def fmt(x, spec=".3f"):
+    return "–" if x is None else format(x, spec)
+
+
+def cosine(a, b):
+    if a is None or b is None:
+        return None
+    na, nb = float(a.norm()), float(b.norm())
+    return float(a @ b) / (na * nb) if na > 0 and nb > 0 else None
+
+
+def ratio(a, b):
+    if a is None or b is None:
+        return None
+    nb = float(b.norm())
+    return float(a.norm()) / nb if nb > 0 else None
+
+
+def gradient_row(grads):
+    """The gradient measures of one batch (the columns of table 4)."""
+    if grads is None:
+        return None
+    n_all, n_sel = grads["n_all"], grads["n_sel"]
+    sel = ratio(grads["sel"], grads["all"])
+    rand = mean_or_none([ratio(g, grads["all"]) for g in grads["rand"]])  # the mean over the random draws
+    drop = ratio(grads["drop"], grads["all"])
+    return {"n_all": n_all, "n_sel": n_sel, "cos_sel": cosine(grads["sel"], grads["all"]),
+            "cos_rand": mean_or_none([cosine(g, grads["all"]) for g in grads["rand"]]),
+            "cos_drop": cosine(grads["drop"], grads["all"]),
+            "cos_sel_drop": cosine(grads["sel"], grads["drop"]),
+            "ratio_sel": sel, "ratio_rand": rand,
+            "sum_sel": None if sel is None else sel * n_sel / n_all,
+            "sum_rand": None if rand is None else rand * n_sel / n_all,
+            "sum_drop": None if drop is None else drop * (n_all - n_sel) / n_all}
+
+
+# ---------------------------------------------------------------------------------------------
+# The report
+# ---------------------------------------------------------------------------------------------
+def table_tokens(records):
+    groups = {"selected": [x for x in records if x["sel"]], "dropped": [x for x in records if not x["sel"]],
+              "dropped, A != 0": [x for x in records if not x["sel"] and x["absA"] > 0], "all": records}
+    total = max(len(records), 1)
+    rows = [("tokens", lambda g: str(len(g))), ("share of the tokens", lambda g: f"{len(g) / total:.3f}"),
+            ("entropy H, mean", lambda g: fmt(mean([x["H"] for x in g]))),
+            ("entropy H, median", lambda g: fmt(statistics.median([x["H"] for x in g]) if g else None)),
+            ("\\|A\\|, mean", lambda g: fmt(mean([x["absA"] for x in g]))),
+            ("share with A = 0", lambda g: fmt(mean([float(x["absA"] == 0) for x in g]))),
+            ("score \\|A\\| * H, mean", lambda g: fmt(mean([x["score"] for x in g]))),
+            ("relative position t / L, mean", lambda g: fmt(mean([x["pos"] for x in g])))]
+    lines = ["| | " + " | ".join(groups) + " |", "|---" * (len(groups) + 1) + "|"]
+    for name, f in rows:
+        lines.append(f"| {name} | " + " | ".join(f(g) for g in groups.values()) + " |")
+    return "\n".join(lines)
+
+
+def table_position(records):
+    sel, drop = [x for x in records if x["sel"]], [x for x in records if not x["sel"]]
+    lines = ["| t / L | share of the selected | share of the dropped | tokens | share of the bin selected |",
+             "|---|---|---|---|---|"]
+    for k in range(BINS):
+        in_bin = [x for x in records if x["bin"] == k]
+        lines.append(f"| [{k / BINS:.1f}, {(k + 1) / BINS:.1f}) | {fmt(mean([float(x['bin'] == k) for x in sel]))} | "
+                     f"{fmt(mean([float(x['bin'] == k) for x in drop]))} | {len(in_bin)} | "
+                     f"{fmt(mean([float(x['sel']) for x in in_bin]))} |")
+    return "\n".join(lines)
+
+
+def class_shares(records):
+    """{class: (share among selected, among dropped, among dropped A != 0, share of the class selected, count)}."""
+    sel, drop = [x for x in records if x["sel"]], [x for x in records if not x["sel"]]
+    drop_a = [x for x in drop if x["absA"] > 0]
+    out = {}
+    for c in CLASSES:
+        of_class = [x for x in records if x["cls"] == c]
+        out[c] = (mean([float(x["cls"] == c) for x in sel]), mean([float(x["cls"] == c) for x in drop]),
+                  mean([float(x["cls"] == c) for x in drop_a]), mean([float(x["sel"]) for x in of_class]), len(of_class))
+    return out
+
+
+def table_classes(records):
+    shares = class_shares(records)
+    lines = ["| class | share of the selected | share of the dropped | share of the dropped, A != 0 | tokens | "
+             "share of the class selected |", "|---|---|---|---|---|---|"]
+    for c, (s, d, da, k, n) in shares.items():
+        lines.append(f"| {c} | {fmt(s)} | {fmt(d)} | {fmt(da)} | {n} | {fmt(k)} |")
+    return "\n".join(lines)
+
+
+def table_gradient(rows):
+    keys = ("cos_sel", "cos_rand", "cos_drop", "cos_sel_drop", "ratio_sel", "ratio_rand", "sum_sel", "sum_rand", "sum_drop")
+    head = ["batch", "tokens (all)", "selected", "cos(sel, all)", "cos(rand, all)", "cos(drop, all)", "cos(sel, drop)",
+            "‖sel‖ / ‖all‖ (per token)", "‖rand‖ / ‖all‖ (per token)", "sum ‖sel‖ / ‖all‖", "sum ‖rand‖ / ‖all‖",
+            "sum ‖drop‖ / ‖all‖"]
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for b, row in enumerate(rows):
+        if row is None:
+            lines.append(f"| {b} | 0 | 0 | " + " | ".join("–" for _ in keys) + " |")
+            continue
+        lines.append(f"| {b} | {row['n_all']} | {row['n_sel']} | " + " | ".join(fmt(row[k], ".4f") for k in keys) + " |")
+    done = [r for r in rows if r is not None]
+    if len(done) > 1:
+        cells = []
+        for k in keys:
+            vals = [r[k] for r in done if r[k] is not None]
+            cells.append("–" if not vals else f"{mean(vals):.4f} ± {statistics.stdev(vals):.4f}" if len(vals) > 1
+                         else f"{vals[0]:.4f}")
+        lines.append(f"| mean ± std | {mean([r['n_all'] for r in done]):.0f} | {mean([r['n_sel'] for r in done]):.0f} | "
+                     + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def report(args, source, command, batches, records, grad_rows, seconds):
+    rewards = [float(o["rewards"].mean()) for o in batches]
+    spread = [float((o["rewards"].amax(-1) > o["rewards"].amin(-1)).float().mean()) for o in batches]
+    kept = [len(o["kept_rows"]) for o in batches]
+    n_sel = sum(x["sel"] for x in records)
+    lines = [f"# Which tokens are dropped? `{command}`", "",
+             f"Model: {source}. Method {args.method} at step {args.step} of {args.steps}: N = {args.n_keep} of G = "
+             f"{args.group_size} per prompt, K = {args.k_frac:g}{' (--k)' if args.k is not None else ''}, token rule "
+             f"{args.token_rule}, scope {args.token_scope}. {args.batches} batch(es) of P x G = {args.prompts_per_step} x "
+             f"{args.group_size} rollouts (train_small's step {args.step} with --rl-seed {args.seed}.."
+             f"{args.seed + args.batches - 1}), task {args.task}, template {args.template}, temperature "
+             f"{args.temperature:g}, max {args.max_new_tokens} new tokens. {seconds:.0f} s, {time.strftime('%Y-%m-%d %H:%M %Z')}.",
+             "",
+             f"Train reward per batch: {', '.join(f'{r:.3f}' for r in rewards)}; groups with spread: "
+             f"{', '.join(f'{s:.2f}' for s in spread)}; kept rollouts: {', '.join(map(str, kept))}. Response tokens of "
+             f"the kept rollouts: {len(records)}, of which {n_sel} selected ({n_sel / max(len(records), 1):.3f}) and "
+             f"{len(records) - n_sel} dropped.", "",
+             "## 1. Selected and dropped tokens", "", table_tokens(records), "",
+             "## 2. Relative position in the response", "", table_position(records), "",
+             "## 3. Character class", "", table_classes(records), "",
+             "## 4. Gradient share (on-policy, GRPO token-mean loss, all parameters)", "",
+             "`‖x‖ / ‖all‖` divides the norms of the token-mean gradients, each normalised by its own token count: the "
+             "mean gradient per token (a mean over fewer tokens cancels less, so a random selection's is above 1 too). `sum` "
+             "multiplies that by n_sel / n_all (n_drop / n_all): the un-normalised (summed) gradients. "
+             f"Each random selection has as many tokens as the selected one; the rand columns are the mean of "
+             f"{args.random_draws} draws.", "",
+             table_gradient(grad_rows), ""]
+    return "\n".join(lines)
+
+
+def explain_page(args, command, out, tokenizer, eos_ids):
+    """The worked example of batch 0 (markdown)."""
+    kept, token_keep = out["kept"], out["token_keep"]
+    G = args.group_size
+    lines = [f"# Worked example: which tokens of a rollout D3S keeps (`{command}`)", "",
+             f"Batch 0: train_small's step {args.step} with --rl-seed {args.seed}, method {args.method}, N = {args.n_keep} of "
+             f"{G}, K = {args.k_frac:g} over all {int(kept['response_mask'].sum()) if len(out['kept_rows']) else 0} response "
+             f"tokens of the {len(out['kept_rows'])} kept rollouts. Selected tokens are in [[ ]] (consecutive ones share a "
+             "pair); H is the entropy of the policy at that token (nats), score = |A| * H.", ""]
+    candidates = [r for r in range(len(out["kept_rows"])) if bool(token_keep[r].any())]
+    if not candidates:
+        return "\n".join(lines + ["No kept rollout has a selected token in this batch.", ""])
+    adv = out["kept_adv"]
+    shown = sorted({max(candidates, key=lambda r: float(adv[r])), min(candidates, key=lambda r: float(adv[r]))},
+                   key=lambda r: -float(adv[r]))
+    for r in shown:
+        flat = int(out["kept_rows"][r])
+        problem = out["problems"][flat // G]
+        n = int(kept["response_mask"][r].sum())
+        ids = kept["response_ids"][r, :n].tolist()
+        pieces = [tokenizer.decode([t]) for t in ids]
+        is_eos = [t in eos_ids for t in ids]
+        classes = token_classes(pieces, is_eos)
+        sel = token_keep[r, :n].tolist()
+        marked, open_ = "", False
+        for piece, s, e in zip(pieces, sel, is_eos):
+            piece = "<EOS>" if e else piece
+            if s and not open_:
+                marked += "[["
+            if not s and open_:
+                marked += "]]"
+            open_ = s
+            marked += piece
+        marked += "]]" if open_ else ""
+        lines += [f"## Rollout {flat % G} of prompt {flat // G}: reward {float(out['rewards'].view(-1)[flat]):g}, "
+                  f"A = {float(adv[r]):+.3f}, {sum(sel)} of {n} tokens selected", "",
+                  "Problem: `" + problem["problem"].replace("`", "'") + f"` (answer {problem['answer']})", "",
+                  "```", marked, "```", "",
+                  "| t | token | class | H | score | selected |", "|---|---|---|---|---|---|"]
+        for t in range(min(n, SHOWN_TOKENS)):
+            piece = pieces[t]
+            token = ("EOS" if is_eos[t] else "(space)" if piece == " " else repr(piece) if not piece.strip() or not
+                     piece.isprintable() else piece.replace("|", "\\|").replace("`", "'"))
+            lines.append(f"| {t} | `{token}` | {classes[t]} | {float(out['entropy'][r, t]):.3f} | "
+                         f"{float(out['scores'][r, t]):.3f} | {'**yes**' if sel[t] else ''} |")
+        if n > SHOWN_TOKENS:
+            lines.append(f"| ... | ({n - SHOWN_TOKENS} more) | | | | |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)  # every flag, before any model or data work
+    import torch
+    from tqdm import tqdm
+
+    import train_small
+    from mathtask import Grader, stop_token_ids
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    command = " ".join(["python bench/dropped_tokens.py"] + list(argv))
+    t0 = time.time()
+    train_rows = train_small.TASKS[args.task](args.train_size, "train", seed=args.seed)
+    try:
+        model, tokenizer, source = load_model(args, train_rows)
+    except train_small.UsageError as e:
+        print(f"{PROG}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        sys.exit(2)
+    eos_ids = set(stop_token_ids(tokenizer, model.generation_config))
+    batches, records, grad_rows = [], [], []
+    with Grader(timeout_s=args.grade_timeout) as grader:
+        for b in tqdm(range(args.batches), desc=f"{args.method} step {args.step}", dynamic_ncols=True):
+            out = one_batch(model, tokenizer, grader, train_rows, b, args)
+            if out["grads"] is not None:
+                records += collect_tokens(out, tokenizer, eos_ids)
+            grad_rows.append(gradient_row(out["grads"]))
+            out["grads"] = None  # the flat gradients are not kept
+            batches.append(out if b == 0 else {k: out[k] for k in ("rewards", "kept_rows")})
+    text = report(args, source, command, batches, records, grad_rows, time.time() - t0)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    if args.explain_out:
+        with open(args.explain_out, "w") as f:
+            f.write(explain_page(args, command, batches[0], tokenizer, eos_ids))
+
+
+if __name__ == "__main__":
+    main()
