@@ -224,7 +224,8 @@ def main():
                         "grad_norm": stats["grad_norm"], "loss": stats["loss"], "n_keep": stats["n_keep"],
                         "k_frac": stats["k_frac"], "kept_tokens": stats["kept_tokens"], "updates": stats["updates"],
                         "clip_frac_by_minibatch": stats["clip_frac_by_minibatch"], "k_real": stats["k_real"],
-                        "sur": stats["sur"], "kept_samples": stats["kept_samples"], "kl_ref": stats["kl_ref"], "rank_tokens_max": stats["rank_tokens_max"],
+                        "sur": stats["sur"], "kept_samples": stats["kept_samples"], "kl_ref": stats["kl_ref"],
+                        "rank_tokens_max": stats["rank_tokens_max"],
                           "rank_tokens_min": stats["rank_tokens_min"]}
     result["resume"] = check_resume(cli, dist_, tokenizer, rollouts, mine, cli.workdir)
     result["nonfinite"] = check_nonfinite_skip(cli, dist_, tokenizer, rollouts, mine)
