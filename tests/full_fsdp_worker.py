@@ -42,7 +42,15 @@ def make_rollouts(vocab_size, seed=0):
 # name -> (method, loss, mini-batches, lr): on-policy GRPO, and M = 2 (the second optimizer step off-policy;
 # GSPO with a larger lr, so that the policy moves past its 3e-4/4e-4 clip range in one step)
 CONFIGS = {"grpo": ("grpo", "grpo", 1, 1e-4), "grpo-m2": ("grpo", "grpo", 2, 1e-4), "d3s-m2": ("d3s", "grpo", 2, 1e-4),
-           "d3s-m2-unbalanced": ("d3s", "grpo", 2, 1e-4), "gspo-d3s-i-m2": ("d3s-i", "gspo", 2, 1e-1)}
+           "d3s-m2-unbalanced": ("d3s", "grpo", 2, 1e-4), "gspo-d3s-i-m2": ("d3s-i", "gspo", 2, 1e-1),
+           "dapo-filter-m2": ("dapo-filter", "grpo", 2, 1e-4), "dapo-filter-k-m2": ("dapo-filter-k", "grpo", 2, 1e-4)}
+
+# check_dapo_filter's three steps on the same rollouts, (name, rewards [P, G], load balance). Rank r holds groups
+# 2r, 2r + 1 (2 ranks). "one-rank": only rank 0's groups have spread and the kept rollouts stay home, so rank 1
+# trains no row (its FSDP collectives run on dummy rows); "empty": no group has spread on any rank, nothing is
+# kept (no forward, no optimizer step); "mixed": REWARDS (groups 0, 1, 3), spread over both ranks.
+DAPO_STEPS = (("one-rank", torch.tensor([[1.0, 0, 0, 0], [1, 1, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]]), False),
+              ("empty", torch.ones(P, G), True), ("mixed", REWARDS, True))
 
 
 def trainer_args(model_dir, method, loss="grpo", mini_batches=1, lr=1e-4):
@@ -160,6 +168,32 @@ def check_kl_schedule(cli, dist_, tokenizer, rollouts, mine):
     return result
 
 
+def check_dapo_filter(cli, dist_, tokenizer, rollouts, mine):
+    """dapo-filter and dapo-filter-k, M = 2, over DAPO_STEPS (steps 1-3 of one run, AdamW): each step's
+    metrics and whether the weights moved (after step 1, AdamW's moments are non-zero: an optimizer step
+    on a zero gradient would still move them)."""
+    out = {}
+    for method in ("dapo-filter", "dapo-filter-k"):
+        args = trainer_args(cli.model, method, mini_batches=2)
+        model = fsdp_vllm.load_policy(args, dist_)
+        optimizer = fsdp_vllm.make_optimizer(model, args)
+        steps = []
+        for step, (name, rewards, balance) in enumerate(DAPO_STEPS, start=1):
+            args.load_balance = balance
+            before = full_params(model)
+            stats, details = train_full.train_step(model, optimizer, rollouts[mine], rewards[mine], step, args, dist_,
+                                                   tokenizer.pad_token_id)
+            after = full_params(model)
+            steps.append({"name": name, "keep": details["keep"], "moved": max(float((after[n] - before[n]).abs().max())
+                                                                            for n in before),
+                          **{k: stats[k] for k in ("kept_samples", "sur", "groups_mixed", "n_keep", "k_frac", "k_real",
+                                                   "kept_tokens", "fwd_tokens", "updates", "skipped", "loss",
+                                                   "grad_norm", "clip_frac_by_minibatch", "rank_tokens_min",
+                                                   "rank_tokens_max")}})
+        out[method] = steps
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
@@ -190,12 +224,14 @@ def main():
                         "grad_norm": stats["grad_norm"], "loss": stats["loss"], "n_keep": stats["n_keep"],
                         "k_frac": stats["k_frac"], "kept_tokens": stats["kept_tokens"], "updates": stats["updates"],
                         "clip_frac_by_minibatch": stats["clip_frac_by_minibatch"], "k_real": stats["k_real"],
-                        "sur": stats["sur"], "kl_ref": stats["kl_ref"], "rank_tokens_max": stats["rank_tokens_max"],
+                        "sur": stats["sur"], "kept_samples": stats["kept_samples"], "kl_ref": stats["kl_ref"],
+                        "rank_tokens_max": stats["rank_tokens_max"],
                           "rank_tokens_min": stats["rank_tokens_min"]}
     result["resume"] = check_resume(cli, dist_, tokenizer, rollouts, mine, cli.workdir)
     result["nonfinite"] = check_nonfinite_skip(cli, dist_, tokenizer, rollouts, mine)
     result["pass1_skip"] = check_pass1_skip(cli, dist_, tokenizer, rollouts, mine)
     result["kl_schedule"] = check_kl_schedule(cli, dist_, tokenizer, rollouts, mine)
+    result["dapo_filter"] = check_dapo_filter(cli, dist_, tokenizer, rollouts, mine)
     if dist_.is_main:
         torch.save(result, cli.out)
     dist.barrier()

@@ -301,3 +301,36 @@ def test_a_sigkill_while_a_checkpoint_is_written_then_resume_continues_as_the_un
     assert [r["step"] for r in lines(killed)] == [1, 2, 3]
     assert lines(killed) == lines(whole)
     assert sorted(os.listdir(killed / "checkpoints")) == ["step_000001", "step_000002", "step_000003"]
+
+
+@pytest.mark.parametrize("method", ["dapo-filter", "dapo-filter-k"])
+def test_the_dapo_filter_on_rewards_without_spread_keeps_nothing_and_leaves_the_weights(cli, files, tmp_path, method):
+    """train_full.py --method dapo-filter(-k) through main(): the tiny untrained model's 8-token answers
+    hold no \\boxed{} (reward 0 for every rollout), so no group has spread on either step. Each metrics
+    line says nothing was kept and no optimizer step was made; the run still syncs, checkpoints, writes
+    its explain pages and exports hf_final/, with the initial weights: an AdamW step would have moved
+    them even on a zero gradient, by its decoupled weight decay (lr x 0.1 of each weight). (Steps that
+    keep rollouts, and 2 FSDP ranks: tests/test_full_fsdp.py.)"""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "run"
+    result = cli(base(files, str(out)) + ["--method", method, "--steps", "2", "--mini-batches", "2",
+                                          "--explain-every", "1", "--weight-decay", "0.1", "--lr", "1e-2"])
+    assert result["code"] == 0, result
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    records = [r for r in records if r["kind"] == "train"]
+    assert [r["step"] for r in records] == [1, 2]
+    k_frac = [1.0, 1.0] if method == "dapo-filter" else [0.05, 0.125]  # K 0.05 -> 0.20 over 2 steps: p = 0, 1/2
+    for r, k in zip(records, k_frac):
+        assert r["reward_mean"] == 0.0 and r["groups_mixed"] == 0.0  # the premise: no group with spread
+        assert r["kept_samples"] == 0 and r["sur"] == 0.0 and r["kept_tokens"] == r["fwd_tokens"] == 0
+        assert r["updates"] == 0 and r["skipped"] is False and r["loss"] is None and r["grad_norm"] is None
+        assert r["train_tokens"] == r["pass1_tokens"] == 0 and r["gen_tokens"] > 0  # generated, nothing trained
+        assert r["n_keep"] == 4 and r["k_frac"] == pytest.approx(k)
+    assert (out / "checkpoints" / "step_000002").is_dir()
+    assert [p.name for p in sorted((out / "explain").glob("*.html"))] == ["step_000001.html", "step_000002.html"]
+    start = load_file(os.path.join(files["model"], "model.safetensors"))
+    final = load_file(str(out / "hf_final" / "model.safetensors"))
+    assert set(final) <= set(start) and len(final) > 0
+    for name, tensor in final.items():
+        assert torch.equal(tensor, start[name].to(tensor.dtype)), name

@@ -130,6 +130,8 @@ def test_fsdp_two_ranks_keeps_the_same_rollouts_and_tokens_as_one_process(fsdp_r
         assert got["keep"][:2].sum() == 8 and got["keep"][2:].sum() == 4
         assert 0 < got["kept_tokens"] < ref["token_keep"].numel()
         assert abs(got["k_real"] - got["k_frac"]) * ref["token_keep"].sum() / got["k_real"] < 1.0  # within one token
+    if name.startswith("dapo-filter"):  # groups 0, 1 and 3 have spread: 3 x G rollouts, each with A != 0
+        assert got["kept_samples"] == 3 * worker.G == int(got["keep"].sum()) and got["sur"] == 1.0
 
 
 @pytest.mark.parametrize("name", CONFIGS)
@@ -227,3 +229,42 @@ def test_the_kl_measured_on_its_schedule_equals_the_kl_measured_every_step(fsdp_
             assert a == b
     for param in every["params"]:
         assert torch.equal(every["params"][param], scheduled["params"][param]), param
+
+
+@pytest.mark.parametrize("method", ["dapo-filter", "dapo-filter-k"])
+def test_the_dapo_filter_keeps_the_groups_with_spread_and_a_step_with_none_makes_no_optimizer_step(fsdp_result, method):
+    """DAPO's filter (--method dapo-filter, dapo-filter-k; M = 2, AdamW) over three steps of one run
+    (worker.DAPO_STEPS): the metrics line counts G x the groups with spread, all with A != 0 (sur 1);
+    on the step whose groups all have equal rewards nothing is kept and no optimizer step is made,
+    although AdamW's moments from step 1 would move the weights on any step; no rank hangs on a step
+    where it trains no row (one-rank) or no rank does (empty)."""
+    steps = {s["name"]: s for s in fsdp_result["dapo_filter"][method]}
+    assert list(steps) == [name for name, _, _ in worker.DAPO_STEPS]
+    for name, rewards, _ in worker.DAPO_STEPS:
+        got = steps[name]
+        spread = rewards.amax(-1) > rewards.amin(-1)  # [P]: the groups whose rewards are not all equal
+        assert torch.equal(got["keep"], spread.unsqueeze(1).expand(worker.P, worker.G)), name  # whole groups
+        assert got["kept_samples"] == worker.G * int(spread.sum()), name
+        assert got["groups_mixed"] == pytest.approx(float(spread.float().mean()))
+        assert got["n_keep"] == worker.G and got["skipped"] is False
+        if spread.any():
+            assert got["sur"] == 1.0 and got["kept_tokens"] > 0
+            assert got["updates"] == 2 and len(got["clip_frac_by_minibatch"]) == 2  # one optimizer step per mini-batch
+            assert got["loss"] is not None and got["grad_norm"] > 0 and got["moved"] > 5e-5
+        else:  # nothing kept: no forward, no optimizer step, the weights exactly as before
+            assert got["sur"] == 0.0 and got["kept_tokens"] == got["fwd_tokens"] == 0
+            assert got["updates"] == 0 and got["clip_frac_by_minibatch"] == []
+            assert got["loss"] is None and got["grad_norm"] is None
+            assert got["moved"] == 0.0 and got["rank_tokens_max"] == 0
+        if method == "dapo-filter":
+            assert got["k_frac"] == 1.0 and got["kept_tokens"] == got["fwd_tokens"]  # every token, as GRPO
+        else:  # D3S's token level on K's schedule (K 0.3 -> 0.5 over 4 steps), within one token of K
+            step = list(steps).index(name) + 1
+            assert got["k_frac"] == pytest.approx(d3s.method_budget(method, step - 1, worker.STEPS, worker.G, 2, 4, 0.3,
+                                                                    0.5)[1])
+            if got["fwd_tokens"]:
+                assert 0 < got["kept_tokens"] < got["fwd_tokens"]
+                assert abs(got["kept_tokens"] - got["k_frac"] * got["fwd_tokens"]) < 1.0
+    if RANKS == 2:  # one-rank: rank 1's groups have no spread and --no-load-balance keeps the rows home
+        assert steps["one-rank"]["rank_tokens_min"] == 0 < steps["one-rank"]["rank_tokens_max"]
+        assert steps["mixed"]["rank_tokens_min"] > 0  # balanced: both ranks train

@@ -12,12 +12,16 @@ What they check:
   - d3s_method="grpo" is TRL's GRPOTrainer: rewards, loss and parameters after 3 steps agree;
   - d3s and d3s-i keep the rollouts d3s.select_samples keeps and the tokens d3s.select_tokens
     keeps, given the same rewards and the logits of a plain forward (d3s.token_entropy);
+  - dapo-filter and dapo-filter-k keep the groups with spread, whole (d3s/kept_rollouts = G x their count);
+    with no group with spread nothing is kept and the weights stay, but an empty step after one with
+    signal still moves them by AdamW's momentum (TRL's loop always steps the optimizer);
   - gradient accumulation (pass 1 + pass 2) gives the update of one micro-batch;
   - two processes (torchrun, gloo) keep the same global set, and update the same, as one;
   - misconfigurations stop before training with one error naming the field;
   - the "Use D3S from TRL" example in docs/trl.md runs.
 """
 
+import math
 import os
 import re
 import socket
@@ -84,12 +88,12 @@ def dataset():
     return Dataset.from_dict({"prompt": PROMPTS})
 
 
-def run(trainer_cls, config, model_dir):
+def run(trainer_cls, config, model_dir, reward=None):
     from trl_worker import parity_reward
 
     model, tokenizer = load(model_dir)
     torch.manual_seed(0)
-    trainer = trainer_cls(model=model, processing_class=tokenizer, reward_funcs=parity_reward, args=config,
+    trainer = trainer_cls(model=model, processing_class=tokenizer, reward_funcs=reward or parity_reward, args=config,
                           train_dataset=dataset())
     trainer.train()
     return trainer
@@ -168,6 +172,99 @@ def test_kept_rollouts_and_tokens_are_d3s_py_selections(tiny_model_dir, tmp_path
             width = got[r].shape[0]  # the trainer cut the completion columns no kept row uses
             assert not ref[width:].any() and torch.equal(got[r], ref[:width]), (step, r)
         assert sum(int(m.sum()) for m in got.values()) == sum(int(t.sum()) for t in tokens.values()) > 0
+
+
+def spread_groups(rewards):
+    """[P] bool: the groups (of num_generations = 4) whose rewards are not all equal."""
+    rewards = rewards.view(-1, 4)
+    return rewards.amax(-1) > rewards.amin(-1)
+
+
+@needs_trl
+@pytest.mark.parametrize("method", ["dapo-filter", "dapo-filter-k"])
+def test_the_dapo_filter_trains_on_every_rollout_of_the_groups_with_spread(tiny_model_dir, tmp_path, method):
+    """d3s_method="dapo-filter" (every token) and "dapo-filter-k" (+ D3S's top K), 3 steps, rewards with
+    spread in some groups only (half_flat_reward): the kept rollouts are exactly the groups with spread,
+    whole; the logged d3s/kept_rollouts is G x their count, every kept rollout has A != 0, and the loss
+    sees the kept rows only, with the tokens d3s.select_tokens keeps."""
+    import d3s
+    from trl_worker import RecordingTrainer, half_flat_reward, kept_tokens_by_row, make_config
+
+    config = make_config(str(tmp_path / "out"), d3s_method=method, max_steps=3)
+    trainer = run(RecordingTrainer, config, tiny_model_dir, reward=half_flat_reward)
+    logs = train_logs(trainer)
+    assert len(trainer.batches) == len(logs) == 3
+    partial = 0
+    for batch, log in zip(trainer.batches, logs):
+        step, spread = batch["step"], spread_groups(batch["rewards"])
+        n_keep, k_frac = d3s.method_budget(method, step, 3, 4, config.n_init, config.n_final, config.k_init, config.k_final)
+        assert n_keep == 4 and batch["k_frac"] == k_frac and (k_frac == 1.0) == (method == "dapo-filter")
+        assert torch.equal(batch["d3s_keep"], spread.repeat_interleave(4))  # whole groups (one process: rows in order)
+        partial += 0 < int(spread.sum()) < len(spread)
+        assert log["d3s/kept_rollouts"] == 4 * int(spread.sum()) and log["d3s/n_keep"] == 4
+        assert log["d3s/k_frac"] == pytest.approx(k_frac)
+        assert log["d3s/sample_usefulness_rate"] == (1.0 if spread.any() else 0.0)
+        keep, adv, tokens = reference_selection(batch, method, n_keep, tiny_model_dir)
+        assert torch.equal(batch["d3s_keep"], keep) and torch.allclose(batch["advantages"], adv, atol=1e-6)
+        got = {r: m for (s, r), m in kept_tokens_by_row(trainer).items() if s == step}
+        assert set(got) == set(tokens) == set(keep.nonzero().view(-1).tolist())  # the loss saw the kept rows only
+        for r, ref in tokens.items():
+            width = got[r].shape[0]
+            assert not ref[width:].any() and torch.equal(got[r], ref[:width]), (step, r)
+        n_selected = sum(int(t.sum()) for t in tokens.values())
+        assert log["d3s/kept_tokens"] == n_selected
+        if method == "dapo-filter":  # every token of the kept rollouts, as GRPO
+            assert log["d3s/k_realised"] == (1.0 if spread.any() else 0.0)
+    assert partial >= 1  # some step dropped some groups and kept others (half the prompts reward 0 throughout)
+
+
+@needs_trl
+@pytest.mark.parametrize("method", ["dapo-filter", "dapo-filter-k"])
+def test_the_dapo_filter_without_spread_keeps_nothing_and_leaves_the_weights(tiny_model_dir, tmp_path, method):
+    """Every reward 1 (flat_reward): no group has spread, nothing is kept on any step. TRL's loop still
+    calls optimizer.step() (integrations/trl.py cannot skip it): each process forwards one dummy row with
+    a zero loss, so every gradient is exactly 0, and AdamW with weight_decay 0 and moments still at 0
+    moves no weight (m = v = 0: the step is 0 / (0 + eps)). The weights stay bit for bit."""
+    from trl_worker import flat_reward, make_config
+
+    from integrations.trl import D3SGRPOTrainer
+
+    trainer = run(D3SGRPOTrainer, make_config(str(tmp_path / "out"), d3s_method=method, max_steps=2), tiny_model_dir,
+                  reward=flat_reward)
+    logs = train_logs(trainer)
+    assert len(logs) == 2 and trainer.args.weight_decay == 0.0
+    for log in logs:
+        assert log["d3s/kept_rollouts"] == 0 and log["d3s/kept_tokens"] == 0 and log["d3s/forwarded_tokens"] == 0
+        assert log["d3s/sample_usefulness_rate"] == 0.0 and log["reward_std"] == 0.0
+        assert log["loss"] == 0.0 and log["grad_norm"] == 0.0
+    initial, _ = load(tiny_model_dir)
+    assert max_param_diff(trainer.model, initial) == 0.0
+    states = list(trainer.optimizer.state.values())
+    assert states and all(int(st["step"]) == 2 for st in states)  # the optimizer did step, twice ...
+    assert all(not st["exp_avg"].any() and not st["exp_avg_sq"].any() for st in states)  # ... on zero moments
+
+
+@needs_trl
+def test_an_empty_dapo_filter_step_after_a_step_with_signal_still_moves_the_weights_by_adams_momentum(tiny_model_dir,
+                                                                                                         tmp_path):
+    """What integrations/trl.py does NOT do (train_full.py and train_small.py do): skip the optimizer step
+    when nothing is kept. Step 1 has spread (parity), step 2 none (signal_then_flat_reward): step 2's
+    gradient is exactly 0, but TRL's loop calls AdamW's step, whose moments from step 1 move each weight
+    by lr x m^ / sqrt(v^) = 0.67 lr (beta1 0.9, beta2 0.999; any weight whose step-1 gradient is well above
+    eps). So in TRL an empty step is an update on stale momentum (docs/trl.md, "DAPO's filter")."""
+    from trl_worker import RecordingTrainer, make_config, signal_then_flat_reward
+
+    trainer = run(RecordingTrainer, make_config(str(tmp_path / "out"), d3s_method="dapo-filter", max_steps=2),
+                  tiny_model_dir, reward=signal_then_flat_reward)
+    first, second = train_logs(trainer)
+    assert first["d3s/kept_rollouts"] > 0 and first["grad_norm"] > 0
+    assert second["d3s/kept_rollouts"] == 0 and second["grad_norm"] == 0.0 and second["loss"] == 0.0
+    after_step_1 = trainer.batches[1]["weights"]  # what generated step 2's rollouts
+    final = trainer.model.state_dict()
+    moved = max(float((final[k] - after_step_1[k]).abs().max()) for k in final)
+    beta1, beta2 = trainer.args.adam_beta1, trainer.args.adam_beta2  # Adam's step 2 on g = 0 after g_1 on step 1:
+    adam = beta1 * (1 - beta1) / (1 - beta1**2) / math.sqrt(beta2 * (1 - beta2) / (1 - beta2**2))  # m^ / sqrt(v^)
+    assert moved == pytest.approx(trainer.args.learning_rate * adam, rel=1e-3)  # 0.67 lr where |g_1| >> eps
 
 
 @needs_trl

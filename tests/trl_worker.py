@@ -33,6 +33,22 @@ def parity_reward(completions, **kwargs):
     return [float(sum(ord(ch) % 2 for ch in c) % 2) for c in completions]
 
 
+def half_flat_reward(prompts, completions, **kwargs):
+    """parity_reward on the prompts whose first operand is odd, 0 on the others: their groups have no spread
+    (DAPO's filter drops them), the others have spread unless all 4 rollouts share a parity (1 in 8)."""
+    return [parity_reward([c])[0] if int(p[0]) % 2 else 0.0 for p, c in zip(prompts, completions)]
+
+
+def flat_reward(completions, **kwargs):
+    """1 for every rollout: no group has spread."""
+    return [1.0] * len(completions)
+
+
+def signal_then_flat_reward(completions, trainer_state, **kwargs):
+    """parity_reward on the first step (global_step 0), flat_reward after it."""
+    return parity_reward(completions) if trainer_state.global_step == 0 else flat_reward(completions)
+
+
 def make_config(out, config_class=D3SGRPOConfig, **overrides):
     """A small CPU config: 4 prompts x 4 rollouts per step, 8 new tokens, plain fp32 AdamW.
     config_class=trl.GRPOConfig gives the same run without the D3S fields (TRL's own trainer)."""
