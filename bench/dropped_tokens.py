@@ -5,9 +5,10 @@ Question 6 of issue 18 (reviewer 3): do the tokens D3S masks out carry less info
 re-implemented) on --batches B fresh batches and compares the response tokens of the kept rollouts that the
 token level selects with the ones it drops.
 
-    .venv/bin/python bench/dropped_tokens.py --model runs/cache/warmstart-4028f0221846   # train_small's default
-                                                    # warm start, d3s at step 1 of 100 (N 4 of 16, K 5%), 4 batches
-    .venv/bin/python bench/dropped_tokens.py        # the same warm start, built (minutes) or loaded from runs/cache
+    .venv/bin/python bench/dropped_tokens.py        # train_small's default warm start, built (minutes) or loaded
+                                                    # from runs/cache; d3s at step 1 of 100 (N 4 of 16, K 5%), 4 batches
+    .venv/bin/python bench/dropped_tokens.py --model runs/cache/warmstart-4028f0221846   # a cached warm start
+                                                    # (this one: --sft-shortcut 0.5, the run of docs/dropped_tokens.md)
     .venv/bin/python bench/dropped_tokens.py --model runs/small/final --step 100 --out runs/dropped.md \\
         --explain-out runs/dropped_example.md
     .venv/bin/python bench/dropped_tokens.py --model M --method d2s --token-rule entropy     # another row or rule
