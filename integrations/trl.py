@@ -24,6 +24,9 @@ section 6):
   5 loss      d3s.policy_loss on the selected tokens; the normalizer (selected tokens of the
               optimizer batch, summed over processes) is fixed before the backward, so the number
               of processes and gradient accumulation do not change the update
+  6 step      none where no process selected a token in the whole optimizer step (DAPO's filter
+              with no group with spread), as in train_full.py and train_small.py: the optimizer's
+              step returns at once, so AdamW's momentum does not move the weights on a zero gradient
 
 With gradient accumulation (an optimizer step over several micro-batches), step 4 needs the
 entropies of the whole optimizer batch before the first backward: a no-grad forward of the kept
@@ -56,6 +59,7 @@ the TRL versions in SUPPORTED_TRL and refuses others (D3S_TRL_ALLOW_UNTESTED=1 o
 
 import os
 import sys
+import types
 import warnings
 from dataclasses import dataclass, field
 
@@ -222,6 +226,7 @@ class D3SGRPOTrainer(GRPOTrainer):
         if not isinstance(config, D3SGRPOConfig):
             raise TypeError(f"D3SGRPOTrainer(args=...): got {type(config).__name__}; pass a D3SGRPOConfig "
                             "(GRPOConfig plus d3s_method, n_init, n_final, k_init, k_final, ...)")
+        self._d3s_nothing_selected = False  # set per optimizer step by _normalizer, read by the optimizer's step
         super().__init__(*args, **kwargs)
         self._d3s_rewards_per_func = None
 
@@ -318,6 +323,8 @@ class D3SGRPOTrainer(GRPOTrainer):
         else:
             local = (token_keep if self.args.normalize_by == "selected" else mask.bool()).sum()
         totals = self.accelerator.reduce(torch.stack([local, token_keep.sum(), mask.bool().sum()]).float(), "sum")
+        if self.model.training:  # the same global count on every process: all step, or all skip (create_optimizer)
+            self._d3s_nothing_selected = bool(totals[1] == 0)
         return max(float(totals[0]), 1.0), float(totals[1]), float(totals[2])
 
     def _prepare_inputs(self, generation_batch):
@@ -423,3 +430,21 @@ class D3SGRPOTrainer(GRPOTrainer):
         if self.beta != 0.0 and not dummy:
             metrics["kl"].append(stats["kl"])
         return loss
+
+    # -- 6 step: none when no process selected a token ------------------------------------------
+    def create_optimizer(self, model=None):
+        """TRL's optimizer, whose step returns without stepping when no token of the optimizer step
+        was selected on any process (_normalizer's global count; called once per optimizer step).
+        The gradient is then exactly 0, but AdamW would still move the weights by its momentum
+        (and weight decay); train_full.py and train_small.py make no step there either. The loop
+        goes on as usual: zero_grad, the lr schedule and global_step advance (the step counts)."""
+        optimizer = super().create_optimizer(model)
+        step = optimizer.step
+
+        def skip_if_nothing_selected(opt, *args, **kwargs):
+            skip, self._d3s_nothing_selected = self._d3s_nothing_selected, False
+            return None if skip else step(*args, **kwargs)
+
+        # a bound method, as torch's LR scheduler expects when it wraps step (it reads __func__)
+        optimizer.step = types.MethodType(skip_if_nothing_selected, optimizer)
+        return optimizer

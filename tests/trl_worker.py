@@ -10,10 +10,12 @@ Recorded per generation batch, in global row order (row r = process i's row j wi
 the rewards of all rollouts, the kept mask and advantages, the prompt/completion tensors; per
 loss call, the global row ids of the kept rows and the token mask d3s.policy_loss received.
 With --seeded-generation each rollout is sampled alone, seeded by (step, global row), so one and
-two processes draw the very same rollouts and the selections can be compared.
+two processes draw the very same rollouts and the selections can be compared. --flat-rows STEP:START:END
+gives global rows START..END-1 of that step reward 1 (no spread: DAPO's filter drops their groups).
 """
 
 import argparse
+import copy
 import os
 import sys
 
@@ -67,6 +69,7 @@ class RecordingTrainer(D3SGRPOTrainer):
     """D3SGRPOTrainer that keeps what each step selected (see the module docstring)."""
 
     seeded_generation = False
+    flat_rows = {}  # {global_step: (start, end)}: these global rows get reward 1 on that step
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -86,13 +89,21 @@ class RecordingTrainer(D3SGRPOTrainer):
                 completions.append(out[:end])
         return completions, None
 
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)  # [B_global, n_funcs]
+        if self.state.global_step in self.flat_rows:  # rows in process order: process i's are [i * B, (i + 1) * B)
+            start, end = self.flat_rows[self.state.global_step]
+            rewards[start:end] = 1.0
+        return rewards
+
     def _generate_and_score_completions(self, inputs):
         weights = {k: v.detach().clone() for k, v in self.model.state_dict().items()}  # what generated and is scored
+        adam = copy.deepcopy(self.optimizer.state_dict()["state"]) if self.optimizer is not None else {}  # AdamW's, too
         output = super()._generate_and_score_completions(inputs)
         B = output["completion_ids"].shape[0]
         output["row_id"] = torch.arange(B) + self.accelerator.process_index * B  # global row, follows the shuffle
         self.batches.append({
-            "step": self.state.global_step, "rewards": self._global_rewards(), "weights": weights,
+            "step": self.state.global_step, "rewards": self._global_rewards(), "weights": weights, "adam": adam,
             "k_frac": float(output["d3s_k_frac"]), "row_id": output["row_id"].clone(),
             **{k: output[k].detach().clone() for k in ("prompt_ids", "prompt_mask", "completion_ids",
                                                         "completion_mask", "advantages", "d3s_keep")}})
@@ -134,6 +145,8 @@ def main(argv=None):
     p.add_argument("--method", default="d3s")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--rows-per-process", type=int, default=16, help="per_device_train_batch_size")
+    p.add_argument("--flat-rows", nargs="*", default=[], metavar="STEP:START:END",
+                   help="global rows START..END-1 of step STEP get reward 1")
     args = p.parse_args(argv)
 
     from datasets import Dataset
@@ -145,6 +158,8 @@ def main(argv=None):
     config = make_config(os.path.join(os.path.dirname(args.out), "trainer"), max_steps=args.steps,
                          per_device_train_batch_size=args.rows_per_process, d3s_method=args.method)
     RecordingTrainer.seeded_generation = True
+    RecordingTrainer.flat_rows = {int(step): (int(start), int(end))
+                                  for step, start, end in (spec.split(":") for spec in args.flat_rows)}
     trainer = RecordingTrainer(model=model, processing_class=tokenizer, reward_funcs=parity_reward, args=config,
                                train_dataset=Dataset.from_dict({"prompt": PROMPTS}))
     trainer.train()
@@ -155,11 +170,15 @@ def main(argv=None):
     completions = {(b["step"], r): c[m.bool()].tolist() for b in trainer.batches
                    for r, c, m in zip(b["row_id"].tolist(), b["completion_ids"], b["completion_mask"])}
     tokens = {key: m.tolist() for key, m in kept_tokens_by_row(trainer).items()}
-    gathered = gather_object([{"keep": keep, "completions": completions, "tokens": tokens}])
+    mine = {"params": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
+            "adam_steps": sorted({int(st["step"]) for st in trainer.optimizer.state.values()})}  # [] if it never stepped
+    gathered = gather_object([{"keep": keep, "completions": completions, "tokens": tokens, "process": mine}])
     if trainer.accelerator.is_main_process:
         merged = {name: {k: v for part in gathered for k, v in part[name].items()} for name in ("keep", "completions", "tokens")}
         merged["rewards"] = [b["rewards"] for b in trainer.batches]
         merged["params"] = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+        merged["per_process"] = [part["process"] for part in gathered]  # params and AdamW's step counts of each
+        merged["weights_before"] = [b["weights"] for b in trainer.batches]  # before each step's generation
         merged["processes"] = trainer.accelerator.num_processes
         merged["log_history"] = trainer.state.log_history
         torch.save(merged, args.out)
