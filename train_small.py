@@ -667,7 +667,7 @@ def train_step(model, ref_model, optimizer, tokenizer, grader, train_rows, step,
     metrics = step_metrics(step, batch, rewards, keep, adv, n_keep, k_frac, kept, update, grader)
     metrics["kl_ref_all"] = kl_all
     metrics.update(gen_s=round(gen_s, 3), reward_s=round(reward_s, 3), train_s=round(time.time() - t1, 3),
-                   pass1_s=round(update["pass1_s"], 3))  # train_s: selection + pass 1 + the M updates
+                   pass1_s=round(update["pass1_s"], 3))  # train_s: selection, kl_ref_all, pass 1, the M updates
     if explain_dir is not None:
         write_explain_page(explain_dir, step, tokenizer, problems, batch, rewards, keep, adv, kept_rows, n_keep,
                            k_frac, update, metrics, args)
