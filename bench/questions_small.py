@@ -1,8 +1,20 @@
-"""bench/questions_small.py: the tiny rung's answers to questions 4 and 5 of docs/questions.md, read
+"""bench/questions_small.py: the tiny rung's answers to the questions of docs/questions.md, read
 from the metrics.jsonl of `train_small.py --compare` runs (it runs nothing itself).
 
     .venv/bin/python bench/questions_small.py --question 4 --runs runs/ladder2              # d2s vs d3s
     .venv/bin/python bench/questions_small.py --question 5 --runs runs/q5_small/unaligned --base d3s-i --rows d3s
+    .venv/bin/python bench/questions_small.py --question 7 --runs runs \
+        --rows ladder2/grpo,ladder2/d1s-cross,q7_small/dapo-filter@ladder2/d1s-cross,ladder2/d3s,q7_small/dapo-filter-k@ladder2/d3s
+
+Questions 1, 2, 3 and 7 compare rows run in different --compare folders from the same warm start
+and RL seeds, so a row is a METHOD folder's path under --runs, and rows pair seed by seed:
+  final    held-out Pass@1 (mean of n) at the last step, mean ± std over seeds
+  − ref    the same-seed difference to the row's reference (ROW@REF, else --base, else the first
+           row), mean [95% t interval]; ≠ marks an interval that excludes 0 as printed
+  run mean held-out Pass@1 averaged over the eval steps after 0: a speed measure that leaves no seed out
+  to GRPO  the first step at which the row's Pass@1 reaches the same seed's --grpo row's final,
+           interpolated between evals; the mean over the seeds that get there (their count)
+  tokens   tokens trained (the loss's kept tokens) per run, in thousands
 
 Question 4 (does the schedule prevent overfitting?), per method and eval step, means over seeds:
   train    the train reward (reward_mean) over the --window steps up to the eval step: the policy on
@@ -41,10 +53,15 @@ def fail(message):
 
 def parse_args(argv=None):
     p = _cli.Parser(prog=PROG, description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--question", type=int, choices=(4, 5), required=True)
-    p.add_argument("--runs", required=True, help="a train_small.py --compare --out folder (METHOD/seedS/metrics.jsonl)")
-    p.add_argument("--rows", default="d2s,d3s", help="methods to report (question 4), or to pair with --base (question 5)")
-    p.add_argument("--base", default="d3s-i", help="question 5: the row the others are paired with")
+    p.add_argument("--question", type=int, choices=(1, 2, 3, 4, 5, 7), required=True)
+    p.add_argument("--runs", required=True, help="a train_small.py --compare --out folder (METHOD/seedS/metrics.jsonl); "
+                   "questions 1, 2, 3, 7: the folder the --rows paths start from")
+    p.add_argument("--rows", default=None, help="question 4: methods to report (default d2s,d3s); question 5: methods to pair "
+                   "with --base (default d3s); questions 1, 2, 3, 7: METHOD folders under --runs, each ROW or ROW@REF")
+    p.add_argument("--base", default=None, help="question 5: the method the others are paired with (default d3s-i); "
+                   "questions 1, 2, 3, 7: the reference of rows without @REF (default: the first row)")
+    p.add_argument("--grpo", default=None, help="questions 1, 2, 3, 7: the row whose final Pass@1 'to GRPO' counts the "
+                   "steps to (default: the first row named .../grpo)")
     p.add_argument("--window", type=int, default=10, help="question 4: train steps averaged up to each eval step")
     p.add_argument("--spike", type=float, default=3.0, help="question 5: a spike is grad_norm > this x the median of the 10 steps before")
     p.add_argument("--out", default=None, help="also write the markdown here")
@@ -57,19 +74,27 @@ def parse_args(argv=None):
             p.error(f"{flag} {value}: must be a number > 0")
     _cli.check_out_file(p, "--out", args.out)
     _cli.check_out_file(p, "--plot", args.plot)
-    for flag, value in (("--rows", args.rows), ("--base", args.base)):
-        if not value.strip() or any(not m.strip() for m in value.split(",")):
-            p.error(f"{flag} {value!r}: name methods, comma-separated (e.g. d2s,d3s)")
+    table = args.question in (1, 2, 3, 7)
+    if args.rows is None:
+        if table:
+            p.error(f"--question {args.question} needs --rows: METHOD folders under --runs, e.g. ladder2/grpo,ladder2/d3s")
+        args.rows = "d2s,d3s" if args.question == 4 else "d3s"
+    if args.base is None and args.question == 5:
+        args.base = "d3s-i"
+    for flag, value in (("--rows", args.rows), ("--base", args.base), ("--grpo", args.grpo)):
+        if value is not None and (not value.strip() or any(not m.strip() for m in value.split(","))):
+            p.error(f"{flag} {value!r}: name " + ("METHOD folders under --runs, comma-separated (e.g. ladder2/grpo,ladder2/d3s)"
+                                                  if table else "methods, comma-separated (e.g. d2s,d3s)"))
     return args
 
 
-def load_runs(folder, method):
-    """[(train lines, eval lines)] per seed folder of OUT/method, in seed order."""
+def load_runs(folder, method, with_seeds=False):
+    """[(train lines, eval lines)] per seed folder of OUT/method, in seed order (and the seeds, if asked)."""
     base = os.path.join(folder, method)
     if not os.path.isdir(base):
         fail(f"--runs {folder}: no {method}/ in it; run train_small.py --compare with {method}, "
                               "or name the methods it has with --rows/--base")
-    runs = []
+    runs, seeds = [], []
     for seed in sorted((d for d in os.listdir(base) if d.startswith("seed") and d[4:].isdigit()), key=lambda d: int(d[4:])):
         path = os.path.join(base, seed, "metrics.jsonl")
         if not os.path.exists(path):
@@ -77,9 +102,10 @@ def load_runs(folder, method):
         with open(path) as f:
             lines = [json.loads(line) for line in f if line.strip()]
         runs.append(([x for x in lines if x["kind"] == "train"], [x for x in lines if x["kind"] == "eval"]))
+        seeds.append(int(seed[4:]))
     if not runs:
         fail(f"--runs {folder}: {method}/ holds no seed*/metrics.jsonl")
-    return runs
+    return (runs, seeds) if with_seeds else runs
 
 
 def mean(values):
@@ -200,9 +226,82 @@ def question5(args):
     return lines
 
 
+def steps_to(evals, target):
+    """The first step at which held-out Pass@1 reaches `target`, interpolated linearly between evals; None if never."""
+    points = [(e["step"], e["eval_pass1_mean"]) for e in evals]
+    for (s0, p0), (s1, p1) in zip(points, points[1:]):
+        if p1 >= target:
+            return s0 + (s1 - s0) * (target - p0) / (p1 - p0) if p0 < target else s0
+    return None
+
+
+def row_numbers(runs):
+    """{seed: (final Pass@1, mean Pass@1 over the evals after step 0, kept tokens, evals)} of one row."""
+    data, seeds = runs
+    return {seed: (evals[-1]["eval_pass1_mean"], mean([e["eval_pass1_mean"] for e in evals if e["step"] > 0]),
+                   sum(t.get("kept_tokens") or 0 for t in train), evals) for (train, evals), seed in zip(data, seeds)}
+
+
+def question_table(args):
+    """Questions 1, 2, 3, 7: rows from any --compare folders, paired seed by seed with their reference."""
+    from toy.bandit import excludes_zero, paired_interval
+
+    specs = [r.split("@", 1) for r in args.rows.split(",")]
+    rows = [(spec[0], spec[1] if len(spec) > 1 else (args.base or specs[0][0])) for spec in specs]
+    grpo = args.grpo or next((r for r, _ in rows if os.path.basename(r.rstrip("/")) == "grpo"), None)
+    names = list(dict.fromkeys([r for r, _ in rows] + [ref for _, ref in rows] + ([grpo] if grpo else [])))
+    numbers = {name: row_numbers(load_runs(args.runs, name, with_seeds=True)) for name in names}
+
+    def paired(row, ref, i):
+        seeds = [s for s in numbers[row] if s in numbers[ref]]
+        d, lo, hi = paired_interval([numbers[row][s][i] - numbers[ref][s][i] for s in seeds])
+        mark = " **≠**" if excludes_zero(lo, hi, "%+.3f") else ""
+        return f"{d:+.3f} [{fmt(lo, '%+.3f')}, {fmt(hi, '%+.3f')}]{mark}" if seeds else "— (no common seed)"
+
+    lines = [f"Question {args.question} from `{args.runs}`: held-out Pass@1 (mean of n samples), mean ± std over seeds; "
+             "− ref: same-seed differences, mean [95% t interval], **≠** where it excludes 0"
+             + (f"; to GRPO: steps to `{grpo}`'s final on the same seed" if grpo else "") + ".", "",
+             "| row | seeds | final Pass@1 | − ref (95%) | mean Pass@1 over the run | − ref (95%) | steps to GRPO's final (seeds) "
+             "| tokens trained (k) | ref |", "|---|---|---|---|---|---|---|---|---|"]
+    for row, ref in rows:
+        n = numbers[row]
+        to_grpo = "—"
+        if grpo:
+            reached = [steps_to(n[s][3], numbers[grpo][s][0]) for s in n if s in numbers[grpo]]
+            reached = [x for x in reached if x is not None]
+            to_grpo = f"{mean_sd(reached, '%.0f')} ({len(reached)}/{len(n)})" if reached else f"– (0/{len(n)})"
+        same = row == ref
+        lines.append(f"| `{row}` | {len(n)} | {mean_sd([v[0] for v in n.values()])} | "
+                     f"{'(reference)' if same else paired(row, ref, 0)} | {mean_sd([v[1] for v in n.values()])} | "
+                     f"{'(reference)' if same else paired(row, ref, 1)} | {to_grpo} | "
+                     f"{mean([v[2] for v in n.values()]) / 1000:.1f} | `{ref}` |")
+    if args.plot:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+        for i, (row, _) in enumerate(rows):
+            runs, _seeds = load_runs(args.runs, row, with_seeds=True)
+            steps = [e["step"] for e in runs[0][1]]
+            ax1.plot(steps, [mean([next((e["eval_pass1_mean"] for e in ev if e["step"] == s), None) for _, ev in runs])
+                             for s in steps], "-o", ms=3, color=f"C{i % 10}", label=row)
+            length = min(len(tr) for tr, _ in runs)
+            per_step = [mean([tr[j].get("kept_tokens") or 0 for tr, _ in runs]) for j in range(length)]
+            smooth = [mean(per_step[max(0, j - 4):j + 1]) for j in range(length)]  # the mean of the last 5 steps
+            ax2.plot([tr["step"] for tr in runs[0][0][:length]], smooth, "-", color=f"C{i % 10}", label=row)
+        ax1.set(xlabel="RL step", ylabel="held-out Pass@1 (mean of n)", title="held-out Pass@1, mean over seeds")
+        ax2.set(xlabel="RL step", ylabel="tokens trained per step", title="tokens in the loss (mean of the last 5 steps)",
+                yscale="log")
+        ax1.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=110)
+    return lines
+
+
 def main(argv=None):
     args = parse_args(argv)
-    lines = question4(args) if args.question == 4 else question5(args)
+    lines = {4: question4, 5: question5}.get(args.question, question_table)(args)
     text = "\n".join(lines) + "\n"
     print(text, end="")
     if args.out:

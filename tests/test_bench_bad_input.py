@@ -138,7 +138,10 @@ QUESTIONS_TOY = [
 
 QUESTIONS_SMALL = [
     (["--question", "4"], "the following arguments are required: --runs"),
-    (["--question", "6", "--runs", "{dir}"], "--question 6: not a choice; choose from 4, 5"),
+    (["--question", "6", "--runs", "{dir}"], "--question 6: not a choice; choose from 1, 2, 3, 4, 5, 7"),
+    (["--question", "7", "--runs", "{dir}"], "--question 7 needs --rows: METHOD folders under --runs"),
+    (["--question", "1", "--runs", "{dir}", "--rows", "a/d3s"], "--runs {dir}: no a/d3s/ in it"),
+    (["--question", "2", "--runs", "{dir}", "--rows", "a/d3s,,b"], "--rows 'a/d3s,,b': name METHOD folders under --runs"),
     (["--question", "4", "--runs", "{missing}"], "--runs {missing}: not a folder"),
     (["--question", "4", "--runs", "{dir}"], "--runs {dir}: no d2s/ in it"),
     (["--question", "5", "--runs", "{dir}", "--spike", "nan"], "--spike nan: must be a number > 0"),

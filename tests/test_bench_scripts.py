@@ -74,6 +74,36 @@ def test_questions_small_reads_the_gap_the_kl_and_the_spikes_from_compare_runs(t
     assert "| d3s | 3 | 0.3 ± 0.6 | 4.0 ± 5.2 | 0.0200 ± 0.0000 | 0.510 ± 0.010 | +0.000" in out, out
 
 
+
+def test_questions_small_pairs_rows_from_different_compare_folders_seed_by_seed(tmp_path):
+    """Questions 1, 2, 3, 7: rows are METHOD folders under --runs, each paired with its reference (ROW@REF, else
+    --base, else the first row) over the seeds both have; 'to GRPO' interpolates between evals."""
+    _fake_runs(tmp_path / "a", "grpo", [0, 1, 2])  # final 0.50, 0.51, 0.52; Pass@1 0.4 at step 0
+    _fake_runs(tmp_path / "a", "d3s", [0, 1, 2])
+    for seed, finals in ((0, (0.45, 0.53)), (1, (0.46, 0.55)), (2, (0.47, 0.57)), (3, (0.9, 0.9))):  # seed 3: unpaired
+        d = tmp_path / "b" / "d3s" / f"seed{seed}"
+        d.mkdir(parents=True)
+        lines = [{"kind": "eval", "step": 0, "eval_pass1_mean": 0.4}]
+        lines += [{"kind": "train", "step": s, "kept_tokens": 100} for s in range(1, 21)]
+        lines += [{"kind": "eval", "step": 10, "eval_pass1_mean": finals[0]},
+                  {"kind": "eval", "step": 20, "eval_pass1_mean": finals[1]}]
+        (d / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = run("questions_small.py", "--question", "1", "--runs", str(tmp_path), "--rows", "a/grpo,b/d3s@a/d3s,b/d3s",
+              "--plot", str(tmp_path / "q1.png"))
+    rows = {line.split("|")[1].strip(" `") + "|" + line.split("|")[-2].strip(" `"): [c.strip() for c in line.split("|")[2:-1]]
+            for line in out.splitlines() if line.startswith("| `")}
+    assert rows["a/grpo|a/grpo"][:2] == ["3", "0.510 ± 0.010"] and rows["a/grpo|a/grpo"][2] == "(reference)"
+    # b/d3s against a/d3s (final 0.50 + 0.01 s): +0.03, +0.04, +0.05 -> +0.040, an interval that excludes 0
+    assert rows["b/d3s|a/d3s"][0] == "4" and rows["b/d3s|a/d3s"][2].startswith("+0.040 [") and "**≠**" in rows["b/d3s|a/d3s"][2]
+    # the mean over the run (steps 10 and 20): b 0.490, 0.505, 0.520 against a 0.500, 0.510, 0.520 -> -0.005
+    assert rows["b/d3s|a/d3s"][4].startswith("-0.005 [")
+    # to grpo's final (0.50, 0.51, 0.52 by seed): between steps 10 and 20, at 10 + 10 * (0.50 - 0.45) / 0.08 = 16.25,
+    # 10 + 10 * 0.05 / 0.09 = 15.6, 10 + 10 * 0.05 / 0.10 = 15; seed 3 has no grpo run
+    assert rows["b/d3s|a/d3s"][5] == "16 ± 1 (3/4)" and rows["b/d3s|a/d3s"][6] == "2.0"
+    assert rows["b/d3s|a/grpo"][2].startswith("+0.040 [")  # no @REF: the first row
+    assert (tmp_path / "q1.png").exists()
+
+
 DROPPED_SMALL = ["--prompts-per-step", "2", "--group-size", "4", "--n-init", "2", "--n-final", "4", "--max-new-tokens", "12",
                  "--batches", "1", "--train-size", "50", "--random-draws", "2"]
 
