@@ -281,7 +281,7 @@ def question_table(args):
         import matplotlib.pyplot as plt
 
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
-        for i, (row, _) in enumerate(rows):
+        for i, row in enumerate(dict.fromkeys(r for r, _ in rows)):  # a row paired with two references: one curve
             runs, _seeds = load_runs(args.runs, row, with_seeds=True)
             steps = [e["step"] for e in runs[0][1]]
             ax1.plot(steps, [mean([next((e["eval_pass1_mean"] for e in ev if e["step"] == s), None) for _, ev in runs])
