@@ -24,7 +24,8 @@ Question 4 (does the schedule prevent overfitting?), per method and eval step, m
   KL all   kl_ref_all at the nearest step that measured it: KL to the warm start on every response token
   KL sel   kl_ref: the same on the row's selected tokens (what the paper's figure compares)
 Question 5 (does cross-group selection destabilise?), per method, means ± std over seeds:
-  spikes   steps whose grad_norm exceeds --spike x the median of the 10 steps before it
+  spikes   steps whose grad_norm exceeds --spike x the median of the 10 steps before it (steps with no
+           signal, grad_norm 0 or null, are left out of both)
   max/med  the largest such ratio of the run
   KL end   kl_ref_all at the last step
   final    held-out Pass@1 (mean of n) at the last step; paired difference to --base with a 95% t interval
@@ -195,8 +196,8 @@ def spikes(train, ratio):
     norms = [t["grad_norm"] for t in train]
     count, worst = 0, 0.0
     for i in range(10, len(norms)):
-        before = [n for n in norms[i - 10:i] if n is not None]
-        if norms[i] is None or not before:
+        before = [n for n in norms[i - 10:i] if n]  # a step with no signal (all A = 0) has norm 0 or none: left out
+        if not norms[i] or not before:
             continue
         r = norms[i] / max(statistics.median(before), 1e-12)
         worst = max(worst, r)
@@ -223,6 +224,25 @@ def question5(args):
             diff = f"{d:+.3f} [{fmt(lo, '%+.3f')}, {fmt(hi, '%+.3f')}]"
         lines.append(f"| {m} | {len(data[m])} | {mean_sd([s[0] for s in sp], '%.1f')} | {mean_sd([s[1] for s in sp], '%.1f')} | "
                      f"{mean_sd(kl_end, '%.4f')} | {mean_sd(final[m])} | {diff} |")
+    if args.plot:  # one thin line per seed: the gradient norm (spikes show as jumps) and the KL on all tokens
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+        for i, m in enumerate(methods):
+            for j, (train, _) in enumerate(data[m]):
+                label = m if j == 0 else None
+                ax1.plot([t["step"] for t in train], [t["grad_norm"] or float("nan") for t in train], "-", lw=0.7, alpha=0.6,
+                         color=f"C{i}", label=label)  # a step with no signal (norm 0 or none) is a gap
+                kl = [(t["step"], t["kl_ref_all"]) for t in train if t.get("kl_ref_all") is not None]
+                ax2.plot([k[0] for k in kl], [k[1] for k in kl], "-o", ms=3, lw=0.8, color=f"C{i}", label=label)
+        ax1.set(xlabel="RL step", ylabel="grad norm (before clipping)", yscale="log", title="gradient norm, one line per seed")
+        ax2.set(xlabel="RL step", ylabel="KL to the warm start, all tokens (k3)", title="KL on all response tokens")
+        ax1.legend(fontsize=7)
+        ax2.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=110)
     return lines
 
 

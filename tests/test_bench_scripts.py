@@ -70,10 +70,23 @@ def test_questions_small_reads_the_gap_the_kl_and_the_spikes_from_compare_runs(t
     out = run("questions_small.py", "--question", "4", "--runs", str(tmp_path), "--plot", str(tmp_path / "q4.png"))
     assert "| d3s | 20 | 0.610 | 0.510 | +0.100 | 0.02000 | 0.04000 |" in out, out
     assert "d3s − d2s in gap, same seed, 95% t interval over 3 seeds: +0.000" in out and (tmp_path / "q4.png").exists()
-    out = run("questions_small.py", "--question", "5", "--runs", str(tmp_path), "--rows", "d3s")
+    out = run("questions_small.py", "--question", "5", "--runs", str(tmp_path), "--rows", "d3s", "--plot", str(tmp_path / "q5.png"))
+    assert (tmp_path / "q5.png").exists()
     assert "| d3s | 3 | 0.3 ± 0.6 | 4.0 ± 5.2 | 0.0200 ± 0.0000 | 0.510 ± 0.010 | +0.000" in out, out
 
 
+
+def test_questions_small_spikes_leave_out_steps_without_signal():
+    """A step with no group with spread has grad_norm 0 (or null): it is neither a spike nor in the median, so a
+    normal step after a stretch of them is not counted as a spike over a median of 0."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import questions_small
+
+    train = lambda norms: [{"grad_norm": n} for n in norms]  # noqa: E731
+    assert questions_small.spikes(train([1.0] * 10 + [0.0] * 7 + [1.2, None, 1.1]), 3.0) == (0, 1.2)
+    assert questions_small.spikes(train([0.0] * 10 + [1.0]), 3.0) == (0, 0.0)  # nothing before it to compare with
+    count, worst = questions_small.spikes(train([1.0] * 10 + [0.0, 5.0, 1.0]), 3.0)
+    assert count == 1 and worst == 5.0
 
 def test_questions_small_pairs_rows_from_different_compare_folders_seed_by_seed(tmp_path):
     """Questions 1, 2, 3, 7: rows are METHOD folders under --runs, each paired with its reference (ROW@REF, else
