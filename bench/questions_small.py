@@ -213,17 +213,28 @@ def question5(args):
     final = {m: [evals[-1]["eval_pass1_mean"] for _, evals in data[m]] for m in methods}
     lines = [f"Question 5 from `{args.runs}`; spike: grad_norm > {args.spike:g} x the median of the 10 steps before; "
              "mean ± std over seeds.", "",
-             f"| method | seeds | spikes per run | largest grad_norm / median | KL all tokens at the end | final Pass@1 | − {args.base} [95% t] |",
-             "|---|---|---|---|---|---|---|"]
+             f"| method | seeds | spikes per run | largest grad_norm / median | KL all tokens at the end | final Pass@1 | − {args.base} [95% t] "
+             f"| spikes − {args.base} | KL − {args.base} |", "|---|---|---|---|---|---|---|---|---|"]
+    spike_counts = {m: [spikes(train, args.spike) for train, _ in data[m]] for m in methods}
+    kl_ends = {m: [next((t["kl_ref_all"] for t in reversed(train) if t.get("kl_ref_all") is not None), None) for train, _ in data[m]]
+               for m in methods}
+
+    def paired(a, b, spec):
+        pairs = [x - y for x, y in zip(a, b) if x is not None and y is not None]
+        if not pairs:
+            return "—"
+        d, lo, hi = paired_interval(pairs)
+        return f"{spec % d} [{fmt(lo, spec)}, {fmt(hi, spec)}]"
+
     for m in methods:
-        sp = [spikes(train, args.spike) for train, _ in data[m]]
-        kl_end = [next((t["kl_ref_all"] for t in reversed(train) if t.get("kl_ref_all") is not None), None) for train, _ in data[m]]
-        diff = "(reference)"
+        sp, kl_end = spike_counts[m], kl_ends[m]
+        diffs = ["(reference)"] * 3
         if m != args.base:
-            d, lo, hi = paired_interval([a - b for a, b in zip(final[m], final[args.base])])
-            diff = f"{d:+.3f} [{fmt(lo, '%+.3f')}, {fmt(hi, '%+.3f')}]"
+            diffs = [paired(final[m], final[args.base], "%+.3f"),
+                     paired([s[0] for s in sp], [s[0] for s in spike_counts[args.base]], "%+.1f"),
+                     paired(kl_end, kl_ends[args.base], "%+.4f")]
         lines.append(f"| {m} | {len(data[m])} | {mean_sd([s[0] for s in sp], '%.1f')} | {mean_sd([s[1] for s in sp], '%.1f')} | "
-                     f"{mean_sd(kl_end, '%.4f')} | {mean_sd(final[m])} | {diff} |")
+                     f"{mean_sd(kl_end, '%.4f')} | {mean_sd(final[m])} | {' | '.join(diffs)} |")
     if args.plot:  # one thin line per seed: the gradient norm (spikes show as jumps) and the KL on all tokens
         import matplotlib
         matplotlib.use("Agg")
