@@ -2,7 +2,7 @@
 from the metrics.jsonl of `train_small.py --compare` runs (it runs nothing itself).
 
     .venv/bin/python bench/questions_small.py --question 4 --runs runs/ladder2              # d2s vs d3s
-    .venv/bin/python bench/questions_small.py --question 5 --runs runs/q5_small/unaligned --base d3s-i --rows d3s
+    .venv/bin/python bench/questions_small.py --question 5 --runs runs/q5_small/sft200 --base d3s-i --rows d3s
     .venv/bin/python bench/questions_small.py --question 7 --runs runs \
         --rows ladder2/grpo,ladder2/d1s-cross,q7_small/dapo-filter@ladder2/d1s-cross,ladder2/d3s,q7_small/dapo-filter-k@ladder2/d3s
 
