@@ -125,6 +125,23 @@ def mean_sd(values, spec="%.3f"):
     return spec % mean(values) + ("" if len(values) < 2 else " ± " + spec % statistics.stdev(values))
 
 
+def two_panels():
+    """(figure, left axes, right axes): the side-by-side figure every question draws."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    return fig, ax1, ax2
+
+
+def save(fig, path, *legend_axes):
+    for ax in legend_axes:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def q4_curves(runs, window):
     """{eval step: (train reward, held-out pass1, gap, kl_ref_all, kl_ref)} means over seeds (eval steps > 0)."""
     out = {}
@@ -170,11 +187,7 @@ def question4(args):
             lines.append(f"At step {last}, {a} − {b} in {name}, same seed, 95% t interval over {len(d)} seeds: {fmt(m_, spec)} "
                          f"[{fmt(lo, spec)}, {fmt(hi, spec)}]")
     if args.plot:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+        fig, ax1, ax2 = two_panels()
         for i, m in enumerate(methods):
             steps = list(curves[m])
             color = f"C{i}"
@@ -184,10 +197,7 @@ def question4(args):
             ax2.plot(steps, [curves[m][s][4] for s in steps], ":x", color=color, label=f"{m} selected tokens")
         ax1.set(xlabel="RL step", ylabel="reward / Pass@1", title="train reward vs held-out")
         ax2.set(xlabel="RL step", ylabel="KL to the warm start (k3)", title="KL on all vs selected tokens", yscale="log")
-        ax1.legend(fontsize=7)
-        ax2.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=110)
+        save(fig, args.plot, ax1, ax2)
     return lines
 
 
@@ -236,11 +246,7 @@ def question5(args):
         lines.append(f"| {m} | {len(data[m])} | {mean_sd([s[0] for s in sp], '%.1f')} | {mean_sd([s[1] for s in sp], '%.1f')} | "
                      f"{mean_sd(kl_end, '%.4f')} | {mean_sd(final[m])} | {' | '.join(diffs)} |")
     if args.plot:  # one thin line per seed: the gradient norm (spikes show as jumps) and the KL on all tokens
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+        fig, ax1, ax2 = two_panels()
         for i, m in enumerate(methods):
             for j, (train, _) in enumerate(data[m]):
                 label = m if j == 0 else None
@@ -250,10 +256,7 @@ def question5(args):
                 ax2.plot([k[0] for k in kl], [k[1] for k in kl], "-o", ms=3, lw=0.8, color=f"C{i}", label=label)
         ax1.set(xlabel="RL step", ylabel="grad norm (before clipping)", yscale="log", title="gradient norm, one line per seed")
         ax2.set(xlabel="RL step", ylabel="KL to the warm start, all tokens (k3)", title="KL on all response tokens")
-        ax1.legend(fontsize=7)
-        ax2.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=110)
+        save(fig, args.plot, ax1, ax2)
     return lines
 
 
@@ -307,11 +310,7 @@ def question_table(args):
                      f"{'(reference)' if same else paired(row, ref, 1)} | {to_grpo} | "
                      f"{mean([v[2] for v in n.values()]) / 1000:.1f} | `{ref}` |")
     if args.plot:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+        fig, ax1, ax2 = two_panels()
         for i, row in enumerate(dict.fromkeys(r for r, _ in rows)):  # a row paired with two references: one curve
             runs, _seeds = load_runs(args.runs, row, with_seeds=True)
             steps = [e["step"] for e in runs[0][1]]
@@ -324,9 +323,7 @@ def question_table(args):
         ax1.set(xlabel="RL step", ylabel="held-out Pass@1 (mean of n)", title="held-out Pass@1, mean over seeds")
         ax2.set(xlabel="RL step", ylabel="tokens trained per step", title="tokens in the loss (mean of the last 5 steps)",
                 yscale="log")
-        ax1.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=110)
+        save(fig, args.plot, ax1)
     return lines
 
 
