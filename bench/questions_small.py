@@ -284,7 +284,8 @@ def question_table(args):
     rows = [(spec[0], spec[1] if len(spec) > 1 else (args.base or specs[0][0])) for spec in specs]
     grpo = args.grpo or next((r for r, _ in rows if os.path.basename(r.rstrip("/")) == "grpo"), None)
     names = list(dict.fromkeys([r for r, _ in rows] + [ref for _, ref in rows] + ([grpo] if grpo else [])))
-    numbers = {name: row_numbers(load_runs(args.runs, name, with_seeds=True)) for name in names}
+    loaded = {name: load_runs(args.runs, name, with_seeds=True) for name in names}
+    numbers = {name: row_numbers(loaded[name]) for name in names}
 
     def paired(row, ref, i):
         seeds = [s for s in numbers[row] if s in numbers[ref]]
@@ -312,7 +313,7 @@ def question_table(args):
     if args.plot:
         fig, ax1, ax2 = two_panels()
         for i, row in enumerate(dict.fromkeys(r for r, _ in rows)):  # a row paired with two references: one curve
-            runs, _seeds = load_runs(args.runs, row, with_seeds=True)
+            runs, _seeds = loaded[row]
             steps = [e["step"] for e in runs[0][1]]
             ax1.plot(steps, [mean([next((e["eval_pass1_mean"] for e in ev if e["step"] == s), None) for _, ev in runs])
                              for s in steps], "-o", ms=3, color=f"C{i % 10}", label=row)
