@@ -20,7 +20,8 @@ The file, top to bottom (the sections of docs/algorithm.md):
     3  token_entropy, TOKEN_RULES,           the second level: H per token, the score |A| * H,
        token_scores, select_tokens           keep the top K
     4  SCHEDULES, dynamic_schedule,          N and K at a step: the paper's linear curriculum (and four
-       method_budget                         other shapes, docs/questions.md); a row's budget
+       method_budget, INTRA_TWIN,            other shapes, docs/questions.md); a row's budget; the
+       spike_ratios, switch_to_intra         switch from cross- to intra-group samples (off by default)
     5  CLIP_DEFAULTS, DEFAULT_AGG, kl_k3,    the GRPO / GSPO clipped surrogate on the selected
        policy_loss                           tokens, with an optional k3 KL
 
@@ -60,6 +61,9 @@ __all__ = [
     "SCHEDULES",
     "dynamic_schedule",
     "method_budget",
+    "INTRA_TWIN",
+    "spike_ratios",
+    "switch_to_intra",
     "CLIP_DEFAULTS",
     "DEFAULT_AGG",
     "kl_k3",
@@ -554,6 +558,51 @@ def method_budget(method, step, total_steps, group_size, n_init=8, n_final=32, k
     _require(isinstance(n, int) and 1 <= n <= group_size, "n_keep", n,
              f"N counts rollouts kept per prompt and must be in [1, G={group_size}]; lower N or raise G")
     return n, (k if tokens else 1.0)
+
+
+# The switch rule (the paper's open question 1, docs/questions.md question 5; off by default): the
+# paper found cross-group D3S unstable from an unaligned start and D3S-I stable. A run that starts
+# cross-group can move to its intra-group twin, for good, at the first gradient-norm spike.
+INTRA_TWIN = {"d3s": "d3s-i", "d1s-cross": "d1s"}  # cross-group row -> the same row with samples "intra"
+
+
+def spike_ratios(grad_norms, window=10):
+    """Per step: its gradient norm / the median of the norms of the `window` steps before it. None where
+    there is no ratio: the first `window` steps, and a step with no signal (norm 0 or None: no group with
+    spread, nothing trained), which is also left out of the medians of later steps.
+
+    >>> spike_ratios([1.0, 2.0, 0.0, 1.0, 9.0], window=2)
+    [None, None, None, 0.5, 9.0]
+    """
+    _require(isinstance(window, int) and window >= 1, "window", window, "must be an int >= 1")
+    ratios = []
+    for i, g in enumerate(grad_norms):
+        before = sorted(x for x in grad_norms[max(0, i - window):i] if x)  # the steps with signal
+        if i < window or not g or not before:
+            ratios.append(None)
+            continue
+        h = len(before) // 2
+        median = before[h] if len(before) % 2 else (before[h - 1] + before[h]) / 2
+        ratios.append(g / max(median, 1e-12))
+    return ratios
+
+
+def switch_to_intra(method, grad_norms, ratio, window=10):
+    """The row this step runs under the switch rule. Rule: a cross-group row (d3s, d1s-cross) runs as its
+    intra-group twin (d3s-i, d1s) from the step after the first spike to the end: a step whose gradient
+    norm (before clipping) is over `ratio` x the median of the `window` steps before it (spike_ratios).
+    grad_norms: the norms of the steps taken so far, in order. ratio None or 0: off, the paper's method.
+    Any other row, or no spike yet: `method` itself. Pure: the same norms give the same row.
+
+    >>> switch_to_intra("d3s", [1.0] * 10 + [1.2], 3.0), switch_to_intra("d3s", [1.0] * 10 + [4.0], 3.0)
+    ('d3s', 'd3s-i')
+    """
+    if not ratio or method not in INTRA_TWIN:
+        return method
+    _require(math.isfinite(ratio) and ratio > 1, "ratio", ratio, "must be > 1 (a spike is a norm over ratio x its median); "
+             "0 or None turns the rule off")
+    spiked = any(r is not None and r > ratio for r in spike_ratios(list(grad_norms), window))
+    return INTRA_TWIN[method] if spiked else method
 
 
 # ---------------------------------------------------------------------------------------------

@@ -143,6 +143,10 @@ def parse_args(argv=None):
     a("--static-k", type=float, default=None, help="[choice] K of d2s (default: the schedule's midpoint, 0.125)")
     a("--token-scope", default="batch", choices=["batch", "sequence"], help="[choice] top-K over the whole batch of all "
       "ranks, or within each response")
+    a("--switch-on-spike", type=float, default=0.0, help="[choice] the switch rule (the paper's open question 1; "
+      "d3s.switch_to_intra): a cross-group row (d3s, d1s-cross) selects its samples within groups, as d3s-i and d1s do, "
+      "from the step after the first whose grad norm exceeds this x the median of the 10 steps before, to the end; "
+      "0: off, the paper's method (3: the spike of docs/questions.md, question 5)")
     a("--min-token-per-response", action="store_true", help="[choice] every kept response keeps at least its best token "
       "(off: the paper's plain top-K%%)")
     a("--loss-agg", default=None, choices=["token-mean", "seq-mean-token-mean"], help="[recipe] loss aggregation "
@@ -267,6 +271,8 @@ def check_args(args, world):
         ("--mini-batches", args.mini_batches, lambda v: v >= 1, "an int >= 1 (1 = on-policy)"),
         ("--micro-batch-size", args.micro_batch_size, lambda v: v >= 1, "an int >= 1 (rollouts per forward)"),
         ("--kl-coef", args.kl_coef, lambda v: 0 <= v < math.inf, "a finite number >= 0"),
+        ("--switch-on-spike", args.switch_on_spike, lambda v: v == 0 or 1 < v < math.inf, "0 (off) or a number > 1 "
+         "(a spike is a grad norm over this x its running median; 3 in docs/questions.md)"),
         ("--kl-every", args.kl_every, lambda v: v >= 0, "an int >= 0 (0 = never)"),
         ("--mlp-chunk-tokens", args.mlp_chunk_tokens, lambda v: v >= 0, "an int >= 0 (0 = the whole micro-batch at once)"),
         ("--temperature", args.temperature, lambda v: 0.01 <= v <= 100, "in [0.01, 100] (the loss divides the logits "
@@ -316,6 +322,10 @@ def check_args(args, world):
             if value is not None and value > args.group_size:
                 raise UsageError(f"{flag} {value}: more than --group-size {args.group_size} (N counts rollouts kept "
                                  f"per prompt); lower {flag} or raise --group-size")
+    if args.switch_on_spike and args.method not in d3s.INTRA_TWIN:
+        raise UsageError(f"--switch-on-spike {args.switch_on_spike:g}: moves a cross-group row to its intra-group twin "
+                         f"({', '.join(f'{a} -> {b}' for a, b in d3s.INTRA_TWIN.items())}); --method {args.method} has "
+                         "none: use --method d3s or d1s-cross, or drop the flag")
     if args.mini_batches > args.prompts_per_step * args.group_size:
         raise UsageError(f"--mini-batches {args.mini_batches}: more than the {args.prompts_per_step * args.group_size} "
                          "rollouts of a step; lower it")
@@ -398,10 +408,11 @@ def check_out(out):
 
 RUN_FLAGS = ("model", "train_data", "template", "max_prompt_len", "method", "loss", "loss_agg", "steps", "prompts_per_step",
              "group_size", "n_init", "n_final", "k_init", "k_final", "static_n", "static_k", "token_scope",
-             "min_token_per_response", "normalize_by", "lr", "weight_decay", "max_grad_norm", "clip_low", "clip_high",
+             "switch_on_spike", "min_token_per_response", "normalize_by", "lr", "weight_decay", "max_grad_norm", "clip_low", "clip_high",
              "mini_batches", "kl_coef", "temperature", "top_p", "max_response_len", "seed", "unseeded_sampling")
 # the flags that define a run's trajectory: a resume must repeat them (--steps too: the schedule runs over it).
 # Free to change on a resume: the world size (DCP reshards), memory and systems flags, evaluation, checkpoints.
+ADDED_RUN_FLAGS = {"switch_on_spike": 0.0}  # RUN_FLAGS added later: a checkpoint without one ran with this value
 
 
 def run_flags(args):
@@ -429,8 +440,8 @@ def check_resume(args, world):
         raise UsageError(f"--resume {path}: no such folder; pass a checkpoint folder (OUT/checkpoints/step_NNNNNN)")
     meta = read_checkpoint(path)  # CheckpointError: the file and the fix
     for flag, value in run_flags(args).items():
-        if meta["run"].get(flag) != value:
-            then = meta["run"].get(flag)
+        then = meta["run"].get(flag, ADDED_RUN_FLAGS.get(flag))
+        if then != value:
             raise UsageError(f"--{flag.replace('_', '-')} {value}: the checkpoint {path} is of a run with "
                              f"--{flag.replace('_', '-')} {then}" + (" (the D3S schedule runs over --steps)" if flag == "steps" else "")
                              + f"; resume with the run's flags (its trainer_state.json lists them), or start a new run "
@@ -441,16 +452,18 @@ def check_resume(args, world):
     return path
 
 
-def trainer_state(args, order):
-    """The JSON part of a checkpoint: the data position and the run's flags."""
-    return {"order": order.state_dict(), "run": run_flags(args)}
+def trainer_state(args, order, grad_norms=()):
+    """The JSON part of a checkpoint: the data position, the run's flags and the grad_norm of every step so
+    far (--switch-on-spike's signal)."""
+    return {"order": order.state_dict(), "run": run_flags(args), "grad_norms": list(grad_norms)}
 
 
 def resume_from(path, model, optimizer, order, dist_):
-    """Model and optimizer shards, RNG and data position from a checkpoint; returns its completed steps."""
+    """Model and optimizer shards, RNG and data position from a checkpoint; returns its completed steps and
+    the grad norms of those steps."""
     meta = load_checkpoint(path, model, optimizer, dist_)
     order.load_state_dict(meta["order"])
-    return meta["step"]
+    return meta["step"], meta.get("grad_norms", [])
 
 
 def other_world_note(path, world, args):
@@ -717,15 +730,17 @@ def assign_rollouts(lengths, home, world, m, balance):
     return owner, parts
 
 
-def select_and_assign(rollouts, rewards, step, args, dist_):
+def select_and_assign(rollouts, rewards, step, args, dist_, row=None):
     """Step 3 on the GLOBAL batch: d3s.select_samples on the [P, G] rewards of all ranks, then which
     rank forwards which kept rollout (assign_rollouts) and the step's M mini-batches. Every rank
-    gets the token ids of every kept rollout (a few MB per step), so that any rank can train any."""
+    gets the token ids of every kept rollout (a few MB per step), so that any rank can train any.
+    row: the LADDER row whose samples rule selects (default args.method; its twin after the switch)."""
     P_local, G = rewards.shape
     n_keep, k_frac = budget(step, args, G)
     rewards_all, counts = gather_rows(rewards.float(), dist_)  # [P, G], CPU
     generator = torch.Generator().manual_seed(args.seed * 7919 + step)  # "random": same draw on every rank
-    keep_all, adv_all = d3s.select_samples(rewards_all, n_keep, args.method, generator=generator)
+    row = row or args.method
+    keep_all, adv_all = d3s.select_samples(rewards_all, n_keep, row, generator=generator)
     first = sum(counts[: dist_.rank])  # this rank's first prompt, in global order
     kept_all = keep_all.nonzero().tolist()  # [(prompt p, rollout g)] of the whole step, global order
     shares = [None] * dist_.world
@@ -742,7 +757,7 @@ def select_and_assign(rollouts, rewards, step, args, dist_):
     for r, s in enumerate(seqs):
         mask[r, : len(s["response_ids"])] = True
     return types.SimpleNamespace(
-        n_keep=n_keep, k_frac=k_frac, rewards_all=rewards_all, keep_all=keep_all, adv_all=adv_all, kept_all=kept_all,
+        row=row, n_keep=n_keep, k_frac=k_frac, rewards_all=rewards_all, keep_all=keep_all, adv_all=adv_all, kept_all=kept_all,
         first=first, total=len(kept_all), mine=mine, row_of=row_of, seqs=seqs, mask=mask,
         kept_adv=adv_all[keep_all][mine].to(dist_.device),  # [B], full-group A (pods: recomputed)
         parts=[[row_of[g] for g in part if g in row_of] for part in parts])  # this rank's rows of each mini-batch
@@ -870,7 +885,7 @@ def update_policy(model, optimizer, sel, token_keep, old_logp, has_old, entropy,
 
 
 def train_step(model, optimizer, rollouts, rewards, step, args, dist_, pad_id, keep_grads=False, ref_model=None,
-               explain_prompts=None, full_pass1=False):
+               explain_prompts=None, full_pass1=False, row=None):
     """Step `step` (1..S), steps 3-6 of docs/algorithm.md section 6 on this rank's rollouts, every
     choice made on the global batch: select and assign, pass 1, token selection, the mini-batch
     updates, metrics.
@@ -879,12 +894,13 @@ def train_step(model, optimizer, rollouts, rewards, step, args, dist_, pad_id, k
     prompt order = rank order); rewards: [P_rank, G]; ref_model: the frozen reference, given on
     the steps that measure (or use) the KL, else None; explain_prompts: this rank's problem texts
     on a step that writes an explain page, else None; full_pass1: forward every kept rollout in
-    pass 1 whatever the method (tests compare). Returns (metrics, details): metrics, the global
+    pass 1 whatever the method (tests compare); row: the row that selects the samples (default
+    args.method; d3s.switch_to_intra's twin once --switch-on-spike fired). Returns (metrics, details): metrics, the global
     numbers of metrics.jsonl; details, the global selection (keep [P, G], token_keep [kept, T],
     rewards [P, G]) and, on rank 0 of an explain step, "explain" (else None).
     """
     device = dist_.device
-    sel = select_and_assign(rollouts, rewards, step, args, dist_)  # 3) samples, and who forwards them
+    sel = select_and_assign(rollouts, rewards, step, args, dist_, row)  # 3) samples, and who forwards them
     t0 = clock(device)
     old_logp, has_old, entropy, ref_logp, pass1_tokens = pass_one(model, ref_model, sel, args, dist_, pad_id,
                                                                   full=full_pass1)  # 4)
@@ -920,6 +936,7 @@ def step_metrics(sel, token_keep, upd, train_s, pass1_tokens, measured_kl, dist_
         "acc_train": float(rewards_all.mean()),  # the reward is correctness (0/1): the same number
         "groups_mixed": float((rewards_all.amax(-1) > rewards_all.amin(-1)).float().mean()),  # groups with signal
         "n_keep": sel.n_keep, "k_frac": sel.k_frac,
+        "sample_rule": d3s.LADDER[sel.row][0],  # which rollouts this step kept: "cross" turns "intra" at the switch
         "k_real": n_selected / max(n_tokens, 1.0),  # realised fraction of the forwarded tokens
         "kept_samples": sel.total,
         "sur": d3s.usefulness_rate(sel.adv_all, sel.keep_all),  # Sample Usefulness Rate: kept rollouts with A != 0
@@ -1075,9 +1092,9 @@ def main(argv=None):
     model = load_policy(args, dist_)
     ref_model = load_policy(args, dist_, reference=True) if args.kl_ref else None  # the initial policy, frozen
     optimizer = make_optimizer(model, args)
-    step = 0  # completed steps
+    step, grad_norms = 0, []  # completed steps, and their grad norms (the same on every rank: --switch-on-spike's signal)
     if ckpt:
-        step = resume_from(ckpt, model, optimizer, order, dist_)
+        step, grad_norms = resume_from(ckpt, model, optimizer, order, dist_)
         say(f"resumed from {ckpt} at step {step}" + other_world_note(ckpt, dist_.world, args))
     n_params = flop_params(model)  # global counts (DTensor.numel is the full size)
     flops_peak = peak_flops(dist_.device, args.peak_tflops)
@@ -1115,6 +1132,7 @@ def main(argv=None):
             reward_s = time.perf_counter() - t0
             explain_now = args.explain_every and (s == 1 or s % args.explain_every == 0)
             stats, details = train_step(model, optimizer, rollouts, rewards, s, args, dist_, tokenizer.pad_token_id,
+                                        row=d3s.switch_to_intra(args.method, grad_norms, args.switch_on_spike),
                                         ref_model=ref_model if measures_kl(s, args) else None,
                                         explain_prompts=[p["problem"] for _, p in batch] if explain_now else None)
             if explain_now and dist_.is_main:  # 3-6 above; the page of this step, from the global selection
@@ -1124,6 +1142,7 @@ def main(argv=None):
             engine.update_weights(full_named_tensors(model, getattr(torch, args.dtype)))  # 7) sync
             sync_s = clock(dist_.device) - t1
             step = s
+            grad_norms.append(stats["grad_norm"])
             gen_tokens = all_reduce(sum(len(r["response_ids"]) for group in rollouts for r in group), dist_)
             record = {"kind": "train", "step": step, **stats,
                       "gen_tokens": int(gen_tokens), "kept_tokens_frac": stats["kept_tokens"] / max(gen_tokens, 1.0),
@@ -1144,7 +1163,8 @@ def main(argv=None):
                 bar.set_postfix(reward=f"{record['reward_mean']:.3f}", N=record["n_keep"], K=f"{record['k_frac']:.2f}")
                 bar.update(1)
             if step % args.save_every == 0 or step == stop_at:
-                save_checkpoint(model, optimizer, args.out, step, trainer_state(args, order), dist_, args.keep_checkpoints)
+                save_checkpoint(model, optimizer, args.out, step, trainer_state(args, order, grad_norms), dist_,
+                                args.keep_checkpoints)
             if args.export_every and step % args.export_every == 0:
                 export_hf(model, tokenizer, os.path.join(args.out, f"hf_step_{step:06d}"), dist_)
             if args.eval_every and step % args.eval_every == 0 and step < args.steps:

@@ -163,6 +163,10 @@ def build_parser():
                    "(|A| * H, paper), entropy (H), adv (|A|, ties at random), random (a control) (d3s.token_scores)")
     g.add_argument("--token-scope", default="batch", help="top-K tokens over the whole batch (batch) or within each response "
                    "(sequence) (choice; paper: not stated)")
+    g.add_argument("--switch-on-spike", type=float, default=0.0, help="the switch rule (paper's open question 1; "
+                   "d3s.switch_to_intra): a cross-group row (d3s, d1s-cross) selects its samples within groups, as d3s-i "
+                   "and d1s do, from the step after the first whose grad norm exceeds this x the median of the 10 steps "
+                   "before, to the end; 0: off, the paper's method (choice: 3 is the spike of docs/questions.md, question 5)")
     g.add_argument("--min-token-per-response", action="store_true", help="every kept response keeps at least its best token "
                    "(off: the paper's plain top-K%%, so the realised fraction is K)")
     g.add_argument("--lr", type=float, default=5e-5, help="AdamW learning rate (recipe, 7B: 1e-6; the tiny model's, "
@@ -265,6 +269,8 @@ def check_args(args):
         ("--clip-high", args.clip_high, lambda v: finite(v) and 0 <= v <= 100, "in [0, 100]: the ratio is clipped at 1 + eps_high"),
         ("--mini-batches", args.mini_batches, lambda v: 1 <= v <= 4096, "an int >= 1"),
         ("--kl-coef", args.kl_coef, lambda v: finite(v) and v >= 0, "a finite number >= 0"),
+        ("--switch-on-spike", args.switch_on_spike, lambda v: v == 0 or (finite(v) and v > 1), "0 (off) or a number > 1 "
+         "(a spike is a grad norm over this x its running median; 3 in docs/questions.md)"),
         ("--kl-every", args.kl_every, lambda v: v >= 0, "an int >= 0 (steps between KL measurements; 0: never)"),
         ("--temperature", args.temperature, lambda v: finite(v) and 0.01 <= v <= 100, "in [0.01, 100] (greedy decoding "
          "is measured by eval_greedy_pass1 anyway)"),
@@ -283,6 +289,10 @@ def check_args(args):
         if value is not None and not ok(value):
             raise UsageError(f"{flag} {value}: must be {what}")
     args.kl_every = args.eval_every if args.kl_every is None else args.kl_every
+    if args.switch_on_spike and not any(m in d3s.INTRA_TWIN for m in methods):
+        raise UsageError(f"--switch-on-spike {args.switch_on_spike:g}: moves a cross-group row to its intra-group twin "
+                         f"({', '.join(f'{a} -> {b}' for a, b in d3s.INTRA_TWIN.items())}); {', '.join(methods)} has none: "
+                         "add d3s or d1s-cross, or drop the flag")
     if args.stop_after is not None and args.compare:
         raise UsageError(f"--stop-after {args.stop_after}: stops one run; drop it with --compare")
     for flag, path in (("--out", args.out), ("--cache-dir", args.cache_dir)):
@@ -600,11 +610,14 @@ def forward_logprobs_entropy(model, batch, temperature=1.0, with_entropy=True, s
 
 
 def budget(step, args, history=()):
-    """(N rollouts kept per prompt, K fraction of tokens kept) of `step` (1-based) for args.method;
-    history: the train reward of steps 1..step-1 (read by --schedule adaptive only)."""
-    return d3s.method_budget(args.method, step - 1, args.steps, args.group_size, args.n_init, args.n_final,
-                             args.k_init, args.k_final, args.static_n, args.static_k, kind=args.schedule,
-                             history=list(history))
+    """(row, N rollouts kept per prompt, K fraction of tokens kept) of `step` (1-based): the row is args.method,
+    or its intra-group twin once --switch-on-spike fired. history: the train lines of steps 1..step-1 (their
+    reward is --schedule adaptive's signal, their grad_norm the switch rule's)."""
+    row = d3s.switch_to_intra(args.method, [h["grad_norm"] for h in history], args.switch_on_spike)
+    n_keep, k_frac = d3s.method_budget(row, step - 1, args.steps, args.group_size, args.n_init, args.n_final,
+                                       args.k_init, args.k_final, args.static_n, args.static_k, kind=args.schedule,
+                                       history=[h["reward_mean"] for h in history])
+    return row, n_keep, k_frac
 
 
 def measures_kl(step, args):
@@ -632,8 +645,8 @@ def train_step(model, ref_model, optimizer, tokenizer, grader, train_rows, step,
     """One RL step (docs/algorithm.md section 6); returns its metrics (one JSONL line).
 
     ref_model: the warm-start model, for the KL (k3) on the selected tokens (in the loss with
-    --kl-coef > 0, else a metric on the steps measures_kl names). history: the train reward of
-    the steps before this one (--schedule adaptive reads it).
+    --kl-coef > 0, else a metric on the steps measures_kl names). history: the train lines of
+    the steps before this one (--schedule adaptive and --switch-on-spike read them).
     """
     P, G = args.prompts_per_step, args.group_size
     torch.manual_seed(step_seed(args.rl_seed, step))
@@ -650,8 +663,8 @@ def train_step(model, ref_model, optimizer, tokenizer, grader, train_rows, step,
 
     # 3) advantages + sample selection (N and K from the method's budget)
     t1 = time.time()
-    n_keep, k_frac = budget(step, args, history)
-    keep, adv = d3s.select_samples(rewards, n_keep, args.method,
+    row, n_keep, k_frac = budget(step, args, history)  # row: args.method, or its twin after --switch-on-spike fired
+    keep, adv = d3s.select_samples(rewards, n_keep, row,
                                    generator=torch.Generator().manual_seed(step_seed(args.rl_seed, step, 1)))
     kept_rows = keep.view(-1).nonzero().squeeze(-1)  # [B] indices of the kept rollouts
     kept = take_rows(batch, kept_rows)
@@ -666,6 +679,7 @@ def train_step(model, ref_model, optimizer, tokenizer, grader, train_rows, step,
 
     metrics = step_metrics(step, batch, rewards, keep, adv, n_keep, k_frac, kept, update, grader)
     metrics["kl_ref_all"] = kl_all
+    metrics["sample_rule"] = d3s.LADDER[row][0]  # which rollouts this step kept: "cross" turns "intra" at the switch
     metrics.update(gen_s=round(gen_s, 3), reward_s=round(reward_s, 3), train_s=round(time.time() - t1, 3),
                    pass1_s=round(update["pass1_s"], 3))  # train_s: selection, kl_ref_all, pass 1, the M updates
     if explain_dir is not None:
@@ -862,7 +876,7 @@ def evaluate(model, tokenizer, grader, eval_rows, step, args):
 TRAJECTORY_FLAGS = ("method", "loss", "steps", "seed", "rl_seed", "model", "template", "hidden_size", "num_layers",
                     "train_file", "train_size", "sft_steps", "sft_shortcut", "sft_lr", "sft_batch", "prompts_per_step", "group_size",
                     "n_init", "n_final", "k_init", "k_final", "static_n", "static_k", "schedule", "token_rule", "token_scope",
-                    "min_token_per_response", "lr", "warmup_steps", "max_grad_norm", "loss_agg", "clip_low", "clip_high",
+                    "min_token_per_response", "switch_on_spike", "lr", "warmup_steps", "max_grad_norm", "loss_agg", "clip_low", "clip_high",
                     "mini_batches", "task",
                     "kl_coef", "temperature", "max_new_tokens")
 
@@ -979,7 +993,7 @@ def run(args, train_rows=None, eval_rows=None, warm=None):
         for stale in (metrics_path, ckpt_path):
             if os.path.exists(stale):
                 os.remove(stale)
-    history = [m["reward_mean"] for m in read_metrics(metrics_path) if m["kind"] == "train"]  # --schedule adaptive's signal
+    history = [m for m in read_metrics(metrics_path) if m["kind"] == "train"]  # --schedule adaptive, --switch-on-spike
     rl_start = time.time()
     with Grader(timeout_s=args.grade_timeout) as grader:
         if start_step == 0:
@@ -993,7 +1007,7 @@ def run(args, train_rows=None, eval_rows=None, warm=None):
             explain_now = args.explain_every and (step == 1 or step % args.explain_every == 0)
             m = train_step(model, ref_model, optimizer, tokenizer, grader, train_rows, step, args,
                            explain_dir=os.path.join(args.out, "explain") if explain_now else None, history=history)
-            history.append(m["reward_mean"])
+            history.append(m)
             totals["samples"] += m["kept_samples"]
             totals["tokens"] += m["kept_tokens"]
             totals["fwd_tokens"] += m["fwd_tokens"]

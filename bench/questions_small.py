@@ -202,17 +202,12 @@ def question4(args):
 
 
 def spikes(train, ratio):
-    """(spike count, largest grad_norm / median of the 10 steps before) of one run."""
-    norms = [t["grad_norm"] for t in train]
-    count, worst = 0, 0.0
-    for i in range(10, len(norms)):
-        before = [n for n in norms[i - 10:i] if n]  # a step with no signal (all A = 0) has norm 0 or none: left out
-        if not norms[i] or not before:
-            continue
-        r = norms[i] / max(statistics.median(before), 1e-12)
-        worst = max(worst, r)
-        count += r > ratio
-    return count, worst
+    """(spike count, largest grad_norm / median of the 10 steps before) of one run: d3s.spike_ratios, the
+    switch rule's own measure (a step with no signal, norm 0 or none, is left out)."""
+    import d3s
+
+    ratios = [r for r in d3s.spike_ratios([t["grad_norm"] for t in train]) if r is not None]
+    return sum(r > ratio for r in ratios), max(ratios, default=0.0)
 
 
 def question5(args):

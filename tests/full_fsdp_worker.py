@@ -103,7 +103,7 @@ def check_resume(cli, dist_, tokenizer, rollouts, mine, workdir):
     model = fsdp_vllm.load_policy(args, dist_)
     optimizer = fsdp_vllm.make_optimizer(model, args)
     order = train_full.PromptOrder(10, seed=0)
-    step = train_full.resume_from(path, model, optimizer, order, dist_)
+    step, _ = train_full.resume_from(path, model, optimizer, order, dist_)
     train_full.train_step(model, optimizer, rollouts[mine], REWARDS[mine], step + 1, args, dist_, tokenizer.pad_token_id)
     resumed = full_params(model)
     return {"step": step, "order": order.state_dict(), "max_diff": max(float((straight[n] - resumed[n]).abs().max())
@@ -194,6 +194,21 @@ def check_dapo_filter(cli, dist_, tokenizer, rollouts, mine):
     return out
 
 
+def check_switch(cli, dist_, tokenizer, rollouts, mine):
+    """--method d3s on a step the switch rule moved to its twin (row="d3s-i"), and --method d3s-i: one step each,
+    M = 2, from the same weights. The twin's samples rule is what selects (the keep mask says which)."""
+    out = {}
+    for name, method, row in (("d3s as d3s-i", "d3s", "d3s-i"), ("d3s-i", "d3s-i", None), ("d3s", "d3s", None)):
+        args = trainer_args(cli.model, method, mini_batches=2)
+        model = fsdp_vllm.load_policy(args, dist_)
+        optimizer = fsdp_vllm.make_optimizer(model, args)
+        stats, details = train_full.train_step(model, optimizer, rollouts[mine], REWARDS[mine], STEP, args, dist_,
+                                               tokenizer.pad_token_id, row=row)
+        out[name] = {"params": full_params(model), "keep": details["keep"], "sample_rule": stats["sample_rule"],
+                     "loss": stats["loss"]}
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
@@ -232,6 +247,7 @@ def main():
     result["pass1_skip"] = check_pass1_skip(cli, dist_, tokenizer, rollouts, mine)
     result["kl_schedule"] = check_kl_schedule(cli, dist_, tokenizer, rollouts, mine)
     result["dapo_filter"] = check_dapo_filter(cli, dist_, tokenizer, rollouts, mine)
+    result["switch"] = check_switch(cli, dist_, tokenizer, rollouts, mine)
     if dist_.is_main:
         torch.save(result, cli.out)
     dist.barrier()

@@ -127,6 +127,10 @@ CASES = [  # (flags added to a valid tiny run, a fragment the one line must hold
     (["--vllm-gpu-memory-utilization", "0"], "--vllm-gpu-memory-utilization 0.0"),
     (["--vllm-kv-cache-gb", "nan"], "--vllm-kv-cache-gb nan"),
     (["--loss", "gspo", "--normalize-by", "all"], "--normalize-by all: applies to --loss-agg token-mean"),
+    (["--switch-on-spike", "1"], "--switch-on-spike 1.0: must be 0 (off) or a number > 1"),
+    (["--switch-on-spike", "inf"], "--switch-on-spike inf"),
+    (["--method", "d3s-i", "--switch-on-spike", "3"], "--switch-on-spike 3: moves a cross-group row to its intra-group "
+     "twin (d3s -> d3s-i, d1s-cross -> d1s); --method d3s-i has none"),
     (["--method", "d4s"], "argument --method: invalid choice: 'd4s'"),
     (["--model", ""], "--model '': empty"),
     (["--model", "{root}/missing/model"], "missing/model: no such folder"),
@@ -334,3 +338,38 @@ def test_the_dapo_filter_on_rewards_without_spread_keeps_nothing_and_leaves_the_
     assert set(final) <= set(start) and len(final) > 0
     for name, tensor in final.items():
         assert torch.equal(tensor, start[name].to(tensor.dtype)), name
+
+
+def test_the_switch_rule_reads_the_grad_norms_of_the_earlier_steps_from_the_checkpoint(cli, files, tmp_path):
+    """--switch-on-spike through main() and a resume: step 1 of d3s runs cross-group and is checkpointed with
+    its grad norm (0: this tiny model's rewards have no spread). Resumed as it is, step 2 stays cross-group;
+    resumed from a copy whose history holds a spike (written into trainer_state.json), step 2 runs intra-group.
+    A checkpoint of a train_full.py from before the rule (no switch_on_spike, no grad_norms) resumes with it off."""
+    import shutil
+
+    flags = ["--method", "d3s", "--steps", "2", "--switch-on-spike", "3"]
+    run = tmp_path / "run"
+    assert cli(base(files, str(run)) + flags + ["--stop-after", "1"])["code"] == 0
+    state_file = pathlib.Path("checkpoints") / "step_000001" / "trainer_state.json"
+    state = json.loads((run / state_file).read_text())
+    assert state["run"]["switch_on_spike"] == 3.0 and state["grad_norms"] == [0.0]
+
+    def resumed(folder, extra=()):
+        result = cli(base(files, str(folder)) + flags[:-2] + list(extra) + ["--resume"])
+        return result, [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+    spiked, old = tmp_path / "spiked", tmp_path / "old"
+    for copy in (spiked, old):
+        shutil.copytree(run, copy)
+    (spiked / state_file).write_text(json.dumps({**state, "grad_norms": [1.0] * 10 + [10.0]}))
+    (old / state_file).write_text(json.dumps({**{k: v for k, v in state.items() if k != "grad_norms"},
+                                              "run": {k: v for k, v in state["run"].items() if k != "switch_on_spike"}}))
+    for folder, rules in ((run, ["cross", "cross"]), (spiked, ["cross", "intra"])):
+        result, lines = resumed(folder, ["--switch-on-spike", "3"])
+        assert result["code"] == 0, result
+        assert [r["sample_rule"] for r in lines if r["kind"] == "train"] == rules, folder.name
+    line = one_line_exit_2(cli(base(files, str(old)) + flags + ["--resume"]))
+    assert "--switch-on-spike 3.0: the checkpoint" in line and "--switch-on-spike 0.0" in line, line
+    result, lines = resumed(old)  # the flags it was run with: the rule off
+    assert result["code"] == 0, result
+    assert [r["sample_rule"] for r in lines if r["kind"] == "train"] == ["cross", "cross"]

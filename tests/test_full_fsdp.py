@@ -268,3 +268,17 @@ def test_the_dapo_filter_keeps_the_groups_with_spread_and_a_step_with_none_makes
     if RANKS == 2:  # one-rank: rank 1's groups have no spread and --no-load-balance keeps the rows home
         assert steps["one-rank"]["rank_tokens_min"] == 0 < steps["one-rank"]["rank_tokens_max"]
         assert steps["mixed"]["rank_tokens_min"] > 0  # balanced: both ranks train
+
+
+def test_a_step_the_switch_rule_moved_selects_as_the_intra_group_twin(fsdp_result):
+    """train_step(row="d3s-i") under --method d3s, what main() passes once --switch-on-spike fired
+    (d3s.switch_to_intra), is the d3s-i step bit for bit on 2 ranks; on these rewards (group 2 has no
+    spread) the cross-group d3s step keeps another set, so the row really reached the selection."""
+    got = fsdp_result["switch"]
+    moved, twin, cross = got["d3s as d3s-i"], got["d3s-i"], got["d3s"]
+    assert moved["sample_rule"] == twin["sample_rule"] == "intra" and cross["sample_rule"] == "cross"
+    assert torch.equal(moved["keep"], twin["keep"]) and not torch.equal(moved["keep"], cross["keep"])
+    assert moved["keep"].sum(-1).tolist() == [3, 3, 3, 3]  # N = 3 in every group, the one without spread too
+    assert moved["loss"] == twin["loss"]
+    for name in twin["params"]:
+        assert torch.equal(moved["params"][name], twin["params"][name]), name

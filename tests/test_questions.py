@@ -97,6 +97,62 @@ def test_method_budget_passes_the_kind_to_the_scheduled_rows_only():
 
 
 # ---------------------------------------------------------------------------------------------
+# Question 5: the switch rule from cross- to intra-group samples
+# ---------------------------------------------------------------------------------------------
+def noisy_norms(steps, seed, sd=0.2):
+    """Gradient norms of a healthy run: 1.5 times a log-normal factor (sd 0.2, about the spread of the tiny rung's
+    default start, whose largest norm / median was 1.6-1.8)."""
+    gen = torch.Generator().manual_seed(seed)
+    return (1.5 * torch.exp(sd * torch.randn(steps, generator=gen))).tolist()
+
+
+def test_the_switch_rule_fires_on_a_synthetic_spike_from_the_step_after_it():
+    norms = noisy_norms(100, seed=0)
+    norms[60] = 5 * norms[59]  # a spike
+    rows = [d3s.switch_to_intra("d3s", norms[:s], 3.0) for s in range(101)]  # the row of step s + 1, after s steps
+    assert rows[:61] == ["d3s"] * 61  # up to and including the spiking step itself
+    assert rows[61:] == ["d3s-i"] * 40  # for good, though the norms are back to normal
+    assert d3s.switch_to_intra("d1s-cross", norms, 3.0) == "d1s"
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_switch_rule_does_not_fire_on_noise(seed):
+    norms = noisy_norms(100, seed)
+    norms[30:40] = [0.0] * 10  # ten steps with no signal (no group with spread) then a normal one: not a spike
+    norms[45] = None  # a step with no finite norm
+    assert d3s.switch_to_intra("d3s", norms, 3.0) == "d3s"
+
+
+def test_spike_ratios_leave_out_the_steps_with_no_signal():
+    norms = [1.0] * 10 + [0.0] * 3 + [2.0, None, 3.5]
+    ratios = d3s.spike_ratios(norms)
+    assert ratios[:13] == [None] * 13 and ratios[14] is None  # too early, or no signal
+    assert ratios[13] == 2.0 and ratios[15] == pytest.approx(3.5 / 1.0)  # medians over the steps with signal only
+    assert d3s.spike_ratios([0.0] * 12) == [None] * 12  # nothing to compare with: never a spike
+
+
+def test_the_switch_rule_is_off_by_default_and_only_moves_cross_group_rows():
+    spiky = [1.0] * 10 + [10.0]
+    for off in (None, 0, 0.0):
+        assert d3s.switch_to_intra("d3s", spiky, off) == "d3s"  # off: the paper's method
+    for row in ("grpo", "d1s", "d2s", "d3s-i", "pods", "dapo-filter-k"):  # no intra-group twin, or intra already
+        assert d3s.switch_to_intra(row, spiky, 3.0) == row
+    assert d3s.INTRA_TWIN == {"d3s": "d3s-i", "d1s-cross": "d1s"}
+    for cross, intra in d3s.INTRA_TWIN.items():  # the twin differs only in its sample rule
+        assert d3s.LADDER[cross][0] == "cross" and d3s.LADDER[intra][0] == "intra"
+        assert d3s.LADDER[cross][1:] == d3s.LADDER[intra][1:]
+
+
+def test_switch_rule_errors_name_the_problem():
+    with pytest.raises(ValueError, match=r"^ratio=0\.5: must be > 1"):
+        d3s.switch_to_intra("d3s", [1.0] * 11, 0.5)
+    with pytest.raises(ValueError, match=r"^ratio=nan"):
+        d3s.switch_to_intra("d3s", [1.0] * 11, float("nan"))
+    with pytest.raises(ValueError, match=r"^window=0"):
+        d3s.spike_ratios([1.0], window=0)
+
+
+# ---------------------------------------------------------------------------------------------
 # Question 7: DAPO's filter as a sample-level row
 # ---------------------------------------------------------------------------------------------
 def test_the_dapo_filter_rows_are_in_the_ladder_with_grpos_and_d3ss_token_levels():

@@ -229,6 +229,9 @@ BAD_FLAGS = [  # (flags added to a valid tiny run, a fragment of the one line)
     (["--schedule", "cubic"], "--schedule 'cubic': choose linear, cosine, step, constant, adaptive"),
     (["--token-rule", "h"], "--token-rule 'h': choose adv-entropy, entropy, adv, random"),
     (["--token-scope", "response"], "--token-scope 'response': choose batch or sequence"),
+    (["--switch-on-spike", "0.5"], "--switch-on-spike 0.5: must be 0 (off) or a number > 1"),
+    (["--switch-on-spike", "nan"], "--switch-on-spike nan"),
+    (["--method", "grpo", "--switch-on-spike", "3"], "--switch-on-spike 3: moves a cross-group row to its intra-group twin"),
     (["--out", "{file}"], "is a file; pass a folder"), (["--out", ""], "--out '': empty"),
     (["--cache-dir", "{file}"], "--cache-dir {file}: is a file"),
     (["--train-file", "{dir}"], "--train-file {dir}: is a folder"), (["--eval-file", "{missing}"], "missing.jsonl"),
@@ -430,6 +433,32 @@ def test_the_dapo_filter_trains_on_every_rollout_of_the_groups_with_spread(tmp_p
     for m in train:
         assert m["kept_samples"] == round(m["groups_mixed"] * P) * G and m["n_keep"] == G
     assert [m["k_frac"] for m in train] == [0.05, 0.2]  # --schedule step: K_init for the first half, K_final after
+
+
+def test_the_switch_rule_moves_d3s_to_intra_group_samples_from_the_step_after_the_first_spike(tmp_path, cache_dir,
+                                                                                              two_answer_data, monkeypatch):
+    """A synthetic spike in the logged signal: step 11's grad_norm is made 10x what it was. With --switch-on-spike 3
+    the run is d3s up to step 11, number for number, and d3s-i (samples within groups) from step 12 on."""
+    common = ["--steps", "13", "--eval-every", "13", "--method", "d3s"]
+    plain, _ = _run(tmp_path, cache_dir, two_answer_data, "plain", common + ["--switch-on-spike", "3"])
+    assert {m["sample_rule"] for m in plain} == {"cross"}  # the run's own norms have no spike: it never fires
+    real_metrics = train_small.step_metrics
+
+    def spiked(step, *args):
+        m = real_metrics(step, *args)
+        return {**m, "grad_norm": 10 * m["grad_norm"]} if step == 11 else m
+
+    monkeypatch.setattr(train_small, "step_metrics", spiked)
+    switched, _ = _run(tmp_path, cache_dir, two_answer_data, "switched", common + ["--switch-on-spike", "3"])
+    assert [m["sample_rule"] for m in switched] == ["cross"] * 11 + ["intra"] * 2
+    ratios = train_small.d3s.spike_ratios([m["grad_norm"] for m in switched])  # the rule, replayed on the log
+    assert [i + 1 for i, r in enumerate(ratios) if r is not None and r > 3] == [11]
+    same = lambda lines: [{k: v for k, v in m.items() if not k.endswith("_s") and k != "grad_norm"} for m in lines]  # noqa
+    assert same(switched[:11]) == same(plain[:11])  # off until it fires
+    # what the step then selects with: the twin's row, the same budget
+    args = train_small.parse_args(TINY + common + ["--switch-on-spike", "3"])
+    assert train_small.budget(12, args, switched[:11]) == ("d3s-i",) + train_small.budget(12, args, plain[:11])[1:]
+    assert train_small.budget(12, args, plain[:11])[0] == "d3s"
 
 
 def test_realised_token_fraction_is_the_scheduled_k_within_one_token(tmp_path, cache_dir, two_answer_data):
