@@ -44,6 +44,7 @@ the loss, as in the paper's recipe, and measured every --kl-every steps only).
 """
 
 import argparse
+import contextlib
 import copy
 import hashlib
 import json
@@ -950,6 +951,26 @@ def load_checkpoint(state, model, optimizer):
     return state["step"], state["totals"]
 
 
+@contextlib.contextmanager
+def out_lock(out, what="run"):
+    """Hold an exclusive lock on OUT/.lock while the block runs; the OS drops it when the process ends, killed or
+    not. A second train_small.py writing to the same --out (two --compare commands on one folder, say) stops
+    with one line instead of interleaving its runs with the first's. No lock where fcntl is missing (Windows)."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, ".lock"), "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UsageError(f"--out {out}: another train_small.py {what} is writing there now; wait for it to end, "
+                             "or use another --out") from None
+        yield
+
+
 def read_metrics(path, up_to_step=None):
     if not os.path.exists(path):
         return []
@@ -1092,6 +1113,11 @@ def write_summary(args, lines, warm_info, totals, timeouts, rl_s, wall_s):
 def compare(args):
     """Every method of --compare from the same warm start, for --seeds RL seeds each, into
     OUT/<method>/seed<S>/; then OUT/compare.md (mean ± std over seeds) and OUT/compare.png."""
+    with out_lock(args.out, "--compare"):
+        return _compare(args)
+
+
+def _compare(args):
     t0 = time.time()
     methods = args.compare.split(",")
     seeds = [args.rl_seed + i for i in range(args.seeds)]
@@ -1114,7 +1140,8 @@ def compare(args):
                     summaries[method].append(json.load(f))  # finished before the kill
                 continue
             sub.resume = "latest" if args.resume and os.path.exists(os.path.join(sub.out, "checkpoint.pt")) else None
-            summaries[method].append(run(sub, train_rows, eval_rows, warm=load_warm_start(sub, train_rows)))
+            with out_lock(sub.out):
+                summaries[method].append(run(sub, train_rows, eval_rows, warm=load_warm_start(sub, train_rows)))
     write_compare(args, methods, seeds, summaries, time.time() - t0)
     return summaries
 
@@ -1351,8 +1378,9 @@ def main(argv=None):
         train_rows, eval_rows = load_data(args)
         if args.resume:  # checked before the warm start: a bad checkpoint stops here
             read_checkpoint(os.path.join(args.out, "checkpoint.pt") if args.resume == "latest" else args.resume, args)
-        warm = load_warm_start(args, train_rows)
-        return run(args, train_rows, eval_rows, warm)
+        with out_lock(args.out):
+            warm = load_warm_start(args, train_rows)
+            return run(args, train_rows, eval_rows, warm)
     except (UsageError, DataError) as e:
         print(f"train_small.py: error: {e}", file=sys.stderr)
         sys.exit(2)

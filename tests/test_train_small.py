@@ -207,6 +207,28 @@ def test_help_documents_every_flag_with_its_default(capsys):
         assert method in text
 
 
+@pytest.mark.parametrize("compare", [False, True])
+def test_a_second_train_small_on_a_busy_out_stops_with_one_line_and_touches_nothing(tmp_path, capsys, compare):
+    """While one train_small.py holds OUT/.lock (here: this test), another run or --compare into OUT stops
+    before any work: two compares on one folder would interleave their runs. The lock goes with its holder."""
+    import fcntl
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"kind": "eval", "step": 0}\n')  # the busy run's file
+    extra = ["--compare", "d3s", "--seeds", "1"] if compare else []
+    with open(out / ".lock", "a") as holder:
+        fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(SystemExit) as exit_info:
+            train_small.main(TINY + ["--steps", "1", "--out", str(out), "--cache-dir", str(tmp_path / "cache")] + extra)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"train_small.py: error: --out {out}: another train_small.py"), err
+    assert (out / "metrics.jsonl").read_text() == '{"kind": "eval", "step": 0}\n' and sorted(os.listdir(out)) == [
+        ".lock", "metrics.jsonl"]
+    assert not (tmp_path / "cache").exists()  # stopped before the warm start
+
+
 def test_the_old_name_d3s_static_points_to_d2s(tmp_path, capsys):
     assert "d2s" in _bad_input(tmp_path, capsys, ["--method", "d3s-static"])
 
