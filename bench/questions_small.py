@@ -15,6 +15,7 @@ and RL seeds, so a row is a METHOD folder's path under --runs, and rows pair see
   to GRPO  the first step at which the row's Pass@1 reaches the same seed's --grpo row's final,
            interpolated between evals; the mean over the seeds that get there (their count)
   tokens   tokens trained (the loss's kept tokens) per run, in thousands
+  kept H   the mean entropy of the kept tokens (entropy_kept) over the steps: what the token rule picks
 
 Question 4 (does the schedule prevent overfitting?), per method and eval step, means over seeds:
   train    the train reward (reward_mean) over the --window steps up to the eval step: the policy on
@@ -265,10 +266,12 @@ def steps_to(evals, target):
 
 
 def row_numbers(runs):
-    """{seed: (final Pass@1, mean Pass@1 over the evals after step 0, kept tokens, evals)} of one row."""
+    """{seed: (final Pass@1, mean Pass@1 over the evals after step 0, kept tokens, evals, mean entropy of the kept
+    tokens)} of one row."""
     data, seeds = runs
     return {seed: (evals[-1]["eval_pass1_mean"], mean([e["eval_pass1_mean"] for e in evals if e["step"] > 0]),
-                   sum(t.get("kept_tokens") or 0 for t in train), evals) for (train, evals), seed in zip(data, seeds)}
+                   sum(t.get("kept_tokens") or 0 for t in train), evals, mean([t.get("entropy_kept") for t in train]))
+            for (train, evals), seed in zip(data, seeds)}
 
 
 def question_table(args):
@@ -292,7 +295,7 @@ def question_table(args):
              "− ref: same-seed differences, mean [95% t interval], **≠** where it excludes 0"
              + (f"; to GRPO: steps to `{grpo}`'s final on the same seed" if grpo else "") + ".", "",
              "| row | seeds | final Pass@1 | − ref (95%) | mean Pass@1 over the run | − ref (95%) | steps to GRPO's final (seeds) "
-             "| tokens trained (k) | ref |", "|---|---|---|---|---|---|---|---|---|"]
+             "| tokens trained (k) | entropy of the kept tokens | ref |", "|---|---|---|---|---|---|---|---|---|---|"]
     for row, ref in rows:
         n = numbers[row]
         to_grpo = "—"
@@ -304,7 +307,7 @@ def question_table(args):
         lines.append(f"| `{row}` | {len(n)} | {mean_sd([v[0] for v in n.values()])} | "
                      f"{'(reference)' if same else paired(row, ref, 0)} | {mean_sd([v[1] for v in n.values()])} | "
                      f"{'(reference)' if same else paired(row, ref, 1)} | {to_grpo} | "
-                     f"{mean([v[2] for v in n.values()]) / 1000:.1f} | `{ref}` |")
+                     f"{mean([v[2] for v in n.values()]) / 1000:.1f} | {fmt(mean([v[4] for v in n.values()]), '%.2f')} | `{ref}` |")
     if args.plot:
         fig, ax1, ax2 = two_panels()
         for i, row in enumerate(dict.fromkeys(r for r, _ in rows)):  # a row paired with two references: one curve

@@ -97,7 +97,7 @@ def test_questions_small_pairs_rows_from_different_compare_folders_seed_by_seed(
         d = tmp_path / "b" / "d3s" / f"seed{seed}"
         d.mkdir(parents=True)
         lines = [{"kind": "eval", "step": 0, "eval_pass1_mean": 0.4}]
-        lines += [{"kind": "train", "step": s, "kept_tokens": 100} for s in range(1, 21)]
+        lines += [{"kind": "train", "step": s, "kept_tokens": 100, "entropy_kept": 0.3 + 0.02 * s} for s in range(1, 21)]
         lines += [{"kind": "eval", "step": 10, "eval_pass1_mean": finals[0]},
                   {"kind": "eval", "step": 20, "eval_pass1_mean": finals[1]}]
         (d / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
@@ -113,6 +113,7 @@ def test_questions_small_pairs_rows_from_different_compare_folders_seed_by_seed(
     # to grpo's final (0.50, 0.51, 0.52 by seed): between steps 10 and 20, at 10 + 10 * (0.50 - 0.45) / 0.08 = 16.25,
     # 10 + 10 * 0.05 / 0.09 = 15.6, 10 + 10 * 0.05 / 0.10 = 15; seed 3 has no grpo run
     assert rows["b/d3s|a/d3s"][5] == "16 ± 1 (3/4)" and rows["b/d3s|a/d3s"][6] == "2.0"
+    assert rows["b/d3s|a/d3s"][7] == "0.51" and rows["a/grpo|a/grpo"][7] == "—"  # kept-token entropy: 0.3 + 0.02 s, s = 1..20
     assert rows["b/d3s|a/grpo"][2].startswith("+0.040 [")  # no @REF: the first row
     assert (tmp_path / "q1.png").exists()
 
