@@ -29,6 +29,9 @@ Question 5 (does cross-group selection destabilise?), per method, means ± std o
            signal, grad_norm 0 or null, are left out of both)
   max/med  the largest such ratio of the run
   KL end   kl_ref_all at the last step
+  switch   the runs in which --switch-on-spike (= --spike) would have fired, and the step it would have moved
+           to the intra-group twin from: d3s.switch_to_intra reads only these norms, so a run in which it does
+           not fire is, with the switch on, the same run number for number
   final    held-out Pass@1 (mean of n) at the last step; paired difference to --base with a 95% t interval
 Writes the markdown to stdout and to --out, and a figure of the curves beside it (--plot).
 """
@@ -203,12 +206,14 @@ def question4(args):
 
 
 def spikes(train, ratio):
-    """(spike count, largest grad_norm / median of the 10 steps before) of one run: d3s.spike_ratios, the
-    switch rule's own measure (a step with no signal, norm 0 or none, is left out)."""
+    """(spike count, largest grad_norm / median of the 10 steps before, the first step after a spike or None) of
+    one run: d3s.spike_ratios, the switch rule's own measure (a step with no signal, norm 0 or none, is left out)."""
     import d3s
 
-    ratios = [r for r in d3s.spike_ratios([t["grad_norm"] for t in train]) if r is not None]
-    return sum(r > ratio for r in ratios), max(ratios, default=0.0)
+    ratios = d3s.spike_ratios([t["grad_norm"] for t in train])
+    found = [r for r in ratios if r is not None]
+    first = next((train[i]["step"] + 1 for i, r in enumerate(ratios) if r is not None and r > ratio), None)
+    return sum(r > ratio for r in found), max(found, default=0.0), first
 
 
 def question5(args):
@@ -220,7 +225,7 @@ def question5(args):
     lines = [f"Question 5 from `{args.runs}`; spike: grad_norm > {args.spike:g} x the median of the 10 steps before; "
              "mean ± std over seeds.", "",
              f"| method | seeds | spikes per run | largest grad_norm / median | KL all tokens at the end | final Pass@1 | − {args.base} [95% t] "
-             f"| spikes − {args.base} | KL − {args.base} |", "|---|---|---|---|---|---|---|---|---|"]
+             f"| spikes − {args.base} | KL − {args.base} | switch would fire (from step) |", "|---|---|---|---|---|---|---|---|---|---|"]
     spike_counts = {m: [spikes(train, args.spike) for train, _ in data[m]] for m in methods}
     kl_ends = {m: [next((t["kl_ref_all"] for t in reversed(train) if t.get("kl_ref_all") is not None), None) for train, _ in data[m]]
                for m in methods}
@@ -239,8 +244,10 @@ def question5(args):
             diffs = [paired(final[m], final[args.base], "%+.3f"),
                      paired([s[0] for s in sp], [s[0] for s in spike_counts[args.base]], "%+.1f"),
                      paired(kl_end, kl_ends[args.base], "%+.4f")]
+        fired = [s[2] for s in sp if s[2] is not None]
+        switch = f"{len(fired)}/{len(sp)}" + (f" ({', '.join(map(str, fired))})" if fired else "")
         lines.append(f"| {m} | {len(data[m])} | {mean_sd([s[0] for s in sp], '%.1f')} | {mean_sd([s[1] for s in sp], '%.1f')} | "
-                     f"{mean_sd(kl_end, '%.4f')} | {mean_sd(final[m])} | {' | '.join(diffs)} |")
+                     f"{mean_sd(kl_end, '%.4f')} | {mean_sd(final[m])} | {' | '.join(diffs)} | {switch} |")
     if args.plot:  # one thin line per seed: the gradient norm (spikes show as jumps) and the KL on all tokens
         fig, ax1, ax2 = two_panels()
         for i, m in enumerate(methods):
