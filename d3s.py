@@ -569,16 +569,17 @@ INTRA_TWIN = {"d3s": "d3s-i", "d1s-cross": "d1s"}  # cross-group row -> the same
 def spike_ratios(grad_norms, window=10):
     """Per step: its gradient norm / the median of the norms of the `window` steps before it. None where
     there is no ratio: the first `window` steps, and a step with no signal (norm 0 or None: no group with
-    spread, nothing trained), which is also left out of the medians of later steps.
+    spread, nothing trained; or not finite: a skipped update), which is also left out of the medians of later steps.
 
     >>> spike_ratios([1.0, 2.0, 0.0, 1.0, 9.0], window=2)
     [None, None, None, 0.5, 9.0]
     """
     _require(isinstance(window, int) and window >= 1, "window", window, "must be an int >= 1")
+    signal = lambda x: x is not None and x != 0 and math.isfinite(x)  # noqa: E731  (a NaN/inf norm: no signal either)
     ratios = []
     for i, g in enumerate(grad_norms):
-        before = sorted(x for x in grad_norms[max(0, i - window):i] if x)  # the steps with signal
-        if i < window or not g or not before:
+        before = sorted(x for x in grad_norms[max(0, i - window):i] if signal(x))  # the steps with signal
+        if i < window or not signal(g) or not before:
             ratios.append(None)
             continue
         h = len(before) // 2

@@ -823,8 +823,10 @@ def write_explain_page(details, stats, step, args, tokenizer, dist_):
     shown_adv, items, texts = details["explain"]
     for item in items:
         item["tokens"] = [tokenizer.decode([t]) for t in item.pop("ids")]
-    explain.write_step(os.path.join(args.out, "explain"), step=step, rung="train_full", method=args.method,
+    row = details.get("row", args.method)  # the row that selected: args.method, or its twin after --switch-on-spike
+    switched = {} if row == args.method else {"--switch-on-spike": f"fired: --method {args.method} runs as {row}"}
+    explain.write_step(os.path.join(args.out, "explain"), step=step, rung="train_full", method=row,
                        rewards=details["rewards"], adv=shown_adv, keep=details["keep"], n_keep=stats["n_keep"],
                        k_frac=stats["k_frac"], k_real=stats["k_real"], shown=items, prompts=texts,
-                       extra={"loss (mean over optimizer steps)": stats["loss"], "tokens in the loss": stats["kept_tokens"],
+                       extra={**switched, "loss (mean over optimizer steps)": stats["loss"], "tokens in the loss": stats["kept_tokens"],
                               "grad norm (before clipping)": stats["grad_norm"], "ranks": dist_.world})

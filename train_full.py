@@ -691,9 +691,10 @@ DUMMY = {"prompt_ids": [0], "response_ids": [0]}  # a rank with no rows left sti
 # ---------------------------------------------------------------------------------------------
 # 3. One step on the rollouts (docs/algorithm.md section 6, steps 3-6)
 # ---------------------------------------------------------------------------------------------
-def budget(step, args, group_size):
-    """(n_keep, k_frac) of step `step` = 1..S for args.method: d3s.method_budget at step - 1 of S."""
-    return d3s.method_budget(args.method, step - 1, args.steps, group_size, args.n_init, args.n_final, args.k_init,
+def budget(step, args, group_size, row=None):
+    """(n_keep, k_frac) of step `step` = 1..S for args.method (or `row`, the twin the switch rule moved it to):
+    d3s.method_budget at step - 1 of S."""
+    return d3s.method_budget(row or args.method, step - 1, args.steps, group_size, args.n_init, args.n_final, args.k_init,
                              args.k_final, args.static_n, args.static_k)
 
 
@@ -736,10 +737,10 @@ def select_and_assign(rollouts, rewards, step, args, dist_, row=None):
     gets the token ids of every kept rollout (a few MB per step), so that any rank can train any.
     row: the LADDER row whose samples rule selects (default args.method; its twin after the switch)."""
     P_local, G = rewards.shape
-    n_keep, k_frac = budget(step, args, G)
+    row = row or args.method
+    n_keep, k_frac = budget(step, args, G, row)
     rewards_all, counts = gather_rows(rewards.float(), dist_)  # [P, G], CPU
     generator = torch.Generator().manual_seed(args.seed * 7919 + step)  # "random": same draw on every rank
-    row = row or args.method
     keep_all, adv_all = d3s.select_samples(rewards_all, n_keep, row, generator=generator)
     first = sum(counts[: dist_.rank])  # this rank's first prompt, in global order
     kept_all = keep_all.nonzero().tolist()  # [(prompt p, rollout g)] of the whole step, global order
@@ -917,7 +918,7 @@ def train_step(model, optimizer, rollouts, rewards, step, args, dist_, pad_id, k
                              sel.seqs, upd.entropy, d3s.token_scores(sel.kept_adv, upd.entropy), token_keep, dist_)
     metrics = step_metrics(sel, token_keep, upd, train_s, pass1_tokens, ref_model is not None, dist_)
     details = {"keep": sel.keep_all, "token_keep": gather_global(token_keep, sel.mine, sel.total, dist_),
-               "rewards": sel.rewards_all, "explain": shown}
+               "rewards": sel.rewards_all, "explain": shown, "row": sel.row}
     return metrics, details
 
 

@@ -293,7 +293,7 @@ def check_args(args):
     if args.switch_on_spike and not any(m in d3s.INTRA_TWIN for m in methods):
         raise UsageError(f"--switch-on-spike {args.switch_on_spike:g}: moves a cross-group row to its intra-group twin "
                          f"({', '.join(f'{a} -> {b}' for a, b in d3s.INTRA_TWIN.items())}); {', '.join(methods)} has none: "
-                         "add d3s or d1s-cross, or drop the flag")
+                         "use --method d3s or d1s-cross (or add one to --compare), or drop the flag")
     if args.stop_after is not None and args.compare:
         raise UsageError(f"--stop-after {args.stop_after}: stops one run; drop it with --compare")
     for flag, path in (("--out", args.out), ("--cache-dir", args.cache_dir)):
@@ -685,7 +685,7 @@ def train_step(model, ref_model, optimizer, tokenizer, grader, train_rows, step,
                    pass1_s=round(update["pass1_s"], 3))  # train_s: selection, kl_ref_all, pass 1, the M updates
     if explain_dir is not None:
         write_explain_page(explain_dir, step, tokenizer, problems, batch, rewards, keep, adv, kept_rows, n_keep,
-                           k_frac, update, metrics, args)
+                           k_frac, update, metrics, args, row)
     return metrics
 
 
@@ -818,8 +818,10 @@ def step_metrics(step, batch, rewards, keep, adv, n_keep, k_frac, kept, update, 
 
 
 def write_explain_page(explain_dir, step, tokenizer, problems, batch, rewards, keep, adv, kept_rows, n_keep, k_frac,
-                       update, metrics, args):
-    """The page of this step (explain.py): reads the tensors of the step, draws no random number."""
+                       update, metrics, args, row=None):
+    """The page of this step (explain.py): reads the tensors of the step, draws no random number. row: the LADDER
+    row that selected the samples (args.method, or its twin after --switch-on-spike fired)."""
+    row = row or args.method
     entropy, token_scores, token_keep = update["entropy"], update["token_scores"], update["token_keep"]
     shown_adv = torch.where(keep, adv, d3s.group_advantages(rewards))  # the loss's A on kept cells (pods: recomputed)
     row_of = {int(i): r for r, i in enumerate(kept_rows.tolist())}  # p * G + g -> row of the kept batch
@@ -832,10 +834,11 @@ def write_explain_page(explain_dir, step, tokenizer, problems, batch, rewards, k
             item.update(entropy=entropy[r, :n].tolist(), score=token_scores[r, :n].tolist(),
                         selected=token_keep[r, :n].tolist())
         shown.append(item)
-    explain.write_step(explain_dir, step=step, rung="train_small", method=args.method, rewards=rewards, adv=shown_adv,
+    switched = {} if row == args.method else {"--switch-on-spike": f"fired: --method {args.method} runs as {row}"}
+    explain.write_step(explain_dir, step=step, rung="train_small", method=row, rewards=rewards, adv=shown_adv,
                        keep=keep, n_keep=n_keep, k_frac=k_frac, k_real=metrics["k_real"], shown=shown,
                        prompts=[r["problem"] for r in problems],
-                       extra={"loss (mean over mini-batches)": metrics["loss"],
+                       extra={**switched, "loss (mean over mini-batches)": metrics["loss"],
                               "grad norm (before clipping)": metrics["grad_norm"], "tokens in the loss": metrics["kept_tokens"],
                               "mini-batches": args.mini_batches})
 
@@ -880,6 +883,7 @@ TRAJECTORY_FLAGS = ("method", "loss", "steps", "seed", "rl_seed", "model", "temp
                     "min_token_per_response", "switch_on_spike", "lr", "warmup_steps", "max_grad_norm", "loss_agg", "clip_low", "clip_high",
                     "mini_batches", "task",
                     "kl_coef", "temperature", "max_new_tokens")
+ADDED_TRAJECTORY_FLAGS = {"switch_on_spike": 0.0}  # TRAJECTORY_FLAGS added later, and the value older runs had
 
 
 def save_checkpoint(path, model, optimizer, step, args, totals):
@@ -927,7 +931,8 @@ def read_checkpoint(path, args):
     if state.get("format") != CHECKPOINT_FORMAT:
         raise UsageError(f"--resume {path}: checkpoint format {state.get('format', 1)} of an older train_small.py; "
                          f"finish that run with the version that wrote it, or {fix}")
-    for flag, value in state["args"].items():
+    for flag in TRAJECTORY_FLAGS:  # a flag added after the checkpoint was written: it ran with the flag's old value
+        value = state["args"].get(flag, ADDED_TRAJECTORY_FLAGS.get(flag))
         if getattr(args, flag, None) != value:
             raise UsageError(f"--{flag.replace('_', '-')} {getattr(args, flag, None)}: {path} was made with "
                              f"--{flag.replace('_', '-')} {value}; resume with the run's flags, or use a new --out")
@@ -952,7 +957,7 @@ def load_checkpoint(state, model, optimizer):
 
 
 @contextlib.contextmanager
-def out_lock(out, what="run"):
+def out_lock(out):
     """Hold an exclusive lock on OUT/.lock while the block runs; the OS drops it when the process ends, killed or
     not. A second train_small.py writing to the same --out (two --compare commands on one folder, say) stops
     with one line instead of interleaving its runs with the first's. No lock where fcntl is missing (Windows)."""
@@ -966,8 +971,8 @@ def out_lock(out, what="run"):
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise UsageError(f"--out {out}: another train_small.py {what} is writing there now; wait for it to end, "
-                             "or use another --out") from None
+            raise UsageError(f"--out {out}: another train_small.py is writing there now ({os.path.join(out, '.lock')}); "
+                             "wait for it to end, or use another --out") from None
         yield
 
 
@@ -1015,6 +1020,10 @@ def run(args, train_rows=None, eval_rows=None, warm=None):
             if os.path.exists(stale):
                 os.remove(stale)
     history = [m for m in read_metrics(metrics_path) if m["kind"] == "train"]  # --schedule adaptive, --switch-on-spike
+    if (args.schedule == "adaptive" or args.switch_on_spike) and len(history) != start_step:
+        raise UsageError(f"--resume {args.resume}: {metrics_path} holds {len(history)} of the {start_step} train lines that "
+                         f"{'--schedule adaptive' if args.schedule == 'adaptive' else '--switch-on-spike'} reads; resume "
+                         "into the run's own --out")
     rl_start = time.time()
     with Grader(timeout_s=args.grade_timeout) as grader:
         if start_step == 0:
@@ -1113,7 +1122,7 @@ def write_summary(args, lines, warm_info, totals, timeouts, rl_s, wall_s):
 def compare(args):
     """Every method of --compare from the same warm start, for --seeds RL seeds each, into
     OUT/<method>/seed<S>/; then OUT/compare.md (mean ± std over seeds) and OUT/compare.png."""
-    with out_lock(args.out, "--compare"):
+    with out_lock(args.out):
         return _compare(args)
 
 
@@ -1132,6 +1141,7 @@ def _compare(args):
         for method in methods:
             sub = copy.copy(args)
             sub.method, sub.rl_seed, sub.compare = method, seed, None
+            sub.switch_on_spike = args.switch_on_spike if method in d3s.INTRA_TWIN else 0.0  # as compare_in_processes
             sub.out = os.path.join(args.out, method, f"seed{seed}")
             done = os.path.join(sub.out, "summary.json")
             lines = read_metrics(os.path.join(sub.out, "metrics.jsonl"))
@@ -1169,8 +1179,9 @@ def compare_in_processes(args, methods, seeds):
             if os.path.exists(os.path.join(out, "summary.json")) and lines and lines[-1]["step"] == args.steps:
                 continue
             resume = ["--resume"] if os.path.exists(os.path.join(out, "checkpoint.pt")) else []
+            switch = ["--switch-on-spike", "0"] if method not in d3s.INTRA_TWIN else []  # a row without a twin: off
             jobs.append((out, [sys.executable, os.path.abspath(__file__), *base, "--method", method, "--rl-seed", str(seed),
-                               "--out", out, *resume]))
+                               "--out", out, *resume, *switch]))
     running = []
     with tqdm(total=len(jobs), desc=f"--compare, {args.workers} workers", dynamic_ncols=True) as bar:
         while jobs or running:

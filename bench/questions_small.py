@@ -15,7 +15,7 @@ and RL seeds, so a row is a METHOD folder's path under --runs, and rows pair see
   to GRPO  the first step at which the row's Pass@1 reaches the same seed's --grpo row's final,
            interpolated between evals; the mean over the seeds that get there (their count)
   tokens   tokens trained (the loss's kept tokens) per run, in thousands
-  kept H   the mean entropy of the kept tokens (entropy_kept) over the steps: what the token rule picks
+  kept H   the mean entropy of the kept tokens (entropy_kept) over the steps that kept any: what the token rule picks
 
 Question 4 (does the schedule prevent overfitting?), per method and eval step, means over seeds:
   train    the train reward (reward_mean) over the --window steps up to the eval step: the policy on
@@ -208,15 +208,17 @@ def question4(args):
 def spikes(train, ratio):
     """(spike count, largest grad_norm / median of the 10 steps before, the first step after a spike or None) of
     one run: d3s.spike_ratios, the switch rule's own measure (a step with no signal, norm 0 or none, is left out)."""
-    import d3s
+    import d3s  # here, not at the top: questions 1-4 and bad flags do not need torch
 
     ratios = d3s.spike_ratios([t["grad_norm"] for t in train])
     found = [r for r in ratios if r is not None]
-    first = next((train[i]["step"] + 1 for i, r in enumerate(ratios) if r is not None and r > ratio), None)
+    first = next((train[i]["step"] + 1 for i, r in enumerate(ratios[:-1]) if r is not None and r > ratio), None)  # a spike
+    # on the last step switches nothing
     return sum(r > ratio for r in found), max(found, default=0.0), first
 
 
 def question5(args):
+    import d3s
     from toy.bandit import paired_interval
 
     methods = [args.base] + [m for m in args.rows.split(",") if m != args.base]
@@ -246,6 +248,7 @@ def question5(args):
                      paired(kl_end, kl_ends[args.base], "%+.4f")]
         fired = [s[2] for s in sp if s[2] is not None]
         switch = f"{len(fired)}/{len(sp)}" + (f" ({', '.join(map(str, fired))})" if fired else "")
+        switch = switch if m in d3s.INTRA_TWIN else "— (no intra-group twin)"
         lines.append(f"| {m} | {len(data[m])} | {mean_sd([s[0] for s in sp], '%.1f')} | {mean_sd([s[1] for s in sp], '%.1f')} | "
                      f"{mean_sd(kl_end, '%.4f')} | {mean_sd(final[m])} | {' | '.join(diffs)} | {switch} |")
     if args.plot:  # one thin line per seed: the gradient norm (spikes show as jumps) and the KL on all tokens
@@ -277,7 +280,8 @@ def row_numbers(runs):
     tokens)} of one row."""
     data, seeds = runs
     return {seed: (evals[-1]["eval_pass1_mean"], mean([e["eval_pass1_mean"] for e in evals if e["step"] > 0]),
-                   sum(t.get("kept_tokens") or 0 for t in train), evals, mean([t.get("entropy_kept") for t in train]))
+                   sum(t.get("kept_tokens") or 0 for t in train), evals,
+                   mean([t.get("entropy_kept") for t in train if t.get("kept_tokens")]))  # a step that kept no token logs 0
             for (train, evals), seed in zip(data, seeds)}
 
 

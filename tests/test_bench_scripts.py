@@ -74,6 +74,7 @@ def test_questions_small_reads_the_gap_the_kl_and_the_spikes_from_compare_runs(t
     assert (tmp_path / "q5.png").exists()
     assert "| d3s | 3 | 0.3 ± 0.6 | 4.0 ± 5.2 | 0.0200 ± 0.0000 | 0.510 ± 0.010 | +0.000" in out, out
     assert out.splitlines()[-1].endswith("| 1/3 (16) |"), out  # seed 1's spike at step 15: the switch from step 16
+    assert out.splitlines()[-2].endswith("| — (no intra-group twin) |"), out  # d3s-i: the rule never acts
 
 
 
@@ -88,6 +89,7 @@ def test_questions_small_spikes_leave_out_steps_without_signal():
     assert questions_small.spikes(train([0.0] * 10 + [1.0]), 3.0) == (0, 0.0, None)  # nothing before it to compare with
     count, worst, switch = questions_small.spikes(train([1.0] * 10 + [0.0, 5.0, 1.0]), 3.0)
     assert count == 1 and worst == 5.0 and switch == 13  # the spike is step 12: the switch rule moves step 13 on
+    assert questions_small.spikes(train([1.0] * 10 + [5.0]), 3.0) == (1, 5.0, None)  # on the last step: nothing to move
 
 def test_questions_small_pairs_rows_from_different_compare_folders_seed_by_seed(tmp_path):
     """Questions 1, 2, 3, 7: rows are METHOD folders under --runs, each paired with its reference (ROW@REF, else

@@ -129,6 +129,7 @@ def test_spike_ratios_leave_out_the_steps_with_no_signal():
     assert ratios[:13] == [None] * 13 and ratios[14] is None  # too early, or no signal
     assert ratios[13] == 2.0 and ratios[15] == pytest.approx(3.5 / 1.0)  # medians over the steps with signal only
     assert d3s.spike_ratios([0.0] * 12) == [None] * 12  # nothing to compare with: never a spike
+    assert d3s.spike_ratios([1.0] * 10 + [float("nan"), 2.0]) == [None] * 11 + [2.0]  # a skipped update: no signal
 
 
 def test_the_switch_rule_is_off_by_default_and_only_moves_cross_group_rows():

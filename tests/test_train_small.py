@@ -458,29 +458,53 @@ def test_the_dapo_filter_trains_on_every_rollout_of_the_groups_with_spread(tmp_p
 
 
 def test_the_switch_rule_moves_d3s_to_intra_group_samples_from_the_step_after_the_first_spike(tmp_path, cache_dir,
-                                                                                              two_answer_data, monkeypatch):
+                                                                                              two_answer_data, monkeypatch,
+                                                                                              capsys):
     """A synthetic spike in the logged signal: step 11's grad_norm is made 10x what it was. With --switch-on-spike 3
-    the run is d3s up to step 11, number for number, and d3s-i (samples within groups) from step 12 on."""
-    common = ["--steps", "13", "--eval-every", "13", "--method", "d3s"]
-    plain, _ = _run(tmp_path, cache_dir, two_answer_data, "plain", common + ["--switch-on-spike", "3"])
+    the run is d3s up to step 11, number for number, and selects its samples as d3s-i from step 12 on; stopped
+    after step 11 and resumed, it reads the norms back from metrics.jsonl and switches at the same step."""
+    common = ["--steps", "13", "--eval-every", "13", "--method", "d3s", "--switch-on-spike", "3", "--explain-every", "12"]
+    plain, _ = _run(tmp_path, cache_dir, two_answer_data, "plain", common)
     assert {m["sample_rule"] for m in plain} == {"cross"}  # the run's own norms have no spike: it never fires
-    real_metrics = train_small.step_metrics
+    real_metrics, real_select = train_small.step_metrics, train_small.d3s.select_samples
+    selected_with = []
 
     def spiked(step, *args):
         m = real_metrics(step, *args)
         return {**m, "grad_norm": 10 * m["grad_norm"]} if step == 11 else m
 
+    def select(rewards, n_keep, method, **kwargs):
+        selected_with.append(method)
+        return real_select(rewards, n_keep, method, **kwargs)
+
     monkeypatch.setattr(train_small, "step_metrics", spiked)
-    switched, _ = _run(tmp_path, cache_dir, two_answer_data, "switched", common + ["--switch-on-spike", "3"])
+    monkeypatch.setattr(train_small.d3s, "select_samples", select)
+    switched, _ = _run(tmp_path, cache_dir, two_answer_data, "switched", common)
+    assert selected_with == ["d3s"] * 11 + ["d3s-i"] * 2  # what the selection itself was called with
     assert [m["sample_rule"] for m in switched] == ["cross"] * 11 + ["intra"] * 2
     ratios = train_small.d3s.spike_ratios([m["grad_norm"] for m in switched])  # the rule, replayed on the log
     assert [i + 1 for i, r in enumerate(ratios) if r is not None and r > 3] == [11]
     same = lambda lines: [{k: v for k, v in m.items() if not k.endswith("_s") and k != "grad_norm"} for m in lines]  # noqa
     assert same(switched[:11]) == same(plain[:11])  # off until it fires
-    # what the step then selects with: the twin's row, the same budget
-    args = train_small.parse_args(TINY + common + ["--switch-on-spike", "3"])
-    assert train_small.budget(12, args, switched[:11]) == ("d3s-i",) + train_small.budget(12, args, plain[:11])[1:]
-    assert train_small.budget(12, args, plain[:11])[0] == "d3s"
+    page = (tmp_path / "switched" / "explain" / "step_000012.html").read_text()  # the page names the row that selected
+    assert "fired: --method d3s runs as d3s-i" in page and "fired" not in (tmp_path / "plain" / "explain" /
+                                                                          "step_000012.html").read_text()
+    # stop after the spike, resume: the history comes back from metrics.jsonl, and the switch with it
+    train_file, eval_file = two_answer_data
+    flags = TINY + common + ["--train-file", train_file, "--eval-file", eval_file, "--cache-dir", cache_dir,
+                             "--out", str(tmp_path / "stopped")]
+    train_small.main(flags + ["--stop-after", "11", "--save-every", "11"])
+    train_small.main(flags + ["--resume"])
+    resumed = [m for m in read_jsonl(tmp_path / "stopped" / "metrics.jsonl") if m["kind"] == "train"]
+    assert without_timings(resumed) == without_timings(switched)
+    # a checkpoint from before the flag existed ran with the rule off: resuming it with the rule on is refused
+    state = torch.load(tmp_path / "stopped" / "checkpoint.pt", weights_only=True)
+    del state["args"]["switch_on_spike"]
+    torch.save(state, tmp_path / "old.pt")
+    with pytest.raises(SystemExit) as exit_info:
+        train_small.main(flags + ["--resume", str(tmp_path / "old.pt")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "--switch-on-spike 3.0: " in err and "old.pt was made with --switch-on-spike 0.0" in err
 
 
 def test_realised_token_fraction_is_the_scheduled_k_within_one_token(tmp_path, cache_dir, two_answer_data):
@@ -559,7 +583,7 @@ def test_compare_with_workers_runs_each_run_in_its_own_process_with_the_same_num
     reuses the finished runs."""
     train_file, eval_file = two_answer_data
     flags = TINY + ["--steps", "2", "--train-file", train_file, "--eval-file", eval_file, "--cache-dir", cache_dir,
-                    "--compare", "grpo,d3s", "--seeds", "2"]
+                    "--compare", "grpo,d3s", "--seeds", "2", "--switch-on-spike", "3"]  # grpo has no twin: its runs get 0
     summaries = train_small.main(flags + ["--out", str(tmp_path / "par"), "--workers", "2"])
     assert [s["rl_seed"] for s in summaries["d3s"]] == [0, 1]
     train_small.main(flags + ["--out", str(tmp_path / "seq")])
