@@ -1074,6 +1074,7 @@ def write_summary(args, lines, warm_info, totals, timeouts, rl_s, wall_s):
     evals = [m for m in lines if m["kind"] == "eval"]
     train = [m for m in lines if m["kind"] == "train"]
     first, last = evals[0], evals[-1]
+    own_rule = d3s.LADDER[args.method][0]  # --switch-on-spike: switched_at_step is the first step run under another rule
     summary = {
         "method": args.method, "loss": args.loss, "steps": args.steps, "out": args.out,
         "evals": [{"step": m["step"], "pass1_mean": m["eval_pass1_mean"], "greedy_pass1": m["eval_greedy_pass1"],
@@ -1095,10 +1096,11 @@ def write_summary(args, lines, warm_info, totals, timeouts, rl_s, wall_s):
         "mean_k_real": sum(m["k_real"] for m in train) / max(len(train), 1),
         "final_kl_ref": next((m["kl_ref"] for m in reversed(train) if m.get("kl_ref") is not None), None),
         "mean_entropy": sum(m["entropy_mean"] for m in train) / max(len(train), 1),
-        "mean_entropy_kept": sum(m["entropy_kept"] for m in train) / max(len(train), 1),
+        "mean_entropy_kept": mean_or_none([m["entropy_kept"] for m in train if m["kept_tokens"]]),  # steps that kept tokens
         "time_per_step": {key: sum(m.get(f"{key}_s", 0.0) for m in train) / max(len(train), 1)
                           for key in ("gen", "reward", "pass1", "train")},
         "rl_seed": args.rl_seed,
+        "switched_at_step": next((m["step"] for m in train if m.get("sample_rule", own_rule) != own_rule), None),
         "skipped_updates": totals["skipped"], "grader_timeouts": timeouts,
         "gen_s": round(totals["gen_s"], 1), "train_s": round(totals["train_s"], 1),
         "rl_s": round(rl_s, 1), "wall_s": round(wall_s, 1),
@@ -1309,7 +1311,7 @@ def write_compare(args, methods, seeds, summaries, total_s):
                      f"{col(lambda s: s['tokens_forwarded'], '%.0f')} | {col(lambda s: s['mean_sur'], '%.2f')} | "
                      f"{col(lambda s: s['mean_k_real'])} / {col(lambda s: s['mean_k_frac'])} | "
                      f"{mean_std(kl) if kl else 'n/a'} | {col(lambda s: s['mean_entropy'])} / "
-                     f"{col(lambda s: s['mean_entropy_kept'])} | {col(lambda s: s['mean_grad_norm'] or 0.0)} |")
+                     f"{col(lambda s: s['mean_entropy_kept'] or 0.0)} | {col(lambda s: s['mean_grad_norm'] or 0.0)} |")
         tp = {key: avg([s["time_per_step"][key] for s in runs]) for key in ("gen", "reward", "pass1", "train")}
         times.append(f"| {m} | {tp['gen']:.2f} | {tp['reward']:.2f} | {tp['pass1']:.2f} | {tp['train'] - tp['pass1']:.2f} | "
                      f"{tp['gen'] + tp['reward'] + tp['train']:.2f} |")

@@ -486,6 +486,8 @@ def test_the_switch_rule_moves_d3s_to_intra_group_samples_from_the_step_after_th
     assert [i + 1 for i, r in enumerate(ratios) if r is not None and r > 3] == [11]
     same = lambda lines: [{k: v for k, v in m.items() if not k.endswith("_s") and k != "grad_norm"} for m in lines]  # noqa
     assert same(switched[:11]) == same(plain[:11])  # off until it fires
+    summary = lambda name: json.loads((tmp_path / name / "summary.json").read_text())  # noqa: E731
+    assert summary("switched")["switched_at_step"] == 12 and summary("plain")["switched_at_step"] is None
     page = (tmp_path / "switched" / "explain" / "step_000012.html").read_text()  # the page names the row that selected
     assert "fired: --method d3s runs as d3s-i" in page and "fired" not in (tmp_path / "plain" / "explain" /
                                                                           "step_000012.html").read_text()
