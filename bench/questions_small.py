@@ -248,7 +248,7 @@ def question5(args):
                      paired(kl_end, kl_ends[args.base], "%+.4f")]
         fired = [s[2] for s in sp if s[2] is not None]
         switch = f"{len(fired)}/{len(sp)}" + (f" ({', '.join(map(str, fired))})" if fired else "")
-        switch = switch if m in d3s.INTRA_TWIN else "— (no intra-group twin)"
+        switch = switch if os.path.basename(m.rstrip("/")) in d3s.INTRA_TWIN else "— (no intra-group twin)"  # FOLDER/d3s too
         lines.append(f"| {m} | {len(data[m])} | {mean_sd([s[0] for s in sp], '%.1f')} | {mean_sd([s[1] for s in sp], '%.1f')} | "
                      f"{mean_sd(kl_end, '%.4f')} | {mean_sd(final[m])} | {' | '.join(diffs)} | {switch} |")
     if args.plot:  # one thin line per seed: the gradient norm (spikes show as jumps) and the KL on all tokens

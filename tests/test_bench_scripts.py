@@ -75,6 +75,9 @@ def test_questions_small_reads_the_gap_the_kl_and_the_spikes_from_compare_runs(t
     assert "| d3s | 3 | 0.3 ± 0.6 | 4.0 ± 5.2 | 0.0200 ± 0.0000 | 0.510 ± 0.010 | +0.000" in out, out
     assert out.splitlines()[-1].endswith("| 1/3 (16) |"), out  # seed 1's spike at step 15: the switch from step 16
     assert out.splitlines()[-2].endswith("| — (no intra-group twin) |"), out  # d3s-i: the rule never acts
+    _fake_runs(tmp_path / "other", "d3s", [0, 1, 2])  # rows from other --compare folders: FOLDER/METHOD
+    out = run("questions_small.py", "--question", "5", "--runs", str(tmp_path), "--rows", "other/d3s", "--base", "d3s-i")
+    assert out.splitlines()[-1].startswith("| other/d3s | 3 |") and out.splitlines()[-1].endswith("| 1/3 (16) |"), out
 
 
 
