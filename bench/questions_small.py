@@ -113,6 +113,11 @@ def load_runs(folder, method, with_seeds=False):
     return (runs, seeds) if with_seeds else runs
 
 
+def method_of(row):
+    """The method a row names: "d3s" for "d3s", "ref_d3s/d3s" or "ref_d3s/d3s/"."""
+    return os.path.basename(row.rstrip("/"))
+
+
 def mean(values):
     values = [v for v in values if v is not None]
     return sum(values) / len(values) if values else None
@@ -248,7 +253,7 @@ def question5(args):
                      paired(kl_end, kl_ends[args.base], "%+.4f")]
         fired = [s[2] for s in sp if s[2] is not None]
         switch = f"{len(fired)}/{len(sp)}" + (f" ({', '.join(map(str, fired))})" if fired else "")
-        switch = switch if os.path.basename(m.rstrip("/")) in d3s.INTRA_TWIN else "— (no intra-group twin)"  # FOLDER/d3s too
+        switch = switch if method_of(m) in d3s.INTRA_TWIN else "— (no intra-group twin)"
         lines.append(f"| {m} | {len(data[m])} | {mean_sd([s[0] for s in sp], '%.1f')} | {mean_sd([s[1] for s in sp], '%.1f')} | "
                      f"{mean_sd(kl_end, '%.4f')} | {mean_sd(final[m])} | {' | '.join(diffs)} | {switch} |")
     if args.plot:  # one thin line per seed: the gradient norm (spikes show as jumps) and the KL on all tokens
@@ -291,7 +296,7 @@ def question_table(args):
 
     specs = [r.split("@", 1) for r in args.rows.split(",")]
     rows = [(spec[0], spec[1] if len(spec) > 1 else (args.base or specs[0][0])) for spec in specs]
-    grpo = args.grpo or next((r for r, _ in rows if os.path.basename(r.rstrip("/")) == "grpo"), None)
+    grpo = args.grpo or next((r for r, _ in rows if method_of(r) == "grpo"), None)
     names = list(dict.fromkeys([r for r, _ in rows] + [ref for _, ref in rows] + ([grpo] if grpo else [])))
     loaded = {name: load_runs(args.runs, name, with_seeds=True) for name in names}
     numbers = {name: row_numbers(loaded[name]) for name in names}
