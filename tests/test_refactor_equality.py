@@ -2,7 +2,8 @@
 recorded in tests/golden/refactor.json.
 
 Recorded (2026-11-25, before the reader's-path restructuring, issue 29) on fixed seeds:
-  - toy/bandit.py: every train and eval line of grpo and d3s, 8 steps, seed 0;
+  - toy/bandit.py: every train and eval line of grpo and d3s, 8 steps, seed 0; and of the other rows,
+    token rules and schedules (TOY_VARIANTS);
   - train_small.py: metrics.jsonl of grpo, d3s and d3s-i, 3 steps with --mini-batches 2, from one cached
     warm start on a two-answer task (every group has mixed rewards, so every step really trains);
   - train_full.py: one step of d3s on 2 gloo ranks (torchrun, --rollout hf, --kl-ref, --mini-batches 2),
@@ -41,6 +42,12 @@ SMALL = ["--hidden-size", "32", "--num-layers", "1", "--sft-steps", "40", "--sft
          "--threads", "1", "--lr", "3e-3", "--steps", "3", "--mini-batches", "2", "--explain-every", "0"]
 SMALL_METHODS = ("grpo", "d3s", "d3s-i")
 TOY_METHODS = ("grpo", "d3s")
+TOY_VARIANTS = {  # the other rows and rules, on the toy (a second each): what moves to variants.py must keep them
+    "rows": ["--methods", "d1s", "d1s-cross", "d2s", "d3s-i", "pods", "random", "dapo-filter", "dapo-filter-k"],
+    "entropy-cosine": ["--methods", "d3s", "--token-rule", "entropy", "--schedule", "cosine"],
+    "adv-adaptive": ["--methods", "d3s", "--token-rule", "adv", "--schedule", "adaptive", "--steps", "30"],
+    "random-step-sequence": ["--methods", "d3s", "--token-rule", "random", "--schedule", "step", "--token-scope", "sequence"],
+}
 
 
 def wall_clock(key):
@@ -96,6 +103,11 @@ def now(tmp_path_factory):
     run([sys.executable, "toy/bandit.py", "--methods", *TOY_METHODS, "--seeds", "1", "--steps", "8", "--workers", "1",
          "--out", str(base / "toy")])
     result["toy"] = read_jsonl(base / "toy" / "metrics.jsonl")
+    result["toy_variants"] = {}
+    for name, flags in TOY_VARIANTS.items():
+        run([sys.executable, "toy/bandit.py", "--seeds", "1", "--steps", "8", "--workers", "1", *flags,
+             "--out", str(base / name)])
+        result["toy_variants"][name] = read_jsonl(base / name / "metrics.jsonl")
     cache = base / "cache"
     for method in SMALL_METHODS:
         out = base / "small" / method
@@ -161,10 +173,12 @@ def test_the_rungs_give_the_recorded_numbers(now):
         GOLDEN.write_text(json.dumps({"machine": machine, **now}, indent=0) + "\n")
     golden = json.loads(GOLDEN.read_text())
     if EXACT:
-        for part in ("toy", "small", "small_weights", "full"):
+        for part in ("toy", "toy_variants", "small", "small_weights", "full"):
             assert now[part] == golden[part], part
         return
     close(first_lines(now["toy"]), first_lines(golden["toy"]), "toy")
+    for name in TOY_VARIANTS:
+        close(first_lines(now["toy_variants"][name]), first_lines(golden["toy_variants"][name]), f"toy.{name}")
     for method in SMALL_METHODS:
         close(first_lines(now["small"][method]), first_lines(golden["small"][method]), f"small.{method}")
     close(first_lines(now["full"]), first_lines(golden["full"]), "full")
