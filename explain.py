@@ -30,13 +30,14 @@ import os
 import torch
 
 import d3s
+import variants
 
 __all__ = ["pick_rollouts", "write_step", "plot_step"]
 
 POSITIVE, NEGATIVE, ZERO = (33, 102, 172), (217, 95, 2), (222, 222, 222)  # A > 0 blue, A < 0 orange (colour-blind safe)
 SCORE = (118, 42, 131)  # token score |A| * H: purple, a scale of its own
 MARK = (230, 171, 2)  # a mark under some positions (the toy's decision positions)
-RULES = {  # LADDER's `samples` column, in words (d3s.select_samples)
+RULES = {  # the samples rule of a LADDER row (variants.rule_name), in words (d3s.select_samples)
     "all": "every rollout is trained on (N = G).",
     "intra": "intra-group: in every row, the N rollouts whose advantages have the largest variance "
              "(the extremes of the row). Every row keeps N, even a row with no spread (A = 0).",
@@ -100,7 +101,7 @@ def write_step(out_dir, *, step, rung, method, rewards, adv, keep, n_keep, k_fra
     """Write out_dir/step_NNNNNN.html (and .png when png=True); return the html path.
 
     step: the global step as the rung counts it; rung: "toy" | "train_small" | "train_full";
-    method: the method's name (a d3s.LADDER row).
+    method: the method's name (a variants.LADDER row).
     rewards [P, G]; keep [P, G] bool (from d3s.select_samples); adv [P, G]: the advantage each
     cell shows, i.e. the one the loss uses on kept cells and the full-group one on dropped
     cells: torch.where(keep, adv_from_select_samples, d3s.group_advantages(rewards)). For
@@ -415,6 +416,61 @@ def _plot_strip(ax, item, G, prompts, max_tokens):
 
 
 # ---------------------------------------------------------------------------------------------
+# The rungs' pages: what each rung shows of a token (train_full.py's: fsdp_vllm.write_explain_page)
+# ---------------------------------------------------------------------------------------------
+def toy_page(args, method, seed, step, task, prompts, tokens, rewards, keep, adv, kept, entropy, scores, token_keep,
+             n_keep, k_frac, extra):
+    """toy/bandit.py's page of a step: the P x G grid, then the tokens of a few rollouts. A toy "token" is a
+    position: its id, and a mark on the decision positions (the ones the reward reads). A dropped rollout was
+    never forwarded: no entropy, no score. Reads the step's tensors, draws no random number."""
+    G = args.group_size
+    shown_adv = torch.where(keep, adv, d3s.group_advantages(rewards))  # the loss's A on kept, full-group A on dropped
+    row_of = {int(i): r for r, i in enumerate(kept.tolist())}  # flat index -> row of the forwarded batch
+    shown = []
+    for i in pick_rollouts(shown_adv, keep):
+        prompt = int(prompts[i // G])
+        decisions, answers = task["decisions"][prompt].tolist(), task["answers"][prompt].tolist()
+        r = row_of.get(i)
+        shown.append({
+            "index": i, "tokens": [str(v) for v in tokens[i].tolist()],
+            "entropy": None if r is None else entropy[r].tolist(), "score": None if r is None else scores[r].tolist(),
+            "selected": None if r is None else token_keep[r].tolist(),
+            "marked": decisions, "mark_label": "decision position (the reward reads it)",
+            "notes": [(f"decision: the right token is {a}, this one is {'right' if v == a else 'wrong'}" if d
+                       else "filler: the reward ignores it") for d, a, v in zip(decisions, answers, tokens[i].tolist())],
+        })
+    labels = ["prompt %d: %d decision%s" % (p, task["decisions"][p].sum(), "" if task["decisions"][p].sum() == 1 else "s")
+              for p in prompts.tolist()]
+    write_step(os.path.join(args.out, "explain", f"{method}_seed{seed}"), step=step, rung="toy", method=method,
+               rewards=rewards, adv=shown_adv, keep=keep, n_keep=n_keep, k_frac=k_frac,
+               k_real=float(token_keep.sum() / token_keep.numel()), shown=shown, prompts=labels, extra=extra)
+
+
+def small_page(explain_dir, step, tokenizer, problems, batch, rewards, keep, adv, kept_rows, n_keep, k_frac, entropy,
+               token_scores, token_keep, metrics, args, row=None):
+    """train_small.py's page of a step: reads the step's tensors, draws no random number. row: the LADDER row that
+    selected the samples (args.method, or its twin after --switch-on-spike fired)."""
+    row = row or args.method
+    shown_adv = torch.where(keep, adv, d3s.group_advantages(rewards))  # the loss's A on kept cells (pods: recomputed)
+    row_of = {int(i): r for r, i in enumerate(kept_rows.tolist())}  # p * G + g -> row of the kept batch
+    shown = []
+    for i in pick_rollouts(shown_adv, keep):
+        n = int(batch["response_mask"][i].sum())  # response tokens up to and including the first EOS
+        item = {"index": i, "tokens": [tokenizer.decode([t]) for t in batch["response_ids"][i, :n].tolist()]}
+        if i in row_of:  # forwarded: its entropy, score and selection
+            r = row_of[i]
+            item.update(entropy=entropy[r, :n].tolist(), score=token_scores[r, :n].tolist(),
+                        selected=token_keep[r, :n].tolist())
+        shown.append(item)
+    switched = {} if row == args.method else {"--switch-on-spike": f"fired: --method {args.method} runs as {row}"}
+    write_step(explain_dir, step=step, rung="train_small", method=row, rewards=rewards, adv=shown_adv, keep=keep,
+               n_keep=n_keep, k_frac=k_frac, k_real=metrics["k_real"], shown=shown, prompts=[r["problem"] for r in problems],
+               extra={**switched, "loss (mean over mini-batches)": metrics["loss"],
+                      "grad norm (before clipping)": metrics["grad_norm"], "tokens in the loss": metrics["kept_tokens"],
+                      "mini-batches": args.mini_batches})
+
+
+# ---------------------------------------------------------------------------------------------
 # Small helpers: checks, colours, formatting
 # ---------------------------------------------------------------------------------------------
 def _require(ok, name, value, fix):
@@ -448,8 +504,8 @@ def _check_shown(item, n):
 
 
 def _samples_rule(method):
-    """LADDER's `samples` column for a method name; None when unknown."""
-    return d3s.LADDER[method][0] if method in d3s.LADDER else None
+    """The method's samples rule by name (variants.rule_name); None when unknown."""
+    return variants.rule_name(method) if method in variants.LADDER else None
 
 
 def _row_order(adv_row, keep_row):

@@ -60,6 +60,7 @@ import torch
 import torch.distributed as dist
 
 import d3s
+import variants
 from fsdp_vllm import (CheckpointError, all_reduce, append_metrics, clock, context_length, eval_record, explain_rows,
                        export_hf, find_checkpoint, flop_params, full_named_tensors, gather_global, gather_rows, gpu_used_gb,
                        init_distributed, load_checkpoint, load_generation_config, load_policy, load_tokenizer, make_engine,
@@ -105,7 +106,7 @@ def parse_args(argv=None):
     # what to train, on what
     a("--model", default="Qwen/Qwen2.5-Math-7B", help="[paper] HF hub name or local folder of the policy "
       "(with --eval-only: the model to evaluate, e.g. an hf_final/ export)")
-    a("--method", default="d3s", choices=list(d3s.METHODS), help="[paper] what to train on, a row of d3s.LADDER: grpo "
+    a("--method", default="d3s", choices=list(variants.METHODS), help="[paper] what to train on, a row of variants.LADDER: grpo "
       "(all), d1s (intra-group samples, static N), d1s-cross (cross-group), d2s (+ top-K tokens, static K), d3s (+ the "
       "schedule), d3s-i (intra-group + tokens + schedule), pods (max-variance by reward, A recomputed), random (control), "
       "dapo-filter (every rollout of the groups with spread, DAPO's filter without oversampling; a step with none "
@@ -144,7 +145,7 @@ def parse_args(argv=None):
     a("--token-scope", default="batch", choices=["batch", "sequence"], help="[choice] top-K over the whole batch of all "
       "ranks, or within each response")
     a("--switch-on-spike", type=float, default=0.0, help="[choice] the switch rule (the paper's open question 1; "
-      "d3s.switch_to_intra): a cross-group row (d3s, d1s-cross) selects its samples within groups, as d3s-i and d1s do, "
+      "variants.switch_to_intra): a cross-group row (d3s, d1s-cross) selects its samples within groups, as d3s-i and d1s do, "
       "from the step after the first whose grad norm exceeds this x the median of the 10 steps before, to the end; "
       "0: off, the paper's method (3: the spike of docs/questions.md, question 5)")
     a("--min-token-per-response", action="store_true", help="[choice] every kept response keeps at least its best token "
@@ -317,14 +318,14 @@ def check_args(args, world):
     if args.prompts_per_step % world:
         raise UsageError(f"--prompts-per-step {args.prompts_per_step}: must be divisible by the {world} ranks; "
                          "change it or the number of ranks")
-    if d3s.LADDER[args.method][0] not in d3s.WHOLE_GROUPS:  # N counts rollouts kept per prompt: N <= G (whole groups: no N)
+    if variants.LADDER[args.method].n != "all":  # N counts rollouts kept per prompt: N <= G (whole groups: no N)
         for flag, value in (("--n-init", args.n_init), ("--n-final", args.n_final), ("--static-n", args.static_n)):
             if value is not None and value > args.group_size:
                 raise UsageError(f"{flag} {value}: more than --group-size {args.group_size} (N counts rollouts kept "
                                  f"per prompt); lower {flag} or raise --group-size")
-    if args.switch_on_spike and args.method not in d3s.INTRA_TWIN:
+    if args.switch_on_spike and args.method not in variants.INTRA_TWIN:
         raise UsageError(f"--switch-on-spike {args.switch_on_spike:g}: moves a cross-group row to its intra-group twin "
-                         f"({', '.join(f'{a} -> {b}' for a, b in d3s.INTRA_TWIN.items())}); --method {args.method} has "
+                         f"({', '.join(f'{a} -> {b}' for a, b in variants.INTRA_TWIN.items())}); --method {args.method} has "
                          "none: use --method d3s or d1s-cross, or drop the flag")
     if args.mini_batches > args.prompts_per_step * args.group_size:
         raise UsageError(f"--mini-batches {args.mini_batches}: more than the {args.prompts_per_step * args.group_size} "
@@ -694,8 +695,9 @@ DUMMY = {"prompt_ids": [0], "response_ids": [0]}  # a rank with no rows left sti
 def budget(step, args, group_size, row=None):
     """(n_keep, k_frac) of step `step` = 1..S for args.method (or `row`, the twin the switch rule moved it to):
     d3s.method_budget at step - 1 of S."""
-    return d3s.method_budget(row or args.method, step - 1, args.steps, group_size, args.n_init, args.n_final, args.k_init,
-                             args.k_final, args.static_n, args.static_k)
+    return d3s.method_budget(variants.LADDER[row or args.method], step=step - 1, total_steps=args.steps, group_size=group_size,
+                             n_init=args.n_init, n_final=args.n_final, k_init=args.k_init, k_final=args.k_final,
+                             static_n=args.static_n, static_k=args.static_k)
 
 
 def select_tokens_global(scores, mask, mine, total, k_frac, scope, dist_, min_per_seq=0):
@@ -741,7 +743,7 @@ def select_and_assign(rollouts, rewards, step, args, dist_, row=None):
     n_keep, k_frac = budget(step, args, G, row)
     rewards_all, counts = gather_rows(rewards.float(), dist_)  # [P, G], CPU
     generator = torch.Generator().manual_seed(args.seed * 7919 + step)  # "random": same draw on every rank
-    keep_all, adv_all = d3s.select_samples(rewards_all, n_keep, row, generator=generator)
+    keep_all, adv_all = d3s.select_samples(rewards_all, n_keep, variants.LADDER[row].samples, generator=generator)
     first = sum(counts[: dist_.rank])  # this rank's first prompt, in global order
     kept_all = keep_all.nonzero().tolist()  # [(prompt p, rollout g)] of the whole step, global order
     shares = [None] * dist_.world
@@ -795,7 +797,7 @@ def pass_one(model, ref_model, sel, args, dist_, pad_id, full=False):
     - ref_model (given on the steps that measure or use the KL): every kept rollout.
     full=True forwards every kept rollout with entropy whatever the method (tests compare the two).
     Returns (old_logp [B, T], has_old [B] bool, entropy [B, T] or None, ref_logp or None, tokens forwarded)."""
-    selects = d3s.LADDER[args.method][2] or full
+    selects = variants.selects_tokens(args.method) or full
     rows = [r for part in (sel.parts if selects else sel.parts[1:]) for r in part]
     T = sel.mask.shape[1]
     old_logp, entropy, tokens = forward_no_grad(model, sel.seqs, rows, T, args, dist_, pad_id, with_entropy=selects)
@@ -813,7 +815,7 @@ def select_tokens_step(sel, entropy, args, dist_):
     """Step 5: the top K of |A| * H over the kept tokens of all ranks (d3s.select_tokens once, globally);
     every response token for the methods without token selection. A non-finite forward (NaN
     entropy) scores 0 (ranked last): the loss is then non-finite as well and the step is skipped."""
-    if not d3s.LADDER[args.method][2]:
+    if not variants.selects_tokens(args.method):
         return sel.mask.clone()
     scores = d3s.token_scores(sel.kept_adv, entropy)  # |A_{i,t}| * H_{i,t}, [B, T]
     return select_tokens_global(scores, sel.mask, sel.mine, sel.total, sel.k_frac, args.token_scope, dist_,
@@ -896,7 +898,7 @@ def train_step(model, optimizer, rollouts, rewards, step, args, dist_, pad_id, k
     the steps that measure (or use) the KL, else None; explain_prompts: this rank's problem texts
     on a step that writes an explain page, else None; full_pass1: forward every kept rollout in
     pass 1 whatever the method (tests compare); row: the row that selects the samples (default
-    args.method; d3s.switch_to_intra's twin once --switch-on-spike fired). Returns (metrics, details): metrics, the global
+    args.method; variants.switch_to_intra's twin once --switch-on-spike fired). Returns (metrics, details): metrics, the global
     numbers of metrics.jsonl; details, the global selection (keep [P, G], token_keep [kept, T],
     rewards [P, G]) and, on rank 0 of an explain step, "explain" (else None).
     """
@@ -937,7 +939,7 @@ def step_metrics(sel, token_keep, upd, train_s, pass1_tokens, measured_kl, dist_
         "acc_train": float(rewards_all.mean()),  # the reward is correctness (0/1): the same number
         "groups_mixed": float((rewards_all.amax(-1) > rewards_all.amin(-1)).float().mean()),  # groups with signal
         "n_keep": sel.n_keep, "k_frac": sel.k_frac,
-        "sample_rule": d3s.LADDER[sel.row][0],  # which rollouts this step kept: "cross" turns "intra" at the switch
+        "sample_rule": variants.rule_name(sel.row),  # which rollouts this step kept: "cross" turns "intra" at the switch
         "k_real": n_selected / max(n_tokens, 1.0),  # realised fraction of the forwarded tokens
         "kept_samples": sel.total,
         "sur": d3s.usefulness_rate(sel.adv_all, sel.keep_all),  # Sample Usefulness Rate: kept rollouts with A != 0
@@ -1133,7 +1135,7 @@ def main(argv=None):
             reward_s = time.perf_counter() - t0
             explain_now = args.explain_every and (s == 1 or s % args.explain_every == 0)
             stats, details = train_step(model, optimizer, rollouts, rewards, s, args, dist_, tokenizer.pad_token_id,
-                                        row=d3s.switch_to_intra(args.method, grad_norms, args.switch_on_spike),
+                                        row=variants.switch_to_intra(args.method, grad_norms, args.switch_on_spike),
                                         ref_model=ref_model if measures_kl(s, args) else None,
                                         explain_prompts=[p["problem"] for _, p in batch] if explain_now else None)
             if explain_now and dist_.is_main:  # 3-6 above; the page of this step, from the global selection

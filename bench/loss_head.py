@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _cli  # noqa: E402  (bench/_cli.py: one-line errors, the shared checks)
+import cli  # noqa: E402  (cli.py: one-line errors, the shared checks)
 import d3s  # noqa: E402
 import tiny  # noqa: E402
 import train_full  # noqa: E402
@@ -69,7 +69,7 @@ def time_passes(fn, model, batch, repeats):
 
 def parse_args(argv=None):
     """The flags, every one checked before any work: one line `loss_head.py: error: --flag VALUE: ...`, exit 2."""
-    p = _cli.Parser(prog="loss_head.py", description=__doc__.split("\n\n")[0],
+    p = cli.Parser(prog="loss_head.py", description=__doc__.split("\n\n")[0],
                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--rollouts", type=int, default=64, help="rollouts in the micro-batch")
     p.add_argument("--prompt-len", type=int, default=24, help="prompt tokens per rollout")
@@ -77,7 +77,7 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=5, help="timed runs per cell (the median is reported)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = p.parse_args(argv)
-    _cli.check_rules(p, [
+    cli.check_rules(p, [
         ("--rollouts", args.rollouts, lambda v: 1 <= v <= 65536, "an int in [1, 65536]"),
         ("--prompt-len", args.prompt_len, lambda v: 1 <= v <= 2**20, "an int in [1, 2^20]"),
         ("--response-len", args.response_len, lambda v: 1 <= v <= 2**20, "an int in [1, 2^20]"),

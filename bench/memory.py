@@ -73,8 +73,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _cli  # noqa: E402  (bench/_cli.py: one-line errors, the shared checks)
+import cli  # noqa: E402  (cli.py: one-line errors, the shared checks)
 import d3s  # noqa: E402
+import variants  # noqa: E402
 import fsdp_vllm  # noqa: E402
 import train_full  # noqa: E402
 
@@ -105,7 +106,7 @@ def parse_args(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     train_argv = argv[argv.index("--") + 1 :] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
-    p = _cli.Parser(prog="memory.py", description=__doc__.split("\n\n")[0],
+    p = cli.Parser(prog="memory.py", description=__doc__.split("\n\n")[0],
                     formatter_class=argparse.ArgumentDefaultsHelpFormatter,
                     epilog="Arguments after '--' go to train_full.parse_args (e.g. -- --no-activation-checkpointing).")
     a = p.add_argument
@@ -115,14 +116,14 @@ def parse_args(argv=None):
     a("--response-len", type=int, default=3000, help="response tokens per rollout (train_full --max-response-len)")
     a("--prompt-len", type=int, default=512, help="prompt tokens per rollout (MATH levels 3-5: 99%% of the problems are "
       "under 1,060 characters, plus 161 for the Qwen template; train_full drops prompts over --max-prompt-len 1024)")
-    a("--method", default="d3s", help=f"one of {', '.join(d3s.METHODS)}; those with token selection keep K of the tokens")
+    a("--method", default="d3s", help=f"one of {', '.join(variants.METHODS)}; those with token selection keep K of the tokens")
     a("--k-frac", type=float, default=None, help="fraction of tokens kept by the token-selecting methods (default: "
       "train_full's --k-final, 0.20, the largest K of the schedule)")
     a("--steps", type=int, default=2, help="optimizer steps to simulate (>= 2: step 1 has no optimizer state)")
     a("--micro-batches", type=int, default=2, help="micro-batches per step on a rank (>= 2: the second accumulates "
       "into the first one's gradients)")
     args = p.parse_args(argv)
-    _cli.check_rules(p, [
+    cli.check_rules(p, [
         ("--ranks", args.ranks, lambda v: 1 <= v <= 65536, "an int in [1, 65536] (GPUs)"),
         ("--micro-batch-size", args.micro_batch_size, lambda v: 1 <= v <= 65536, "an int in [1, 65536]"),
         ("--response-len", args.response_len, lambda v: 1 <= v <= 2**20, "an int in [1, 2^20]"),
@@ -132,8 +133,8 @@ def parse_args(argv=None):
         ("--micro-batches", args.micro_batches, lambda v: 1 <= v <= 1024, "an int in [1, 1024]"),
         ("--k-frac", args.k_frac, lambda v: 0 < v <= 1, "a fraction of the tokens in (0, 1]"),
     ])
-    if args.method not in d3s.METHODS:
-        p.error(f"--method {args.method!r}: not a method; choose one of {', '.join(d3s.METHODS)}")
+    if args.method not in variants.METHODS:
+        p.error(f"--method {args.method!r}: not a method; choose one of {', '.join(variants.METHODS)}")
     check_preset(p, args.preset)
     # train_full's own flags (after "--"), checked by train_full.parse_args now rather than after the model is built;
     # its one-line error is given this script's name and says where the flag came from
@@ -411,7 +412,7 @@ def _train_step(model, optimizer, targs, batches, chunks, keep, positions, norma
     old_logp = torch.zeros(B, T)
     entropy = torch.zeros(B, T)
     kept_adv = torch.ones(B)
-    selects = d3s.LADDER[targs.method][2]
+    selects = variants.selects_tokens(targs.method)
     # pass 1, no grad: old log-probs and entropy (token selection); without token selection, the old
     # log-probs only, as for mini-batches 2..M (at M = 1 train_full skips pass 1 for those methods)
     with torch.no_grad():
@@ -510,7 +511,7 @@ def main(argv=None):
     t0 = time.perf_counter()
     config = load_config(args.preset)
     targs = trainer_args(args.micro_batch_size, args.response_len, args.method, args.train_argv)
-    selects_tokens = d3s.LADDER[args.method][2]
+    selects_tokens = variants.selects_tokens(args.method)
     k_frac = (args.k_frac if args.k_frac is not None else targs.k_final) if selects_tokens else 1.0
     result = simulate(config, targs, args.ranks, args.micro_batch_size, args.response_len, args.prompt_len, k_frac,
                       args.steps, args.micro_batches)

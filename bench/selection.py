@@ -8,7 +8,7 @@
 Three tables, each a median over repeats (after a warm-up call) of the wall time of one call:
 
 1. Sample level, rewards [P, G] (P prompts x G rollouts), keeping m = keep_frac * G per group:
-   max_variance_subset and select_samples (one method per sample rule of d3s.LADDER) against the floor of
+   max_variance_subset and select_samples (one method per sample rule of variants.LADDER) against the floor of
    one torch.sort of the same [P, G] data, and against a straightforward Python reference (the
    PODS algorithm as written in the paper: per group, sort, then try every k in 0..m and
    compute the variance of "k largest + (m-k) smallest" directly). Cross-group "d3s" is one
@@ -39,8 +39,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _cli  # noqa: E402  (bench/_cli.py: one-line errors, the shared checks)
+import cli  # noqa: E402  (cli.py: one-line errors, the shared checks)
 import d3s  # noqa: E402
+import variants  # noqa: E402
 
 DEFAULT_SIZES = "64x8,256x16,1024x32,4096x64"
 QUICK_SIZES = "64x8,256x16"
@@ -176,8 +177,8 @@ def bench_samples(args, device, sync, summary):
         t = tm(lambda: d3s.max_variance_subset(r, m))
         rows.append([size, "max_variance_subset per group", fmt_time(t), fmt_ratio(t, floor)])
         summary["max_variance_subset per group"].append((t / floor, t))
-        for method in ("grpo", "pods", "d3s-i", "random"):  # one per per-group sample rule of d3s.LADDER (d1s: as d3s-i)
-            t = tm(lambda: d3s.select_samples(r, m, method, generator=gen))
+        for method in ("grpo", "pods", "d3s-i", "random"):  # one per per-group sample rule of variants.LADDER (d1s: as d3s-i)
+            t = tm(lambda: d3s.select_samples(r, m, variants.LADDER[method].samples, generator=gen))
             rows.append([size, f"select_samples {method!r}", fmt_time(t), fmt_ratio(t, floor)])
             if method != "grpo":
                 summary[f"select_samples {method!r}"].append((t / floor, t))
@@ -190,7 +191,7 @@ def bench_samples(args, device, sync, summary):
         t = tm(lambda: d3s.max_variance_subset(flat, m * P))
         rows.append([size, "max_variance_subset [P*G], m*P (cross-group)", fmt_time(t), fmt_ratio(t, floor_x)])
         summary["max_variance_subset cross-group"].append((t / floor_x, t))
-        t = tm(lambda: d3s.select_samples(r, m, "d3s"))
+        t = tm(lambda: d3s.select_samples(r, m, "cross"))
         rows.append([size, "select_samples 'd3s' (cross-group)", fmt_time(t), fmt_ratio(t, floor_x)])
         summary["select_samples 'd3s' (cross-group)"].append((t / floor_x, t))
         t_ref = time_reference([flat.cpu().tolist()], m * P, args)
@@ -450,7 +451,7 @@ def bench_entropy(args, device, sync):
 # Main
 # ---------------------------------------------------------------------------------------------
 def build_parser():
-    p = _cli.Parser(prog="selection.py", description=__doc__.split("\n")[0],
+    p = cli.Parser(prog="selection.py", description=__doc__.split("\n")[0],
                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--quick", action="store_true",
                    help=f"small sizes that finish in seconds (samples {QUICK_SIZES}, tokens {QUICK_TOKEN_SIZES}, "
@@ -493,8 +494,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args._mem_child:  # this script's own child process (peak_extra_memory): its arguments are the parent's
         return args
-    finite = _cli.finite
-    _cli.check_rules(p, [
+    finite = cli.finite
+    cli.check_rules(p, [
         ("--keep-frac", args.keep_frac, lambda v: 0 < v <= 1, "a fraction of each group in (0, 1]"),
         ("--k-frac", args.k_frac, lambda v: 0 < v <= 1, "a fraction of the tokens in (0, 1]"),
         ("--vocab", args.vocab, lambda v: 2 <= v <= 2**24, "an int in [2, 2^24]"),
@@ -508,16 +509,16 @@ def parse_args(argv=None):
         ("--threads", args.threads, lambda v: 0 <= v <= 1024, "an int in [0, 1024] (0: torch's choice)"),
         ("--seed", args.seed, lambda v: 0 <= v < 2**63 - 1, "an int in [0, 2^63 - 1)"),
     ])
-    _cli.size_list(p, "--sizes", args.sizes, ("P", "G"), lows=(1, 2))  # advantages need 2 rollouts per group
-    _cli.size_list(p, "--token-sizes", args.token_sizes, ("B", "T"))
-    _cli.int_list(p, "--entropy-tokens", args.entropy_tokens, low=1, what="comma-separated token counts >= 1")
-    _cli.int_list(p, "--chunk-sweep", args.chunk_sweep, low=1, what="comma-separated chunk sizes >= 1 ('' to skip)",
+    cli.size_list(p, "--sizes", args.sizes, ("P", "G"), lows=(1, 2))  # advantages need 2 rollouts per group
+    cli.size_list(p, "--token-sizes", args.token_sizes, ("B", "T"))
+    cli.int_list(p, "--entropy-tokens", args.entropy_tokens, low=1, what="comma-separated token counts >= 1")
+    cli.int_list(p, "--chunk-sweep", args.chunk_sweep, low=1, what="comma-separated chunk sizes >= 1 ('' to skip)",
                   allow_empty=True)
     unknown = [t for t in (x.strip() for x in args.skip.split(",")) if t and t not in TABLES]
     if unknown:
         p.error(f"--skip {args.skip}: {unknown[0]!r} is not a table; skip some of {', '.join(TABLES)}")
-    _cli.check_out_file(p, "--out", args.out)
-    _cli.check_device(p, "--device", args.device, torch.cuda.device_count)
+    cli.check_out_file(p, "--out", args.out)
+    cli.check_device(p, "--device", args.device, torch.cuda.device_count)
     return args
 
 

@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _cli  # noqa: E402  (bench/_cli.py: one-line errors, the shared checks)
+import cli  # noqa: E402  (cli.py: one-line errors, the shared checks)
 import fsdp_vllm  # noqa: E402
 from memory import PRESETS  # noqa: E402  (bench/memory.py, beside this file: the Qwen2.5-Math shapes)
 
@@ -73,7 +73,7 @@ def heads_of(hidden):
 
 def parse_args(argv=None):
     """The flags, every one checked before any work: one line `tiled_mlp.py: error: --flag VALUE: ...`, exit 2."""
-    p = _cli.Parser(prog="tiled_mlp.py", description=__doc__.split("\n\n")[0],
+    p = cli.Parser(prog="tiled_mlp.py", description=__doc__.split("\n\n")[0],
                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--hidden", type=int, default=448, help="hidden size (7B: 3584); intermediate = 5.29 x hidden")
     p.add_argument("--layers", type=int, default=4, help="decoder layers")
@@ -87,7 +87,7 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="parameter and compute dtype "
                    "(train_full computes in bfloat16 on a GPU)")
     args = p.parse_args(argv)
-    _cli.check_rules(p, [
+    cli.check_rules(p, [
         ("--hidden", args.hidden, lambda v: 14 <= v <= 65536, "an int in [14, 65536]"),
         ("--layers", args.layers, lambda v: 1 <= v <= 1024, "an int in [1, 1024]"),
         ("--rows", args.rows, lambda v: 1 <= v <= 65536, "an int in [1, 65536]"),
@@ -101,7 +101,7 @@ def parse_args(argv=None):
         fits = [h for h in range(args.hidden - 64, args.hidden + 65) if h >= 14 and (h // heads_of(h)) % 2 == 0]
         p.error(f"--hidden {args.hidden}: gives {heads} heads of {args.hidden // heads} dimensions, and rotary "
                 f"embeddings need an even head size; pass e.g. {min(fits, key=lambda h: abs(h - args.hidden))}")
-    _cli.check_device(p, "--device", args.device, torch.cuda.device_count)
+    cli.check_device(p, "--device", args.device, torch.cuda.device_count)
     return args
 
 

@@ -92,7 +92,7 @@ def parse_args(argv=None):
                         "forward during backward); off matches train_small.py")
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
     p.add_argument("--d3s-method", default=None, help="train with integrations/trl.py's D3SGRPOTrainer and this "
-                   "d3s.LADDER row (e.g. d3s); default: TRL's own GRPOTrainer")
+                   "variants.LADDER row (e.g. d3s); default: TRL's own GRPOTrainer")
     p.add_argument("--n-init", type=int, default=None, help="D3SGRPOConfig.n_init (default G/4)")
     p.add_argument("--n-final", type=int, default=None, help="D3SGRPOConfig.n_final (default G)")
     p.add_argument("--k-init", type=float, default=0.05, help="D3SGRPOConfig.k_init")
@@ -135,6 +135,7 @@ def main(argv=None):
     from trl import GRPOConfig, GRPOTrainer
 
     import train_small
+    import warmstart
     from mathtask import Grader, load_problems
 
     if args.d3s_method:
@@ -156,7 +157,7 @@ def main(argv=None):
         P = len(rows) // args.steps
     else:
         rows = train_rows
-    dataset = Dataset.from_dict({"prompt": [train_small.format_prompt(r["problem"], args.template) for r in rows],
+    dataset = Dataset.from_dict({"prompt": [warmstart.format_prompt(r["problem"], args.template) for r in rows],
                                  "answer": [r["answer"] for r in rows]})
 
     transformers.set_seed(args.seed)

@@ -56,7 +56,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
-import _cli  # noqa: E402  (bench/_cli.py: one-line errors, the shared checks)
+import cli  # noqa: E402  (cli.py: one-line errors, the shared checks)
 
 ARMS = ("trl", "trl-nogc", "grpo", "d3s", "trl-d3s")
 TRL_ARMS = ("trl", "trl-nogc", "trl-d3s")  # run by trl_arm.py in the TRL venv
@@ -65,7 +65,7 @@ TRL_SPLIT = ("prep_other_s", "loss_fwd_s", "backward_s", "optim_s")  # trl_arm.p
 
 
 def parse_args(argv=None):
-    p = _cli.Parser(prog="vs_trl.py", description=__doc__.split("\n\n")[0],
+    p = cli.Parser(prog="vs_trl.py", description=__doc__.split("\n\n")[0],
                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--quick", action="store_true", help="2 steps, 1 repeat, 2 prompts x 4 rollouts, short warm start")
     p.add_argument("--steps", type=int, default=20)
@@ -107,10 +107,10 @@ def parse_args(argv=None):
 
 def check_args(p, args):
     """Every flag before any work, and before TRL (the TRL venv runs only the arms): the ranges the
-    arms' train_small.py and trl_arm.py accept (train_small.check_args'), paths, combinations. A
+    arms' train_small.py and trl_arm.py accept (train_small.parse_args'), paths, combinations. A
     bad one ends in one line, `vs_trl.py: error: --flag VALUE: ...`, exit 2."""
-    finite = _cli.finite
-    _cli.check_rules(p, [
+    finite = cli.finite
+    cli.check_rules(p, [
         ("--steps", args.steps, lambda v: 1 <= v <= 10**6, "an int >= 1"),
         ("--repeats", args.repeats, lambda v: 1 <= v <= 1000, "an int in [1, 1000]"),
         ("--prompts-per-step", args.prompts_per_step, lambda v: 1 <= v <= 4096, "an int in [1, 4096]"),
@@ -141,23 +141,23 @@ def check_args(p, args):
     if args.seeds is None:
         args.seeds = [args.seed]
     else:
-        args.seeds = _cli.int_list(p, "--seeds", args.seeds, low=0, what="comma-separated integers >= 0", unique=True)
+        args.seeds = cli.int_list(p, "--seeds", args.seeds, low=0, what="comma-separated integers >= 0", unique=True)
         if max(args.seeds) >= 2**31:
             p.error(f"--seeds {','.join(map(str, args.seeds))}: each seed must be < 2^31")
-    _cli.check_out_dir(p, "--work", args.work)
-    _cli.check_out_dir(p, "--cache-dir", args.cache_dir)
-    _cli.check_out_file(p, "--out", args.out)
+    cli.check_out_dir(p, "--work", args.work)
+    cli.check_out_dir(p, "--cache-dir", args.cache_dir)
+    cli.check_out_file(p, "--out", args.out)
     if args.out and os.path.abspath(args.out) == os.path.abspath(os.path.join(args.work, "results.json")):
         p.error(f"--out {args.out}: is WORK/results.json, where the raw numbers go; pass another file")
-    _cli.check_program(p, "--python", args.python, "create the project's venv (python3 -m venv .venv && .venv/bin/pip "
+    cli.check_program(p, "--python", args.python, "create the project's venv (python3 -m venv .venv && .venv/bin/pip "
                        "install -r requirements.txt), or pass its python")  # the warm start runs in it, whatever the arms
     if any(a in TRL_ARMS for a in args.arms):
-        _cli.check_program(p, "--trl-python", args.trl_python, "create the TRL venv (see this file's docstring), or run "
+        cli.check_program(p, "--trl-python", args.trl_python, "create the TRL venv (see this file's docstring), or run "
                            "only the train_small arms: --arms grpo,d3s")
-    import train_small  # the tasks (and their lengths) are train_small's; it imports torch, so it comes last
+    import warmstart  # the tasks (and their lengths) are train_small's; it imports torch, so it comes last
 
-    if args.task not in train_small.TASKS:
-        p.error(f"--task {args.task!r}: not a task of train_small.py; choose {' or '.join(train_small.TASKS)}")
+    if args.task not in warmstart.TASKS:
+        p.error(f"--task {args.task!r}: not a task of train_small.py; choose {' or '.join(warmstart.TASKS)}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -172,13 +172,13 @@ def small_flags(args):
 
 WARM_START_SNIPPET = """
 import json, sys
-import train_small
-args = train_small.check_args(train_small.parse_args(sys.argv[1:]))
-train_rows, eval_rows = train_small.load_data(args)
+import train_small, warmstart
+args = train_small.parse_args(sys.argv[1:])
+train_rows, eval_rows = warmstart.load_data(args)
 for name, rows in (("train", train_rows), ("eval", eval_rows)):
     with open(f"{WORK}/{name}.jsonl", "w") as f:
         f.writelines(json.dumps(r) + "\\n" for r in rows)
-_, _, info = train_small.load_warm_start(args, train_rows)
+_, _, info = warmstart.load_warm_start(args, train_rows)
 print("WARM_START=" + json.dumps({k: v for k, v in info.items()}))
 """
 

@@ -67,9 +67,11 @@ import torch
 
 try:
     import d3s
+    import variants
 except ImportError:  # run from elsewhere: d3s.py lives in the repository root, one level up
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import d3s
+    import variants
 
 import trl
 from packaging.specifiers import SpecifierSet
@@ -108,7 +110,7 @@ def check_trl_version(version=None):
 class D3SGRPOConfig(GRPOConfig):
     """GRPOConfig plus D3S's fields. The defaults are the paper's schedule scaled to num_generations.
 
-    d3s_method   a row of d3s.LADDER: grpo, d1s, d1s-cross, d2s, d3s, d3s-i, pods, random, dapo-filter(-k)
+    d3s_method   a row of variants.LADDER: grpo, d1s, d1s-cross, d2s, d3s, d3s-i, pods, random, dapo-filter(-k)
     n_init/n_final   rollouts kept per prompt at the first/last step (default G/4 -> G: the
                  paper's 8 -> 32 of G = 32); k_init/k_final the fraction of tokens kept (5% -> 20%)
     static_n/static_k   N and K of the static rows (d1s, d1s-cross, d2s, pods); default the midpoint
@@ -118,7 +120,7 @@ class D3SGRPOConfig(GRPOConfig):
                  token of the kept rollouts (1/K smaller gradients)
     """
 
-    d3s_method: str = field(default="d3s", metadata={"help": "a row of d3s.LADDER: " + ", ".join(d3s.METHODS)})
+    d3s_method: str = field(default="d3s", metadata={"help": "a row of variants.LADDER: " + ", ".join(variants.METHODS)})
     n_init: int | None = field(default=None, metadata={
         "help": "N at step 0: rollouts kept per prompt (default num_generations // 4; paper: 8 of 32)"})
     n_final: int | None = field(default=None, metadata={
@@ -153,7 +155,7 @@ def check_d3s_config(args):
             raise ValueError(f"D3SGRPOConfig.{name}={value!r}: {fix}")
 
     G = args.num_generations
-    require(args.d3s_method in d3s.LADDER, "d3s_method", args.d3s_method, f"choose one of {', '.join(d3s.METHODS)}")
+    require(args.d3s_method in variants.LADDER, "d3s_method", args.d3s_method, f"choose one of {', '.join(variants.METHODS)}")
     for name in ("n_init", "n_final") + (("static_n",) if args.static_n is not None else ()):
         value = getattr(args, name)
         require(isinstance(value, int) and 1 <= value <= G, name, value,
@@ -196,8 +198,9 @@ def check_d3s_config(args):
     # d3s's own checks of the budget at the first, middle and last step
     for step in (0, 1, 2):
         try:
-            d3s.method_budget(args.d3s_method, step, 2, G, args.n_init, args.n_final, args.k_init, args.k_final,
-                              args.static_n, args.static_k)
+            d3s.method_budget(variants.LADDER[args.d3s_method], step=step, total_steps=2, group_size=G, n_init=args.n_init,
+                              n_final=args.n_final, k_init=args.k_init, k_final=args.k_final, static_n=args.static_n,
+                              static_k=args.static_k)
         except ValueError as e:
             raise ValueError(f"D3SGRPOConfig: {e}") from None
 
@@ -255,12 +258,13 @@ class D3SGRPOTrainer(GRPOTrainer):
         if training:
             method, step = args.d3s_method, self.state.global_step
             total = max(int(self.state.max_steps or args.max_steps), 1)
-            n_keep, k_frac = d3s.method_budget(method, min(step, total), total, G, args.n_init, args.n_final,
-                                               args.k_init, args.k_final, args.static_n, args.static_k)
+            n_keep, k_frac = d3s.method_budget(variants.LADDER[method], step=min(step, total), total_steps=total, group_size=G,
+                                               n_init=args.n_init, n_final=args.n_final, k_init=args.k_init,
+                                               k_final=args.k_final, static_n=args.static_n, static_k=args.static_k)
         else:  # evaluation loss: every rollout, every token
             method, step, n_keep, k_frac = "grpo", 0, G, 1.0
         generator = torch.Generator().manual_seed(args.seed * 7919 + step)  # "random": one draw for all processes
-        keep, adv = d3s.select_samples(rewards, n_keep, method, scale=self.scale_rewards == "group",
+        keep, adv = d3s.select_samples(rewards, n_keep, variants.LADDER[method].samples, scale=self.scale_rewards == "group",
                                        eps=TRL_ADV_EPS, generator=generator)  # [P, G] each
         B = output["completion_ids"].shape[0]  # this process's rows: [i * B, (i + 1) * B) of the global batch
         mine = slice(self.accelerator.process_index * B, (self.accelerator.process_index + 1) * B)

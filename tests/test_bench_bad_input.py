@@ -3,9 +3,9 @@
 For each script, a table of (argv, fragment): run as a subprocess, every case must exit 2 with
 exactly one non-empty line on stderr, `<prog>: error: ...` containing the fragment (the flag, its
 value and what is wrong), no "Traceback", and nothing on stdout (no work started). The checks run
-before any work: bench/vs_trl.py and bench/headroom.py's --out before torch is imported (vs_trl.py
+before any work: bench/vs_trl.py and experiments/headroom.py's --out before torch is imported (vs_trl.py
 needs the TRL venv only for its arms, so this runs in the project's .venv); the others right after
-their imports (about 2 s). bench/headroom.py hands the rest of its flags to train_small.py, whose
+their imports (about 2 s). experiments/headroom.py hands the rest of its flags to train_small.py, whose
 argparse errors carry the name train_small.py (its one-line Parser), its checks the name headroom.py.
 
 Paths in the tables: {file} an existing text file, {dir} an existing empty folder, {missing} a path
@@ -28,7 +28,7 @@ VS_TRL = [
     (["--steps", "x"], "--steps 'x': not an integer"),
     (["--lr", "nan"], "--lr nan: must be in (0, 1]"),
     (["--lr=-inf"], "--lr -inf: must be in (0, 1]"),
-    (["--lr", "-inf"], "--lr: expected one value; pass it after the flag"),  # argparse reads -inf as a flag
+    (["--lr", "-inf"], "--lr -inf: must be in (0, 1]"),  # read as the flag's value, not as a flag (cli.Parser)
     (["--temperature", "0"], "--temperature 0.0: must be in [0.01, 100]"),
     (["--max-grad-norm", "inf"], "--max-grad-norm inf: must be a finite number > 0"),
     (["--max-grad-norm", "-1"], "--max-grad-norm -1.0: must be a finite number > 0"),
@@ -112,7 +112,7 @@ TILED_MLP = [
     (["--hidden"], "--hidden: expected one value"),
 ]
 
-HEADROOM = [  # (argv, fragment[, prog]): train_small.py's argparse errors carry its own name
+HEADROOM = [  # (argv, fragment): its own --out, then train_small.py's flags and checks under its name
     (["--out"], "--out: expected one value"),
     (["--out", "{dir}"], "--out {dir}: is a folder, not a file"),
     (["--out={missing}/headroom.md"], "does not exist"),
@@ -121,8 +121,8 @@ HEADROOM = [  # (argv, fragment[, prog]): train_small.py's argparse errors carry
     (["--lr", "nan"], "--lr nan: must be in (0, 1]"),
     (["--eval-samples", "0"], "--eval-samples 0: must be"),
     (["--train-file", "{dir}"], "--train-file {dir}: is a folder"),
-    (["--steps", "x"], "--steps: invalid int value: 'x'", "train_small.py"),
-    (["--bogus"], "unrecognized arguments: --bogus", "train_small.py"),
+    (["--steps", "x"], "--steps 'x': must be an int >= 1"),
+    (["--bogus"], "unrecognized arguments: --bogus"),
 ]
 
 QUESTIONS_TOY = [
@@ -172,7 +172,11 @@ DROPPED_TOKENS = [
     (["--bogus"], "unrecognized arguments: --bogus"),
 ]
 
-TABLES = {"vs_trl.py": VS_TRL, "memory.py": MEMORY, "selection.py": SELECTION, "loss_head.py": LOSS_HEAD,
+TOY_LADDER = [  # the toy's flags, its checks
+    (["--steps", "-3"], "--steps -3"), (["--lr", "nan"], "--lr nan"), (["--methods", "nope"], "--methods"),
+    (["--out", "{file}"], "is a file"), (["--seeds", "0"], "--seeds 0"), (["--no-such-flag"], "--no-such-flag"),
+]
+TABLES = {"toy_ladder.py": TOY_LADDER, "vs_trl.py": VS_TRL, "memory.py": MEMORY, "selection.py": SELECTION, "loss_head.py": LOSS_HEAD,
           "tiled_mlp.py": TILED_MLP, "headroom.py": HEADROOM, "questions_toy.py": QUESTIONS_TOY,
           "questions_small.py": QUESTIONS_SMALL, "dropped_tokens.py": DROPPED_TOKENS}
 CASES = [(script, *case) if len(case) == 3 else (script, *case, script)
@@ -189,8 +193,15 @@ def paths(tmp_path_factory):
             "json": str(base / "config.json")}
 
 
+EXPERIMENTS = {"toy_ladder.py", "questions_toy.py", "questions_small.py", "dropped_tokens.py", "headroom.py"}  # experiments/, not bench/
+
+
+def script_path(script):
+    return os.path.join(ROOT, "experiments" if script in EXPERIMENTS else "bench", script)
+
+
 def run_bad(script, argv):
-    res = subprocess.run([sys.executable, os.path.join(ROOT, "bench", script), *argv], cwd=ROOT, capture_output=True,
+    res = subprocess.run([sys.executable, script_path(script), *argv], cwd=ROOT, capture_output=True,
                          text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     return res
 
@@ -229,18 +240,17 @@ def test_an_output_in_a_folder_that_cannot_be_written(script, flag, tmp_path):
 @pytest.mark.parametrize("check,name", [("check_out_file", "report.md"), ("check_out_dir", "run")])
 def test_an_unwritable_folder_in_process(check, name, tmp_path, monkeypatch, capsys):
     """The same refusal where the tests run as root (which may write anywhere): os.access says no."""
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    import _cli
+    import cli
 
-    monkeypatch.setattr(_cli.os, "access", lambda path, mode: not mode & os.W_OK)
+    monkeypatch.setattr(cli.os, "access", lambda path, mode: not mode & os.W_OK)
     with pytest.raises(SystemExit) as exit_info:
-        getattr(_cli, check)(_cli.Parser(prog="x.py"), "--out", str(tmp_path / name))
+        getattr(cli, check)(cli.Parser(prog="x.py"), "--out", str(tmp_path / name))
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(f"x.py: error: --out {tmp_path / name}: ") and "not writable" in err
 
 
-INTERNAL = {"trl_arm.py", "_cli.py"}  # trl_arm.py: run by vs_trl.py with flags it builds; _cli.py: the shared parser, not a script
+INTERNAL = {"trl_arm.py", "stats.py"}  # trl_arm.py: run by vs_trl.py with flags it builds; stats.py: a module, not a script
 
 
 def test_every_bench_script_the_docs_name_has_a_table():
@@ -250,6 +260,6 @@ def test_every_bench_script_the_docs_name_has_a_table():
     named = set()
     for page in pages:
         with open(page, encoding="utf-8") as f:
-            named |= set(re.findall(r"bench/(\w+\.py)", f.read()))
+            named |= set(re.findall(r"(?:bench|experiments)/(\w+\.py)", f.read()))
     assert named - INTERNAL <= set(TABLES), sorted(named - INTERNAL - set(TABLES))
     assert all(len(table) >= 6 for table in TABLES.values())

@@ -1,6 +1,6 @@
 """Smoke tests of the timing scripts bench/loss_head.py and bench/tiled_mlp.py, at tiny sizes:
 they run and print their tables (no timing assertions: times live in docs/benchmarks.md); of
-bench/questions_toy.py on a few steps; and of bench/dropped_tokens.py on an untrained 1-layer model
+experiments/questions_toy.py on a few steps; and of experiments/dropped_tokens.py on an untrained 1-layer model
 (real grader) and, in process with the rewards patched so that every group has spread, its shares,
 counts and the gradient check (K = 1 selects every token: cosine 1, norm ratio 1)."""
 
@@ -15,7 +15,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def run(script, *args):
-    res = subprocess.run([sys.executable, os.path.join(ROOT, "bench", script), *args], cwd=ROOT,
+    folder = "experiments" if script in ("questions_toy.py", "questions_small.py", "dropped_tokens.py", "headroom.py") else "bench"
+    res = subprocess.run([sys.executable, os.path.join(ROOT, folder, script), *args], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     return res.stdout
@@ -84,7 +85,7 @@ def test_questions_small_reads_the_gap_the_kl_and_the_spikes_from_compare_runs(t
 def test_questions_small_spikes_leave_out_steps_without_signal():
     """A step with no group with spread has grad_norm 0 (or null): it is neither a spike nor in the median, so a
     normal step after a stretch of them is not counted as a spike over a median of 0."""
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    sys.path.insert(0, os.path.join(ROOT, "experiments"))
     import questions_small
 
     train = lambda norms: [{"grad_norm": n, "step": i + 1} for i, n in enumerate(norms)]  # noqa: E731
@@ -172,7 +173,7 @@ def test_dropped_tokens_runs_on_an_untrained_model_and_prints_the_tables(tmp_pat
 def test_dropped_tokens_shares_counts_and_the_gradient_of_every_token(tmp_path, monkeypatch, capsys):
     import torch
 
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    sys.path.insert(0, os.path.join(ROOT, "experiments"))
     import dropped_tokens
     import train_small
 

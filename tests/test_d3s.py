@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import d3s
+import variants
 from d3s import (
     dynamic_schedule,
     group_advantages,
@@ -68,6 +69,11 @@ def binary_rewards(P, G, seed, p=0.5):
 def continuous_rewards(P, G, seed):
     g = torch.Generator().manual_seed(seed)
     return torch.rand(P, G, generator=g)
+
+
+def budget(method, step, total_steps, group_size, **kw):
+    """d3s.method_budget of a method by name (variants.LADDER: the papers' rows and the others)."""
+    return d3s.method_budget(variants.LADDER[method], step=step, total_steps=total_steps, group_size=group_size, **kw)
 
 
 def has_spread(rewards):
@@ -246,7 +252,7 @@ def test_d3s_i_kept_advantages_have_unbiased_variance_at_least_one(G, reward_kin
     assert spread.sum() >= 10
     for n_keep in range(2, G + 1):
         # eps=0 makes Var(A) = 1 exactly (up to float32 rounding) in every group with spread
-        keep, adv = select_samples(rewards, n_keep, "d3s-i", eps=0.0)
+        keep, adv = select_samples(rewards, n_keep, "intra", eps=0.0)
         for p in torch.nonzero(spread).flatten().tolist():
             assert kept_variance(adv[p], keep[p]) >= 1.0 - 1e-5, (rewards[p], n_keep)
 
@@ -256,7 +262,7 @@ def test_d3s_i_kept_variance_is_at_least_the_full_group_variance_with_default_ep
     rewards = continuous_rewards(32, G, seed=100 + G)
     full = group_advantages(rewards)
     for n_keep in range(2, G + 1):
-        keep, adv = select_samples(rewards, n_keep, "d3s-i")
+        keep, adv = select_samples(rewards, n_keep, "intra")
         for p in range(32):
             assert kept_variance(adv[p], keep[p]) >= unbiased_var(full[p]) - 1e-6
 
@@ -270,7 +276,7 @@ def test_population_variance_would_violate_lemma_1_which_is_why_unbiased_is_used
     assert best_pop == pytest.approx(8 / 9)
     assert best_pop < 1.0
     # unbiased version (what d3s.py does): Var(A') = 1 >= 1.
-    keep, adv = select_samples(rewards, 3, "d3s-i", eps=0.0)
+    keep, adv = select_samples(rewards, 3, "intra", eps=0.0)
     assert kept_variance(adv[0], keep[0]) == pytest.approx(1.0, abs=1e-6)
 
 
@@ -279,19 +285,19 @@ def test_population_variance_would_violate_lemma_1_which_is_why_unbiased_is_used
 def test_d3s_keeps_exactly_n_keep_times_P_rollouts(seed):
     rewards = binary_rewards(6, 8, seed=seed)
     for n_keep in range(1, 9):
-        keep, _ = select_samples(rewards, n_keep, "d3s")
+        keep, _ = select_samples(rewards, n_keep, "cross")
         assert int(keep.sum()) == n_keep * 6
 
 
 def test_d3s_may_take_all_of_one_group_and_none_of_another():
     rewards = torch.tensor([[1.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
-    keep, _ = select_samples(rewards, 2, "d3s")
+    keep, _ = select_samples(rewards, 2, "cross")
     assert keep.sum(-1).tolist() == [4, 0]
 
 
 def test_d3s_may_keep_uneven_counts_from_groups_that_both_have_spread():
     rewards = torch.tensor([[1.0, 0.0, 0.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
-    keep, _ = select_samples(rewards, 2, "d3s")
+    keep, _ = select_samples(rewards, 2, "cross")
     assert keep.sum(-1).tolist() == [1, 3]
 
 
@@ -304,7 +310,7 @@ def test_d3s_never_keeps_zero_spread_groups_while_nonzero_advantages_remain():
         for n_keep in range(1, 9):
             if n_keep * 8 > n_nonzero:
                 break
-            keep, _ = select_samples(rewards, n_keep, "d3s")
+            keep, _ = select_samples(rewards, n_keep, "cross")
             assert not keep[~has_spread(rewards)].any(), (seed, n_keep)
             assert (adv[keep] != 0).all()
             checked += 1
@@ -316,7 +322,7 @@ def test_d3s_choice_is_max_variance_subset_of_the_pooled_advantages():
     rewards[1] = 0.25  # one zero-spread group
     pooled = group_advantages(rewards).reshape(-1)
     for n_keep in (1, 3, 6):
-        keep, _ = select_samples(rewards, n_keep, "d3s")
+        keep, _ = select_samples(rewards, n_keep, "cross")
         assert torch.equal(torch.nonzero(keep.reshape(-1)).flatten(), max_variance_subset(pooled, n_keep * 5))
 
 
@@ -324,14 +330,14 @@ def test_d3s_cross_group_choice_has_at_least_the_pooled_variance_of_per_group_ch
     for seed in range(5):
         rewards = binary_rewards(6, 8, seed=200 + seed)
         for n_keep in (2, 4, 6):
-            keep_x, adv_x = select_samples(rewards, n_keep, "d3s")
-            keep_i, adv_i = select_samples(rewards, n_keep, "d3s-i")
+            keep_x, adv_x = select_samples(rewards, n_keep, "cross")
+            keep_i, adv_i = select_samples(rewards, n_keep, "intra")
             assert kept_variance(adv_x, keep_x) >= kept_variance(adv_i, keep_i) - 1e-9
 
 
 def test_d3s_advantages_are_full_group_advantages_on_kept_and_zero_elsewhere():
     rewards = continuous_rewards(4, 8, seed=8)
-    keep, adv = select_samples(rewards, 3, "d3s")
+    keep, adv = select_samples(rewards, 3, "cross")
     full = group_advantages(rewards)
     assert torch.equal(adv[keep], full[keep])
     assert (adv[~keep] == 0).all()
@@ -342,7 +348,7 @@ def test_pods_and_d3s_i_pick_the_same_rollouts_for_continuous_rewards():
     rewards = continuous_rewards(64, 8, seed=9)
     for n_keep in range(1, 9):
         keep_pods, _ = select_samples(rewards, n_keep, "pods")
-        keep_d3si, _ = select_samples(rewards, n_keep, "d3s-i")
+        keep_d3si, _ = select_samples(rewards, n_keep, "intra")
         assert torch.equal(keep_pods, keep_d3si), n_keep
 
 
@@ -350,7 +356,7 @@ def test_pods_and_d3s_i_keep_the_same_reward_multiset_for_binary_rewards():
     rewards = binary_rewards(64, 8, seed=10)
     for n_keep in range(1, 9):
         keep_pods, _ = select_samples(rewards, n_keep, "pods")
-        keep_d3si, _ = select_samples(rewards, n_keep, "d3s-i")
+        keep_d3si, _ = select_samples(rewards, n_keep, "intra")
         assert torch.equal((rewards * keep_pods).sum(-1), (rewards * keep_d3si).sum(-1)), n_keep
         assert (keep_pods.sum(-1) == n_keep).all() and (keep_d3si.sum(-1) == n_keep).all()
 
@@ -373,7 +379,7 @@ def test_pods_example_keeps_the_correct_rollout_and_one_wrong_one():
 
 def test_d3s_i_keeps_full_group_advantages_on_kept_and_zero_elsewhere():
     rewards = continuous_rewards(16, 8, seed=12)
-    keep, adv = select_samples(rewards, 4, "d3s-i")
+    keep, adv = select_samples(rewards, 4, "intra")
     full = group_advantages(rewards)
     assert (keep.sum(-1) == 4).all()
     assert torch.equal(adv[keep], full[keep])
@@ -383,7 +389,7 @@ def test_d3s_i_keeps_full_group_advantages_on_kept_and_zero_elsewhere():
 def test_pods_and_d3s_i_differ_only_in_advantages():
     rewards = torch.tensor([[1.0, 0.0, 0.0, 0.0, 1.0, 0.0]])
     keep_pods, adv_pods = select_samples(rewards, 4, "pods")
-    keep_d3si, adv_d3si = select_samples(rewards, 4, "d3s-i")
+    keep_d3si, adv_d3si = select_samples(rewards, 4, "intra")
     assert torch.equal(keep_pods, keep_d3si)
     assert not torch.allclose(adv_pods, adv_d3si)
 
@@ -391,14 +397,14 @@ def test_pods_and_d3s_i_differ_only_in_advantages():
 @pytest.mark.parametrize("n_keep", [1, 5, 8])
 def test_grpo_keeps_all_rollouts_with_full_group_advantages_ignoring_n_keep(n_keep):
     rewards = binary_rewards(5, 8, seed=13)
-    keep, adv = select_samples(rewards, n_keep, "grpo")
+    keep, adv = select_samples(rewards, n_keep, "all")
     assert keep.all()
     assert torch.equal(adv, group_advantages(rewards))
 
 
 def test_random_keeps_exactly_n_keep_per_group_with_full_group_advantages():
     rewards = continuous_rewards(32, 8, seed=14)
-    keep, adv = select_samples(rewards, 3, "random", generator=torch.Generator().manual_seed(0))
+    keep, adv = variants.uniform_samples(rewards, 3, generator=torch.Generator().manual_seed(0))
     assert (keep.sum(-1) == 3).all()
     full = group_advantages(rewards)
     assert torch.equal(adv[keep], full[keep])
@@ -407,9 +413,9 @@ def test_random_keeps_exactly_n_keep_per_group_with_full_group_advantages():
 
 def test_random_is_reproducible_with_a_generator():
     rewards = continuous_rewards(32, 8, seed=15)
-    first, _ = select_samples(rewards, 3, "random", generator=torch.Generator().manual_seed(42))
-    again, _ = select_samples(rewards, 3, "random", generator=torch.Generator().manual_seed(42))
-    other, _ = select_samples(rewards, 3, "random", generator=torch.Generator().manual_seed(43))
+    first, _ = select_samples(rewards, 3, variants.uniform_samples, generator=torch.Generator().manual_seed(42))
+    again, _ = select_samples(rewards, 3, variants.uniform_samples, generator=torch.Generator().manual_seed(42))
+    other, _ = select_samples(rewards, 3, variants.uniform_samples, generator=torch.Generator().manual_seed(43))
     assert torch.equal(first, again)
     assert not torch.equal(first, other)
 
@@ -617,7 +623,7 @@ def test_schedule_keeps_a_tiny_k_positive():
     for step in (0, 1, 2):
         k = d3s.dynamic_schedule(step, 2, k_init=1e-37, k_final=1e-30)[1]
         assert 0 < k <= 1e-30
-    assert d3s.method_budget("d3s", 0, 80, 32, k_init=8e-37)[1] == 8e-37
+    assert budget("d3s", 0, 80, 32, k_init=8e-37)[1] == 8e-37
 
 
 def test_schedule_returns_int_n_and_float_k():
@@ -761,13 +767,13 @@ def test_token_scores_rank_by_what_each_rule_says():
     adv = torch.tensor([2.0, -1.0, 0.5])
     entropy = torch.tensor([[0.5, 1.0, 0.1], [3.0, 0.0, 0.2], [4.0, 4.0, 4.0]])
     torch.testing.assert_close(d3s.token_scores(adv, entropy), adv.abs().unsqueeze(1) * entropy)  # the paper's |A| * H
-    torch.testing.assert_close(d3s.token_scores(adv, entropy, "entropy"), entropy)
-    by_adv = d3s.token_scores(adv, entropy, "adv", generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(d3s.token_scores(adv, entropy, variants.TOKEN_RULES["entropy"]), entropy)
+    by_adv = d3s.token_scores(adv, entropy, variants.TOKEN_RULES["adv"], generator=torch.Generator().manual_seed(0))
     assert (by_adv[0].min() > by_adv[1].max()) and (by_adv[1].min() > by_adv[2].max())  # |A| decides between responses
-    orders = {tuple(d3s.token_scores(adv, entropy, "adv", generator=torch.Generator().manual_seed(s))[0].argsort().tolist())
+    orders = {tuple(d3s.token_scores(adv, entropy, variants.TOKEN_RULES["adv"], generator=torch.Generator().manual_seed(s))[0].argsort().tolist())
               for s in range(20)}
     assert len(orders) > 1  # ties (equal |A| inside a response) are broken at random, not by position
-    r = d3s.token_scores(adv, entropy, "random", generator=torch.Generator().manual_seed(0))
+    r = d3s.token_scores(adv, entropy, variants.TOKEN_RULES["random"], generator=torch.Generator().manual_seed(0))
     assert r.shape == entropy.shape and 0 <= r.min() and r.max() < 1
     # per-token advantages [B, T] work too, and a NaN entropy scores 0 instead of reaching select_tokens
     nan = torch.tensor([[float("nan"), 1.0, 1.0]] * 3)
@@ -912,14 +918,14 @@ LP = torch.zeros(2, 5)
 A2 = torch.ones(2)
 
 BAD_CALLS = {
-    "n_keep > G": (lambda: select_samples(R, 5, "d3s"), r"^n_keep=5"),
+    "n_keep > G": (lambda: select_samples(R, 5, "cross"), r"^n_keep=5"),
     "n_keep = 0": (lambda: select_samples(R, 0, "pods"), r"^n_keep=0"),
     "n_keep float": (lambda: select_samples(R, 2.0, "pods"), r"^n_keep=2\.0"),
-    "unknown method": (lambda: select_samples(R, 2, "ppo"), r"^method='ppo'"),
-    "rewards NaN": (lambda: select_samples(torch.tensor([[0.0, math.nan]]), 1, "d3s"), r"^rewards="),
+    "unknown rule": (lambda: select_samples(R, 2, "ppo"), r"^rule='ppo'"),
+    "rewards NaN": (lambda: select_samples(torch.tensor([[0.0, math.nan]]), 1, "cross"), r"^rewards="),
     "rewards inf": (lambda: group_advantages(torch.tensor([[0.0, math.inf]])), r"^rewards="),
     "rewards 1-D": (lambda: group_advantages(torch.tensor([0.0, 1.0])), r"^rewards\.shape="),
-    "rewards 3-D": (lambda: select_samples(torch.zeros(2, 2, 2), 1, "grpo"), r"^rewards\.shape="),
+    "rewards 3-D": (lambda: select_samples(torch.zeros(2, 2, 2), 1, "all"), r"^rewards\.shape="),
     "rewards list": (lambda: group_advantages([[0.0, 1.0]]), r"^rewards="),
     "m = 0": (lambda: max_variance_subset(torch.rand(4), 0), r"^m=0"),
     "m > n": (lambda: max_variance_subset(torch.rand(4), 5), r"^m=5"),
@@ -990,7 +996,7 @@ def test_max_variance_subset_is_optimal_at_any_scale(scale):
 
 
 def test_grpo_ignores_an_n_keep_larger_than_the_group():
-    keep, _ = select_samples(binary_rewards(3, 4, seed=2), 32, "grpo")  # the schedule's N = 32 with G = 4
+    keep, _ = select_samples(binary_rewards(3, 4, seed=2), 32, "all")  # the schedule's N = 32 with G = 4
     assert keep.all()
 
 
@@ -1023,19 +1029,20 @@ def test_token_entropy_of_a_non_contiguous_slice_and_bf16():
 # 10. The ladder (LADDER, method_budget) and the cross-group guarantees
 # =============================================================================================
 def test_the_ladder_names_are_the_papers():
-    assert set(d3s.METHODS) == {"grpo", "pods", "random", "d1s", "d1s-cross", "d2s", "d3s", "d3s-i",
-                                "dapo-filter", "dapo-filter-k"}  # + DAPO's filter (docs/questions.md, question 7)
-    assert d3s.LADDER["d1s"] == ("intra", "static", False)
-    assert d3s.LADDER["d1s-cross"] == ("cross", "static", False)
-    assert d3s.LADDER["d2s"] == ("cross", "static", True)
-    assert d3s.LADDER["d3s"] == ("cross", "schedule", True)
-    assert d3s.LADDER["d3s-i"] == ("intra", "schedule", True)
+    assert set(d3s.LADDER) == {"grpo", "pods", "d1s", "d1s-cross", "d2s", "d3s", "d3s-i"}
+    assert set(variants.METHODS) == set(d3s.LADDER) | {"random", "dapo-filter", "dapo-filter-k"}  # + DAPO's filter (question 7)
+    assert d3s.LADDER["d1s"] == ("intra", "static", "all")
+    assert d3s.LADDER["d1s-cross"] == ("cross", "static", "all")
+    assert d3s.LADDER["d2s"] == ("cross", "static", "static")
+    assert d3s.LADDER["d3s"] == ("cross", "schedule", "schedule")
+    assert d3s.LADDER["d3s-i"] == ("intra", "schedule", "schedule")
+    assert d3s.LADDER["d3s"].samples == "cross" and d3s.LADDER["d2s"].k == "static"  # named fields
 
 
 @pytest.mark.parametrize("same", [("d1s", "d3s-i"), ("d1s-cross", "d3s"), ("d2s", "d3s")])
 def test_rows_with_the_same_sample_rule_keep_the_same_rollouts(same):
     rewards = binary_rewards(6, 8, seed=5)
-    first, second = (select_samples(rewards, 3, m) for m in same)
+    first, second = (select_samples(rewards, 3, d3s.LADDER[m].samples) for m in same)
     assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
 
 
@@ -1043,33 +1050,33 @@ def test_method_budget_follows_each_rows_schedule():
     steps, G = 100, 32
     for step in (0, 50, 99):
         sched = dynamic_schedule(step, steps)
-        assert d3s.method_budget("d3s", step, steps, G) == sched
-        assert d3s.method_budget("d3s-i", step, steps, G) == sched
-        assert d3s.method_budget("random", step, steps, G) == (sched[0], 1.0)
-        assert d3s.method_budget("d2s", step, steps, G) == (20, 0.125)  # static: the midpoint
-        assert d3s.method_budget("d1s", step, steps, G) == (20, 1.0)  # static N, every token
-        assert d3s.method_budget("d1s-cross", step, steps, G) == (20, 1.0)
-        assert d3s.method_budget("pods", step, steps, G) == (20, 1.0)
-        assert d3s.method_budget("grpo", step, steps, G) == (G, 1.0)
-    assert d3s.method_budget("d2s", 0, steps, G, static_n=8, static_k=0.05) == (8, 0.05)
+        assert budget("d3s", step, steps, G) == sched
+        assert budget("d3s-i", step, steps, G) == sched
+        assert budget("random", step, steps, G) == (sched[0], 1.0)
+        assert budget("d2s", step, steps, G) == (20, 0.125)  # static: the midpoint
+        assert budget("d1s", step, steps, G) == (20, 1.0)  # static N, every token
+        assert budget("d1s-cross", step, steps, G) == (20, 1.0)
+        assert budget("pods", step, steps, G) == (20, 1.0)
+        assert budget("grpo", step, steps, G) == (G, 1.0)
+    assert budget("d2s", 0, steps, G, static_n=8, static_k=0.05) == (8, 0.05)
 
 
 def test_method_budget_errors_name_the_problem():
     with pytest.raises(ValueError, match=r"^n_keep=32: .*G=16"):
-        d3s.method_budget("d3s", 100, 100, 16)  # the paper's N_final = 32 with G = 16
-    with pytest.raises(ValueError, match=r"^method='d3s-static'"):
-        d3s.method_budget("d3s-static", 0, 10, 32)
-    assert d3s.method_budget("grpo", 0, 10, 16) == (16, 1.0)  # grpo has no N to check
+        budget("d3s", 100, 100, 16)  # the paper's N_final = 32 with G = 16
+    with pytest.raises(ValueError, match=r"^row='d3s-static'"):
+        d3s.method_budget("d3s-static", step=0, total_steps=10, group_size=32)  # a Row, not a name
+    assert budget("grpo", 0, 10, 16) == (16, 1.0)  # grpo has no N to check
 
 
 def test_cross_group_selection_does_not_guarantee_lemma_1():
     """Lemma 1 is about one group. Pooled: group 2 has no spread, 6 of 8 must be kept, two of
     them zeros: Var(A') = 0.60 < 1."""
     rewards = torch.tensor([[1.0, 0, 0, 0], [1, 1, 1, 1]])
-    keep, adv = select_samples(rewards, 3, "d3s")
+    keep, adv = select_samples(rewards, 3, "cross")
     assert int(keep.sum()) == 6
     assert kept_variance(adv, keep) == pytest.approx(0.60, abs=1e-4)
-    keep_i, adv_i = select_samples(rewards, 3, "d3s-i")  # intra: group 1 alone has Var >= 1
+    keep_i, adv_i = select_samples(rewards, 3, "intra")  # intra: group 1 alone has Var >= 1
     assert unbiased_var(adv_i[0][keep_i[0]].tolist()) >= 1.0
 
 
@@ -1077,15 +1084,15 @@ def test_cross_group_selection_does_not_guarantee_lemma_1():
 def test_pooled_choice_reaches_at_least_the_pooled_variance_of_the_per_group_choices(seed):
     rewards = binary_rewards(5, 8, seed=seed) if seed % 2 else continuous_rewards(5, 8, seed=seed)
     for n in (2, 4, 6):
-        keep_cross, adv = select_samples(rewards, n, "d3s")
-        keep_intra, _ = select_samples(rewards, n, "d3s-i")
+        keep_cross, adv = select_samples(rewards, n, "cross")
+        keep_intra, _ = select_samples(rewards, n, "intra")
         assert kept_variance(adv, keep_cross) >= kept_variance(adv, keep_intra) - 1e-9
 
 
 def test_usefulness_rate_is_the_share_of_kept_rollouts_with_nonzero_advantage():
     rewards = torch.tensor([[1.0, 0, 0, 0], [1, 1, 1, 1], [0, 1, 1, 0]])
-    keep, adv = select_samples(rewards, 4, "grpo")
+    keep, adv = select_samples(rewards, 4, "all")
     assert d3s.usefulness_rate(adv, keep) == pytest.approx(8 / 12)
-    keep, adv = select_samples(rewards, 2, "d1s-cross")  # 6 of 12: the zero-spread group goes first
+    keep, adv = select_samples(rewards, 2, "cross")  # 6 of 12: the zero-spread group goes first
     assert d3s.usefulness_rate(adv, keep) == 1.0
     assert d3s.usefulness_rate(adv, torch.zeros_like(keep)) == 0.0

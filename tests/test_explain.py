@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import d3s
+import variants
 import explain
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "toy"))
@@ -68,7 +69,7 @@ def make_page(tmp_path, method, n_keep=2, k_frac=0.3, png=True):
     """A step of `method` on REWARDS, with made-up entropies and the real selections; returns
     (html path, keep, shown)."""
     P, G = REWARDS.shape
-    keep, adv = d3s.select_samples(REWARDS, n_keep, method)
+    keep, adv = d3s.select_samples(REWARDS, n_keep, variants.LADDER[method].samples)
     shown_adv = torch.where(keep, adv, d3s.group_advantages(REWARDS))
     kept = keep.view(-1).nonzero().squeeze(1)  # [B]
     entropy = torch.rand(len(kept), len(TOKENS), generator=torch.Generator().manual_seed(0))  # [B, T]
@@ -128,7 +129,7 @@ def test_outlined_tokens_are_exactly_the_selected_ones(tmp_path, method):
 def test_the_page_states_the_numbers_a_reader_needs(tmp_path):
     path, keep, _ = make_page(tmp_path, "d3s", png=False)
     text = " ".join(Page(open(path, encoding="utf-8").read()).text)
-    adv = torch.where(keep, d3s.select_samples(REWARDS, 2, "d3s")[1], d3s.group_advantages(REWARDS))
+    adv = torch.where(keep, d3s.select_samples(REWARDS, 2, "cross")[1], d3s.group_advantages(REWARDS))
     var_kept = d3s.kept_variance(adv, keep)
     var_all = d3s.kept_variance(d3s.group_advantages(REWARDS), torch.ones_like(keep))
     assert var_kept > var_all  # what selection is for
@@ -178,7 +179,7 @@ def test_pick_rollouts_without_an_empty_group_takes_the_dropped_one_with_the_lar
 
 
 def test_bad_input_names_the_field(tmp_path):
-    keep, adv = d3s.select_samples(REWARDS, 2, "d3s")
+    keep, adv = d3s.select_samples(REWARDS, 2, "cross")
     with pytest.raises(ValueError, match="keep.shape"):
         explain.write_step(tmp_path, step=0, rung="t", method="d3s", rewards=REWARDS, adv=adv, keep=keep[:2],
                            n_keep=2, k_frac=0.1, k_real=0.1, shown=[])
@@ -218,7 +219,7 @@ def test_toy_rejects_a_negative_explain_every():
 
 
 def test_a_page_describes_the_methods_ladder_row(tmp_path):
-    keep, adv = d3s.select_samples(REWARDS, 2, "d2s")  # d2s selects rollouts as d3s does (cross-group)
+    keep, adv = d3s.select_samples(REWARDS, 2, "cross")  # d2s selects rollouts as d3s does (cross-group)
     path = explain.write_step(tmp_path, step=1, rung="train_full", method="d2s", rewards=REWARDS, adv=adv,
                               keep=keep, n_keep=2, k_frac=0.1, k_real=0.1, shown=[], png=False)
     text = " ".join(Page(open(path, encoding="utf-8").read()).text)

@@ -19,6 +19,7 @@ import torch
 
 import d3s
 import tiny
+import variants
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
@@ -65,8 +66,9 @@ def reference_step(model_dir, name):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
     rollouts = [r for group in worker.make_rollouts(model.config.vocab_size) for r in group]  # [P*G], prompt-major
-    n_keep, k_frac = d3s.method_budget(method, worker.STEP - 1, worker.STEPS, worker.G, 2, 4, 0.3, 0.5)  # steps count from 1
-    keep, adv = d3s.select_samples(worker.REWARDS, n_keep, method)
+    n_keep, k_frac = d3s.method_budget(variants.LADDER[method], step=worker.STEP - 1, total_steps=worker.STEPS,
+                                       group_size=worker.G, n_init=2, n_final=4, k_init=0.3, k_final=0.5)  # steps count from 1
+    keep, adv = d3s.select_samples(worker.REWARDS, n_keep, variants.LADDER[method].samples)
     kept = keep.view(-1).nonzero().squeeze(1).tolist()
     seqs = [rollouts[i] for i in kept]
     kept_adv = adv.view(-1)[kept]
@@ -260,8 +262,9 @@ def test_the_dapo_filter_keeps_the_groups_with_spread_and_a_step_with_none_makes
             assert got["k_frac"] == 1.0 and got["kept_tokens"] == got["fwd_tokens"]  # every token, as GRPO
         else:  # D3S's token level on K's schedule (K 0.3 -> 0.5 over 4 steps), within one token of K
             step = list(steps).index(name) + 1
-            assert got["k_frac"] == pytest.approx(d3s.method_budget(method, step - 1, worker.STEPS, worker.G, 2, 4, 0.3,
-                                                                    0.5)[1])
+            assert got["k_frac"] == pytest.approx(d3s.method_budget(variants.LADDER[method], step=step - 1,
+                                                                    total_steps=worker.STEPS, group_size=worker.G, n_init=2,
+                                                                    n_final=4, k_init=0.3, k_final=0.5)[1])
             if got["fwd_tokens"]:
                 assert 0 < got["kept_tokens"] < got["fwd_tokens"]
                 assert abs(got["kept_tokens"] - got["k_frac"] * got["fwd_tokens"]) < 1.0
@@ -272,7 +275,7 @@ def test_the_dapo_filter_keeps_the_groups_with_spread_and_a_step_with_none_makes
 
 def test_a_step_the_switch_rule_moved_selects_as_the_intra_group_twin(fsdp_result):
     """train_step(row="d3s-i") under --method d3s, what main() passes once --switch-on-spike fired
-    (d3s.switch_to_intra), is the d3s-i step bit for bit on 2 ranks; on these rewards (group 2 has no
+    (variants.switch_to_intra), is the d3s-i step bit for bit on 2 ranks; on these rewards (group 2 has no
     spread) the cross-group d3s step keeps another set, so the row really reached the selection."""
     got = fsdp_result["switch"]
     moved, twin, cross = got["d3s as d3s-i"], got["d3s-i"], got["d3s"]

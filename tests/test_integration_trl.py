@@ -129,12 +129,22 @@ def test_grpo_method_matches_trl_grpotrainer_step_for_step(tiny_model_dir, tmp_p
     assert max_param_diff(plain.model, ours.model) < 1e-6  # ... and the two trainers moved them alike
 
 
+def budget(method, step, total_steps, config):
+    """d3s.method_budget of the method's row at TRL's step, with the config's schedule (G = 4)."""
+    import d3s
+    import variants
+
+    return d3s.method_budget(variants.LADDER[method], step=step, total_steps=total_steps, group_size=4,
+                             n_init=config.n_init, n_final=config.n_final, k_init=config.k_init, k_final=config.k_final)
+
+
 def reference_selection(batch, method, n_keep, model_dir):
     """From d3s.py alone: the kept rollouts and, from a plain forward's logits, the kept tokens."""
     import d3s
+    import variants
 
     rewards = batch["rewards"].view(-1, 4)
-    keep, adv = d3s.select_samples(rewards, n_keep, method, eps=1e-4)
+    keep, adv = d3s.select_samples(rewards, n_keep, variants.LADDER[method].samples, eps=1e-4)
     keep, adv = keep.view(-1), adv.view(-1)
     model, _ = load(model_dir)
     model.load_state_dict(batch["weights"])
@@ -161,7 +171,7 @@ def test_kept_rollouts_and_tokens_are_d3s_py_selections(tiny_model_dir, tmp_path
     assert len(trainer.batches) == 4
     for batch in trainer.batches:
         step = batch["step"]
-        n_keep, k_frac = d3s.method_budget(method, step, 4, 4, config.n_init, config.n_final, config.k_init, config.k_final)
+        n_keep, k_frac = budget(method, step, 4, config)
         assert batch["k_frac"] == k_frac < 1.0
         keep, adv, tokens = reference_selection(batch, method, n_keep, tiny_model_dir)
         assert torch.equal(batch["d3s_keep"], keep) and 0 < int(keep.sum()) < keep.numel()
@@ -197,7 +207,7 @@ def test_the_dapo_filter_trains_on_every_rollout_of_the_groups_with_spread(tiny_
     partial = 0
     for batch, log in zip(trainer.batches, logs):
         step, spread = batch["step"], spread_groups(batch["rewards"])
-        n_keep, k_frac = d3s.method_budget(method, step, 3, 4, config.n_init, config.n_final, config.k_init, config.k_final)
+        n_keep, k_frac = budget(method, step, 3, config)
         assert n_keep == 4 and batch["k_frac"] == k_frac and (k_frac == 1.0) == (method == "dapo-filter")
         assert torch.equal(batch["d3s_keep"], spread.repeat_interleave(4))  # whole groups (one process: rows in order)
         partial += 0 < int(spread.sum()) < len(spread)

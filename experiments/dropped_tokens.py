@@ -1,20 +1,20 @@
-"""bench/dropped_tokens.py: which tokens D3S's token level drops, and how much of the gradient the kept ones carry.
+"""experiments/dropped_tokens.py: which tokens D3S's token level drops, and how much of the gradient the kept ones carry.
 
 Question 6 of issue 18 (reviewer 3): do the tokens D3S masks out carry less information? On the tiny rung
 (train_small.py), it replays the first half of train_small's step S (the same functions, nothing
 re-implemented) on --batches B fresh batches and compares the response tokens of the kept rollouts that the
 token level selects with the ones it drops.
 
-    .venv/bin/python bench/dropped_tokens.py        # train_small's default warm start, built (minutes) or loaded
+    .venv/bin/python experiments/dropped_tokens.py        # train_small's default warm start, built (minutes) or loaded
                                                     # from runs/cache; d3s at step 1 of 100 (N 4 of 16, K 5%), 4 batches
-    .venv/bin/python bench/dropped_tokens.py --model runs/cache/warmstart-4028f0221846   # a cached warm start
+    .venv/bin/python experiments/dropped_tokens.py --model runs/cache/warmstart-4028f0221846   # a cached warm start
                                                     # (this one: --sft-shortcut 0.5, the run of docs/dropped_tokens.md)
-    .venv/bin/python bench/dropped_tokens.py --model runs/small/final --step 100 --out runs/dropped.md \\
+    .venv/bin/python experiments/dropped_tokens.py --model runs/small/final --step 100 --out runs/dropped.md \\
         --explain-out runs/dropped_example.md
-    .venv/bin/python bench/dropped_tokens.py --model M --method d2s --token-rule entropy     # another row or rule
+    .venv/bin/python experiments/dropped_tokens.py --model M --method d2s --token-rule entropy     # another row or rule
 
 Batch b (0..B-1) is train_small.py's step S with --rl-seed SEED + b, up to its update (train_step, update_policy):
-train_small.rollout of P x G responses to P problems of train_small.TASKS[--task] (the problems and the sampling
+train_small.rollout of P x G responses to P problems of warmstart.TASKS[--task] (the problems and the sampling
 seeded as that step's), train_small.compute_rewards (mathtask.Grader), N and K from d3s.method_budget (the
 method's budget at step S of --steps; linear schedule), d3s.select_samples, one train_small.forward_logprobs_entropy
 of the kept rollouts (its entropy is d3s.token_entropy), d3s.token_scores and d3s.select_tokens over the whole
@@ -75,8 +75,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-import _cli  # noqa: E402  (bench/_cli.py: one-line errors, the shared checks)
+sys.path.insert(0, os.path.join(ROOT, "experiments"))
+import cli  # noqa: E402  (cli.py: one-line errors, the shared checks)
 
 PROG = "dropped_tokens.py"
 CLASSES = ("digit", "operator", "format", "eos", "other")
@@ -96,12 +96,12 @@ def train_small_defaults():
 
 
 def parse_args(argv):
-    p = _cli.Parser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p = cli.Parser(prog=PROG, description=__doc__.split("\n\n")[0])
     a = p.add_argument
     a("--model", default=None, metavar="PATH", help="a saved HF model folder (config.json): a train_small run's final/ or "
       "a warm-start cache folder; default: train_small.py's default warm start (built or loaded from --cache-dir)")
     a("--cache-dir", default="runs/cache", help="without --model: where train_small's warm start is cached (default: runs/cache)")
-    a("--method", default="d3s", help="a row of d3s.LADDER (default: d3s)")
+    a("--method", default="d3s", help="a row of variants.LADDER (default: d3s)")
     a("--steps", type=int, default=None, help="the run's length the schedule is read on (default: train_small's, 100)")
     a("--step", type=int, default=1, help="S: the step (1-based, as train_small counts) whose N and K are used and whose "
       "seeds batch 0 replays (default: 1, where D3S keeps the fewest)")
@@ -138,8 +138,8 @@ def parse_args(argv):
 
 
 def check_args(p, args):
-    finite = _cli.finite
-    _cli.check_rules(p, [
+    finite = cli.finite
+    cli.check_rules(p, [
         ("--batches", args.batches, lambda v: 1 <= v <= 10_000, "an int in [1, 10000]"),
         ("--random-draws", args.random_draws, lambda v: 1 <= v <= 1000, "an int in [1, 1000]"),
         ("--steps", args.steps, lambda v: v >= 1, "an int >= 1"),
@@ -174,13 +174,14 @@ def check_args(p, args):
         if not os.path.isfile(os.path.join(args.model, "config.json")):
             p.error(f"--model {args.model}: has no config.json; pass a folder saved with save_pretrained")
     else:
-        _cli.check_out_dir(p, "--cache-dir", args.cache_dir)
-    _cli.check_out_file(p, "--out", args.out)
-    _cli.check_out_file(p, "--explain-out", args.explain_out)
+        cli.check_out_dir(p, "--cache-dir", args.cache_dir)
+    cli.check_out_file(p, "--out", args.out)
+    cli.check_out_file(p, "--explain-out", args.explain_out)
     if args.out and args.explain_out and os.path.abspath(args.out) == os.path.abspath(args.explain_out):
         p.error(f"--explain-out {args.explain_out}: the same file as --out; pass another file")
 
     import d3s  # torch: after the checks that need no import
+    import variants
 
     defaults = train_small_defaults()
     for name in ("steps", "prompts_per_step", "group_size", "n_init", "n_final", "k_init", "k_final", "task", "train_size",
@@ -191,23 +192,24 @@ def check_args(p, args):
         import train_small
 
         args.max_new_tokens = train_small.TINY_MAX_NEW_TOKENS[args.task]
-    if args.method not in d3s.LADDER:
-        p.error(f"--method {args.method!r}: not a method; choose from {', '.join(d3s.METHODS)}")
-    if args.token_rule not in d3s.TOKEN_RULES:
-        p.error(f"--token-rule {args.token_rule!r}: not a rule; choose from {', '.join(d3s.TOKEN_RULES)}")
+    if args.method not in variants.LADDER:
+        p.error(f"--method {args.method!r}: not a method; choose from {', '.join(variants.METHODS)}")
+    if args.token_rule not in variants.TOKEN_RULES:
+        p.error(f"--token-rule {args.token_rule!r}: not a rule; choose from {', '.join(variants.TOKEN_RULES)}")
     if args.step > args.steps:
         p.error(f"--step {args.step}: must be in [1, --steps {args.steps}]")
-    if args.k is not None and not d3s.LADDER[args.method][2]:
+    if args.k is not None and not variants.selects_tokens(args.method):
         p.error(f"--k {args.k}: --method {args.method} has no token level (it trains on every token); drop --k or pick "
-                f"a method that selects tokens ({', '.join(m for m in d3s.METHODS if d3s.LADDER[m][2])})")
-    if d3s.LADDER[args.method][0] not in d3s.WHOLE_GROUPS:
+                f"a method that selects tokens ({', '.join(m for m in variants.METHODS if variants.selects_tokens(m))})")
+    if variants.LADDER[args.method].n != "all":
         for flag, value in (("--n-init", args.n_init), ("--n-final", args.n_final)):
             if value > args.group_size:
                 p.error(f"{flag} {value} > --group-size {args.group_size}: N counts rollouts kept per prompt and must be "
                         f"<= G; lower {flag} or raise --group-size")
     try:
-        args.n_keep, args.k_frac = d3s.method_budget(args.method, args.step - 1, args.steps, args.group_size, args.n_init,
-                                                     args.n_final, args.k_init, args.k_final)
+        args.n_keep, args.k_frac = d3s.method_budget(variants.LADDER[args.method], step=args.step - 1, total_steps=args.steps,
+                                                     group_size=args.group_size, n_init=args.n_init, n_final=args.n_final,
+                                                     k_init=args.k_init, k_final=args.k_final)
     except ValueError as e:
         p.error(f"--method {args.method}: {' '.join(str(e).split())}")
     if args.k is not None:
@@ -234,16 +236,17 @@ def warm_start_template(model):
 # The model, and one batch: train_small's step up to its update
 # ---------------------------------------------------------------------------------------------
 def load_model(args, train_rows):
-    """(model, tokenizer, where it came from): --model through train_small.load_base_model, else train_small's
-    default warm start through train_small.load_warm_start (cached in --cache-dir)."""
+    """(model, tokenizer, where it came from): --model through warmstart.load_base_model, else train_small's
+    default warm start through warmstart.load_warm_start (cached in --cache-dir)."""
     import train_small
+    import warmstart
 
     flags = ["--seed", str(args.seed), "--task", args.task, "--train-size", str(args.train_size), "--cache-dir", args.cache_dir]
-    ts = train_small.check_args(train_small.parse_args(flags + (["--model", args.model] if args.model else [])))
+    ts = train_small.parse_args(flags + (["--model", args.model] if args.model else []), train_small.build_parser(PROG))
     if args.model:
-        model, tokenizer = train_small.load_base_model(ts)  # a folder: AutoModelForCausalLM, fp32, left padding
+        model, tokenizer = warmstart.load_base_model(ts)  # a folder: AutoModelForCausalLM, fp32, left padding
         return model, tokenizer, args.model
-    model, tokenizer, info = train_small.load_warm_start(ts, train_rows)
+    model, tokenizer, info = warmstart.load_warm_start(ts, train_rows)
     return model, tokenizer, f"{info['path']} (train_small's default warm start{', cached' if info.get('cached') else ''})"
 
 
@@ -255,15 +258,17 @@ def one_batch(model, tokenizer, grader, train_rows, b, args):
 
     import d3s
     import train_small
+    import variants
+    import warmstart
 
     seed, step, P, G = args.seed + b, args.step, args.prompts_per_step, args.group_size
     torch.manual_seed(train_small.step_seed(seed, step))
     problems = random.Random(train_small.step_seed(seed, step)).sample(train_rows, min(P, len(train_rows)))
     P = len(problems)
-    batch = train_small.rollout(model, tokenizer, [train_small.format_prompt(r["problem"], args.template) for r in problems],
+    batch = train_small.rollout(model, tokenizer, [warmstart.format_prompt(r["problem"], args.template) for r in problems],
                                 G, args.max_new_tokens, args.temperature)
     rewards = train_small.compute_rewards(grader, batch["texts"], [r["answer"] for r in problems for _ in range(G)]).view(P, G)
-    keep, adv = d3s.select_samples(rewards, args.n_keep, args.method,
+    keep, adv = d3s.select_samples(rewards, args.n_keep, variants.LADDER[args.method].samples,
                                    generator=torch.Generator().manual_seed(train_small.step_seed(seed, step, 1)))
     kept_rows = keep.view(-1).nonzero().squeeze(-1)
     kept = train_small.take_rows(batch, kept_rows)
@@ -278,12 +283,12 @@ def one_batch(model, tokenizer, grader, train_rows, b, args):
     logp, entropy = train_small.forward_logprobs_entropy(model, kept, args.temperature)  # with grad, as mini-batch 1
     mask = kept["response_mask"]
     score_gen = torch.Generator().manual_seed(train_small.step_seed(seed, step, 2))  # train_small's stream for rule random/adv
-    scores = d3s.token_scores(kept_adv, entropy, rule=args.token_rule, generator=score_gen)
+    scores = d3s.token_scores(kept_adv, entropy, rule=variants.TOKEN_RULES[args.token_rule], generator=score_gen)
     token_keep = d3s.select_tokens(scores, mask, args.k_frac, scope=args.token_scope)
     rand_keeps = []  # the reference: --random-draws random selections of as many tokens, each a stream of its own
     for d in range(args.random_draws):
         rand_gen = torch.Generator().manual_seed(train_small.step_seed(seed, step, 3 + d))
-        rand_keeps.append(d3s.select_tokens(d3s.token_scores(kept_adv, entropy, rule="random", generator=rand_gen), mask,
+        rand_keeps.append(d3s.select_tokens(d3s.token_scores(kept_adv, entropy, rule=variants.random_scores, generator=rand_gen), mask,
                                             args.k_frac, scope=args.token_scope))
         assert int(rand_keeps[-1].sum()) == int(token_keep.sum()), (int(rand_keeps[-1].sum()), int(token_keep.sum()))
 
@@ -566,17 +571,17 @@ def main(argv=None):
     import torch
     from tqdm import tqdm
 
-    import train_small
+    import warmstart
     from mathtask import Grader, stop_token_ids
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    command = " ".join(["python bench/dropped_tokens.py"] + list(argv))
+    command = " ".join(["python experiments/dropped_tokens.py"] + list(argv))
     t0 = time.time()
-    train_rows = train_small.TASKS[args.task](args.train_size, "train", seed=args.seed)
+    train_rows = warmstart.TASKS[args.task](args.train_size, "train", seed=args.seed)
     try:
         model, tokenizer, source = load_model(args, train_rows)
-    except train_small.UsageError as e:
+    except cli.UsageError as e:
         print(f"{PROG}: error: {' '.join(str(e).split())}", file=sys.stderr)
         sys.exit(2)
     eos_ids = set(stop_token_ids(tokenizer, model.generation_config))

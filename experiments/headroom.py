@@ -1,8 +1,8 @@
-"""bench/headroom.py: how much room the tiny rung's warm start leaves RL, per level.
+"""experiments/headroom.py: how much room the tiny rung's warm start leaves RL, per level.
 
-    .venv/bin/python bench/headroom.py                      # the default task and warm start (cached in runs/cache)
-    .venv/bin/python bench/headroom.py --sft-shortcut 0     # any train_small.py flag that shapes the task or warm start
-    .venv/bin/python bench/headroom.py --out runs/headroom.md
+    .venv/bin/python experiments/headroom.py                      # the default task and warm start (cached in runs/cache)
+    .venv/bin/python experiments/headroom.py --sft-shortcut 0     # any train_small.py flag that shapes the task or warm start
+    .venv/bin/python experiments/headroom.py --out runs/headroom.md
 
 It builds (or loads from the cache) train_small.py's warm start with the given flags, then prints
 held-out greedy Pass@1, Pass@1 (mean of --eval-samples samples) and Pass@k per level of the task,
@@ -20,8 +20,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-import _cli  # noqa: E402  (bench/_cli.py: one-line errors, the shared checks)
+sys.path.insert(0, os.path.join(ROOT, "experiments"))
+import cli  # noqa: E402  (cli.py: one-line errors, the shared checks)
 
 PROG = "headroom.py"
 
@@ -36,7 +36,7 @@ def is_shortcut(text):
 def split_out(argv):
     """This script's own --out (a markdown file to write), checked, and the rest: train_small.py's flags.
     A bad --out is one line, `headroom.py: error: --out PATH: ...`, exit 2, before torch is imported."""
-    p = _cli.Parser(prog=PROG)
+    p = cli.Parser(prog=PROG)
     out, rest, i = None, [], 0
     while i < len(argv):
         arg = argv[i]
@@ -53,7 +53,7 @@ def split_out(argv):
             continue
         rest.append(arg)
         i += 1
-    _cli.check_out_file(p, "--out", out)
+    cli.check_out_file(p, "--out", out)
     return out, rest
 
 
@@ -62,23 +62,23 @@ def main(argv=None):
     out, argv = split_out(argv)  # before torch: a bad --out costs no import
     import torch
 
+    import common
     import train_small
-    from mathtask import Grader, pass_at_k
+    import warmstart
+    from mathtask import DataError, Grader, pass_at_k
 
-    args = train_small.parse_args(argv)  # its argparse errors are one line too, as `train_small.py: error: ...`
+    args = train_small.parse_args(argv, train_small.build_parser(PROG))  # train_small.py's flags and checks
     try:
-        train_small.check_args(args)
-        train_rows, eval_rows = train_small.load_data(args)
-        model, tokenizer, info = train_small.load_warm_start(args, train_rows)
-    except (train_small.UsageError, train_small.DataError) as e:
-        print(f"{PROG}: error: {' '.join(str(e).split())}", file=sys.stderr)
-        sys.exit(2)
+        train_rows, eval_rows = warmstart.load_data(args)
+        model, tokenizer, info = warmstart.load_warm_start(args, train_rows)
+    except (cli.UsageError, DataError) as e:
+        common.fail(PROG, " ".join(str(e).split()))
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.time()
     torch.manual_seed(args.rl_seed)
     n, k = args.eval_samples, args.pass_k
-    prompts = [train_small.format_prompt(r["problem"], args.template) for r in eval_rows]
+    prompts = [warmstart.format_prompt(r["problem"], args.template) for r in eval_rows]
     with Grader(timeout_s=args.grade_timeout) as grader:
         greedy = train_small.rollout(model, tokenizer, prompts, 1, args.max_new_tokens, greedy=True)["texts"]
         greedy_ok = train_small.compute_rewards(grader, greedy, [r["answer"] for r in eval_rows]).tolist()
@@ -88,7 +88,7 @@ def main(argv=None):
     shortcut = torch.tensor([[is_shortcut(t) for t in batch["texts"][i * n:(i + 1) * n]] for i in range(len(eval_rows))],
                             dtype=torch.float)
     levels = sorted({r.get("level", 0) for r in eval_rows})
-    lines = [f"# Headroom of the warm start: `python bench/headroom.py {' '.join(argv)}`".rstrip(), "",
+    lines = [f"# Headroom of the warm start: `python experiments/headroom.py {' '.join(argv)}`".rstrip(), "",
              f"Warm start: {info['path']} ({args.sft_steps} supervised steps, --sft-shortcut {args.sft_shortcut}); held-out "
              f"set: {len(eval_rows)} problems, {n} samples each at temperature {args.temperature}; {time.time() - t0:.0f} s.", "",
              f"| level | problems | greedy Pass@1 | Pass@1 (mean of {n}) | Pass@{k} | Pass@{k} / Pass@1 | shortcut samples | "

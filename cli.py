@@ -1,21 +1,47 @@
-"""The command lines of the bench scripts: argparse whose errors are one line, and the checks they share.
+"""cli.py: the command lines of every entry point: argparse whose errors are one line, and the checks they share.
 
-Every bad flag ends the same way as on train_small.py, train_full.py and toy/bandit.py: ONE line on
-stderr, `prog: error: --flag VALUE: what is wrong; what to do`, exit code 2, before any work (no
-model, data or timing yet) and never a traceback. Standard library only, so that a script can check
-its flags before it imports torch.
+Every bad flag, path or file ends the same way on train_small.py, train_full.py, toy/bandit.py and the bench and
+experiments scripts: ONE line on stderr, `prog: error: --flag VALUE: what is wrong; what to do`, exit code 2,
+before any work (no model, data or timing yet), never a traceback. A numeric flag carries its range in its
+declaration (`type=cli.number(int, 1)`), so flags are declared once. Standard library only, so that a script
+can check its flags before it imports torch.
 """
 
 import argparse
 import math
 import os
 import re
+import sys
 
 FLAG = r"argument (--[\w-]+)(?:/\S+)?: "  # argparse's "argument --x: ..." (or "argument --x/-x: ...")
 
 
+class UsageError(ValueError):
+    """A flag, file, model or checkpoint that cannot be used: `--flag VALUE: what is wrong; what to do`."""
+
+
 class Parser(argparse.ArgumentParser):
-    """argparse, with its own errors rewritten to the one-line form (no usage block), exit 2."""
+    """argparse, with every error rewritten to one line (no usage block) and exit 2; defaults shown in --help.
+    A value that starts with '-' ("--lr -inf") is read as the flag's value, not as another flag."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def parse_args(self, args=None, namespace=None):
+        argv = list(sys.argv[1:] if args is None else args)
+        options = {o for action in self._actions for o in action.option_strings}
+        one_value = {o for action in self._actions if action.nargs is None and action.option_strings
+                     and action.const is None for o in action.option_strings}
+        glued, i = [], 0
+        while i < len(argv):  # ["--lr", "-inf"] -> ["--lr=-inf"]: argparse would take "-inf" for a flag
+            if argv[i] in one_value and i + 1 < len(argv) and argv[i + 1].startswith("-") and argv[i + 1] not in options:
+                glued.append(f"{argv[i]}={argv[i + 1]}")
+                i += 2
+            else:
+                glued.append(argv[i])
+                i += 1
+        return super().parse_args(glued, namespace)
 
     def error(self, message):
         message = " ".join(str(message).split())  # one line, whatever argparse put in it
@@ -24,7 +50,7 @@ class Parser(argparse.ArgumentParser):
             flag, rest = m.groups()
             number = re.fullmatch(r"invalid (int|float) value: (.*)", rest)
             choice = re.fullmatch(r"invalid choice: (.*?) \(choose from (.*)\)", rest)
-            if re.fullmatch(r"expected (one|\d+) arguments?", rest):  # "--lr -inf": read as a flag, not a value
+            if re.fullmatch(r"expected (one|at least one|\d+) arguments?", rest):  # a flag without its value
                 message = (f"{flag}: {rest.replace('argument', 'value')}; pass it after the flag (a value that starts "
                            f"with '-' as {flag}=VALUE)")
             elif number:
@@ -32,11 +58,63 @@ class Parser(argparse.ArgumentParser):
                 message = f"{flag} {number[2]}: not {kind}; pass {kind}"
             elif choice:
                 message = f"{flag} {choice[1]}: not a choice; choose from {choice[2]}"
-            else:
+            elif re.match(r"(not allowed|ignored explicit)", rest):
                 message = f"{flag}: {rest}"
+            else:  # a check of ours: "VALUE: what is wrong; what to do"
+                message = f"{flag} {rest}"
         elif message.startswith("unrecognized arguments: "):
             message += f"; see {self.prog} --help for the flags"
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        self.say(f"{self.prog}: error: {message}")
+        sys.exit(2)
+
+    @staticmethod
+    def say(line):
+        """Print the error line (train_full.py prints it once per job: rank 0 only)."""
+        print(line, file=sys.stderr, flush=True)
+
+
+def number(kind, low=None, high=None, low_open=False, high_open=False, what=None, also=()):
+    """An argparse type: the text as `kind` (int or float), finite, in [low, high] (low_open, high_open: exclusive);
+    the values in `also` pass too (0 for "off"). Else "VALUE: must be WHAT", which the Parser prefixes with the flag.
+
+    >>> number(int, 1)("3"), number(float, 0, 1, low_open=True)("0.5")
+    (3, 0.5)
+    """
+    if what is None:
+        bounds = "an int" if kind is int else ""
+        if low is not None and high is not None:
+            what = f"{bounds} in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}".strip()
+        elif low is not None:
+            what = f"{bounds or 'a finite number'} {'>' if low_open else '>='} {low:g}"
+        else:
+            what = bounds or "a finite number"
+
+    def parse(text):
+        try:
+            value = kind(text)
+        except (TypeError, ValueError, OverflowError):
+            raise argparse.ArgumentTypeError(f"{text!r}: must be {what}") from None
+        ok = value in also or (math.isfinite(value) and (low is None or (low < value if low_open else low <= value))
+                               and (high is None or (value < high if high_open else value <= high)))
+        if not ok:
+            raise argparse.ArgumentTypeError(f"{text}: must be {what}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def check_model(p, model):
+    """--model: a local folder with config.json, or a hub name (org/name, loaded later)."""
+    if not model:
+        p.error("--model '': empty; pass a model folder or a hub name like Qwen/Qwen2.5-Math-1.5B")
+    if os.path.isfile(model):
+        p.error(f"--model {model}: is a file; pass the model's folder (with config.json) or a hub name")
+    if os.path.isdir(model):
+        if not os.path.exists(os.path.join(model, "config.json")):
+            p.error(f"--model {model}: has no config.json; pass a folder saved with save_pretrained, or a hub name")
+    elif model.startswith((".", "/", "~")) or model.count("/") != 1:
+        p.error(f"--model {model}: no such folder (and not a hub name like Qwen/Qwen2.5-Math-1.5B); check the path")
 
 
 def finite(v):
@@ -89,8 +167,8 @@ def _nearest_existing(path):
 
 
 def check_out_dir(p, flag, path):
-    """A folder to write into (made if missing): not empty, not a file, and its nearest existing
-    ancestor a folder this process can write."""
+    """A folder to write into (made if missing): not empty, not a file, and its nearest existing ancestor a
+    folder this process can write."""
     if not path or not path.strip():
         p.error(f"{flag} '': empty; pass a folder")
     if os.path.exists(path) and not os.path.isdir(path):
@@ -103,8 +181,8 @@ def check_out_dir(p, flag, path):
 
 
 def check_out_file(p, flag, path):
-    """A file to write: not empty, not a folder, in a folder that exists and is writable, and
-    writable itself if it exists."""
+    """A file to write: not empty, not a folder, in a folder that exists and is writable, and writable itself if
+    it exists."""
     if path is None:
         return
     if not path.strip():

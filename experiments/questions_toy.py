@@ -1,9 +1,9 @@
-"""bench/questions_toy.py: the toy's answers to the questions of docs/questions.md, one command per table.
+"""experiments/questions_toy.py: the toy's answers to the questions of docs/questions.md, one command per table.
 
-    .venv/bin/python bench/questions_toy.py --question 1     # sensitivity to N_init, N_final, K_init, K_final; heatmap
-    .venv/bin/python bench/questions_toy.py --question 2     # the schedule's shape (--schedule), and d2s
-    .venv/bin/python bench/questions_toy.py --question 3     # the token rule (--token-rule) under both --token-scope
-    .venv/bin/python bench/questions_toy.py --question 7     # DAPO's filter against max-Var(A) selection
+    .venv/bin/python experiments/questions_toy.py --question 1     # sensitivity to N_init, N_final, K_init, K_final; heatmap
+    .venv/bin/python experiments/questions_toy.py --question 2     # the schedule's shape (--schedule), and d2s
+    .venv/bin/python experiments/questions_toy.py --question 3     # the token rule (--token-rule) under both --token-scope
+    .venv/bin/python experiments/questions_toy.py --question 7     # DAPO's filter against max-Var(A) selection
 
 Each variant is toy/bandit.py's run() with a few flags added (all others at their defaults: 80 steps,
 G = 32), on seeds 0..S-1; seed s fixes the task, the initial policy and the prompt order of every
@@ -23,9 +23,9 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "bench"))
+sys.path.insert(0, os.path.join(ROOT, "experiments"))
 sys.path.insert(0, os.path.join(ROOT, "toy"))
-import _cli  # noqa: E402  (bench/_cli.py: one-line errors, the shared checks)
+import cli  # noqa: E402  (cli.py: one-line errors, the shared checks)
 
 PROG = "questions_toy.py"
 REF = "d3s"  # the paper's method at the toy's defaults: the reference row unless a row names another
@@ -68,7 +68,9 @@ def run_one(job):
 
     method, flags, seed, steps = job
     torch.set_num_threads(1)
-    return job, bandit.run(method, seed, bandit.parse_args(list(flags) + ["--steps", str(steps), "--workers", "1"]))
+    from toy_ladder import columns
+
+    return job, columns(bandit.run(method, seed, bandit.parse_args(list(flags) + ["--steps", str(steps), "--workers", "1"])))
 
 
 def run_all(rows, seeds, steps, workers):
@@ -87,11 +89,11 @@ def run_all(rows, seeds, steps, workers):
 
 def measures(logs, grpo):
     """Per seed: final reward, mean reward over the run, steps to GRPO's final on that seed, tokens trained."""
-    import bandit
+    import toy_ladder
 
     return {"final": [log["eval_reward"][-1] for log in logs], "mean": [sum(log["eval_reward"]) / len(log["eval_reward"])
                                                                          for log in logs],
-            "steps": [bandit.steps_to(log, ref["eval_reward"][-1]) for log, ref in zip(logs, grpo)],
+            "steps": [toy_ladder.steps_to(log, ref["eval_reward"][-1]) for log, ref in zip(logs, grpo)],
             "tokens": [sum(log["kept_tokens"]) for log in logs], "rollouts": [sum(log["kept_samples"]) for log in logs],
             "updates": [sum(log["updates"]) for log in logs],
             "decision": [sum(log["decision_share"]) / len(log["decision_share"]) for log in logs]}
@@ -99,13 +101,13 @@ def measures(logs, grpo):
 
 def table(rows, numbers):
     """Markdown: one row per variant, paired with its reference row."""
-    import bandit
+    import stats
 
     def diff(label, ref, key, fmt):
         if label == ref:
             return "(reference)"
-        m, lo, hi = bandit.paired_interval([a - b for a, b in zip(numbers[label][key], numbers[ref][key])])
-        mark = " **≠**" if bandit.excludes_zero(lo, hi, fmt) else ""
+        m, lo, hi = stats.paired_interval([a - b for a, b in zip(numbers[label][key], numbers[ref][key])])
+        mark = " **≠**" if stats.excludes_zero(lo, hi, fmt) else ""
         return (fmt % m) + (" [%s, %s]" % (fmt % lo, fmt % hi) if lo is not None else "") + mark
 
     head = ["variant", "final reward", "− reference (95%)", "mean reward over the run", "− reference (95%)",
@@ -115,30 +117,30 @@ def table(rows, numbers):
     for label, _, _, ref in rows:
         n = numbers[label]
         reached = [s for s in n["steps"] if s is not None]
-        steps = ("%.0f ± %.0f" % bandit.mean_std(reached) if reached else "–") + " (%d/%d)" % (len(reached), len(n["steps"]))
+        steps = ("%.0f ± %.0f" % stats.mean_std(reached) if reached else "–") + " (%d/%d)" % (len(reached), len(n["steps"]))
         out.append("| " + " | ".join([
-            f"`{label}`", "%.3f ± %.3f" % bandit.mean_std(n["final"]), diff(label, ref, "final", "%+.3f"),
-            "%.3f ± %.3f" % bandit.mean_std(n["mean"]), diff(label, ref, "mean", "%+.3f"), steps,
-            "%.1f" % (bandit.mean_std(n["rollouts"])[0] / 1000), "%.1f" % (bandit.mean_std(n["tokens"])[0] / 1000),
-            "%.1f" % bandit.mean_std(n["updates"])[0], "%.2f" % bandit.mean_std(n["decision"])[0], f"`{ref}`"]) + " |")
+            f"`{label}`", "%.3f ± %.3f" % stats.mean_std(n["final"]), diff(label, ref, "final", "%+.3f"),
+            "%.3f ± %.3f" % stats.mean_std(n["mean"]), diff(label, ref, "mean", "%+.3f"), steps,
+            "%.1f" % (stats.mean_std(n["rollouts"])[0] / 1000), "%.1f" % (stats.mean_std(n["tokens"])[0] / 1000),
+            "%.1f" % stats.mean_std(n["updates"])[0], "%.2f" % stats.mean_std(n["decision"])[0], f"`{ref}`"]) + " |")
     return "\n".join(out)
 
 
 def grid_table(numbers):
     """Question 1's K_init x N_init grid as a markdown matrix: final reward, its difference to the default
     (** where the 95% interval excludes 0), and the steps to GRPO's final (seeds that reach it)."""
-    import bandit
+    import stats
 
     out = ["| K_init \\ N_init | " + " | ".join(map(str, GRID_N)) + " |", "|---|" + "---|" * len(GRID_N)]
     for k in GRID_K:
         cells = []
         for n in GRID_N:
             mine, ref = numbers[grid_cell(n, k)[0]], numbers[REF]
-            m, lo, hi = bandit.paired_interval([a - b for a, b in zip(mine["final"], ref["final"])])
+            m, lo, hi = stats.paired_interval([a - b for a, b in zip(mine["final"], ref["final"])])
             reached = [s for s in mine["steps"] if s is not None]
-            diff = "default" if (n, k) == (8, 0.05) else ("**%+.3f**" if bandit.excludes_zero(lo, hi, "%+.3f") else "%+.3f") % m
-            cells.append("%.3f (%s); %s steps (%d/%d)" % (bandit.mean_std(mine["final"])[0], diff,
-                                                        "%.0f" % bandit.mean_std(reached)[0] if reached else "–",
+            diff = "default" if (n, k) == (8, 0.05) else ("**%+.3f**" if stats.excludes_zero(lo, hi, "%+.3f") else "%+.3f") % m
+            cells.append("%.3f (%s); %s steps (%d/%d)" % (stats.mean_std(mine["final"])[0], diff,
+                                                        "%.0f" % stats.mean_std(reached)[0] if reached else "–",
                                                         len(reached), len(mine["steps"])))
         out.append(f"| {k:g} | " + " | ".join(cells) + " |")
     return "\n".join(out)
@@ -206,17 +208,17 @@ def plot_grid(numbers, path, seeds):
 
 
 def parse_args(argv):
-    p = _cli.Parser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p = cli.Parser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--question", default="all", choices=["1", "2", "3", "7", "all"], help="which table (default: all)")
     p.add_argument("--seeds", type=int, default=10, help="seeds per variant (default: 10)")
     p.add_argument("--steps", type=int, default=80, help="training steps per run (default: 80, the toy's)")
     p.add_argument("--workers", type=int, default=1, help="runs in parallel (processes) (default: 1)")
     p.add_argument("--out", default="runs/questions_toy", help="output folder (default: runs/questions_toy)")
     args = p.parse_args(argv)
-    _cli.check_rules(p, [("--seeds", args.seeds, lambda v: 2 <= v <= 1000, "an int in [2, 1000] (an interval needs 2)"),
+    cli.check_rules(p, [("--seeds", args.seeds, lambda v: 2 <= v <= 1000, "an int in [2, 1000] (an interval needs 2)"),
                          ("--steps", args.steps, lambda v: 1 <= v <= 100_000, "an int in [1, 100000]"),
                          ("--workers", args.workers, lambda v: 1 <= v <= 64, "an int in [1, 64]")])
-    _cli.check_out_dir(p, "--out", args.out)
+    cli.check_out_dir(p, "--out", args.out)
     return args
 
 
@@ -230,7 +232,7 @@ def main(argv=None):
         grpo = logs[("grpo", ())]
         numbers = {label: measures(logs[(method, flags)], grpo) for label, method, flags, _ in rows}
         text = table(rows, numbers) + ("\n\n" + grid_table(numbers) if question == 1 else "")
-        command = " ".join(["bench/questions_toy.py", "--question", str(question), "--seeds", str(args.seeds),
+        command = " ".join(["experiments/questions_toy.py", "--question", str(question), "--seeds", str(args.seeds),
                             "--steps", str(args.steps)])
         done = "%d runs in %.0f s; %s, %s" % (len({(m, f) for _, m, f, _ in rows}) * args.seeds, time.time() - start,
                                               command, time.strftime("%Y-%m-%d %H:%M %Z"))

@@ -1,9 +1,9 @@
-"""bench/questions_small.py: the tiny rung's answers to the questions of docs/questions.md, read
+"""experiments/questions_small.py: the tiny rung's answers to the questions of docs/questions.md, read
 from the metrics.jsonl of `train_small.py --compare` runs (it runs nothing itself).
 
-    .venv/bin/python bench/questions_small.py --question 4 --runs runs/ladder2              # d2s vs d3s
-    .venv/bin/python bench/questions_small.py --question 5 --runs runs/q5_small/sft200 --base d3s-i --rows d3s
-    .venv/bin/python bench/questions_small.py --question 7 --runs runs \
+    .venv/bin/python experiments/questions_small.py --question 4 --runs runs/ladder2              # d2s vs d3s
+    .venv/bin/python experiments/questions_small.py --question 5 --runs runs/q5_small/sft200 --base d3s-i --rows d3s
+    .venv/bin/python experiments/questions_small.py --question 7 --runs runs \
         --rows ladder2/grpo,ladder2/d1s-cross,q7_small/dapo-filter@ladder2/d1s-cross,ladder2/d3s,q7_small/dapo-filter-k@ladder2/d3s
 
 Questions 1, 2, 3 and 7 compare rows run in different --compare folders from the same warm start
@@ -30,7 +30,7 @@ Question 5 (does cross-group selection destabilise?), per method, means ± std o
   max/med  the largest such ratio of the run
   KL end   kl_ref_all at the last step
   switch   the runs in which --switch-on-spike (= --spike) would have fired, and the step it would have moved
-           to the intra-group twin from: d3s.switch_to_intra reads only these norms, so a run in which it does
+           to the intra-group twin from: variants.switch_to_intra reads only these norms, so a run in which it does
            not fire is, with the switch on, the same run number for number
   final    held-out Pass@1 (mean of n) at the last step; paired difference to --base with a 95% t interval
 Writes the markdown to stdout and to --out, and a figure of the curves beside it (--plot).
@@ -44,8 +44,8 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-import _cli  # noqa: E402  (bench/_cli.py: one-line errors, the shared checks)
+sys.path.insert(0, os.path.join(ROOT, "experiments"))
+import cli  # noqa: E402  (cli.py: one-line errors, the shared checks)
 
 PROG = "questions_small.py"
 
@@ -57,7 +57,7 @@ def fail(message):
 
 
 def parse_args(argv=None):
-    p = _cli.Parser(prog=PROG, description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = cli.Parser(prog=PROG, description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--question", type=int, choices=(1, 2, 3, 4, 5, 7), required=True)
     p.add_argument("--runs", required=True, help="a train_small.py --compare --out folder (METHOD/seedS/metrics.jsonl); "
                    "questions 1, 2, 3, 7: the folder the --rows paths start from")
@@ -75,10 +75,10 @@ def parse_args(argv=None):
     if not os.path.isdir(args.runs):
         p.error(f"--runs {args.runs}: not a folder; give the --out folder of a train_small.py --compare run")
     for flag, value in (("--window", args.window), ("--spike", args.spike)):
-        if not (_cli.finite(value) and value > 0):
+        if not (cli.finite(value) and value > 0):
             p.error(f"{flag} {value}: must be a number > 0")
-    _cli.check_out_file(p, "--out", args.out)
-    _cli.check_out_file(p, "--plot", args.plot)
+    cli.check_out_file(p, "--out", args.out)
+    cli.check_out_file(p, "--plot", args.plot)
     table = args.question in (1, 2, 3, 7)
     if args.rows is None:
         if table:
@@ -171,7 +171,7 @@ def q4_curves(runs, window):
 
 
 def question4(args):
-    from toy.bandit import paired_interval
+    from stats import paired_interval
 
     methods = args.rows.split(",")
     data = {m: load_runs(args.runs, m) for m in methods}
@@ -212,10 +212,10 @@ def question4(args):
 
 def spikes(train, ratio):
     """(spike count, largest grad_norm / median of the 10 steps before, the first step after a spike or None) of
-    one run: d3s.spike_ratios, the switch rule's own measure (a step with no signal, norm 0 or none, is left out)."""
-    import d3s  # here, not at the top: questions 1-4 and bad flags do not need torch
+    one run: variants.spike_ratios, the switch rule's own measure (a step with no signal, norm 0 or none, is left out)."""
+    import variants  # here, not at the top: questions 1-4 and bad flags do not need torch
 
-    ratios = d3s.spike_ratios([t["grad_norm"] for t in train])
+    ratios = variants.spike_ratios([t["grad_norm"] for t in train])
     found = [r for r in ratios if r is not None]
     first = next((train[i]["step"] + 1 for i, r in enumerate(ratios[:-1]) if r is not None and r > ratio), None)  # a spike
     # on the last step switches nothing
@@ -223,8 +223,8 @@ def spikes(train, ratio):
 
 
 def question5(args):
-    import d3s
-    from toy.bandit import paired_interval
+    import variants
+    from stats import paired_interval
 
     methods = [args.base] + [m for m in args.rows.split(",") if m != args.base]
     data = {m: load_runs(args.runs, m) for m in methods}
@@ -253,7 +253,7 @@ def question5(args):
                      paired(kl_end, kl_ends[args.base], "%+.4f")]
         fired = [s[2] for s in sp if s[2] is not None]
         switch = f"{len(fired)}/{len(sp)}" + (f" ({', '.join(map(str, fired))})" if fired else "")
-        switch = switch if method_of(m) in d3s.INTRA_TWIN else "— (no intra-group twin)"
+        switch = switch if method_of(m) in variants.INTRA_TWIN else "— (no intra-group twin)"
         lines.append(f"| {m} | {len(data[m])} | {mean_sd([s[0] for s in sp], '%.1f')} | {mean_sd([s[1] for s in sp], '%.1f')} | "
                      f"{mean_sd(kl_end, '%.4f')} | {mean_sd(final[m])} | {' | '.join(diffs)} | {switch} |")
     if args.plot:  # one thin line per seed: the gradient norm (spikes show as jumps) and the KL on all tokens
@@ -292,7 +292,7 @@ def row_numbers(runs):
 
 def question_table(args):
     """Questions 1, 2, 3, 7: rows from any --compare folders, paired seed by seed with their reference."""
-    from toy.bandit import excludes_zero, paired_interval
+    from stats import excludes_zero, paired_interval
 
     specs = [r.split("@", 1) for r in args.rows.split(",")]
     rows = [(spec[0], spec[1] if len(spec) > 1 else (args.base or specs[0][0])) for spec in specs]

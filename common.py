@@ -1,0 +1,288 @@
+"""common.py: the plumbing the three rungs share, so that each rung file holds its method and its loop.
+
+    budget, check_method_flags N and K of a step from the rung's flags, and those flags' checks
+    measures_kl                whether a step forwards the reference model
+    mean                       the mean of the values that are there (None if none)
+    append_metrics, read_metrics, truncate_metrics    metrics.jsonl (docs/metrics.md)
+    out_lock                   one writer per output folder
+    run_all                    independent runs in a pool of processes, with a progress bar
+    write_summary              train_small.py's summary.json, from its metrics.jsonl
+    save_checkpoint, read_checkpoint, load_checkpoint   a one-file checkpoint: model, optimizer, RNG, step
+
+The flag checks and their one-line errors are in cli.py; train_full.py's distributed plumbing in fsdp_vllm.py.
+"""
+
+import contextlib
+import json
+import math
+import os
+import pickle
+import random
+import sys
+
+from cli import UsageError
+
+
+def budget(args, row, step, history=None):
+    """(N, K) of the LADDER row `row` at step `step` (from 1) of a run: d3s.method_budget at step - 1 of --steps,
+    with the rung's --group-size, --n-init, --n-final, --k-init, --k-final, --static-n, --static-k and, where
+    the rung has one, --schedule (variants.progress; `history`: the train reward of the steps before)."""
+    import d3s
+    import variants
+
+    f = variants.progress(getattr(args, "schedule", "linear"), step - 1, args.steps, history=history)
+    return d3s.method_budget(variants.LADDER[row], step=step - 1, total_steps=args.steps, group_size=args.group_size,
+                             n_init=args.n_init, n_final=args.n_final, k_init=args.k_init, k_final=args.k_final,
+                             static_n=args.static_n, static_k=args.static_k, progress=f)
+
+
+def static_budget(args):
+    """(N, K) of the static rows: --static-n and --static-k, by default the linear schedule's midpoint (choice)."""
+    import d3s
+
+    return d3s.method_budget(d3s.LADDER["d2s"], step=0, total_steps=1, group_size=max(args.group_size, args.n_init,
+                             args.n_final), n_init=args.n_init, n_final=args.n_final, k_init=args.k_init,
+                             k_final=args.k_final, static_n=args.static_n, static_k=args.static_k)
+
+
+def check_method_flags(p, args, methods, flag="--method"):
+    """The method and budget flags every rung shares, checked together (one line and exit 2 through p.error): each
+    method a row of variants.LADDER; N <= G wherever a row uses N; --switch-on-spike only where a row has an
+    intra-group twin. Then --static-n and --static-k filled in (the schedule's midpoint by default)."""
+    import variants
+
+    for m in methods:
+        if m not in variants.LADDER:
+            hint = " (d3s-static is now d2s, the paper's name)" if m == "d3s-static" else ""
+            p.error(f"{flag} {m!r}: unknown method{hint}; choose from {', '.join(variants.METHODS)}")
+    if any(variants.LADDER[m].n != "all" for m in methods):  # N counts rollouts kept per prompt: N <= G
+        for name, value in (("--n-init", args.n_init), ("--n-final", args.n_final), ("--static-n", args.static_n)):
+            if value is not None and value > args.group_size:
+                p.error(f"{name} {value} > --group-size {args.group_size}: N counts rollouts kept per prompt and must "
+                        f"be <= G; lower {name} or raise --group-size")
+    if getattr(args, "switch_on_spike", 0) and not any(m in variants.INTRA_TWIN for m in methods):
+        p.error(f"--switch-on-spike {args.switch_on_spike:g}: moves a cross-group row to its intra-group twin "
+                f"({', '.join(f'{a} -> {b}' for a, b in variants.INTRA_TWIN.items())}); {', '.join(methods)} has none: "
+                "use --method d3s or d1s-cross, or drop the flag")
+    args.static_n, args.static_k = static_budget(args)
+
+
+def measures_kl(step, args):
+    """Whether step `step` (from 1) forwards the reference model: every step when the KL is in the loss
+    (--kl-coef > 0); else, the KL being only a metric, step 1, every --kl-every steps and the last (0: never)."""
+    if args.kl_coef > 0:
+        return True
+    return args.kl_every > 0 and (step == 1 or step % args.kl_every == 0 or step == args.steps)
+
+
+def mean(values):
+    """The mean of the values that are not None; None if there are none (a step with no update logs None)."""
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+# ---------------------------------------------------------------------------------------------
+# metrics.jsonl: one JSON line per train step and per evaluation (docs/metrics.md)
+# ---------------------------------------------------------------------------------------------
+def append_metrics(path, record):
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def read_metrics(path, up_to_step=None):
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        lines = [json.loads(line) for line in f if line.strip()]
+    return [m for m in lines if up_to_step is None or m.get("step", math.inf) <= up_to_step]
+
+
+def truncate_metrics(path, step):
+    """Keep what the checkpoint after `step` steps covers (a killed run may have logged past it): the train lines
+    of steps 1..step and the evaluations after at most `step` steps."""
+    if not os.path.exists(path):
+        return
+    kept = read_metrics(path, up_to_step=step)
+    with open(path + ".tmp", "w") as f:
+        f.writelines(json.dumps(m) + "\n" for m in kept)
+    os.replace(path + ".tmp", path)
+
+
+@contextlib.contextmanager
+def out_lock(out, prog):
+    """Hold an exclusive lock on OUT/.lock while the block runs; the OS drops it when the process ends, killed or
+    not. A second run writing to the same folder stops with one line instead of interleaving its lines with the
+    first's. No lock where fcntl is missing (Windows)."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, ".lock"), "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UsageError(f"--out {out}: another {prog} is writing there now ({os.path.join(out, '.lock')}); "
+                             "wait for it to end, or use another --out") from None
+        yield
+
+
+def run_all(fn, jobs, workers, desc="runs"):
+    """fn(job) for every job, `workers` processes at a time (spawned; 1: in this process), with a progress bar.
+    Yields (job, result) as they finish."""
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+    import multiprocessing as mp
+
+    from tqdm import tqdm
+
+    if workers <= 1:
+        for job in tqdm(jobs, desc=desc, leave=False):
+            yield job, fn(job)
+        return
+    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
+        futures = {pool.submit(fn, job): job for job in jobs}
+        try:
+            for future in tqdm(as_completed(futures), total=len(jobs), desc=desc, leave=False):
+                yield futures[future], future.result()
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
+
+
+# ---------------------------------------------------------------------------------------------
+# The summary of a run (train_small.py)
+# ---------------------------------------------------------------------------------------------
+def write_summary(args, lines, warm_info, totals, timeouts, rl_s, wall_s):
+    """train_small.py's OUT/summary.json and the lines it prints: the warm start's and the final held-out numbers, what
+    the run trained on (rollouts, tokens), the paper's metrics over the run, and where the time went."""
+    import variants
+
+    evals = [m for m in lines if m["kind"] == "eval"]
+    train = [m for m in lines if m["kind"] == "train"]
+    first, last = evals[0], evals[-1]
+    own_rule = variants.rule_name(args.method)  # --switch-on-spike: switched_at_step is the first step run under another rule
+    summary = {
+        "method": args.method, "loss": args.loss, "steps": args.steps, "out": args.out,
+        "evals": [{"step": m["step"], "pass1_mean": m["eval_pass1_mean"], "greedy_pass1": m["eval_greedy_pass1"],
+                   "rl_s": m["gen_s"] + m["train_s"], "update_s": m["train_s"], "tokens": m["tokens"]} for m in evals],
+        "warm_start": {"greedy_pass1": first["eval_greedy_pass1"], "pass1_mean": first["eval_pass1_mean"],
+                       "passk": first["eval_passk"], "train_reward_step1": train[0]["reward_mean"] if train else None,
+                       **{k.replace("eval_pass1_mean_", ""): v for k, v in first.items() if k.startswith("eval_pass1_mean_level")},
+                       "cached": warm_info.get("cached"), "sft_steps": warm_info.get("sft_steps"),
+                       "path": warm_info.get("path")},
+        "final": {"greedy_pass1": last["eval_greedy_pass1"], "pass1_mean": last["eval_pass1_mean"],
+                  "passk": last["eval_passk"], "k": last["k"], "n": last["n"],
+                  **{k.replace("eval_pass1_mean_", ""): v for k, v in last.items() if k.startswith("eval_pass1_mean_level")}},
+        "best_greedy_pass1": max(m["eval_greedy_pass1"] for m in evals),
+        "samples_trained": totals["samples"], "tokens_trained": totals["tokens"], "tokens_forwarded": totals["fwd_tokens"],
+        "mean_grad_norm": mean([m["grad_norm"] for m in train if m["grad_norm"] is not None]),
+        "mean_kept_adv_var": sum(m["kept_adv_var"] for m in train) / max(len(train), 1),
+        "mean_sur": sum(m["sur"] for m in train) / max(len(train), 1),
+        "mean_k_frac": sum(m["k_frac"] for m in train) / max(len(train), 1),
+        "mean_k_real": sum(m["k_real"] for m in train) / max(len(train), 1),
+        "final_kl_ref": next((m["kl_ref"] for m in reversed(train) if m.get("kl_ref") is not None), None),
+        "mean_entropy": sum(m["entropy_mean"] for m in train) / max(len(train), 1),
+        "mean_entropy_kept": mean([m["entropy_kept"] for m in train if m["kept_tokens"]]),  # steps that kept tokens
+        "time_per_step": {key: sum(m.get(f"{key}_s", 0.0) for m in train) / max(len(train), 1)
+                          for key in ("gen", "reward", "pass1", "train")},
+        "rl_seed": args.rl_seed,
+        "switched_at_step": next((m["step"] for m in train if m.get("sample_rule", own_rule) != own_rule), None),
+        "skipped_updates": totals["skipped"], "grader_timeouts": timeouts,
+        "gen_s": round(totals["gen_s"], 1), "train_s": round(totals["train_s"], 1),
+        "rl_s": round(rl_s, 1), "wall_s": round(wall_s, 1),
+    }
+    with open(os.path.join(args.out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    w, fin = summary["warm_start"], summary["final"]
+    print(f"\n== {args.method} ({args.loss}), {args.steps} steps, {args.out}\n"
+          f"warm start  held-out greedy Pass@1 {w['greedy_pass1']:.3f}  Pass@1 mean@{fin['n']} {w['pass1_mean']:.3f}  "
+          f"Pass@{fin['k']} {w['passk']:.3f}  (train reward at step 1: {w['train_reward_step1']})\n"
+          f"final       held-out greedy Pass@1 {fin['greedy_pass1']:.3f}  Pass@1 mean@{fin['n']} {fin['pass1_mean']:.3f}  "
+          f"Pass@{fin['k']} {fin['passk']:.3f}\n"
+          f"trained on {summary['samples_trained']} rollouts, {summary['tokens_trained']} tokens in the loss "
+          f"({summary['tokens_forwarded']} forwarded); {summary['skipped_updates']} skipped updates, "
+          f"{timeouts} grader timeouts\n"
+          f"time: {summary['gen_s']} s generating + grading, {summary['train_s']} s training, {summary['rl_s']} s RL "
+          f"incl. eval, {summary['wall_s']} s in all")
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------
+# A one-file checkpoint (train_small.py): model, optimizer, RNG states, step, the run's flags
+# ---------------------------------------------------------------------------------------------
+CHECKPOINT_FORMAT = 2  # 2: tensors and plain values only; 1 (before 2026-11): pickled RNG state
+
+
+def save_checkpoint(path, model, optimizer, step, flags, totals):
+    """Model, optimizer, RNG states and step in one file of tensors and plain values (it loads with
+    torch.load(weights_only=True): no pickled objects), written to a temp file then renamed: a kill leaves
+    either the old or the new checkpoint, never half of one."""
+    import numpy as np
+    import torch
+
+    version, words, gauss = random.getstate()
+    _, keys, pos, has_gauss, cached = np.random.get_state()
+    rng = {"torch": torch.get_rng_state(), "python": [version, torch.tensor(words, dtype=torch.int64), gauss],
+           "numpy": [torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)]}
+    state = {"format": CHECKPOINT_FORMAT, "step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+             "totals": totals, "args": flags, "rng": rng}
+    with open(path + ".tmp", "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+
+
+def read_checkpoint(path, flags, prog, added=None):
+    """The checkpoint --resume continues from, checked before any work: it exists, is complete, holds no pickled
+    object (torch.load(weights_only=True)), and was written by a run with these `flags` ({name: value}; a flag
+    added later reads as its `added` value in an older checkpoint). Raises UsageError naming the fix."""
+    import torch
+
+    fix = "run without --resume to start again, or use a new --out"
+    if not os.path.isfile(path):
+        where = "no checkpoint at" if not os.path.isdir(path) else "is a folder, not a checkpoint file:"
+        raise UsageError(f"--resume: {where} {path}; {fix} (a run writes OUT/checkpoint.pt every --save-every steps)")
+    try:
+        state = torch.load(path, weights_only=True)
+        assert isinstance(state, dict) and {"step", "model", "optimizer", "totals", "args", "rng"} <= set(state)
+    except pickle.UnpicklingError as e:
+        if "weights_only" in str(e) or "Unsupported global" in str(e):
+            raise UsageError(f"--resume {path}: refused: it holds a pickled Python object, not tensors (loading it "
+                             f"could run code); {fix}") from None
+        raise UsageError(f"--resume {path}: truncated or corrupt (not a checkpoint {prog} wrote); {fix}") from None
+    except Exception:  # EOFError, RuntimeError (a truncated zip), AssertionError, ...
+        raise UsageError(f"--resume {path}: truncated or corrupt (not a checkpoint {prog} wrote); {fix}") from None
+    if state.get("format") != CHECKPOINT_FORMAT:
+        raise UsageError(f"--resume {path}: checkpoint format {state.get('format', 1)} of an older {prog}; "
+                         f"finish that run with the version that wrote it, or {fix}")
+    for flag, value in flags.items():
+        then = state["args"].get(flag, (added or {}).get(flag))
+        if value != then:
+            name = "--" + flag.replace("_", "-")
+            raise UsageError(f"{name} {value}: {path} was made with {name} {then}; resume with the run's flags, "
+                             "or use a new --out")
+    return state
+
+
+def load_checkpoint(state, model, optimizer):
+    """Restore what read_checkpoint read; returns (step, totals)."""
+    import numpy as np
+    import torch
+
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["rng"]["torch"])
+    version, words, gauss = state["rng"]["python"]
+    random.setstate((version, tuple(words.tolist()), gauss))
+    keys, pos, has_gauss, cached = state["rng"]["numpy"]
+    np.random.set_state(("MT19937", keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    return state["step"], state["totals"]
+
+
+def fail(prog, error):
+    """The one line of a UsageError (or DataError), exit 2."""
+    print(f"{prog}: error: {error}", file=sys.stderr, flush=True)
+    sys.exit(2)

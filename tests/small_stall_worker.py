@@ -1,0 +1,37 @@
+"""train_small.py whose checkpoint of step N is left half written, then the process stalls (a SIGKILL lands there).
+
+    python tests/small_stall_worker.py N [train_small.py flags]
+
+The stall is this test's, not the product's: common.save_checkpoint is wrapped here (the real one writes to a
+temporary file and renames it, so a kill mid-write leaves the previous checkpoint intact).
+"""
+
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import common  # noqa: E402
+import train_small  # noqa: E402
+
+
+def stalling(stall_step, real_save):
+    def save_checkpoint(path, model, optimizer, step, flags, totals):
+        if step != stall_step:
+            return real_save(path, model, optimizer, step, flags, totals)
+        real_save(path + ".whole", model, optimizer, step, flags, totals)
+        with open(path + ".whole", "rb") as f:
+            data = f.read()
+        os.remove(path + ".whole")
+        with open(path + ".tmp", "wb") as f:  # where the real write was when the kill landed
+            f.write(data[: len(data) // 2])
+        print(f"checkpoint of step {step}: half written, stalled", file=sys.stderr, flush=True)
+        time.sleep(600)
+
+    return save_checkpoint
+
+
+if __name__ == "__main__":  # the grader's child processes re-import this file
+    common.save_checkpoint = stalling(int(sys.argv[1]), common.save_checkpoint)
+    train_small.main(sys.argv[2:])

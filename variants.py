@@ -1,0 +1,199 @@
+"""variants.py: the rows and rules beyond the D3S and PODS papers, on top of d3s.py's functions.
+
+d3s.py holds the papers' method. The questions the paper leaves open (docs/questions.md) and two controls
+need a few more pieces; they live here, in d3s.py's terms, so that every rung runs them the same way:
+
+    LADDER        d3s.LADDER + random (a control) + DAPO's filter (dapo-filter, dapo-filter-k)
+    TOKEN_RULES   the token score: |A| * H (the paper's), H alone, |A| alone, random (a control)
+    progress      the shape of the schedule: linear (the paper's), cosine, step, constant, adaptive
+    switch_to_intra   the switch rule: a cross-group row moves to its intra-group twin at a gradient spike
+
+Every rung takes --method from LADDER and calls d3s.select_samples(rewards, N, row.samples), which runs a
+rule given as a function here; d3s.token_scores takes TOKEN_RULES' functions the same way.
+"""
+
+import math
+import statistics
+
+import torch
+
+import d3s
+
+
+# ---------------------------------------------------------------------------------------------
+# Sample rules: a uniform N per group (a control), and DAPO's group filter
+# ---------------------------------------------------------------------------------------------
+def uniform_samples(rewards, n_keep, scale=True, eps=1e-6, generator=None):
+    """Per group, n_keep of G drawn uniformly (a control, not in the paper); full-group A on the kept.
+
+    >>> uniform_samples(torch.tensor([[1., 0., 0., 0.]]), 2, generator=torch.Generator().manual_seed(0))[0].sum().item()
+    2
+    """
+    adv = d3s.group_advantages(rewards, scale=scale, eps=eps)
+    P, G = rewards.shape
+    d3s._require(isinstance(n_keep, int) and 1 <= n_keep <= G, "n_keep", n_keep,
+                 f"must be an int in [1, G={G}] (rollouts kept per prompt); raise G or lower N")
+    noise = torch.rand(P, G, generator=generator).to(rewards.device)  # CPU generator, any device
+    keep = torch.zeros(P, G, dtype=torch.bool, device=rewards.device).scatter_(1, noise.argsort(-1)[:, :n_keep], True)
+    return keep, adv * keep
+
+
+def dapo_filter(rewards, n_keep=None, scale=True, eps=1e-6, generator=None):
+    """DAPO's dynamic-sampling filter without its oversampling: every rollout of each group whose rewards are
+    not all equal (0 < #correct < G for 0/1 rewards), with full-group A. n_keep is not used: the kept count
+    varies, and a step with no group with spread keeps nothing (it has no token to train on).
+
+    >>> dapo_filter(torch.tensor([[1., 0., 0., 0.], [1., 1., 1., 1.]]))[0]
+    tensor([[ True,  True,  True,  True],
+            [False, False, False, False]])
+    """
+    adv = d3s.group_advantages(rewards, scale=scale, eps=eps)
+    spread = rewards.amax(-1, keepdim=True) > rewards.amin(-1, keepdim=True)  # [P, 1]
+    keep = spread.expand(*rewards.shape).clone()
+    return keep, adv * keep
+
+
+LADDER = {
+    **d3s.LADDER,
+    "random": d3s.Row(uniform_samples, "schedule", "all"),  # control: a uniform N of G on D3S's schedule
+    "dapo-filter": d3s.Row(dapo_filter, "all", "all"),  # DAPO's filter: the groups with spread, every token
+    "dapo-filter-k": d3s.Row(dapo_filter, "all", "schedule"),  # ... with D3S's token level on K's schedule
+}
+METHODS = tuple(LADDER)
+RULE_NAMES = {uniform_samples: "random", dapo_filter: "mixed"}  # the samples rule's name in metrics.jsonl
+
+
+def rule_name(method):
+    """The name of a method's samples rule, as metrics.jsonl logs it (sample_rule): "cross", "intra", ...
+
+    >>> rule_name("d3s"), rule_name("dapo-filter")
+    ('cross', 'mixed')
+    """
+    samples = LADDER[method].samples
+    return RULE_NAMES.get(samples, samples)
+
+
+def selects_tokens(method):
+    """Whether the method keeps only the top K of the tokens (its K is not "all")."""
+    return LADDER[method].k != "all"
+
+
+# ---------------------------------------------------------------------------------------------
+# Token rules: what select_tokens ranks by, besides the paper's |A| * H (d3s.token_scores' rule=None)
+# ---------------------------------------------------------------------------------------------
+def entropy_only(abs_adv, entropy, generator=None):
+    """H alone: the high-entropy "minority tokens" rule of Wang et al. 2025 (80/20)."""
+    return entropy.float().clone()
+
+
+def advantage_only(abs_adv, entropy, generator=None):
+    """|A| alone, ties at random: with outcome rewards A is constant in a response, so this picks responses.
+    (1e-6 of the largest |A| of noise never reorders distinct |A|.)"""
+    noise = torch.rand(entropy.shape, generator=generator).to(entropy.device)  # CPU generator, any device
+    largest = abs_adv.max().clamp(min=1e-30) if abs_adv.numel() else 1.0  # no rollout kept: nothing to rank
+    return abs_adv.expand(entropy.shape) + noise * 1e-6 * largest
+
+
+def random_scores(abs_adv, entropy, generator=None):
+    """Uniform noise: a control."""
+    return torch.rand(entropy.shape, generator=generator).to(entropy.device)
+
+
+TOKEN_RULES = {"adv-entropy": None, "entropy": entropy_only, "adv": advantage_only, "random": random_scores}
+
+
+# ---------------------------------------------------------------------------------------------
+# Schedules: the curve N and K follow from init (f = 0) to final (f = 1), p = step / total_steps
+# ---------------------------------------------------------------------------------------------
+SCHEDULES = ("linear", "cosine", "step", "constant", "adaptive")  # "linear" is the paper's
+
+
+def progress(kind, step, total_steps, history=None, window=10, tol=0.02):
+    """f for d3s.dynamic_schedule(progress=f) (the paper's open question 2, docs/questions.md):
+      "linear"    f = p                        the paper's
+      "cosine"    f = (1 - cos(pi * p)) / 2    slow at both ends, fastest at the middle
+      "step"      f = 0 for p < 1/2, else 1    the init values for the first half, the final ones after
+      "constant"  f = 0                        the init values throughout (the aggressive end)
+      "adaptive"  f = min(1, 2 * plateaus / total_steps): hold N and K while the signal rises; each step on
+                  which it has plateaued (mean of its last `window` values - mean of the `window` before < tol)
+                  relaxes them by two linear steps. history: the signal of the steps so far (the rungs pass
+                  the train reward of steps 1..s-1); `step` is not read.
+
+    >>> [d3s.dynamic_schedule(25, 100, progress=progress(k, 25, 100))[0] for k in ("linear", "cosine", "step", "constant")]
+    [14, 12, 8, 8]
+    >>> d3s.dynamic_schedule(0, 100, progress=progress("adaptive", 0, 100, history=[0.5] * 30))  # 11 plateaus: f = 0.22
+    (13, 0.083)
+    """
+    d3s._require(kind in SCHEDULES, "kind", kind, f"choose one of {', '.join(SCHEDULES)}")
+    p = min(step / total_steps, 1.0)
+    if kind == "linear":
+        return p
+    if kind == "cosine":
+        return (1 - math.cos(math.pi * p)) / 2
+    if kind == "step":
+        return 0.0 if p < 0.5 else 1.0
+    if kind == "constant":
+        return 0.0
+    d3s._require(history is not None, "history", history, "kind='adaptive' needs the signal's past values (a list)")
+    d3s._require(isinstance(window, int) and window >= 1, "window", window, "must be an int >= 1")
+    return min(1.0, 2 * _plateaus(history, window, tol) / total_steps)
+
+
+def _plateaus(history, window, tol):
+    """How many steps of `history` ended on a plateau: the mean of their last `window` values minus the mean
+    of the `window` before is below `tol`. Steps with fewer than 2 * window values before them never do.
+
+    >>> _plateaus([0.5] * 12, 5, 0.02), _plateaus([0.1 * i for i in range(12)], 5, 0.02)
+    (3, 0)
+    """
+    values = [float(v) for v in history]
+    d3s._require(all(math.isfinite(v) for v in values), "history", [v for v in values if not math.isfinite(v)][:4],
+                 "must be finite (the signal of each past step)")
+    prefix = [0.0]
+    for v in values:
+        prefix.append(prefix[-1] + v)
+    mean = lambda a, b: (prefix[b] - prefix[a]) / window  # noqa: E731  the mean of values[a:b]
+    return sum(mean(j - window, j) - mean(j - 2 * window, j - window) < tol for j in range(2 * window, len(values) + 1))
+
+
+# ---------------------------------------------------------------------------------------------
+# The switch rule (the paper's open question 1, docs/questions.md question 5; off by default)
+# ---------------------------------------------------------------------------------------------
+# The paper found cross-group D3S unstable from an unaligned start and D3S-I stable. A run that starts
+# cross-group can move to its intra-group twin, for good, at the first gradient-norm spike.
+INTRA_TWIN = {"d3s": "d3s-i", "d1s-cross": "d1s"}  # cross-group row -> the same row with samples "intra"
+
+
+def spike_ratios(grad_norms, window=10):
+    """Per step: its gradient norm / the median of the norms of the `window` steps before it. None where there
+    is no ratio: the first `window` steps, and a step with no signal (norm 0 or None: nothing trained; or not
+    finite: a skipped update), which is also left out of the medians of later steps.
+
+    >>> spike_ratios([1.0, 2.0, 0.0, 1.0, 9.0], window=2)
+    [None, None, None, 0.5, 9.0]
+    """
+    d3s._require(isinstance(window, int) and window >= 1, "window", window, "must be an int >= 1")
+    signal = lambda x: x is not None and x != 0 and math.isfinite(x)  # noqa: E731
+    ratios = []
+    for i, g in enumerate(grad_norms):
+        before = [x for x in grad_norms[max(0, i - window):i] if signal(x)]  # the steps with signal
+        ratios.append(g / max(statistics.median(before), 1e-12) if i >= window and signal(g) and before else None)
+    return ratios
+
+
+def switch_to_intra(method, grad_norms, ratio, window=10):
+    """The row this step runs under the switch rule: a cross-group row (d3s, d1s-cross) runs as its
+    intra-group twin (d3s-i, d1s) from the step after the first spike to the end, a step whose gradient norm
+    (before clipping) is over `ratio` x the median of the `window` steps before it (spike_ratios).
+    grad_norms: the norms of the steps taken so far. ratio None or 0: off, the paper's method. Any other
+    row, or no spike yet: `method` itself. Pure: the same norms give the same row.
+
+    >>> switch_to_intra("d3s", [1.0] * 10 + [1.2], 3.0), switch_to_intra("d3s", [1.0] * 10 + [4.0], 3.0)
+    ('d3s', 'd3s-i')
+    """
+    if not ratio or method not in INTRA_TWIN:
+        return method
+    d3s._require(math.isfinite(ratio) and ratio > 1, "ratio", ratio,
+                 "must be > 1 (a spike is a norm over ratio x its median); 0 or None turns the rule off")
+    spiked = any(r is not None and r > ratio for r in spike_ratios(list(grad_norms), window))
+    return INTRA_TWIN[method] if spiked else method

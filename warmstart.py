@@ -1,0 +1,172 @@
+"""warmstart.py: train_small.py's model and data: the task, the tiny model (or any HF model), and the supervised
+warm start that RL starts from, cached so that every run of a comparison starts from the very same weights.
+
+    load_data(args)               (train rows, held-out rows): mathtask's generated task, or JSONL/JSON/Parquet files
+    format_prompt(problem, template)
+    load_warm_start(args, rows)   (model, tokenizer, info): --model or the tiny Qwen2 (tiny.py), after --sft-steps of
+                                  supervised training on the answers; cached in --cache-dir/warmstart-<hash>/
+"""
+
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import time
+import zlib
+
+import torch
+from tqdm import tqdm
+
+from cli import UsageError
+from mathtask import PLAIN_TEMPLATE, QWEN_MATH_TEMPLATE, arithmetic_problems, load_problems, step_problems
+
+TASKS = {"steps": step_problems, "direct": arithmetic_problems}  # mathtask's generated tasks
+TINY_SFT_STEPS = {"steps": 600, "direct": 1000}  # warm-start length per task: a start with headroom (docs/small_compare.md)
+
+
+def load_data(args):
+    """(train_rows, eval_rows). Bad files raise DataError naming file:line."""
+    if args.train_file:
+        train_rows, _ = load_problems(args.train_file, limit=args.train_size)
+    else:
+        train_rows = TASKS[args.task](args.train_size, "train", seed=args.seed)
+    if args.eval_file:
+        eval_rows, _ = load_problems(args.eval_file, limit=args.eval_size)
+    else:
+        eval_rows = TASKS[args.task](args.eval_size, "eval", seed=args.seed)
+    return train_rows, eval_rows
+
+
+def format_prompt(problem, template):
+    return (PLAIN_TEMPLATE if template == "plain" else QWEN_MATH_TEMPLATE).format(problem=problem)
+
+
+def load_base_model(args):
+    """(model, tokenizer): --model from a folder or the hub, else a fresh tiny Qwen2 (tiny.py)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # here: the grader's child process re-imports the rung
+
+    if args.model is None:
+        from tiny import build_char_tokenizer, build_tiny_model
+
+        tokenizer = build_char_tokenizer()
+        return build_tiny_model(tokenizer, hidden_size=args.hidden_size, num_layers=args.num_layers, seed=args.seed), tokenizer
+    looks_like_path = args.model.startswith((".", "/", "~")) or args.model.count("/") > 1 or os.sep + os.sep in args.model
+    if looks_like_path and not os.path.isdir(os.path.expanduser(args.model)):
+        raise UsageError(f"--model {args.model}: no such folder; pass a folder with config.json (save_pretrained) or a hub name")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(os.path.expanduser(args.model))
+        model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(args.model), dtype=torch.float32)
+    except (OSError, ValueError) as e:
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UsageError(f"--model {args.model}: cannot load it ({first_line}); pass a local folder with config.json, "
+                         f"or a hub name with internet access") from e
+    tokenizer.padding_side = "left"  # generation appends to the right of every prompt
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def warm_start_key(args, train_rows):
+    """Everything the warm-started weights depend on; its hash names the cache folder."""
+    data = hashlib.sha256(json.dumps([[r["problem"], sft_target(r, args.sft_shortcut)] for r in train_rows]).encode()).hexdigest()
+    return {"model": args.model or f"tiny-qwen2-h{args.hidden_size}-l{args.num_layers}", "seed": args.seed,
+            "sft_steps": args.sft_steps, "sft_lr": args.sft_lr, "sft_batch": args.sft_batch,
+            "template": args.template, "train_data": data[:16], "version": 2}
+
+
+def warm_start_path(args, train_rows):
+    """The cache folder of this warm start: --cache-dir/warmstart-<12 hex digits of its key's hash>."""
+    key = warm_start_key(args, train_rows)
+    return os.path.join(args.cache_dir, "warmstart-" + hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12])
+
+
+def load_warm_start(args, train_rows):
+    """(model, tokenizer, info): the base model after --sft-steps of supervised training.
+
+    Cached in CACHE_DIR/warmstart-<hash>/ with save_pretrained (AutoModelForCausalLM loads it), so repeated runs
+    and every method of a comparison start from the very same weights.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if args.sft_steps == 0:
+        model, tokenizer = load_base_model(args)
+        return model, tokenizer, {"sft_steps": 0, "path": args.model or "tiny (fresh)"}
+    key, path = warm_start_key(args, train_rows), warm_start_path(args, train_rows)
+    if os.path.exists(os.path.join(path, "warmstart.json")):
+        with open(os.path.join(path, "warmstart.json")) as f:
+            info = json.load(f)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer.padding_side = "left"
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), tokenizer, {**info, "cached": True}
+    model, tokenizer = load_base_model(args)
+    t0 = time.time()
+    losses = supervised_warm_start(model, tokenizer, train_rows, args)
+    info = {**key, "path": path, "sft_loss_first": losses[0], "sft_loss_last": sum(losses[-20:]) / len(losses[-20:]),
+            "sft_s": round(time.time() - t0, 1), "n_params": sum(p.numel() for p in model.parameters())}
+    tmp = path + f".tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    with open(os.path.join(tmp, "warmstart.json"), "w") as f:
+        json.dump(info, f, indent=1)
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)  # atomic: a half-written cache folder is never picked up
+    return model, tokenizer, {**info, "cached": False}
+
+
+def supervised_warm_start(model, tokenizer, train_rows, args):
+    """Teacher-forced cross-entropy on sft_target(row) + <eos> after each prompt (prompt tokens masked)."""
+    rng = random.Random(args.seed)
+    examples = []  # (prompt token ids, target token ids)
+    for row in train_rows:
+        prompt = tokenizer(format_prompt(row["problem"], args.template), add_special_tokens=False).input_ids
+        target = tokenizer(sft_target(row, args.sft_shortcut), add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+        examples.append((prompt, target))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.sft_lr, weight_decay=0.01)
+    warmup_then_decay = lambda s: min(1.0, (s + 1) / 20) * (1 - 0.9 * s / args.sft_steps)  # noqa: E731
+    lr_schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_then_decay)
+    model.train()
+    losses = []
+    for _ in (bar := tqdm(range(args.sft_steps), desc="warm start (supervised)", dynamic_ncols=True)):
+        batch = sft_batch(rng.sample(examples, min(args.sft_batch, len(examples))), tokenizer.pad_token_id)
+        loss = model(**batch).loss  # HF shifts the labels: position t predicts token t + 1
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        lr_schedule.step()
+        losses.append(loss.item())
+        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    return losses
+
+
+def sft_target(row, shortcut=0.0):
+    """The warm start's target response: the row's worked `solution` (if it has one) and \\boxed{answer}.
+
+    With `shortcut` > 0, that share of the multi-step solutions (chosen by a hash of the problem) works every step
+    out but boxes the first step's result: '47+8=55. 55-13=42. \\boxed{55}'. The warm-started model then has a habit
+    the reward punishes and RL can unlearn: which result to copy into the box, one decision per response
+    (--sft-shortcut). One-step problems (level 1) are unaffected: their first result is the answer.
+    """
+    solution = row.get("solution") or ""
+    results = re.findall(r"=(-?\d+)\.", solution)
+    boxed = row["answer"]
+    if len(results) > 1 and zlib.crc32(row["problem"].encode()) % 1000 < 1000 * shortcut:
+        boxed = results[0]
+    return (solution + " " if solution else "") + "\\boxed{" + boxed + "}"
+
+
+def sft_batch(examples, pad_id):
+    """Left-padded input_ids / attention_mask / position_ids, and labels = the target tokens only."""
+    length = max(len(p) + len(t) for p, t in examples)
+    input_ids = torch.full((len(examples), length), pad_id)
+    labels = torch.full((len(examples), length), -100)  # -100: no loss (prompt and padding)
+    attention_mask = torch.zeros(len(examples), length, dtype=torch.long)
+    for i, (prompt, target) in enumerate(examples):
+        input_ids[i, length - len(prompt) - len(target):] = torch.tensor(prompt + target)
+        labels[i, length - len(target):] = torch.tensor(target)
+        attention_mask[i, length - len(prompt) - len(target):] = 1
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # as generate does for left padding
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids, "labels": labels}
