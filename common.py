@@ -4,10 +4,10 @@
     measures_kl                whether a step forwards the reference model
     mean                       the mean of the values that are there (None if none)
     append_metrics, read_metrics, truncate_metrics    metrics.jsonl (docs/metrics.md)
-    out_lock                   one writer per output folder
+    out_lock, export_pretrained   one writer per output folder; a model folder written atomically
     run_all                    independent runs in a pool of processes, with a progress bar
     write_summary              train_small.py's summary.json, from its metrics.jsonl
-    save_checkpoint, read_checkpoint, load_checkpoint   a one-file checkpoint: model, optimizer, RNG, step
+    save_checkpoint, read_checkpoint, read_resume, load_checkpoint   a one-file checkpoint: model, optimizer, RNG, step
 
 The flag checks and their one-line errors are in cli.py; train_full.py's distributed plumbing in fsdp_vllm.py.
 """
@@ -151,6 +151,19 @@ def run_all(fn, jobs, workers, desc="runs"):
             raise
 
 
+def export_pretrained(model, tokenizer, path):
+    """model.save_pretrained and tokenizer.save_pretrained into `path` (AutoModelForCausalLM.from_pretrained loads it),
+    written into a temporary folder then renamed: a kill leaves the old folder or the new one, never half of one."""
+    import shutil
+
+    shutil.rmtree(path + ".tmp", ignore_errors=True)
+    model.save_pretrained(path + ".tmp")
+    tokenizer.save_pretrained(path + ".tmp")
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(path + ".tmp", path)
+    return path
+
+
 # ---------------------------------------------------------------------------------------------
 # The summary of a run (train_small.py)
 # ---------------------------------------------------------------------------------------------
@@ -264,6 +277,20 @@ def read_checkpoint(path, flags, prog, added=None):
             name = "--" + flag.replace("_", "-")
             raise UsageError(f"{name} {value}: {path} was made with {name} {then}; resume with the run's flags, "
                              "or use a new --out")
+    return state
+
+
+def read_resume(args, run_flags, prog, added=None):
+    """The checkpoint --resume continues from (OUT/checkpoint.pt, or the one named), read_checkpoint's checks, and it
+    must leave steps to run (before --stop-after and --steps)."""
+    path = os.path.join(args.out, "checkpoint.pt") if args.resume == "latest" else args.resume
+    state = read_checkpoint(path, {k: getattr(args, k) for k in run_flags}, prog, added)
+    if args.stop_after is not None and args.stop_after <= state["step"]:
+        raise UsageError(f"--stop-after {args.stop_after}: {path} is already at step {state['step']}; raise --stop-after "
+                         "or drop it")
+    if state["step"] >= args.steps:
+        raise UsageError(f"--resume {path}: the run already finished its {args.steps} steps; run without --resume to "
+                         "start again, or use a new --out")
     return state
 
 

@@ -1,22 +1,16 @@
-"""d3s.py: GRPO / GSPO with D3S and PODS down-sampling, as pure tensor functions.
-
-One training step, in the order of this file (docs/algorithm.md, section 6):
+"""d3s.py: GRPO / GSPO with D3S and PODS down-sampling, as pure tensor functions. One step, in this file's order:
 
     rewards [P, G] -> group_advantages                  A = (R - mean) / (std + eps) per group
-    -> select_samples: max_variance_subset              keep N rollouts per prompt: max Var(A), across groups
+    -> select_samples (max_variance_subset)             keep N rollouts per prompt: max Var(A), across groups
     -> forward the kept rollouts -> token_entropy       H per token, from the same logits
     -> token_scores -> select_tokens                    keep the top K of |A| * H
     -> policy_loss (kl_k3)                              GRPO or GSPO clipped surrogate on the selected tokens
 
-with N and K from dynamic_schedule (D3S: N 8 -> 32 rollouts per prompt, K 5% -> 20% of tokens), and the
-paper's ablation rows (GRPO -> D1S -> D1S-Cross -> D2S -> D3S, D3S-I) and PODS as configurations of these
-functions (LADDER, method_budget). Rows and rules beyond the papers (a random control, DAPO's filter, other
-schedules and token rules, a switch rule) are in variants.py. No I/O, no model, no mutable state.
-
-Papers: D3S, Wang et al., ICLR 2026, arXiv 2509.22115. PODS, Xu et al., arXiv 2504.13818 (max-variance
-down-sampling). GSPO, Zheng et al., arXiv 2507.18071.
-Shapes: P prompts, G rollouts per prompt (a group), B rollouts in a batch, T response tokens (right-padded;
-`mask` marks the real ones), V vocabulary size.
+N and K follow dynamic_schedule (D3S: N 8 -> 32 rollouts per prompt, K 5% -> 20% of tokens). The paper's ablation
+rows and PODS are configurations of these functions (LADDER, method_budget); rows and rules beyond the papers are
+in variants.py. No I/O, no model, no mutable state. Papers: D3S (Wang et al., ICLR 2026, arXiv 2509.22115), PODS
+(Xu et al., arXiv 2504.13818), GSPO (Zheng et al., arXiv 2507.18071). Shapes: P prompts, G rollouts per prompt
+(a group), B rollouts in a batch, T response tokens (right-padded; `mask` marks the real ones), V vocabulary.
 """
 
 import math
@@ -31,17 +25,13 @@ def _require(ok, name, value, fix):
         raise ValueError(f"{name}={value!r}: {fix}")
 
 
-# ---------------------------------------------------------------------------------------------
-# 1. Group advantages (GRPO)
-# ---------------------------------------------------------------------------------------------
+# === 1. Group advantages (GRPO) =======================================================================================
 def group_advantages(rewards, scale=True, eps=1e-6):
     """GRPO advantages within each group: A_i = (R_i - mean_g R) / (std_g R + eps).
 
-    rewards: [P, G] (one row per prompt).  Returns [P, G] float.
-    - std is the unbiased (Bessel-corrected) std, as torch.std / TRL / verl, so a group with spread has
-      unbiased Var(A) = 1 (up to eps). This is what makes Lemma 1 of D3S hold.
-    - scale=False gives Dr. GRPO: A_i = R_i - mean_g R.
-    - a group whose rewards are all equal gets A = 0 (no gradient), never NaN.
+    rewards: [P, G] (one row per prompt).  Returns [P, G] float. The std is unbiased (as torch.std, TRL, verl), so
+    a group with spread has unbiased Var(A) = 1 (up to eps): what makes Lemma 1 of D3S hold. scale=False gives
+    Dr. GRPO, A_i = R_i - mean_g R. A group whose rewards are all equal gets A = 0 (no gradient), never NaN.
 
     >>> group_advantages(torch.tensor([[0., 0., 1., 1.], [1., 1., 1., 1.]])).round(decimals=3)
     tensor([[-0.8660, -0.8660,  0.8660,  0.8660],
@@ -49,11 +39,10 @@ def group_advantages(rewards, scale=True, eps=1e-6):
     >>> group_advantages(torch.tensor([[0., 0., 0., 1.]]), scale=False)
     tensor([[-0.2500, -0.2500, -0.2500,  0.7500]])
     """
-    _require(isinstance(rewards, torch.Tensor), "rewards", type(rewards).__name__, "pass a torch.Tensor of shape [P, G]")
-    _require(rewards.dim() == 2 and rewards.numel() > 0, "rewards.shape", tuple(rewards.shape),
-             "expected [P, G] (prompts x rollouts per prompt), at least one of each")
+    _require(isinstance(rewards, torch.Tensor), "rewards", type(rewards).__name__, "pass a tensor of shape [P, G]")
+    _require(rewards.dim() == 2 and rewards.numel() > 0, "rewards.shape", tuple(rewards.shape), "expected [P, G], P, G >= 1")
     bad = ~torch.isfinite(rewards.double())
-    _require(not bad.any(), "rewards", rewards[bad][:4].tolist(), "rewards must be finite (no NaN/inf); check the reward function")
+    _require(not bad.any(), "rewards", rewards[bad][:4].tolist(), "must be finite (no NaN/inf); check the reward function")
     rewards = rewards.float()
     centered = rewards - rewards.mean(dim=-1, keepdim=True)  # R_i - mean_g R
     spread = (rewards.amax(-1, keepdim=True) - rewards.amin(-1, keepdim=True)) > 0
@@ -64,16 +53,13 @@ def group_advantages(rewards, scale=True, eps=1e-6):
     return torch.where(spread, centered, torch.zeros_like(centered))  # equal rewards -> A = 0
 
 
-# ---------------------------------------------------------------------------------------------
-# 2. Sample-level selection (the first level): max-variance subsets, across or within groups
-# ---------------------------------------------------------------------------------------------
+# === 2. Sample-level selection (the first level): max-variance subsets, across or within groups =======================
 def max_variance_subset(values, m):
     """Indices of the m-subset of `values` with the largest (unbiased) variance, per row.
 
-    values: [..., n];  returns LongTensor [..., m] of indices into the last dim, ascending.
-    PODS: some variance-maximizing m-subset is always "the k largest plus the m-k smallest" for some k in
-    0..m. So: sort once, score the m+1 candidates in O(1) each with prefix sums, take the argmax. O(n log n),
-    vectorized over the leading dims.
+    values: [..., n];  returns LongTensor [..., m] of indices into the last dim, ascending. PODS: some maximizing
+    m-subset is always "the k largest plus the m-k smallest" for a k in 0..m. So: sort once, score the m+1
+    candidates in O(1) each with prefix sums, take the argmax. O(n log n), vectorized over the leading dims.
         sum(k)   = S[m-k] + (S[n] - S[n-k])          S[j] = v_(1) + ... + v_(j)  (sorted)
         sumsq(k) = Q[m-k] + (Q[n] - Q[n-k])          Q[j] = v_(1)^2 + ... + v_(j)^2
         Var(k)   = (sumsq(k) - sum(k)^2 / m) / (m - 1)
@@ -84,13 +70,11 @@ def max_variance_subset(values, m):
     >>> max_variance_subset(torch.tensor([0.1, 0.9, 0.5, 0.7, 0.3]), 3)  # {.1,.3,.9} and {.1,.7,.9} tie: more high
     tensor([0, 1, 3])
     """
-    _require(isinstance(values, torch.Tensor) and values.dim() >= 1, "values", type(values).__name__,
-             "pass a tensor of shape [..., n]")
+    _require(isinstance(values, torch.Tensor) and values.dim() >= 1, "values", type(values).__name__, "pass [..., n]")
     n = values.shape[-1]
     _require(isinstance(m, int) and 1 <= m <= n, "m", m, f"must be an int in [1, n={n}]")
     values64 = values.double()
-    if not torch.isfinite(values64.sum()):  # one pass; NaN and inf propagate into the sum
-        _require(False, "values", values[~torch.isfinite(values)][:4].tolist(), "must be finite (no NaN/inf)")
+    _require(bool(torch.isfinite(values64.sum())), "values", values[~torch.isfinite(values)][:4].tolist(), "must be finite")
     order = values.sort(dim=-1, stable=True).indices  # ascending, [..., n]
     v_sorted = values64.gather(-1, order)
     v_sorted = v_sorted - v_sorted.mean(-1, keepdim=True)  # centered: prefix sums without cancellation
@@ -122,16 +106,13 @@ def select_samples(rewards, n_keep, rule="cross", scale=True, eps=1e-6, generato
     | "all"   | grpo                 | all G (n_keep is ignored)                         | full-group A       |
     A function (rewards, n_keep, scale=, eps=, generator=) -> (keep, adv) is a rule beyond the papers (variants.py).
 
-    Keeping full-group A gives Var(A') >= 1 on each group's kept subset (D3S Lemma 1, unbiased variance),
-    hence a larger bound on the policy-gradient norm. Lemma 1 is about one group: it holds for "intra", not
-    for "cross". Within a group A is increasing in R, so "intra" and "pods" keep the same rollouts.
-    Reading of cross-group (choice). The paper selects N per query, then runs "a further cross-group
-    selection over the entire batch", argmax_{S, |S| = N} Var(A_S), without saying whether the candidates
-    are all P*G rollouts or the union of the per-query subsets. Here it is one pooled choice over all P*G
-    advantages with budget n_keep * P (the union reading with that budget would keep all it is given). It
-    guarantees a pooled Var(A') at least that of the union of the per-group choices, not Var(A') >= 1: for
-    rewards [[1,0,0,0],[1,1,1,1]] and n_keep = 3, it must take two zeros of group 2 (Var(A') = 0.60). It may
-    take many rollouts of one group and none of another. In a distributed run, call it on the global batch.
+    Full-group A gives Var(A') >= 1 on each group's kept subset (D3S Lemma 1), hence a larger bound on the
+    policy-gradient norm; Lemma 1 is about one group: it holds for "intra", not "cross". Within a group A
+    increases with R, so "intra" and "pods" keep the same rollouts. Cross-group (choice): the paper runs "a
+    further cross-group selection over the entire batch" without saying over which candidates; here it is one
+    pooled choice over all P*G advantages with budget n_keep * P (docs/algorithm.md 2.4). Its pooled Var(A') is
+    at least that of the per-group choices, not >= 1: for [[1,0,0,0],[1,1,1,1]] and n_keep = 3 it must take two
+    zeros of group 2 (Var(A') = 0.60). In a distributed run, call it on the global batch.
 
     >>> r = torch.tensor([[1., 0., 0., 0.], [1., 1., 1., 1.]])
     >>> select_samples(r, 2, "cross")[0]  # 4 of 8: group 2 has no signal
@@ -187,17 +168,14 @@ def usefulness_rate(adv, keep):
     return float((kept != 0).double().mean()) if kept.numel() else 0.0
 
 
-# ---------------------------------------------------------------------------------------------
-# 3. Token-level selection (the second level): score |A_{i,t}| * H_{i,t}, keep the top K
-# ---------------------------------------------------------------------------------------------
+# === 3. Token-level selection (the second level): score |A_{i,t}| * H_{i,t}, keep the top K ===========================
 @torch.no_grad()
 def token_entropy(logits, chunk_size=None):
     """Exact policy entropy per position: H = -sum_v pi(v) log pi(v), pi = softmax(logits).
 
-    logits: [..., V] (any float dtype);  returns float32 [...], no grad.
-    Works on `chunk_size` rows at a time in fp32, so the full [tokens, V] softmax is never made (a
-    1M x 32k fp32 softmax would be 128 GB). Default chunk: ~8 MiB on CPU (it stays in cache), ~256 MiB on
-    a GPU. With z shifted so its max is 0 and e = exp(z):  H = log(sum_v e_v) - sum_v e_v z_v / sum_v e_v.
+    logits: [..., V] (any float dtype);  returns float32 [...], no grad. Works on `chunk_size` rows at a time in
+    fp32, so the [tokens, V] softmax is never made (1M x 32k: 128 GB); default chunk ~8 MiB on CPU (it stays in
+    cache), ~256 MiB on a GPU. With z shifted so its max is 0 and e = exp(z):  H = log(sum e) - sum e z / sum e.
 
     >>> token_entropy(torch.zeros(2, 4))  # uniform over 4 tokens: log 4
     tensor([1.3863, 1.3863])
@@ -223,20 +201,17 @@ def token_entropy(logits, chunk_size=None):
 def token_scores(adv, entropy, rule=None, generator=None):
     """The score select_tokens ranks by. D3S: s_{i,t} = |A_{i,t}| * H_{i,t}.
 
-    adv: [B] (one outcome advantage per response) or [B, T];  entropy: [B, T].  Returns [B, T] fp32.
-    rule: None for the paper's |A| * H, or a function (|A| [B, 1] or [B, T], entropy, generator) -> scores
-    (variants.TOKEN_RULES: H alone, |A| alone, random). Non-finite scores (a NaN forward) become 0: that
-    step's loss is NaN too and its update is skipped.
+    adv: [B] (one outcome advantage per response) or [B, T]; entropy: [B, T]. Returns [B, T] fp32. rule: None for
+    the paper's |A| * H, or a function (|A|, entropy, generator) -> scores (variants.TOKEN_RULES). Non-finite scores
+    (a NaN forward) become 0: that step's loss is NaN too and its update is skipped.
 
     >>> token_scores(torch.tensor([2., -1.]), torch.tensor([[0.5, 1.], [3., 0.]]))
     tensor([[1., 2.],
             [3., 0.]])
     """
     _require(rule is None or callable(rule), "rule", rule, "pass None (|A| * H) or a function (variants.TOKEN_RULES)")
-    _require(isinstance(entropy, torch.Tensor) and entropy.dim() == 2, "entropy.shape",
-             tuple(getattr(entropy, "shape", ())), "expected [B, T]")
-    abs_adv = adv.abs().float()
-    abs_adv = abs_adv.unsqueeze(-1) if abs_adv.dim() == 1 else abs_adv  # [B, 1] or [B, T]
+    _require(isinstance(entropy, torch.Tensor) and entropy.dim() == 2, "entropy.shape", tuple(entropy.shape), "expected [B, T]")
+    abs_adv = adv.abs().float().unsqueeze(-1) if adv.dim() == 1 else adv.abs().float()  # [B, 1] or [B, T]
     scores = abs_adv * entropy.float() if rule is None else rule(abs_adv, entropy, generator)
     return scores.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
 
@@ -244,14 +219,10 @@ def token_scores(adv, entropy, rule=None, generator=None):
 def select_tokens(scores, mask, k_frac, scope="batch", min_per_seq=0):
     """Keep the top `k_frac` of the valid tokens by score (D3S: score = |A_{i,t}| * H_{i,t}).
 
-    scores, mask: [B, T] (mask True/1 on real response tokens).  Returns keep [B, T] bool.
-    - scope="batch" (default, choice): one top-K over all valid tokens of the batch. With outcome rewards
-      A_{i,t} = A_i within a response, so a per-sequence top-K would rank by entropy alone; the global
-      ranking lets |A| matter. scope="sequence": top-K within each response.
-    - K counts ceil(k_frac * valid tokens): the realised fraction is within one token of k_frac (batch
-      scope); padding is never kept.
-    - min_per_seq=0 (the paper's plain top-K%): a kept response may keep no token. min_per_seq=1 gives every
-      response with a valid token at least its best token (on short responses that raises the fraction).
+    scores, mask: [B, T] (mask True/1 on real response tokens). Returns keep [B, T] bool. scope="batch" (choice):
+    one top-K over the batch; with outcome rewards A is constant within a response, so a per-response top-K
+    ("sequence") would rank by entropy alone. K counts ceil(k_frac * valid tokens); padding is never kept.
+    min_per_seq=1 gives every response with a valid token its best token (0: the paper's plain top-K%).
 
     >>> s = torch.tensor([[0.9, 0.1, 0.5, 0.0], [0.8, 0.7, 0.0, 0.0]])
     >>> m = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
@@ -262,16 +233,15 @@ def select_tokens(scores, mask, k_frac, scope="batch", min_per_seq=0):
     tensor([[1, 0, 0, 0],
             [1, 0, 0, 0]], dtype=torch.int32)
     """
-    _require(isinstance(scores, torch.Tensor) and scores.dim() == 2, "scores.shape",
-             tuple(getattr(scores, "shape", ())), "expected a [B, T] tensor")
-    _require(isinstance(mask, torch.Tensor) and tuple(mask.shape) == tuple(scores.shape), "mask.shape",
-             tuple(getattr(mask, "shape", ())), f"must be a tensor of scores.shape {tuple(scores.shape)} (1 on real tokens)")
+    shape = lambda t: tuple(getattr(t, "shape", ()))  # noqa: E731
+    _require(isinstance(scores, torch.Tensor) and scores.dim() == 2, "scores.shape", shape(scores), "expected [B, T]")
+    _require(isinstance(mask, torch.Tensor) and shape(mask) == shape(scores), "mask.shape", shape(mask), f"must be {shape(scores)}")
     _require(isinstance(k_frac, (int, float)) and 0 < k_frac <= 1, "k_frac", k_frac, "must be in (0, 1]")
     _require(scope in ("batch", "sequence"), "scope", scope, "choose 'batch' or 'sequence'")
     _require(min_per_seq in (0, 1), "min_per_seq", min_per_seq, "choose 1 (every response keeps its best token) or 0")
     valid = mask.bool()
     bad = scores[valid][~torch.isfinite(scores[valid])]
-    _require(not bool(bad.numel()), "scores", bad[:4].tolist(), "must be finite on valid tokens (check the entropy and advantages)")
+    _require(not bool(bad.numel()), "scores", bad[:4].tolist(), "must be finite on valid tokens (check entropy and A)")
     masked = torch.where(valid, scores.float(), torch.full_like(scores, -math.inf, dtype=torch.float))
     if scope == "batch":
         k = math.ceil(k_frac * int(valid.sum()) - 1e-9)  # |kept| = ceil(K * valid tokens)
@@ -289,35 +259,28 @@ def select_tokens(scores, mask, k_frac, scope="batch", min_per_seq=0):
     return keep & valid
 
 
-# ---------------------------------------------------------------------------------------------
-# 4. The dynamic schedule: aggressive down-sampling early, mild late; the methods as configurations
-# ---------------------------------------------------------------------------------------------
+# === 4. The dynamic schedule: aggressive down-sampling early, mild late; the methods as configurations ================
 def dynamic_schedule(step, total_steps, n_init=8, n_final=32, k_init=0.05, k_final=0.20, progress=None):
-    """N and K at `step` of `total_steps`, linear from the init values to the final ones (the paper's):
+    """N and K at `step` (from 0) of `total_steps`, linear from the init to the final values (the paper's):
         N = round(N_init + (N_final - N_init) * f),   K = K_init + (K_final - K_init) * f,   f = step / total_steps
-    Paper defaults: N 8 -> 32 rollouts per prompt, K 5% -> 20% of tokens. Returns (n: int, k: float).
-    `step` counts from 0; the final values are reached at step == total_steps, so a loop over
-    range(total_steps) ends one step short of them. N rounds half up. progress: f itself, for the other
-    shapes of the curve (variants.progress); default the linear f.
+    Paper defaults: N 8 -> 32 rollouts per prompt, K 5% -> 20% of tokens; N rounds half up. progress: f itself,
+    for other shapes of the curve (variants.progress). Returns (n: int, k: float).
 
     >>> dynamic_schedule(0, 100), dynamic_schedule(50, 100), dynamic_schedule(100, 100)
     ((8, 0.05), (20, 0.125), (32, 0.2))
     """
     _require(isinstance(total_steps, int) and total_steps >= 1, "total_steps", total_steps, "must be an int >= 1")
     _require(isinstance(step, int) and step >= 0, "step", step, "must be an int >= 0")
-    for name, val in (("n_init", n_init), ("n_final", n_final)):
-        _require(isinstance(val, int) and val >= 1, name, val, "must be an int >= 1")
-    for name, val in (("k_init", k_init), ("k_final", k_final)):
-        _require(0 < val <= 1, name, val, "must be in (0, 1]")
+    for name, val, ok in (("n_init", n_init, isinstance(n_init, int) and n_init >= 1), ("k_init", k_init, 0 < k_init <= 1),
+                          ("n_final", n_final, isinstance(n_final, int) and n_final >= 1), ("k_final", k_final, 0 < k_final <= 1)):
+        _require(ok, name, val, "must be an int >= 1" if name[0] == "n" else "must be in (0, 1]")
     f = min(step / total_steps, 1.0) if progress is None else progress
     n = int(math.floor(n_init + (n_final - n_init) * f + 0.5))  # round half up
     k = k_init + (k_final - k_init) * f
     return n, round(k, 12) if k >= 1e-9 else k  # rounding drops float noise (0.12500000000000003), never K itself
 
 
-class Row(NamedTuple):
-    """One method: which rollouts select_samples keeps, and where its N and K come from."""
-
+class Row(NamedTuple):  # one method: which rollouts select_samples keeps, and where its N and K come from
     samples: object  # a select_samples rule: "cross", "intra", "pods", "all" (or a function of variants.py)
     n: str  # N, rollouts kept per prompt: "schedule" (dynamic_schedule), "static", or "all" (= G)
     k: str  # K, fraction of tokens kept: "schedule", "static", or "all" (= 1: no token selection)
@@ -337,16 +300,13 @@ LADDER = {
 
 def method_budget(row, *, step, total_steps, group_size, n_init=8, n_final=32, k_init=0.05, k_final=0.20,
                   static_n=None, static_k=None, progress=None):
-    """(n_keep, k_frac) of a method's Row at `step` (from 0): rollouts kept per prompt, fraction of tokens kept.
-    "schedule": dynamic_schedule at the step; "static": static_n, static_k, by default the linear schedule's
-    midpoint (choice: a static row then trains on about as many rollouts over a run as the schedule); "all":
-    N = G, K = 1.
+    """(n_keep, k_frac) of a method's Row at `step` (from 0): "schedule": dynamic_schedule; "static": static_n,
+    static_k, by default the linear schedule's midpoint (choice: about as many rollouts over a run); "all": G, 1.
 
     >>> [method_budget(LADDER[m], step=0, total_steps=100, group_size=32) for m in ("d3s", "d2s", "d1s", "grpo")]
     [(8, 0.05), (20, 0.125), (20, 1.0), (32, 1.0)]
     """
     _require(isinstance(row, Row), "row", row, "pass a Row, e.g. d3s.LADDER['d3s'] (variants.LADDER: every method)")
-    _require(isinstance(group_size, int) and group_size >= 1, "group_size", group_size, "must be an int >= 1")
     scheduled = dynamic_schedule(step, total_steps, n_init, n_final, k_init, k_final, progress)
     mid_n, mid_k = dynamic_schedule(1, 2, n_init, n_final, k_init, k_final)  # p = 1/2, linear
     static = (mid_n if static_n is None else static_n, mid_k if static_k is None else static_k)
@@ -358,9 +318,7 @@ def method_budget(row, *, step, total_steps, group_size, n_init=8, n_final=32, k
     return n, k
 
 
-# ---------------------------------------------------------------------------------------------
-# 5. Policy losses: GRPO (token ratios) and GSPO (sequence ratio), clipped surrogate, k3 KL
-# ---------------------------------------------------------------------------------------------
+# === 5. Policy losses: GRPO (token ratios) and GSPO (sequence ratio), clipped surrogate, k3 KL ========================
 # (eps_low, eps_high). GRPO: 0.2 / 0.28, DAPO's clip-higher (the D3S paper states none); GSPO: 3e-4 / 4e-4,
 # the GSPO paper's. Every rung takes its defaults from here.
 CLIP_DEFAULTS = {"grpo": (0.2, 0.28), "gspo": (3e-4, 4e-4)}
@@ -382,23 +340,18 @@ def policy_loss(logp, old_logp, adv, mask, kind="grpo", clip_low=None, clip_high
                 ref_logp=None, beta=0.0, normalizer=None, agg=None):
     """Clipped surrogate over the selected tokens, per token:
         l_{i,t} = -min(w * A_i, clip(w, 1 - eps_low, 1 + eps_high) * A_i) + beta * KL_{i,t}
-    GRPO: w_{i,t} = exp(logp_{i,t} - old_{i,t})                            (default eps 0.2 / 0.28)
-    GSPO: w_i = exp(mean_t (logp_{i,t} - old_{i,t})) over the selected tokens (choice, under token
-          selection), as log w_{i,t} = logp - sg(logp) + sg(mean_t(logp - old)) so the gradient flows
-          per token (the paper's GSPO-token form)                          (default eps 3e-4 / 4e-4)
-    eps_low, eps_high: clip_low, clip_high. KL: kl_k3 to ref_logp; with beta = 0 it is measured
-    (stats["kl"]) but not in the loss.
-
-    logp, old_logp, mask (and ref_logp): [B, T]; adv: [B].  Returns (loss, stats).
-    agg="token-mean" (GRPO's default): sum(l * mask) / normalizer, by default mask.sum(): every selected
-        token of the optimizer batch weighs the same.
-    agg="seq-mean-token-mean" (GSPO's default): mean over each response's tokens, then sum / normalizer (by
-        default the responses with a selected token): every response weighs the same.
-    Micro-batching: pass the normalizer of the whole optimizer step (of all ranks); the micro-batch losses
-    then sum to the full-batch loss. Each mini-batch (optimizer step) has its own normalizer.
-    On-policy with one update per batch, w = 1: clipping never binds, the loss is -mean(A) over the selected
-    tokens and the gradient -A_i * grad(logp_{i,t}) / N, the same for GSPO as for GRPO. Ratios, clipping and
-    GSPO act only when rollouts are reused (several mini-batches per batch).
+    GRPO: w_{i,t} = exp(logp_{i,t} - old_{i,t})                                     (default eps 0.2 / 0.28)
+    GSPO: w_i = exp(mean_t (logp_{i,t} - old_{i,t})) over the selected tokens (choice), as log w_{i,t} =
+          logp - sg(logp) + sg(mean_t(logp - old)): the gradient flows per token (GSPO-token)  (3e-4 / 4e-4)
+    eps_low, eps_high: clip_low, clip_high. KL: kl_k3 to ref_logp (with beta = 0: measured, not in the loss).
+    logp, old_logp, mask (and ref_logp): [B, T]; adv: [B]. Returns (loss, stats).
+    agg="token-mean" (GRPO's default): sum(l * mask) / normalizer (default mask.sum()): every selected token of the
+    optimizer batch weighs the same; "seq-mean-token-mean" (GSPO's): the mean over each response's tokens, summed,
+    / normalizer (default: the responses with a selected token). Micro-batching: pass the normalizer of the whole
+    optimizer step (all ranks), so the micro-batch losses sum to the full-batch loss.
+    On-policy with one update per batch, w = 1: clipping never binds, the loss is -mean(A) over the selected tokens
+    and the gradient -A_i grad(logp_{i,t}) / N, GSPO's as GRPO's. Ratios, clipping and GSPO act only on reused
+    rollouts (several mini-batches per batch).
 
     >>> logp = torch.log(torch.tensor([[0.5, 0.5], [0.25, 0.25]])).requires_grad_()
     >>> loss, stats = policy_loss(logp, logp.detach(), torch.tensor([1., -1.]), torch.ones(2, 2))
@@ -412,16 +365,12 @@ def policy_loss(logp, old_logp, adv, mask, kind="grpo", clip_low=None, clip_high
     for name, t in (("old_logp", old_logp), ("mask", mask), ("ref_logp", ref_logp)):
         _require((t is None and name == "ref_logp") or tuple(getattr(t, "shape", ())) == tuple(logp.shape),
                  f"{name}.shape", tuple(getattr(t, "shape", ())), f"must equal logp.shape {tuple(logp.shape)}")
-    _require(tuple(adv.shape) == (logp.shape[0],), "adv.shape", tuple(adv.shape),
-             f"expected [B] = ({logp.shape[0]},), one advantage per response")
-    _require(normalizer is None or float(normalizer) > 0, "normalizer", normalizer,
-             "must be > 0 (count of tokens or responses in the optimizer batch)")
-    _require(beta == 0 or ref_logp is not None, "beta", beta,
-             "a KL penalty needs ref_logp (the reference policy's log-probs); pass it or set beta=0")
-    eps_low = CLIP_DEFAULTS[kind][0] if clip_low is None else clip_low
-    eps_high = CLIP_DEFAULTS[kind][1] if clip_high is None else clip_high
+    _require(tuple(adv.shape) == (logp.shape[0],), "adv.shape", tuple(adv.shape), f"expected [B] = ({logp.shape[0]},)")
+    _require(normalizer is None or float(normalizer) > 0, "normalizer", normalizer, "must be > 0 (tokens or responses)")
+    _require(beta == 0 or ref_logp is not None, "beta", beta, "a KL penalty needs ref_logp; pass it or set beta=0")
+    eps_low, eps_high = (CLIP_DEFAULTS[kind][0] if clip_low is None else clip_low,
+                         CLIP_DEFAULTS[kind][1] if clip_high is None else clip_high)
     _require(eps_low >= 0 and eps_high >= 0, "clip_low/clip_high", (eps_low, eps_high), "must be >= 0")
-
     dtype = torch.promote_types(logp.dtype, torch.float32)  # at least fp32: bf16 counts and sums would round
     logp, old_logp, mask = logp.to(dtype), old_logp.to(dtype), mask.to(dtype)
     tokens_per_seq = mask.sum(-1)  # [B]

@@ -584,6 +584,28 @@ def pass_at_k(n, c, k):
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
+def held_out_pass(rows, sample, grader, n, k, chunk):
+    """Held-out Pass@1 and Pass@k of a policy, overall and by the rows' `level`: greedy Pass@1 (one greedy answer
+    per problem), mean Pass@1 over n sampled answers, unbiased Pass@k from them. sample(prompts, n, greedy) -> the
+    answers' texts, prompt-major; `chunk` problems per call. rows: {"prompt", "answer"[, "level"]}."""
+    from tqdm import tqdm
+
+    greedy, correct = [], []  # [E], [E] (correct samples out of n)
+    for start in tqdm(range(0, len(rows), chunk), desc="eval", leave=False, dynamic_ncols=True):
+        prompts, golds = [r["prompt"] for r in rows[start:start + chunk]], [r["answer"] for r in rows[start:start + chunk]]
+        greedy += grader.score_batch(sample(prompts, 1, True), golds)
+        right = grader.score_batch(sample(prompts, n, False), [g for g in golds for _ in range(n)])
+        correct += [sum(right[i * n:(i + 1) * n]) for i in range(len(prompts))]
+    out = {"eval_greedy_pass1": sum(greedy) / len(greedy), "eval_pass1_mean": sum(correct) / (n * len(correct)),
+           "eval_passk": sum(pass_at_k(n, int(c), k) for c in correct) / len(correct), "k": k, "n": n}
+    for level in sorted({r["level"] for r in rows if "level" in r}):  # by difficulty: the spread that gives signal
+        idx = [i for i, r in enumerate(rows) if r.get("level") == level]
+        out[f"eval_pass1_mean_level{level}"] = sum(correct[i] for i in idx) / (n * len(idx))
+        out[f"eval_passk_level{level}"] = sum(pass_at_k(n, int(correct[i]), k) for i in idx) / len(idx)
+        out[f"eval_greedy_pass1_level{level}"] = sum(greedy[i] for i in idx) / len(idx)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # Benchmark (not a test): python mathtask.py --bench-grader [--n 512] [--workers 1,2] [--slow]
 # ---------------------------------------------------------------------------------------------

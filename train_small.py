@@ -1,9 +1,12 @@
 """train_small.py: D3S on a real `transformers` causal LM with verifiable math rewards, on a CPU.
 
-The second rung: the d3s.py functions of the toy drive a real Qwen2-architecture model that answers generated
-arithmetic word problems in \\boxed{}, graded by math-verify. With no arguments it builds a tiny model, warm-starts
-it with a short supervised phase (both cached: warmstart.py), trains it with D3S, evaluates it on held-out problems
-and prints a summary, in minutes on a laptop CPU.
+The second rung: the d3s.py functions of the toy drive a Qwen2-architecture model that answers arithmetic word
+problems in \\boxed{}, graded by math-verify. With no arguments it builds a tiny model, warm-starts it with a short
+supervised phase (both cached: warmstart.py), trains it with D3S, evaluates it on held-out problems and prints a
+summary, in minutes on a laptop CPU. One RL step (docs/algorithm.md, section 6): 1 rollout, 2 compute_rewards,
+3 d3s.select_samples, 4 forward_kept (d3s.token_entropy of the same logits), 5 d3s.token_scores + d3s.select_tokens,
+6 update_policy (d3s.policy_loss per mini-batch, AdamW). With --mini-batches 1 it is on-policy (ratio 1: no clipping,
+GSPO = GRPO); with M > 1 the later mini-batches are off-policy. Left out: value functions, reward models, ranks.
 
     python train_small.py                                  # D3S, tiny model, runs/small/
     python train_small.py --method grpo --loss gspo --mini-batches 4
@@ -11,21 +14,12 @@ and prints a summary, in minutes on a laptop CPU.
     python train_small.py --model Qwen/Qwen2.5-0.5B-Instruct --max-new-tokens 512 \\
         --train-file data/gsm8k.jsonl --eval-file data/gsm8k.jsonl
     python experiments/small_ladder.py --compare grpo,d3s --seeds 3    # methods x seeds, paired: docs/small_compare.md
-
-One RL step (docs/algorithm.md, section 6): 1 rollout (HF sampling), 2 compute_rewards (math-verify), 3
-d3s.select_samples (N per prompt), 4 forward the kept rollouts (forward_kept: d3s.token_entropy of the same logits),
-5 d3s.token_scores + d3s.select_tokens (top K of |A| * H), 6 update_policy (d3s.policy_loss per mini-batch, AdamW).
-With --mini-batches 1 training is on-policy: the ratio is 1, clipping never binds and --loss gspo gives GRPO's
-gradient; with M > 1 the later mini-batches are off-policy (old log-probs from before the first). The KL to the
-warm start is measured on the selected tokens (--kl-coef 0: a metric, every --kl-every steps). Left out on
-purpose: value functions, reward models, distributed training (train_full.py).
 """
 
 import copy
 import math
 import os
 import random
-import shutil
 import time
 
 import torch
@@ -37,22 +31,20 @@ import d3s
 import explain
 import variants
 import warmstart
-from mathtask import DataError, Grader, pass_at_k, stop_token_ids
+from mathtask import DataError, Grader, held_out_pass, stop_token_ids
 
 PROG = "train_small.py"
 TINY_MAX_NEW_TOKENS, HF_MAX_NEW_TOKENS = {"steps": 48, "direct": 16}, 512  # a worked answer + EOS: 34 tokens (tiny)
-RUN_FLAGS = ("method", "loss", "steps", "seed", "rl_seed", "model", "template", "hidden_size", "num_layers", "train_file",
-             "train_size", "sft_steps", "sft_shortcut", "sft_lr", "sft_batch", "prompts_per_step", "group_size", "n_init",
-             "n_final", "k_init", "k_final", "static_n", "static_k", "schedule", "token_rule", "token_scope",
-             "min_token_per_response", "switch_on_spike", "lr", "warmup_steps", "max_grad_norm", "loss_agg", "clip_low",
-             "clip_high", "mini_batches", "task", "kl_coef", "temperature", "max_new_tokens")  # a resume must repeat them
+RUN_FLAGS = ("method loss steps seed rl_seed model template hidden_size num_layers train_file train_size sft_steps "
+             "sft_shortcut sft_lr sft_batch prompts_per_step group_size n_init n_final k_init k_final static_n static_k "
+             "schedule token_rule token_scope min_token_per_response switch_on_spike lr warmup_steps max_grad_norm loss_agg "
+             "clip_low clip_high mini_batches task kl_coef temperature max_new_tokens").split()  # a resume must repeat them
 ADDED_RUN_FLAGS = {"switch_on_spike": 0.0}  # RUN_FLAGS added later, and the value older checkpoints ran with
 
 
 def build_parser(prog=PROG):
-    p = cli.Parser(prog=prog, description=__doc__.split("\n\n")[0], epilog="Paper recipe (Qwen2.5-Math-7B): G >= 32, "
-                   "N 8 -> 32, K 5% -> 20%, lr 1e-6, clip 0.2/0.28, temperature 1.0, 3k response tokens. The CPU defaults "
-                   "here are scaled down; each flag says so.")
+    p = cli.Parser(prog=prog, description=__doc__.split("\n\n")[0], epilog="Paper recipe (Qwen2.5-Math-7B): G >= 32, N 8 -> "
+                   "32, K 5% -> 20%, lr 1e-6, clip 0.2/0.28, 3k tokens. The CPU defaults are scaled down; each flag says so.")
     a, n, frac = p.add_argument, cli.number, "a fraction of tokens in (0, 1]"
     a("--method", default="d3s", help=f"what to train on, a row of variants.LADDER: {', '.join(variants.METHODS)}")
     a("--loss", default="grpo", choices=["grpo", "gspo"], help="policy loss: token ratios (grpo) or the sequence ratio (gspo)")
@@ -93,11 +85,12 @@ def build_parser(prog=PROG):
     a("--static-n", type=n(int, 1), default=None, help="N of the static rows d1s, d1s-cross, d2s, pods (default: the "
       "schedule's midpoint) (choice)")
     a("--static-k", type=n(float, 0, 1, low_open=True, what=frac), default=None, help="K of d2s (default: the midpoint) (choice)")
-    a("--schedule", default="linear", help="N and K from init to final: linear (paper), cosine, step, constant, adaptive "
-      "(variants.progress)")
-    a("--token-rule", default="adv-entropy", help="token score: adv-entropy (|A| * H, paper), entropy, adv, random "
-      "(variants.TOKEN_RULES)")
-    a("--token-scope", default="batch", help="top-K tokens over the batch or within each response (sequence) (choice)")
+    a("--schedule", default="linear", choices=variants.SCHEDULES, help="N and K from init to final: linear (paper), "
+      "cosine, step, constant, adaptive (variants.progress)")
+    a("--token-rule", default="adv-entropy", choices=list(variants.TOKEN_RULES), help="token score: adv-entropy "
+      "(|A| * H, paper), entropy, adv, random (variants.TOKEN_RULES)")
+    a("--token-scope", default="batch", choices=["batch", "sequence"], help="top-K tokens over the batch or within each "
+      "response (sequence) (choice)")
     a("--switch-on-spike", type=n(float, 1, low_open=True, what="0 (off) or a number > 1", also=(0,)), default=0.0,
       help="the switch rule (variants.switch_to_intra): a cross-group row selects within groups from the step after the "
       "first grad-norm spike over this x the median of the 10 steps before; 0: off, the paper's method")
@@ -137,27 +130,13 @@ def parse_args(argv=None, parser=None, methods=None):
     methods: the rows the run will train (experiments/small_ladder.py: several); default [--method]."""
     p = parser or build_parser()
     args = p.parse_args(argv)
-    methods = methods or [args.method]
-    for m in methods:
-        if m not in variants.LADDER:
-            hint = " (d3s-static is now d2s, the paper's name)" if m == "d3s-static" else ""
-            p.error(f"--method {m!r}: unknown method{hint}; choose from {', '.join(variants.METHODS)}")
-    for flag, value, choices in (("--schedule", args.schedule, variants.SCHEDULES),
-                                 ("--token-rule", args.token_rule, variants.TOKEN_RULES), ("--token-scope", args.token_scope,
-                                                                                           ("batch", "sequence"))):
-        if value not in choices:
-            p.error(f"{flag} {value!r}: choose {', '.join(choices[:-1])} or {choices[-1]}"
-                    if len(choices) == 2 else f"{flag} {value!r}: choose {', '.join(choices)}")
+    common.check_method_flags(p, args, methods or [args.method])  # LADDER rows, N <= G, the switch rule; static N, K
     if args.hidden_size % 4:
         p.error(f"--hidden-size {args.hidden_size}: must be a multiple of 4 in [8, 4096] (4 heads)")
     if args.pass_k > args.eval_samples:
         p.error(f"--pass-k {args.pass_k}: must be an int in [1, --eval-samples {args.eval_samples}] (Pass@k needs k <= n)")
     if args.stop_after is not None and args.stop_after > args.steps:
         p.error(f"--stop-after {args.stop_after}: must be an int in [1, --steps {args.steps}]")
-    if args.switch_on_spike and not any(m in variants.INTRA_TWIN for m in methods):
-        p.error(f"--switch-on-spike {args.switch_on_spike:g}: moves a cross-group row to its intra-group twin "
-                f"({', '.join(f'{a} -> {b}' for a, b in variants.INTRA_TWIN.items())}); {', '.join(methods)} has none: "
-                "use --method d3s or d1s-cross, or drop the flag")
     for flag, path in (("--out", args.out), ("--cache-dir", args.cache_dir)):
         cli.check_out_dir(p, flag, path)
     for flag, path in (("--train-file", args.train_file), ("--eval-file", args.eval_file)):
@@ -165,12 +144,6 @@ def parse_args(argv=None, parser=None, methods=None):
             p.error(f"{flag} {path}: is a folder; pass a JSONL, JSON or Parquet file")
     if args.model is not None:
         cli.check_model(p, args.model)
-    if any(variants.LADDER[m].n != "all" for m in methods):  # N counts rollouts kept per prompt: N <= G
-        for flag, value in (("--n-init", args.n_init), ("--n-final", args.n_final), ("--static-n", args.static_n)):
-            if value is not None and value > args.group_size:
-                p.error(f"{flag} {value} > --group-size {args.group_size}: N counts rollouts kept per prompt and must be "
-                        f"<= G; lower {flag} or raise --group-size")
-    args.static_n, args.static_k = common.static_budget(args)
     args.kl_every = args.eval_every if args.kl_every is None else args.kl_every
     args.rl_seed = args.seed if args.rl_seed is None else args.rl_seed
     args.loss_agg = args.loss_agg or d3s.DEFAULT_AGG[args.loss]
@@ -184,16 +157,12 @@ def parse_args(argv=None, parser=None, methods=None):
     return args
 
 
-# ---------------------------------------------------------------------------------------------
-# The pieces of a step
-# ---------------------------------------------------------------------------------------------
+# === The pieces of a step =============================================================================================
 @torch.no_grad()
 def rollout(model, tokenizer, prompts, group_size, max_new_tokens, temperature=1.0, greedy=False):
-    """1) Sample `group_size` responses per prompt (rows prompt-major: row p*G + g), pi = softmax(logits / T), or greedy.
-    Returns prompt_ids [B, Lp] and prompt_mask (left-padded), response_ids [B, T] and response_mask (1 up to and
-    including the first EOS), texts. HF generate's sampling loop cut to what the rung needs: each prompt is encoded
-    once and its KV cache repeated G times, then one token per step for all rows with torch.multinomial (the same
-    tokens as generate for the same seed, up to rounding: tested)."""
+    """1) `group_size` responses per prompt (row p*G + g), o_t ~ softmax(logits / T) or greedy: HF generate's loop, with
+    each prompt encoded once and its KV cache repeated G times. Returns prompt_ids [B, Lp], prompt_mask (left-padded),
+    response_ids [B, T], response_mask (1 up to and including the first EOS) and texts."""
     from transformers import DynamicCache
 
     enc = tokenizer(prompts, padding=True, return_tensors="pt", add_special_tokens=False)
@@ -238,11 +207,9 @@ def compute_rewards(grader, texts, golds):
 
 
 def forward_logprobs_entropy(model, batch, temperature=1.0, with_entropy=True):
-    """log pi(o_t | prompt, o_<t) [B, T] of some rollouts (with grad unless the caller holds no_grad) and the full
-    vocabulary entropy H_t [B, T] of the same logits (d3s.token_entropy, no grad); logits / temperature: the policy
-    that sampled. The G rollouts of a prompt share its forward, as in the sampler: each distinct prompt is forwarded
-    once (its keys and values with grad, and the logits that predict o_1), then every response on its prompt's keys
-    and values: the log-probs and gradients of a plain forward per row (tested), for about half the positions."""
+    """log pi(o_t | prompt, o_<t) [B, T] (logits / temperature: the policy that sampled) and the entropy H_t [B, T] of
+    the same logits (d3s.token_entropy, no grad). Each distinct prompt is forwarded once, then every response on its
+    prompt's keys and values: a plain forward's log-probs and gradients (tested) for about half the positions."""
     from transformers import DynamicCache
 
     model.train()
@@ -274,9 +241,9 @@ def take_rows(batch, rows):
 
 
 def forward_kept(model, ref_model, kept, parts, temperature):
-    """4) The kept rollouts before any update: mini-batch 1 with grad (it is on-policy, so the forward that builds its
-    gradient gives its old log-probs and entropy too), mini-batches 2..M without (pass 1), and ref_model's log-probs
-    when given. Returns (logp of mini-batch 1 with grad, old_logp [B, T], entropy [B, T], ref_logp, pass-1 seconds)."""
+    """4) The kept rollouts before any update: mini-batch 1 with grad (on-policy: its forward gives its old log-probs
+    too), mini-batches 2..M without (pass 1), ref_model's log-probs when given. Returns (logp of mini-batch 1, with
+    grad; old_logp [B, T]; entropy [B, T]; ref_logp; pass-1 seconds)."""
     B, T = kept["response_ids"].shape
     old_logp, entropy = torch.zeros(B, T), torch.zeros(B, T)
     if not parts:  # nothing kept (dapo-filter on a step without a group with spread): no forward
@@ -297,8 +264,7 @@ def forward_kept(model, ref_model, kept, parts, temperature):
 
 def update_policy(model, optimizer, kept, parts, first_logp, old_logp, kept_adv, token_keep, ref_logp, args):
     """6) The M mini-batches in order, one optimizer step each: d3s.policy_loss over the mini-batch's selected tokens
-    (its own normalizer), backward, clip, AdamW. Mini-batch 1 is on-policy (w = 1); the later ones see the updated
-    policy. A NaN/inf loss or gradient skips the step (logged)."""
+    (its own normalizer), backward, clip, AdamW; a NaN/inf loss or gradient skips the step (logged)."""
     grad_norms, clip_fracs, losses, kls, skipped = [], [], [], [], 0
     for i, rows in enumerate(parts):
         if not bool(token_keep[rows].any()):  # no selected token in this part: nothing to learn from
@@ -330,8 +296,7 @@ def update_policy(model, optimizer, kept, parts, first_logp, old_logp, kept_adv,
 
 @torch.no_grad()
 def kl_ref_all(model, ref_model, batch, temperature=1.0):
-    """KL(pi || pi_ref) (k3) of the policy that sampled the step, before its update, to the warm start, on every
-    response token of all P x G rollouts: the same tokens whatever the method keeps, so rows compare like with like."""
+    """k3 KL of the policy before the step's update to the warm start on every response token: the same for every row."""
     logp = forward_logprobs_entropy(model, batch, temperature, with_entropy=False)[0]  # [P*G, T]
     ref_logp = forward_logprobs_entropy(ref_model, batch, temperature, with_entropy=False)[0]
     return float(d3s.kl_k3(logp, ref_logp)[batch["response_mask"].bool()].mean())
@@ -341,8 +306,7 @@ def step_metrics(step, batch, rewards, keep, adv, n_keep, k_frac, kept, entropy,
     """The step's line of metrics.jsonl (docs/metrics.md)."""
     grad_norms, response_mask = update["grad_norms"], kept["response_mask"]
     gen_tokens, fwd_tokens, kept_tokens = int(batch["response_mask"].sum()), int(response_mask.sum()), int(token_keep.sum())
-    return {
-        "kind": "train", "step": step, "reward_mean": float(rewards.mean()),
+    return {"kind": "train", "step": step, "reward_mean": float(rewards.mean()),
         "acc_train": float(rewards.mean()),  # the reward is correctness (0/1): the same number
         "groups_mixed": float((rewards.amax(-1) > rewards.amin(-1)).float().mean()),  # groups with signal
         "n_keep": n_keep, "k_frac": k_frac, "k_real": kept_tokens / max(fwd_tokens, 1),  # of the forwarded tokens
@@ -357,8 +321,7 @@ def step_metrics(step, batch, rewards, keep, adv, n_keep, k_frac, kept, entropy,
         "clip_frac_by_minibatch": [c for c, _ in update["clip_fracs"]],
         "loss": common.mean([x for x in update["losses"] if math.isfinite(x)]),  # over optimizer steps; null: none
         "updates": len(grad_norms) - sum(not math.isfinite(g) for g in grad_norms), "skipped": update["skipped"] > 0,
-        "response_len": gen_tokens / rewards.numel(), "grader_timeouts": grader.timeouts,
-    }
+        "response_len": gen_tokens / rewards.numel(), "grader_timeouts": grader.timeouts}
 
 
 def step_seed(seed, step, salt=0):
@@ -368,45 +331,17 @@ def step_seed(seed, step, salt=0):
 
 
 def evaluate(model, tokenizer, grader, eval_rows, step, args):
-    """Held-out greedy Pass@1, mean Pass@1 over --eval-samples samples and unbiased Pass@k, overall and by level."""
+    """Held-out greedy Pass@1, mean Pass@1 over --eval-samples samples and unbiased Pass@k (mathtask.held_out_pass)."""
     t0 = time.time()
     torch.manual_seed(step_seed(args.rl_seed, step, 2))
-    prompts, golds = [warmstart.format_prompt(r["problem"], args.template) for r in eval_rows], [r["answer"] for r in eval_rows]
-    n, chunk = args.eval_samples, max(1, args.gen_batch // args.eval_samples)
-    greedy, correct = [], []  # [E], [E] (correct samples out of n)
-    for start in tqdm(range(0, len(prompts), chunk), desc=f"eval step {step}", leave=False, dynamic_ncols=True):
-        p, g = prompts[start:start + chunk], golds[start:start + chunk]
-        greedy += compute_rewards(grader, rollout(model, tokenizer, p, 1, args.max_new_tokens, greedy=True)["texts"], g).tolist()
-        texts = rollout(model, tokenizer, p, n, args.max_new_tokens, args.temperature)["texts"]
-        correct += compute_rewards(grader, texts, [x for x in g for _ in range(n)]).view(len(p), n).sum(-1).tolist()
-    metrics = {"kind": "eval", "step": step, "eval_greedy_pass1": sum(greedy) / len(greedy),
-               "eval_pass1_mean": sum(correct) / (n * len(correct)),
-               "eval_passk": sum(pass_at_k(n, int(c), args.pass_k) for c in correct) / len(correct), "k": args.pass_k, "n": n}
-    for level in sorted({r["level"] for r in eval_rows if "level" in r}):  # by difficulty: the spread that gives signal
-        idx = [i for i, r in enumerate(eval_rows) if r.get("level") == level]
-        metrics[f"eval_pass1_mean_level{level}"] = sum(correct[i] for i in idx) / (n * len(idx))
-        metrics[f"eval_passk_level{level}"] = sum(pass_at_k(n, int(correct[i]), args.pass_k) for i in idx) / len(idx)
-        metrics[f"eval_greedy_pass1_level{level}"] = sum(greedy[i] for i in idx) / len(idx)
-    metrics["eval_s"] = round(time.time() - t0, 3)
-    return metrics
+    rows = [{**r, "prompt": warmstart.format_prompt(r["problem"], args.template)} for r in eval_rows]
+    sample = lambda prompts, n, greedy: rollout(model, tokenizer, prompts, n, args.max_new_tokens,  # noqa: E731
+                                                 1.0 if greedy else args.temperature, greedy=greedy)["texts"]
+    metrics = held_out_pass(rows, sample, grader, args.eval_samples, args.pass_k, max(1, args.gen_batch // args.eval_samples))
+    return {"kind": "eval", "step": step, **metrics, "eval_s": round(time.time() - t0, 3)}
 
 
-def read_resume(args):
-    """The checkpoint --resume continues from (common.read_checkpoint: complete, tensors only, this run's flags)."""
-    path = os.path.join(args.out, "checkpoint.pt") if args.resume == "latest" else args.resume
-    state = common.read_checkpoint(path, {k: getattr(args, k) for k in RUN_FLAGS}, PROG, ADDED_RUN_FLAGS)
-    if args.stop_after is not None and args.stop_after <= state["step"]:
-        raise cli.UsageError(f"--stop-after {args.stop_after}: {path} is already at step {state['step']}; raise "
-                             "--stop-after or drop it")
-    if state["step"] >= args.steps:
-        raise cli.UsageError(f"--resume {path}: the run already finished its {args.steps} steps; run without --resume "
-                             "to start again, or use a new --out")
-    return state
-
-
-# ---------------------------------------------------------------------------------------------
-# The run
-# ---------------------------------------------------------------------------------------------
+# === The run ==========================================================================================================
 def train(args, train_rows, eval_rows, warm):
     """Warm start -> RL with args.method -> held-out evaluations -> summary (dict). Writes into args.out."""
     t_start = time.time()
@@ -420,7 +355,7 @@ def train(args, train_rows, eval_rows, warm):
     totals = {"samples": 0, "tokens": 0, "fwd_tokens": 0, "gen_s": 0.0, "train_s": 0.0, "skipped": 0}
     start_step = 0
     if args.resume:
-        start_step, totals = common.load_checkpoint(read_resume(args), model, optimizer)
+        start_step, totals = common.load_checkpoint(common.read_resume(args, RUN_FLAGS, PROG, ADDED_RUN_FLAGS), model, optimizer)
         common.truncate_metrics(metrics_path, start_step)  # drop what the killed run logged after it
         print(f"resumed {ckpt_path} at step {start_step}")
     for stale in () if args.resume else (metrics_path, ckpt_path):
@@ -494,12 +429,7 @@ def train(args, train_rows, eval_rows, warm):
                 bar.write(f"stopped after step {step} (--stop-after); continue with --resume")
                 return None
         timeouts = grader.timeouts
-    final_dir = os.path.join(args.out, "final")  # from_pretrained loads it
-    shutil.rmtree(final_dir + ".tmp", ignore_errors=True)
-    model.save_pretrained(final_dir + ".tmp")
-    tokenizer.save_pretrained(final_dir + ".tmp")
-    shutil.rmtree(final_dir, ignore_errors=True)
-    os.replace(final_dir + ".tmp", final_dir)
+    common.export_pretrained(model, tokenizer, os.path.join(args.out, "final"))  # from_pretrained loads it
     return common.write_summary(args, common.read_metrics(metrics_path), warm_info, totals, timeouts,
                                 rl_s=time.time() - rl_start, wall_s=time.time() - t_start)
 
@@ -509,7 +439,7 @@ def main(argv=None):
     try:  # every bad flag, file, model or checkpoint stops here, before training, with one line
         train_rows, eval_rows = warmstart.load_data(args)
         if args.resume:  # checked before the warm start: a bad checkpoint stops here
-            read_resume(args)
+            common.read_resume(args, RUN_FLAGS, PROG, ADDED_RUN_FLAGS)
         with common.out_lock(args.out, PROG):
             return train(args, train_rows, eval_rows, warmstart.load_warm_start(args, train_rows))
     except (cli.UsageError, DataError) as e:

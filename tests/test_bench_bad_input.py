@@ -176,7 +176,16 @@ TOY_LADDER = [  # the toy's flags, its checks
     (["--steps", "-3"], "--steps -3"), (["--lr", "nan"], "--lr nan"), (["--methods", "nope"], "--methods"),
     (["--out", "{file}"], "is a file"), (["--seeds", "0"], "--seeds 0"), (["--no-such-flag"], "--no-such-flag"),
 ]
-TABLES = {"toy_ladder.py": TOY_LADDER, "vs_trl.py": VS_TRL, "memory.py": MEMORY, "selection.py": SELECTION, "loss_head.py": LOSS_HEAD,
+SMALL_LADDER = [  # train_small.py's flags and checks, and the compare's own
+    ([], "the following arguments are required: --compare"),
+    (["--compare", "grpo,dss"], "--compare 'dss': unknown method"),
+    (["--compare", "d3s", "--seeds", "0"], "--seeds 0: must be an int in [1, 1000]"),
+    (["--compare", "d3s", "--workers", "0"], "--workers 0: must be"),
+    (["--compare", "d3s", "--stop-after", "3"], "--stop-after 3: stops one run"),
+    (["--compare", "d3s", "--lr", "nan"], "--lr nan: must be in (0, 1]"),
+    (["--compare", "d3s", "--out", "{file}"], "is a file, not a folder"),
+]
+TABLES = {"toy_ladder.py": TOY_LADDER, "small_ladder.py": SMALL_LADDER, "vs_trl.py": VS_TRL, "memory.py": MEMORY, "selection.py": SELECTION, "loss_head.py": LOSS_HEAD,
           "tiled_mlp.py": TILED_MLP, "headroom.py": HEADROOM, "questions_toy.py": QUESTIONS_TOY,
           "questions_small.py": QUESTIONS_SMALL, "dropped_tokens.py": DROPPED_TOKENS}
 CASES = [(script, *case) if len(case) == 3 else (script, *case, script)
@@ -193,7 +202,7 @@ def paths(tmp_path_factory):
             "json": str(base / "config.json")}
 
 
-EXPERIMENTS = {"toy_ladder.py", "questions_toy.py", "questions_small.py", "dropped_tokens.py", "headroom.py"}  # experiments/, not bench/
+EXPERIMENTS = {"toy_ladder.py", "small_ladder.py", "questions_toy.py", "questions_small.py", "dropped_tokens.py", "headroom.py"}  # experiments/, not bench/
 
 
 def script_path(script):

@@ -204,7 +204,7 @@ BAD = [  # (argv, a fragment the one line must contain)
     (["--length", "0"], "--length 0"), (["--vocab", "1"], "--vocab 1"), (["--hidden", "0"], "--hidden 0"),
     (["--max-decisions", "9"], "--max-decisions 9"),
     (["--k-init", "0"], "--k-init 0"), (["--k-final", "1.5"], "--k-final 1.5"), (["--static-k", "nan"], "--static-k nan"),
-    (["--n-init", "33"], "--n-init 33"), (["--static-n", "64"], "--static-n 64"),
+    (["--n-init", "33", "--methods", "d3s"], "--n-init 33"), (["--static-n", "64", "--methods", "pods"], "--static-n 64"),
     (["--hint", "nan"], "--hint nan"), (["--filler-logit", "inf"], "--filler-logit inf"), (["--hint", "1e9"], "--hint 1e9"),
     (["--max-grad-norm", "-1"], "--max-grad-norm -1"), (["--target", "0.5", "1.5"], "--target 1.5"),
     (["--workers", "0"], "--workers 0"), (["--explain-every", "-1"], "--explain-every -1"),

@@ -256,9 +256,10 @@ BAD_FLAGS = [  # (flags added to a valid tiny run, a fragment of the one line)
     (["--stop-after", "9"], "--stop-after 9: must be an int in [1, --steps 3]"), (["--seed", "-1"], "--seed -1"),
     (["--threads", "-2"], "--threads -2"), (["--max-new-tokens", "0"], "--max-new-tokens 0"),
     (["--kl-every", "-1"], "--kl-every -1"), (["--loss", "ppo"], "--loss 'ppo'"), (["--task", "chess"], "--task 'chess'"),
-    (["--schedule", "cubic"], "--schedule 'cubic': choose linear, cosine, step, constant, adaptive"),
-    (["--token-rule", "h"], "--token-rule 'h': choose adv-entropy, entropy, adv, random"),
-    (["--token-scope", "response"], "--token-scope 'response': choose batch or sequence"),
+    (["--schedule", "cubic"], "--schedule 'cubic': not a choice; choose from 'linear', 'cosine', 'step', 'constant', "
+                                 "'adaptive'"),
+    (["--token-rule", "h"], "--token-rule 'h': not a choice; choose from 'adv-entropy', 'entropy', 'adv', 'random'"),
+    (["--token-scope", "response"], "--token-scope 'response': not a choice; choose from 'batch', 'sequence'"),
     (["--switch-on-spike", "0.5"], "--switch-on-spike 0.5: must be 0 (off) or a number > 1"),
     (["--switch-on-spike", "nan"], "--switch-on-spike nan"),
     (["--method", "grpo", "--switch-on-spike", "3"], "--switch-on-spike 3: moves a cross-group row to its intra-group twin"),

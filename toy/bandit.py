@@ -1,22 +1,16 @@
 """toy/bandit.py: a sequence bandit in which both levels of D3S matter, in seconds on a CPU.
 
-The task. Each of --prompts prompts asks for an answer of L tokens from a vocabulary of V. Positions are of two
-kinds, as in an LLM's response:
-  - decision positions (1, 2 or 3 per prompt: its difficulty): the reward is 1 if every one of them holds the
-    prompt's right token, else 0. The base policy is close to uniform there (high entropy), with a small --hint;
-  - filler positions (the other L - d): the reward ignores them. The base policy has a habit there
-    (--filler-logit on one token: low entropy, like most tokens an LLM writes).
-At step 0 a rollout is right with probability ~28% (d = 1) down to ~2% (d = 3), so groups of G = 32 have mixed
-success, and the tokens of one answer differ in entropy and in whether they matter.
-The policy: logits_t = prior[p, t] + MLP(e_prompt + e_pos + e_prev), its last layer zero-initialised so that
-step 0 is exactly the "base model" prior. The reward of a policy is exact (the forward algorithm), not sampled.
+Each of --prompts prompts asks for an answer of L tokens from a vocabulary of V. Decision positions (1, 2 or 3 per
+prompt) decide the 0/1 reward: every one must hold the prompt's right token; the base policy is close to uniform
+there (high entropy, a small --hint). Filler positions do not count; the base policy has a habit there
+(--filler-logit: low entropy, like most tokens an LLM writes). At step 0 a rollout is right with probability ~28%
+(one decision) to ~2% (three), so groups of G = 32 have mixed success. The policy, logits_t = prior[p, t] +
+MLP(e_prompt + e_pos + e_prev), starts exactly at the prior (its last layer is zero); its reward is exact.
 
-One training step (docs/algorithm.md, section 6), every piece of the method a call into d3s.py:
-  sample P prompts x G rollouts -> reward -> d3s.select_samples (N per prompt, d3s.method_budget) -> forward the
-  kept rollouts -> d3s.token_entropy -> d3s.token_scores, d3s.select_tokens (top K of |A| * H) ->
-  d3s.policy_loss (on-policy, one update) -> Adam.
-Every method generates the same P x G rollouts per step; they differ in what they train on. Left out on purpose:
-a KL penalty, batch reuse (ratios and clipping never bind on-policy), GSPO.
+One training step (docs/algorithm.md, section 6), each piece of the method a call into d3s.py: sample P x G
+rollouts -> reward -> d3s.select_samples (N per prompt) -> forward the kept rollouts -> d3s.token_entropy ->
+d3s.token_scores, d3s.select_tokens (top K of |A| * H) -> d3s.policy_loss (on-policy, one update) -> Adam.
+Every method generates the same rollouts; they differ in what they train on. Left out: a KL penalty, GSPO.
 
     python toy/bandit.py                          # 8 methods x 30 seeds -> runs/toy/metrics.jsonl
     python toy/bandit.py --seeds 3 --methods grpo d3s --explain-every 20    # + pages: runs/toy/explain/
@@ -95,11 +89,8 @@ def parse_args(argv=None, parser=None):
     if len(set(args.methods)) < len(args.methods):
         p.error(f"--methods {' '.join(args.methods)}: a method is named twice; name each once")
     for flag, value, limit, what in (("--batch-prompts", args.batch_prompts, args.prompts, "prompts of the task"),
-                                     ("--max-decisions", args.max_decisions, args.length, "positions of an answer"),
-                                     ("--n-init", args.n_init, args.group_size, "rollouts of a group"),
-                                     ("--n-final", args.n_final, args.group_size, "rollouts of a group"),
-                                     ("--static-n", args.static_n, args.group_size, "rollouts of a group")):
-        if value is not None and value > limit:
+                                     ("--max-decisions", args.max_decisions, args.length, "positions of an answer")):
+        if value > limit:
             p.error(f"{flag} {value}: more than the {limit} {what}; lower it")
     for size, flags in ((args.batch_prompts * args.group_size * args.length * args.vocab, "--batch-prompts x --group-size "
                          "x --length x --vocab"), (args.prompts * args.length * (args.vocab + 1) * max(args.vocab, args.hidden),
@@ -108,7 +99,7 @@ def parse_args(argv=None, parser=None):
             p.error(f"{flags.split()[0]} {getattr(args, flags.split()[0][2:].replace('-', '_'))}: {flags} = {size:,} "
                     f"tensor elements, over {MAX_ELEMENTS:,}; make one of them smaller")
     cli.check_out_dir(p, "--out", args.out)
-    args.static_n, args.static_k = common.static_budget(args)
+    common.check_method_flags(p, args, args.methods, "--methods")  # N <= G where a row uses N; static N and K
     return args
 
 
@@ -262,7 +253,7 @@ def train_line(method, seed, step, args, rewards, keep, adv, kept, n_keep, k_fra
     grpo_scale = grad_norm * (P * G * L if args.normalizer == "all" else token_keep.sum()) / (P * G * L)
     sample_entropy = d3s.token_entropy(sample_logits)
     mean0 = lambda t: float(t.mean()) if t.numel() else 0.0  # noqa: E731  (a dapo-filter step may keep nothing)
-    line = {"kind": "train", "step": step, "method": method, "seed": seed,
+    return {"kind": "train", "step": step, "method": method, "seed": seed,
             "reward_mean": float(rewards.mean()), "acc_train": float(rewards.mean()),  # a 0/1 reward is correctness
             "groups_mixed": float((rewards.amax(-1) > rewards.amin(-1)).float().mean()), "n_keep": int(n_keep),
             "k_frac": float(k_frac), "k_real": float(token_keep.sum() / token_keep.numel()), "kept_samples": int(kept.numel()),
@@ -271,11 +262,9 @@ def train_line(method, seed, step, args, rewards, keep, adv, kept, n_keep, k_fra
             "kept_adv_var": d3s.kept_variance(adv, keep), "grad_norm": float(grad_norm) if updated else None,
             "entropy_mean": mean0(entropy), "entropy_kept": mean0(entropy[token_keep]), "kl_ref": float(stats["kl"]),
             "clip_frac": float(stats["clip_frac"]), "loss": float(loss.detach()), "updates": int(updated),
-            "skipped": bool(skipped), "response_len": float(L),
-            "grad_norm_grpo_scale": float(grpo_scale) if updated else None,
+            "skipped": bool(skipped), "response_len": float(L), "grad_norm_grpo_scale": float(grpo_scale) if updated else None,
             "decision_share": mean0(decisions[kept][token_keep].float()),  # of the trained tokens
             "entropy_decision": float(sample_entropy[decisions].mean()), "entropy_filler": float(sample_entropy[~decisions].mean())}
-    return line
 
 
 def run_job(job):
