@@ -104,15 +104,26 @@ def number(kind, low=None, high=None, low_open=False, high_open=False, what=None
     return parse
 
 
+WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+TOKENIZER = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
 def check_model(p, model):
-    """--model: a local folder with config.json, or a hub name (org/name, loaded later)."""
+    """--model: a hub name (org/name, loaded later), or a local folder with all a model needs: config.json, weights
+    (WEIGHTS, or any *.safetensors) and a tokenizer (TOKENIZER); a folder that lacks one is named before any work."""
     if not model:
         p.error("--model '': empty; pass a model folder or a hub name like Qwen/Qwen2.5-Math-1.5B")
     if os.path.isfile(model):
         p.error(f"--model {model}: is a file; pass the model's folder (with config.json) or a hub name")
     if os.path.isdir(model):
-        if not os.path.exists(os.path.join(model, "config.json")):
+        files = set(os.listdir(model))
+        if "config.json" not in files:
             p.error(f"--model {model}: has no config.json; pass a folder saved with save_pretrained, or a hub name")
+        if not files & set(WEIGHTS) and not any(f.endswith(".safetensors") for f in files):
+            p.error(f"--model {model}: has no weights ({', '.join(WEIGHTS)}); pass a folder saved with save_pretrained")
+        if not files & set(TOKENIZER):
+            p.error(f"--model {model}: has no tokenizer ({', '.join(TOKENIZER)}); save one into it "
+                    "(tokenizer.save_pretrained), or pass the folder of a complete model")
     elif model.startswith((".", "/", "~")) or model.count("/") != 1:
         p.error(f"--model {model}: no such folder (and not a hub name like Qwen/Qwen2.5-Math-1.5B); check the path")
 

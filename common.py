@@ -5,6 +5,7 @@
     mean                       the mean of the values that are there (None if none)
     append_metrics, read_metrics, truncate_metrics    metrics.jsonl (docs/metrics.md)
     out_lock, export_pretrained   one writer per output folder; a model folder written atomically
+    Preemption, stopped, disk_full, fail_disk   SIGTERM/SIGUSR1 stop a run after a checkpoint; a full disk, one line
     run_all                    independent runs in a pool of processes, with a progress bar
     write_summary              train_small.py's summary.json, from its metrics.jsonl
     save_checkpoint, read_checkpoint, read_resume, load_checkpoint   a one-file checkpoint: model, optimizer, RNG, step
@@ -75,6 +76,58 @@ def measures_kl(step, args):
     return args.kl_every > 0 and (step == 1 or step % args.kl_every == 0 or step == args.steps)
 
 
+STOPPED, DISK_FULL = 75, 74  # exit codes (sysexits): stopped on a notice with a checkpoint, run again; a write failed
+
+
+class Preemption:
+    """While in its `with` block, SIGTERM and SIGUSR1 (a cluster's notice before it preempts a job: SLURM, Kubernetes)
+    do not kill the process: they set `.signal` (the signal's name), so that the loop finishes its step, writes its
+    checkpoint and exits with STOPPED; --resume then continues to the numbers of an uninterrupted run."""
+
+    def __init__(self):
+        self.signal, self.previous = None, {}
+
+    def __enter__(self):
+        import signal
+
+        for notice in (signal.SIGTERM, signal.SIGUSR1):
+            self.previous[notice] = signal.signal(notice, lambda number, frame: setattr(self, "signal",
+                                                                                      signal.Signals(number).name))
+        return self
+
+    def __exit__(self, *exc):
+        import signal
+
+        for notice, handler in self.previous.items():
+            signal.signal(notice, handler)
+
+
+def stopped(prog, notice, step, checkpoint):
+    """The one line of a run that a notice stopped after `step` and its checkpoint, and exit STOPPED."""
+    from tqdm import tqdm  # tqdm.write: the line starts clear of a progress bar
+
+    tqdm.write(f"{prog}: stopped by {notice} after step {step}; checkpoint {checkpoint}; continue with --resume",
+               file=sys.stderr)
+    sys.exit(STOPPED)
+
+
+def disk_full(error):
+    """Whether an OSError is a full disk or quota (ENOSPC, EDQUOT): the run stops with one line (DISK_FULL)."""
+    import errno
+
+    return isinstance(error, OSError) and error.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
+
+
+def fail_disk(prog, error, out):
+    """A full disk while the run wrote a file: one line, exit DISK_FULL. Every write is a temporary file renamed into
+    place (checkpoints, exports) or an appended line that a resume drops, so the last checkpoint is intact."""
+    from tqdm import tqdm
+
+    tqdm.write(f"{prog}: error: no space left on the device while writing {error.filename or out} ({error.strerror}); "
+               f"the last checkpoint in {out} is intact: free space, then continue with --resume", file=sys.stderr)
+    sys.exit(DISK_FULL)
+
+
 def mean(values):
     """The mean of the values that are not None; None if there are none (a step with no update logs None)."""
     values = [v for v in values if v is not None]
@@ -90,10 +143,16 @@ def append_metrics(path, record):
 
 
 def read_metrics(path, up_to_step=None):
+    """The lines of metrics.jsonl (those of steps <= up_to_step); a last line cut short by a full disk is dropped."""
     if not os.path.exists(path):
         return []
     with open(path) as f:
-        lines = [json.loads(line) for line in f if line.strip()]
+        raw = [line for line in f if line.strip()]
+    lines = [json.loads(line) for line in raw[:-1]]
+    try:
+        lines += [json.loads(line) for line in raw[-1:]]
+    except json.JSONDecodeError:
+        pass  # half written when the disk filled up: the run stopped there
     return [m for m in lines if up_to_step is None or m.get("step", math.inf) <= up_to_step]
 
 
@@ -309,7 +368,12 @@ def load_checkpoint(state, model, optimizer):
     return state["step"], state["totals"]
 
 
-def fail(prog, error):
-    """The one line of a UsageError (or DataError), exit 2."""
+def fail(prog, error, out=None):
+    """The one line of a bad flag, file, model or checkpoint (UsageError, DataError), exit 2; of a full disk, exit
+    DISK_FULL (fail_disk); any other error is raised on."""
+    if isinstance(error, OSError) and not isinstance(error, (UsageError, ValueError)):
+        if not disk_full(error):
+            raise error
+        fail_disk(prog, error, out)
     print(f"{prog}: error: {error}", file=sys.stderr, flush=True)
     sys.exit(2)

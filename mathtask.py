@@ -359,8 +359,13 @@ def _verify(pred, gold):
 
 
 def _grader_worker(conn):
-    """Child process: answer (pred, gold) requests until the pipe closes."""
+    """Child process: answer (pred, gold) requests until the pipe closes. A preemption notice (SIGTERM, SIGUSR1) sent to
+    the whole process group is the parent's to act on: the child ignores it and grades on until the parent closes it."""
     import logging
+    import signal
+
+    for notice in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(notice, signal.SIG_IGN)
 
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # the parent enforces the time limit
     _verify("1", "1")  # import math-verify + sympy now, so the time limit counts grading only

@@ -358,16 +358,15 @@ def train(args, train_rows, eval_rows, warm):
         start_step, totals = common.load_checkpoint(common.read_resume(args, RUN_FLAGS, PROG, ADDED_RUN_FLAGS), model, optimizer)
         common.truncate_metrics(metrics_path, start_step)  # drop what the killed run logged after it
         print(f"resumed {ckpt_path} at step {start_step}")
-    for stale in () if args.resume else (metrics_path, ckpt_path):
-        if os.path.exists(stale):
-            os.remove(stale)
+    for stale in [p for p in (metrics_path, ckpt_path) if not args.resume and os.path.exists(p)]:  # a new run
+        os.remove(stale)
     history = [m for m in common.read_metrics(metrics_path) if m["kind"] == "train"]  # --schedule adaptive, the switch
     if (args.schedule == "adaptive" or args.switch_on_spike) and len(history) != start_step:
         raise cli.UsageError(f"--resume {args.resume}: {metrics_path} holds {len(history)} of the {start_step} train lines "
                              f"that {'--schedule adaptive' if args.schedule == 'adaptive' else '--switch-on-spike'} reads; "
                              "resume into the run's own --out")
     rl_start, G = time.time(), args.group_size
-    with Grader(timeout_s=args.grade_timeout) as grader:
+    with Grader(timeout_s=args.grade_timeout) as grader, common.Preemption() as notice:  # SIGTERM: stop after a step
         if start_step == 0:
             common.append_metrics(metrics_path, {**evaluate(model, tokenizer, grader, eval_rows, 0, args), **totals,
                                                  "warm_start": {k: v for k, v in warm_info.items() if k != "cached"}})
@@ -416,15 +415,16 @@ def train(args, train_rows, eval_rows, warm):
                                ("gen_s", m["gen_s"] + m["reward_s"]), ("train_s", m["train_s"]), ("skipped", int(m["skipped"]))):
                 totals[key] += value
             common.append_metrics(metrics_path, m)
-            bar.set_postfix(reward=f"{m['reward_mean']:.2f}", N=n_keep, K=f"{k_frac:.2f}",
-                            gnorm="-" if m["grad_norm"] is None else f"{m['grad_norm']:.2f}")
+            bar.set_postfix(reward=f"{m['reward_mean']:.2f}", N=n_keep, K=f"{k_frac:.2f}", gnorm=m["grad_norm"])
             if step % args.eval_every == 0 or step == args.steps:
                 e = evaluate(model, tokenizer, grader, eval_rows, step, args)
                 common.append_metrics(metrics_path, {**e, **totals})
                 bar.write(f"step {step}: held-out greedy Pass@1 {e['eval_greedy_pass1']:.3f}, Pass@1 (mean of {e['n']}) "
                           f"{e['eval_pass1_mean']:.3f}, Pass@{e['k']} {e['eval_passk']:.3f}")
-            if step % args.save_every == 0 or step == args.steps or step == args.stop_after:
+            if step % args.save_every == 0 or step in (args.steps, args.stop_after) or notice.signal:
                 common.save_checkpoint(ckpt_path, model, optimizer, step, {k: getattr(args, k) for k in RUN_FLAGS}, totals)
+            if notice.signal and step < args.steps:  # a preemption notice: this step's checkpoint, then exit 75
+                common.stopped(PROG, notice.signal, step, ckpt_path)
             if step == args.stop_after:  # a clean stop: the checkpoint of this step, then --resume continues
                 bar.write(f"stopped after step {step} (--stop-after); continue with --resume")
                 return None
@@ -442,8 +442,8 @@ def main(argv=None):
             common.read_resume(args, RUN_FLAGS, PROG, ADDED_RUN_FLAGS)
         with common.out_lock(args.out, PROG):
             return train(args, train_rows, eval_rows, warmstart.load_warm_start(args, train_rows))
-    except (cli.UsageError, DataError) as e:
-        common.fail(PROG, e)
+    except (cli.UsageError, DataError, OSError) as e:  # bad input (exit 2) or a full disk (exit 74): one line
+        common.fail(PROG, e, args.out)
 
 
 if __name__ == "__main__":

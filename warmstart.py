@@ -57,8 +57,13 @@ def load_base_model(args):
         raise UsageError(f"--model {args.model}: no such folder; pass a folder with config.json (save_pretrained) or a hub name")
     try:
         tokenizer = AutoTokenizer.from_pretrained(os.path.expanduser(args.model))
+        if not tokenizer(format_prompt("What is 1 + 1?", args.template), add_special_tokens=False).input_ids:
+            raise UsageError(f"--model {args.model}: its tokenizer encodes a prompt to no tokens; pass a folder whose "
+                             "tokenizer matches its model (tokenizer.save_pretrained of the model's own tokenizer)")
         model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(args.model), dtype=torch.float32)
     except (OSError, ValueError) as e:
+        if isinstance(e, UsageError):
+            raise
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UsageError(f"--model {args.model}: cannot load it ({first_line}); pass a local folder with config.json, "
                          f"or a hub name with internet access") from e

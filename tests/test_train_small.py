@@ -386,6 +386,95 @@ def test_a_sigkill_while_the_checkpoint_is_written_then_resume_equals_the_uninte
     assert_same_run(whole, out)
 
 
+def test_a_sigterm_mid_run_stops_after_its_step_with_a_checkpoint_and_resume_equals_the_uninterrupted_run(tmp_path,
+                                                                                                           whole_run):
+    """A preemption notice (SIGTERM, as SLURM and Kubernetes send before a kill) while step s runs: the step finishes,
+    its checkpoint is written (here no --save-every step falls before the end), one line says so, exit 75; --resume
+    then gives the numbers and the weights of the run that was never stopped."""
+    import signal
+
+    flags, whole = whole_run
+    out = tmp_path / "preempted"
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train_small.py")] + flags + ["--out", str(out),
+                            "--save-every", "50"], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    trained = lambda: (out / "metrics.jsonl").exists() and "train" in (out / "metrics.jsonl").read_text()  # noqa: E731
+    deadline = time.time() + 600
+    while not trained():  # a step has run: the loop (and its SIGTERM handler) is on
+        assert proc.poll() is None and time.time() < deadline, "the run ended before its first step"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    err = proc.communicate(timeout=300)[1]
+    lines = [line for line in err.splitlines() if line.startswith("train_small.py:")]  # a line of its own
+    step = torch.load(out / "checkpoint.pt", weights_only=True)["step"]
+    assert proc.returncode == 75 and lines == [f"train_small.py: stopped by SIGTERM after step {step}; checkpoint "
+                                               f"{out / 'checkpoint.pt'}; continue with --resume"], (proc.returncode, err[-2000:])
+    assert 1 <= step < 6 and not (out / "final").exists()
+    train_small.main(flags + ["--out", str(out), "--resume"])
+    assert_same_run(whole, out)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A tmpfs of a given size (mount needs root, as in CI; skipped where it is refused); resize(bytes) grows it."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root")
+    resize = lambda size: subprocess.run(["mount", "-o", f"remount,size={size}", str(disk)], check=True)  # noqa: E731
+    yield disk, resize
+    subprocess.run(["umount", str(disk)], capture_output=True)
+
+
+def test_a_full_disk_stops_with_one_line_keeps_the_last_checkpoint_and_resume_continues(tmp_path, whole_run, small_disk,
+                                                                                       capsys):
+    """--out on a disk that holds one checkpoint but not a second beside it: the step-6 checkpoint's write fails, the
+    run stops with one line and exit 74, the step-3 checkpoint is intact; with space again, --resume finishes the run
+    with the numbers of the uninterrupted one."""
+    flags, whole = whole_run
+    disk, resize = small_disk
+    size = (whole / "checkpoint.pt").stat().st_size
+    resize(int(1.5 * size) + 65536)
+    out = disk / "run"
+    with pytest.raises(SystemExit) as exit_:
+        train_small.main(flags + ["--out", str(out), "--explain-every", "0"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_.value.code == 74 and err[-1].startswith("train_small.py: error: no space left on the device while "
+                                                         "writing ") and "continue with --resume" in err[-1], err[-3:]
+    assert torch.load(out / "checkpoint.pt", weights_only=True)["step"] == 3
+    resize(64 * size + 2**24)
+    train_small.main(flags + ["--out", str(out), "--explain-every", "0", "--resume"])
+    assert_same_run(whole, out)
+
+
+def test_an_incomplete_model_folder_is_named_before_any_work(tmp_path, capsys):
+    """Weights, tokenizer or config missing, or a tokenizer that encodes a prompt to nothing: one line, exit 2."""
+    import shutil
+
+    import tiny
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = tiny.build_char_tokenizer()
+    whole = tiny.save_tiny(tiny.build_tiny_model(tokenizer, hidden_size=32, num_layers=1), tokenizer, str(tmp_path / "m"))
+    capsys.readouterr()  # save_pretrained's progress bar
+    cases = {"config.json": "has no config.json", "model.safetensors": "has no weights",
+             "tokenizer.json": "has no tokenizer"}
+    for missing, fragment in cases.items():
+        folder = tmp_path / missing
+        shutil.copytree(whole, folder)
+        for name in os.listdir(folder):
+            if name == missing or (missing == "tokenizer.json" and name in ("vocab.json", "tokenizer.model")):
+                os.remove(folder / name)
+        err = _bad_input(tmp_path, capsys, ["--model", str(folder)])
+        assert f"--model {folder}: {fragment}" in err, err
+    empty = tmp_path / "empty-tokenizer"
+    shutil.copytree(whole, empty)
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE(vocab={"<|endoftext|>": 0}, merges=[])),
+                            eos_token="<|endoftext|>").save_pretrained(empty)
+    err = _bad_input(tmp_path, capsys, ["--model", str(empty)])
+    assert f"--model {empty}: its tokenizer encodes a prompt to no tokens" in err, err
+
+
 class NotATensor:
     """A Python object, pickled by reference: torch.load(weights_only=True) must refuse it."""
 
