@@ -56,11 +56,12 @@ def check_method_flags(p, args, methods, flag="--method"):
         if m not in variants.LADDER:
             hint = " (d3s-static is now d2s, the paper's name)" if m == "d3s-static" else ""
             p.error(f"{flag} {m!r}: unknown method{hint}; choose from {', '.join(variants.METHODS)}")
-    if any(variants.LADDER[m].n != "all" for m in methods):  # N counts rollouts kept per prompt: N <= G
-        for name, value in (("--n-init", args.n_init), ("--n-final", args.n_final), ("--static-n", args.static_n)):
-            if value is not None and value > args.group_size:
-                p.error(f"{name} {value} > --group-size {args.group_size}: N counts rollouts kept per prompt and must "
-                        f"be <= G; lower {name} or raise --group-size")
+    uses_n = any(variants.LADDER[m].n != "all" for m in methods)  # N counts rollouts kept per prompt: N <= G
+    for name, value in (("--n-init", args.n_init if uses_n else None), ("--n-final", args.n_final if uses_n else None),
+                        ("--static-n", args.static_n)):  # a --static-n given over G is refused whatever the method
+        if value is not None and value > args.group_size:
+            p.error(f"{name} {value} > --group-size {args.group_size}: N counts rollouts kept per prompt and must be "
+                    f"<= G; lower {name} or raise --group-size")
     if getattr(args, "switch_on_spike", 0) and not any(m in variants.INTRA_TWIN for m in methods):
         p.error(f"--switch-on-spike {args.switch_on_spike:g}: moves a cross-group row to its intra-group twin "
                 f"({', '.join(f'{a} -> {b}' for a, b in variants.INTRA_TWIN.items())}); {', '.join(methods)} has none: "

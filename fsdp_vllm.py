@@ -1,40 +1,33 @@
-"""fsdp_vllm.py: the plumbing of train_full.py: what runs the method, not the method.
+"""fsdp_vllm.py: the machines under train_full.py: what runs the method, not the method.
 
-train_full.py keeps what a reader of the method needs (arguments, prompt order and seeds, the
-loss head, the step, evaluation, the run). This module holds the rest, in five parts:
+train_full.py holds the flags, the six steps of a D3S step and the loop; full_io.py the run's files (flag checks,
+data, checkpoints, evaluation, reports). This module holds the rest, in five parts:
 
   1 process group     Dist, init_distributed (torchrun, or a world of one), collectives that
-                      gather rows of different counts per rank, all_reduce of a number
+                      gather rows of different counts per rank, all_reduce of a number, which
+                      rank trains which kept rollout (assign_rollouts: the load balance)
   2 policy            the tokenizer and generation config, the HF model as FSDP2 shards (fp32
                       master weights, bf16 compute, fp32 reductions, activation checkpointing,
                       the tiled MLP), AdamW, full tensors one at a time for the weight sync
-  3 rollout engines   VLLMEngine (colocated vLLM, sleep mode, reload_weights) and its memory
+  3 loss head         forward passes on the kept rollouts in micro-batches, never the
+                      [n, T, vocab] logits: log-probs and entropy in blocks, pass 2 only at
+                      the tokens in the loss
+  4 rollout engines   VLLMEngine (colocated vLLM, sleep mode, reload_weights) and its memory
                       plan; HFEngine (transformers' generate), the same interface
-  4 checkpoints       sharded (torch.distributed.checkpoint) for resume, written atomically;
-                      HF export (save_pretrained) for transformers and vLLM
   5 clocks, memory    timers that wait for the GPU, peak memory, MFU's peak FLOP/s
-  6 run files         metrics.jsonl (and its truncation on resume), the evaluation report,
-                      the few rollouts an explain page shows, gathered on rank 0
 """
 
 import datetime
 import functools
-import json
 import math
 import os
-import pickle
-import random
-import re
-import shutil
 import socket
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
 import d3s
-import explain
 
 
 # ---------------------------------------------------------------------------------------------
@@ -106,6 +99,30 @@ def gather_global(local, mine, total, dist_):
     out = torch.empty((total, *gathered.shape[1:]), dtype=gathered.dtype)
     out[where.view(-1)] = gathered
     return out
+
+
+def assign_rollouts(lengths, home, world, m, balance):
+    """Which rank trains each kept rollout of the step, and the step's m mini-batches.
+
+    lengths: prompt + response tokens of each kept rollout, in global order (rank order =
+    prompt order); home: the rank that generated it. The kept list is split into m contiguous
+    mini-batches (torch.tensor_split, as verl splits its batch), the same whatever the number of
+    ranks. With balance, each mini-batch's rollouts go longest first to the least-loaded rank
+    (LPT), so a rank whose prompts were all solved (cross-group selection kept none of them)
+    still gets its share of the work; without it each rollout stays on its home rank. Which
+    rank computes a rollout changes neither the kept set nor any normalizer.
+    Returns (owner: rank of each kept rollout, parts: m lists of global indices). Pure: the same
+    on every rank.
+    """
+    owner = list(home)
+    parts = [part.tolist() for part in torch.arange(len(lengths)).tensor_split(m)]
+    if balance:
+        for part in parts:
+            load = [0] * world
+            for g in sorted(part, key=lambda g: (-lengths[g], g)):
+                owner[g] = min(range(world), key=lambda r: (load[r], r))
+                load[owner[g]] += lengths[g]
+    return owner, parts
 
 
 # ---------------------------------------------------------------------------------------------
@@ -239,7 +256,165 @@ def full_named_tensors(model, dtype):
 
 
 # ---------------------------------------------------------------------------------------------
-# 3. Rollout engines: vLLM (colocated, one per rank) or HF generate; same interface
+# 3. The loss head: forward passes on the kept rollouts, never the [n, T, vocab] logits
+# ---------------------------------------------------------------------------------------------
+def pack(seqs, rows, pad_id, device):
+    """[pad.. prompt | response ..pad]: left-padded prompts, right-padded responses, so every
+    response starts at the same column and logits_to_keep keeps only the response positions.
+    Returns (model inputs, response targets [n, T], response mask [n, T])."""
+    width_p = max(len(seqs[r]["prompt_ids"]) for r in rows)
+    width_r = max(len(seqs[r]["response_ids"]) for r in rows)
+    ids = torch.full((len(rows), width_p + width_r), pad_id, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        prompt, response = seqs[r]["prompt_ids"], seqs[r]["response_ids"]
+        ids[i, width_p - len(prompt) : width_p + len(response)] = torch.tensor(prompt + response)
+        attn[i, width_p - len(prompt) : width_p + len(response)] = 1
+    position_ids = (attn.cumsum(-1) - 1).clamp(min=0)  # real tokens at 0, 1, 2, ... as without padding
+    inputs = {"input_ids": ids.to(device), "attention_mask": attn.to(device), "position_ids": position_ids.to(device),
+              "logits_to_keep": width_r + 1, "use_cache": False}
+    return inputs, ids[:, width_p:].to(device), attn[:, width_p:].bool().to(device)
+
+
+HEAD_CHUNK = 1024  # response positions per LM-head block: [1024, vocab] fp32 logits, 0.6 GB at Qwen's 152k vocabulary
+
+
+def response_hidden(model, inputs):
+    """The final (normed) hidden states of the positions that predict the response tokens, [n, T, H].
+
+    The policy runs as usual (through the FSDP root, which gathers its parameters), but with
+    logits_to_keep=1 its LM head sees one position only; a forward hook on the decoder keeps
+    its output. So the [n, T, vocab] logits are never made: the loss head below makes them in
+    blocks, or only at the selected tokens.
+    """
+    T = inputs["logits_to_keep"] - 1
+    captured = []
+    hook = model.model.register_forward_hook(lambda module, args, output: captured.append(output.last_hidden_state))
+    try:
+        model(**{**inputs, "logits_to_keep": 1})
+    finally:
+        hook.remove()
+    return captured[0][:, -(T + 1) : -1]  # position width_p - 1 + t predicts response token t
+
+
+def _head_logp(head, hidden, targets, temperature):
+    """log pi(target) for [m, H] hidden states: fp32 logits of one block, divided by the sampling
+    temperature (the distribution the rollouts came from); returns ([m] log-probs, [m, V] logits)."""
+    logits = head(hidden).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1), logits
+
+
+def response_logp(model, inputs, targets, temperature, with_entropy):
+    """Pass 1 (no grad): log pi(o_t | ...) [n, T] of every response token, and the entropy H_t.
+
+    The LM head runs over blocks of HEAD_CHUNK positions of the hidden states, so at most one
+    [HEAD_CHUNK, vocab] fp32 block of logits exists at a time (never [n, T, vocab]).
+    """
+    hidden = response_hidden(model, inputs)  # [n, T, H]
+    n, T, H = hidden.shape
+    flat, flat_targets = hidden.reshape(n * T, H), targets.reshape(n * T)
+    logp = torch.zeros(n * T, dtype=torch.float32, device=hidden.device)
+    entropy = torch.zeros_like(logp) if with_entropy else None
+    for start in range(0, n * T, HEAD_CHUNK):
+        block = slice(start, start + HEAD_CHUNK)
+        logp[block], logits = _head_logp(model.lm_head, flat[block], flat_targets[block], temperature)
+        if with_entropy:
+            entropy[block] = d3s.token_entropy(logits)
+        del logits
+    return logp.view(n, T), (entropy.view(n, T) if with_entropy else None)
+
+
+def response_logp_at(model, inputs, targets, positions, temperature, with_entropy=False):
+    """Pass 2 (with grad): log pi of the response tokens at `positions` only, [n, T] (0 elsewhere).
+
+    positions: the tokens in the loss, a bool [n, T] mask or its (rows, cols) index. For a
+    token-selecting method (d2s, d3s, d3s-i) that is the top K (5-20%), so the LM head costs 1/K
+    less memory and FLOPs: D3S's own saving, which a full-logits loss throws away. Every other
+    method passes all valid tokens. Either way the head runs in blocks of HEAD_CHUNK positions
+    whose logits are recomputed in backward (torch.utils.checkpoint): one [HEAD_CHUNK, vocab]
+    fp32 block at a time. The loss and its gradients equal those of the full-logits head:
+    tokens outside `positions` have weight 0 in d3s.policy_loss.
+
+    with_entropy: also return d3s.token_entropy of the same logits at `positions` ([n, T], no
+    grad, 0 elsewhere), computed once in the forward (not again when backward recomputes a block):
+    the entropy metric of the methods without token selection, which need no pass 1 for it.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    hidden = response_hidden(model, inputs)  # [n, T, H]
+    index = positions.nonzero(as_tuple=True) if isinstance(positions, torch.Tensor) else positions
+    picked, picked_targets = hidden[index], targets[index]  # [m, H], [m]
+    logp = torch.zeros(hidden.shape[:2], dtype=torch.float32, device=hidden.device)
+    entropy = torch.zeros_like(logp) if with_entropy else None
+    if picked.shape[0] == 0:  # nothing selected here: keep the graph (FSDP's backward hooks) with a zero
+        return (logp + 0.0 * hidden.sum(), entropy) if with_entropy else logp + 0.0 * hidden.sum()
+    starts = range(0, picked.shape[0], HEAD_CHUNK)
+    block_entropy = [None] * len(starts)
+
+    def block_logp(i, h, y):
+        lp, logits = _head_logp(model.lm_head, h, y, temperature)
+        if with_entropy and block_entropy[i] is None:  # the forward, not backward's recomputation
+            block_entropy[i] = d3s.token_entropy(logits.detach())
+        return lp
+
+    blocks = [checkpoint(functools.partial(block_logp, i), picked[s : s + HEAD_CHUNK], picked_targets[s : s + HEAD_CHUNK],
+                         use_reentrant=False) for i, s in enumerate(starts)]
+    logp = logp.index_put(index, torch.cat(blocks))
+    if not with_entropy:
+        return logp
+    return logp, entropy.index_put(index, torch.cat(block_entropy))
+
+
+def micro_batches(lengths, size, n_micro):
+    """n_micro lists of row indices (longest first, to pad little); trailing lists may be empty."""
+    order = sorted(range(len(lengths)), key=lambda r: -lengths[r])
+    chunks = [order[i : i + size] for i in range(0, len(order), size)]
+    return chunks + [[] for _ in range(n_micro - len(chunks))]
+
+
+def micro_batch_rows(seqs, rows, size, dist_, at_least=0):
+    """`rows` of seqs in micro-batches of `size` rows (longest first), as many on every rank (at least
+    `at_least`): a rank with fewer rows gets empty ones, on which it forwards DUMMY, so that FSDP's
+    all-gathers and reduce-scatters match over the ranks."""
+    n_micro = max(int(all_reduce(math.ceil(len(rows) / size), dist_, dist.ReduceOp.MAX)), at_least)
+    return [[rows[i] for i in chunk] for chunk in micro_batches(
+        [len(seqs[r]["prompt_ids"]) + len(seqs[r]["response_ids"]) for r in rows], size, n_micro)]
+
+
+DUMMY = {"prompt_ids": [0], "response_ids": [0]}  # a rank with no rows left still runs FSDP's collectives
+
+
+def idle_loss(model, pad_id, device, temperature):
+    """A zero loss through the whole model (on DUMMY, no token selected): the backward of a rank with fewer
+    micro-batches than the others, which keeps FSDP's collectives matched."""
+    inputs, targets, _ = pack([DUMMY], [0], pad_id, device)
+    return response_logp_at(model, inputs, targets, torch.zeros_like(targets, dtype=torch.bool), temperature).sum() * 0.0
+
+
+def forward_no_grad(model, seqs, rows, T, args, dist_, pad_id, with_entropy):
+    """log pi [B, T] (and d3s.token_entropy) of `rows` of seqs, no grad, in micro-batches. Every rank
+    runs the same number of forwards (FSDP's all-gathers): a rank with fewer rows forwards DUMMY;
+    no rank forwards when no rank has a row. Returns (log-probs, entropy or None, tokens forwarded
+    over all ranks)."""
+    device = dist_.device
+    logp_out = torch.zeros(len(seqs), T, device=device)
+    entropy_out = torch.zeros(len(seqs), T, device=device) if with_entropy else None
+    with torch.no_grad():
+        for chunk in micro_batch_rows(seqs, rows, args.micro_batch_size, dist_):
+            inputs, targets, _ = pack(seqs, chunk, pad_id, device) if chunk else pack([DUMMY], [0], pad_id, device)
+            logp, entropy = response_logp(model, inputs, targets, args.temperature, with_entropy=with_entropy)
+            if chunk:
+                logp_out[chunk, : targets.shape[1]] = logp
+                if with_entropy:
+                    entropy_out[chunk, : targets.shape[1]] = entropy
+    return logp_out, entropy_out, all_reduce(sum(len(seqs[r]["prompt_ids"]) + len(seqs[r]["response_ids"]) for r in rows),
+                                             dist_)
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Rollout engines: vLLM (colocated, one per rank) or HF generate; same interface
 # ---------------------------------------------------------------------------------------------
 def context_length(model_path, args):
     """Prompt + response tokens one sequence may hold: the model's context window, capped at
@@ -486,211 +661,6 @@ def make_engine(model_path, args, dist_):
 
 
 # ---------------------------------------------------------------------------------------------
-# 4. Checkpoints: sharded (DCP) for resume, HF export for vLLM / transformers
-# ---------------------------------------------------------------------------------------------
-
-CKPT_RE = re.compile(r"^step_(\d+)$")
-CHECKPOINT_FORMAT = 2  # 2: tensors (DCP) + RNG as tensors + JSON; 1 (before): pickled RNG state, optimizer param_groups
-STALL_ENV = "D3S_TEST_STALL_CHECKPOINT"  # tests: "N" stalls the write of step N's checkpoint halfway (a SIGKILL lands there)
-
-
-class CheckpointError(Exception):
-    """A checkpoint that cannot be resumed: missing, truncated, corrupt, of an older format, or holding
-    a pickled object. The message names the file and the fix (train_full prints it as one line, exit 2)."""
-
-
-def save_checkpoint(model, optimizer, out, step, trainer_state, dist_, keep):
-    """OUT/checkpoints/step_NNNNNN (NNNNNN: the number of completed steps): the model and AdamW's
-    state as tensors (DCP shards; the optimizer's param_groups are not saved, they follow from the
-    run's flags), each rank's RNG as tensors (rng_rankR.pt), and trainer_state.json (the format,
-    the step, the world size, and train_full's JSON: data position, the run's flags). Nothing in it
-    needs pickle to load beyond DCP's .metadata, which load_checkpoint reads with an allow-list.
-
-    Written to step_NNNNNN.tmp and renamed when complete: a run killed at any moment leaves
-    either a complete checkpoint or a .tmp folder that --resume ignores. The newest `keep` stay.
-    """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    root = os.path.join(out, "checkpoints")
-    final = os.path.join(root, f"step_{step:06d}")
-    tmp = final + ".tmp"
-    if dist_.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    dist.barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": {"state": optim_sd["state"]}}, checkpoint_id=tmp)
-    version, words, gauss = random.getstate()
-    rng = {"torch": torch.get_rng_state(), "python_words": torch.tensor(words, dtype=torch.int64),
-           "python_version": torch.tensor(version), "python_gauss": torch.tensor([math.nan if gauss is None else gauss])}
-    if dist_.device.type == "cuda":
-        rng["cuda"] = torch.cuda.get_rng_state()
-    torch.save(rng, os.path.join(tmp, f"rng_rank{dist_.rank}.pt"))
-    if os.environ.get(STALL_ENV) == str(step):
-        print(f"checkpoint of step {step}: shards written, stalled before completion ({STALL_ENV})", file=sys.stderr,
-              flush=True)
-        time.sleep(600)
-    dist.barrier()
-    if dist_.is_main:
-        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-            json.dump({"format": CHECKPOINT_FORMAT, "step": step, "world": dist_.world, **trainer_state}, f, indent=1)
-        shutil.rmtree(final, ignore_errors=True)  # resumed from an older checkpoint: this step is redone
-        os.replace(tmp, final)  # atomic: the checkpoint exists only once it is complete
-        done = sorted(d for d in os.listdir(root) if CKPT_RE.match(d))
-        for old in done[: max(len(done) - keep, 0)]:
-            shutil.rmtree(os.path.join(root, old), ignore_errors=True)
-    dist.barrier()
-    return final
-
-
-def find_checkpoint(spec, out):
-    """The folder to resume from: spec itself, or the newest complete OUT/checkpoints/step_* (None if none)."""
-    if spec != "latest":
-        return spec
-    root = os.path.join(out, "checkpoints")
-    done = sorted(d for d in os.listdir(root) if CKPT_RE.match(d)) if os.path.isdir(root) else []
-    done = [d for d in done if os.path.exists(os.path.join(root, d, "trainer_state.json"))]
-    return os.path.join(root, done[-1]) if done else None
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """DCP's .metadata is a pickle: allow the classes DCP writes there (its metadata dataclasses, torch
-    sizes, dtypes and layouts, paths), refuse anything else before it runs."""
-
-    ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-               ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath")}
-
-    def find_class(self, module, name):
-        obj = getattr(sys.modules.get(module), name, None) if module in sys.modules else None
-        if ((module, name) in self.ALLOWED or (module == "torch" and isinstance(obj, torch.dtype))
-                or (module in ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
-                    and isinstance(obj, type) and name != "BytesStorageMetadata")):
-            return super().find_class(module, name)
-        raise _Refused(f"{module}.{name}")
-
-
-class _Refused(pickle.UnpicklingError):
-    """A global that a train_full checkpoint never holds."""
-
-
-def read_checkpoint(path, rank=None):
-    """Check a checkpoint folder without loading it into a model (cheap: before any model is built) and
-    return its trainer_state. Raises CheckpointError for a missing, truncated, corrupt or older
-    checkpoint, or one that holds a pickled object (in .metadata or an RNG file)."""
-    import torch.distributed.checkpoint.filesystem  # noqa: F401  (the classes .metadata names)
-
-    fix = "resume from an older checkpoint (--resume OUT/checkpoints/step_NNNNNN) or start a new run with a new --out"
-    state_file = os.path.join(path, "trainer_state.json")
-    try:
-        with open(state_file) as f:
-            meta = json.load(f)
-        assert isinstance(meta, dict) and isinstance(meta.get("step", 0), int)
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: not a complete checkpoint (no trainer_state.json); {fix}") from None
-    except (ValueError, AssertionError, UnicodeDecodeError):
-        raise CheckpointError(f"{state_file}: truncated or corrupt (not the JSON train_full writes); {fix}") from None
-    if meta.get("format") != CHECKPOINT_FORMAT:
-        raise CheckpointError(f"{state_file}: checkpoint format {meta.get('format', 1)}, written by an older train_full.py "
-                              f"(this one reads format {CHECKPOINT_FORMAT} only: no pickled state); finish that run with "
-                              "the train_full.py that wrote it, or start a new run with a new --out")
-    for key in ("step", "world", "order", "run"):
-        if key not in meta:
-            raise CheckpointError(f"{state_file}: no '{key}' (truncated or edited); {fix}")
-    try:
-        with open(os.path.join(path, ".metadata"), "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-        for info in metadata.storage_data.values():  # every shard file holds the bytes .metadata points to
-            shard = os.path.join(path, info.relative_path)
-            if not os.path.isfile(shard) or os.path.getsize(shard) < info.offset + info.length:
-                raise CheckpointError(f"{shard}: {'truncated' if os.path.isfile(shard) else 'missing'} (the write did "
-                                      f"not complete); {fix}")
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}/.metadata: missing (the shards were not written completely); {fix}") from None
-    except _Refused as e:  # (non-tensor entries, BytesStorageMetadata, would be unpickled by DCP: refused too)
-        raise CheckpointError(f"{path}/.metadata: refused: it holds a pickled object ({e}) that train_full never "
-                              f"writes there (loading it could run code); {fix}") from None
-    except CheckpointError:
-        raise
-    except Exception as e:  # UnpicklingError, EOFError, ...: a damaged file
-        raise CheckpointError(f"{path}/.metadata: truncated or corrupt ({type(e).__name__}); {fix}") from None
-    for r in range(meta["world"]) if rank is None else [rank]:
-        rng_file = os.path.join(path, f"rng_rank{r}.pt")
-        if os.path.exists(rng_file):
-            load_rng_file(rng_file, fix)
-    return meta
-
-
-def load_rng_file(rng_file, fix):
-    """One rank's RNG state: tensors only (torch.load(weights_only=True))."""
-    try:
-        rng = torch.load(rng_file, weights_only=True)
-        assert isinstance(rng, dict) and all(isinstance(v, torch.Tensor) for v in rng.values())
-        return rng
-    except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        if "weights_only" in str(e) or "Unsupported global" in str(e):
-            raise CheckpointError(f"{rng_file}: refused: it holds a pickled Python object, not tensors (loading it could "
-                                  f"run code); {fix}") from None
-        raise CheckpointError(f"{rng_file}: truncated or corrupt ({first}); {fix}") from None
-    except Exception as e:
-        raise CheckpointError(f"{rng_file}: truncated or corrupt ({type(e).__name__}); {fix}") from None
-
-
-def load_checkpoint(path, model, optimizer, dist_):
-    """Restore the model and AdamW's state (any world size: DCP reshards the shards) and, when the
-    world size is the one that wrote it, this rank's RNG; returns trainer_state. Every file is
-    checked first (read_checkpoint): DCP then reads tensors only."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    meta = read_checkpoint(path, rank=dist_.rank)
-    model_sd, optim_sd = get_state_dict(model, optimizer)  # a fresh optimizer's state is initialised (zeros)
-    state = {"model": model_sd, "optim": {"state": optim_sd["state"]}}
-    try:
-        dcp.load(state, checkpoint_id=path)
-    except (Exception, dcp.api.CheckpointException) as e:  # (DCP's own is a BaseException)
-        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"{path}: its shards cannot be read ({first}): truncated or corrupt, or from another "
-                              "model; resume from an older checkpoint or start a new run with a new --out") from None
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict={"state": state["optim"]["state"], "param_groups": optim_sd["param_groups"]})
-    rng_file = os.path.join(path, f"rng_rank{dist_.rank}.pt")
-    if meta["world"] == dist_.world and os.path.exists(rng_file):  # another world size: sampling is seeded per prompt
-        rng = load_rng_file(rng_file, "start a new run")
-        torch.set_rng_state(rng["torch"])
-        gauss = float(rng["python_gauss"][0])
-        random.setstate((int(rng["python_version"]), tuple(rng["python_words"].tolist()), None if math.isnan(gauss) else gauss))
-        if "cuda" in rng and dist_.device.type == "cuda":
-            torch.cuda.set_rng_state(rng["cuda"])
-    return meta
-
-
-def export_hf(model, tokenizer, path, dist_):
-    """save_pretrained of the full weights (rank 0), in the base model's dtype: loadable by
-    transformers' from_pretrained and by vLLM."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    from transformers import AutoModelForCausalLM
-
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if dist_.is_main:
-        config = model.config
-        dtype = config.dtype if isinstance(config.dtype, torch.dtype) else getattr(torch, str(config.dtype or "float32"))
-        config.use_cache = True
-        with torch.device("meta"):
-            shell = AutoModelForCausalLM.from_config(config)  # a plain class for save_pretrained (not FSDP's)
-        tmp = path.rstrip("/") + ".tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        shell.save_pretrained(tmp, state_dict={k: v.to(dtype) for k, v in full.items()})
-        tokenizer.save_pretrained(tmp)
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(tmp, path)
-        config.use_cache = False
-    dist.barrier()
-    return path
-
-
-# ---------------------------------------------------------------------------------------------
 # 5. Clocks, memory and MFU
 # ---------------------------------------------------------------------------------------------
 def clock(device):
@@ -739,94 +709,3 @@ def flop_params(model):
     if getattr(model.config, "tie_word_embeddings", False):
         n += model.get_input_embeddings().weight.numel()
     return n
-
-
-# ---------------------------------------------------------------------------------------------
-# 6. Run files: metrics.jsonl, the evaluation report, the explain page's rollouts
-# ---------------------------------------------------------------------------------------------
-def append_metrics(path, record):
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
-
-
-def eval_record(step, results):
-    """One metrics.jsonl line per evaluation: {benchmark}_pass@k for every benchmark and the average."""
-    return {"kind": "eval", "step": step, **{f"{name}_{k}": v for name, row in results.items()
-                                             for k, v in row.items() if k.startswith("pass@")}}
-
-
-def truncate_metrics(path, step):
-    """Keep what the checkpoint after `step` steps covers (a killed run may have logged past it):
-    the train lines of steps 1..step and the evaluations after at most `step` steps."""
-    if not os.path.exists(path):
-        return
-    with open(path) as f:
-        kept = [line for line in f if line.strip() and json.loads(line).get("step", math.inf) <= step]
-    with open(path + ".tmp", "w") as f:
-        f.writelines(kept)
-    os.replace(path + ".tmp", path)
-
-
-def write_eval_report(results, keys, args, tag, model_name):
-    lines = [f"# Evaluation of {model_name}", "",
-             f"{args.eval_samples} samples per problem, temperature {args.eval_temperature}, top-p {args.eval_top_p}, "
-             f"max {args.eval_max_tokens} tokens, template {args.template}. Pass@1 = mean accuracy over the samples; "
-             "Pass@k unbiased (Chen et al., 2021).", "",
-             "| benchmark | problems | " + " | ".join(k.replace("pass", "Pass") for k in keys) + " |",
-             "|---|---|" + "---|" * len(keys)]
-    for name, row in results.items():
-        cells = [f"{row[k]:.1f}" for k in keys]
-        lines.append(f"| {name} | {row.get('problems', '')} | " + " | ".join(cells) + " |")
-    skipped = {name: (row["dropped"], row["too_long"]) for name, row in results.items() if row.get("dropped") or row.get("too_long")}
-    for name, (dropped, too_long) in skipped.items():
-        lines.append(f"\nNot evaluated in {name}: {dropped} rows without an answer, {too_long} prompts longer than the context.")
-    stem = os.path.join(args.out, f"eval{'_' + tag if tag else ''}")
-    with open(stem + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    with open(stem + ".json", "w") as f:
-        json.dump({"model": model_name, "settings": {k: getattr(args, k) for k in (
-            "eval_samples", "eval_temperature", "eval_top_p", "eval_max_tokens", "template", "eval_limit")},
-            "results": results}, f, indent=1)
-    print("\n".join(lines), flush=True)
-
-
-def explain_rows(rollouts, prompts, keep_all, adv_all, rewards_all, first, local_row, seqs, entropy, token_scores,
-                 token_keep, dist_):
-    """The few rollouts an explain page shows (explain.pick_rollouts on the global batch: the same
-    choice on every rank), gathered on rank 0 with their token ids and, when forwarded, entropy,
-    score and selection: a few rollouts, never the batch. local_row: flat index p * G + g -> row
-    of this rank's forwarded batch. Every rank calls it (gather_object).
-    Returns (shown_adv, items, prompt texts) on rank 0, None elsewhere."""
-    G = keep_all.shape[1]
-    shown_adv = torch.where(keep_all, adv_all, d3s.group_advantages(rewards_all))  # the loss's A on kept cells
-    picked, mine = explain.pick_rollouts(shown_adv, keep_all), []
-    for index in picked:
-        p, g = divmod(index, G)
-        if index in local_row:  # forwarded here: its row of entropy / scores / selection
-            r = local_row[index]
-            ids = list(seqs[r]["response_ids"])
-            n = len(ids)
-            mine.append({"index": index, "ids": ids, "entropy": entropy[r, :n].tolist(), "score": token_scores[r, :n].tolist(),
-                         "selected": token_keep[r, :n].tolist()})
-        elif not keep_all[p, g] and first <= p < first + len(rollouts):  # dropped: only its home rank has it
-            mine.append({"index": index, "ids": list(rollouts[p - first][g]["response_ids"])})
-    parts = [None] * dist_.world if dist_.is_main else None
-    dist.gather_object((mine, prompts), parts, dst=0)
-    if not dist_.is_main:
-        return None
-    items = sorted((item for part, _ in parts for item in part), key=lambda item: picked.index(item["index"]))
-    return shown_adv, items, [text for _, texts in parts for text in texts]
-
-
-def write_explain_page(details, stats, step, args, tokenizer, dist_):
-    """Rank 0's page of one step (explain.write_step), from the global selection."""
-    shown_adv, items, texts = details["explain"]
-    for item in items:
-        item["tokens"] = [tokenizer.decode([t]) for t in item.pop("ids")]
-    row = details.get("row", args.method)  # the row that selected: args.method, or its twin after --switch-on-spike
-    switched = {} if row == args.method else {"--switch-on-spike": f"fired: --method {args.method} runs as {row}"}
-    explain.write_step(os.path.join(args.out, "explain"), step=step, rung="train_full", method=row,
-                       rewards=details["rewards"], adv=shown_adv, keep=details["keep"], n_keep=stats["n_keep"],
-                       k_frac=stats["k_frac"], k_real=stats["k_real"], shown=items, prompts=texts,
-                       extra={**switched, "loss (mean over optimizer steps)": stats["loss"], "tokens in the loss": stats["kept_tokens"],
-                              "grad norm (before clipping)": stats["grad_norm"], "ranks": dist_.world})

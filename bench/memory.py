@@ -5,12 +5,12 @@
     python bench/memory.py --preset path/to/model_folder           # its config.json (or the file itself)
     python bench/memory.py --preset 7b -- --no-activation-checkpointing   # after "--": train_full.py flags
 
-It runs train_full.py's own code (and its plumbing's, fsdp_vllm.py) for the trainer's part of
-a step: the model built from the config in fp32, fsdp_vllm.shard_policy (FSDP2 per decoder
+It runs train_full.py's own code (its flags, and its plumbing's, fsdp_vllm.py) for the trainer's
+part of a step: the model built from the config in fp32, fsdp_vllm.shard_policy (FSDP2 per decoder
 layer, the untied embedding and the root, bf16 compute, fp32 reductions, activation
-checkpointing, tiled MLP), fsdp_vllm.make_optimizer (AdamW), train_full.pack,
-train_full.response_logp (log-probs, and d3s.token_entropy in pass 1), d3s.select_tokens,
-d3s.policy_loss, backward, gradient clipping and the optimizer step. As train_full.train_step:
+checkpointing, tiled MLP), fsdp_vllm.make_optimizer (AdamW), fsdp_vllm.pack,
+fsdp_vllm.response_logp (log-probs, and d3s.token_entropy in pass 1), d3s.select_tokens,
+d3s.policy_loss, backward, gradient clipping and the optimizer step. As steps 4-6 of train_full's loop:
 
     pass 1  no grad, per micro-batch: old log-probs + entropy of the kept rollouts (the
             methods without token selection: old log-probs only, as for mini-batches 2..M)
@@ -148,8 +148,8 @@ def parse_args(argv=None):
         message = err.getvalue().strip().splitlines()[-1] if err.getvalue().strip() else str(e.code)
         message = message.split(": error: ", 1)[-1]
         if message.startswith("unrecognized arguments: "):
-            p.error(f"unrecognized arguments after '--': {message.split(': ', 1)[1]}; they go to train_full.py, see "
-                    "python train_full.py --help for its flags")
+            p.error(f"unrecognized arguments after '--': {message.split(': ', 1)[1].split('; ')[0]}; they go to "
+                    "train_full.py, see python train_full.py --help for its flags")
         p.error(f"{message} (a train_full.py flag, given after '--')")
     args.train_argv = train_argv
     return args
@@ -370,7 +370,7 @@ def simulate(config, targs, ranks, micro_batch_size, response_len, prompt_len=51
     B, T = micro_batch_size * micro_batches, response_len  # rollouts on this rank, response width
     seqs = rollouts(B, prompt_len, T)
     chunks = [list(range(i, i + micro_batch_size)) for i in range(0, B, micro_batch_size)]
-    packed = [train_full.pack(seqs, rows, 0, torch.device("cpu")) for rows in chunks]  # real tensors, KiB
+    packed = [fsdp_vllm.pack(seqs, rows, 0, torch.device("cpu")) for rows in chunks]  # real tensors, KiB
     # the kept tokens: K of them by d3s.select_tokens on random scores (the values do not matter here)
     scores = torch.rand(B, T, generator=torch.Generator().manual_seed(0))
     token_keep = d3s.select_tokens(scores, torch.ones(B, T, dtype=torch.bool), k_frac)
@@ -407,7 +407,8 @@ def simulate(config, targs, ranks, micro_batch_size, response_len, prompt_len=51
 
 
 def _train_step(model, optimizer, targs, batches, chunks, keep, positions, normalizer, tracker, step):
-    """train_full.train_step's passes 1 and 2 and the update, on fixed micro-batches."""
+    """Steps 4-6 of train_full's loop (forward_kept, update_policy): passes 1 and 2 and the update, on fixed
+    micro-batches."""
     B, T = keep.shape
     old_logp = torch.zeros(B, T)
     entropy = torch.zeros(B, T)
@@ -419,7 +420,7 @@ def _train_step(model, optimizer, targs, batches, chunks, keep, positions, norma
         for (inputs, targets, _), rows in zip(batches, chunks if selects or targs.mini_batches > 1 else []):
             tracker.phase = f"step {step + 1} pass 1"
             tracker.reset_mod_stats()  # the tracker's per-module stats allow one root forward each
-            logp, ent = train_full.response_logp(model, inputs, targets, targs.temperature, with_entropy=selects)
+            logp, ent = fsdp_vllm.response_logp(model, inputs, targets, targs.temperature, with_entropy=selects)
             old_logp[rows] = logp
             if selects:
                 entropy[rows] = ent
@@ -430,7 +431,7 @@ def _train_step(model, optimizer, targs, batches, chunks, keep, positions, norma
     for (inputs, targets, _), rows, index in zip(batches, chunks, positions):
         tracker.phase = f"step {step + 1} pass 2"
         tracker.reset_mod_stats()
-        logp = train_full.response_logp_at(model, inputs, targets, index, targs.temperature, with_entropy=not selects)
+        logp = fsdp_vllm.response_logp_at(model, inputs, targets, index, targs.temperature, with_entropy=not selects)
         if not selects:
             logp, ent = logp
             del ent

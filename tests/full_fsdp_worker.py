@@ -1,4 +1,5 @@
-"""Run under `torchrun --nproc_per_node=R`: one train_full.train_step per method on fixed rollouts.
+"""Run under `torchrun --nproc_per_node=R`: steps 3-6 of train_full's loop (train_step below) per method on
+fixed rollouts and rewards.
 
 The device comes from the environment: D3S_TEST_DEVICE=cuda (nccl, one GPU per rank) or cpu
 (gloo, the default), so the same test runs on a GPU node (scripts/gpu_check.sh).
@@ -11,18 +12,58 @@ global token selection over uneven per-rank rows equals d3s.select_tokens on the
 import argparse
 import os
 import sys
+import types
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import common  # noqa: E402
 import d3s  # noqa: E402
 import fsdp_vllm  # noqa: E402
+import full_io  # noqa: E402
 import train_full  # noqa: E402
+import variants  # noqa: E402
 
 DEVICE = os.environ.get("D3S_TEST_DEVICE", "cpu")
 P, G, STEP, STEPS = 4, 4, 2, 4  # step 2 of 4 (method_budget at 1 of 4) with N 2 -> 4: N = 3 per prompt, K = 0.35
 REWARDS = torch.tensor([[1.0, 0, 0, 0], [1, 1, 0, 0], [0, 0, 0, 0], [1, 1, 1, 0]])  # group 2 has no signal
+
+
+def train_step(model, optimizer, rollouts, rewards, step, args, dist_, pad_id, ref_model=None, row=None,
+               keep_grads=False, full_pass1=False):
+    """Steps 3-6 of train_full.main's loop, its calls in its order, on this rank's fixed rollouts [P_rank][G] and
+    rewards [P_rank, G]. row: the row that selects (default args.method; the twin once --switch-on-spike fired).
+    Test-side hooks: keep_grads also returns the gradients of the last optimizer step (taken as it steps, all
+    ranks gathering them: update_policy frees them after); full_pass1 forwards every kept rollout with entropy in
+    pass 1 whatever the method, as a token-selecting method does (step 5 stays the method's).
+    Returns (metrics, details[, grads]): details holds the global selection (keep [P, G], token_keep [kept, T])."""
+    grads = {}
+    if keep_grads:
+        real_step = optimizer.step
+
+        def step_keeping_grads(*a, **kw):
+            grads.update({name: p.grad.full_tensor().detach().cpu().clone() for name, p in model.named_parameters()})
+            return real_step(*a, **kw)
+
+        optimizer.step = step_keeping_grads
+    sel = train_full.select_samples_global(rollouts, rewards, step, row or args.method, args, dist_)
+    selects_tokens = variants.selects_tokens
+    if full_pass1:
+        variants.selects_tokens = lambda method: True  # what forward_kept reads: the rows and the entropy it needs
+    try:
+        old_logp, has_old, entropy, ref_logp, pass1_tokens = train_full.forward_kept(model, ref_model, sel, args, dist_,
+                                                                                    pad_id)
+    finally:
+        variants.selects_tokens = selects_tokens
+    token_keep = train_full.select_tokens_global(sel, entropy, args, dist_)
+    upd = train_full.update_policy(model, optimizer, sel, token_keep, old_logp, has_old, entropy, ref_logp, args, dist_,
+                                   pad_id)
+    if keep_grads:
+        del optimizer.step
+    metrics = train_full.step_metrics(sel, token_keep, upd, 1.0, pass1_tokens, ref_model is not None, dist_)
+    details = {"keep": sel.keep_all, "token_keep": fsdp_vllm.gather_global(token_keep, sel.mine, sel.total, dist_)}
+    return (metrics, details, grads) if keep_grads else (metrics, details)
 
 
 def make_rollouts(vocab_size, seed=0):
@@ -74,8 +115,10 @@ def check_global_token_selection(dist_):
     ok = True
     for k in (0.1, 0.35, 1.0):
         for scope in ("batch", "sequence"):
-            local = train_full.select_tokens_global(scores[mine], mask[mine], list(range(mine.start, mine.stop)),
-                                                    sum(rows), k, scope, dist_)
+            sel = types.SimpleNamespace(kept_adv=torch.ones(rows[dist_.rank]), mask=mask[mine], k_frac=k, total=sum(rows),
+                                        mine=list(range(mine.start, mine.stop)))  # |A| = 1: the scores are H
+            args = types.SimpleNamespace(method="d3s", token_scope=scope, min_token_per_response=False)
+            local = train_full.select_tokens_global(sel, scores[mine], args, dist_)
             ok &= bool(torch.equal(local, d3s.select_tokens(scores, mask, k, scope=scope)[mine]))
     return ok
 
@@ -91,20 +134,20 @@ def check_resume(cli, dist_, tokenizer, rollouts, mine, workdir):
     model = fsdp_vllm.load_policy(args, dist_)
     optimizer = fsdp_vllm.make_optimizer(model, args)
     for step in (1, 2):
-        train_full.train_step(model, optimizer, rollouts[mine], REWARDS[mine], step, args, dist_, tokenizer.pad_token_id)
+        train_step(model, optimizer, rollouts[mine], REWARDS[mine], step, args, dist_, tokenizer.pad_token_id)
     straight = full_params(model)
 
     model = fsdp_vllm.load_policy(args, dist_)
     optimizer = fsdp_vllm.make_optimizer(model, args)
-    order = train_full.PromptOrder(10, seed=0)
+    order = full_io.PromptOrder(10, seed=0)
     order.take(3)
-    train_full.train_step(model, optimizer, rollouts[mine], REWARDS[mine], 1, args, dist_, tokenizer.pad_token_id)
-    path = fsdp_vllm.save_checkpoint(model, optimizer, args.out, 1, train_full.trainer_state(args, order), dist_, 2)
+    train_step(model, optimizer, rollouts[mine], REWARDS[mine], 1, args, dist_, tokenizer.pad_token_id)
+    path = full_io.save_checkpoint(model, optimizer, args.out, 1, full_io.trainer_state(args, order), dist_, 2)
     model = fsdp_vllm.load_policy(args, dist_)
     optimizer = fsdp_vllm.make_optimizer(model, args)
-    order = train_full.PromptOrder(10, seed=0)
-    step, _ = train_full.resume_from(path, model, optimizer, order, dist_)
-    train_full.train_step(model, optimizer, rollouts[mine], REWARDS[mine], step + 1, args, dist_, tokenizer.pad_token_id)
+    order = full_io.PromptOrder(10, seed=0)
+    step, _ = full_io.resume_from(path, model, optimizer, order, args, dist_)
+    train_step(model, optimizer, rollouts[mine], REWARDS[mine], step + 1, args, dist_, tokenizer.pad_token_id)
     resumed = full_params(model)
     return {"step": step, "order": order.state_dict(), "max_diff": max(float((straight[n] - resumed[n]).abs().max())
                                                                        for n in straight)}
@@ -118,8 +161,7 @@ def check_nonfinite_skip(cli, dist_, tokenizer, rollouts, mine):
     before = full_params(model)
     if dist_.rank == 1:
         model.lm_head.register_forward_hook(lambda module, inputs, output: output * float("nan"))
-    stats, _ = train_full.train_step(model, optimizer, rollouts[mine], REWARDS[mine], STEP, args, dist_,
-                                     tokenizer.pad_token_id)
+    stats, _ = train_step(model, optimizer, rollouts[mine], REWARDS[mine], STEP, args, dist_, tokenizer.pad_token_id)
     after = full_params(model)
     skipped = [None] * dist_.world
     dist.all_gather_object(skipped, stats["skipped"])
@@ -138,10 +180,9 @@ def check_pass1_skip(cli, dist_, tokenizer, rollouts, mine):
         for full in (False, True):
             model = fsdp_vllm.load_policy(args, dist_)
             optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
-            stats, _ = train_full.train_step(model, optimizer, rollouts[mine], REWARDS[mine], STEP, args, dist_,
-                                             tokenizer.pad_token_id, keep_grads=True, full_pass1=full)
-            runs[full] = {"params": full_params(model),
-                          "grads": {n: p.grad.full_tensor().detach().cpu().clone() for n, p in model.named_parameters()},
+            stats, _, grads = train_step(model, optimizer, rollouts[mine], REWARDS[mine], STEP, args, dist_,
+                                         tokenizer.pad_token_id, keep_grads=True, full_pass1=full)
+            runs[full] = {"params": full_params(model), "grads": grads,
                           **{k: stats[k] for k in ("loss", "grad_norm", "pass1_tokens", "train_tokens", "entropy_mean",
                                                    "entropy_kept", "updates", "clip_frac_by_minibatch")}}
         out[name] = {"skipped": runs[False], "full": runs[True]}
@@ -160,9 +201,9 @@ def check_kl_schedule(cli, dist_, tokenizer, rollouts, mine):
         ref_model = fsdp_vllm.load_policy(args, dist_, reference=True)
         kls = []
         for step in range(1, STEPS + 1):
-            measure = schedule == "every" or train_full.measures_kl(step, args)
-            stats, _ = train_full.train_step(model, optimizer, rollouts[mine], REWARDS[mine], step, args, dist_,
-                                             tokenizer.pad_token_id, ref_model=ref_model if measure else None)
+            measure = schedule == "every" or common.measures_kl(step, args)
+            stats, _ = train_step(model, optimizer, rollouts[mine], REWARDS[mine], step, args, dist_,
+                                  tokenizer.pad_token_id, ref_model=ref_model if measure else None)
             kls.append(stats["kl_ref"])
         result[schedule] = {"kl": kls, "params": full_params(model)}
     return result
@@ -181,8 +222,8 @@ def check_dapo_filter(cli, dist_, tokenizer, rollouts, mine):
         for step, (name, rewards, balance) in enumerate(DAPO_STEPS, start=1):
             args.load_balance = balance
             before = full_params(model)
-            stats, details = train_full.train_step(model, optimizer, rollouts[mine], rewards[mine], step, args, dist_,
-                                                   tokenizer.pad_token_id)
+            stats, details = train_step(model, optimizer, rollouts[mine], rewards[mine], step, args, dist_,
+                                        tokenizer.pad_token_id)
             after = full_params(model)
             steps.append({"name": name, "keep": details["keep"], "moved": max(float((after[n] - before[n]).abs().max())
                                                                             for n in before),
@@ -202,8 +243,8 @@ def check_switch(cli, dist_, tokenizer, rollouts, mine):
         args = trainer_args(cli.model, method, mini_batches=2)
         model = fsdp_vllm.load_policy(args, dist_)
         optimizer = fsdp_vllm.make_optimizer(model, args)
-        stats, details = train_full.train_step(model, optimizer, rollouts[mine], REWARDS[mine], STEP, args, dist_,
-                                               tokenizer.pad_token_id, row=row)
+        stats, details = train_step(model, optimizer, rollouts[mine], REWARDS[mine], STEP, args, dist_,
+                                    tokenizer.pad_token_id, row=row)
         out[name] = {"params": full_params(model), "keep": details["keep"], "sample_rule": stats["sample_rule"],
                      "loss": stats["loss"]}
     return out
@@ -229,12 +270,9 @@ def main():
         model = fsdp_vllm.load_policy(args, dist_)
         optimizer = fsdp_vllm.make_optimizer(model, args)
         ref_model = fsdp_vllm.load_policy(args, dist_, reference=True) if config.startswith("gspo") else None  # --kl-ref
-        stats, details = train_full.train_step(model, optimizer, rollouts[mine], REWARDS[mine], STEP, args, dist_,
-                                               tokenizer.pad_token_id, keep_grads=True, ref_model=ref_model)
-        params, grads = {}, {}
-        for name, p in model.named_parameters():
-            params[name] = p.full_tensor().detach().cpu().clone()
-            grads[name] = p.grad.full_tensor().detach().cpu().clone()
+        stats, details, grads = train_step(model, optimizer, rollouts[mine], REWARDS[mine], STEP, args, dist_,
+                                           tokenizer.pad_token_id, keep_grads=True, ref_model=ref_model)
+        params = full_params(model)
         result[config] = {"params": params, "grads": grads, "keep": details["keep"], "token_keep": details["token_keep"],
                         "grad_norm": stats["grad_norm"], "loss": stats["loss"], "n_keep": stats["n_keep"],
                         "k_frac": stats["k_frac"], "kept_tokens": stats["kept_tokens"], "updates": stats["updates"],

@@ -29,7 +29,7 @@ def trainer_view(model, tokenizer, prompt_ids, completions):
     """The trainer's log-probs of vLLM's tokens, and whether its argmax picks them (greedy)."""
     seqs = [{"prompt_ids": p, "response_ids": c["token_ids"]} for p, c in zip(prompt_ids, completions)]
     device = next(model.parameters()).device
-    inputs, targets, mask = train_full.pack(seqs, list(range(len(seqs))), tokenizer.pad_token_id, device)
+    inputs, targets, mask = fsdp_vllm.pack(seqs, list(range(len(seqs))), tokenizer.pad_token_id, device)
     with torch.no_grad():
         logits = model(**inputs).logits[:, :-1].float()
     logp = logits.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
@@ -68,8 +68,8 @@ def main():
     per = full_fsdp_worker.P // dist_.world
     mine = slice(dist_.rank * per, (dist_.rank + 1) * per)
     rollouts = full_fsdp_worker.make_rollouts(len(tokenizer))[mine]
-    stats, _ = train_full.train_step(model, optimizer, rollouts, full_fsdp_worker.REWARDS[mine], 1, args, dist_,
-                                     tokenizer.pad_token_id)
+    stats, _ = full_fsdp_worker.train_step(model, optimizer, rollouts, full_fsdp_worker.REWARDS[mine], 1, args, dist_,
+                                           tokenizer.pad_token_id)  # steps 3-6 of train_full's loop
     engine.sleep()  # no-op on CPU (vLLM has no sleep mode there); on CUDA this frees vLLM's memory
     engine.update_weights(fsdp_vllm.full_named_tensors(model, getattr(torch, args.dtype)))
     after = snapshot(engine, model, tokenizer, prompt_ids, stops)

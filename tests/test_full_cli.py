@@ -82,56 +82,58 @@ def one_line_exit_2(result):
 
 CASES = [  # (flags added to a valid tiny run, a fragment the one line must hold)
     (["--lr", "nan"], "--lr nan: must be in (0, 1]"),
-    (["--lr", "-1"], "--lr -1.0: must be"),
+    (["--lr", "-1"], "--lr -1: must be"),
     (["--lr", "inf"], "--lr inf: must be"),
-    (["--max-grad-norm", "-1"], "--max-grad-norm -1.0: must be a finite number > 0"),
+    (["--max-grad-norm", "-1"], "--max-grad-norm -1: must be a finite number > 0"),
     (["--max-grad-norm", "nan"], "--max-grad-norm nan"),
     (["--micro-batch-size", "0"], "--micro-batch-size 0: must be an int >= 1"),
     (["--clip-low", "-0.5"], "--clip-low -0.5: must be in [0, 1)"),
     (["--clip-high", "inf"], "--clip-high inf"),
     (["--steps", "0"], "--steps 0: must be an int >= 1"),
-    (["--steps", "x"], "argument --steps: invalid int value: 'x'"),
-    (["--steps", ""], "argument --steps: invalid int value: ''"),
+    (["--steps", "x"], "--steps 'x': must be an int >= 1"),
+    (["--steps", ""], "--steps '': must be an int >= 1"),
     (["--group-size", "1"], "--group-size 1: must be an int in [2, 1024]"),
     (["--group-size", "1000000000"], "--group-size 1000000000"),
-    (["--n-final", "5"], "--n-final 5: more than --group-size 4"),
+    (["--n-final", "5"], "--n-final 5 > --group-size 4: N counts rollouts kept per prompt"),
     (["--n-init", "0"], "--n-init 0"),
-    (["--k-init", "0"], "--k-init 0.0: must be a fraction of tokens in (0, 1]"),
+    (["--k-init", "0"], "--k-init 0: must be a fraction of tokens in (0, 1]"),
     (["--k-final", "1.5"], "--k-final 1.5"),
     (["--static-k", "nan"], "--static-k nan"),
     (["--mini-batches", "0"], "--mini-batches 0"),
     (["--mini-batches", "9"], "--mini-batches 9: more than the 8 rollouts"),
     (["--prompts-per-step", "1000000"], "rollouts per step"),
     (["--kl-coef", "0.1"], "--kl-coef 0.1: a KL penalty needs the reference model; add --kl-ref"),
-    (["--kl-coef", "-1", "--kl-ref"], "--kl-coef -1.0"),
+    (["--kl-coef", "-1", "--kl-ref"], "--kl-coef -1: must be"),
     (["--kl-ref", "--kl-every", "0"], "--kl-every 0: with --kl-ref and --kl-coef 0 the reference would never be used"),
-    (["--temperature", "0"], "--temperature 0.0: must be in [0.01, 100]"),
-    (["--top-p", "0"], "--top-p 0.0"),
+    (["--temperature", "0"], "--temperature 0: must be in [0.01, 100]"),
+    (["--top-p", "0"], "--top-p 0: must be in (0, 1]"),
     (["--top-p", "1.5"], "--top-p 1.5"),
-    (["--weight-decay", "-1"], "--weight-decay -1.0"),
+    (["--weight-decay", "-1"], "--weight-decay -1: must be in [0, 1]"),
     (["--eval-samples", "0"], "--eval-samples 0"),
     (["--eval-pass-k", "1,x"], "--eval-pass-k '1,x': must be comma-separated ints"),
     (["--eval-pass-k", "4"], "--eval-pass-k 4: each k must be in [1, --eval-samples 2]"),
-    (["--eval-temperature", "-1"], "--eval-temperature -1.0"),
+    (["--eval-temperature", "-1"], "--eval-temperature -1: must be 0 (greedy)"),
     (["--stop-after", "2"], "--stop-after 2: must be an int in [1, --steps 1]"),
     (["--seed", "-1"], "--seed -1"),
     (["--grader-workers", "0"], "--grader-workers 0"),
-    (["--grader-timeout", "0"], "--grader-timeout 0.0"),
+    (["--grader-timeout", "0"], "--grader-timeout 0: must be"),
     (["--save-every", "0"], "--save-every 0"),
     (["--keep-checkpoints", "0"], "--keep-checkpoints 0"),
     (["--mlp-chunk-tokens", "-1"], "--mlp-chunk-tokens -1: must be an int >= 0"),
     (["--max-response-len", "0"], "--max-response-len 0"),
     (["--max-prompt-len", "2"], "--max-prompt-len 2: no prompt of"),
     (["--hf-generate-batch", "0"], "--hf-generate-batch 0"),
-    (["--peak-tflops", "-1"], "--peak-tflops -1.0"),
-    (["--vllm-gpu-memory-utilization", "0"], "--vllm-gpu-memory-utilization 0.0"),
+    (["--peak-tflops", "-1"], "--peak-tflops -1: must be"),
+    (["--vllm-gpu-memory-utilization", "0"], "--vllm-gpu-memory-utilization 0: must be"),
     (["--vllm-kv-cache-gb", "nan"], "--vllm-kv-cache-gb nan"),
     (["--loss", "gspo", "--normalize-by", "all"], "--normalize-by all: applies to --loss-agg token-mean"),
-    (["--switch-on-spike", "1"], "--switch-on-spike 1.0: must be 0 (off) or a number > 1"),
+    (["--switch-on-spike", "1"], "--switch-on-spike 1: must be 0 (off) or a number > 1"),
     (["--switch-on-spike", "inf"], "--switch-on-spike inf"),
     (["--method", "d3s-i", "--switch-on-spike", "3"], "--switch-on-spike 3: moves a cross-group row to its intra-group "
-     "twin (d3s -> d3s-i, d1s-cross -> d1s); --method d3s-i has none"),
-    (["--method", "d4s"], "argument --method: invalid choice: 'd4s'"),
+     "twin (d3s -> d3s-i, d1s-cross -> d1s); d3s-i has none"),
+    (["--method", "d4s"], "--method 'd4s': unknown method; choose from grpo, d1s"),
+    (["--method", "d3s-static"], "--method 'd3s-static': unknown method (d3s-static is now d2s, the paper's name)"),
+    (["--method", "grpo", "--static-n", "40"], "--static-n 40 > --group-size 4"),
     (["--model", ""], "--model '': empty"),
     (["--model", "{root}/missing/model"], "missing/model: no such folder"),
     (["--model", "{dir}"], "a_folder: has no config.json"),
@@ -284,10 +286,9 @@ def test_a_sigkill_while_a_checkpoint_is_written_then_resume_continues_as_the_un
     flags = ["--steps", "3", "--save-every", "1", "--keep-checkpoints", "3"]
     whole = tmp_path / "whole"
     assert cli(base(files, str(whole)) + flags)["code"] == 0
-    killed = tmp_path / "killed"
-    env = {**ENV, "D3S_TEST_STALL_CHECKPOINT": "2"}
-    proc = subprocess.Popen([sys.executable, str(ROOT / "train_full.py"), *base(files, str(killed)), *flags], cwd=files["work"],
-                            env=env, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    killed = tmp_path / "killed"  # tests/full_stall_worker.py: train_full.py, its checkpoint of step 2 stalled halfway
+    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "full_stall_worker.py"), "2", *base(files, str(killed)),
+                             *flags], cwd=files["work"], env=ENV, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
     for line in proc.stderr:
         if "stalled before completion" in line:
             break
@@ -344,7 +345,8 @@ def test_the_switch_rule_reads_the_grad_norms_of_the_earlier_steps_from_the_chec
     """--switch-on-spike through main() and a resume: step 1 of d3s runs cross-group and is checkpointed with
     its grad norm (0: this tiny model's rewards have no spread). Resumed as it is, step 2 stays cross-group;
     resumed from a copy whose history holds a spike (written into trainer_state.json), step 2 runs intra-group.
-    A checkpoint of a train_full.py from before the rule (no switch_on_spike, no grad_norms) resumes with it off."""
+    A checkpoint of a train_full.py from before the rule (no switch_on_spike, no grad_norms; --static-n and
+    --static-k stored as null, the schedule's midpoint they now read as) resumes with it off."""
     import shutil
 
     flags = ["--method", "d3s", "--steps", "2", "--switch-on-spike", "3"]
@@ -362,8 +364,9 @@ def test_the_switch_rule_reads_the_grad_norms_of_the_earlier_steps_from_the_chec
     for copy in (spiked, old):
         shutil.copytree(run, copy)
     (spiked / state_file).write_text(json.dumps({**state, "grad_norms": [1.0] * 10 + [10.0]}))
-    (old / state_file).write_text(json.dumps({**{k: v for k, v in state.items() if k != "grad_norms"},
-                                              "run": {k: v for k, v in state["run"].items() if k != "switch_on_spike"}}))
+    (old / state_file).write_text(json.dumps({**{k: v for k, v in state.items() if k != "grad_norms"},  # static N, K: null
+                                              "run": {**{k: v for k, v in state["run"].items() if k != "switch_on_spike"},
+                                                      "static_n": None, "static_k": None}}))
     for folder, rules in ((run, ["cross", "cross"]), (spiked, ["cross", "intra"])):
         result, lines = resumed(folder, ["--switch-on-spike", "3"])
         assert result["code"] == 0, result

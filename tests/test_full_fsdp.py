@@ -1,7 +1,8 @@
 """train_full.py's FSDP2 step on 2 gloo ranks equals a plain single-process step.
 
-tests/full_fsdp_worker.py runs one train_full.train_step (micro-batch size 3, so micro-batching
-and uneven per-rank micro-batch counts are on) under `torchrun --nproc_per_node=2`; the reference
+tests/full_fsdp_worker.py runs steps 3-6 of train_full's loop once (its train_step: select_samples_global,
+forward_kept, select_tokens_global, update_policy; micro-batch size 3, so micro-batching and uneven per-rank
+micro-batch counts are on) under `torchrun --nproc_per_node=2`; the reference
 here is written from d3s.py alone: one unsharded model, the whole batch in one forward
 (right-padded, full logits), d3s.select_samples / select_tokens / policy_loss, clip, AdamW.
 Same kept rollouts, same kept tokens, same gradients and parameters: the kept set and the
@@ -274,7 +275,7 @@ def test_the_dapo_filter_keeps_the_groups_with_spread_and_a_step_with_none_makes
 
 
 def test_a_step_the_switch_rule_moved_selects_as_the_intra_group_twin(fsdp_result):
-    """train_step(row="d3s-i") under --method d3s, what main() passes once --switch-on-spike fired
+    """A step with row="d3s-i" under --method d3s, what main() passes once --switch-on-spike fired
     (variants.switch_to_intra), is the d3s-i step bit for bit on 2 ranks; on these rewards (group 2 has no
     spread) the cross-group d3s step keeps another set, so the row really reached the selection."""
     got = fsdp_result["switch"]

@@ -230,15 +230,16 @@ def test_resume_on_another_rank_count(files, runs, tmp_path, saved, resumed):
 
 
 def test_the_resume_note_says_when_the_rollouts_differ(files, tmp_path):
-    """train_full.other_world_note, for the cases the runs above do not reach: the same rank count
+    """full_io.other_world_note (what train_full says on a resume at another rank count), for the cases the runs above do not reach: the same rank count
     (nothing to say), --unseeded-sampling, and --rollout hf calls that group the prompts differently
     (4 prompts in one generate() call on 1 rank, in two on 2 ranks: other seeds, other rollouts)."""
+    import full_io
     import train_full
 
     ckpt = tmp_path / "step_000001"
     ckpt.mkdir()
     (ckpt / "trainer_state.json").write_text(json.dumps({"world": 2}))
-    note = lambda world, *extra: train_full.other_world_note(str(ckpt), world, train_full.parse_args(  # noqa: E731
+    note = lambda world, *extra: full_io.other_world_note(str(ckpt), world, train_full.parse_args(  # noqa: E731
         flags(files, tmp_path / "out", *extra)))
     assert note(2) == note(2, "--unseeded-sampling") == note(2, "--hf-generate-batch", "16") == ""
     assert "(sampling is seeded per prompt, not drawn from it)" in note(1)  # calls of 2 prompts on 1 and 2 ranks alike
@@ -257,13 +258,14 @@ def load_resharded(ckpt, out, argv):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
     import fsdp_vllm
+    import full_io
     import train_full
 
     args = train_full.parse_args(argv)
     dist_ = fsdp_vllm.init_distributed(args.device)
     model = fsdp_vllm.load_policy(args, dist_)
     optimizer = fsdp_vllm.make_optimizer(model, args)
-    meta = fsdp_vllm.load_checkpoint(ckpt, model, optimizer, dist_)
+    meta = full_io.load_checkpoint(ckpt, model, optimizer, dist_)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist_.is_main:
         torch.save({"model": model_sd, "optim": optim_sd["state"], "world": torch.tensor(dist_.world),

@@ -9,7 +9,9 @@ import types
 import pytest
 import torch
 
+import common
 import fsdp_vllm
+import full_io
 import train_full
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -45,15 +47,16 @@ def test_ladder_methods_mini_batches_and_gspo_aggregation_defaults():
     args = train_full.parse_args([])
     assert args.mini_batches == 4 and args.loss_agg == "token-mean" and not args.kl_ref and args.kl_coef == 0.0
     assert train_full.parse_args(["--loss", "gspo"]).loss_agg == "seq-mean-token-mean"
-    assert train_full.budget(1, args, 32) == (8, 0.05) and train_full.budget(1, train_full.parse_args(["--method", "d2s"]), 32) == (20, 0.125)
-    assert train_full.budget(250, args, 32) == (32, pytest.approx(0.2 - 0.15 / 250))  # step S: method_budget at S - 1
+    assert common.budget(args, "d3s", 1) == (8, 0.05)  # (N, K) of a row at step 1 (steps count from 1)
+    assert common.budget(train_full.parse_args(["--method", "d2s"]), "d2s", 1) == (20, 0.125)
+    assert common.budget(args, "d3s", 250) == (32, pytest.approx(0.2 - 0.15 / 250))  # step S: method_budget at S - 1
     for bad in (["--mini-batches", "0"], ["--kl-coef", "0.1"], ["--static-n", "40"], ["--mlp-chunk-tokens", "-1"]):
         with pytest.raises(SystemExit):
             train_full.parse_args(bad)
 
 
 def test_the_kl_to_the_reference_is_measured_on_step_1_every_kl_every_steps_and_the_last():
-    measured = lambda argv: [s for s in range(1, 26) if train_full.measures_kl(s, train_full.parse_args(argv))]  # noqa: E731
+    measured = lambda argv: [s for s in range(1, 26) if common.measures_kl(s, train_full.parse_args(argv))]  # noqa: E731
     assert train_full.parse_args(["--kl-ref"]).kl_every == 10  # --eval-every 0: 10
     assert measured(["--kl-ref", "--steps", "25"]) == [1, 10, 20, 25]
     assert measured(["--kl-ref", "--steps", "25", "--eval-every", "12"]) == [1, 12, 24, 25]  # default: --eval-every
@@ -65,7 +68,7 @@ def test_the_kl_to_the_reference_is_measured_on_step_1_every_kl_every_steps_and_
 def test_mini_batches_are_contiguous_parts_of_the_global_kept_list_whatever_the_ranks(balance):
     lengths = [5, 9, 2, 7, 7, 1, 8, 3, 6, 4, 10]
     for world, home in ((1, [0] * 11), (2, [0] * 7 + [1] * 4), (3, [0] * 5 + [2] * 6)):  # rank 1 of 3 kept nothing
-        owner, parts = train_full.assign_rollouts(lengths, home, world, 3, balance)
+        owner, parts = fsdp_vllm.assign_rollouts(lengths, home, world, 3, balance)
         assert parts == [part.tolist() for part in torch.arange(11).tensor_split(3)]
         assert owner == home or balance
         assert all(0 <= r < world for r in owner)
@@ -74,19 +77,19 @@ def test_mini_batches_are_contiguous_parts_of_the_global_kept_list_whatever_the_
 def test_load_balance_spreads_each_mini_batch_by_token_count():
     lengths = [100, 90, 80, 70, 10, 10, 10, 10]
     home = [0] * 8  # rank 0 generated every kept rollout (the others' prompts were all solved)
-    owner, _ = train_full.assign_rollouts(lengths, home, 4, 1, balance=True)
+    owner, _ = fsdp_vllm.assign_rollouts(lengths, home, 4, 1, balance=True)
     load = [sum(n for n, r in zip(lengths, owner) if r == rank) for rank in range(4)]
     assert owner[:4] == [0, 1, 2, 3] and max(load) - min(load) <= 20  # longest first onto the least loaded
-    owner, _ = train_full.assign_rollouts(lengths, home, 4, 1, balance=False)
+    owner, _ = fsdp_vllm.assign_rollouts(lengths, home, 4, 1, balance=False)
     assert owner == home
 
 
 def test_prompt_order_resumes_exactly_and_crosses_epochs():
-    whole = train_full.PromptOrder(7, seed=3)
+    whole = full_io.PromptOrder(7, seed=3)
     uninterrupted = [whole.take(3) for _ in range(5)]
-    first = train_full.PromptOrder(7, seed=3)
+    first = full_io.PromptOrder(7, seed=3)
     got = [first.take(3) for _ in range(2)]
-    second = train_full.PromptOrder(7, seed=3)
+    second = full_io.PromptOrder(7, seed=3)
     second.load_state_dict(json.loads(json.dumps(first.state_dict())))
     got += [second.take(3) for _ in range(3)]
     assert got == uninterrupted
@@ -96,18 +99,18 @@ def test_prompt_order_resumes_exactly_and_crosses_epochs():
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_rank_shares_concatenate_to_the_global_batch_with_rank_independent_seeds(world):
     batch = list(range(100, 108))
-    shares = [train_full.rank_share(batch, types.SimpleNamespace(rank=r, world=world)) for r in range(world)]
+    shares = [full_io.rank_share(batch, types.SimpleNamespace(rank=r, world=world)) for r in range(world)]
     assert [x for share in shares for x in share] == batch
     args = types.SimpleNamespace(seed=0, unseeded_sampling=False)
-    seeds = [s for share in shares for s in train_full.sample_seeds(args, 5, share, 4)]
-    assert seeds == train_full.sample_seeds(args, 5, batch, 4)
+    seeds = [s for share in shares for s in full_io.sample_seeds(args, 5, share, 4)]
+    assert seeds == full_io.sample_seeds(args, 5, batch, 4)
 
 
 def test_sampling_seeds_of_one_call_never_share_a_noise_stream():
     # vLLM seeds sample j of a request with seed + j: the G samples of every prompt need their own seeds
     args = types.SimpleNamespace(seed=0, unseeded_sampling=False)
     G = 32
-    streams = [s + j for s in train_full.sample_seeds(args, 7, list(range(1024)), G) for j in range(G)]
+    streams = [s + j for s in full_io.sample_seeds(args, 7, list(range(1024)), G) for j in range(G)]
     assert len(set(streams)) == len(streams)
 
 
@@ -116,7 +119,7 @@ def test_resume_keeps_the_metrics_the_checkpoint_covers(tmp_path):
     lines = [{"kind": "eval", "step": 0}, {"kind": "train", "step": 1}, {"kind": "train", "step": 2},
              {"kind": "eval", "step": 2}, {"kind": "train", "step": 3}, {"kind": "eval", "step": 3}]
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    train_full.truncate_metrics(str(path), 2)  # checkpoint after 2 steps (steps count from 1; eval 0 before training)
+    common.truncate_metrics(str(path), 2)  # checkpoint after 2 steps (steps count from 1; eval 0 before training)
     assert [json.loads(x) for x in path.read_text().splitlines()] == lines[:4]
 
 
@@ -134,7 +137,7 @@ def test_a_fresh_run_into_a_folder_with_checkpoints_stops_and_overwrites_nothing
 
 def test_pack_aligns_responses_and_numbers_positions_as_without_padding():
     seqs = [{"prompt_ids": [5, 6, 7], "response_ids": [8]}, {"prompt_ids": [9], "response_ids": [10, 11, 12]}]
-    inputs, targets, mask = train_full.pack(seqs, [0, 1], pad_id=0, device=torch.device("cpu"))
+    inputs, targets, mask = fsdp_vllm.pack(seqs, [0, 1], pad_id=0, device=torch.device("cpu"))
     assert inputs["input_ids"].tolist() == [[5, 6, 7, 8, 0, 0], [0, 0, 9, 10, 11, 12]]
     assert inputs["position_ids"].tolist()[1][2:] == [0, 1, 2, 3] and inputs["position_ids"].tolist()[0][:4] == [0, 1, 2, 3]
     assert targets.tolist() == [[8, 0, 0], [10, 11, 12]] and mask.tolist() == [[True, False, False], [True, True, True]]
@@ -142,7 +145,7 @@ def test_pack_aligns_responses_and_numbers_positions_as_without_padding():
 
 
 def test_micro_batches_cover_every_row_once_and_pad_to_the_common_count():
-    chunks = train_full.micro_batches([3, 9, 1, 7, 5], size=2, n_micro=4)
+    chunks = fsdp_vllm.micro_batches([3, 9, 1, 7, 5], size=2, n_micro=4)
     assert len(chunks) == 4 and chunks[-1] == [] and sorted(r for c in chunks for r in c) == [0, 1, 2, 3, 4]
     assert chunks[0] == [1, 3]  # longest first
 
@@ -150,7 +153,7 @@ def test_micro_batches_cover_every_row_once_and_pad_to_the_common_count():
 def test_eval_data_takes_lists_commas_globs_and_none(tmp_path):
     for name in ("b.jsonl", "a.jsonl"):
         (tmp_path / name).write_text("")
-    specs = train_full.expand_specs([f"{tmp_path}/*.jsonl", "x.jsonl,org/hub-set:test", "none"])
+    specs = full_io.expand_specs([f"{tmp_path}/*.jsonl", "x.jsonl,org/hub-set:test", "none"])
     assert specs == [f"{tmp_path}/a.jsonl", f"{tmp_path}/b.jsonl", "x.jsonl", "org/hub-set:test"]
     assert train_full.parse_args(["--eval-data", "none"]).eval_data == []
     assert len(train_full.parse_args([]).eval_data) == 7  # the seven benchmarks of the paper
@@ -202,12 +205,12 @@ def test_mfu_counts_parameters_without_the_input_embedding():
 
 @pytest.mark.parametrize("method", ["grpo", "d3s"])
 def test_the_blockwise_loss_head_equals_the_full_logits_head(method, monkeypatch):
-    """Pass 1 (log-probs, entropy) and pass 2 (loss, gradients) of train_full's loss head, which
+    """Pass 1 (log-probs, entropy) and pass 2 (loss, gradients) of train_full's loss head (fsdp_vllm), which
     never holds [n, T, vocab] logits, against the plain full-logits computation, on CPU."""
     import d3s
     import tiny
 
-    monkeypatch.setattr(train_full, "HEAD_CHUNK", 7)  # several blocks, a ragged last one
+    monkeypatch.setattr(fsdp_vllm, "HEAD_CHUNK", 7)  # several blocks, a ragged last one
     tokenizer = tiny.build_char_tokenizer()
     for tied in (True, False):
         model = tiny.build_tiny_model(tokenizer, tie_word_embeddings=tied).train()
@@ -215,12 +218,12 @@ def test_the_blockwise_loss_head_equals_the_full_logits_head(method, monkeypatch
         seqs = [{"prompt_ids": torch.randint(3, 60, (int(p),), generator=gen).tolist(),
                  "response_ids": torch.randint(3, 60, (int(r),), generator=gen).tolist()}
                 for p, r in zip(torch.randint(2, 6, (5,), generator=gen), torch.randint(1, 9, (5,), generator=gen))]
-        inputs, targets, mask = train_full.pack(seqs, list(range(5)), 0, torch.device("cpu"))
+        inputs, targets, mask = fsdp_vllm.pack(seqs, list(range(5)), 0, torch.device("cpu"))
         temperature = 0.7
         full = model(**inputs).logits[:, :-1].float() / temperature  # [n, T, V], the old head
         full_logp = full.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         with torch.no_grad():
-            logp, entropy = train_full.response_logp(model, inputs, targets, temperature, with_entropy=True)
+            logp, entropy = fsdp_vllm.response_logp(model, inputs, targets, temperature, with_entropy=True)
         torch.testing.assert_close(logp[mask], full_logp[mask].detach(), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(entropy[mask], d3s.token_entropy(full)[mask], rtol=1e-5, atol=1e-5)
 
@@ -231,7 +234,7 @@ def test_the_blockwise_loss_head_equals_the_full_logits_head(method, monkeypatch
         grads = {}
         for head in ("full", "blocks"):
             model.zero_grad()
-            new = full_logp if head == "full" else train_full.response_logp_at(model, inputs, targets, keep, temperature)
+            new = full_logp if head == "full" else fsdp_vllm.response_logp_at(model, inputs, targets, keep, temperature)
             loss, _ = d3s.policy_loss(new, old, adv, keep, kind="grpo", clip_low=0.2, clip_high=0.28)
             loss.backward(retain_graph=head == "full")
             grads[head] = (loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()})

@@ -1,0 +1,684 @@
+"""full_io.py: the run's files and checks under train_full.py: what a run reads and writes, not the method.
+
+train_full.py holds the flags, the six steps of a D3S step and the loop; fsdp_vllm.py the machines (process group,
+FSDP2, the loss head, the rollout engines, clocks). This module holds the rest, in five parts:
+
+  1 flag checks       the checks that involve several flags or the file system, before any work:
+                      one line on stderr (once per job under torchrun: usage_error_line), exit 2
+  2 data              the tokenizer and prompts, read before the process group exists; one global
+                      prompt order and one sampling seed per prompt, the same on every rank
+  3 checkpoints       sharded (torch.distributed.checkpoint) for --resume, written atomically and
+                      read without unpickling objects; the resume checks; HF export
+  4 evaluation        k samples per problem on every rank -> Pass@1 and Pass@k, the eval report
+  5 reports           the step's line of metrics.jsonl (clocks, MFU, memory), the explain page
+"""
+
+import glob
+import importlib
+import importlib.util
+import json
+import math
+import os
+import pickle
+import random
+import re
+import shutil
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import cli
+import common
+import d3s
+import explain
+from cli import UsageError
+from fsdp_vllm import all_reduce, context_length, load_generation_config, load_tokenizer, memory_peak_gb
+from mathtask import PLAIN_TEMPLATE, QWEN_MATH_TEMPLATE, DataError, default_grader_workers, load_problems, pass_at_k, stop_token_ids
+
+TEMPLATES = {"qwen-math": QWEN_MATH_TEMPLATE, "plain": PLAIN_TEMPLATE}
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Flag checks: what a flag's declaration cannot say alone
+# ---------------------------------------------------------------------------------------------
+def usage_error_line(line, wait_s=10.0):
+    """Print a bad-input line once per job. Every rank finds the same bad flag, so rank 0 prints at once and
+    the others wait: torchrun stops them when rank 0 exits. A rank that alone finds a fault (a file missing
+    on its node only) prints it after wait_s, so the line is never lost."""
+    if os.environ.get("RANK", "0") != "0":
+        time.sleep(wait_s)
+    print(line, file=sys.stderr, flush=True)
+
+
+MAX_ROLLOUTS = 2**20  # rollouts per step (P x G) and samples per problem beyond which a value is a typo [choice]
+HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")  # "org/name" or "name": not a local path
+
+
+def check_args(p, args, world):
+    """The checks of several flags together and of the paths, before any work (no model, data or process group
+    yet), each a line through p.error (exit 2); each flag's own range is in its declaration. Fills in the
+    defaults that depend on other flags (--static-n/-k, clip range, loss aggregation, --kl-every, dtype, ...)."""
+    if args.stop_after is not None and args.stop_after > args.steps:
+        p.error(f"--stop-after {args.stop_after}: must be an int in [1, --steps {args.steps}]")
+    args.eval_pass_k = sorted(set(cli.int_list(p, "--eval-pass-k", args.eval_pass_k, what="comma-separated ints")))
+    if not all(1 <= k <= args.eval_samples for k in args.eval_pass_k):
+        p.error(f"--eval-pass-k {','.join(map(str, args.eval_pass_k))}: each k must be in [1, --eval-samples "
+                f"{args.eval_samples}] (Pass@k from k <= n samples); lower k or raise --eval-samples")
+    if args.prompts_per_step * args.group_size > MAX_ROLLOUTS:
+        p.error(f"--prompts-per-step {args.prompts_per_step}: x --group-size {args.group_size} is more than "
+                f"{MAX_ROLLOUTS} rollouts per step; lower one of them")
+    if args.prompts_per_step % world:
+        p.error(f"--prompts-per-step {args.prompts_per_step}: must be divisible by the {world} ranks; change it or the "
+                "number of ranks")
+    common.check_method_flags(p, args, [args.method])  # the method, N <= G, the switch rule; --static-n/-k filled in
+    if args.mini_batches > args.prompts_per_step * args.group_size:
+        p.error(f"--mini-batches {args.mini_batches}: more than the {args.prompts_per_step * args.group_size} rollouts "
+                "of a step; lower it")
+    if args.kl_coef > 0 and not args.kl_ref:
+        p.error(f"--kl-coef {args.kl_coef}: a KL penalty needs the reference model; add --kl-ref")
+    args.kl_every = (args.eval_every or 10) if args.kl_every is None else args.kl_every
+    if args.kl_ref and args.kl_coef == 0 and args.kl_every == 0:
+        p.error("--kl-every 0: with --kl-ref and --kl-coef 0 the reference would never be used; drop --kl-ref, or "
+                "measure the KL every N > 0 steps")
+    args.loss_agg = args.loss_agg or d3s.DEFAULT_AGG[args.loss]
+    if args.normalize_by == "all" and args.loss_agg != "token-mean":
+        p.error(f"--normalize-by all: applies to --loss-agg token-mean ({args.loss_agg} divides by the responses); drop "
+                "it or add --loss-agg token-mean")
+    clip = d3s.CLIP_DEFAULTS[args.loss]  # grpo 0.2 / 0.28 (DAPO's clip-higher), gspo 3e-4 / 4e-4
+    args.clip_low = clip[0] if args.clip_low is None else args.clip_low
+    args.clip_high = clip[1] if args.clip_high is None else args.clip_high
+    if args.grader_workers is None:
+        args.grader_workers = default_grader_workers(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.dtype == "auto":
+        args.dtype = "bfloat16" if args.device == "cuda" else "float32"
+    if args.device == "cuda" and args.rollout == "vllm" and args.vllm_sleep_level < 2 and not args.vllm_allow_awake:
+        p.error(f"--vllm-sleep-level {args.vllm_sleep_level}: costs memory while the trainer runs (0: vLLM's whole "
+                "share of the GPU; 1: its bf16 weights in CPU RAM, 2 bytes x parameters per GPU); level 2, the default, "
+                "frees both; add --vllm-allow-awake to go on")
+    # paths: what is read must exist, what is written must be writable
+    if not args.model:
+        p.error("--model '': empty; pass a model folder or a hub name")
+    if (os.path.exists(args.model) or not HUB_NAME.fullmatch(args.model)) and \
+            not os.path.isfile(os.path.join(args.model, "config.json")):
+        what = "is a file" if os.path.isfile(args.model) else "has no config.json" if os.path.isdir(args.model) \
+            else "no such folder"
+        p.error(f"--model {args.model}: {what}; pass a model folder (config.json, weights, tokenizer) or a hub name")
+    for flag, spec in [("--train-data", args.train_data)] * (not args.eval_only) + [("--eval-data", s) for s in args.eval_data]:
+        check_data_spec(p, flag, spec)
+    args.eval_data = expand_specs(args.eval_data)
+    cli.check_out_dir(p, "--out", args.out)
+    return args
+
+
+def check_machine(args):
+    """What this machine must have for the run (main only: tests and bench/memory.py parse flags for
+    other machines): CUDA for --device cuda, vLLM for --rollout vllm."""
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: torch sees no CUDA device; use --device cpu, or install torch's CUDA build")
+    if args.rollout == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise UsageError("--rollout vllm: vLLM is not installed; pip install -r requirements-full.txt, or use --rollout hf")
+
+
+def check_data_spec(p, flag, spec):
+    """A data file that exists and is a file, a glob that matches, 'none' (eval), or a hub name."""
+    for item in (s.strip() for s in spec.split(",")) if flag == "--eval-data" else [spec]:
+        if item == "none" and flag == "--eval-data":
+            continue
+        if not item:
+            p.error(f"{flag} {spec!r}: empty; pass a JSONL/JSON/Parquet file" + (", or none" if flag == "--eval-data" else ""))
+        if any(c in item for c in "*?["):
+            if not glob.glob(item):
+                p.error(f"{flag} {item}: no file matches; check the pattern")
+        elif os.path.isdir(item):
+            p.error(f"{flag} {item}: is a folder; pass a JSONL/JSON/Parquet file with 'problem' and 'answer'")
+        elif not os.path.exists(item) and (item.endswith((".jsonl", ".json", ".parquet")) or not HUB_NAME.fullmatch(item.split(":")[0])):
+            p.error(f"{flag} {item}: no such file; pass an existing JSONL/JSON/Parquet file or a hub dataset")
+
+
+def expand_specs(items):
+    """['a.jsonl,b.jsonl', 'dir/*.jsonl', 'none'] -> the list of files / hub names ('none' drops out)."""
+    specs = []
+    for item in items:
+        for spec in (s.strip() for s in item.split(",")):
+            if spec and spec != "none":
+                specs += sorted(glob.glob(spec)) if any(c in spec for c in "*?[") else [spec]
+    return specs
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Data: local files or hub datasets -> tokenized prompts; one global order and seeds for all ranks
+# ---------------------------------------------------------------------------------------------
+def load_inputs(args):
+    """Tokenizer, stop tokens, training prompts and eval sets: read on every rank before the process
+    group exists, so that a bad model folder or data file stops every rank with exit 2 at once.
+    Returns (tokenizer, stops, prompts (None with --eval-only), eval sets, a note on what was dropped)."""
+    import transformers
+    from huggingface_hub.utils import logging as hub_logging
+
+    transformers.utils.logging.disable_progress_bar()  # one bar per rank and model load would flood the log
+    verbosity = hub_logging.get_verbosity()
+    hub_logging.set_verbosity_error()  # offline, the hub's retries would print a line each
+    try:
+        tokenizer = load_tokenizer(args.model)
+        generation_config = load_generation_config(args.model)
+    except (OSError, ValueError) as e:  # not a model folder, not on the hub (or offline), no tokenizer
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UsageError(f"--model {args.model}: cannot load its tokenizer ({first}); pass a folder with config.json "
+                         "and the tokenizer files, or a hub name") from None
+    finally:
+        hub_logging.set_verbosity(verbosity)
+    stops = stop_token_ids(tokenizer, generation_config)
+    eval_sets = load_eval_sets(args, tokenizer, context_length(args.model, args))
+    if args.eval_only:
+        return tokenizer, stops, None, eval_sets, ""
+    rows, dropped = load_problems(args.train_data, drop_missing=True)
+    prompts, too_long = encode_prompts(rows, tokenizer, args.template, args.max_prompt_len)
+    if not prompts:
+        raise UsageError(f"--max-prompt-len {args.max_prompt_len}: no prompt of {args.train_data} is that short "
+                         f"({too_long} longer); raise it")
+    note = f"{len(prompts)} prompts ({dropped} rows without an answer dropped, {too_long} longer than " \
+           f"{args.max_prompt_len} tokens dropped)"
+    return tokenizer, stops, prompts, eval_sets, note
+
+
+def load_eval_sets(args, tokenizer, context):
+    """Every --eval-data benchmark, read and tokenized once, before any work (a bad file stops the run
+    at its start, not after training): [(name, problems, rows without an answer, prompts too long)]."""
+    sets = []
+    for spec in args.eval_data:
+        rows, dropped = load_problems(spec, drop_missing=True, limit=args.eval_limit or None)
+        problems, too_long = encode_prompts(rows, tokenizer, args.template, max_prompt_len=context - 1)
+        sets.append((os.path.splitext(os.path.basename(spec))[0] if os.path.exists(spec) else spec, problems, dropped,
+                     too_long))
+    return sets
+
+
+def encode_prompts(rows, tokenizer, template, max_prompt_len):
+    """Apply the template and tokenize; prompts longer than max_prompt_len are dropped and counted."""
+    out, too_long = [], 0
+    for row in rows:
+        ids = tokenizer(TEMPLATES[template].format(problem=row["problem"]), add_special_tokens=False)["input_ids"]
+        if len(ids) > max_prompt_len:
+            too_long += 1
+            continue
+        out.append({"id": row["id"], "problem": row["problem"], "answer": row["answer"], "prompt_ids": ids})
+    return out, too_long
+
+
+class PromptOrder:
+    """A fresh seeded permutation of the training prompts each epoch, identical on every rank.
+
+    take(P) returns the next P prompt indices of the global batch; state_dict() is the data
+    position saved in checkpoints, so a resumed run sees exactly the prompts it would have seen.
+    """
+
+    def __init__(self, n, seed):
+        self.n, self.seed, self.epoch, self.pos = n, seed, 0, 0
+
+    def _perm(self):
+        return torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)).tolist()
+
+    def take(self, count):
+        out = []
+        while len(out) < count:
+            perm = self._perm()
+            chunk = perm[self.pos : self.pos + count - len(out)]
+            out += chunk
+            self.pos += len(chunk)
+            if self.pos >= self.n:
+                self.epoch, self.pos = self.epoch + 1, 0
+        return out
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "pos": self.pos, "n": self.n, "seed": self.seed}
+
+    def load_state_dict(self, state):
+        if state["n"] != self.n:
+            raise DataError(f"checkpoint was made with {state['n']} training prompts, this run has {self.n}; "
+                            "resume with the same --train-data and --max-prompt-len")
+        self.epoch, self.pos = state["epoch"], state["pos"]
+
+
+def rank_share(items, dist_):
+    """This rank's contiguous share of a global list (rank order = global order)."""
+    per = len(items) // dist_.world
+    return items[dist_.rank * per : (dist_.rank + 1) * per]
+
+
+def sample_seeds(args, step, indices, n):
+    """One sampling seed per (step, global prompt index): generation does not depend on the rank count.
+
+    vLLM seeds sample j of a request with seed + j, so the seeds of one call are n apart: no two
+    samples of a step share a noise stream.
+    """
+    if args.unseeded_sampling:
+        return [None] * len(indices)
+    return [(args.seed * 1_000_003 + (step * 1_000_003 + index) * n) % (2**31 - 1) for index in indices]
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Checkpoints: sharded (DCP) for --resume, checked before any work; HF export for vLLM / transformers
+# ---------------------------------------------------------------------------------------------
+RUN_FLAGS = ("model", "train_data", "template", "max_prompt_len", "method", "loss", "loss_agg", "steps", "prompts_per_step",
+             "group_size", "n_init", "n_final", "k_init", "k_final", "static_n", "static_k", "token_scope",
+             "switch_on_spike", "min_token_per_response", "normalize_by", "lr", "weight_decay", "max_grad_norm", "clip_low",
+             "clip_high", "mini_batches", "kl_coef", "temperature", "top_p", "max_response_len", "seed", "unseeded_sampling")
+# the flags that define a run's trajectory: a resume must repeat them (--steps too: the schedule runs over it).
+# Free to change on a resume: the world size (DCP reshards), memory and systems flags, evaluation, checkpoints.
+ADDED_RUN_FLAGS = {"switch_on_spike": 0.0}  # RUN_FLAGS added later: a checkpoint without one ran with this value
+MIDPOINT_FLAGS = ("static_n", "static_k")  # null in a checkpoint of a train_full.py before 2026-11: the midpoint
+
+
+def run_flags(args):
+    """RUN_FLAGS of this run, local paths made absolute (a resume may start from another folder)."""
+    value = lambda k, v: os.path.abspath(v) if k in ("model", "train_data") and os.path.exists(v) else v  # noqa: E731
+    return {k: value(k, getattr(args, k)) for k in RUN_FLAGS}
+
+
+def check_resume(args, world):
+    """The checkpoint folder to continue from (--resume), checked before any work: complete, readable,
+    of this format, holding no pickled object, written by a run with these RUN_FLAGS. A fresh run's
+    --out must hold no checkpoint (nothing is overwritten). Returns the folder or None."""
+    if args.eval_only:
+        return None
+    if not args.resume:
+        if find_checkpoint("latest", args.out):
+            raise UsageError(f"--out {args.out}: holds the checkpoints of an earlier run; pass --resume to continue it, "
+                             "or a new --out (nothing was overwritten)")
+        return None
+    path = find_checkpoint(args.resume, args.out)
+    if path is None:
+        raise UsageError(f"--resume: no complete checkpoint in {os.path.join(args.out, 'checkpoints')}; drop --resume to "
+                         "start a new run, or pass a checkpoint folder")
+    if not os.path.isdir(path):
+        raise UsageError(f"--resume {path}: no such folder; pass a checkpoint folder (OUT/checkpoints/step_NNNNNN)")
+    meta = read_checkpoint(path)  # CheckpointError: the file and the fix
+    midpoint = d3s.dynamic_schedule(1, 2, args.n_init, args.n_final, args.k_init, args.k_final)  # what null meant
+    for flag, value in run_flags(args).items():
+        then = meta["run"].get(flag, ADDED_RUN_FLAGS.get(flag))
+        if then is None and flag in MIDPOINT_FLAGS:
+            then = midpoint[MIDPOINT_FLAGS.index(flag)]
+        if then != value:
+            raise UsageError(f"--{flag.replace('_', '-')} {value}: the checkpoint {path} is of a run with "
+                             f"--{flag.replace('_', '-')} {then}" + (" (the D3S schedule runs over --steps)" if flag == "steps" else "")
+                             + "; resume with the run's flags (its trainer_state.json lists them), or start a new run "
+                             "with a new --out")
+    if args.stop_after is not None and args.stop_after <= meta["step"]:
+        raise UsageError(f"--stop-after {args.stop_after}: the checkpoint {path} is already at step {meta['step']}; "
+                         "raise --stop-after or drop it")
+    return path
+
+
+def trainer_state(args, order, grad_norms=()):
+    """The JSON part of a checkpoint: the data position, the run's flags and the grad_norm of every step so
+    far (--switch-on-spike's signal)."""
+    return {"order": order.state_dict(), "run": run_flags(args), "grad_norms": list(grad_norms)}
+
+
+def resume_from(path, model, optimizer, order, args, dist_):
+    """Model and optimizer shards, RNG and data position from a checkpoint; says so (rank 0) and returns its
+    completed steps and the grad norms of those steps."""
+    meta = load_checkpoint(path, model, optimizer, dist_)
+    order.load_state_dict(meta["order"])
+    if dist_.is_main:
+        print(f"resumed from {path} at step {meta['step']}" + other_world_note(path, dist_.world, args), flush=True)
+    return meta["step"], meta.get("grad_norms", [])
+
+
+def other_world_note(path, world, args):
+    """'' when the checkpoint was saved on `world` ranks; else what a resume on another rank count
+    keeps and what it cannot (docs/train_full.md, "Resuming on another number of ranks")."""
+    with open(os.path.join(path, "trainer_state.json")) as f:
+        saved = json.load(f)["world"]
+    if saved == world:
+        return ""
+
+    def hf_calls(ranks):  # the prompts of each generate() call of --rollout hf: one seed per call
+        share, batch = args.prompts_per_step // ranks, args.hf_generate_batch
+        return {(r * share + k, r * share + min(k + batch, share)) for r in range(ranks) for k in range(0, share, batch)}
+
+    if args.unseeded_sampling:
+        rollouts = "; with --unseeded-sampling the rollouts differ from an uninterrupted run's"
+    elif args.rollout == "hf" and hf_calls(saved) != hf_calls(world):
+        rollouts = (f"; --rollout hf seeds each generate() call of --hf-generate-batch {args.hf_generate_batch} prompts "
+                    "and the calls now group the prompts differently, so the rollouts differ from an uninterrupted run's")
+    else:
+        rollouts = " (sampling is seeded per prompt, not drawn from it)"
+    return (f"; saved on {saved} ranks, resumed on {world}: the model and AdamW state are resharded exactly and the data "
+            "order continues, but the per-rank RNG is not restored" + rollouts + "; losses and gradient norms equal an "
+            "uninterrupted run's to rounding only, not bit for bit (the sums over ranks run in another order)")
+
+
+CKPT_RE = re.compile(r"^step_(\d+)$")
+CHECKPOINT_FORMAT = 2  # 2: tensors (DCP) + RNG as tensors + JSON; 1 (before): pickled RNG state, optimizer param_groups
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be resumed: missing, truncated, corrupt, of an older format, or holding
+    a pickled object. The message names the file and the fix (train_full prints it as one line, exit 2)."""
+
+
+def save_checkpoint(model, optimizer, out, step, trainer_state, dist_, keep):
+    """OUT/checkpoints/step_NNNNNN (NNNNNN: the number of completed steps): the model and AdamW's
+    state as tensors (DCP shards; the optimizer's param_groups are not saved, they follow from the
+    run's flags), each rank's RNG as tensors (rng_rankR.pt), and trainer_state.json (the format,
+    the step, the world size, and train_full's JSON: data position, the run's flags). Nothing in it
+    needs pickle to load beyond DCP's .metadata, which load_checkpoint reads with an allow-list.
+
+    Written to step_NNNNNN.tmp and renamed when complete: a run killed at any moment leaves
+    either a complete checkpoint or a .tmp folder that --resume ignores. The newest `keep` stay.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    root = os.path.join(out, "checkpoints")
+    final = os.path.join(root, f"step_{step:06d}")
+    tmp = final + ".tmp"
+    if dist_.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": {"state": optim_sd["state"]}}, checkpoint_id=tmp)
+    version, words, gauss = random.getstate()
+    rng = {"torch": torch.get_rng_state(), "python_words": torch.tensor(words, dtype=torch.int64),
+           "python_version": torch.tensor(version), "python_gauss": torch.tensor([math.nan if gauss is None else gauss])}
+    if dist_.device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state()
+    torch.save(rng, os.path.join(tmp, f"rng_rank{dist_.rank}.pt"))
+    dist.barrier()
+    if dist_.is_main:
+        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+            json.dump({"format": CHECKPOINT_FORMAT, "step": step, "world": dist_.world, **trainer_state}, f, indent=1)
+        shutil.rmtree(final, ignore_errors=True)  # resumed from an older checkpoint: this step is redone
+        os.replace(tmp, final)  # atomic: the checkpoint exists only once it is complete
+        done = sorted(d for d in os.listdir(root) if CKPT_RE.match(d))
+        for old in done[: max(len(done) - keep, 0)]:
+            shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def find_checkpoint(spec, out):
+    """The folder to resume from: spec itself, or the newest complete OUT/checkpoints/step_* (None if none)."""
+    if spec != "latest":
+        return spec
+    root = os.path.join(out, "checkpoints")
+    done = sorted(d for d in os.listdir(root) if CKPT_RE.match(d)) if os.path.isdir(root) else []
+    done = [d for d in done if os.path.exists(os.path.join(root, d, "trainer_state.json"))]
+    return os.path.join(root, done[-1]) if done else None
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's .metadata is a pickle: allow the classes DCP writes there (its metadata dataclasses, torch
+    sizes, dtypes and layouts, paths), refuse anything else before it runs."""
+
+    ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+               ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath")}
+
+    def find_class(self, module, name):
+        obj = getattr(sys.modules.get(module), name, None) if module in sys.modules else None
+        if ((module, name) in self.ALLOWED or (module == "torch" and isinstance(obj, torch.dtype))
+                or (module in ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+                    and isinstance(obj, type) and name != "BytesStorageMetadata")):
+            return super().find_class(module, name)
+        raise _Refused(f"{module}.{name}")
+
+
+class _Refused(pickle.UnpicklingError):
+    """A global that a train_full checkpoint never holds."""
+
+
+def read_checkpoint(path, rank=None):
+    """Check a checkpoint folder without loading it into a model (cheap: before any model is built) and
+    return its trainer_state. Raises CheckpointError for a missing, truncated, corrupt or older
+    checkpoint, or one that holds a pickled object (in .metadata or an RNG file)."""
+    importlib.import_module("torch.distributed.checkpoint.filesystem")  # the classes .metadata names
+
+    fix = "resume from an older checkpoint (--resume OUT/checkpoints/step_NNNNNN) or start a new run with a new --out"
+    state_file = os.path.join(path, "trainer_state.json")
+    try:
+        with open(state_file) as f:
+            meta = json.load(f)
+        assert isinstance(meta, dict) and isinstance(meta.get("step", 0), int)
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: not a complete checkpoint (no trainer_state.json); {fix}") from None
+    except (ValueError, AssertionError, UnicodeDecodeError):
+        raise CheckpointError(f"{state_file}: truncated or corrupt (not the JSON train_full writes); {fix}") from None
+    if meta.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"{state_file}: checkpoint format {meta.get('format', 1)}, written by an older train_full.py "
+                              f"(this one reads format {CHECKPOINT_FORMAT} only: no pickled state); finish that run with "
+                              "the train_full.py that wrote it, or start a new run with a new --out")
+    for key in ("step", "world", "order", "run"):
+        if key not in meta:
+            raise CheckpointError(f"{state_file}: no '{key}' (truncated or edited); {fix}")
+    try:
+        with open(os.path.join(path, ".metadata"), "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        for info in metadata.storage_data.values():  # every shard file holds the bytes .metadata points to
+            shard = os.path.join(path, info.relative_path)
+            if not os.path.isfile(shard) or os.path.getsize(shard) < info.offset + info.length:
+                raise CheckpointError(f"{shard}: {'truncated' if os.path.isfile(shard) else 'missing'} (the write did "
+                                      f"not complete); {fix}")
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}/.metadata: missing (the shards were not written completely); {fix}") from None
+    except _Refused as e:  # (non-tensor entries, BytesStorageMetadata, would be unpickled by DCP: refused too)
+        raise CheckpointError(f"{path}/.metadata: refused: it holds a pickled object ({e}) that train_full never "
+                              f"writes there (loading it could run code); {fix}") from None
+    except CheckpointError:
+        raise
+    except Exception as e:  # UnpicklingError, EOFError, ...: a damaged file
+        raise CheckpointError(f"{path}/.metadata: truncated or corrupt ({type(e).__name__}); {fix}") from None
+    for r in range(meta["world"]) if rank is None else [rank]:
+        rng_file = os.path.join(path, f"rng_rank{r}.pt")
+        if os.path.exists(rng_file):
+            load_rng_file(rng_file, fix)
+    return meta
+
+
+def load_rng_file(rng_file, fix):
+    """One rank's RNG state: tensors only (torch.load(weights_only=True))."""
+    try:
+        rng = torch.load(rng_file, weights_only=True)
+        assert isinstance(rng, dict) and all(isinstance(v, torch.Tensor) for v in rng.values())
+        return rng
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        if "weights_only" in str(e) or "Unsupported global" in str(e):
+            raise CheckpointError(f"{rng_file}: refused: it holds a pickled Python object, not tensors (loading it could "
+                                  f"run code); {fix}") from None
+        raise CheckpointError(f"{rng_file}: truncated or corrupt ({first}); {fix}") from None
+    except Exception as e:
+        raise CheckpointError(f"{rng_file}: truncated or corrupt ({type(e).__name__}); {fix}") from None
+
+
+def load_checkpoint(path, model, optimizer, dist_):
+    """Restore the model and AdamW's state (any world size: DCP reshards the shards) and, when the
+    world size is the one that wrote it, this rank's RNG; returns trainer_state. Every file is
+    checked first (read_checkpoint): DCP then reads tensors only."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    meta = read_checkpoint(path, rank=dist_.rank)
+    model_sd, optim_sd = get_state_dict(model, optimizer)  # a fresh optimizer's state is initialised (zeros)
+    state = {"model": model_sd, "optim": {"state": optim_sd["state"]}}
+    try:
+        dcp.load(state, checkpoint_id=path)
+    except (Exception, dcp.api.CheckpointException) as e:  # (DCP's own is a BaseException)
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{path}: its shards cannot be read ({first}): truncated or corrupt, or from another "
+                              "model; resume from an older checkpoint or start a new run with a new --out") from None
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict={"state": state["optim"]["state"], "param_groups": optim_sd["param_groups"]})
+    rng_file = os.path.join(path, f"rng_rank{dist_.rank}.pt")
+    if meta["world"] == dist_.world and os.path.exists(rng_file):  # another world size: sampling is seeded per prompt
+        rng = load_rng_file(rng_file, "start a new run")
+        torch.set_rng_state(rng["torch"])
+        gauss = float(rng["python_gauss"][0])
+        random.setstate((int(rng["python_version"]), tuple(rng["python_words"].tolist()), None if math.isnan(gauss) else gauss))
+        if "cuda" in rng and dist_.device.type == "cuda":
+            torch.cuda.set_rng_state(rng["cuda"])
+    return meta
+
+
+def export_hf(model, tokenizer, path, dist_):
+    """save_pretrained of the full weights (rank 0), in the base model's dtype: loadable by
+    transformers' from_pretrained and by vLLM."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist_.is_main:
+        config = model.config
+        dtype = config.dtype if isinstance(config.dtype, torch.dtype) else getattr(torch, str(config.dtype or "float32"))
+        config.use_cache = True
+        with torch.device("meta"):
+            shell = AutoModelForCausalLM.from_config(config)  # a plain class for save_pretrained (not FSDP's)
+        tmp = path.rstrip("/") + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shell.save_pretrained(tmp, state_dict={k: v.to(dtype) for k, v in full.items()})
+        tokenizer.save_pretrained(tmp)
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)
+        config.use_cache = False
+    dist.barrier()
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Evaluation: k samples per problem -> Pass@1 (mean over k) and Pass@k (unbiased)
+# ---------------------------------------------------------------------------------------------
+def evaluate(engine, tokenizer, stops, eval_sets, args, dist_, grader, tag="", model_name=None, step=None):
+    """Every benchmark: this rank samples --eval-samples answers for its contiguous share of the problems; rank 0
+    writes OUT/eval_TAG.md/.json and, after `step` training steps (None: --eval-only), a metrics.jsonl line."""
+    results = {}
+    for name, problems, dropped, too_long in eval_sets:
+        per = math.ceil(len(problems) / dist_.world)
+        mine = list(range(dist_.rank * per, min((dist_.rank + 1) * per, len(problems))))
+        outs = engine.generate([problems[i]["prompt_ids"] for i in mine], args.eval_samples, args.eval_temperature,
+                               args.eval_top_p, args.eval_max_tokens, sample_seeds(args, 10**6, mine, args.eval_samples),
+                               stops) if mine else []
+        texts = [tokenizer.decode(c["token_ids"], skip_special_tokens=True) for group in outs for c in group]
+        rewards = grader.score_batch(texts, [problems[i]["answer"] for i, group in zip(mine, outs) for _ in group])
+        n = args.eval_samples
+        correct = [int(sum(rewards[j * n : (j + 1) * n])) for j in range(len(outs))]  # correct samples per problem
+        gathered = [None] * dist_.world
+        dist.all_gather_object(gathered, correct)
+        correct = [c for part in gathered for c in part]  # rank order = problem order
+        row = {"problems": len(correct), "samples": n, "dropped": dropped, "too_long": too_long}
+        for k in args.eval_pass_k:
+            row[f"pass@{k}"] = 100.0 * sum(pass_at_k(n, c, k) for c in correct) / max(len(correct), 1)
+        row["correct"] = correct
+        results[name] = row
+    if results:
+        keys = [f"pass@{k}" for k in args.eval_pass_k]
+        results["average"] = {k: sum(r[k] for r in results.values()) / len(results) for k in keys}
+        if dist_.is_main:
+            write_eval_report(results, keys, args, tag, model_name or args.model)
+            if step is not None:
+                common.append_metrics(os.path.join(args.out, "metrics.jsonl"), eval_record(step, results))
+    return results
+
+
+def eval_record(step, results):
+    """One metrics.jsonl line per evaluation: {benchmark}_pass@k for every benchmark and the average."""
+    return {"kind": "eval", "step": step, **{f"{name}_{k}": v for name, row in results.items()
+                                             for k, v in row.items() if k.startswith("pass@")}}
+
+
+def write_eval_report(results, keys, args, tag, model_name):
+    lines = [f"# Evaluation of {model_name}", "",
+             f"{args.eval_samples} samples per problem, temperature {args.eval_temperature}, top-p {args.eval_top_p}, "
+             f"max {args.eval_max_tokens} tokens, template {args.template}. Pass@1 = mean accuracy over the samples; "
+             "Pass@k unbiased (Chen et al., 2021).", "",
+             "| benchmark | problems | " + " | ".join(k.replace("pass", "Pass") for k in keys) + " |",
+             "|---|---|" + "---|" * len(keys)]
+    for name, row in results.items():
+        cells = [f"{row[k]:.1f}" for k in keys]
+        lines.append(f"| {name} | {row.get('problems', '')} | " + " | ".join(cells) + " |")
+    skipped = {name: (row["dropped"], row["too_long"]) for name, row in results.items() if row.get("dropped") or row.get("too_long")}
+    for name, (dropped, too_long) in skipped.items():
+        lines.append(f"\nNot evaluated in {name}: {dropped} rows without an answer, {too_long} prompts longer than the context.")
+    stem = os.path.join(args.out, f"eval{'_' + tag if tag else ''}")
+    with open(stem + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with open(stem + ".json", "w") as f:
+        json.dump({"model": model_name, "settings": {k: getattr(args, k) for k in (
+            "eval_samples", "eval_temperature", "eval_top_p", "eval_max_tokens", "template", "eval_limit")},
+            "results": results}, f, indent=1)
+    print("\n".join(lines), flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Reports: the step's line of metrics.jsonl, the explain page
+# ---------------------------------------------------------------------------------------------
+def write_args(args, dist_):
+    """OUT/args.json (eval_args.json with --eval-only): the flags as parsed and checked, and the world size."""
+    os.makedirs(args.out, exist_ok=True)
+    if dist_.is_main:
+        with open(os.path.join(args.out, "args.json" if not args.eval_only else "eval_args.json"), "w") as f:
+            json.dump({**vars(args), "world": dist_.world}, f, indent=1)
+
+
+def train_record(step, stats, rollouts, phases, grader, n_params, flops_peak, args, dist_):
+    """The step's line of metrics.jsonl (docs/metrics.md): the step's metrics (train_full.step_metrics), then the
+    run's counts, clocks, MFU and memory. phases: this rank's gen_s, reward_s, sync_s, and the GPU memory in use
+    during generation (gpu_used_gen) and after the update, before the sync (gpu_used_train). Every rank calls it (all_reduce)."""
+    MAX = dist.ReduceOp.MAX
+    gen_tokens = all_reduce(sum(len(r["response_ids"]) for group in rollouts for r in group), dist_)
+    gen_s = all_reduce(phases["gen_s"], dist_, MAX)  # the slowest rank's
+    return {"kind": "train", "step": step, **stats,
+            "gen_tokens": int(gen_tokens), "kept_tokens_frac": stats["kept_tokens"] / max(gen_tokens, 1.0),
+            "response_len": gen_tokens / (args.prompts_per_step * args.group_size),
+            "grader_timeouts": int(all_reduce(grader.timeouts, dist_)),
+            "gen_s": gen_s, "reward_s": all_reduce(phases["reward_s"], dist_, MAX), "sync_s": phases["sync_s"],
+            "gen_tokens_per_s": gen_tokens / max(gen_s, 1e-9),
+            # model FLOPs of the update: the no-grad forwards (2 N per token: pass 1 and the
+            # reference) + pass 2 forward and backward (6 N per token), N without the embedding;
+            # activation recomputation and attention not counted
+            "mfu": ((2 * stats["pass1_tokens"] + 6 * stats["train_tokens"]) * n_params
+                    / (stats["train_s"] * dist_.world * flops_peak) if flops_peak else None),
+            "mem_peak_gb": all_reduce(memory_peak_gb(dist_.device), dist_, MAX),
+            "gpu_used_gen_gb": all_reduce(phases["gpu_used_gen"], dist_, MAX),
+            "gpu_used_train_gb": all_reduce(phases["gpu_used_train"], dist_, MAX)}
+
+
+def write_explain_page(step, rollouts, prompts, sel, entropy, token_keep, stats, args, tokenizer, dist_):
+    """Rank 0's page of one step (explain.write_step), from the global selection. The few rollouts it shows
+    (explain.pick_rollouts on the global batch: the same choice on every rank) are gathered on rank 0 with their
+    token ids and, when forwarded, entropy, score and selection: a few rollouts, never the batch. sel: the
+    step's train_full.select_samples_global; prompts: this rank's problem texts. Every rank calls it (gather_object)."""
+    G = sel.keep_all.shape[1]
+    local_row = {sel.kept_all[g][0] * G + sel.kept_all[g][1]: r for g, r in sel.row_of.items()}  # p * G + g -> row here
+    token_scores = d3s.token_scores(sel.kept_adv, entropy)
+    shown_adv = torch.where(sel.keep_all, sel.adv_all, d3s.group_advantages(sel.rewards_all))  # the loss's A on kept cells
+    picked, mine = explain.pick_rollouts(shown_adv, sel.keep_all), []
+    for index in picked:
+        p, g = divmod(index, G)
+        if index in local_row:  # forwarded here: its row of entropy / scores / selection
+            r = local_row[index]
+            ids = list(sel.seqs[r]["response_ids"])
+            n = len(ids)
+            mine.append({"index": index, "ids": ids, "entropy": entropy[r, :n].tolist(), "score": token_scores[r, :n].tolist(),
+                         "selected": token_keep[r, :n].tolist()})
+        elif not sel.keep_all[p, g] and sel.first <= p < sel.first + len(rollouts):  # dropped: only its home rank has it
+            mine.append({"index": index, "ids": list(rollouts[p - sel.first][g]["response_ids"])})
+    parts = [None] * dist_.world if dist_.is_main else None
+    dist.gather_object((mine, prompts), parts, dst=0)
+    if not dist_.is_main:
+        return
+    items = sorted((item for part, _ in parts for item in part), key=lambda item: picked.index(item["index"]))
+    for item in items:
+        item["tokens"] = [tokenizer.decode([t]) for t in item.pop("ids")]
+    # the row that selected: args.method, or its twin after --switch-on-spike
+    switched = {} if sel.row == args.method else {"--switch-on-spike": f"fired: --method {args.method} runs as {sel.row}"}
+    explain.write_step(os.path.join(args.out, "explain"), step=step, rung="train_full", method=sel.row,
+                       rewards=sel.rewards_all, adv=shown_adv, keep=sel.keep_all, n_keep=stats["n_keep"],
+                       k_frac=stats["k_frac"], k_real=stats["k_real"], shown=items,
+                       prompts=[text for _, texts in parts for text in texts],
+                       extra={**switched, "loss (mean over optimizer steps)": stats["loss"], "tokens in the loss": stats["kept_tokens"],
+                              "grad norm (before clipping)": stats["grad_norm"], "ranks": dist_.world})

@@ -1,0 +1,76 @@
+"""The reader's path holds together: who imports whom, d3s.py's doctests from the command line, and the sizes of the
+files a reader opens first (README, d3s.py, the toy, the two trainers: the anchors' scale, issue 29).
+
+- d3s.py imports only torch and the standard library: it is the method, not a framework.
+- No rung imports another rung (toy/bandit.py, train_small.py, train_full.py), and nothing that a rung or a shared
+  module imports reaches into experiments/: the harness imports the rungs, never the other way round.
+"""
+
+import ast
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+RUNGS = {"toy/bandit.py": "bandit", "train_small.py": "train_small", "train_full.py": "train_full"}
+SHARED = ["d3s.py", "variants.py", "cli.py", "common.py", "explain.py", "mathtask.py", "tiny.py", "warmstart.py",
+          "fsdp_vllm.py"] + sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("full_*.py"))
+READER_PATH = {"README.md": 200, "d3s.py": 400, "toy/bandit.py": 300, "train_small.py": 450, "train_full.py": 500}
+STDLIB = set(sys.stdlib_module_names)
+
+
+def imported(path):
+    """Every module a file imports, at any depth of the file (function-level imports included): top-level names."""
+    tree = ast.parse((ROOT / path).read_text(encoding="utf-8"))
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+            if node.module == "toy":
+                names |= {alias.name for alias in node.names}  # from toy import bandit
+    return names
+
+
+def test_d3s_imports_only_torch_and_the_standard_library():
+    assert imported("d3s.py") - STDLIB == {"torch"}
+
+
+@pytest.mark.parametrize("rung", sorted(RUNGS))
+def test_no_rung_imports_another_rung_or_the_experiments(rung):
+    others = {module for path, module in RUNGS.items() if path != rung}
+    experiments = {p.stem for p in (ROOT / "experiments").glob("*.py")} | {"experiments"}
+    found = imported(rung) & (others | experiments)
+    assert not found, f"{rung} imports {sorted(found)}"
+
+
+@pytest.mark.parametrize("module", [m for m in SHARED if (ROOT / m).exists()])
+def test_no_shared_module_imports_a_rung_or_the_experiments(module):
+    experiments = {p.stem for p in (ROOT / "experiments").glob("*.py")} | {"experiments"}
+    found = imported(module) & (set(RUNGS.values()) | experiments)
+    assert not found, f"{module} imports {sorted(found)}"
+
+
+def test_the_import_scan_sees_function_level_and_from_imports(tmp_path):
+    probe = ROOT / "tests" / "_layout_probe.py"
+    probe.write_text("import os\nfrom toy import bandit\n\ndef f():\n    import train_small\n    from stats import x\n")
+    try:
+        assert imported("tests/_layout_probe.py") == {"os", "toy", "bandit", "train_small", "stats"}
+    finally:
+        probe.unlink()
+
+
+@pytest.mark.parametrize("module", ["d3s.py", "variants.py"])
+def test_the_doctests_pass_from_the_command_line(module):
+    proc = subprocess.run([sys.executable, "-m", "doctest", module], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("path, most", sorted(READER_PATH.items()))
+def test_the_files_a_reader_opens_first_stay_at_the_anchors_scale(path, most):
+    """cleanRL's ppo.py is 312 lines, nanoGPT's train.py 336: a feature that would grow these files goes beside them."""
+    lines = len((ROOT / path).read_text(encoding="utf-8").splitlines())
+    assert lines <= most, f"{path}: {lines} lines, more than {most}"
