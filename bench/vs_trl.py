@@ -20,8 +20,9 @@ batch (P prompts x G rollouts), response length, temperature, learning rate, cli
   trl-d3s   .venv-trl/bin/python bench/trl_arm.py --d3s-method d3s: integrations/trl.py's D3SGRPOTrainer,
             the trl arm's GRPOConfig plus D3S's fields (the same N and K schedule as the d3s arm)
 The train_small arms run one optimizer step per batch (--mini-batches 1) and clip 0.2/0.2, as TRL does.
-trl_arm.py replays train_small.py's prompt order and per-step sampling seed, so with the same
-weights the TRL and grpo arms draw the same step-1 rollouts (the table says whether they did).
+trl_arm.py replays train_small.py's prompt order and per-step sampling seed. The TRL arms draw the same
+step-1 rollouts among themselves, and so do the train_small arms; across the two samplers they differ
+(train_small encodes a prompt once and repeats its KV cache: HF generate's tokens only up to rounding).
 The arms run in the order trl, trl-nogc, grpo, d3s, trl-d3s, trl, ... (--repeats rounds, and
 within a round one pass per --seeds entry), so drift of a shared machine hits all of them.
 --seeds sets the RL seed of each run (prompt order, sampling, TRL's seed: train_small's --rl-seed);
@@ -443,7 +444,7 @@ What differs between the arms beyond the algorithm (TRL 1.16.0 as installed, rea
   trl_arm.py sets bf16=False, as the project trains in fp32.)
 - One prompt forward per group in train_small: its loss forward runs each distinct prompt once (keys and
   values with grad, the logits of o_1) and the G responses on those keys and values
-  (`forward_logprobs_entropy`, share_prompts=True), as its sampler does for generation. TRL forwards
+  (`train_small.forward_logprobs_entropy`), as its sampler does for generation. TRL forwards
   prompt + completion for every row, so the prompt (~56 characters here, against ~26 completion tokens)
   is forwarded and backpropagated G times. Same log-probs and gradients up to fp32 rounding (tested).
 - No old-log-prob or reference forward: with `num_iterations=1`, `steps_per_generation =

@@ -7,13 +7,14 @@ token level selects with the ones it drops.
 
     .venv/bin/python experiments/dropped_tokens.py        # train_small's default warm start, built (minutes) or loaded
                                                     # from runs/cache; d3s at step 1 of 100 (N 4 of 16, K 5%), 4 batches
-    .venv/bin/python experiments/dropped_tokens.py --model runs/cache/warmstart-4028f0221846   # a cached warm start
-                                                    # (this one: --sft-shortcut 0.5, the run of docs/dropped_tokens.md)
+    .venv/bin/python experiments/headroom.py --sft-shortcut 0.5   # builds runs/cache/warmstart-4028f0221846, then:
+    .venv/bin/python experiments/dropped_tokens.py --model runs/cache/warmstart-4028f0221846   # that warm start
+                                                    # (--sft-shortcut 0.5: runs 1 and 2 of docs/dropped_tokens.md)
     .venv/bin/python experiments/dropped_tokens.py --model runs/small/final --step 100 --out runs/dropped.md \\
         --explain-out runs/dropped_example.md
     .venv/bin/python experiments/dropped_tokens.py --model M --method d2s --token-rule entropy     # another row or rule
 
-Batch b (0..B-1) is train_small.py's step S with --rl-seed SEED + b, up to its update (train_step, update_policy):
+Batch b (0..B-1) is train_small.py's step S with --rl-seed SEED + b, up to its update (train_small.train's loop):
 train_small.rollout of P x G responses to P problems of warmstart.TASKS[--task] (the problems and the sampling
 seeded as that step's), train_small.compute_rewards (mathtask.Grader), N and K from d3s.method_budget (the
 method's budget at step S of --steps; linear schedule), d3s.select_samples, one train_small.forward_logprobs_entropy

@@ -1,5 +1,5 @@
 """experiments/questions_small.py: the tiny rung's answers to the questions of docs/questions.md, read
-from the metrics.jsonl of `train_small.py --compare` runs (it runs nothing itself).
+from the metrics.jsonl of `experiments/small_ladder.py --compare` runs (it runs nothing itself).
 
     .venv/bin/python experiments/questions_small.py --question 4 --runs runs/ladder2              # d2s vs d3s
     .venv/bin/python experiments/questions_small.py --question 5 --runs runs/q5_small/sft200 --base d3s-i --rows d3s
@@ -59,7 +59,7 @@ def fail(message):
 def parse_args(argv=None):
     p = cli.Parser(prog=PROG, description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--question", type=int, choices=(1, 2, 3, 4, 5, 7), required=True)
-    p.add_argument("--runs", required=True, help="a train_small.py --compare --out folder (METHOD/seedS/metrics.jsonl); "
+    p.add_argument("--runs", required=True, help="an experiments/small_ladder.py --compare --out folder (METHOD/seedS/metrics.jsonl); "
                    "questions 1, 2, 3, 7: the folder the --rows paths start from")
     p.add_argument("--rows", default=None, help="question 4: methods to report (default d2s,d3s); question 5: methods to pair "
                    "with --base (default d3s); questions 1, 2, 3, 7: METHOD folders under --runs, each ROW or ROW@REF")
@@ -73,7 +73,7 @@ def parse_args(argv=None):
     p.add_argument("--plot", default=None, help="write the figure here (.png)")
     args = p.parse_args(argv)
     if not os.path.isdir(args.runs):
-        p.error(f"--runs {args.runs}: not a folder; give the --out folder of a train_small.py --compare run")
+        p.error(f"--runs {args.runs}: not a folder; give the --out folder of an experiments/small_ladder.py --compare run")
     for flag, value in (("--window", args.window), ("--spike", args.spike)):
         if not (cli.finite(value) and value > 0):
             p.error(f"{flag} {value}: must be a number > 0")
@@ -97,7 +97,7 @@ def load_runs(folder, method, with_seeds=False):
     """[(train lines, eval lines)] per seed folder of OUT/method, in seed order (and the seeds, if asked)."""
     base = os.path.join(folder, method)
     if not os.path.isdir(base):
-        fail(f"--runs {folder}: no {method}/ in it; run train_small.py --compare with {method}, "
+        fail(f"--runs {folder}: no {method}/ in it; run experiments/small_ladder.py --compare with {method}, "
                               "or name the methods it has with --rows/--base")
     runs, seeds = [], []
     for seed in sorted((d for d in os.listdir(base) if d.startswith("seed") and d[4:].isdigit()), key=lambda d: int(d[4:])):

@@ -19,6 +19,7 @@ import platform
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.dirname(os.path.abspath(__file__))]
@@ -54,6 +55,11 @@ def parse_args(argv=None):
     args = train_small.parse_args(argv, p, methods=methods)
     if args.stop_after is not None:
         p.error(f"--stop-after {args.stop_after}: stops one run; drop it with --compare")
+    for m in methods:  # a method's folder linked to the runs of another compare that were never made
+        folder = os.path.join(args.out, m)
+        if os.path.islink(folder) and not os.path.exists(folder):
+            p.error(f"--out {args.out}: {folder} links to {os.readlink(folder)}, which does not exist; make those runs "
+                    "first, or remove the link")
     args.argv, args.command = argv, " ".join(["python experiments/small_ladder.py"] + argv)
     return args
 
@@ -116,22 +122,20 @@ def compare_in_processes(args, methods, seeds):
             switch = ["--switch-on-spike", "0"] if method not in variants.INTRA_TWIN else []  # a row without a twin: off
             jobs.append((out, [sys.executable, os.path.join(ROOT, "train_small.py"), *base, "--method", method, "--rl-seed", str(seed),
                                "--out", out, *resume, *switch]))
-    running = []
-    with tqdm(total=len(jobs), desc=f"--compare, {args.workers} workers", dynamic_ncols=True) as bar:
-        while jobs or running:
-            while jobs and len(running) < args.workers:
-                out, cmd = jobs.pop(0)
-                os.makedirs(out, exist_ok=True)
-                log = open(out + ".log", "w")
-                running.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), out, log))
-            time.sleep(1.0)
-            for proc, out, log in [r for r in running if r[0].poll() is not None]:
-                running.remove((proc, out, log))
-                log.close()
-                if proc.returncode != 0:
-                    raise cli.UsageError(f"--compare: the run in {out} failed (exit {proc.returncode}); see {out}.log, fix it and "
-                                     "rerun the same command with --resume")
-                bar.update(1)
+    def run_one(job):  # one train_small.py process; its log in OUT/M/seedS.log
+        out, cmd = job
+        os.makedirs(out, exist_ok=True)
+        with open(out + ".log", "w") as log:
+            return out, subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
+
+    pool = ThreadPoolExecutor(args.workers)  # threads that wait on processes: --workers runs at a time, in order
+    try:
+        for out, code in tqdm(pool.map(run_one, jobs), total=len(jobs), desc=f"--compare, {args.workers} workers"):
+            if code != 0:
+                raise cli.UsageError(f"--compare: the run in {out} failed (exit {code}); see {out}.log, fix it and rerun "
+                                     "the same command with --resume")
+    finally:
+        pool.shutdown(cancel_futures=True)  # after a failure, the runs not yet started are not started
     summaries = {m: [] for m in methods}
     for seed in seeds:
         for method in methods:

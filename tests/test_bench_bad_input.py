@@ -5,8 +5,7 @@ exactly one non-empty line on stderr, `<prog>: error: ...` containing the fragme
 value and what is wrong), no "Traceback", and nothing on stdout (no work started). The checks run
 before any work: bench/vs_trl.py and experiments/headroom.py's --out before torch is imported (vs_trl.py
 needs the TRL venv only for its arms, so this runs in the project's .venv); the others right after
-their imports (about 2 s). experiments/headroom.py hands the rest of its flags to train_small.py, whose
-argparse errors carry the name train_small.py (its one-line Parser), its checks the name headroom.py.
+their imports (about 2 s). experiments/headroom.py hands the rest of its flags to train_small.py's parser and checks, under its own name.
 
 Paths in the tables: {file} an existing text file, {dir} an existing empty folder, {missing} a path
 that does not exist, {json} a JSON file with no model_type (all made in a temporary folder).
@@ -184,6 +183,7 @@ SMALL_LADDER = [  # train_small.py's flags and checks, and the compare's own
     (["--compare", "d3s", "--stop-after", "3"], "--stop-after 3: stops one run"),
     (["--compare", "d3s", "--lr", "nan"], "--lr nan: must be in (0, 1]"),
     (["--compare", "d3s", "--out", "{file}"], "is a file, not a folder"),
+    (["--compare", "grpo", "--out", "{dangling}"], "links to"),
 ]
 TABLES = {"toy_ladder.py": TOY_LADDER, "small_ladder.py": SMALL_LADDER, "vs_trl.py": VS_TRL, "memory.py": MEMORY, "selection.py": SELECTION, "loss_head.py": LOSS_HEAD,
           "tiled_mlp.py": TILED_MLP, "headroom.py": HEADROOM, "questions_toy.py": QUESTIONS_TOY,
@@ -198,8 +198,10 @@ def paths(tmp_path_factory):
     (base / "notes.txt").write_text("hello\n")
     (base / "empty").mkdir()
     (base / "config.json").write_text(json.dumps({"hidden_size": 8}))
+    (base / "compare").mkdir()
+    (base / "compare" / "grpo").symlink_to(base / "never-made")  # a method folder linked to runs that were never made
     return {"file": str(base / "notes.txt"), "dir": str(base / "empty"), "missing": str(base / "missing"),
-            "json": str(base / "config.json")}
+            "json": str(base / "config.json"), "dangling": str(base / "compare")}
 
 
 EXPERIMENTS = {"toy_ladder.py", "small_ladder.py", "questions_toy.py", "questions_small.py", "dropped_tokens.py", "headroom.py"}  # experiments/, not bench/
