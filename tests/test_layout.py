@@ -74,3 +74,15 @@ def test_the_files_a_reader_opens_first_stay_at_the_anchors_scale(path, most):
     """cleanRL's ppo.py is 312 lines, nanoGPT's train.py 336: a feature that would grow these files goes beside them."""
     lines = len((ROOT / path).read_text(encoding="utf-8").splitlines())
     assert lines <= most, f"{path}: {lines} lines, more than {most}"
+
+
+def test_the_readmes_reading_order_gives_each_files_true_length():
+    """The table under "Read it in this order" names each file of the path with its length: kept true here."""
+    import re
+
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    table = text[text.index("## Read it in this order"):].split("\n\n")[1]
+    rows = re.findall(r"^\| \d+ \| \[?`([^`]+)`\]?(?:\([^)]*\))? \| (\d+) \|", table, re.M)
+    assert [path for path, _ in rows] == list(READER_PATH)
+    for path, lines in rows:
+        assert int(lines) == len((ROOT / path).read_text(encoding="utf-8").splitlines()), path

@@ -1,0 +1,39 @@
+"""The answers to the lesson's exercises (lesson.ipynb, section 7). Try them yourself first."""
+
+import itertools
+import math
+
+import torch
+
+
+def group_advantages(rewards):
+    """Exercise 1: A = (R - mean) / (std + 1e-6) per row, the unbiased std; a row with no spread gets A = 0."""
+    centered = rewards - rewards.mean(-1, keepdim=True)
+    spread = rewards.amax(-1, keepdim=True) > rewards.amin(-1, keepdim=True)
+    return torch.where(spread, centered / (rewards.std(-1, keepdim=True) + 1e-6), torch.zeros_like(rewards))
+
+
+def max_variance_subset(values, m):
+    """Exercise 2: the indices (ascending) of the m values with the largest unbiased variance. PODS: the best subset
+    is always "the k largest plus the m - k smallest" for some k, so m + 1 candidates suffice."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    candidates = [sorted(order[:m - k] + order[len(order) - k:]) for k in range(m + 1)]
+    variance = lambda idx: torch.tensor([values[i] for i in idx], dtype=torch.float64).var().item() if m > 1 else 0.0  # noqa: E731
+    return max(candidates, key=variance)
+
+
+def brute_force_subset(values, m):
+    """The same by trying every m-subset (for checking; exponential in len(values))."""
+    return max((list(c) for c in itertools.combinations(range(len(values)), m)),
+               key=lambda idx: torch.tensor([values[i] for i in idx], dtype=torch.float64).var().item() if m > 1 else 0.0)
+
+
+def entropy_scores(adv, entropy):
+    """Exercise 3: score tokens by their entropy alone (the "80/20" rule), ignoring the advantage."""
+    return entropy.float().clone()
+
+
+def linear_schedule(step, total_steps, n_init=8, n_final=32, k_init=0.05, k_final=0.20):
+    """Exercise 4: N and K on the paper's linear schedule (N rounded half up, capped at the final values)."""
+    f = min(step / total_steps, 1.0)
+    return int(math.floor(n_init + (n_final - n_init) * f + 0.5)), k_init + (k_final - k_init) * f

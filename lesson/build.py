@@ -1,0 +1,29 @@
+"""Write lesson/lesson.ipynb from lesson/lesson.py (the source, jupytext's percent format), executed top to bottom,
+with its outputs: what a code host shows without running it. Run it after editing the source (about 5 minutes):
+
+    .venv/bin/python lesson/build.py
+"""
+
+import os
+import sys
+import time
+
+import jupytext
+import nbformat
+from nbclient import NotebookClient
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def execute(source=os.path.join(HERE, "lesson.py"), timeout=1200):
+    """The notebook of `source`, executed in the lesson's folder (an error in a cell raises); returns (nb, seconds)."""
+    nb = jupytext.read(source)
+    t0 = time.time()
+    NotebookClient(nb, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": HERE}}).execute()
+    return nb, time.time() - t0
+
+
+if __name__ == "__main__":
+    nb, seconds = execute()
+    nbformat.write(nb, os.path.join(HERE, "lesson.ipynb"))
+    print(f"lesson.ipynb written: executed in {seconds:.0f} s", file=sys.stderr)
