@@ -8,19 +8,23 @@ data, checkpoints, evaluation, reports). This module holds the rest, in five par
                       rank trains which kept rollout (assign_rollouts: the load balance)
   2 policy            the tokenizer and generation config, the HF model as FSDP2 shards (fp32
                       master weights, bf16 compute, fp32 reductions, activation checkpointing,
-                      the tiled MLP), AdamW, full tensors one at a time for the weight sync
+                      the tiled MLP; --cpu-offload), AdamW, bf16 full tensors one at a time for
+                      the weight sync
   3 loss head         forward passes on the kept rollouts in micro-batches, never the
                       [n, T, vocab] logits: log-probs and entropy in blocks, pass 2 only at
                       the tokens in the loss
-  4 rollout engines   VLLMEngine (colocated vLLM, sleep mode, reload_weights) and its memory
-                      plan; HFEngine (transformers' generate), the same interface
-  5 clocks, memory    timers that wait for the GPU, peak memory, MFU's peak FLOP/s
+  4 rollout engines   VLLMEngine (colocated vLLM, sleep mode, reload_weights, the check before a
+                      wake) and the memory plan of trainer and vLLM on one GPU (and its refusal);
+                      HFEngine (transformers' generate), the same interface
+  5 clocks, memory    timers that wait for the GPU, peak memory, MFU's peak FLOP/s, why torch
+                      sees no GPU (cuda_diagnosis)
 """
 
 import datetime
 import functools
 import math
 import os
+import random
 import socket
 import time
 
@@ -28,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 import d3s
+from cli import UsageError
 
 
 # ---------------------------------------------------------------------------------------------
@@ -41,8 +46,10 @@ class Dist:
         self.is_main = rank == 0
 
 
-def init_distributed(device_type):
-    """Join the torchrun process group (or make a world of one): nccl on CUDA, gloo on CPU.
+def init_distributed(device_type, cpu_offload=False):
+    """Join the torchrun process group (or make a world of one): nccl on CUDA, gloo on CPU; with
+    --cpu-offload on CUDA both (cpu:gloo,cuda:nccl), for the collectives on the host-resident shards
+    (the gradient norm of clip_grad_norm_, the broadcast of the initial weights).
 
     vLLM's external_launcher reads the same RANK / LOCAL_RANK / MASTER_ADDR / MASTER_PORT, so a
     plain `python train_full.py` sets them for a world of one.
@@ -60,7 +67,8 @@ def init_distributed(device_type):
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device_type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=60),
+        backend = ("cpu:gloo,cuda:nccl" if cpu_offload else "nccl") if device_type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=60),
                                 device_id=device if device_type == "cuda" else None)
     return Dist(dist.get_rank(), dist.get_world_size(), local_rank, device)
 
@@ -154,7 +162,8 @@ def load_policy(args, dist_, reference=False):
     parameter, sharded), for the KL of --kl-ref.
     Memory: rank 0 reads the checkpoint on CPU, every other rank builds the model on the meta
     device; after fully_shard the full weights are broadcast from rank 0 and each rank keeps
-    only its shard, so a 7B model never sits 8 times in host memory.
+    only its shard, so a 7B model never sits 8 times in host memory. With --cpu-offload the
+    shards stay in host memory (FSDP2's CPUOffloadPolicy) and only the buffers go to the GPU.
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -169,7 +178,7 @@ def load_policy(args, dist_, reference=False):
         model = AutoModelForCausalLM.from_config(config, dtype=storage)
     model.config.dtype, model.config.use_cache = checkpoint_dtype, False
     shard_policy(model, args)
-    model.to_empty(device=dist_.device)
+    model.to_empty(device="cpu" if getattr(args, "cpu_offload", False) else dist_.device)
     set_model_state_dict(model, full_state or {}, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     _init_rotary_buffers(model, dist_.device)  # non-persistent: not in the checkpoint, garbage after to_empty
     if reference:
@@ -183,10 +192,13 @@ def shard_policy(model, args, mesh=None):
     untied embedding, then the root.
 
     fp32 master weights, compute in args.dtype, fp32 gradient reduction; gradients are SUMMED
-    over ranks (the loss already divides by the global token count). bench/memory.py calls
+    over ranks (the loss already divides by the global token count). --cpu-offload (choice):
+    FSDP2's CPUOffloadPolicy keeps the sharded fp32 weights, their gradients and so AdamW's
+    moments and step in host memory; each unit's weights are copied to the GPU for its forward
+    and backward, and its gradients back (docs/train_full.md, "One GPU"). bench/memory.py calls
     this too, so the memory plan simulates the very wrapping that trains.
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     if args.activation_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -194,23 +206,32 @@ def shard_policy(model, args, mesh=None):
         chunk_mlps(model, args.mlp_chunk_tokens)
     compute = getattr(torch, args.dtype)
     mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)  # fp32 master weights + reductions
+    # pinned host memory where there is a GPU to copy to (pin_memory needs one)
+    kw = {"mesh": mesh, "mp_policy": mp, "offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+          if getattr(args, "cpu_offload", False) else OffloadPolicy()}
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
+        fully_shard(layer, **kw)
     if not model.config.tie_word_embeddings:  # an untied embedding (the 7B) is needed in forward only: 1 GiB freed after it
-        fully_shard(model.model.embed_tokens, mesh=mesh, mp_policy=mp)
+        fully_shard(model.model.embed_tokens, **kw)
     # root (final norm, lm_head; the tied embedding): stays gathered after forward for the loss head, which calls
-    # lm_head block by block; backward starts there
-    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+    # lm_head block by block; backward starts there (a no-grad forward, which has no backward, reshards it: reshard)
+    fully_shard(model, reshard_after_forward=False, **kw)
     for module in model.modules():
         if hasattr(module, "set_gradient_divide_factor"):  # an FSDPModule
             module.set_gradient_divide_factor(1.0)  # SUM over ranks: the loss already divides by the global count
             module.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
-            # a rank whose micro-batch has no selected token gives an untied lm_head no gradient: reduce-scatter
-            # zeros for it, so that every rank runs the same collectives (torch >= 2.13, requirements.txt's pin;
-            # older torch lacks the switch, and only an untied model on several ranks needs it)
-            if hasattr(module, "set_reduce_scatter_unused_params"):
-                module.set_reduce_scatter_unused_params(True)
+    # Every rank reduce-scatters the gradients of every parameter, whatever its micro-batch: a micro-batch without a
+    # selected token still uses an untied lm_head, at weight 0 (response_logp_at), so that no torch switch
+    # (set_reduce_scatter_unused_params, torch >= 2.13 only) is needed for the ranks' collectives to match.
     return model
+
+
+def reshard(model):
+    """Free a root's gathered weights after a no-grad forward: the root is wrapped reshard_after_forward=False
+    for the loss head, and only a backward would reshard it. (--kl-ref's reference never runs one: its lm_head,
+    1 GiB in bf16 for the 7B, would stay gathered beside vLLM.)"""
+    if hasattr(model, "reshard"):
+        model.reshard()
 
 
 def chunk_mlps(model, chunk_tokens):
@@ -235,11 +256,13 @@ def chunk_mlps(model, chunk_tokens):
 
 @torch.no_grad()
 def _init_rotary_buffers(model, device):
+    """The rotary buffers, computed afresh on the compute device (with --cpu-offload the model was
+    made on the CPU: FSDP2 moves weights, never buffers)."""
     for module in model.modules():
         if hasattr(module, "inv_freq") and hasattr(module, "config"):
             fresh = type(module)(module.config)
             for name, buf in fresh.named_buffers(recurse=False):
-                getattr(module, name).copy_(buf.to(device))
+                module.register_buffer(name, buf.to(device), persistent=name not in module._non_persistent_buffers_set)
 
 
 def make_optimizer(model, args):
@@ -247,12 +270,16 @@ def make_optimizer(model, args):
 
 
 def full_named_tensors(model, dtype):
-    """(name, full tensor) one parameter at a time, gathered from the FSDP shards (all ranks call it)."""
+    """(name, full tensor) one parameter at a time, gathered from the FSDP shards (all ranks call it). Each shard is
+    cast to `dtype` first, then moved to the device its mesh is on (--cpu-offload: from host memory), then
+    gathered: the gather moves and holds bf16, never the fp32 full tensor (2 GiB for the 7B's embedding)."""
     from torch.distributed.tensor import DTensor
 
     for name, param in model.named_parameters():
-        tensor = param.full_tensor() if isinstance(param, DTensor) else param
-        yield name, tensor.detach().to(dtype)
+        if isinstance(param, DTensor):
+            yield name, param.detach().to(dtype).to(param.device_mesh.device_type).full_tensor()
+        else:
+            yield name, param.detach().to(dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -348,8 +375,10 @@ def response_logp_at(model, inputs, targets, positions, temperature, with_entrop
     picked, picked_targets = hidden[index], targets[index]  # [m, H], [m]
     logp = torch.zeros(hidden.shape[:2], dtype=torch.float32, device=hidden.device)
     entropy = torch.zeros_like(logp) if with_entropy else None
-    if picked.shape[0] == 0:  # nothing selected here: keep the graph (FSDP's backward hooks) with a zero
-        return (logp + 0.0 * hidden.sum(), entropy) if with_entropy else logp + 0.0 * hidden.sum()
+    if picked.shape[0] == 0:  # nothing selected here: a zero that keeps the graph (FSDP's backward hooks) and uses
+        # every parameter, an untied lm_head too (one position, weight 0), so every rank reduce-scatters the same
+        zero = 0.0 * (hidden.sum() + model.lm_head(hidden[:1, :1]).float().sum())
+        return (logp + zero, entropy) if with_entropy else logp + zero
     starts = range(0, picked.shape[0], HEAD_CHUNK)
     block_entropy = [None] * len(starts)
 
@@ -409,6 +438,7 @@ def forward_no_grad(model, seqs, rows, T, args, dist_, pad_id, with_entropy):
                 logp_out[chunk, : targets.shape[1]] = logp
                 if with_entropy:
                     entropy_out[chunk, : targets.shape[1]] = entropy
+    reshard(model)  # the root's weights, gathered for the loss head: no backward follows to free them
     return logp_out, entropy_out, all_reduce(sum(len(seqs[r]["prompt_ids"]) + len(seqs[r]["response_ids"]) for r in rows),
                                              dist_)
 
@@ -425,35 +455,169 @@ def context_length(model_path, args):
     return min(window, max(args.max_prompt_len + max(args.max_response_len, args.eval_max_tokens), 4096))
 
 
-def vllm_memory_plan(config, args, ranks, gpu_bytes, kv_ref=False):
-    """gpu_memory_utilization and max_num_seqs of the colocated vLLM engine on one GPU.
+def vllm_memory_plan(config, args, ranks, gpu_bytes, host_bytes=None, local_ranks=1):
+    """gpu_memory_utilization and max_num_seqs of the colocated vLLM engine on one GPU, and the check that the
+    setting fits at all (train_full calls it before any work, full_io.check_machine).
 
     While vLLM generates, the trainer keeps its shards on the same GPU: fp32 weights and
     AdamW's two moments, 12 bytes x parameters / ranks (gradients are freed after each step;
     bench/memory.py checks these bytes), plus 2 bytes x parameters / ranks for --kl-ref's bf16
-    reference. vLLM may take the rest, less MARGIN_GIB for the CUDA context, NCCL buffers and
-    fragmentation. Inside vLLM's share its bf16 weights take 2 bytes x parameters and its
-    forward's workspace about VLLM_WORKSPACE_GIB; the KV cache gets the rest, 2 (K and V) x
-    layers x KV heads x head dim x 2 bytes per token. max_num_seqs is the number of sequences
-    whose KV cache fits at full length (prompt + response), so vLLM need not preempt (clamped
-    to 16 .. 1024). Returns a dict with the numbers (printed at start).
+    reference; none of it with --cpu-offload (host memory). vLLM may take the rest, less MARGIN_GIB
+    for the CUDA context, NCCL's buffers and fragmentation. Inside vLLM's share its bf16 weights take
+    2 bytes x parameters and its forward's workspace about VLLM_WORKSPACE_GIB; the KV cache gets the
+    rest, 2 (K and V) x layers x KV heads x head dim x 2 bytes per token. max_num_seqs is the number
+    of sequences whose KV cache fits at full length (prompt + response), so vLLM need not preempt
+    (clamped to 16 .. 1024). While the trainer runs, vLLM sleeps (level 2: weights and KV cache
+    freed, runtime buffers and CUDA-graph pools moved to host memory) and the trainer's peak is
+    trainer_peak_bytes (an estimate; bench/memory.py simulates it); --cpu-offload keeps the sharded
+    state in host memory instead: 20 bytes x parameters / ranks, for each rank of the node.
+
+    Refuses (cli.UsageError, one line naming the memory needed and the flags that would fit) a
+    setting that leaves vLLM less than its weights, workspace and one full-length sequence of KV
+    cache, whose training step does not fit the GPU, or (--cpu-offload, host_bytes given) the host.
+    Returns a dict with the numbers (printed at start, and by bench/memory.py).
     """
-    params = sum(p.numel() for p in _meta_model(config).parameters())
+    plan = _plan(config, args, ranks, gpu_bytes, host_bytes, local_ranks)
+    if plan["short"]:
+        raise UsageError(_refusal(plan, config, args, ranks, gpu_bytes, host_bytes, local_ranks))
+    return plan
+
+
+MARGIN_GIB, VLLM_WORKSPACE_GIB = 4.0, 3.0  # CUDA context + NCCL + fragmentation; vLLM's forward workspace (+ graphs)
+
+
+@functools.lru_cache(maxsize=16)
+def _shapes(config_json):
+    from transformers import AutoConfig
+    import json
+
+    fields = json.loads(config_json)
+    return model_shapes(AutoConfig.for_model(fields.pop("model_type"), **fields), cached=False)
+
+
+def model_shapes(config, cached=True):
+    """(parameters, parameters of one decoder layer, of the FSDP root: final norm and lm_head, or the tied embedding)."""
+    if cached:
+        return _shapes(config.to_json_string())
+    model = _meta_model(config)
+    params = sum(p.numel() for p in model.parameters())
+    layer = sum(p.numel() for p in model.model.layers[0].parameters())
+    embed = 0 if config.tie_word_embeddings else model.model.embed_tokens.weight.numel()  # its own unit: not the root's
+    return params, layer, params - layer * len(model.model.layers) - embed
+
+
+def trainer_peak_bytes(config, args, ranks):
+    """The trainer's peak GPU memory in a step, bytes: an estimate from the model's shapes, calibrated on
+    bench/memory.py's simulations (Qwen2.5-Math-1.5B and 7B, docs/memory.md: 0-11% above them).
+
+    The larger of the optimizer step (20 B x parameters / ranks: fp32 weights, gradients, AdamW's two moments,
+    the foreach update's temporaries) and pass 2: 16 B x parameters / ranks of sharded state and the larger of
+    its two moments, for T tokens in the widest micro-batch (--micro-batch-size x (--max-prompt-len +
+    --max-response-len)):
+      decoder backward   the gathered root and one layer with their gradients and buffers (4 B x root + 10 B x
+                         layer parameters), one fp32 block of the loss head, and per token the checkpointed
+                         input of every layer (2 B x hidden) and the layer being recomputed (about 50 B x hidden;
+                         + 7 B x intermediate size without the tiled MLP; every layer's activations without
+                         activation checkpointing);
+      loss head          the gathered root (bf16), the checkpointed inputs and the final hidden states, and
+                         five fp32 [HEAD_CHUNK, vocab] blocks (logits, softmax, their gradients).
+    With --cpu-offload the sharded state is in host memory (a unit's fp32 weights and gradients on their way,
+    simulated too, are not alive at the peak). --kl-ref adds its bf16 shards, 2 B x parameters / ranks (in host
+    memory with --cpu-offload)."""
+    params, layer, root = model_shapes(config)
+    offload, H, L = getattr(args, "cpu_offload", False), config.hidden_size, config.num_hidden_layers
+    tokens, block = args.micro_batch_size * (args.max_prompt_len + args.max_response_len), HEAD_CHUNK * config.vocab_size * 4
+    per_token = (2 * L * H + 50 * H) if args.activation_checkpointing else L * 52 * H
+    if not args.mlp_chunk_tokens:
+        per_token += 7 * config.intermediate_size
+    decoder = 4 * root + 10 * layer + block + per_token * tokens
+    head = 2 * root + (2 * L * H + 8 * H) * tokens + 5 * block
+    pass2 = (0 if offload else 16 * params / ranks) + max(decoder, head)
+    reference = 2 * params / ranks if args.kl_ref and not offload else 0.0
+    return max(pass2, 0 if offload else 20 * params / ranks) + reference
+
+
+def _plan(config, args, ranks, gpu_bytes, host_bytes=None, local_ranks=1):
+    """vllm_memory_plan's numbers (bytes reported in GiB) and what does not fit ("short": a list of phrases)."""
     gib = 2**30
-    trainer = (12 + (2 if kv_ref else 0)) * params / ranks
-    share = max(gpu_bytes - trainer - MARGIN_GIB * gib, 0.0)
-    utilization = min(max(share / gpu_bytes, 0.05), 0.95)
+    params = model_shapes(config)[0]
+    offload, reference = getattr(args, "cpu_offload", False), 2 * params / ranks if args.kl_ref else 0.0
+    on_gpu = not getattr(args, "eval_only", False)  # --eval-only: no trainer at all
+    trainer = 12 * params / ranks + reference if on_gpu and not offload else 0.0  # resident while vLLM generates
+    peak = trainer_peak_bytes(config, args, ranks) if on_gpu else 0.0  # while vLLM sleeps
+    host = (20 * params / ranks + reference) * local_ranks if offload else 0.0  # this node's ranks, --cpu-offload
+    margin, weights, workspace = MARGIN_GIB * gib, 2 * params, VLLM_WORKSPACE_GIB * gib
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 2  # bf16 K and V
-    kv_bytes = utilization * gpu_bytes - 2 * params - VLLM_WORKSPACE_GIB * gib
     full_length = args.max_prompt_len + max(args.max_response_len, args.eval_max_tokens)
-    max_num_seqs = int(min(1024, max(16, kv_bytes // (kv_per_token * full_length))))
-    return {"params": params, "trainer_resident_gib": trainer / gib, "gpu_gib": gpu_bytes / gib,
-            "gpu_memory_utilization": round(utilization, 3), "kv_cache_gib": kv_bytes / gib,
-            "kv_bytes_per_token": kv_per_token, "max_num_seqs": max_num_seqs}
+    least = weights + workspace + kv_per_token * full_length  # vLLM's least: one full-length sequence at a time
+    utilization = args.vllm_gpu_memory_utilization or min(max(gpu_bytes - trainer - margin, 0.0) / gpu_bytes, 0.95)
+    share = utilization * gpu_bytes
+    kv_bytes = share - weights - workspace
+    short = []
+    if share < least:
+        short.append(f"vLLM would get {share / gib:.1f} GiB beside the trainer's {trainer / gib:.1f} GiB "
+                     f"({'12' if not offload else '0'} B x {params / 1e9:.2f}B params / {ranks} rank(s)"
+                     f"{' + the --kl-ref reference' if reference and not offload else ''}) and the {MARGIN_GIB:g} GiB "
+                     f"margin, less than the {least / gib:.1f} GiB it needs (bf16 weights {weights / gib:.1f}, workspace "
+                     f"{workspace / gib:.1f}, one sequence of {full_length} tokens {kv_per_token * full_length / gib:.2f})")
+    if peak + margin > gpu_bytes:
+        short.append(f"the trainer's step needs about {peak / gib:.1f} GiB (fsdp_vllm.trainer_peak_bytes: "
+                     f"{params / 1e9:.2f}B params / {ranks} rank(s), micro-batch {args.micro_batch_size} x "
+                     f"{args.max_prompt_len + args.max_response_len} tokens) + the {MARGIN_GIB:g} GiB margin")
+    if host_bytes is not None and host > host_bytes:
+        short.append(f"--cpu-offload keeps the trainer's state in host memory: {host / gib:.1f} GiB for the "
+                     f"{local_ranks} rank(s) of this node (20 B x params / ranks each), {host_bytes / gib:.1f} GiB is "
+                     "available")
+    return {"params": params, "gpu_gib": gpu_bytes / gib, "trainer_resident_gib": trainer / gib,
+            "trainer_peak_gib": peak / gib, "host_gib": host / gib, "gpu_memory_utilization": round(utilization, 3),
+            "vllm_share_gib": share / gib, "vllm_weights_gib": weights / gib, "vllm_workspace_gib": workspace / gib,
+            "kv_cache_gib": kv_bytes / gib, "kv_bytes_per_token": kv_per_token, "full_length": full_length,
+            "vllm_least_gib": least / gib, "margin_gib": MARGIN_GIB,
+            "max_num_seqs": int(min(1024, max(16, kv_bytes // (kv_per_token * full_length)))), "short": short}
 
 
-MARGIN_GIB, VLLM_WORKSPACE_GIB = 4.0, 3.0  # CUDA context + NCCL + fragmentation; vLLM's forward workspace
+def _refusal(plan, config, args, ranks, gpu_bytes, host_bytes, local_ranks):
+    """The one line of a setting that does not fit: what is short, then the flags that would fit, if any."""
+    import copy
+
+    tries = []  # (what to say, args, ranks)
+    if not getattr(args, "cpu_offload", False):
+        tries.append(("--cpu-offload", {"cpu_offload": True}, ranks))
+    for mb in range(args.micro_batch_size - 1, 0, -1):
+        tries.append((f"--micro-batch-size {mb}", {"micro_batch_size": mb}, ranks))
+    if args.kl_ref and not args.kl_coef:
+        tries.append(("no --kl-ref", {"kl_ref": False}, ranks))
+    if args.vllm_gpu_memory_utilization:
+        tries.append(("no --vllm-gpu-memory-utilization (the plan's)", {"vllm_gpu_memory_utilization": None}, ranks))
+    more = None  # the fewest GPUs that fit: on this node (its host memory shared by more ranks), or over more nodes
+    for r in (r for r in (2, 4, 8, 16, 32, 64, 128) if ranks < r <= 8 * ranks):
+        if not _plan(config, args, r, gpu_bytes, host_bytes, local_ranks * r // ranks)["short"]:
+            more = f"{r} GPUs (torchrun --nproc_per_node {r})" if ranks == local_ranks else f"{r} GPUs"
+        elif not _plan(config, args, r, gpu_bytes, host_bytes, local_ranks)["short"]:
+            more = f"{r} GPUs over {-(-r // local_ranks)} nodes of {local_ranks}"
+        if more:
+            break
+    fits = []
+    for what, change, r in tries:
+        other = copy.copy(args)
+        vars(other).update(change)
+        if not _plan(config, other, r, gpu_bytes, host_bytes, local_ranks)["short"] and not (
+                what.startswith("--micro-batch-size") and any(f.startswith("--micro-batch-size") for f in fits)):
+            fits.append(what)  # (the largest --micro-batch-size that fits)
+    if more:
+        fits.append(more)
+    gib = 2**30
+    left = (plan["vllm_share_gib"] - plan["vllm_weights_gib"] - plan["vllm_workspace_gib"]) * gib
+    tokens = int(left // plan["kv_bytes_per_token"]) - args.max_prompt_len
+    if plan["short"] and plan["short"][0].startswith("vLLM") and len(plan["short"]) == 1 and tokens >= 1:
+        fits.append(f"--max-response-len {tokens} --eval-max-tokens {tokens} (one sequence's KV cache)")
+    fix = ("fits with " + "; or ".join(fits)) if fits else (
+        "no flag of train_full.py fits it on this GPU: use a GPU with more memory")
+    return (f"--model {args.model}: does not fit this {gpu_bytes / gib:.1f} GiB GPU: " + "; ".join(plan["short"])
+            + f"; {fix}")
+
+
 
 
 def _meta_model(config):
@@ -469,6 +633,9 @@ class VLLMEngine:
     generate() runs this rank's prompts; sleep() frees its GPU memory for training;
     update_weights() streams the new weights in through vLLM 0.32's reload_weights (in place,
     checkpoint format) and resets the prefix cache, whose KV entries belong to the old weights.
+    Asleep (level 2), vLLM 0.32 keeps no weights and no KV cache on the GPU, and its runtime buffers
+    and CUDA-graph pools wait in host memory; a wake maps them back, after a check that the GPU
+    has the memory for them (wake_shortfall): one line instead of an out-of-memory error inside vLLM.
     """
 
     def __init__(self, model_path, args, dist_):
@@ -484,13 +651,17 @@ class VLLMEngine:
 
             torch.cuda.empty_cache()  # vLLM sizes its KV cache from the free memory
             plan = vllm_memory_plan(AutoConfig.from_pretrained(model_path), args, dist_.world,
-                                    torch.cuda.get_device_properties(dist_.device).total_memory, kv_ref=args.kl_ref)
-            utilization = args.vllm_gpu_memory_utilization or plan["gpu_memory_utilization"]
+                                    torch.cuda.get_device_properties(dist_.device).total_memory)
+            utilization = plan["gpu_memory_utilization"]
             max_num_seqs = args.vllm_max_num_seqs or plan["max_num_seqs"]
             if dist_.is_main:
-                print(f"vLLM memory plan: trainer shards {plan['trainer_resident_gib']:.1f} GiB of {plan['gpu_gib']:.0f}, "
-                      f"gpu_memory_utilization {utilization}, KV cache ~{plan['kv_cache_gib']:.1f} GiB, "
-                      f"max_num_seqs {max_num_seqs}", flush=True)
+                print(f"vLLM memory plan: trainer shards {plan['trainer_resident_gib']:.1f} GiB of {plan['gpu_gib']:.1f} "
+                      f"while vLLM generates{' (--cpu-offload: in host memory)' if args.cpu_offload else ''}, its step "
+                      f"~{plan['trainer_peak_gib']:.1f} GiB while vLLM sleeps, gpu_memory_utilization "
+                      f"{utilization}: vLLM's bf16 weights {plan['vllm_weights_gib']:.1f} GiB + workspace "
+                      f"{plan['vllm_workspace_gib']:.1f} + KV cache ~{plan['kv_cache_gib']:.1f}, max_num_seqs "
+                      f"{max_num_seqs}; generation {'is' if os.environ.get('VLLM_BATCH_INVARIANT') == '1' else 'is not'} "
+                      "batch-invariant (VLLM_BATCH_INVARIANT, docs/train_full.md)", flush=True)
         # per-request seeds (the default) fix every sample; with --unseeded-sampling the engine's own
         # seed draws them, so each rank gets its own (seed + rank) instead of 8 copies of one stream
         engine_seed = args.seed + (dist_.rank if args.unseeded_sampling else 0)
@@ -524,27 +695,56 @@ class VLLMEngine:
 
     def wake_up(self):
         if self.sleeping:
-            torch.cuda.empty_cache()
-            self.llm.wake_up()
+            self._wake(None)
             self.sleeping = False
 
+    def _wake(self, tags):
+        """vLLM's wake_up(tags), once the GPU is known to hold what it maps back (else one line, no OOM)."""
+        torch.cuda.empty_cache()  # hand the trainer's cached blocks back to the driver for vLLM
+        from vllm.device_allocator import get_mem_allocator_instance
+
+        line = wake_shortfall(torch.cuda.mem_get_info()[0], get_mem_allocator_instance().pointer_to_data.values(), tags,
+                              torch.cuda.memory_allocated())
+        if line:
+            raise UsageError(line)
+        self.llm.wake_up(tags=tags)
+
     def update_weights(self, named_tensors):
+        """The new weights into vLLM, with the engine asleep: its weights are mapped back alone, loaded, then its KV
+        cache. The first sync too (a fresh engine is awake, with its KV cache; after a resume AdamW's state is
+        on the GPU as well): it is put to sleep first."""
+        self.sleep()
         if self.sleeping:
-            torch.cuda.empty_cache()  # hand the trainer's cached blocks back to the driver for vLLM
-            self.llm.wake_up(tags=["weights"])  # weights first: the KV cache is not needed to load them
+            self._wake(["weights"])  # weights first: the KV cache is not needed to load them
         stream = _Drain(named_tensors)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream})
         stream.drain()  # every rank must gather every tensor, even ones vLLM skipped
         if not self.cuda:
             self.llm.collective_rpc(_repack_tied_lm_head)
         if self.sleeping:
-            self.llm.wake_up(tags=["kv_cache"])
+            self._wake(["kv_cache"])
             self.sleeping = False
         self.llm.reset_prefix_cache()
 
     def close(self):
         """Shut the engine down (it also tears down the process group: call last)."""
         self.llm.llm_engine.engine_core.shutdown()
+
+
+def wake_shortfall(free_bytes, allocations, tags, trainer_bytes=0):
+    """The one line of a wake_up(tags) that the free GPU memory cannot hold, or None when it can.
+
+    allocations: vLLM's sleep-mode allocations (CuMemAllocator.pointer_to_data's values: .tag, .handle[1] = bytes,
+    .is_asleep). A wake maps back the asleep ones of `tags` (None: all) and, whatever the tags, those whose tag
+    is not deferrable (weights and kv_cache are; runtime buffers and CUDA-graph pools are not)."""
+    deferrable = ("weights", "kv_cache")
+    need = sum(a.handle[1] for a in allocations if a.is_asleep and (tags is None or a.tag in tags or a.tag not in deferrable))
+    if need <= free_bytes:
+        return None
+    gib, what = 2**30, "its weights and KV cache" if tags is None else " and ".join(t.replace("_", " ") for t in tags)
+    return (f"GPU memory: vLLM's {what} need {need / gib:.2f} GiB to wake, {free_bytes / gib:.2f} GiB is free (the "
+            f"trainer holds {trainer_bytes / gib:.2f} GiB); lower --vllm-gpu-memory-utilization, or "
+            "--micro-batch-size, or add --cpu-offload (the vLLM memory plan printed at start: docs/memory.md)")
 
 
 def _repack_tied_lm_head(worker):
@@ -652,22 +852,35 @@ def shutdown(engine):
 
 
 def make_engine(model_path, args, dist_):
+    """The rollout engine of --rollout. vLLM's workers seed torch, Python and NumPy as they start (set_random_seed):
+    the rank's RNG (seeded with seed + rank, or restored by --resume) is put back afterwards."""
     if args.rollout == "vllm":
+        import numpy as np
+
+        rng = torch.get_rng_state(), random.getstate(), np.random.get_state()
+        cuda_rng = torch.cuda.get_rng_state(dist_.device) if dist_.device.type == "cuda" else None
         try:
-            return VLLMEngine(model_path, args, dist_)
+            engine = VLLMEngine(model_path, args, dist_)
         except ImportError as e:
             raise SystemExit(f"--rollout vllm needs vLLM ({e}): pip install -r requirements-full.txt, or use --rollout hf")
+        torch.set_rng_state(rng[0]), random.setstate(rng[1]), np.random.set_state(rng[2])
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state(cuda_rng, dist_.device)
+        return engine
     return HFEngine(model_path, args, dist_)
 
 
 # ---------------------------------------------------------------------------------------------
 # 5. Clocks, memory and MFU
 # ---------------------------------------------------------------------------------------------
-def clock(device):
+def clock(device, reset_peak=False):
     """time.perf_counter() after the device has finished its queued work: CUDA kernels run
-    asynchronously, so without the synchronize a timer would stop before the GPU does."""
+    asynchronously, so without the synchronize a timer would stop before the GPU does.
+    reset_peak: also start a new peak of memory_peak_gb (a step's)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+        if reset_peak:
+            torch.cuda.reset_peak_memory_stats(device)
     return time.perf_counter()
 
 
@@ -686,6 +899,56 @@ def gpu_used_gb(device):
         return 0.0
     free, total = torch.cuda.mem_get_info(device)
     return (total - free) / 2**30
+
+
+MIN_DRIVER = {13: 580, 12: 525, 11: 450}  # the oldest NVIDIA driver (major) that runs a CUDA major version's builds
+
+
+def cuda_diagnosis(torch_version=None, build_cuda="", driver=None, driver_cuda=None, gpus=None):
+    """Why torch sees no CUDA device, in words (train_full's --device cuda line, scripts/gpu_check.sh): torch's
+    build (CPU-only, or for CUDA X.Y) against this node's NVIDIA driver (its version and the newest CUDA it
+    runs). Without arguments it reads them here: torch.version.cuda, nvidia-smi and libcuda."""
+    if torch_version is None:
+        torch_version, build_cuda = torch.__version__, torch.version.cuda
+        driver, driver_cuda, gpus = _driver_facts()
+    if not build_cuda:
+        return (f"torch {torch_version} is a CPU-only build; install torch's CUDA build (pip install -r "
+                "requirements-full.txt: the PyPI wheel of torch on Linux is the CUDA build)")
+    facts = f"torch {torch_version} is built for CUDA {build_cuda}"
+    if driver is None:
+        return f"{facts}, and no NVIDIA driver answers here (nvidia-smi and libcuda.so.1 not found): install the driver"
+    needed, major = MIN_DRIVER.get(int(build_cuda.split(".")[0])), driver.split(".")[0]
+    facts += f"; the NVIDIA driver is {driver} (it runs CUDA up to {driver_cuda or '?'})"
+    if needed and major.isdigit() and int(major) < needed:
+        return (f"{facts}, older than the R{needed}+ that CUDA {build_cuda.split('.')[0]} needs: update the driver, or "
+                f"install a torch built for CUDA {driver_cuda or 'your driver'} or older (https://download.pytorch.org/whl/)")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return (f"{facts}; nvidia-smi lists {len(gpus or [])} GPU(s)" + (f" and CUDA_VISIBLE_DEVICES={visible!r} hides "
+            "them" if visible is not None and gpus else "") + ": check the GPU, the driver and the container's access")
+
+
+def _driver_facts():
+    """(driver version, the newest CUDA the driver runs as 'X.Y', [GPU names]) from nvidia-smi and libcuda; Nones
+    where neither answers."""
+    import ctypes
+    import subprocess
+
+    driver, driver_cuda, gpus = None, None, []
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,name", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30).stdout
+        rows = [line.split(", ", 1) for line in out.strip().splitlines() if ", " in line]
+        driver, gpus = (rows[0][0], [name for _, name in rows]) if rows else (None, [])
+    except (OSError, subprocess.SubprocessError):
+        pass
+    try:
+        version = ctypes.c_int()
+        if ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(version)) == 0:
+            driver_cuda = f"{version.value // 1000}.{version.value % 1000 // 10}"
+            driver = driver or "present (version unknown: no nvidia-smi)"
+    except OSError:
+        pass
+    return driver, driver_cuda, gpus
 
 
 PEAK_TFLOPS = (("H100 PCIe", 756), ("H100 NVL", 835), ("H100", 989), ("H200", 989), ("H800", 989), ("A100", 312), ("A800", 312))  # dense bf16

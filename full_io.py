@@ -11,8 +11,12 @@ FSDP2, the loss head, the rollout engines, clocks). This module holds the rest, 
                       read without unpickling objects; the resume checks; HF export
   4 evaluation        k samples per problem on every rank -> Pass@1 and Pass@k, the eval report
   5 reports           the step's line of metrics.jsonl (clocks, MFU, memory), the explain page
+  6 stops             a preemption notice (SIGTERM, SIGUSR1) or a full disk on any rank stops every rank at
+                      the same point: after the step's checkpoint (exit 75), or before it (exit 74)
 """
 
+import contextlib
+import errno
 import glob
 import importlib
 import importlib.util
@@ -23,6 +27,7 @@ import pickle
 import random
 import re
 import shutil
+import signal
 import sys
 import time
 
@@ -102,11 +107,11 @@ def check_args(p, args, world):
     # paths: what is read must exist, what is written must be writable
     if not args.model:
         p.error("--model '': empty; pass a model folder or a hub name")
-    if (os.path.exists(args.model) or not HUB_NAME.fullmatch(args.model)) and \
-            not os.path.isfile(os.path.join(args.model, "config.json")):
-        what = "is a file" if os.path.isfile(args.model) else "has no config.json" if os.path.isdir(args.model) \
-            else "no such folder"
-        p.error(f"--model {args.model}: {what}; pass a model folder (config.json, weights, tokenizer) or a hub name")
+    if os.path.exists(args.model):  # a local folder: config.json, weights and a tokenizer, each named if missing
+        cli.check_model(p, args.model)
+    elif not HUB_NAME.fullmatch(args.model):
+        p.error(f"--model {args.model}: no such folder; pass a model folder (config.json, weights, tokenizer) or a hub "
+                "name")
     for flag, spec in [("--train-data", args.train_data)] * (not args.eval_only) + [("--eval-data", s) for s in args.eval_data]:
         check_data_spec(p, flag, spec)
     args.eval_data = expand_specs(args.eval_data)
@@ -114,13 +119,35 @@ def check_args(p, args, world):
     return args
 
 
-def check_machine(args):
+def check_machine(args, world):
     """What this machine must have for the run (main only: tests and bench/memory.py parse flags for
-    other machines): CUDA for --device cuda, vLLM for --rollout vllm."""
+    other machines): CUDA for --device cuda (else why not: fsdp_vllm.cuda_diagnosis), vLLM for --rollout vllm,
+    and, with both, a GPU the setting fits (fsdp_vllm.vllm_memory_plan: trainer and vLLM together)."""
+    from fsdp_vllm import cuda_diagnosis, vllm_memory_plan
+
     if args.device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda: torch sees no CUDA device; use --device cpu, or install torch's CUDA build")
+        raise UsageError(f"--device cuda: torch sees no CUDA device ({cuda_diagnosis()}); or use --device cpu")
     if args.rollout == "vllm" and importlib.util.find_spec("vllm") is None:
         raise UsageError("--rollout vllm: vLLM is not installed; pip install -r requirements-full.txt, or use --rollout hf")
+    if args.device == "cuda" and args.rollout == "vllm" and not args.eval_only:
+        from transformers import AutoConfig
+
+        try:
+            config = AutoConfig.from_pretrained(args.model)
+        except (OSError, ValueError):  # no config to read: load_inputs names the model's fault in its line
+            return
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        vllm_memory_plan(config, args, world, torch.cuda.get_device_properties(local).total_memory,
+                         host_bytes=host_available(), local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def host_available():
+    """Host memory available to new allocations (MemAvailable of /proc/meminfo), bytes; None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
 
 
 def check_data_spec(p, flag, spec):
@@ -171,6 +198,9 @@ def load_inputs(args):
                          "and the tokenizer files, or a hub name") from None
     finally:
         hub_logging.set_verbosity(verbosity)
+    if not tokenizer(TEMPLATES[args.template].format(problem="What is 1 + 1?"), add_special_tokens=False)["input_ids"]:
+        raise UsageError(f"--model {args.model}: its tokenizer encodes a prompt to no tokens; pass a folder whose "
+                         "tokenizer matches its model (tokenizer.save_pretrained of the model's own tokenizer)")
     stops = stop_token_ids(tokenizer, generation_config)
     eval_sets = load_eval_sets(args, tokenizer, context_length(args.model, args))
     if args.eval_only:
@@ -370,7 +400,10 @@ def save_checkpoint(model, optimizer, out, step, trainer_state, dist_, keep):
     needs pickle to load beyond DCP's .metadata, which load_checkpoint reads with an allow-list.
 
     Written to step_NNNNNN.tmp and renamed when complete: a run killed at any moment leaves
-    either a complete checkpoint or a .tmp folder that --resume ignores. The newest `keep` stay.
+    either a complete checkpoint or a .tmp folder that --resume ignores. The newest `keep` stay,
+    the older ones removed only once the new one is complete. A full disk on any rank raises
+    DiskFull on every rank (attempt, where the barriers were), the .tmp folder removed: the last
+    checkpoint stays as it was.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -378,28 +411,35 @@ def save_checkpoint(model, optimizer, out, step, trainer_state, dist_, keep):
     root = os.path.join(out, "checkpoints")
     final = os.path.join(root, f"step_{step:06d}")
     tmp = final + ".tmp"
-    if dist_.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    dist.barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": {"state": optim_sd["state"]}}, checkpoint_id=tmp)
-    version, words, gauss = random.getstate()
-    rng = {"torch": torch.get_rng_state(), "python_words": torch.tensor(words, dtype=torch.int64),
-           "python_version": torch.tensor(version), "python_gauss": torch.tensor([math.nan if gauss is None else gauss])}
-    if dist_.device.type == "cuda":
-        rng["cuda"] = torch.cuda.get_rng_state()
-    torch.save(rng, os.path.join(tmp, f"rng_rank{dist_.rank}.pt"))
-    dist.barrier()
-    if dist_.is_main:
-        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-            json.dump({"format": CHECKPOINT_FORMAT, "step": step, "world": dist_.world, **trainer_state}, f, indent=1)
-        shutil.rmtree(final, ignore_errors=True)  # resumed from an older checkpoint: this step is redone
-        os.replace(tmp, final)  # atomic: the checkpoint exists only once it is complete
-        done = sorted(d for d in os.listdir(root) if CKPT_RE.match(d))
-        for old in done[: max(len(done) - keep, 0)]:
-            shutil.rmtree(os.path.join(root, old), ignore_errors=True)
-    dist.barrier()
+    try:
+        with attempt(tmp, out, dist_):
+            if dist_.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+                os.makedirs(tmp)
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        with attempt(tmp, out, dist_):
+            dcp.save({"model": model_sd, "optim": {"state": optim_sd["state"]}}, checkpoint_id=tmp)  # raises on all ranks
+            version, words, gauss = random.getstate()
+            rng = {"torch": torch.get_rng_state(), "python_words": torch.tensor(words, dtype=torch.int64),
+                   "python_version": torch.tensor(version),
+                   "python_gauss": torch.tensor([math.nan if gauss is None else gauss])}
+            if dist_.device.type == "cuda":
+                rng["cuda"] = torch.cuda.get_rng_state()
+            torch.save(rng, os.path.join(tmp, f"rng_rank{dist_.rank}.pt"))
+        with attempt(tmp, out, dist_):
+            if dist_.is_main:
+                with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+                    json.dump({"format": CHECKPOINT_FORMAT, "step": step, "world": dist_.world, **trainer_state}, f,
+                              indent=1)
+                shutil.rmtree(final, ignore_errors=True)  # resumed from an older checkpoint: this step is redone
+                os.replace(tmp, final)  # atomic: the checkpoint exists only once it is complete
+                done = sorted(d for d in os.listdir(root) if CKPT_RE.match(d))
+                for old in done[: max(len(done) - keep, 0)]:
+                    shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+    except DiskFull:
+        if dist_.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)  # what was written of it: the space back
+        raise
     return final
 
 
@@ -525,27 +565,35 @@ def load_checkpoint(path, model, optimizer, dist_):
     return meta
 
 
-def export_hf(model, tokenizer, path, dist_):
+def export_hf(model, tokenizer, path, dist_, out):
     """save_pretrained of the full weights (rank 0), in the base model's dtype: loadable by
-    transformers' from_pretrained and by vLLM."""
+    transformers' from_pretrained and by vLLM. Written to PATH.tmp, then renamed; a full disk
+    raises DiskFull on every rank (`out`: the run's folder, for its line)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from transformers import AutoModelForCausalLM
 
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if dist_.is_main:
-        config = model.config
-        dtype = config.dtype if isinstance(config.dtype, torch.dtype) else getattr(torch, str(config.dtype or "float32"))
-        config.use_cache = True
-        with torch.device("meta"):
-            shell = AutoModelForCausalLM.from_config(config)  # a plain class for save_pretrained (not FSDP's)
-        tmp = path.rstrip("/") + ".tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        shell.save_pretrained(tmp, state_dict={k: v.to(dtype) for k, v in full.items()})
-        tokenizer.save_pretrained(tmp)
-        shutil.rmtree(path, ignore_errors=True)
-        os.replace(tmp, path)
-        config.use_cache = False
-    dist.barrier()
+    tmp = path.rstrip("/") + ".tmp"
+    try:
+        with attempt(tmp, out, dist_):  # a full disk: DiskFull on every rank
+            if dist_.is_main:
+                config = model.config
+                dtype = config.dtype if isinstance(config.dtype, torch.dtype) else getattr(torch, str(config.dtype or "float32"))
+                config.use_cache = True
+                with torch.device("meta"):
+                    shell = AutoModelForCausalLM.from_config(config)  # a plain class for save_pretrained (not FSDP's)
+                shutil.rmtree(tmp, ignore_errors=True)
+                try:
+                    shell.save_pretrained(tmp, state_dict={k: v.to(dtype) for k, v in full.items()})
+                    tokenizer.save_pretrained(tmp)
+                finally:
+                    config.use_cache = False
+                shutil.rmtree(path, ignore_errors=True)
+                os.replace(tmp, path)
+    except DiskFull:
+        if dist_.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return path
 
 
@@ -574,13 +622,14 @@ def evaluate(engine, tokenizer, stops, eval_sets, args, dist_, grader, tag="", m
             row[f"pass@{k}"] = 100.0 * sum(pass_at_k(n, c, k) for c in correct) / max(len(correct), 1)
         row["correct"] = correct
         results[name] = row
-    if results:
-        keys = [f"pass@{k}" for k in args.eval_pass_k]
-        results["average"] = {k: sum(r[k] for r in results.values()) / len(results) for k in keys}
-        if dist_.is_main:
-            write_eval_report(results, keys, args, tag, model_name or args.model)
-            if step is not None:
-                common.append_metrics(os.path.join(args.out, "metrics.jsonl"), eval_record(step, results))
+    with attempt(args.out, args.out, dist_):  # a full disk while rank 0 writes: DiskFull on every rank
+        if results:
+            keys = [f"pass@{k}" for k in args.eval_pass_k]
+            results["average"] = {k: sum(r[k] for r in results.values()) / len(results) for k in keys}
+            if dist_.is_main:
+                write_eval_report(results, keys, args, tag, model_name or args.model)
+                if step is not None:
+                    common.append_metrics(os.path.join(args.out, "metrics.jsonl"), eval_record(step, results))
     return results
 
 
@@ -618,10 +667,11 @@ def write_eval_report(results, keys, args, tag, model_name):
 # ---------------------------------------------------------------------------------------------
 def write_args(args, dist_):
     """OUT/args.json (eval_args.json with --eval-only): the flags as parsed and checked, and the world size."""
-    os.makedirs(args.out, exist_ok=True)
-    if dist_.is_main:
-        with open(os.path.join(args.out, "args.json" if not args.eval_only else "eval_args.json"), "w") as f:
-            json.dump({**vars(args), "world": dist_.world}, f, indent=1)
+    with attempt(args.out, args.out, dist_):
+        os.makedirs(args.out, exist_ok=True)
+        if dist_.is_main:
+            with open(os.path.join(args.out, "args.json" if not args.eval_only else "eval_args.json"), "w") as f:
+                json.dump({**vars(args), "world": dist_.world}, f, indent=1)
 
 
 def train_record(step, stats, rollouts, phases, grader, n_params, flops_peak, args, dist_):
@@ -647,8 +697,9 @@ def train_record(step, stats, rollouts, phases, grader, n_params, flops_peak, ar
             "gpu_used_train_gb": all_reduce(phases["gpu_used_train"], dist_, MAX)}
 
 
-def write_explain_page(step, rollouts, prompts, sel, entropy, token_keep, stats, args, tokenizer, dist_):
-    """Rank 0's page of one step (explain.write_step), from the global selection. The few rollouts it shows
+def write_explain_page(step, rollouts, prompts, sel, entropy, token_keep, stats, args, tokenizer, dist_, halt=None):
+    """Rank 0's page of one step (explain.write_step), from the global selection (a full disk: noted in `halt`, a
+    Stops, whose agree() stops every rank; without one, raised). The few rollouts it shows
     (explain.pick_rollouts on the global batch: the same choice on every rank) are gathered on rank 0 with their
     token ids and, when forwarded, entropy, score and selection: a few rollouts, never the batch. sel: the
     step's train_full.select_samples_global; prompts: this rank's problem texts. Every rank calls it (gather_object)."""
@@ -676,9 +727,127 @@ def write_explain_page(step, rollouts, prompts, sel, entropy, token_keep, stats,
         item["tokens"] = [tokenizer.decode([t]) for t in item.pop("ids")]
     # the row that selected: args.method, or its twin after --switch-on-spike
     switched = {} if sel.row == args.method else {"--switch-on-spike": f"fired: --method {args.method} runs as {sel.row}"}
-    explain.write_step(os.path.join(args.out, "explain"), step=step, rung="train_full", method=sel.row,
-                       rewards=sel.rewards_all, adv=shown_adv, keep=sel.keep_all, n_keep=stats["n_keep"],
-                       k_frac=stats["k_frac"], k_real=stats["k_real"], shown=items,
-                       prompts=[text for _, texts in parts for text in texts],
-                       extra={**switched, "loss (mean over optimizer steps)": stats["loss"], "tokens in the loss": stats["kept_tokens"],
-                              "grad norm (before clipping)": stats["grad_norm"], "ranks": dist_.world})
+    with halt.writing(os.path.join(args.out, "explain")) if halt else contextlib.nullcontext():
+        explain.write_step(os.path.join(args.out, "explain"), step=step, rung="train_full", method=sel.row,
+                           rewards=sel.rewards_all, adv=shown_adv, keep=sel.keep_all, n_keep=stats["n_keep"],
+                           k_frac=stats["k_frac"], k_real=stats["k_real"], shown=items,
+                           prompts=[text for _, texts in parts for text in texts],
+                           extra={**switched, "loss (mean over optimizer steps)": stats["loss"],
+                                  "tokens in the loss": stats["kept_tokens"],
+                                  "grad norm (before clipping)": stats["grad_norm"], "ranks": dist_.world})
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. Stops: a preemption notice or a full disk, agreed by every rank
+# ---------------------------------------------------------------------------------------------
+class DiskFull(Exception):
+    """A write that a full disk (or quota) failed, on this rank or another: the OSError (its errno, file) and the
+    run's --out. train_full.entry prints it as one line (common.fail_disk) and exits common.DISK_FULL (74)."""
+
+    def __init__(self, error, out):
+        super().__init__(str(error))
+        self.error, self.out = error, out
+
+
+NEARLY_FULL = 16 * 2**20  # bytes free below which a failed write is taken for a full disk
+
+
+def disk_error(exc, path):
+    """The OSError of a full disk (ENOSPC, EDQUOT) behind `exc`, or None. Writers say it in several ways: an OSError
+    (open, write, close), safetensors' "No space left on device (os error 28)", DCP's CheckpointException holding
+    each rank's error; torch.save's zip writer only says "unexpected pos": there the file system of `path`
+    answers (a write failed and less than NEARLY_FULL bytes are free)."""
+    todo, seen = [exc], []
+    while todo:
+        e = todo.pop()
+        if e is None or any(e is x for x in seen):
+            continue
+        seen.append(e)
+        if common.disk_full(e):
+            return e
+        text = str(e)
+        if "No space left on device" in text or "os error 28" in text or "Disk quota exceeded" in text:
+            return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        failures = getattr(e, "failures", None) or {}  # DCP: {rank: (exception, traceback)}
+        todo += [e.__cause__, e.__context__] + [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+    folder = os.path.abspath(path)
+    while not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    if shutil.disk_usage(folder).free < NEARLY_FULL:
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+    return None
+
+
+@contextlib.contextmanager
+def attempt(path, out, dist_):
+    """A write (to `path`) that every rank enters and leaves together, in place of a barrier: a full disk on ANY
+    rank raises DiskFull on EVERY rank as they leave (one all-reduce), so no rank waits for one that stopped.
+    Another error is raised on its own rank (train_full.entry ends the job)."""
+    code, error = 0, None
+    try:
+        yield
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # (DCP's CheckpointException is a BaseException)
+        error = disk_error(e, path)
+        if error is None:
+            raise
+        code = 2
+    if all_reduce(code, dist_, dist.ReduceOp.MAX) == 2:
+        raise DiskFull(error or OSError(errno.ENOSPC, os.strerror(errno.ENOSPC) + " (on another rank)", path), out)
+
+
+class Stops(common.Preemption):
+    """common.Preemption (SIGTERM, SIGUSR1 set a flag while the run is in the block) for every rank of a run, and
+    the full disks of the writes that only rank 0 makes (the metrics line, the explain page): noted by
+    writing(), and at the step's end agree() tells every rank what any rank met."""
+
+    def __init__(self, out, dist_):
+        super().__init__()
+        self.out, self.dist_, self.faults = out, dist_, []
+
+    @contextlib.contextmanager
+    def writing(self, path):
+        """A write of this rank alone: a full disk is noted (agree() raises DiskFull on every rank), not raised."""
+        try:
+            yield
+        except Exception as e:
+            error = disk_error(e, path)
+            if error is None:
+                raise
+            self.faults.append(error)
+
+    def append_metrics(self, path, record):
+        """common.append_metrics, its full disk noted."""
+        with self.writing(path):
+            common.append_metrics(path, record)
+
+    def agree(self):
+        """One all-reduce at the step's end: DiskFull on every rank if a write failed on any; else the name of the
+        notice any rank received (the same on every rank), or None."""
+        number = signal.Signals[self.signal].value if self.signal else 0
+        code = int(all_reduce(1000 if self.faults else number, self.dist_, dist.ReduceOp.MAX))
+        if code >= 1000:
+            raise DiskFull(self.faults[0] if self.faults else OSError(errno.ENOSPC, os.strerror(errno.ENOSPC) + " (on "
+                                                                                      "another rank)", self.out), self.out)
+        return signal.Signals(code).name if code else None
+
+
+def stopped(notice, step, out, dist_):
+    """After the step's checkpoint, on a notice: rank 0's one line (common.stopped), exit common.STOPPED (75) on
+    every rank."""
+    if dist_.is_main:
+        common.stopped("train_full.py", notice, step, os.path.join(out, "checkpoints", f"step_{step:06d}"))
+    sys.exit(common.STOPPED)
+
+
+def fail_disk(e):
+    """train_full.entry's line for DiskFull: rank 0 at once, any other rank after a wait (torchrun ends it first
+    when rank 0 printed), then exit common.DISK_FULL on this rank."""
+    if os.environ.get("RANK", "0") != "0":
+        time.sleep(10.0)
+    try:
+        common.fail_disk("train_full.py", e.error, e.out)
+    except SystemExit as done:
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(done.code)

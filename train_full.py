@@ -17,14 +17,12 @@ engine (asleep while the trainer runs). A step (docs/algorithm.md section 6) is 
   5 select_tokens_global  d3s.select_tokens on the |A| * H scores of all ranks at once
   6 update_policy         M mini-batches, one AdamW step each on d3s.policy_loss; then the weights go to vLLM
 
-The kept rollouts and tokens do not depend on the number of ranks: the prompt order, the sampling seeds (one per
-prompt) and both selections are functions of the global batch. Steps count from 1: train line s of metrics.jsonl
-is the s-th update, eval line s is after s updates (0: before training), checkpoints/step_NNNNNN holds NNNNNN
-steps. Beside this file: fsdp_vllm.py (process group, FSDP2, the loss head, the engines, clocks) and full_io.py
-(flag checks, data order and seeds, checkpoints, evaluation, the metrics line, explain pages). Left out on
-purpose: tensor-parallel vLLM (a 7B model fits one GPU), sequence packing. Defaults: [paper] stated in the D3S
-paper, [recipe] the common Qwen2.5-Math-7B zero-RL recipe (SimpleRL-Zoo / Dr.GRPO / verl), [inferred] follow
-from the paper without being stated, [choice] this repo's where neither says.
+Prompt order, sampling seeds (one per prompt) and both selections are functions of the global batch: the kept
+rollouts and tokens do not depend on the rank count where generation does not (CPU; GPU: VLLM_BATCH_INVARIANT=1).
+Steps count from 1 (docs/metrics.md). SIGTERM or SIGUSR1 stops every rank after a step and its checkpoint (exit
+75), a full disk before it (74). Beside this file: fsdp_vllm.py (process group, FSDP2, loss head, engines, clocks),
+full_io.py (checks, data, checkpoints, evaluation, reports, stops). Defaults: [paper] the D3S paper's, [recipe] the
+Qwen2.5-Math-7B zero-RL recipe's (SimpleRL-Zoo / Dr.GRPO / verl), [inferred] from the paper, [choice] this repo's.
 """
 
 import math
@@ -37,6 +35,7 @@ import types
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 import cli
 import common
@@ -113,7 +112,7 @@ def build_parser():
       "to)"), default=1.0, help="[recipe] gradient clipping (grad_norm is logged before clipping)")
     a("--clip-low", type=n(float, 0, 1, high_open=True, what="in [0, 1): the ratio is clipped at 1 - eps_low"),
       default=None, help="[recipe] eps_low (default: 0.2 grpo, 3e-4 gspo (GSPO paper))")
-    a("--clip-high", type=n(float, 0), default=None, help="[recipe] eps_high (default: 0.28 grpo (DAPO), 4e-4 gspo)")
+    a("--clip-high", type=n(float, 0), default=None, help="[choice] eps_high (default: 0.28 grpo, DAPO's; 4e-4 gspo)")
     a("--mini-batches", type=n(int, 1, what="an int >= 1 (1 = on-policy)"), default=4, help="[recipe] M: optimizer "
       "steps per rollout batch (verl's Qwen2.5-Math GRPO: 1024 / 256); 1 = on-policy (no clipping, GSPO = GRPO)")
     a("--no-load-balance", dest="load_balance", action="store_false", help="train each kept rollout on the rank that "
@@ -164,6 +163,7 @@ def build_parser():
     a("--device", default="auto", choices=["auto", "cuda", "cpu"], help="auto: cuda if available, else cpu (gloo)")
     a("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="compute dtype; auto: bfloat16 on CUDA "
       "(fp32 master weights and gradient reductions), float32 on CPU")
+    a("--cpu-offload", action="store_true", help="[choice] weights, gradients, AdamW in host memory (docs/train_full.md)")
     a("--vllm-gpu-memory-utilization", type=n(float, 0, 1, low_open=True), default=None, help="GPU share vLLM may take "
       "while awake (default on CUDA: fsdp_vllm.vllm_memory_plan, printed at start)")
     a("--vllm-sleep-level", type=int, default=2, choices=[0, 1, 2], help="[choice] vLLM sleep during training (CUDA): "
@@ -376,10 +376,10 @@ def step_metrics(sel, token_keep, upd, train_s, pass1_tokens, measured_kl, dist_
 # ---------------------------------------------------------------------------------------------
 def main(argv=None):
     args = parse_args(argv)  # every flag and path, before any work
-    full_io.check_machine(args)
+    full_io.check_machine(args, int(os.environ.get("WORLD_SIZE", "1")))  # CUDA, vLLM, and a GPU the setting fits
     ckpt = full_io.check_resume(args, int(os.environ.get("WORLD_SIZE", "1")))  # the checkpoint to continue, or None
     tokenizer, stops, prompts, eval_sets, note = full_io.load_inputs(args)
-    dist_ = fsdp_vllm.init_distributed(args.device)
+    dist_ = fsdp_vllm.init_distributed(args.device, args.cpu_offload)
     torch.manual_seed(args.seed + dist_.rank)
     random.seed(args.seed + dist_.rank)
     say = (lambda *m: print(*m, flush=True)) if dist_.is_main else (lambda *m: None)
@@ -405,11 +405,9 @@ def main(argv=None):
     metrics_path, pad_id, device = os.path.join(args.out, "metrics.jsonl"), tokenizer.pad_token_id, dist_.device
     if dist_.is_main:
         common.truncate_metrics(metrics_path, step)  # what the checkpoint covers
-    from tqdm import tqdm
-
     bar = tqdm(total=args.steps, initial=step, disable=not dist_.is_main, desc="steps", dynamic_ncols=True)
     stop_at = args.stop_after or args.steps
-    with Grader(args.grader_timeout, workers=args.grader_workers) as grader:
+    with Grader(args.grader_timeout, workers=args.grader_workers) as grader, full_io.Stops(args.out, dist_) as halt:
         evaluate = lambda tag, name: full_io.evaluate(engine, tokenizer, stops, eval_sets, args, dist_, grader,  # noqa: E731
                                                       tag, name, step=step)
         if args.eval_every and step == 0:
@@ -418,9 +416,7 @@ def main(argv=None):
             s = step + 1  # this step, 1..S
             row = variants.switch_to_intra(args.method, grad_norms, args.switch_on_spike)  # --method, or its twin
             batch = full_io.rank_share([(g, prompts[g]) for g in order.take(args.prompts_per_step)], dist_)
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-            t0 = clock(device)
+            t0 = clock(device, reset_peak=True)
             rollouts = generate(engine, batch, s, args, stops)  # 1) G rollouts per prompt
             phases = {"gen_s": clock(device) - t0, "gpu_used_gen": fsdp_vllm.gpu_used_gb(device)}  # + awake vLLM
             engine.sleep()  # free vLLM's GPU memory for training
@@ -438,7 +434,7 @@ def main(argv=None):
                                  measure_kl, dist_)
             if args.explain_every and (s == 1 or s % args.explain_every == 0):  # the page, from the global selection
                 full_io.write_explain_page(s, rollouts, [p["problem"] for _, p in batch], sel, upd.entropy, token_keep,
-                                           stats, args, tokenizer, dist_)
+                                           stats, args, tokenizer, dist_, halt)  # a full disk: noted in halt
             phases["gpu_used_train"] = fsdp_vllm.gpu_used_gb(device)  # trainer (+ sleeping vLLM), before the sync
             t0 = clock(device)
             engine.update_weights(fsdp_vllm.full_named_tensors(model, getattr(torch, args.dtype)))  # weights to vLLM
@@ -447,21 +443,24 @@ def main(argv=None):
             grad_norms.append(stats["grad_norm"])
             record = full_io.train_record(step, stats, rollouts, phases, grader, n_params, flops_peak, args, dist_)
             if dist_.is_main:
-                common.append_metrics(metrics_path, record)
+                halt.append_metrics(metrics_path, record)  # a full disk: noted, every rank stops at agree() below
                 bar.set_postfix(reward=f"{record['reward_mean']:.3f}", N=record["n_keep"], K=f"{record['k_frac']:.2f}")
                 bar.update(1)
-            if step % args.save_every == 0 or step == stop_at:
+            if args.export_every and step % args.export_every == 0:  # before the checkpoint: a resume redoes both
+                full_io.export_hf(model, tokenizer, os.path.join(args.out, f"hf_step_{step:06d}"), dist_, args.out)
+            notice = halt.agree()  # any rank's full disk (DiskFull on every rank: exit 74) or notice (SIGTERM, SIGUSR1)
+            if step % args.save_every == 0 or step == stop_at or notice:
                 full_io.save_checkpoint(model, optimizer, args.out, step, full_io.trainer_state(args, order, grad_norms),
                                         dist_, args.keep_checkpoints)
-            if args.export_every and step % args.export_every == 0:
-                full_io.export_hf(model, tokenizer, os.path.join(args.out, f"hf_step_{step:06d}"), dist_)
+            if notice and step < stop_at:
+                full_io.stopped(notice, step, args.out, dist_)  # rank 0's line; exit 75 on every rank
             if args.eval_every and step % args.eval_every == 0 and step < args.steps:
                 evaluate(f"step_{step:06d}", f"{args.model} after {step} steps of {args.method}, {args.loss} loss")
         bar.close()
         if args.stop_after:
             say(f"stopped after step {step} (--stop-after): continue with --resume")
         elif step >= args.steps:
-            path = full_io.export_hf(model, tokenizer, os.path.join(args.out, "hf_final"), dist_)
+            path = full_io.export_hf(model, tokenizer, os.path.join(args.out, "hf_final"), dist_, args.out)
             say(f"exported {path}")
             evaluate("final", f"{path} ({args.model} after {step} steps of {args.method}, {args.loss} loss)")
     fsdp_vllm.shutdown(engine)
@@ -469,10 +468,9 @@ def main(argv=None):
 
 def entry(argv=None):
     """main() for torchrun. A bad flag, file, model or checkpoint is one line on stderr (full_io.usage_error_line)
-    and exit 2. A rank that fails otherwise prints its traceback and exits at once (os._exit), skipping the
-    interpreter's shutdown (vLLM's engine and the process group would wait there for ranks that will never
-    answer): torchrun then stops the other ranks within seconds, instead of leaving them in a collective until
-    the 60-minute timeout."""
+    and exit 2 (a full disk: 74). A rank that fails otherwise prints its traceback and exits at once (os._exit),
+    skipping the interpreter's shutdown (vLLM's engine and the process group would wait there for ranks that will
+    never answer): torchrun then stops the other ranks within seconds, instead of a 60-minute collective timeout."""
     try:
         main(argv)
     except SystemExit as e:  # the parser's errors: already printed (cli.Parser.error)
@@ -483,6 +481,8 @@ def entry(argv=None):
         full_io.usage_error_line(f"train_full.py: error: {e}")
         sys.stdout.flush(), sys.stderr.flush()
         os._exit(2)
+    except full_io.DiskFull as e:  # one line, exit 74; the last checkpoint intact
+        full_io.fail_disk(e)
     except BaseException:
         print(f"train_full.py: rank {os.environ.get('RANK', '0')} failed; ending the job (the other ranks are stopped "
               "by torchrun)", file=sys.stderr)

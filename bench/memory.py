@@ -2,8 +2,9 @@
 
     python bench/memory.py --preset 7b --ranks 8 --micro-batch-size 4 --response-len 3000 --method d3s
     python bench/memory.py --preset 1.5b --ranks 1 --method grpo
-    python bench/memory.py --preset path/to/model_folder           # its config.json (or the file itself)
+    python bench/memory.py --preset MODEL        # MODEL (a placeholder): a model folder with config.json, or the file itself
     python bench/memory.py --preset 7b -- --no-activation-checkpointing   # after "--": train_full.py flags
+    python bench/memory.py --preset 1.5b --ranks 1 --gpu 24gb -- --cpu-offload   # one GPU: trainer + vLLM
 
 It runs train_full.py's own code (its flags, and its plumbing's, fsdp_vllm.py) for the trainer's
 part of a step: the model built from the config in fp32, fsdp_vllm.shard_policy (FSDP2 per decoder
@@ -23,7 +24,17 @@ d3s.policy_loss, backward, gradient clipping and the optimizer step. As steps 4-
     sync    fsdp_vllm.full_named_tensors: each parameter gathered whole, cast to bf16, for vLLM
             (the trainer's side only)
 
-for --steps steps (default 2: step 1 has no optimizer state yet, step 2 does).
+for --steps steps (default 2: step 1 has no optimizer state yet, step 2 does). With --kl-ref (after
+"--") the frozen bf16 reference is built and sharded as fsdp_vllm.load_policy does and forwarded in
+pass 1, then resharded (fsdp_vllm.reshard). With --cpu-offload the sharded state lives in host memory:
+the figures are the GPU's, the host's state is reported apart (below).
+
+--gpu SIZE adds vLLM's share (fsdp_vllm.vllm_memory_plan on a GPU of that size: bf16 weights,
+workspace, KV cache) and reports the peak of trainer plus vLLM over a step's two phases:
+generating (the trainer's resident bytes, counted at the end of the simulated step, beside vLLM's
+share) and training (the trainer's simulated peak; vLLM asleep holds no GPU memory that torch or the
+plan sees: weights and KV cache freed, runtime buffers and CUDA-graph pools moved to host memory).
+The plan's margin (CUDA context, NCCL, fragmentation) is left for what the simulation leaves out.
 
 How it allocates nothing: every tensor is a FakeTensor (shape, dtype and device `cpu`, no
 data), under torch's FakeTensorMode. The process is rank 0 of a fake process group of --ranks
@@ -49,9 +60,14 @@ Why not fake `cuda` tensors: on a CPU-only build, autograd on fake cuda tensors 
 process. CPU and CUDA differ in the attention kernel (here SDPA's CPU flash kernel, on the GPU
 flash / memory-efficient attention; both keep O(L) per head, not the O(L^2) scores).
 
+- offload_copies (--cpu-offload): FSDP2 copies each unit's fp32 shards to the GPU before its
+  all-gather and its reduced gradients back to the host; on the simulated `cpu` device those copies
+  would be the tensors themselves, so they are made real copies here, and counted while they live.
+
 Left out, so add them when you budget a GPU: the CUDA context, NCCL's buffers,
 the caching allocator's fragmentation (reserved above allocated), and what vLLM keeps while
-it sleeps (level 2 frees weights and KV cache, not its own CUDA context and graphs).
+it sleeps (level 2 frees weights and KV cache; vLLM 0.32 moves its runtime buffers and CUDA-graph
+pools to host memory; its NCCL buffers stay). The plan's MARGIN_GIB stands for them.
 
 Output: a table of the peak by category, then one JSON line (peak_gib, ranks, micro_batch_size,
 response_len, method, k_frac, breakdown_gib, ...). Figures are GiB (2^30 bytes).
@@ -80,6 +96,8 @@ import fsdp_vllm  # noqa: E402
 import train_full  # noqa: E402
 
 GIB = 2**30
+# GPU sizes of --gpu, GiB as torch reports them (total_memory): the smallest card of each class.
+GPUS = {"24gb": 22.0, "48gb": 44.4, "80gb": 79.1}  # L4 / A10G (RTX 4090: 23.6), L40S (A6000: 47.5), H100 / A100 80GB
 # Qwen2.5-Math shapes (the fields that set the memory; the hub configs' other fields do not).
 PRESETS = {
     "1.5b": {"model_type": "qwen2", "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
@@ -97,6 +115,7 @@ GROUPS = {
     "activations": ("Activation", "Inputs"),
     "temporaries": ("Temp",),
 }
+HOST = ("Sharded Param", "Sharded Grad", "OptState")  # with --cpu-offload: in host memory (--kl-ref's shards too)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -122,6 +141,8 @@ def parse_args(argv=None):
     a("--steps", type=int, default=2, help="optimizer steps to simulate (>= 2: step 1 has no optimizer state)")
     a("--micro-batches", type=int, default=2, help="micro-batches per step on a rank (>= 2: the second accumulates "
       "into the first one's gradients)")
+    a("--gpu", default=None, help=f"a GPU size ({', '.join(f'{k}: {v} GiB' for k, v in GPUS.items())}, or GiB as a "
+      "number): adds vLLM's share by the plan (fsdp_vllm.vllm_memory_plan) and the peak of trainer plus vLLM")
     args = p.parse_args(argv)
     cli.check_rules(p, [
         ("--ranks", args.ranks, lambda v: 1 <= v <= 65536, "an int in [1, 65536] (GPUs)"),
@@ -135,6 +156,15 @@ def parse_args(argv=None):
     ])
     if args.method not in variants.METHODS:
         p.error(f"--method {args.method!r}: not a method; choose one of {', '.join(variants.METHODS)}")
+    if args.gpu is not None:
+        size = GPUS.get(args.gpu.lower())
+        try:
+            size = size or float(args.gpu)
+        except ValueError:
+            p.error(f"--gpu {args.gpu!r}: not a GPU size; pass {', '.join(GPUS)} or GiB as a number")
+        if not 1 <= size <= 4096:
+            p.error(f"--gpu {args.gpu}: must be in [1, 4096] GiB")
+        args.gpu_gib = size
     check_preset(p, args.preset)
     # train_full's own flags (after "--"), checked by train_full.parse_args now rather than after the model is built;
     # its one-line error is given this script's name and says where the flag came from
@@ -203,10 +233,13 @@ def load_config(preset):
     return config
 
 
-def trainer_args(micro_batch_size, response_len, method, extra=()):
-    """train_full's own arguments and defaults, with the compute dtype it uses on a GPU (bf16)."""
+def trainer_args(micro_batch_size, response_len, method, extra=(), prompt_len=None):
+    """train_full's own arguments and defaults, with the compute dtype it uses on a GPU (bf16). prompt_len: also
+    --max-prompt-len, and --eval-max-tokens = response_len, so that the plan's sequences are the simulated ones."""
     argv = ["--model", "simulated", "--device", "cpu", "--dtype", "bfloat16", "--eval-data", "none",
             "--micro-batch-size", str(micro_batch_size), "--max-response-len", str(response_len)]
+    if prompt_len is not None:
+        argv += ["--max-prompt-len", str(prompt_len), "--eval-max-tokens", str(response_len)]
     return train_full.parse_args(argv + ["--method", method] + list(extra))
 
 
@@ -267,6 +300,46 @@ def cuda_entropy_chunks():
 
 
 @contextlib.contextmanager
+def offload_copies(on):
+    """--cpu-offload: FSDP2 copies a unit's fp32 shards host -> GPU before its all-gather (FSDPParam.
+    all_gather_inputs) and its reduced gradients GPU -> host after (foreach_reduce). On the simulated
+    `cpu` device `.to("cpu")` is the tensor itself; here both are real copies, so that the GPU side
+    (the staged weights before their bf16 cast, the reduce-scatter output before its copy) is
+    counted while it lives and the host side is a tensor of its own."""
+    if not on:
+        yield
+        return
+    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+    from torch.distributed.fsdp._fully_shard._fsdp_common import _to_dtype_if_needed
+
+    gather_inputs, reduce = _fsdp_param.FSDPParam.all_gather_inputs, _fsdp_param_group.foreach_reduce
+
+    def all_gather_inputs(self):
+        if self.offload_to_cpu and self.sharded_state == _fsdp_param.ShardedState.SHARDED:
+            return [_to_dtype_if_needed(self._sharded_param_data.clone(), self.param_dtype)]  # the H2D copy, then the cast
+        return gather_inputs.fget(self)
+
+    def foreach_reduce(*args, **kwargs):
+        to = torch.Tensor.to
+
+        def copying_to(tensor, *a, **kw):  # the D2H copy of the reduced gradients: a host tensor of its own
+            return tensor.clone() if a and a[0] == torch.device("cpu") else to(tensor, *a, **kw)
+
+        torch.Tensor.to = copying_to
+        try:
+            return reduce(*args, **kwargs)
+        finally:
+            torch.Tensor.to = to
+
+    _fsdp_param.FSDPParam.all_gather_inputs = property(all_gather_inputs)
+    _fsdp_param_group.foreach_reduce = foreach_reduce
+    try:
+        yield
+    finally:
+        _fsdp_param.FSDPParam.all_gather_inputs, _fsdp_param_group.foreach_reduce = gather_inputs, reduce
+
+
+@contextlib.contextmanager
 def no_hooks_without_grad():
     """Keep the tracker from holding pass 1's embedding outputs for the rest of the run.
 
@@ -308,10 +381,11 @@ class zero_reads(torch.utils._python_dispatch.TorchDispatchMode):
             return False if args[0].dtype == torch.bool else 0
 
 
-def step_mem_tracker(model, optimizer, vocab_size):
+def step_mem_tracker(model, optimizer, vocab_size, host=()):
     """An FSDPMemTracker that also notes the phase of the step at the peak, each phase's own
     peak, and the bytes of logits-shaped tensors ([..., V]: logits, their fp32 copies, softmax
-    and their gradients) alive at the peak."""
+    and their gradients) alive at the peak. The peak is the GPU's: the categories in `host`
+    (--cpu-offload: the sharded state) are left out of it."""
     from torch.distributed._tools.common_utils import get_untyped_storages
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
@@ -320,6 +394,10 @@ def step_mem_tracker(model, optimizer, vocab_size):
             super().__init__(model, optimizer)
             self.phase, self.peak_phase, self.phase_peaks = "setup", None, {}
             self.logits_now, self.logits_at_peak, self._logits = 0, 0, {}
+            self.device_peak, self.device_peak_snap = 0, {}
+
+        def on_device(self, snap):
+            return snap["Total"] - sum(v for k, v in snap.items() if k != "Total" and getattr(k, "value", k) in host)
 
         def _track(self, reftype, t):
             if t.dim() > 0 and t.shape[-1] == vocab_size:
@@ -342,10 +420,11 @@ def step_mem_tracker(model, optimizer, vocab_size):
             # The global peak only: the per-module peaks of the base class walk every module's
             # stats after every op (most of the run time), and this report does not use them.
             for dev, snap in self._curr_mem_snap.items():
-                if snap["Total"] > self._peak_mem.get(dev, 0):
-                    self._peak_mem[dev], self._peak_mem_snap[dev] = snap["Total"], dict(snap)
+                now = self.on_device(snap)
+                if now > self.device_peak:
+                    self.device_peak, self.device_peak_snap = now, {dev: dict(snap)}
                     self.peak_phase, self.logits_at_peak = self.phase, self.logits_now
-                self.phase_peaks[self.phase] = max(self.phase_peaks.get(self.phase, 0), snap["Total"])
+                self.phase_peaks[self.phase] = max(self.phase_peaks.get(self.phase, 0), now)
 
     return StepMemTracker()
 
@@ -365,6 +444,7 @@ def simulate(config, targs, ranks, micro_batch_size, response_len, prompt_len=51
     fake=False runs the very same code on real CPU tensors (what the test compares against).
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
     from transformers import AutoModelForCausalLM
 
     B, T = micro_batch_size * micro_batches, response_len  # rollouts on this rank, response width
@@ -376,39 +456,91 @@ def simulate(config, targs, ranks, micro_batch_size, response_len, prompt_len=51
     token_keep = d3s.select_tokens(scores, torch.ones(B, T, dtype=torch.bool), k_frac)
     normalizer = float(token_keep.sum()) * ranks  # the global count of kept tokens (train_full sums over ranks)
     kept_index = [token_keep[rows].nonzero(as_tuple=True) for rows in chunks]  # per micro-batch, real tensors
+    offload = getattr(targs, "cpu_offload", False)
 
     mode = FakeTensorMode() if fake else contextlib.nullcontext()
     as_used = (lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t) if fake else (lambda t: t)
-    with fake_world(ranks) as mesh, sharding_propagation_apart(), cuda_entropy_chunks(), mode:
+    with fake_world(ranks) as mesh, sharding_propagation_apart(), cuda_entropy_chunks(), offload_copies(offload), mode:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # fp32 master weights
         fsdp_vllm.shard_policy(model, targs, mesh=mesh)
         model.train()
         optimizer = fsdp_vllm.make_optimizer(model, targs)
         for group in optimizer.param_groups:
             group["foreach"] = True  # what AdamW(foreach=None) picks on CUDA
+        reference = None
+        if targs.kl_ref:  # as fsdp_vllm.load_policy(reference=True): stored in the compute dtype, frozen
+            reference = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, targs.dtype))
+            fsdp_vllm.shard_policy(reference, targs, mesh=mesh)
+            reference.eval().requires_grad_(False)
         batches = [({k: as_used(v) for k, v in inputs.items()}, as_used(targets), as_used(mask))
                    for inputs, targets, mask in packed]
         keep = as_used(token_keep)
         # pass 2 computes the LM head at the kept tokens only: their positions, counted on the real
         # mask (a fake tensor cannot count a mask: nonzero has a data-dependent shape)
         positions = [tuple(as_used(i) for i in index) for index in kept_index]
-        tracker = step_mem_tracker(model, optimizer, config.vocab_size)
+        tracker = step_mem_tracker(model, optimizer, config.vocab_size, host=HOST if offload else ())
         with no_hooks_without_grad(), tracker:
+            for param in reference.parameters() if reference is not None else []:  # its shards count as sharded
+                tracker._update_and_maybe_create_winfos(param, _FSDPRefType.SHARDED_PARAM)  # weights (no track_external)
             for step in range(steps):
-                _train_step(model, optimizer, targs, batches, chunks, keep, positions, normalizer, tracker, step)
+                _train_step(model, optimizer, targs, batches, chunks, keep, positions, normalizer, tracker, step,
+                            reference)
                 tracker.phase = f"step {step + 1} sync"  # the trainer's side of the weight sync to vLLM
                 for _, tensor in fsdp_vllm.full_named_tensors(model, getattr(torch, targs.dtype)):
                     del tensor  # vLLM copies it into its own weights (not simulated) and lets it go
             tracker.phase = "end"
             end = tracker.get_tracker_snapshot("current")
-        peak = tracker.get_tracker_snapshot("peak")
-    return {"peak": _by_name(peak), "end": _by_name(end), "peak_phase": tracker.peak_phase,
-            "phase_peaks": tracker.phase_peaks, "logits_at_peak": tracker.logits_at_peak}
+            resident = held_bytes([model] + ([reference] if reference is not None else []), optimizer, offload)
+        peak = tracker.device_peak_snap
+    return {"peak": _by_name(peak), "end": _by_name(end), "peak_phase": tracker.peak_phase, "device_peak": tracker.device_peak,
+            "phase_peaks": tracker.phase_peaks, "logits_at_peak": tracker.logits_at_peak, "resident": resident,
+            "offload": offload}
 
 
-def _train_step(model, optimizer, targs, batches, chunks, keep, positions, normalizer, tracker, step):
+def held_bytes(models, optimizer, offload):
+    """What the trainer holds on the GPU between steps, while vLLM generates: every storage reachable from
+    the models (sharded weights, gathered weights an FSDP unit still holds, gradients, buffers) and the
+    optimizer's state, counted once each by their size now (a freed FSDP buffer has size 0); with
+    --cpu-offload the sharded weights, gradients and AdamW's state are the host's, not counted."""
+    from torch.distributed.tensor import DTensor
+
+    seen, total = set(), 0
+
+    def count(tensor):
+        nonlocal total
+        if tensor is None:
+            return
+        tensor = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+        storage = tensor.untyped_storage()
+        key = storage._cdata  # the storage itself (each call of untyped_storage() makes a new Python object)
+        if key not in seen:
+            seen.add(key)
+            total += storage.nbytes()
+
+    for model in models:
+        for module in model.modules():
+            state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
+            for group in getattr(state, "_fsdp_param_groups", []) if state is not None else []:
+                for fsdp_param in group.fsdp_params:  # what a unit keeps gathered (nothing, once resharded)
+                    for tensor in getattr(fsdp_param, "all_gather_outputs", []):
+                        count(tensor)
+        for param in model.parameters():
+            if not offload:
+                count(param)
+                count(param.grad)
+        for buffer in model.buffers():
+            count(buffer)
+    if not offload:
+        for state in optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    count(value)
+    return total
+
+
+def _train_step(model, optimizer, targs, batches, chunks, keep, positions, normalizer, tracker, step, reference=None):
     """Steps 4-6 of train_full's loop (forward_kept, update_policy): passes 1 and 2 and the update, on fixed
-    micro-batches."""
+    micro-batches; with a reference (--kl-ref), its forward of every micro-batch in pass 1, then its reshard."""
     B, T = keep.shape
     old_logp = torch.zeros(B, T)
     entropy = torch.zeros(B, T)
@@ -425,6 +557,13 @@ def _train_step(model, optimizer, targs, batches, chunks, keep, positions, norma
             if selects:
                 entropy[rows] = ent
             del logp, ent
+        fsdp_vllm.reshard(model)  # as fsdp_vllm.forward_no_grad ends
+        for inputs, targets, _ in batches if reference is not None else []:
+            tracker.phase = f"step {step + 1} pass 1 (reference)"
+            ref_logp, _ = fsdp_vllm.response_logp(reference, inputs, targets, targs.temperature, with_entropy=False)
+            del ref_logp
+        if reference is not None:
+            fsdp_vllm.reshard(reference)
     # pass 2: loss and backward per micro-batch, gradients accumulate; the methods without token
     # selection take their entropy metric from this forward's logits
     optimizer.zero_grad(set_to_none=True)
@@ -471,39 +610,70 @@ def sharded_state_bytes(config, ranks):
 # ---------------------------------------------------------------------------------------------
 # Report
 # ---------------------------------------------------------------------------------------------
-def report(args, result, state_bytes, n_params, k_frac, wall_s):
+def report(args, result, state_bytes, n_params, k_frac, wall_s, plan=None, estimate=None):
     peak, end = result["peak"], result["end"]
     gib = lambda b: round(b / GIB, 3)  # noqa: E731
     groups = {name: sum(peak.get(k, 0) for k in keys) for name, keys in GROUPS.items()}
+    offload = result["offload"]
     lines = [f"# Simulated peak memory per GPU: {args.preset}, {n_params / 1e9:.2f}B params, {args.ranks} ranks, "
              f"micro-batch {args.micro_batch_size} x ({args.prompt_len} prompt + {args.response_len} response) tokens, "
-             f"{args.method} (K = {k_frac:g}), {args.steps} steps x {args.micro_batches} micro-batches",
+             f"{args.method} (K = {k_frac:g}), {args.steps} steps x {args.micro_batches} micro-batches"
+             + (f", train_full flags {' '.join(args.train_argv)}" if args.train_argv else ""),
              "", "| category (at the peak) | GiB | tracker categories |", "|---|---|---|"]
     for name, keys in GROUPS.items():
         parts = ", ".join(f"{k} {gib(peak.get(k, 0))}" for k in keys if peak.get(k, 0))
-        lines.append(f"| {name} | {gib(groups[name]):.2f} | {parts} |")
+        where = " (host memory: --cpu-offload)" if offload and any(k in HOST for k in keys) and groups[name] else ""
+        lines.append(f"| {name}{where} | {gib(groups[name]):.2f} | {parts} |")
     lines.append(f"| of which logits-shaped [..., V] | {gib(result['logits_at_peak']):.2f} | activations + temporaries |")
-    lines.append(f"| **peak** | **{gib(peak.get('Total', 0)):.2f}** | in {result['peak_phase']} |")
-    lines += ["", "| phase | peak GiB |", "|---|---|"]
+    lines.append(f"| **peak** | **{gib(result['device_peak']):.2f}** | on the GPU, in {result['peak_phase']}"
+                 + (" (the host categories left out)" if offload else "") + " |")
+    lines += ["", "| phase | peak GiB on the GPU |", "|---|---|"]
     lines += [f"| {phase} | {gib(b):.2f} |" for phase, b in result["phase_peaks"].items()]
     lines += ["", f"Sharded state at the end (arithmetic: 4 B x ceil(rows / ranks) x columns = {gib(state_bytes):.3f} GiB "
               f"per copy): weights {gib(end.get('Sharded Param', 0)):.3f} GiB, AdamW moments "
-              f"{gib(end.get('OptState', 0)):.3f} GiB (2 copies + step counts).",
+              f"{gib(end.get('OptState', 0)):.3f} GiB (2 copies + step counts)"
+              + (", in host memory (--cpu-offload)." if offload else "."),
+              f"Held on the GPU between steps (while vLLM generates): {gib(result['resident']):.3f} GiB.",
+              f"The plan's estimate of this step's peak (fsdp_vllm.trainer_peak_bytes, --max-prompt-len {args.prompt_len}):"
+              f" {gib(estimate or 0):.2f} GiB.",
               "Not included: CUDA context, NCCL buffers, allocator fragmentation, vLLM's sleeping remainder.",
               f"Simulated in {wall_s:.1f} s, max RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB."]
-    record = {"peak_gib": gib(peak.get("Total", 0)), "preset": args.preset, "params": n_params, "ranks": args.ranks,
+    record = {"peak_gib": gib(result["device_peak"]), "preset": args.preset, "params": n_params, "ranks": args.ranks,
               "micro_batch_size": args.micro_batch_size, "response_len": args.response_len, "prompt_len": args.prompt_len,
               "method": args.method, "k_frac": k_frac, "steps": args.steps, "micro_batches": args.micro_batches,
-              "train_args": args.train_argv, "peak_phase": result["peak_phase"],
+              "train_args": args.train_argv, "peak_phase": result["peak_phase"], "cpu_offload": offload,
               "categories_gib": {name: gib(b) for name, b in groups.items()},
               "breakdown_gib": {k: gib(v) for k, v in peak.items() if k != "Total"},
               "logits_gib": gib(result["logits_at_peak"]),
               "phase_peaks_gib": {k: gib(v) for k, v in result["phase_peaks"].items()},
               "sharded_params_gib": gib(end.get("Sharded Param", 0)), "optimizer_state_gib": gib(end.get("OptState", 0)),
-              "arithmetic_sharded_params_gib": gib(state_bytes), "peak_bytes": peak.get("Total", 0),
+              "arithmetic_sharded_params_gib": gib(state_bytes), "peak_bytes": result["device_peak"],
+              "resident_gib": gib(result["resident"]), "resident_bytes": result["resident"],
+              "estimate_gib": gib(estimate or 0),
               "breakdown_bytes": {k: v for k, v in peak.items() if k != "Total"},
               "end_bytes": {k: v for k, v in end.items() if k != "Total"}, "wall_s": round(wall_s, 1),
               "max_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}
+    if plan is not None:
+        generating = result["resident"] / GIB + plan["vllm_share_gib"]
+        training = result["device_peak"] / GIB
+        total = max(generating, training)
+        lines += ["", f"## One GPU of {plan['gpu_gib']:g} GiB: trainer + vLLM (fsdp_vllm.vllm_memory_plan)", "",
+                  "| phase | trainer GiB | vLLM GiB | together |", "|---|---|---|---|",
+                  f"| generating | {result['resident'] / GIB:.2f} (held) | {plan['vllm_share_gib']:.2f} (weights "
+                  f"{plan['vllm_weights_gib']:.2f} + workspace {plan['vllm_workspace_gib']:.2f} + KV cache "
+                  f"{plan['kv_cache_gib']:.2f}) | {generating:.2f} |",
+                  f"| training | {training:.2f} (peak) | 0 (asleep) | {training:.2f} |",
+                  f"| **peak** | | | **{total:.2f}** of {plan['gpu_gib']:g}, {plan['margin_gib']:g} left to the margin |",
+                  "", f"gpu_memory_utilization {plan['gpu_memory_utilization']}, max_num_seqs {plan['max_num_seqs']} "
+                  f"(sequences of {plan['full_length']} tokens whose KV cache fits at once); "
+                  + (f"the trainer's state in host memory: {plan['host_gib']:.1f} GiB per node of {args.ranks} rank(s); "
+                     if offload else "")
+                  + ("the plan accepts it." if not plan["short"] else "the plan refuses it: " + "; ".join(plan["short"]))]
+        record.update({"gpu_gib": plan["gpu_gib"], "vllm_share_gib": round(plan["vllm_share_gib"], 3),
+                       "kv_cache_gib": round(plan["kv_cache_gib"], 3), "max_num_seqs": plan["max_num_seqs"],
+                       "generating_gib": round(generating, 3), "training_gib": round(training, 3),
+                       "total_peak_gib": round(total, 3), "plan_accepts": not plan["short"], "plan_short": plan["short"],
+                       "host_gib": round(plan["host_gib"], 3)})
     return "\n".join(lines), record
 
 
@@ -511,13 +681,17 @@ def main(argv=None):
     args = parse_args(argv)
     t0 = time.perf_counter()
     config = load_config(args.preset)
-    targs = trainer_args(args.micro_batch_size, args.response_len, args.method, args.train_argv)
+    targs = trainer_args(args.micro_batch_size, args.response_len, args.method, args.train_argv, args.prompt_len)
     selects_tokens = variants.selects_tokens(args.method)
     k_frac = (args.k_frac if args.k_frac is not None else targs.k_final) if selects_tokens else 1.0
     result = simulate(config, targs, args.ranks, args.micro_batch_size, args.response_len, args.prompt_len, k_frac,
                       args.steps, args.micro_batches)
     state_bytes, n_params = sharded_state_bytes(config, args.ranks)
-    table, record = report(args, result, state_bytes, n_params, k_frac, time.perf_counter() - t0)
+    plan = None
+    if args.gpu is not None:
+        plan = fsdp_vllm._plan(config, targs, args.ranks, args.gpu_gib * GIB, local_ranks=args.ranks)
+    table, record = report(args, result, state_bytes, n_params, k_frac, time.perf_counter() - t0, plan,
+                           fsdp_vllm.trainer_peak_bytes(config, targs, args.ranks))
     print(table)
     print(json.dumps(record), flush=True)
     return record

@@ -1,53 +1,74 @@
 #!/usr/bin/env bash
-# scripts/gpu_check.sh: the first thing to run on a GPU node, before a real train_full.py run.
+# scripts/gpu_check.sh: the first thing to run on a GPU node, before a real train_full.py run. It writes ONE log,
+# runs/gpu_check/gpu_check.log: send it back (with a bug report, or to say what your GPU did).
 #
-#   python3 -m venv .venv-gpu && .venv-gpu/bin/pip install -r requirements-full.txt pytest hypothesis
-#   PYTHON=.venv-gpu/bin/python bash scripts/gpu_check.sh          # ~5-10 minutes on one H100
+#   python3 -m venv .venv-gpu && .venv-gpu/bin/pip install -r requirements-full.txt   # torch, vLLM, pytest
+#   PYTHON=.venv-gpu/bin/python bash scripts/gpu_check.sh          # ~10-20 minutes on one GPU
 #
-# The sessions that wrote this repo had a GPU once (one H100, torch 2.11, no vLLM: docs/gpu_check.md);
-# the vLLM and multi-GPU paths below have only run on CPU. This script checks them on your hardware:
-#   1. the distributed tests on CUDA (FSDP2 step == single-process step, vLLM weight sync with
-#      the tied and the untied LM head, end to end with HF rollouts), on min(GPUs, 2) ranks;
-#   2. two steps of train_full.py with vLLM on a random-initialised Qwen2.5-Math-1.5B-shaped model
-#      (no download: the config is written here), on every GPU of the node;
-#   3. what those steps measured (memory, times) next to bench/memory.py's simulated peak;
+# No session that wrote this repo has run vLLM or --cpu-offload on a GPU (docs/gpu_check.md). This script checks
+# them on your hardware, the one-GPU setting first, and prints every figure next to what bench/memory.py and the
+# memory plan (fsdp_vllm.vllm_memory_plan) predict for it:
+#   0. the machine: GPU, driver, CUDA, torch, vLLM, pytest; why torch sees no GPU if it does not;
+#   1. the one-GPU setting for this GPU's size (docs/train_full.md, "One GPU"): two steps of train_full.py with
+#      vLLM on a random-initialised Qwen2.5-Math-1.5B-shaped model (no download), measured against simulated:
+#      the trainer's peak, the GPU in use while generating and while training, vLLM's share, times;
+#   2. on a GPU of 48 GB or more, also the 24 GB setting (--cpu-offload), whose path no GPU has run yet;
+#   3. the distributed tests on CUDA (FSDP2 step == single-process step, vLLM weight sync in bf16), on
+#      min(GPUs, 2) ranks;
 #   4. the tiled MLP's time and memory on the 7B's own layer shapes (bench/tiled_mlp.py, bf16).
-# Without vLLM in $PYTHON (e.g. a stock PyTorch image), the vLLM tests are skipped and step 2 uses
-# --rollout hf; the script says so. It prints a summary at the end; keep it with your bug report.
-set -euo pipefail
+#   GPU_CHECK_7B=1 adds the 7B on one GPU of 80 GB with --cpu-offload (a random 7B: 15 GB on disk, ~150 GiB of
+#   host memory).
+# Without vLLM in $PYTHON (a stock PyTorch image) the vLLM tests are skipped and the runs use --rollout hf.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
 OUT=${OUT:-runs/gpu_check}
 mkdir -p "$OUT"
+LOG="$OUT/gpu_check.log"
+: > "$LOG"
+exec > >(tee -a "$LOG") 2>&1
+FAILED=()
+
+echo "== 0/4 the machine ($(date -u +%Y-%m-%dT%H:%MZ))"
+"$PY" - <<'EOF'
+import importlib.util, os, subprocess, sys
+import torch
+sys.path.insert(0, ".")
+import fsdp_vllm
+print(f"python {sys.version.split()[0]}, torch {torch.__version__} (CUDA build {torch.version.cuda}), "
+      f"transformers {__import__('transformers').__version__}, "
+      f"vllm {__import__('vllm').__version__ if importlib.util.find_spec('vllm') else 'not installed'}, "
+      f"pytest {'yes' if importlib.util.find_spec('pytest') else 'NOT INSTALLED'}")
+driver, driver_cuda, gpus = fsdp_vllm._driver_facts()
+print(f"NVIDIA driver {driver} (CUDA up to {driver_cuda}); GPUs: {gpus}")
+print(f"VLLM_BATCH_INVARIANT={os.environ.get('VLLM_BATCH_INVARIANT', '0')}, "
+      f"PYTORCH_CUDA_ALLOC_CONF={os.environ.get('PYTORCH_CUDA_ALLOC_CONF', '')!r}")
+if not torch.cuda.is_available():
+    print(f"gpu_check: torch sees no CUDA device: {fsdp_vllm.cuda_diagnosis()}", file=sys.stderr)
+    sys.exit(2)
+for i in range(torch.cuda.device_count()):
+    p = torch.cuda.get_device_properties(i)
+    print(f"cuda:{i} {p.name}, {p.total_memory / 2**30:.1f} GiB, compute capability {p.major}.{p.minor}")
+EOF
+[ $? -eq 0 ] || { echo "gpu_check: stopped at step 0; the log is $LOG" >&2; exit 2; }
 NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())")
-if [ "$NGPU" -lt 1 ]; then
-    echo "gpu_check: torch sees no CUDA device (torch.cuda.device_count() == 0); install the CUDA build of torch" >&2
-    exit 2
-fi
+GIB=$("$PY" -c "import torch; print(round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1))")
 RANKS=$(( NGPU >= 2 ? 2 : 1 ))
-echo "== gpu_check: $NGPU GPU(s): $("$PY" -c "import torch; print(torch.cuda.get_device_name(0))"); tests on $RANKS rank(s)"
-"$PY" -c "import sys, torch, transformers; print(f'python {sys.version.split()[0]}, torch {torch.__version__}, '
-                                               f'transformers {transformers.__version__}')"
 if "$PY" -c "import vllm" 2>/dev/null; then ROLLOUT=vllm; else
     ROLLOUT=hf
-    echo "gpu_check: vLLM is not importable by $PY: the vLLM tests are skipped and step 2 uses --rollout hf"
+    echo "gpu_check: vLLM is not importable by $PY: the vLLM tests are skipped and the runs use --rollout hf"
 fi
+HAVE_PYTEST=1
+"$PY" -c "import pytest, hypothesis" 2>/dev/null || { HAVE_PYTEST=0; echo "gpu_check: pytest or hypothesis is missing: \
+step 3 is skipped; $PY -m pip install -r requirements-full.txt installs them"; }
 
-echo "== 1/4 distributed tests on CUDA"
-export D3S_TEST_DEVICE=cuda D3S_TEST_RANKS=$RANKS D3S_VLLM_PYTHON="$PY"
-TESTS=(tests/test_full_fsdp.py)
-if [ "$ROLLOUT" = vllm ]; then
-    TESTS+=("tests/test_full_vllm.py::test_vllm_greedy_tokens_and_logprobs_match_the_trainer_after_a_step_and_weight_sync")
-fi
-if [ "$RANKS" -ge 2 ]; then  # 2-rank end-to-end runs
-    TESTS+=(tests/test_full_hf_rollout.py)
-    if [ "$ROLLOUT" = vllm ]; then TESTS+=(tests/test_full_vllm.py); fi
-fi
-FAILED=()
-"$PY" -m pytest "${TESTS[@]}" -q -ra 2>&1 | tee "$OUT/tests.log" || FAILED+=("tests ($OUT/tests.log)")
+# the one-GPU settings of docs/train_full.md (the 1.5B, micro-batch 16), by this GPU's size; responses of 1024 here
+if awk "BEGIN{exit !($GIB < 40)}"; then SIZE=24; SETTING=(--cpu-offload);
+elif awk "BEGIN{exit !($GIB < 70)}"; then SIZE=48; SETTING=();
+else SIZE=80; SETTING=(); fi
 
-echo "== 2/4 two steps of train_full.py, $ROLLOUT rollouts, a random 1.5B-shaped model on $NGPU GPU(s)"
-"$PY" - "$OUT" <<'EOF'
+echo "== making a random Qwen2.5-Math-1.5B-shaped model (no download) and 64 arithmetic problems"
+"$PY" - "$OUT" <<'EOF' || FAILED+=("the random model")
 import json, os, sys
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -70,33 +91,97 @@ with open(os.path.join(out, "train.jsonl"), "w") as f:
         f.write(json.dumps(row) + "\n")
 print(f"wrote {out}/model-1.5b ({sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters) and {out}/train.jsonl")
 EOF
-rm -rf "$OUT/run"
-"$PY" -m torch.distributed.run --nproc_per_node="$NGPU" train_full.py --model "$OUT/model-1.5b" --template plain \
-    --train-data "$OUT/train.jsonl" --eval-data none --out "$OUT/run" --steps 2 --prompts-per-step "$NGPU" --rollout "$ROLLOUT" \
-    --group-size 32 --n-init 8 --n-final 32 --max-response-len 1024 --micro-batch-size 4 --save-every 2 \
-    --explain-every 1 2>&1 | tee "$OUT/train.log" || FAILED+=("train_full ($OUT/train.log)")
 
-echo "== 3/4 measured vs simulated"
-"$PY" bench/memory.py --preset "$OUT/model-1.5b/config.json" --ranks "$NGPU" --micro-batch-size 4 --response-len 1024 \
-    --method d3s --k-frac 0.2 2>&1 | tee "$OUT/memory.log"
-"$PY" - "$OUT" <<'EOF'
+# one_gpu NAME MODEL MICRO_BATCH [FLAGS...]: two steps of train_full.py on one GPU, then bench/memory.py and the
+# plan for the same setting on this GPU, and the table of measured against simulated
+one_gpu() {
+    local name=$1 model=$2 mb=$3; shift 3
+    local run="$OUT/$name"
+    rm -rf "$run"
+    echo "-- train_full.py, 1 GPU, $ROLLOUT rollouts, --micro-batch-size $mb $*"
+    CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0} "$PY" train_full.py --model "$model" --template plain \
+        --train-data "$OUT/train.jsonl" --eval-data none --out "$run" --steps 2 --prompts-per-step 1 --group-size 32 \
+        --n-init 8 --n-final 32 --max-prompt-len 64 --max-response-len 1024 --eval-max-tokens 1024 --save-every 2 \
+        --micro-batch-size "$mb" --rollout "$ROLLOUT" "$@" > "$run.log" 2>&1 || FAILED+=("$name ($run.log)")
+    grep -E "vLLM memory plan|Model loading took|KV cache memory|CUDA graph|[Ss]leep mode freed|train_full.py:|Error|error" \
+        "$run.log" | tail -20
+    echo "-- bench/memory.py, the same setting on a GPU of $GIB GiB"
+    "$PY" bench/memory.py --preset "$model/config.json" --ranks 1 --response-len 1024 --prompt-len 64 --method d3s \
+        --k-frac 0.2 --gpu "$GIB" --micro-batch-size "$mb" -- "$@" > "$run.memory.log" 2>&1 \
+        || FAILED+=("bench $name ($run.memory.log)")
+    "$PY" - "$run" <<'EOF' || FAILED+=("the table of $name")
 import json, os, sys
-out = sys.argv[1]
-records = [json.loads(line) for line in open(os.path.join(out, "run", "metrics.jsonl")) if '"train"' in line]
-plan = json.loads(open(os.path.join(out, "memory.log")).read().strip().splitlines()[-1])
-print(f"{'step':>4} {'mem_peak_gb':>11} {'gpu_used_gen_gb':>15} {'gpu_used_train_gb':>17} {'gen_s':>7} {'train_s':>7} "
-      f"{'sync_s':>7} {'mfu':>6}")
-f = lambda r, key, fmt: format(r[key], fmt) if r.get(key) is not None else "-"  # noqa: E731
-for r in records:
-    print(f"{r['step']:>4} {f(r, 'mem_peak_gb', '.1f'):>11} {f(r, 'gpu_used_gen_gb', '.1f'):>15} "
-          f"{f(r, 'gpu_used_train_gb', '.1f'):>17} {f(r, 'gen_s', '.1f'):>7} {f(r, 'train_s', '.1f'):>7} "
-          f"{f(r, 'sync_s', '.1f'):>7} {f(r, 'mfu', '.3f'):>6}")
-print(f"bench/memory.py simulated training peak: {plan['peak_gib']:.1f} GiB per GPU "
-      f"(micro-batch 4 x {plan['response_len']} response tokens; the measured mem_peak_gb is the same quantity, "
-      f"torch.cuda.max_memory_allocated, minus what the simulation leaves out: CUDA context, NCCL, fragmentation)")
+run = sys.argv[1]
+records = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl")) if '"train"' in line]
+sim = json.loads(open(run + ".memory.log").read().strip().splitlines()[-1])
+last = records[-1]
+rows = [("trainer peak, GiB (torch max allocated / simulated)", last.get("mem_peak_gb"), sim["peak_gib"]),
+        ("trainer between steps, GiB (- / simulated)", None, sim["resident_gib"]),
+        ("GPU in use while generating, GiB (nvidia / plan: trainer + vLLM)", last.get("gpu_used_gen_gb"), sim.get("generating_gib")),
+        ("GPU in use while training, GiB (nvidia / simulated trainer)", last.get("gpu_used_train_gb"), sim.get("training_gib")),
+        ("vLLM's share, GiB (- / plan)", None, sim.get("vllm_share_gib")),
+        ("KV cache, GiB (- / plan)", None, sim.get("kv_cache_gib")),
+        ("peak trainer + vLLM, GiB (max of the two nvidia readings / simulated)",
+         max(last.get("gpu_used_gen_gb") or 0, last.get("gpu_used_train_gb") or 0), sim.get("total_peak_gib"))]
+print(f"{'figure':<72} {'measured':>9} {'simulated':>9}")
+fmt = lambda v: "-" if v is None else f"{v:.2f}"  # noqa: E731
+for name, measured, simulated in rows:
+    print(f"{name:<72} {fmt(measured):>9} {fmt(simulated):>9}")
+print("per step: " + "; ".join(f"step {r['step']}: gen {r['gen_s']:.1f} s, train {r['train_s']:.1f} s, sync {r['sync_s']:.1f} s, "
+                              f"{r['gen_tokens']} tokens generated, mfu {r['mfu'] if r['mfu'] is None else round(r['mfu'], 3)}"
+                              for r in records))
+print("(the nvidia readings add the CUDA context and the allocator's cache, which the simulation leaves out and the "
+      "plan's margin of 4 GiB stands for)")
 EOF
+}
+
+echo "== 1/4 the one-GPU setting of a ${SIZE} GB GPU ($GIB GiB here): --micro-batch-size 16 ${SETTING[*]}"
+one_gpu "one_gpu_${SIZE}gb" "$OUT/model-1.5b" 16 "${SETTING[@]}"
+
+echo "== 2/4 the 24 GB setting (--cpu-offload) on this GPU"
+if [ "$SIZE" != 24 ]; then one_gpu one_gpu_24gb_setting "$OUT/model-1.5b" 16 --cpu-offload;
+else echo "(step 1 was it)"; fi
+if [ "${GPU_CHECK_7B:-0}" = 1 ] && [ "$SIZE" = 80 ]; then
+    echo "-- GPU_CHECK_7B=1: a random 7B-shaped model on one GPU with --cpu-offload"
+    "$PY" - "$OUT" <<'EOF' || FAILED+=("the random 7B")
+import os, sys
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+sys.path.insert(0, ".")
+import tiny
+tokenizer = tiny.build_char_tokenizer()
+config = Qwen2Config(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                     num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=4096, rope_theta=10000.0,
+                     tie_word_embeddings=False, bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+                     pad_token_id=tokenizer.pad_token_id, torch_dtype="bfloat16")
+torch.manual_seed(0)
+with torch.device("cuda"):
+    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+tiny.save_tiny(model.cpu(), tokenizer, os.path.join(sys.argv[1], "model-7b"))
+EOF
+    one_gpu one_gpu_7b "$OUT/model-7b" 16 --cpu-offload
+fi
+
+echo "== 3/4 the distributed tests on CUDA, $RANKS rank(s)"
+if [ "$HAVE_PYTEST" = 1 ]; then
+    export D3S_TEST_DEVICE=cuda D3S_TEST_RANKS=$RANKS D3S_VLLM_PYTHON="$PY"
+    TESTS=(tests/test_full_fsdp.py)
+    if [ "$ROLLOUT" = vllm ]; then
+        TESTS+=("tests/test_full_vllm.py::test_vllm_greedy_tokens_and_logprobs_match_the_trainer_after_a_step_and_weight_sync"
+                "tests/test_full_vllm.py::test_the_engines_start_leaves_the_ranks_rng_as_it_was")
+    fi
+    if [ "$RANKS" -ge 2 ]; then  # 2-rank end-to-end runs
+        TESTS+=(tests/test_full_hf_rollout.py)
+        if [ "$ROLLOUT" = vllm ]; then TESTS+=(tests/test_full_vllm.py); fi
+    fi
+    "$PY" -m pytest "${TESTS[@]}" -q -ra 2>&1 | tail -40 || FAILED+=("tests")
+else
+    echo "(skipped: no pytest)"; FAILED+=("tests (no pytest)")
+fi
+
 echo "== 4/4 the tiled MLP on the 7B's layer shapes (4 layers, [4, 3512] tokens, bf16)"
 "$PY" bench/tiled_mlp.py --device cuda --dtype bfloat16 --hidden 3584 --seq-len 3512 --chunk-tokens 4096 --repeats 5 \
-    2>&1 | tee "$OUT/tiled_mlp.log"
-echo "== gpu_check done: tests in $OUT/tests.log, the run in $OUT/run, the plan in $OUT/memory.log, $OUT/tiled_mlp.log"
+    2>&1 | tail -12 || FAILED+=("tiled MLP")
+
+echo "== gpu_check done: the log is $LOG (send it back); the runs are in $OUT"
 if [ "${#FAILED[@]}" -gt 0 ]; then echo "gpu_check: FAILED: ${FAILED[*]}" >&2; exit 1; fi

@@ -16,6 +16,7 @@ import types
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
@@ -84,7 +85,8 @@ def make_rollouts(vocab_size, seed=0):
 # GSPO with a larger lr, so that the policy moves past its 3e-4/4e-4 clip range in one step)
 CONFIGS = {"grpo": ("grpo", "grpo", 1, 1e-4), "grpo-m2": ("grpo", "grpo", 2, 1e-4), "d3s-m2": ("d3s", "grpo", 2, 1e-4),
            "d3s-m2-unbalanced": ("d3s", "grpo", 2, 1e-4), "gspo-d3s-i-m2": ("d3s-i", "gspo", 2, 1e-1),
-           "dapo-filter-m2": ("dapo-filter", "grpo", 2, 1e-4), "dapo-filter-k-m2": ("dapo-filter-k", "grpo", 2, 1e-4)}
+           "dapo-filter-m2": ("dapo-filter", "grpo", 2, 1e-4), "dapo-filter-k-m2": ("dapo-filter-k", "grpo", 2, 1e-4),
+           "d3s-m2-offload": ("d3s", "grpo", 2, 1e-4)}  # --cpu-offload: FSDP2's CPUOffloadPolicy (issue 30)
 
 # check_dapo_filter's three steps on the same rollouts, (name, rewards [P, G], load balance). Rank r holds groups
 # 2r, 2r + 1 (2 ranks). "one-rank": only rank 0's groups have spread and the kept rollouts stay home, so rank 1
@@ -127,10 +129,10 @@ def full_params(model):
     return {name: p.full_tensor().detach().cpu().clone() for name, p in model.named_parameters()}
 
 
-def check_resume(cli, dist_, tokenizer, rollouts, mine, workdir):
+def check_resume(cli, dist_, tokenizer, rollouts, mine, workdir, offload=False):
     """Two steps straight == one step, save_checkpoint, a fresh model + optimizer, load_checkpoint, one step."""
     args = trainer_args(cli.model, "d3s", mini_batches=2)
-    args.out = workdir
+    args.out, args.cpu_offload = os.path.join(workdir, "offload" if offload else "plain"), offload
     model = fsdp_vllm.load_policy(args, dist_)
     optimizer = fsdp_vllm.make_optimizer(model, args)
     for step in (1, 2):
@@ -151,6 +153,29 @@ def check_resume(cli, dist_, tokenizer, rollouts, mine, workdir):
     resumed = full_params(model)
     return {"step": step, "order": order.state_dict(), "max_diff": max(float((straight[n] - resumed[n]).abs().max())
                                                                        for n in straight)}
+
+
+def check_sync_gathers_in_the_sync_dtype(cli, dist_):
+    """fsdp_vllm.full_named_tensors(model, bf16): every gather (DTensor.full_tensor) moves bf16 shards, and the full
+    tensors are the fp32 weights cast to bf16 (issue 30: the fp32 full tensor of the 7B's embedding is 2 GiB)."""
+    from torch.distributed.tensor import DTensor
+
+    args = trainer_args(cli.model, "d3s")
+    model = fsdp_vllm.load_policy(args, dist_)
+    fp32 = full_params(model)
+    gathered, full_tensor = [], DTensor.full_tensor
+
+    def spy(self, *a, **kw):
+        gathered.append(self.dtype)
+        return full_tensor(self, *a, **kw)
+
+    DTensor.full_tensor = spy
+    try:
+        synced = {name: t.cpu() for name, t in fsdp_vllm.full_named_tensors(model, torch.bfloat16)}
+    finally:
+        DTensor.full_tensor = full_tensor
+    return {"dtypes": sorted({str(d) for d in gathered}), "count": len(gathered),
+            "equal": all(torch.equal(synced[n], fp32[n].to(torch.bfloat16)) for n in fp32)}
 
 
 def check_nonfinite_skip(cli, dist_, tokenizer, rollouts, mine):
@@ -267,11 +292,14 @@ def main():
     for config in cli.configs.split(","):
         args = trainer_args(cli.model, *CONFIGS[config])
         args.load_balance = not config.endswith("unbalanced")
+        args.cpu_offload = config.endswith("offload")
         model = fsdp_vllm.load_policy(args, dist_)
         optimizer = fsdp_vllm.make_optimizer(model, args)
         ref_model = fsdp_vllm.load_policy(args, dist_, reference=True) if config.startswith("gspo") else None  # --kl-ref
         stats, details, grads = train_step(model, optimizer, rollouts[mine], REWARDS[mine], STEP, args, dist_,
                                            tokenizer.pad_token_id, keep_grads=True, ref_model=ref_model)
+        # after pass 1, the reference's root (never run backward) holds no gathered weight: its params are shards
+        resharded = ref_model is None or all(isinstance(p, DTensor) for p in ref_model.parameters())
         params = full_params(model)
         result[config] = {"params": params, "grads": grads, "keep": details["keep"], "token_keep": details["token_keep"],
                         "grad_norm": stats["grad_norm"], "loss": stats["loss"], "n_keep": stats["n_keep"],
@@ -279,8 +307,12 @@ def main():
                         "clip_frac_by_minibatch": stats["clip_frac_by_minibatch"], "k_real": stats["k_real"],
                         "sur": stats["sur"], "kept_samples": stats["kept_samples"], "kl_ref": stats["kl_ref"],
                         "rank_tokens_max": stats["rank_tokens_max"],
-                          "rank_tokens_min": stats["rank_tokens_min"]}
+                        "rank_tokens_min": stats["rank_tokens_min"], "reference_resharded": resharded,
+                        "offloaded": [fp.offload_to_cpu for m in model.modules() if hasattr(m, "_get_fsdp_state")
+                                      for g in m._get_fsdp_state()._fsdp_param_groups for fp in g.fsdp_params]}
     result["resume"] = check_resume(cli, dist_, tokenizer, rollouts, mine, cli.workdir)
+    result["resume_offload"] = check_resume(cli, dist_, tokenizer, rollouts, mine, cli.workdir, offload=True)
+    result["sync"] = check_sync_gathers_in_the_sync_dtype(cli, dist_)
     result["nonfinite"] = check_nonfinite_skip(cli, dist_, tokenizer, rollouts, mine)
     result["pass1_skip"] = check_pass1_skip(cli, dist_, tokenizer, rollouts, mine)
     result["kl_schedule"] = check_kl_schedule(cli, dist_, tokenizer, rollouts, mine)

@@ -2,10 +2,12 @@
 
     torchrun --nproc_per_node=2 tests/full_vllm_worker.py --model TINY_DIR --out result.json
 
-Builds the FSDP policy (sharded over the ranks) and a colocated vLLM engine per rank, generates greedily,
-takes one optimizer step with a large learning rate, sends the new weights to vLLM
+Builds the FSDP policy (sharded over the ranks) and a colocated vLLM engine per rank (fsdp_vllm.make_engine),
+generates greedily, takes one optimizer step with a large learning rate, sends the new weights to vLLM
 (fsdp_vllm.VLLMEngine.update_weights) and generates again. For both, it records vLLM's tokens
-and log-probs and the trainer's own log-probs and greedy choices on those tokens.
+and log-probs and the trainer's own log-probs and greedy choices on those tokens, and, per token, how far
+the trainer's best logit is above vLLM's token's (0 where they agree): in bf16 (a GPU) two near-equal logits
+may swap. Also whether the rank's RNG came through the engine's start (vLLM seeds torch as it starts).
 """
 
 import argparse
@@ -26,7 +28,8 @@ PROMPTS = ["1+1=", "The answer is", "abc"]
 
 
 def trainer_view(model, tokenizer, prompt_ids, completions):
-    """The trainer's log-probs of vLLM's tokens, and whether its argmax picks them (greedy)."""
+    """The trainer's log-probs of vLLM's tokens, whether its argmax picks them (greedy), and by how much its best
+    log-prob is above vLLM's token's at each position."""
     seqs = [{"prompt_ids": p, "response_ids": c["token_ids"]} for p, c in zip(prompt_ids, completions)]
     device = next(model.parameters()).device
     inputs, targets, mask = fsdp_vllm.pack(seqs, list(range(len(seqs))), tokenizer.pad_token_id, device)
@@ -34,16 +37,18 @@ def trainer_view(model, tokenizer, prompt_ids, completions):
         logits = model(**inputs).logits[:, :-1].float()
     logp = logits.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     argmax = logits.argmax(-1)
+    margin = logits.log_softmax(-1).amax(-1) - logp  # 0 where vLLM's token is the trainer's argmax
     return ([logp[i, mask[i]].tolist() for i in range(len(seqs))],
-            [bool((argmax[i, mask[i]] == targets[i, mask[i]]).all()) for i in range(len(seqs))])
+            [bool((argmax[i, mask[i]] == targets[i, mask[i]]).all()) for i in range(len(seqs))],
+            [margin[i, mask[i]].tolist() for i in range(len(seqs))])
 
 
 def snapshot(engine, model, tokenizer, prompt_ids, stops):
     outs = engine.generate(prompt_ids, 1, 0.0, 1.0, 10, [0] * len(prompt_ids), stops, logprobs=True)
     completions = [group[0] for group in outs]
-    trainer_logp, trainer_greedy = trainer_view(model, tokenizer, prompt_ids, completions)
+    trainer_logp, trainer_greedy, margin = trainer_view(model, tokenizer, prompt_ids, completions)
     return {"tokens": [c["token_ids"] for c in completions], "vllm_logp": [c["logprobs"] for c in completions],
-            "trainer_logp": trainer_logp, "trainer_greedy_agrees": trainer_greedy}
+            "trainer_logp": trainer_logp, "trainer_greedy_agrees": trainer_greedy, "greedy_margin": margin}
 
 
 def main():
@@ -61,7 +66,10 @@ def main():
     stops = mathtask.stop_token_ids(tokenizer, fsdp_vllm.load_generation_config(cli.model))
     model = fsdp_vllm.load_policy(args, dist_)
     optimizer = fsdp_vllm.make_optimizer(model, args)
-    engine = fsdp_vllm.VLLMEngine(cli.model, args, dist_)
+    torch.manual_seed(1234 + dist_.rank)  # what train_full's main seeds (seed + rank), or a resume restores
+    rng = torch.get_rng_state()
+    engine = fsdp_vllm.make_engine(cli.model, args, dist_)  # vLLM's workers call set_random_seed as they start
+    rng_kept = torch.equal(rng, torch.get_rng_state())
     prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
 
     before = snapshot(engine, model, tokenizer, prompt_ids, stops)
@@ -75,7 +83,7 @@ def main():
     after = snapshot(engine, model, tokenizer, prompt_ids, stops)
     with open(f"{cli.out}.rank{dist_.rank}", "w") as f:
         json.dump({"before": before, "after": after, "skipped": stats["skipped"], "grad_norm": stats["grad_norm"],
-                   "world": dist_.world}, f)
+                   "world": dist_.world, "dtype": args.dtype, "rng_kept": rng_kept}, f)
     fsdp_vllm.shutdown(engine)
 
 

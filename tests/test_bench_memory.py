@@ -104,3 +104,44 @@ def test_bad_flags_name_the_flag_and_the_fix(argv, flag, capsys):
         bench.parse_args(argv)
     assert exit_info.value.code == 2
     assert flag in capsys.readouterr().err
+
+
+def run_bench(tiny_dir, *extra, gpu=None):
+    cmd = [sys.executable, SCRIPT, "--preset", tiny_dir, "--ranks", str(RANKS), "--micro-batch-size", str(MICRO_BATCH),
+           "--response-len", str(RESPONSE), "--prompt-len", str(PROMPT), "--method", "d3s"]
+    cmd += ["--gpu", str(gpu)] if gpu else []
+    proc = subprocess.run(cmd + ["--", *TRAIN_ARGS, *extra], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout, json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_what_the_trainer_holds_while_vllm_generates_is_its_state_and_with_kl_ref_the_references_shards(fake_run, tiny_dir):
+    """The plan's trainer_resident (fp32 shards + AdamW's moments, + 2 B x params / ranks with --kl-ref), counted in
+    the simulated run: the reference's root (wrapped reshard_after_forward=False, no backward) holds no gathered
+    weights after its forward (fsdp_vllm.reshard), which would add its lm_head here (issue 30)."""
+    weights, n_tensors = shard_bytes(tiny_dir, RANKS)
+    buffers = 2 * 16 * 4  # the rotary inv_freq and original_inv_freq of the tiny model (fp32, 16 each)
+    assert fake_run[1]["resident_bytes"] == weights + (2 * weights + 4 * n_tensors) + buffers
+    _, with_ref = run_bench(tiny_dir, "--kl-ref")
+    assert with_ref["resident_bytes"] == weights + (2 * weights + 4 * n_tensors) + weights // 2 + 2 * buffers
+    assert any(phase.endswith("pass 1 (reference)") for phase in with_ref["phase_peaks_gib"])
+
+
+def test_cpu_offload_moves_the_sharded_state_off_the_gpu_and_gpu_adds_vllms_share(fake_run, tiny_dir):
+    stdout, offload = run_bench(tiny_dir, "--cpu-offload", gpu=8)
+    assert offload["cpu_offload"] and offload["resident_bytes"] == 2 * 16 * 4  # only the buffers stay on the GPU
+    assert offload["peak_bytes"] < fake_run[1]["peak_bytes"] - fake_run[1]["breakdown_bytes"]["OptState"]
+    assert offload["peak_phase"].endswith("pass 2") and "| **peak** |" in stdout and "(host memory: --cpu-offload)" in stdout
+    assert offload["generating_gib"] == pytest.approx(offload["resident_gib"] + offload["vllm_share_gib"], abs=1e-3)
+    assert offload["total_peak_gib"] == pytest.approx(max(offload["generating_gib"], offload["training_gib"]), abs=1e-3)
+    assert offload["plan_accepts"] and offload["vllm_share_gib"] == pytest.approx(8 - 4.0, abs=1e-3)  # the margin: 4
+    assert "One GPU of 8 GiB: trainer + vLLM" in stdout
+
+
+@pytest.mark.parametrize("gpu", ["12gb", "0", "nan"])
+def test_a_bad_gpu_size_names_the_flag(gpu, capsys):
+    bench = _load_bench()
+    with pytest.raises(SystemExit) as exit_info:
+        bench.parse_args(["--gpu", gpu])
+    assert exit_info.value.code == 2 and "--gpu" in capsys.readouterr().err

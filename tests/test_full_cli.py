@@ -42,6 +42,22 @@ def files(tmp_path_factory):
     paths["file"].write_text("not a model\n")
     paths["dir"].mkdir()
     paths["work"].mkdir()
+    # incomplete model folders (issue 30): without weights, without a tokenizer, a tokenizer that encodes to nothing
+    import shutil
+
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    for name, drop in (("noweights", ("model.safetensors",)), ("notokenizer", ("tokenizer.json", "vocab.json")),
+                       ("emptytok", ())):
+        paths[name] = root / name
+        shutil.copytree(paths["model"], paths[name])
+        for file in drop:
+            (paths[name] / file).unlink(missing_ok=True)
+    for file in ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json", "special_tokens_map.json"):
+        (paths["emptytok"] / file).unlink(missing_ok=True)
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE(vocab={"<|endoftext|>": 0}, merges=[])),
+                            eos_token="<|endoftext|>").save_pretrained(paths["emptytok"])
     return {k: str(v) for k, v in paths.items()}
 
 
@@ -139,6 +155,9 @@ CASES = [  # (flags added to a valid tiny run, a fragment the one line must hold
     (["--model", "{dir}"], "a_folder: has no config.json"),
     (["--model", "{file}"], "a_file.txt: is a file"),
     (["--model", "no-such-org/no-such-model"], "--model no-such-org/no-such-model: cannot load its tokenizer"),
+    (["--model", "{noweights}"], "--model {noweights}: has no weights"),  # issue 30: each named before any work
+    (["--model", "{notokenizer}"], "--model {notokenizer}: has no tokenizer"),
+    (["--model", "{emptytok}"], "--model {emptytok}: its tokenizer encodes a prompt to no tokens"),
     (["--train-data", ""], "--train-data '': empty"),
     (["--train-data", "{root}/missing.jsonl"], "missing.jsonl: no such file"),
     (["--train-data", "{dir}"], "a_folder: is a folder"),

@@ -286,3 +286,29 @@ def test_a_step_the_switch_rule_moved_selects_as_the_intra_group_twin(fsdp_resul
     assert moved["loss"] == twin["loss"]
     for name in twin["params"]:
         assert torch.equal(moved["params"][name], twin["params"][name]), name
+
+
+def test_cpu_offload_gives_the_plain_paths_update(fsdp_result):
+    """--cpu-offload (FSDP2's CPUOffloadPolicy: fp32 shards, gradients and AdamW state in host memory, the update
+    on the CPU) against the same step without it: the same kept sets, loss, gradients and weights, to fp32
+    rounding (the parametrized tests above also hold it to the single-process reference)."""
+    plain, offload = fsdp_result["d3s-m2"], fsdp_result["d3s-m2-offload"]
+    assert offload["offloaded"] and all(offload["offloaded"]) and not any(plain["offloaded"])
+    assert torch.equal(offload["keep"], plain["keep"]) and torch.equal(offload["token_keep"], plain["token_keep"])
+    assert offload["loss"] == pytest.approx(plain["loss"], abs=1e-7)
+    assert offload["grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-6)
+    for param in plain["params"]:
+        torch.testing.assert_close(offload["grads"][param], plain["grads"][param], rtol=1e-5, atol=1e-8, msg=param)
+        torch.testing.assert_close(offload["params"][param], plain["params"][param], rtol=0, atol=1e-7, msg=param)
+    assert fsdp_result["resume_offload"]["step"] == 1 and fsdp_result["resume_offload"]["max_diff"] <= 1e-7
+
+
+def test_the_references_root_holds_no_gathered_weights_after_its_forward(fsdp_result):
+    """--kl-ref: the reference's root is wrapped reshard_after_forward=False and never runs a backward; without
+    fsdp_vllm.reshard its lm_head (1 GiB in bf16 for the 7B) would stay gathered beside vLLM (issue 30)."""
+    assert fsdp_result["gspo-d3s-i-m2"]["reference_resharded"]
+
+
+def test_the_weight_sync_gathers_bf16_shards_into_the_bf16_weights(fsdp_result):
+    sync = fsdp_result["sync"]
+    assert sync["dtypes"] == ["torch.bfloat16"] and sync["count"] > 0 and sync["equal"]

@@ -177,8 +177,8 @@ def test_vllm_memory_plan_gives_vllm_what_the_trainer_shards_leave():
     full_length = args.max_prompt_len + args.max_response_len
     assert plan["max_num_seqs"] * plan["kv_bytes_per_token"] * full_length <= plan["kv_cache_gib"] * 2**30
     assert plan["max_num_seqs"] >= args.prompts_per_step * args.group_size // 8  # a rank's 128 rollouts run at once
-    one_gpu = fsdp_vllm.vllm_memory_plan(config, args, 1, gpu)  # the whole 7B trainer state on one GPU: no room
-    assert one_gpu["gpu_memory_utilization"] == 0.05
+    with pytest.raises(fsdp_vllm.UsageError, match="does not fit this 80.0 GiB GPU"):  # the 7B's state on one GPU:
+        fsdp_vllm.vllm_memory_plan(config, args, 1, gpu)  # refused with one line (no silent floor at 0.05)
 
 
 def test_vllm_sleep_levels_that_cost_memory_need_a_flag():

@@ -1,0 +1,256 @@
+"""Issue 30, the GPU rung, on a CPU: what a review found would break on a GPU node, and one GPU of 24-80 GB.
+
+- the memory plan (fsdp_vllm.vllm_memory_plan): vLLM's weights, workspace and KV cache beside the trainer,
+  --cpu-offload, --kl-ref's shards, a refusal in one line that names the memory and the flags that fit;
+- its estimate of the trainer's step (fsdp_vllm.trainer_peak_bytes) against bench/memory.py's simulations;
+- the engine: the first weight sync with vLLM asleep, the free-memory check before a wake (a fake vLLM);
+- an untied lm_head on a micro-batch without a selected token still gets a (zero) gradient;
+- the diagnosis of a torch that sees no GPU (driver and CUDA versions), the labels of the defaults.
+The FSDP2 paths (CPU offload, the reference's reshard, the bf16 gather) run on 2 gloo ranks in
+tests/test_full_fsdp.py; preemption and a full disk through the command line in tests/test_full_faults.py.
+"""
+
+import types
+
+import pytest
+import torch
+
+import fsdp_vllm
+import train_full
+
+GIB = 2**30
+QWEN25_MATH_1_5B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                        num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=4096)
+QWEN25_MATH_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                      num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False, max_position_embeddings=4096)
+GPUS = {"24gb": 22.0, "48gb": 44.4, "80gb": 79.1}  # bench/memory.py's --gpu sizes (GiB as torch reports them)
+
+
+def config(shapes):
+    from transformers import Qwen2Config
+
+    return Qwen2Config(**shapes)
+
+
+def plan(shapes, flags=(), ranks=1, gpu="24gb", **kw):
+    return fsdp_vllm.vllm_memory_plan(config(shapes), train_full.parse_args(list(flags)), ranks, GPUS[gpu] * GIB, **kw)
+
+
+ONE_GPU = ["--micro-batch-size", "4", "--max-prompt-len", "512"]  # the one-GPU settings of docs/train_full.md
+
+
+def test_the_plan_refuses_the_1_5b_on_a_24_gb_gpu_without_offload_in_one_line_that_names_the_memory_and_the_fix():
+    with pytest.raises(fsdp_vllm.UsageError) as refused:
+        plan(QWEN25_MATH_1_5B, ONE_GPU)
+    line = str(refused.value)
+    assert "\n" not in line and line.startswith("--model Qwen/Qwen2.5-Math-7B: does not fit this 22.0 GiB GPU: ")
+    # finding 1: 12 B x 1.54B = 17.25 GiB of fp32 weights and AdamW moments leave vLLM less than its weights
+    assert "the trainer's 17.3 GiB (12 B x 1.54B params / 1 rank(s))" in line and "bf16 weights 2.9" in line
+    assert "fits with --cpu-offload" in line
+    accepted = plan(QWEN25_MATH_1_5B, ONE_GPU + ["--cpu-offload"])
+    assert accepted["trainer_resident_gib"] == 0 and not accepted["short"]
+    assert accepted["vllm_share_gib"] == pytest.approx(22.0 - fsdp_vllm.MARGIN_GIB, abs=0.01)
+    assert accepted["kv_cache_gib"] > 10 and accepted["max_num_seqs"] >= 64  # 28 KiB a token: ~100 sequences of 3.5k
+    assert accepted["host_gib"] == pytest.approx(20 * accepted["params"] / GIB)  # the state, in host memory
+
+
+@pytest.mark.parametrize("gpu", ["48gb", "80gb"])
+def test_the_1_5b_fits_48_and_80_gb_without_offload(gpu):
+    fits = plan(QWEN25_MATH_1_5B, ONE_GPU, gpu=gpu)
+    assert fits["trainer_resident_gib"] == pytest.approx(12 * fits["params"] / GIB)  # 17.25 GiB
+    assert fits["trainer_peak_gib"] == pytest.approx(20 * fits["params"] / GIB)  # the AdamW step at micro-batch 4
+    assert fits["vllm_share_gib"] + fits["trainer_resident_gib"] + fsdp_vllm.MARGIN_GIB == pytest.approx(GPUS[gpu], abs=0.01)
+
+
+def test_the_7b_on_one_80_gb_gpu_needs_offload_and_the_host_memory_for_it():
+    with pytest.raises(fsdp_vllm.UsageError, match=r"fits with --cpu-offload; or 2 GPUs \(torchrun --nproc_per_node 2\)"):
+        plan(QWEN25_MATH_7B, ONE_GPU, gpu="80gb")
+    ok = plan(QWEN25_MATH_7B, ONE_GPU + ["--cpu-offload"], gpu="80gb", host_bytes=256 * GIB)
+    assert ok["vllm_weights_gib"] == pytest.approx(14.2, abs=0.05) and ok["kv_cache_gib"] > 50
+    with pytest.raises(fsdp_vllm.UsageError) as refused:  # 20 B x 7.62B = 142 GiB of host memory
+        plan(QWEN25_MATH_7B, ONE_GPU + ["--cpu-offload"], gpu="80gb", host_bytes=100 * GIB)
+    assert "--cpu-offload keeps the trainer's state in host memory: 141.9 GiB" in str(refused.value)
+    assert "100.0 GiB is available; fits with 2 GPUs over 2 nodes of 1" in str(refused.value)
+
+
+def test_the_plan_counts_the_kl_reference_and_refuses_a_micro_batch_that_does_not_fit():
+    base, with_ref = plan(QWEN25_MATH_7B, ranks=8, gpu="80gb"), plan(QWEN25_MATH_7B, ["--kl-ref"], ranks=8, gpu="80gb")
+    assert with_ref["trainer_resident_gib"] - base["trainer_resident_gib"] == pytest.approx(2 * base["params"] / 8 / GIB)
+    assert with_ref["trainer_peak_gib"] - base["trainer_peak_gib"] == pytest.approx(2 * base["params"] / 8 / GIB)
+    with pytest.raises(fsdp_vllm.UsageError) as refused:  # 64 rollouts of 4024 tokens per forward on a 48 GB GPU
+        plan(QWEN25_MATH_1_5B, ["--micro-batch-size", "64"], gpu="48gb")
+    line = str(refused.value)
+    assert "the trainer's step needs about" in line and "micro-batch 64 x 4024 tokens" in line
+    assert "fits with --micro-batch-size " in line  # the largest that fits (offload alone is not enough here)
+    largest = int(line.split("--micro-batch-size ")[-1].split(";")[0].split()[0])
+    assert not plan(QWEN25_MATH_1_5B, ["--micro-batch-size", str(largest)], gpu="48gb")["short"]
+    with pytest.raises(fsdp_vllm.UsageError):  # the largest that fits: one more does not
+        plan(QWEN25_MATH_1_5B, ["--micro-batch-size", str(largest + 1)], gpu="48gb")
+
+
+def test_a_given_gpu_memory_utilization_that_leaves_vllm_too_little_is_refused():
+    with pytest.raises(fsdp_vllm.UsageError, match="vLLM would get 4.0 GiB.*no --vllm-gpu-memory-utilization"):
+        plan(QWEN25_MATH_7B, ["--vllm-gpu-memory-utilization", "0.05"], ranks=8, gpu="80gb")
+
+
+# bench/memory.py's simulated peaks on the GPU (GiB; 2026-11-25, docs/memory.md; response 3000, prompt 512, d3s):
+# the plan's estimate is at least the simulated figure and at most 12% above it.
+# (preset, ranks, micro-batch, train_full flags) -> simulated peak
+SIMULATED = {
+    ("7b", 8, 1, ()): 19.80, ("7b", 8, 4, ()): 23.20, ("7b", 8, 8, ()): 27.63, ("7b", 8, 16, ()): 36.92,
+    ("7b", 8, 4, ("--kl-ref",)): 24.97,
+    ("1.5b", 1, 4, ()): 28.75, ("1.5b", 1, 12, ()): 30.44, ("1.5b", 1, 16, ()): 32.51,
+    ("1.5b", 1, 96, ()): 74.80,
+    ("1.5b", 1, 4, ("--cpu-offload",)): 4.50, ("1.5b", 1, 16, ("--cpu-offload",)): 9.51,
+    ("1.5b", 1, 32, ("--cpu-offload",)): 17.95,
+    ("7b", 1, 4, ("--cpu-offload",)): 9.14, ("7b", 1, 16, ("--cpu-offload",)): 22.30,
+    ("7b", 1, 32, ("--cpu-offload",)): 40.90, ("7b", 1, 60, ("--cpu-offload",)): 73.97,
+    ("1.5b", 1, 30, ()): 39.90,
+}
+
+
+@pytest.mark.parametrize("key", sorted(SIMULATED))
+def test_the_plans_estimate_of_the_trainers_step_is_at_or_a_little_above_the_simulation(key):
+    name, ranks, mb, flags = key
+    args = train_full.parse_args(["--micro-batch-size", str(mb), "--max-prompt-len", "512", *flags])  # bench: 512
+    estimate = fsdp_vllm.trainer_peak_bytes(config(QWEN25_MATH_7B if name == "7b" else QWEN25_MATH_1_5B), args, ranks)
+    assert SIMULATED[key] <= estimate / GIB <= 1.12 * SIMULATED[key]
+
+
+# ---------------------------------------------------------------------------------------------
+# The engine: a fake vLLM that records what VLLMEngine asks of it
+# ---------------------------------------------------------------------------------------------
+class FakeLLM:
+    def __init__(self, calls):
+        self.calls = calls
+
+    def sleep(self, level):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake_up", tags))
+
+    def collective_rpc(self, name, kwargs=None):
+        self.calls.append(("rpc", name))
+        list(kwargs["weights_iterator"]) if kwargs else None
+
+    def reset_prefix_cache(self):
+        self.calls.append(("reset_prefix_cache",))
+
+
+def fake_engine(monkeypatch, stub, free_gib, asleep):
+    """A VLLMEngine on a 'GPU' with free_gib free, whose vLLM allocator holds `asleep` [(tag, GiB, is_asleep)]."""
+    calls = []
+    engine = object.__new__(fsdp_vllm.VLLMEngine)
+    engine.cuda, engine.sleep_level, engine.sleeping, engine.llm = True, 2, False, FakeLLM(calls)
+    allocations = [types.SimpleNamespace(tag=t, handle=(0, int(g * GIB)), is_asleep=a) for t, g, a in asleep]
+
+    def sleep(level):  # vLLM's sleep: every allocation is released
+        calls.append(("sleep", level))
+        for a in allocations:
+            a.is_asleep = True
+
+    engine.llm.sleep = sleep
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (int(free_gib * GIB), 80 * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 3 * GIB)
+    stub(allocations)
+    return engine, calls
+
+
+@pytest.fixture
+def vllm_stub(monkeypatch):
+    """vllm.device_allocator.get_mem_allocator_instance over given allocations (vLLM is not in the main venv)."""
+    import sys
+
+    def install(allocations):
+        allocator = types.ModuleType("vllm.device_allocator")
+        allocator.get_mem_allocator_instance = lambda: types.SimpleNamespace(
+            pointer_to_data={i: a for i, a in enumerate(allocations)})
+        monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+        monkeypatch.setitem(sys.modules, "vllm.device_allocator", allocator)
+
+    return install
+
+
+def test_the_first_weight_sync_puts_a_fresh_engine_to_sleep_and_wakes_the_weights_alone(monkeypatch, vllm_stub):
+    """Finding 3: on --resume the first sync ran with vLLM fully awake beside AdamW's state. Now every sync
+    starts asleep: weights woken alone, loaded, then the KV cache, then the prefix cache is reset."""
+    engine, calls = fake_engine(monkeypatch, vllm_stub, 40, [("weights", 3, False), ("kv_cache", 20, False), ("runtime", 1, False)])
+    engine.update_weights(iter([("w", torch.zeros(1))]))
+    assert calls == [("sleep", 2), ("wake_up", ["weights"]), ("rpc", "reload_weights"), ("wake_up", ["kv_cache"]),
+                     ("reset_prefix_cache",)]
+    assert not engine.sleeping
+
+
+def test_a_kv_cache_that_the_free_memory_cannot_hold_is_one_line_before_the_wake(monkeypatch, vllm_stub):
+    engine, calls = fake_engine(monkeypatch, vllm_stub, 10, [("weights", 3, False), ("kv_cache", 20, False)])
+    with pytest.raises(fsdp_vllm.UsageError) as short:
+        engine.update_weights(iter([]))
+    line = str(short.value)
+    assert line.startswith("GPU memory: vLLM's kv cache need 20.00 GiB to wake, 10.00 GiB is free (the trainer holds "
+                           "3.00 GiB); lower --vllm-gpu-memory-utilization") and "\n" not in line
+    assert ("wake_up", ["kv_cache"]) not in calls  # refused before vLLM would have run out of memory
+
+
+def test_the_wake_check_counts_what_vllm_maps_back_whatever_the_tags():
+    alloc = lambda tag, gib, asleep=True: types.SimpleNamespace(tag=tag, handle=(0, gib * GIB), is_asleep=asleep)  # noqa: E731
+    pool = [alloc("weights", 3), alloc("kv_cache", 20), alloc("runtime", 1), alloc("cudagraph", 1), alloc("kv_cache", 5, False)]
+    assert fsdp_vllm.wake_shortfall(5 * GIB, pool, ["weights"]) is None  # weights + runtime + CUDA graphs: 5 GiB
+    assert "need 5.00 GiB to wake, 4.99 GiB" in fsdp_vllm.wake_shortfall(5 * GIB - 2**23, pool, ["weights"])
+    assert fsdp_vllm.wake_shortfall(25 * GIB, pool, None) is None and fsdp_vllm.wake_shortfall(24 * GIB, pool, None)
+
+
+# ---------------------------------------------------------------------------------------------
+# The untied head on an empty micro-batch; the CUDA diagnosis; the labels
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_micro_batch_without_a_selected_token_still_gives_every_parameter_a_zero_gradient(tied):
+    """Finding 2: an untied lm_head without a gradient on one rank makes its reduce-scatter differ from the
+    others' (a hang or wrong gradients) unless torch >= 2.13's switch is on. The zero loss of an empty
+    selection (and of a DUMMY micro-batch: fsdp_vllm.idle_loss) now uses lm_head at weight 0."""
+    import tiny
+
+    model = tiny.build_tiny_model(tiny.build_char_tokenizer(), tie_word_embeddings=tied).train()
+    inputs, targets, _ = fsdp_vllm.pack([{"prompt_ids": [5, 6], "response_ids": [7, 8]}], [0], 0, torch.device("cpu"))
+    logp = fsdp_vllm.response_logp_at(model, inputs, targets, torch.zeros_like(targets, dtype=torch.bool), 1.0)
+    logp.sum().backward()
+    for name, param in model.named_parameters():
+        assert param.grad is not None and not param.grad.any(), name
+    assert model.lm_head.weight.grad is not None
+
+
+def test_a_torch_that_sees_no_gpu_is_told_why_with_the_driver_and_cuda_versions():
+    old = fsdp_vllm.cuda_diagnosis("2.13.0+cu130", "13.0", "550.54.15", "12.4", ["NVIDIA H100 80GB HBM3"])
+    assert ("torch 2.13.0+cu130 is built for CUDA 13.0; the NVIDIA driver is 550.54.15 (it runs CUDA up to 12.4), "
+            "older than the R580+ that CUDA 13 needs: update the driver") in old
+    assert "CPU-only build" in fsdp_vllm.cuda_diagnosis("2.13.0+cpu", None)
+    assert "no NVIDIA driver answers here" in fsdp_vllm.cuda_diagnosis("2.13.0+cu130", "13.0", None, None, [])
+    new = fsdp_vllm.cuda_diagnosis("2.13.0+cu130", "13.0", "580.65.06", "13.0", ["NVIDIA H100 80GB HBM3"])
+    assert "older than" not in new and "nvidia-smi lists 1 GPU(s)" in new
+
+
+def test_clip_high_0_28_is_labelled_dapos_clip_higher_not_the_recipes():
+    """Finding 7: SimpleRL-Zoo, Dr. GRPO and verl clip at 0.2 / 0.2; 0.28 is DAPO's clip-higher."""
+    helps = {a.dest: a.help for a in train_full.build_parser()._actions}
+    assert helps["clip_high"].startswith("[choice]") and "DAPO" in helps["clip_high"]
+    assert helps["clip_low"].startswith("[recipe]") and helps["cpu_offload"].startswith("[choice]")
+    assert train_full.parse_args([]).clip_high == 0.28
+
+
+def test_gpu_check_on_a_machine_without_a_gpu_says_why_in_its_one_log(tmp_path):
+    """scripts/gpu_check.sh stops at its step 0 with the diagnosis (here: a CPU-only torch), exit 2, in the one log
+    a user sends back."""
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    proc = subprocess.run(["bash", str(root / "scripts" / "gpu_check.sh")], cwd=root, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path / "check"),
+                                            "CUDA_VISIBLE_DEVICES": ""})
+    log = (tmp_path / "check" / "gpu_check.log").read_text()
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "== 0/4 the machine" in log and f"torch {torch.__version__}" in log
+    assert "gpu_check: torch sees no CUDA device: " in log and ("CPU-only build" in log or "driver" in log)
