@@ -1,5 +1,5 @@
 """Write lesson/lesson.ipynb from lesson/lesson.py (the source, jupytext's percent format), executed top to bottom,
-with its outputs: what a code host shows without running it. Run it after editing the source (about 5 minutes):
+with its outputs: what a code host shows without running it. Run it after editing the source (about a minute):
 
     .venv/bin/python lesson/build.py
 """
@@ -23,7 +23,26 @@ def execute(source=os.path.join(HERE, "lesson.py"), timeout=1200):
     return nb, time.time() - t0
 
 
+def normalise(nb):
+    """Cell ids by position, no per-cell execution times, a cell's printed lines in one output (the kernel splits
+    them at random): a rebuild changes only what the cells print."""
+    for i, cell in enumerate(nb.cells):
+        cell.id = f"cell-{i:02d}"
+        cell.metadata.pop("execution", None)
+        outputs = []
+        for out in cell.get("outputs", []):
+            if outputs and out.output_type == "stream" and outputs[-1].output_type == "stream" \
+                    and outputs[-1].name == out.name:
+                outputs[-1].text += out.text
+            else:
+                outputs.append(out)
+        if cell.cell_type == "code":
+            cell.outputs = outputs
+    return nb
+
+
 if __name__ == "__main__":
     nb, seconds = execute()
+    normalise(nb)
     nbformat.write(nb, os.path.join(HERE, "lesson.ipynb"))
     print(f"lesson.ipynb written: executed in {seconds:.0f} s", file=sys.stderr)

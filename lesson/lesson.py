@@ -20,7 +20,7 @@
 # training goes on. This notebook builds that up from the pieces of [`d3s.py`](../d3s.py), the project's one-file
 # implementation: nothing below re-implements the method, every piece is imported.
 #
-# It runs top to bottom on a laptop CPU in about 5 minutes, with no download. Sections:
+# It runs top to bottom on a laptop CPU in about a minute (under 5), with no download. Sections:
 # 1. where GRPO's signal goes, 2. the first level, 3. the second level (a real tiny transformer), 4. the schedule,
 # 5. the loss, 6. the experiment (GRPO against D3S over seeds), 7. exercises with checkers.
 #

@@ -2,7 +2,7 @@
 cells with their outputs, it runs top to bottom, and every exercise's checker fails on a wrong answer and passes the
 given one.
 
-Regenerate the notebook after editing the source (about 5 minutes on 2 cores):
+Regenerate the notebook after editing the source (about a minute on 2 cores; docs/lesson.md):
     .venv/bin/python lesson/build.py
 """
 
