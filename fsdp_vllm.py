@@ -472,9 +472,14 @@ def vllm_memory_plan(config, args, ranks, gpu_bytes, host_bytes=None, local_rank
     trainer_peak_bytes (an estimate; bench/memory.py simulates it); --cpu-offload keeps the sharded
     state in host memory instead: 20 bytes x parameters / ranks, for each rank of the node.
 
+    --vllm-sleep-level 0 keeps vLLM awake through the step: its share then sits beside the step's peak instead
+    of the resident shards (levels 1 and 2 free vLLM's GPU memory alike; 1 keeps its weights in host memory).
+
     Refuses (cli.UsageError, one line naming the memory needed and the flags that would fit) a
     setting that leaves vLLM less than its weights, workspace and one full-length sequence of KV
-    cache, whose training step does not fit the GPU, or (--cpu-offload, host_bytes given) the host.
+    cache, a --vllm-gpu-memory-utilization whose share with what the trainer holds beside it and the
+    margin exceeds the GPU, whose training step does not fit the GPU, or (--cpu-offload, host_bytes given)
+    the host.
     Returns a dict with the numbers (printed at start, and by bench/memory.py).
     """
     plan = _plan(config, args, ranks, gpu_bytes, host_bytes, local_ranks)
@@ -546,21 +551,36 @@ def _plan(config, args, ranks, gpu_bytes, host_bytes=None, local_ranks=1):
     trainer = 12 * params / ranks + reference if on_gpu and not offload else 0.0  # resident while vLLM generates
     peak = trainer_peak_bytes(config, args, ranks) if on_gpu else 0.0  # while vLLM sleeps
     host = (20 * params / ranks + reference) * local_ranks if offload else 0.0  # this node's ranks, --cpu-offload
+    # What vLLM's share sits beside on the GPU. Levels 1 and 2 free vLLM's GPU memory while the trainer runs (1 keeps
+    # its weights in host memory, 2 drops them; both drop the KV cache), so vLLM only meets the trainer's resident
+    # state. --vllm-sleep-level 0 keeps vLLM's whole share through the training step: the plan sizes that share to
+    # fit beside the step's peak rather than refusing the level outright (the user asked for it with
+    # --vllm-allow-awake, and a share that fits is as honest as a refusal; one that does not is refused below,
+    # naming --vllm-sleep-level 2).
+    awake = on_gpu and getattr(args, "vllm_sleep_level", 2) == 0
+    beside = max(peak, trainer) if awake else trainer
     margin, weights, workspace = MARGIN_GIB * gib, 2 * params, VLLM_WORKSPACE_GIB * gib
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 2  # bf16 K and V
     full_length = args.max_prompt_len + max(args.max_response_len, args.eval_max_tokens)
     least = weights + workspace + kv_per_token * full_length  # vLLM's least: one full-length sequence at a time
-    utilization = args.vllm_gpu_memory_utilization or min(max(gpu_bytes - trainer - margin, 0.0) / gpu_bytes, 0.95)
+    given = args.vllm_gpu_memory_utilization
+    utilization = given or min(max(gpu_bytes - beside - margin, 0.0) / gpu_bytes, 0.95)
     share = utilization * gpu_bytes
     kv_bytes = share - weights - workspace
+    what = ("its step, fsdp_vllm.trainer_peak_bytes: --vllm-sleep-level 0 keeps vLLM awake through it" if awake else
+            f"{'12' if not offload else '0'} B x {params / 1e9:.2f}B params / {ranks} rank(s)"
+            f"{' + the --kl-ref reference' if reference and not offload else ''}")
     short = []
     if share < least:
-        short.append(f"vLLM would get {share / gib:.1f} GiB beside the trainer's {trainer / gib:.1f} GiB "
-                     f"({'12' if not offload else '0'} B x {params / 1e9:.2f}B params / {ranks} rank(s)"
-                     f"{' + the --kl-ref reference' if reference and not offload else ''}) and the {MARGIN_GIB:g} GiB "
+        short.append(f"vLLM would get {share / gib:.1f} GiB beside the trainer's {beside / gib:.1f} GiB "
+                     f"({what}) and the {MARGIN_GIB:g} GiB "
                      f"margin, less than the {least / gib:.1f} GiB it needs (bf16 weights {weights / gib:.1f}, workspace "
                      f"{workspace / gib:.1f}, one sequence of {full_length} tokens {kv_per_token * full_length / gib:.2f})")
+    if given and share + beside + margin > gpu_bytes:  # the plan's own share always leaves the room
+        short.append(f"--vllm-gpu-memory-utilization {given:g} gives vLLM {share / gib:.1f} GiB, which beside the "
+                     f"trainer's {beside / gib:.1f} GiB ({what}) and the {MARGIN_GIB:g} GiB margin needs "
+                     f"{(share + beside + margin) / gib:.1f} GiB, more than the GPU's {gpu_bytes / gib:.1f}")
     if peak + margin > gpu_bytes:
         short.append(f"the trainer's step needs about {peak / gib:.1f} GiB (fsdp_vllm.trainer_peak_bytes: "
                      f"{params / 1e9:.2f}B params / {ranks} rank(s), micro-batch {args.micro_batch_size} x "
@@ -573,7 +593,8 @@ def _plan(config, args, ranks, gpu_bytes, host_bytes=None, local_ranks=1):
             "trainer_peak_gib": peak / gib, "host_gib": host / gib, "gpu_memory_utilization": round(utilization, 3),
             "vllm_share_gib": share / gib, "vllm_weights_gib": weights / gib, "vllm_workspace_gib": workspace / gib,
             "kv_cache_gib": kv_bytes / gib, "kv_bytes_per_token": kv_per_token, "full_length": full_length,
-            "vllm_least_gib": least / gib, "margin_gib": MARGIN_GIB,
+            "vllm_least_gib": least / gib, "margin_gib": MARGIN_GIB, "vllm_beside_gib": beside / gib,
+            "vllm_awake_in_step": awake,
             "max_num_seqs": int(min(1024, max(16, kv_bytes // (kv_per_token * full_length)))), "short": short}
 
 
@@ -581,15 +602,29 @@ def _refusal(plan, config, args, ranks, gpu_bytes, host_bytes, local_ranks):
     """The one line of a setting that does not fit: what is short, then the flags that would fit, if any."""
     import copy
 
-    tries = []  # (what to say, args, ranks)
-    if not getattr(args, "cpu_offload", False):
-        tries.append(("--cpu-offload", {"cpu_offload": True}, ranks))
-    for mb in range(args.micro_batch_size - 1, 0, -1):
-        tries.append((f"--micro-batch-size {mb}", {"micro_batch_size": mb}, ranks))
-    if args.kl_ref and not args.kl_coef:
-        tries.append(("no --kl-ref", {"kl_ref": False}, ranks))
-    if args.vllm_gpu_memory_utilization:
-        tries.append(("no --vllm-gpu-memory-utilization (the plan's)", {"vllm_gpu_memory_utilization": None}, ranks))
+    def fits_with(change):
+        other = copy.copy(args)
+        vars(other).update(change)
+        return not _plan(config, other, ranks, gpu_bytes, host_bytes, local_ranks)["short"]
+
+    fits = []
+    if not getattr(args, "cpu_offload", False) and fits_with({"cpu_offload": True}):
+        fits.append("--cpu-offload")
+    for mb in range(args.micro_batch_size - 1, 0, -1):  # the largest --micro-batch-size that fits
+        if fits_with({"micro_batch_size": mb}):
+            fits.append(f"--micro-batch-size {mb}")
+            break
+    if args.kl_ref and not args.kl_coef and fits_with({"kl_ref": False}):
+        fits.append("no --kl-ref")
+    if plan["vllm_awake_in_step"] and fits_with({"vllm_sleep_level": 2}):
+        fits.append("--vllm-sleep-level 2 (vLLM asleep during the step)")
+    given = args.vllm_gpu_memory_utilization
+    if given:
+        room = math.floor((gpu_bytes - plan["vllm_beside_gib"] * 2**30 - MARGIN_GIB * 2**30) / gpu_bytes * 1000) / 1000
+        if 0 < room < given and fits_with({"vllm_gpu_memory_utilization": room}):  # the largest that fits
+            fits.append(f"--vllm-gpu-memory-utilization {room:g}")
+        if fits_with({"vllm_gpu_memory_utilization": None}):
+            fits.append("no --vllm-gpu-memory-utilization (the plan's)")
     more = None  # the fewest GPUs that fit: on this node (its host memory shared by more ranks), or over more nodes
     for r in (r for r in (2, 4, 8, 16, 32, 64, 128) if ranks < r <= 8 * ranks):
         if not _plan(config, args, r, gpu_bytes, host_bytes, local_ranks * r // ranks)["short"]:
@@ -598,13 +633,6 @@ def _refusal(plan, config, args, ranks, gpu_bytes, host_bytes, local_ranks):
             more = f"{r} GPUs over {-(-r // local_ranks)} nodes of {local_ranks}"
         if more:
             break
-    fits = []
-    for what, change, r in tries:
-        other = copy.copy(args)
-        vars(other).update(change)
-        if not _plan(config, other, r, gpu_bytes, host_bytes, local_ranks)["short"] and not (
-                what.startswith("--micro-batch-size") and any(f.startswith("--micro-batch-size") for f in fits)):
-            fits.append(what)  # (the largest --micro-batch-size that fits)
     if more:
         fits.append(more)
     gib = 2**30
@@ -657,7 +685,8 @@ class VLLMEngine:
             if dist_.is_main:
                 print(f"vLLM memory plan: trainer shards {plan['trainer_resident_gib']:.1f} GiB of {plan['gpu_gib']:.1f} "
                       f"while vLLM generates{' (--cpu-offload: in host memory)' if args.cpu_offload else ''}, its step "
-                      f"~{plan['trainer_peak_gib']:.1f} GiB while vLLM sleeps, gpu_memory_utilization "
+                      f"~{plan['trainer_peak_gib']:.1f} GiB "
+                      f"{'beside vLLM awake' if plan['vllm_awake_in_step'] else 'while vLLM sleeps'}, gpu_memory_utilization "
                       f"{utilization}: vLLM's bf16 weights {plan['vllm_weights_gib']:.1f} GiB + workspace "
                       f"{plan['vllm_workspace_gib']:.1f} + KV cache ~{plan['kv_cache_gib']:.1f}, max_num_seqs "
                       f"{max_num_seqs}; generation {'is' if os.environ.get('VLLM_BATCH_INVARIANT') == '1' else 'is not'} "

@@ -1,7 +1,8 @@
 """Issue 30, the GPU rung, on a CPU: what a review found would break on a GPU node, and one GPU of 24-80 GB.
 
 - the memory plan (fsdp_vllm.vllm_memory_plan): vLLM's weights, workspace and KV cache beside the trainer,
-  --cpu-offload, --kl-ref's shards, a refusal in one line that names the memory and the flags that fit;
+  --cpu-offload, --kl-ref's shards, --vllm-sleep-level 0 (vLLM awake beside the step), a refusal in one line that
+  names the memory and the flags that fit (a given --vllm-gpu-memory-utilization too small or too large too);
 - its estimate of the trainer's step (fsdp_vllm.trainer_peak_bytes) against bench/memory.py's simulations;
 - the engine: the first weight sync with vLLM asleep, the free-memory check before a wake (a fake vLLM);
 - an untied lm_head on a micro-batch without a selected token still gets a (zero) gradient;
@@ -91,6 +92,55 @@ def test_the_plan_counts_the_kl_reference_and_refuses_a_micro_batch_that_does_no
 def test_a_given_gpu_memory_utilization_that_leaves_vllm_too_little_is_refused():
     with pytest.raises(fsdp_vllm.UsageError, match="vLLM would get 4.0 GiB.*no --vllm-gpu-memory-utilization"):
         plan(QWEN25_MATH_7B, ["--vllm-gpu-memory-utilization", "0.05"], ranks=8, gpu="80gb")
+
+
+def test_a_given_gpu_memory_utilization_that_overfills_the_gpu_beside_the_trainer_is_refused_with_one_that_fits():
+    """Review: only a too-small share was refused; 0.95 beside the 7B's 10.6 GiB of shards and the margin would run
+    vLLM out of memory at its start. The line names the memory and the largest value that fits."""
+    with pytest.raises(fsdp_vllm.UsageError) as refused:
+        plan(QWEN25_MATH_7B, ["--vllm-gpu-memory-utilization", "0.95"], ranks=8, gpu="80gb")
+    line = str(refused.value)
+    assert "\n" not in line and line.startswith("--model Qwen/Qwen2.5-Math-7B: does not fit this 79.1 GiB GPU: ")
+    assert ("--vllm-gpu-memory-utilization 0.95 gives vLLM 75.1 GiB, which beside the trainer's 10.6 GiB (12 B x 7.62B "
+            "params / 8 rank(s)) and the 4 GiB margin needs 89.8 GiB, more than the GPU's 79.1") in line
+    assert "no --vllm-gpu-memory-utilization (the plan's)" in line
+    largest = line.split("fits with --vllm-gpu-memory-utilization ")[1].split(";")[0]
+    ok = plan(QWEN25_MATH_7B, ["--vllm-gpu-memory-utilization", largest], ranks=8, gpu="80gb")
+    assert ok["vllm_share_gib"] + ok["trainer_resident_gib"] + fsdp_vllm.MARGIN_GIB <= GPUS["80gb"]
+    with pytest.raises(fsdp_vllm.UsageError, match="more than the GPU's 79.1"):  # the largest: 0.001 more does not fit
+        plan(QWEN25_MATH_7B, ["--vllm-gpu-memory-utilization", f"{float(largest) + 0.001:g}"], ranks=8, gpu="80gb")
+    assert not plan(QWEN25_MATH_1_5B, ONE_GPU + ["--vllm-gpu-memory-utilization", "0.5"], gpu="48gb")["short"]
+
+
+AWAKE = ["--vllm-sleep-level", "0", "--vllm-allow-awake"]
+
+
+def test_sleep_level_0_gives_vllm_what_the_trainers_step_leaves_and_level_1_what_level_2_does():
+    """Review: --vllm-sleep-level 0 keeps vLLM's whole share on the GPU through the training step, so the share is
+    sized beside the step's peak (not the resident shards); levels 1 and 2 both free it while the trainer runs."""
+    asleep, awake = plan(QWEN25_MATH_1_5B, ONE_GPU, gpu="80gb"), plan(QWEN25_MATH_1_5B, ONE_GPU + AWAKE, gpu="80gb")
+    assert awake["vllm_awake_in_step"] and not asleep["vllm_awake_in_step"]
+    assert awake["vllm_share_gib"] + awake["trainer_peak_gib"] + fsdp_vllm.MARGIN_GIB == pytest.approx(79.1, abs=0.01)
+    assert awake["vllm_share_gib"] == pytest.approx(asleep["vllm_share_gib"] - (20 - 12) * asleep["params"] / GIB)
+    assert awake["max_num_seqs"] < asleep["max_num_seqs"]
+    level_1 = plan(QWEN25_MATH_1_5B, ONE_GPU + ["--vllm-sleep-level", "1", "--vllm-allow-awake"], gpu="80gb")
+    assert level_1["gpu_memory_utilization"] == asleep["gpu_memory_utilization"]
+
+
+def test_sleep_level_0_that_leaves_vllm_too_little_beside_the_step_is_refused_naming_level_2():
+    flags = ["--micro-batch-size", "20", "--max-prompt-len", "512"]  # the step: ~35.5 GiB of a 44.4 GiB GPU
+    assert not plan(QWEN25_MATH_1_5B, flags, gpu="48gb")["short"]  # asleep, vLLM gets the room
+    with pytest.raises(fsdp_vllm.UsageError) as refused:
+        plan(QWEN25_MATH_1_5B, flags + AWAKE, gpu="48gb")
+    line = str(refused.value)
+    assert "\n" not in line and "vLLM would get 4.9 GiB beside the trainer's 35.5 GiB (its step" in line
+    assert "--vllm-sleep-level 0 keeps vLLM awake through it" in line and "or --vllm-sleep-level 2" in line
+    # a given share that fits beside the resident shards but not beside the step's peak
+    util = ["--vllm-gpu-memory-utilization", "0.7"]
+    assert not plan(QWEN25_MATH_1_5B, ONE_GPU + util, gpu="80gb")["short"]
+    with pytest.raises(fsdp_vllm.UsageError, match=r"gives vLLM 55.4 GiB, which beside the trainer's 28.8 GiB \(its step"
+                       r".*needs 88.1 GiB, more than the GPU's 79.1.*--vllm-sleep-level 2"):
+        plan(QWEN25_MATH_1_5B, ONE_GPU + util + AWAKE, gpu="80gb")
 
 
 # bench/memory.py's simulated peaks on the GPU (GiB; 2026-11-25, docs/memory.md; response 3000, prompt 512, d3s):
