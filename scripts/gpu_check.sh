@@ -73,14 +73,15 @@ import json, os, sys
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 sys.path.insert(0, ".")
+sys.path.insert(0, "bench")
 import tiny
 from mathtask import arithmetic_problems
+from memory import PRESETS  # bench/memory.py's Qwen2.5-Math shapes, the ones its simulation uses
 
 out = sys.argv[1]
 tokenizer = tiny.build_char_tokenizer()  # a small vocabulary; the model keeps Qwen2.5-Math-1.5B's 151936 rows
-config = Qwen2Config(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                     num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=4096, rope_theta=10000.0,
-                     tie_word_embeddings=True, bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+shape = {k: v for k, v in PRESETS["1.5b"].items() if k != "model_type"}  # tied embedding, as the real 1.5B
+config = Qwen2Config(**shape, bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
                      pad_token_id=tokenizer.pad_token_id, torch_dtype="bfloat16")
 torch.manual_seed(0)
 with torch.device("cuda"):
@@ -148,11 +149,12 @@ import os, sys
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 sys.path.insert(0, ".")
+sys.path.insert(0, "bench")
 import tiny
+from memory import PRESETS  # bench/memory.py's Qwen2.5-Math shapes, the ones its simulation uses
 tokenizer = tiny.build_char_tokenizer()
-config = Qwen2Config(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                     num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=4096, rope_theta=10000.0,
-                     tie_word_embeddings=False, bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+shape = {k: v for k, v in PRESETS["7b"].items() if k != "model_type"}  # untied embedding, as the real 7B
+config = Qwen2Config(**shape, bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
                      pad_token_id=tokenizer.pad_token_id, torch_dtype="bfloat16")
 torch.manual_seed(0)
 with torch.device("cuda"):
