@@ -112,20 +112,51 @@ def stopped(prog, notice, step, checkpoint):
     sys.exit(STOPPED)
 
 
-def disk_full(error):
-    """Whether an OSError is a full disk or quota (ENOSPC, EDQUOT): the run stops with one line (DISK_FULL)."""
-    import errno
+NEARLY_FULL = 16 * 2**20  # bytes free below which a write's RuntimeError is taken for a full disk
 
-    return isinstance(error, OSError) and error.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC))
+
+def disk_full(error, path="."):
+    """The OSError of a full disk or quota (ENOSPC, EDQUOT) behind `error`, or None; the run stops with one line
+    (DISK_FULL). Writers say it in several ways: an OSError (open, write, close), safetensors' "No space left on
+    device (os error 28)", DCP's CheckpointException holding each rank's error; torch.save's zip writer only raises a
+    RuntimeError ("unexpected pos"): there the file system of `path` answers (less than NEARLY_FULL bytes free)."""
+    import errno
+    import shutil
+
+    codes, todo, seen, runtime = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)), [error], [], False
+    while todo:
+        e = todo.pop()
+        if e is None or any(e is x for x in seen):
+            continue
+        seen.append(e)
+        if isinstance(e, OSError) and e.errno in codes:
+            return e
+        if any(words in str(e) for words in ("No space left on device", "os error 28", "Disk quota exceeded")):
+            return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        runtime |= isinstance(e, RuntimeError)
+        failures = getattr(e, "failures", None) or {}  # DCP: {rank: (exception, traceback)}
+        todo += [e.__cause__, e.__context__] + [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+    folder = os.path.abspath(path)
+    while not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    if runtime and shutil.disk_usage(folder).free < NEARLY_FULL:
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+    return None
+
+
+def disk_full_line(prog, error, out):
+    """The one line of a full disk (`error` from disk_full) while the run wrote a file. Every write is a temporary
+    file renamed into place (checkpoints, exports) or an appended line that a resume drops, so the last checkpoint is
+    intact."""
+    return (f"{prog}: error: no space left on the device while writing {error.filename or out} ({error.strerror}); "
+            f"the last checkpoint in {out} is intact: free space, then continue with --resume")
 
 
 def fail_disk(prog, error, out):
-    """A full disk while the run wrote a file: one line, exit DISK_FULL. Every write is a temporary file renamed into
-    place (checkpoints, exports) or an appended line that a resume drops, so the last checkpoint is intact."""
-    from tqdm import tqdm
+    """disk_full_line, exit DISK_FULL."""
+    from tqdm import tqdm  # tqdm.write: the line starts clear of a progress bar
 
-    tqdm.write(f"{prog}: error: no space left on the device while writing {error.filename or out} ({error.strerror}); "
-               f"the last checkpoint in {out} is intact: free space, then continue with --resume", file=sys.stderr)
+    tqdm.write(disk_full_line(prog, error, out), file=sys.stderr)
     sys.exit(DISK_FULL)
 
 
@@ -370,11 +401,12 @@ def load_checkpoint(state, model, optimizer):
 
 
 def fail(prog, error, out=None):
-    """The one line of a bad flag, file, model or checkpoint (UsageError, DataError), exit 2; of a full disk, exit
-    DISK_FULL (fail_disk); any other error is raised on."""
-    if isinstance(error, OSError) and not isinstance(error, (UsageError, ValueError)):
-        if not disk_full(error):
+    """The one line of a bad flag, file, model or checkpoint (a str, UsageError, DataError: exit 2) or of a full disk
+    (exit DISK_FULL, fail_disk); any other error is raised on."""
+    if not isinstance(error, (str, ValueError)):  # UsageError and DataError are ValueErrors
+        disk = disk_full(error, out or ".")
+        if disk is None:
             raise error
-        fail_disk(prog, error, out)
+        fail_disk(prog, disk, out)
     print(f"{prog}: error: {error}", file=sys.stderr, flush=True)
     sys.exit(2)

@@ -52,9 +52,12 @@ def usage_error_line(line, wait_s=10.0):
     """Print a bad-input line once per job. Every rank finds the same bad flag, so rank 0 prints at once and
     the others wait: torchrun stops them when rank 0 exits. A rank that alone finds a fault (a file missing
     on its node only) prints it after wait_s, so the line is never lost."""
+    from tqdm import tqdm  # tqdm.write: the line starts clear of a progress bar
+
     if os.environ.get("RANK", "0") != "0":
         time.sleep(wait_s)
-    print(line, file=sys.stderr, flush=True)
+    tqdm.write(line, file=sys.stderr)
+    sys.stderr.flush()
 
 
 MAX_ROLLOUTS = 2**20  # rollouts per step (P x G) and samples per problem beyond which a value is a typo [choice]
@@ -600,6 +603,17 @@ def export_hf(model, tokenizer, path, dist_, out):
 # ---------------------------------------------------------------------------------------------
 # 4. Evaluation: k samples per problem -> Pass@1 (mean over k) and Pass@k (unbiased)
 # ---------------------------------------------------------------------------------------------
+def evaluation_due(metrics_path, step, args, dist_):
+    """Whether the evaluation after `step` steps (--eval-every) is due and not yet in metrics.jsonl: step 0 of a new
+    run, or, on --resume, the one that a preemption notice, a full disk or a kill cut off after that step's
+    checkpoint. Rank 0 reads the file; every rank gets its answer."""
+    if not args.eval_every or step % args.eval_every or step >= args.steps:
+        return False
+    done = dist_.is_main and any(m.get("kind") == "eval" and m.get("step") == step
+                                 for m in common.read_metrics(metrics_path))
+    return not all_reduce(done, dist_, dist.ReduceOp.MAX)
+
+
 def evaluate(engine, tokenizer, stops, eval_sets, args, dist_, grader, tag="", model_name=None, step=None):
     """Every benchmark: this rank samples --eval-samples answers for its contiguous share of the problems; rank 0
     writes OUT/eval_TAG.md/.json and, after `step` training steps (None: --eval-only), a metrics.jsonl line."""
@@ -742,59 +756,41 @@ def write_explain_page(step, rollouts, prompts, sel, entropy, token_keep, stats,
 # ---------------------------------------------------------------------------------------------
 class DiskFull(Exception):
     """A write that a full disk (or quota) failed, on this rank or another: the OSError (its errno, file) and the
-    run's --out. train_full.entry prints it as one line (common.fail_disk) and exits common.DISK_FULL (74)."""
+    run's --out. train_full.entry prints it as one line (fail_disk) and exits common.DISK_FULL (74)."""
 
     def __init__(self, error, out):
         super().__init__(str(error))
         self.error, self.out = error, out
 
 
-NEARLY_FULL = 16 * 2**20  # bytes free below which a failed write is taken for a full disk
-
-
-def disk_error(exc, path):
-    """The OSError of a full disk (ENOSPC, EDQUOT) behind `exc`, or None. Writers say it in several ways: an OSError
-    (open, write, close), safetensors' "No space left on device (os error 28)", DCP's CheckpointException holding
-    each rank's error; torch.save's zip writer only says "unexpected pos": there the file system of `path`
-    answers (a write failed and less than NEARLY_FULL bytes are free)."""
-    todo, seen = [exc], []
-    while todo:
-        e = todo.pop()
-        if e is None or any(e is x for x in seen):
-            continue
-        seen.append(e)
-        if common.disk_full(e):
-            return e
-        text = str(e)
-        if "No space left on device" in text or "os error 28" in text or "Disk quota exceeded" in text:
-            return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
-        failures = getattr(e, "failures", None) or {}  # DCP: {rank: (exception, traceback)}
-        todo += [e.__cause__, e.__context__] + [f[0] if isinstance(f, tuple) else f for f in failures.values()]
-    folder = os.path.abspath(path)
-    while not os.path.exists(folder):
-        folder = os.path.dirname(folder)
-    if shutil.disk_usage(folder).free < NEARLY_FULL:
-        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
-    return None
+def on_another_rank(path):
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC) + " (on another rank)", path)
 
 
 @contextlib.contextmanager
 def attempt(path, out, dist_):
     """A write (to `path`) that every rank enters and leaves together, in place of a barrier: a full disk on ANY
-    rank raises DiskFull on EVERY rank as they leave (one all-reduce), so no rank waits for one that stopped.
-    Another error is raised on its own rank (train_full.entry ends the job)."""
-    code, error = 0, None
+    rank (common.disk_full) raises DiskFull on EVERY rank as they leave (one all-reduce), so no rank waits for one
+    that stopped. Another error is raised on its own rank (train_full.entry ends the job)."""
+    faults = []
+    with noting(faults, path):
+        yield
+    if all_reduce(bool(faults), dist_, dist.ReduceOp.MAX):
+        raise DiskFull(faults[0] if faults else on_another_rank(path), out)
+
+
+@contextlib.contextmanager
+def noting(faults, path):
+    """Run the block; a full disk in it is appended to `faults`, not raised; another error is raised."""
     try:
         yield
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:  # (DCP's CheckpointException is a BaseException)
-        error = disk_error(e, path)
+        error = common.disk_full(e, path)
         if error is None:
             raise
-        code = 2
-    if all_reduce(code, dist_, dist.ReduceOp.MAX) == 2:
-        raise DiskFull(error or OSError(errno.ENOSPC, os.strerror(errno.ENOSPC) + " (on another rank)", path), out)
+        faults.append(error)
 
 
 class Stops(common.Preemption):
@@ -806,16 +802,9 @@ class Stops(common.Preemption):
         super().__init__()
         self.out, self.dist_, self.faults = out, dist_, []
 
-    @contextlib.contextmanager
     def writing(self, path):
         """A write of this rank alone: a full disk is noted (agree() raises DiskFull on every rank), not raised."""
-        try:
-            yield
-        except Exception as e:
-            error = disk_error(e, path)
-            if error is None:
-                raise
-            self.faults.append(error)
+        return noting(self.faults, path)
 
     def append_metrics(self, path, record):
         """common.append_metrics, its full disk noted."""
@@ -828,8 +817,7 @@ class Stops(common.Preemption):
         number = signal.Signals[self.signal].value if self.signal else 0
         code = int(all_reduce(1000 if self.faults else number, self.dist_, dist.ReduceOp.MAX))
         if code >= 1000:
-            raise DiskFull(self.faults[0] if self.faults else OSError(errno.ENOSPC, os.strerror(errno.ENOSPC) + " (on "
-                                                                                      "another rank)", self.out), self.out)
+            raise DiskFull(self.faults[0] if self.faults else on_another_rank(self.out), self.out)
         return signal.Signals(code).name if code else None
 
 
@@ -842,12 +830,8 @@ def stopped(notice, step, out, dist_):
 
 
 def fail_disk(e):
-    """train_full.entry's line for DiskFull: rank 0 at once, any other rank after a wait (torchrun ends it first
-    when rank 0 printed), then exit common.DISK_FULL on this rank."""
-    if os.environ.get("RANK", "0") != "0":
-        time.sleep(10.0)
-    try:
-        common.fail_disk("train_full.py", e.error, e.out)
-    except SystemExit as done:
-        sys.stdout.flush(), sys.stderr.flush()
-        os._exit(done.code)
+    """train_full.entry's line for DiskFull (rank 0 at once, any other rank after a wait: usage_error_line), then
+    exit common.DISK_FULL on this rank."""
+    usage_error_line(common.disk_full_line("train_full.py", e.error, e.out))
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(common.DISK_FULL)

@@ -376,8 +376,9 @@ def step_metrics(sel, token_keep, upd, train_s, pass1_tokens, measured_kl, dist_
 # ---------------------------------------------------------------------------------------------
 def main(argv=None):
     args = parse_args(argv)  # every flag and path, before any work
-    full_io.check_machine(args, int(os.environ.get("WORLD_SIZE", "1")))  # CUDA, vLLM, and a GPU the setting fits
-    ckpt = full_io.check_resume(args, int(os.environ.get("WORLD_SIZE", "1")))  # the checkpoint to continue, or None
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's; the process group comes after the checks
+    full_io.check_machine(args, world)  # CUDA, vLLM, and a GPU the setting fits
+    ckpt = full_io.check_resume(args, world)  # the checkpoint to continue, or None
     tokenizer, stops, prompts, eval_sets, note = full_io.load_inputs(args)
     dist_ = fsdp_vllm.init_distributed(args.device, args.cpu_offload)
     torch.manual_seed(args.seed + dist_.rank)
@@ -404,14 +405,16 @@ def main(argv=None):
     engine.update_weights(fsdp_vllm.full_named_tensors(model, getattr(torch, args.dtype)))  # the policy, also after a resume
     metrics_path, pad_id, device = os.path.join(args.out, "metrics.jsonl"), tokenizer.pad_token_id, dist_.device
     if dist_.is_main:
-        common.truncate_metrics(metrics_path, step)  # what the checkpoint covers
+        common.truncate_metrics(metrics_path, step if ckpt else -1)  # what the checkpoint covers (a new run: nothing)
     bar = tqdm(total=args.steps, initial=step, disable=not dist_.is_main, desc="steps", dynamic_ncols=True)
     stop_at = args.stop_after or args.steps
     with Grader(args.grader_timeout, workers=args.grader_workers) as grader, full_io.Stops(args.out, dist_) as halt:
         evaluate = lambda tag, name: full_io.evaluate(engine, tokenizer, stops, eval_sets, args, dist_, grader,  # noqa: E731
                                                       tag, name, step=step)
-        if args.eval_every and step == 0:
-            evaluate("step_000000", f"{args.model} before training")
+        at_step = lambda: evaluate(f"step_{step:06d}", f"{args.model} after {step} steps of {args.method}, "  # noqa: E731
+                                   f"{args.loss} loss" if step else f"{args.model} before training")
+        if full_io.evaluation_due(metrics_path, step, args, dist_):  # step 0, or one a stop cut off after its checkpoint
+            at_step()
         while step < stop_at:
             s = step + 1  # this step, 1..S
             row = variants.switch_to_intra(args.method, grad_norms, args.switch_on_spike)  # --method, or its twin
@@ -446,16 +449,16 @@ def main(argv=None):
                 halt.append_metrics(metrics_path, record)  # a full disk: noted, every rank stops at agree() below
                 bar.set_postfix(reward=f"{record['reward_mean']:.3f}", N=record["n_keep"], K=f"{record['k_frac']:.2f}")
                 bar.update(1)
+            notice = halt.agree()  # any rank's full disk (DiskFull on every rank: exit 74) or notice (SIGTERM, SIGUSR1)
             if args.export_every and step % args.export_every == 0:  # before the checkpoint: a resume redoes both
                 full_io.export_hf(model, tokenizer, os.path.join(args.out, f"hf_step_{step:06d}"), dist_, args.out)
-            notice = halt.agree()  # any rank's full disk (DiskFull on every rank: exit 74) or notice (SIGTERM, SIGUSR1)
             if step % args.save_every == 0 or step == stop_at or notice:
                 full_io.save_checkpoint(model, optimizer, args.out, step, full_io.trainer_state(args, order, grad_norms),
                                         dist_, args.keep_checkpoints)
             if notice and step < stop_at:
                 full_io.stopped(notice, step, args.out, dist_)  # rank 0's line; exit 75 on every rank
             if args.eval_every and step % args.eval_every == 0 and step < args.steps:
-                evaluate(f"step_{step:06d}", f"{args.model} after {step} steps of {args.method}, {args.loss} loss")
+                at_step()
         bar.close()
         if args.stop_after:
             say(f"stopped after step {step} (--stop-after): continue with --resume")

@@ -31,7 +31,7 @@ import d3s
 import explain
 import variants
 import warmstart
-from mathtask import DataError, Grader, held_out_pass, stop_token_ids
+from mathtask import Grader, held_out_pass, stop_token_ids
 
 PROG = "train_small.py"
 TINY_MAX_NEW_TOKENS, HF_MAX_NEW_TOKENS = {"steps": 48, "direct": 16}, 512  # a worked answer + EOS: 34 tokens (tiny)
@@ -442,7 +442,7 @@ def main(argv=None):
             common.read_resume(args, RUN_FLAGS, PROG, ADDED_RUN_FLAGS)
         with common.out_lock(args.out, PROG):
             return train(args, train_rows, eval_rows, warmstart.load_warm_start(args, train_rows))
-    except (cli.UsageError, DataError, OSError) as e:  # bad input (exit 2) or a full disk (exit 74): one line
+    except Exception as e:  # bad input (exit 2) or a full disk (exit 74): one line; anything else is raised on
         common.fail(PROG, e, args.out)
 
 

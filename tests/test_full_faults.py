@@ -2,7 +2,8 @@
 
 - SIGTERM or SIGUSR1 (what SLURM and Kubernetes send before they stop a job) to ONE rank of two: every rank
   finishes the step, the checkpoint of that step is written, rank 0 prints one line, every rank exits 75
-  (common.STOPPED); --resume then gives the metrics of the run that was never stopped.
+  (common.STOPPED); --resume then gives the metrics of the run that was never stopped, the evaluation that the
+  stop skipped included.
 - A disk that fills up right before a write (the checkpoint, the metrics line, an HF export, an explain page):
   one line, exit 74 (common.DISK_FULL), the checkpoint before it intact; once the space is free, --resume
   continues to the metrics of the uninterrupted run. The disk is a small tmpfs (mounting one needs root, as in
@@ -74,7 +75,9 @@ def ours(stderr):
 def test_a_notice_to_one_rank_stops_every_rank_after_its_step_and_resume_equals_the_uninterrupted_run(inputs, tmp_path):
     import psutil
 
-    steps = ["--steps", "6", "--save-every", "50"]  # no --save-every step before the end: the notice's checkpoint
+    steps = ["--steps", "6", "--save-every", "50",  # no --save-every step before the end: the notice's checkpoint
+             "--eval-data", inputs[1], "--eval-every", "1", "--eval-limit", "2", "--eval-samples", "2",
+             "--eval-max-tokens", "8", "--eval-pass-k", "1,2"]  # the evaluation due at the stopped step runs first thing after --resume
     whole = tmp_path / "whole"
     done = run(torchrun() + [str(ROOT / "train_full.py"), *flags(inputs, whole, *steps)])
     assert done.returncode == 0, done.stderr[-3000:]
@@ -95,7 +98,9 @@ def test_a_notice_to_one_rank_stops_every_rank_after_its_step_and_resume_equals_
     assert ours(err) == [f"train_full.py: stopped by SIGUSR1 after step {step}; checkpoint {out / 'checkpoints' / stopped[0]}; "
                          "continue with --resume"], err[-3000:]
     assert err.count("exitcode  : 75") == 2 or "exitcode: 75" in err or "exit code 75" in err, err[-3000:]  # both ranks
-    assert [r["step"] for r in lines(out)] == list(range(1, step + 1)) and not (out / "hf_final").exists()
+    kinds = [(r["kind"], r["step"]) for r in lines(out)]
+    assert kinds == [("eval", 0)] + [(k, s) for s in range(1, step) for k in ("train", "eval")] + [("train", step)], kinds
+    assert not (out / "hf_final").exists()
     resumed = run(torchrun() + [str(ROOT / "train_full.py"), *flags(inputs, out, *steps, "--resume")])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert lines(out) == lines(whole)
@@ -158,3 +163,31 @@ def test_a_full_disk_at_rank_0s_metrics_line_stops_both_ranks_with_one_line(inpu
     assert len(ours(failed.stderr)) == 1 and "no space left on the device" in ours(failed.stderr)[0], failed.stderr[-3000:]
     assert "exitcode  : 74" in failed.stderr and "failed; ending the job" not in failed.stderr, failed.stderr[-3000:]
     assert sorted(os.listdir(out / "checkpoints")) == ["step_000001"]
+
+
+# ---------------------------------------------------------------------------------------------
+# What counts as a full disk (common.disk_full, shared by both trainers)
+# ---------------------------------------------------------------------------------------------
+def test_a_full_disk_is_recognised_in_each_form_its_writers_raise_and_nothing_else_is(tmp_path, monkeypatch):
+    import errno
+    import shutil
+
+    import common
+
+    enospc = OSError(errno.ENOSPC, "No space left on device", "x.pt")
+    assert common.disk_full(enospc) is enospc
+    assert common.disk_full(OSError(errno.EDQUOT, "Disk quota exceeded")).errno == errno.EDQUOT
+    assert common.disk_full(Exception("I/O error: No space left on device (os error 28)"), "m").filename == "m"  # safetensors
+    wrapped = RuntimeError("save failed")
+    wrapped.__cause__ = enospc
+    assert common.disk_full(wrapped) is enospc
+    dcp = BaseException("CheckpointException ranks:dict_keys([1])")
+    dcp.failures = {1: (enospc, "traceback")}  # DCP: each rank's (exception, traceback)
+    assert common.disk_full(dcp) is enospc
+    for other in (OSError(errno.EACCES, "Permission denied"), ValueError("No space"), RuntimeError("unexpected pos 64")):
+        assert common.disk_full(other, str(tmp_path)) is None  # not a full disk: raised on as it is
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=common.NEARLY_FULL - 1))
+    full = common.disk_full(RuntimeError("[enforce fail at inline_container.cc] unexpected pos 64"), str(tmp_path / "c"))
+    assert full.errno == errno.ENOSPC and full.filename == str(tmp_path / "c")  # torch.save's zip writer on a full disk
+    assert common.disk_full(KeyError("step"), str(tmp_path)) is None  # a nearly full disk does not make every error one
