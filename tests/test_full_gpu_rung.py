@@ -34,7 +34,9 @@ def config(shapes):
 
 
 def plan(shapes, flags=(), ranks=1, gpu="24gb", **kw):
-    return fsdp_vllm.vllm_memory_plan(config(shapes), train_full.parse_args(list(flags)), ranks, GPUS[gpu] * GIB, **kw)
+    model = ["--model", "Qwen/Qwen2.5-Math-1.5B"] if shapes is QWEN25_MATH_1_5B else []  # the name the line gives
+    return fsdp_vllm.vllm_memory_plan(config(shapes), train_full.parse_args(model + list(flags)), ranks,
+                                      GPUS[gpu] * GIB, **kw)
 
 
 ONE_GPU = ["--micro-batch-size", "4", "--max-prompt-len", "512"]  # the one-GPU settings of docs/train_full.md
@@ -44,7 +46,7 @@ def test_the_plan_refuses_the_1_5b_on_a_24_gb_gpu_without_offload_in_one_line_th
     with pytest.raises(fsdp_vllm.UsageError) as refused:
         plan(QWEN25_MATH_1_5B, ONE_GPU)
     line = str(refused.value)
-    assert "\n" not in line and line.startswith("--model Qwen/Qwen2.5-Math-7B: does not fit this 22.0 GiB GPU: ")
+    assert "\n" not in line and line.startswith("--model Qwen/Qwen2.5-Math-1.5B: does not fit this 22.0 GiB GPU: ")
     # finding 1: 12 B x 1.54B = 17.25 GiB of fp32 weights and AdamW moments leave vLLM less than its weights
     assert "the trainer's 17.3 GiB (12 B x 1.54B params / 1 rank(s))" in line and "bf16 weights 2.9" in line
     assert "fits with --cpu-offload" in line
