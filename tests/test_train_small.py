@@ -413,18 +413,6 @@ def test_a_sigterm_mid_run_stops_after_its_step_with_a_checkpoint_and_resume_equ
     assert_same_run(whole, out)
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A tmpfs of a given size (mount needs root, as in CI; skipped where it is refused); resize(bytes) grows it."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True).returncode:
-        pytest.skip("mounting a tmpfs needs root")
-    resize = lambda size: subprocess.run(["mount", "-o", f"remount,size={size}", str(disk)], check=True)  # noqa: E731
-    yield disk, resize
-    subprocess.run(["umount", str(disk)], capture_output=True)
-
-
 def test_a_full_disk_stops_with_one_line_keeps_the_last_checkpoint_and_resume_continues(tmp_path, whole_run, small_disk,
                                                                                        capsys):
     """--out on a disk that holds one checkpoint but not a second beside it: the step-6 checkpoint's write fails, the
