@@ -29,9 +29,9 @@ def _require(ok, name, value, fix):
 def group_advantages(rewards, scale=True, eps=1e-6):
     """GRPO advantages within each group: A_i = (R_i - mean_g R) / (std_g R + eps).
 
-    rewards: [P, G] (one row per prompt).  Returns [P, G] float. The std is unbiased (as torch.std, TRL, verl), so
-    a group with spread has unbiased Var(A) = 1 (up to eps): what makes Lemma 1 of D3S hold. scale=False gives
-    Dr. GRPO, A_i = R_i - mean_g R. A group whose rewards are all equal gets A = 0 (no gradient), never NaN.
+    rewards: [P, G] (one row per prompt). Returns [P, G] float. The std is unbiased (as torch.std, TRL, verl), so a
+    group with spread has unbiased Var(A) = 1 (up to eps), as our every-N form of Lemma 1 needs (docs/algorithm.md
+    2.3). scale=False gives Dr. GRPO, A_i = R_i - mean_g R. Equal rewards in a group give A = 0 there, never NaN.
 
     >>> group_advantages(torch.tensor([[0., 0., 1., 1.], [1., 1., 1., 1.]])).round(decimals=3)
     tensor([[-0.8660, -0.8660,  0.8660,  0.8660],
@@ -106,8 +106,8 @@ def select_samples(rewards, n_keep, rule="cross", scale=True, eps=1e-6, generato
     | "all"   | grpo                 | all G (n_keep is ignored)                         | full-group A       |
     A function (rewards, n_keep, scale=, eps=, generator=) -> (keep, adv) is a rule beyond the papers (variants.py).
 
-    Full-group A gives Var(A') >= 1 on each group's kept subset (D3S Lemma 1), hence a larger bound on the
-    policy-gradient norm; Lemma 1 is about one group: it holds for "intra", not "cross". Within a group A
+    D3S keeps full-group A (PODS maximises Var(R), re-standardizes on the kept). D3S's Lemma 1: a group has a subset
+    with Var(A') >= 1 (a larger gradient-norm bound); ours (unbiased Var): every max-Var N has it. Within a group A
     increases with R, so "intra" and "pods" keep the same rollouts. Cross-group (choice): the paper runs "a
     further cross-group selection over the entire batch" without saying over which candidates; here it is one
     pooled choice over all P*G advantages with budget n_keep * P (docs/algorithm.md 2.4). Its pooled Var(A') is
@@ -263,7 +263,7 @@ def select_tokens(scores, mask, k_frac, scope="batch", min_per_seq=0):
 def dynamic_schedule(step, total_steps, n_init=8, n_final=32, k_init=0.05, k_final=0.20, progress=None):
     """N and K at `step` (from 0) of `total_steps`, linear from the init to the final values (the paper's):
         N = round(N_init + (N_final - N_init) * f),   K = K_init + (K_final - K_init) * f,   f = step / total_steps
-    Paper defaults: N 8 -> 32 rollouts per prompt, K 5% -> 20% of tokens; N rounds half up. progress: f itself,
+    Paper defaults: N 8 -> 32 rollouts per prompt, K 5% -> 20% of tokens; N rounds half up (choice). progress: f,
     for other shapes of the curve (variants.progress). Returns (n: int, k: float).
 
     >>> dynamic_schedule(0, 100), dynamic_schedule(50, 100), dynamic_schedule(100, 100)
