@@ -13,6 +13,8 @@ import nbformat
 from nbclient import NotebookClient
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+import cli  # noqa: E402  (the repository's one-line errors: an unknown flag is refused before any work)
 
 
 def execute(source=os.path.join(HERE, "lesson.py"), timeout=1200):
@@ -41,8 +43,16 @@ def normalise(nb):
     return nb
 
 
-if __name__ == "__main__":
+def main(argv=None):
+    """No flags: execute lesson/lesson.py and write lesson/lesson.ipynb (--help says so and writes nothing)."""
+    p = cli.Parser(prog="build.py", description="Execute lesson/lesson.py top to bottom and write lesson/lesson.ipynb "
+                   "with its outputs (about a minute). It takes no flags.")
+    p.parse_args(argv)
     nb, seconds = execute()
     normalise(nb)
     nbformat.write(nb, os.path.join(HERE, "lesson.ipynb"))
     print(f"lesson.ipynb written: executed in {seconds:.0f} s", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -19,7 +19,15 @@
 #   GPU_CHECK_7B=1 adds the 7B on one GPU of 80 GB with --cpu-offload (a random 7B: 15 GB on disk, ~150 GiB of
 #   host memory).
 # Without vLLM in $PYTHON (a stock PyTorch image) the vLLM tests are skipped and the runs use --rollout hf.
+# It takes no arguments; its settings are environment variables: PYTHON (default python), OUT (the log's folder,
+# default runs/gpu_check), GPU_CHECK_7B=1. `bash scripts/gpu_check.sh --help` prints this header.
 set -uo pipefail
+case "$#:${1:-}" in
+    0:) ;;
+    1:-h | 1:--help) sed -n '2,/^set -uo/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;;
+    *) echo "gpu_check.sh: error: $*: no arguments are taken; set PYTHON, OUT or GPU_CHECK_7B=1 in the environment" \
+            "(bash scripts/gpu_check.sh --help)" >&2; exit 2 ;;
+esac
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
 OUT=${OUT:-runs/gpu_check}
