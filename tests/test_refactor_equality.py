@@ -278,7 +278,8 @@ TOY_FLAGS = ["--seeds", "1", "--steps", "1", "--prompts", "4", "--batch-prompts"
 def toy_outputs(x, folder):
     """bandit.run, 1 step of every row: eval line 0, train line 1 and eval line 1, from a fixed policy and fixed
     rollouts (half of them copy the right answer at every decision, so groups have mixed rewards)."""
-    sys.path.insert(0, str(ROOT / "toy"))
+    if str(ROOT / "toy") not in sys.path:
+        sys.path.insert(0, str(ROOT / "toy"))
     import bandit
 
     out, real_policy = {}, bandit.Policy
