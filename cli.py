@@ -14,6 +14,8 @@ import re
 import sys
 
 FLAG = r"argument (--[\w-]+)(?:/\S+)?: "  # argparse's "argument --x: ..." (or "argument --x/-x: ...")
+DROP_LONG_PROMPTS_HELP = ("(choice) leave out the rows whose prompt does not fit the model's context less the response "
+                          "length, and count them; default: stop before any work, naming the row's file:line")
 
 
 class UsageError(ValueError):

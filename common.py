@@ -5,7 +5,10 @@
     mean                       the mean of the values that are there (None if none)
     append_metrics, read_metrics, truncate_metrics    metrics.jsonl (docs/metrics.md)
     out_lock, export_pretrained   one writer per output folder; a model folder written atomically
-    Preemption, stopped, disk_full, fail_disk   SIGTERM/SIGUSR1 stop a run after a checkpoint; a full disk, one line
+    Preemption, stopped, disk_full, fail_disk   SIGTERM/SIGUSR1/a first Ctrl-C stop a run after a checkpoint; a
+                               second Ctrl-C at once; a full disk, one line
+    interruptible, sigint_ignored   Ctrl-C anywhere in a script: one line, exit 130; child processes leave it to the parent
+    fit_prompts, check_finite  prompts longer than the model's context, NaN/inf weights or logits: one line, before any work
     run_all                    independent runs in a pool of processes, with a progress bar
     write_summary              train_small.py's summary.json, from its metrics.jsonl
     save_checkpoint, read_checkpoint, read_resume, load_checkpoint   a one-file checkpoint: model, optimizer, RNG, step
@@ -77,24 +80,35 @@ def measures_kl(step, args):
     return args.kl_every > 0 and (step == 1 or step % args.kl_every == 0 or step == args.steps)
 
 
-STOPPED, DISK_FULL = 75, 74  # exit codes (sysexits): stopped on a notice with a checkpoint, run again; a write failed
+STOPPED, DISK_FULL, INTERRUPTED = 75, 74, 130  # exit codes: stopped on a notice or a first Ctrl-C with a checkpoint,
+# run again with --resume (sysexits' TEMPFAIL); a write failed (IOERR); a Ctrl-C that stopped at once (128 + SIGINT, as a shell)
 
 
 class Preemption:
     """While in its `with` block, SIGTERM and SIGUSR1 (a cluster's notice before it preempts a job: SLURM, Kubernetes)
-    do not kill the process: they set `.signal` (the signal's name), so that the loop finishes its step, writes its
-    checkpoint and exits with STOPPED; --resume then continues to the numbers of an uninterrupted run."""
+    and a first SIGINT (Ctrl-C) do not kill the process: they set `.signal` (the signal's name), so that the loop
+    finishes its step, writes its checkpoint and exits with STOPPED; --resume then continues to the numbers of an
+    uninterrupted run. A SIGINT after that (a second Ctrl-C) stops at once: `prog`'s one line (none if `quiet`: the
+    other ranks of a job) and exit INTERRUPTED, with os._exit, so that nothing after it runs; every checkpoint is
+    written to a temporary file and renamed, so a write it cuts leaves the last checkpoint intact."""
 
-    def __init__(self):
-        self.signal, self.previous = None, {}
+    def __init__(self, prog="", quiet=False):
+        self.signal, self.previous, self.prog, self.quiet = None, {}, prog, quiet
 
     def __enter__(self):
         import signal
 
-        for notice in (signal.SIGTERM, signal.SIGUSR1):
-            self.previous[notice] = signal.signal(notice, lambda number, frame: setattr(self, "signal",
-                                                                                      signal.Signals(number).name))
+        for notice in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
+            self.previous[notice] = signal.signal(notice, self.note)
         return self
+
+    def note(self, number, frame):
+        import signal
+
+        if number == signal.SIGINT and self.signal:  # a second Ctrl-C (or one after a notice): stop now
+            interrupted(self.prog, "stopped at once by a second Ctrl-C (SIGINT); the last checkpoint written is intact; "
+                        "continue with --resume", quiet=self.quiet, at_once=True)
+        self.signal = signal.Signals(number).name
 
     def __exit__(self, *exc):
         import signal
@@ -104,12 +118,58 @@ class Preemption:
 
 
 def stopped(prog, notice, step, checkpoint):
-    """The one line of a run that a notice stopped after `step` and its checkpoint, and exit STOPPED."""
+    """The one line of a run that a notice (or a first Ctrl-C) stopped after `step` and its checkpoint; exit STOPPED."""
     from tqdm import tqdm  # tqdm.write: the line starts clear of a progress bar
 
+    notice += " (Ctrl-C)" if notice == "SIGINT" else ""
     tqdm.write(f"{prog}: stopped by {notice} after step {step}; checkpoint {checkpoint}; continue with --resume",
                file=sys.stderr)
     sys.exit(STOPPED)
+
+
+def interrupted(prog, line, quiet=False, at_once=False):
+    """`prog: line` (none if `quiet`), then exit INTERRUPTED: at once (os._exit: no cleanup, no atexit) or by
+    SystemExit (the `with` blocks close: child processes, locks)."""
+    from tqdm import tqdm  # tqdm.write: the line starts clear of a progress bar
+
+    if not quiet:
+        tqdm.write(f"{prog}: {line}", file=sys.stderr)
+    sys.stdout.flush(), sys.stderr.flush()
+    if at_once:
+        os._exit(INTERRUPTED)
+    sys.exit(INTERRUPTED)
+
+
+def interruptible(main, prog, fix="run the same command again"):
+    """main() for a script's `__main__`: a Ctrl-C outside a Preemption block (KeyboardInterrupt) ends in one line and
+    exit INTERRUPTED, no traceback; under torchrun only rank 0 prints it. A shell that started the script with SIGINT
+    ignored (a background job) has it handled again, as Preemption does."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return main()
+    except KeyboardInterrupt:
+        interrupted(prog, f"stopped by Ctrl-C (SIGINT); {fix}", quiet=os.environ.get("RANK", "0") != "0")
+
+
+@contextlib.contextmanager
+def sigint_ignored():
+    """Child processes started in the block ignore SIGINT from their first instruction (the setting is inherited,
+    and Python leaves an ignored SIGINT ignored): a Ctrl-C at a terminal reaches the whole process group, and it is
+    the parent's to act on, so no worker or grader child prints a KeyboardInterrupt traceback of its own. A Ctrl-C
+    in the block itself (the few milliseconds of a process start) is lost. Main thread only (elsewhere: no-op)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 NEARLY_FULL = 16 * 2**20  # bytes free below which a write's RuntimeError is taken for a full disk
@@ -158,6 +218,89 @@ def fail_disk(prog, error, out):
 
     tqdm.write(disk_full_line(prog, error, out), file=sys.stderr)
     sys.exit(DISK_FULL)
+
+
+def fit_prompts(args, train_rows, eval_rows, prog="train_small.py"):
+    """train_small.py's --train-file and --eval-file rows whose prompt fits the model's context less --max-new-tokens
+    (mathtask.fit_context), checked before any work: a longer one stops the run with one line naming its file:line,
+    its length and the limit (exit 2), or with --drop-long-prompts (choice) is left out, counted in one line and in
+    args.dropped_long_prompts (summary.json). The generated task's prompts are short by construction: not checked.
+    A model whose tokenizer or config does not load is left to warmstart.load_base_model's line."""
+    import inspect
+
+    from mathtask import PLAIN_TEMPLATE, QWEN_MATH_TEMPLATE, DataError, fit_context
+
+    args.dropped_long_prompts = 0
+    files = [(f, path, rows) for f, path, rows in (("--train-file", args.train_file, train_rows),
+                                                   ("--eval-file", args.eval_file, eval_rows)) if path]
+    if not files:
+        return train_rows, eval_rows
+    if args.model is None:
+        import tiny
+
+        tokenizer = tiny.build_char_tokenizer()
+        window = inspect.signature(tiny.build_tiny_model).parameters["max_position_embeddings"].default
+    else:
+        from transformers import AutoConfig, AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(os.path.expanduser(args.model))
+            window = getattr(AutoConfig.from_pretrained(os.path.expanduser(args.model)), "max_position_embeddings", None)
+        except (OSError, ValueError):
+            return train_rows, eval_rows
+    if not window:  # a model without a position limit: nothing to check
+        return train_rows, eval_rows
+    if args.max_new_tokens >= window:
+        raise UsageError(f"--max-new-tokens {args.max_new_tokens}: the model's context is {window} positions "
+                         "(max_position_embeddings), prompt included; lower it")
+    template, limit = PLAIN_TEMPLATE if args.template == "plain" else QWEN_MATH_TEMPLATE, window - args.max_new_tokens
+    why = f"the model's context of {window} positions less --max-new-tokens {args.max_new_tokens}"
+    fitted = {}
+    for flag, path, rows in files:
+        fitted[flag], dropped = fit_context(rows, lambda r: template.format(problem=r["problem"]), tokenizer, limit, why,
+                                            drop=getattr(args, "drop_long_prompts", False))
+        if not fitted[flag]:
+            raise DataError(f"{flag} {path}: no prompt fits in {limit} tokens ({why}); shorten them or raise the limit")
+        if dropped:
+            print(f"{prog}: --drop-long-prompts: left out {dropped} of the {len(rows)} rows of {path} (prompts longer "
+                  f"than {limit} tokens)", file=sys.stderr, flush=True)
+        args.dropped_long_prompts += dropped
+    return fitted.get("--train-file", train_rows), fitted.get("--eval-file", eval_rows)
+
+
+def check_finite(model, name, tokenizer=None, prompt=None):
+    """NaN or inf in `model`'s weights (one tensor at a time: torch.isfinite(p).all(), no copy of the model: a pass
+    over its bytes) or in the logits of a first forward of `prompt`: UsageError naming the model (`name`), before any
+    work."""
+    import itertools
+
+    import torch
+
+    fix = "its weights are damaged or were saved from a diverged run; pass another model"
+    with torch.no_grad():
+        for where, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
+            if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                raise UsageError(f"{name}: its weights hold NaN or inf ({where}); {fix}")
+        if prompt is not None:
+            training, ids = model.training, tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
+            logits = model.eval()(input_ids=ids[:, -64:]).logits  # the prompt's last tokens: enough to see NaN/inf
+            model.train(training)
+            if not bool(torch.isfinite(logits).all()):
+                raise UsageError(f"{name}: its first forward gives NaN or inf logits (weights finite: an overflow in "
+                                 f"{next(model.parameters()).dtype}?); {fix}, or run it in float32")
+
+
+def finite_warm_start(warm, args, train_rows):
+    """train_small.py: check_finite on the warm start (model, tokenizer, info) and the first training prompt; returns
+    `warm`. The line names --model (or the tiny model) and the warm start's cache folder, where there is one."""
+    from mathtask import PLAIN_TEMPLATE, QWEN_MATH_TEMPLATE
+
+    model, tokenizer, info = warm
+    name = f"--model {args.model}" if args.model else "the tiny model"
+    name += f" (warm start {info['path']}: delete it to build it again)" if info.get("sft_steps") else ""
+    template = PLAIN_TEMPLATE if args.template == "plain" else QWEN_MATH_TEMPLATE
+    check_finite(model, name, tokenizer, template.format(problem=train_rows[0]["problem"]))
+    return warm
 
 
 def mean(values):
@@ -232,10 +375,15 @@ def run_all(fn, jobs, workers, desc="runs"):
             yield job, fn(job)
         return
     with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
-        futures = {pool.submit(fn, job): job for job in jobs}
+        with sigint_ignored():  # the workers start here (spawn: all at the first submit); a Ctrl-C is the parent's
+            futures = {pool.submit(fn, job): job for job in jobs}
         try:
             for future in tqdm(as_completed(futures), total=len(jobs), desc=desc, leave=False):
                 yield futures[future], future.result()
+        except KeyboardInterrupt:  # a Ctrl-C: the running runs stop now, instead of the pool's exit waiting for them
+            for process in list((getattr(pool, "_processes", None) or {}).values()):
+                process.kill()  # (the futures are not cancelled first: Python 3.11's pool would then print a traceback)
+            raise
         except BaseException:
             for future in futures:
                 future.cancel()
@@ -294,6 +442,7 @@ def write_summary(args, lines, warm_info, totals, timeouts, rl_s, wall_s):
         "rl_seed": args.rl_seed,
         "switched_at_step": next((m["step"] for m in train if m.get("sample_rule", own_rule) != own_rule), None),
         "skipped_updates": totals["skipped"], "grader_timeouts": timeouts,
+        "dropped_long_prompts": getattr(args, "dropped_long_prompts", 0),  # --drop-long-prompts (common.fit_prompts)
         "gen_s": round(totals["gen_s"], 1), "train_s": round(totals["train_s"], 1),
         "rl_s": round(rl_s, 1), "wall_s": round(wall_s, 1),
     }

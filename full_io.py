@@ -40,7 +40,8 @@ import d3s
 import explain
 from cli import UsageError
 from fsdp_vllm import all_reduce, context_length, load_generation_config, load_tokenizer, memory_peak_gb
-from mathtask import PLAIN_TEMPLATE, QWEN_MATH_TEMPLATE, DataError, default_grader_workers, load_problems, pass_at_k, stop_token_ids
+from mathtask import (PLAIN_TEMPLATE, QWEN_MATH_TEMPLATE, DataError, default_grader_workers, fit_context, load_problems,
+                      pass_at_k, stop_token_ids)
 
 TEMPLATES = {"qwen-math": QWEN_MATH_TEMPLATE, "plain": PLAIN_TEMPLATE}
 
@@ -209,13 +210,52 @@ def load_inputs(args):
     if args.eval_only:
         return tokenizer, stops, None, eval_sets, ""
     rows, dropped = load_problems(args.train_data, drop_missing=True)
+    rows, args.dropped_long_prompts = fit_prompts(args, rows, tokenizer)  # the count: in args.json
     prompts, too_long = encode_prompts(rows, tokenizer, args.template, args.max_prompt_len)
     if not prompts:
         raise UsageError(f"--max-prompt-len {args.max_prompt_len}: no prompt of {args.train_data} is that short "
                          f"({too_long} longer); raise it")
     note = f"{len(prompts)} prompts ({dropped} rows without an answer dropped, {too_long} longer than " \
-           f"{args.max_prompt_len} tokens dropped)"
+           f"{args.max_prompt_len} tokens dropped" + (f", {args.dropped_long_prompts} longer than the model's context " \
+           "dropped (--drop-long-prompts)" if args.dropped_long_prompts else "") + ")"
     return tokenizer, stops, prompts, eval_sets, note
+
+
+def fit_prompts(args, rows, tokenizer):
+    """The training rows whose prompt fits the model's context (config max_position_embeddings) less
+    --max-response-len, and how many did not (mathtask.fit_context): a longer prompt stops the run before any work
+    with one line naming its file:line, its length and the limit, or with --drop-long-prompts (choice) is left out
+    and counted. Then --max-prompt-len, a budget, drops (and counts) the prompts that fit but are longer than it."""
+    from transformers import AutoConfig
+
+    window = getattr(AutoConfig.from_pretrained(args.model), "max_position_embeddings", None)
+    if not window or window <= args.max_response_len:  # no limit, or none left for a prompt: not this check's to say
+        return rows, 0
+    return fit_context(rows, lambda r: TEMPLATES[args.template].format(problem=r["problem"]), tokenizer,
+                       window - args.max_response_len, f"the model's context of {window} positions less "
+                       f"--max-response-len {args.max_response_len}", drop=args.drop_long_prompts)
+
+
+def check_finite(model, args, dist_, prompt_ids):
+    """NaN or inf in the policy's weights (each rank its shards, one tensor at a time: no copy of the model) or in the
+    logits of a first forward of one prompt (its last 64 tokens, on every rank together: FSDP's all-gathers): a
+    UsageError naming --model on every rank (one all-reduce), before any work."""
+    bad = ""
+    with torch.no_grad():
+        for name, tensor in model.named_parameters():
+            local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor: this rank's shard
+            if local.is_floating_point() and not bool(torch.isfinite(local).all()):
+                bad = bad or f"its weights hold NaN or inf ({name})"
+        if not all_reduce(bool(bad), dist_, dist.ReduceOp.MAX):
+            ids = torch.tensor([prompt_ids[-64:]], device=dist_.device)
+            if not bool(torch.isfinite(model.eval()(input_ids=ids).logits).all()):
+                bad = f"its first forward gives NaN or inf logits (weights finite: an overflow in --dtype {args.dtype}?)"
+            model.train()
+            if hasattr(model, "reshard"):  # FSDP2 keeps the root's parameters whole after a forward: shards again, so
+                model.reshard()  # that the optimizer and the checkpoints meet the sharded parameters they know
+    if all_reduce(bool(bad), dist_, dist.ReduceOp.MAX):
+        raise UsageError(f"--model {args.model}: {bad or 'its weights hold NaN or inf (on another rank)'}; its weights "
+                         "are damaged or were saved from a diverged run: pass another model")
 
 
 def load_eval_sets(args, tokenizer, context):
@@ -794,12 +834,13 @@ def noting(faults, path):
 
 
 class Stops(common.Preemption):
-    """common.Preemption (SIGTERM, SIGUSR1 set a flag while the run is in the block) for every rank of a run, and
+    """common.Preemption (SIGTERM, SIGUSR1 and a first SIGINT set a flag while the run is in the block; torchrun
+    forwards a Ctrl-C as one SIGINT to every rank, its workers being in their own session) for every rank of a run, and
     the full disks of the writes that only rank 0 makes (the metrics line, the explain page): noted by
     writing(), and at the step's end agree() tells every rank what any rank met."""
 
     def __init__(self, out, dist_):
-        super().__init__()
+        super().__init__("train_full.py", quiet=not dist_.is_main)  # a second Ctrl-C: rank 0's line, exit 130
         self.out, self.dist_, self.faults = out, dist_, []
 
     def writing(self, path):
@@ -827,6 +868,21 @@ def stopped(notice, step, out, dist_):
     if dist_.is_main:
         common.stopped("train_full.py", notice, step, os.path.join(out, "checkpoints", f"step_{step:06d}"))
     sys.exit(common.STOPPED)
+
+
+def crashed(error):
+    """train_full.entry's end of any other error: a Ctrl-C outside the loop (KeyboardInterrupt) is rank 0's one line
+    and exit common.INTERRUPTED (130) on every rank; anything else prints its traceback and exits 1 at once."""
+    import traceback
+
+    if isinstance(error, KeyboardInterrupt):
+        common.interrupted("train_full.py", "stopped by Ctrl-C (SIGINT); the last checkpoint in --out, if any, is intact; "
+                           "continue with --resume", quiet=os.environ.get("RANK", "0") != "0", at_once=True)
+    print(f"train_full.py: rank {os.environ.get('RANK', '0')} failed; ending the job (the other ranks are stopped "
+          "by torchrun)", file=sys.stderr)
+    traceback.print_exception(error)
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(1)
 
 
 def fail_disk(e):

@@ -2,7 +2,8 @@
 
 What two rungs share beyond d3s.py lives here, once:
   - load_problems: JSONL / JSON / Parquet files or hub datasets -> rows with `problem` and `answer`,
-    checked row by row (errors name file:line), one loader for both trainers
+    checked row by row (errors name file:line), one loader for both trainers; fit_context: the rows
+    whose prompt fits the model's context (a longer one is named with file:line, or dropped)
   - prompt templates (the Qwen2.5-Math chat template by default for real models)
   - extract_boxed + Grader: the 0/1 verifiable reward with math-verify, under a hard time limit,
     graded by a pool of child processes (default_grader_workers picks its size per rank)
@@ -154,7 +155,7 @@ def load_problems(spec, drop_missing=False, limit=None):
     `name`, `name:split` or `name:config:split` (needs `pip install datasets`).
 
     Returns (rows, n_dropped). Column names are mapped by normalize_row; a row's other fields
-    (e.g. `level`) are kept. drop_missing=False: a row without a problem or an answer raises
+    (e.g. `level`) are kept, and `where` (file:line) is added. drop_missing=False: a row without a problem or an answer raises
     DataError naming file:line; drop_missing=True: such rows are skipped and counted (hub
     datasets and train_full.py's large files). A row whose problem or answer is a list, dict or
     boolean always raises DataError (see _text_field). No usable row at all raises DataError.
@@ -179,12 +180,49 @@ def load_problems(spec, drop_missing=False, limit=None):
             raise DataError(f"{where}: row has no problem ({'/'.join(PROBLEM_KEYS)}) or no answer "
                             f"({'/'.join(ANSWER_KEYS)}); every row needs a non-empty 'problem' and 'answer' "
                             f"(fix or delete the row)")
-        rows.append({**raw, **row, "id": str(raw.get("id", default_id))})
+        rows.append({**raw, **row, "id": str(raw.get("id", default_id)), "where": where})  # where: for fit_context
         if limit is not None and len(rows) >= limit:
             break
     if not rows:
         raise DataError(f"{spec}: no usable rows (empty, or no row has a problem and an answer)")
     return rows, dropped
+
+
+SHORT_BYTES = 16  # fit_context: a prompt of at most limit - SHORT_BYTES UTF-8 bytes is not tokenized
+
+
+def fit_context(rows, prompt, tokenizer, limit, why, drop=False):
+    """(the rows whose prompt fits in `limit` tokens, how many did not). prompt(row) -> the prompt's text; `why`
+    says where the limit comes from ("the model's context 1024 less --max-new-tokens 48"). A longer prompt raises
+    DataError naming its file:line (the row's `where`, else its id), its length and the limit, before any work;
+    with drop=True (--drop-long-prompts, a choice) such rows are left out and counted. Only a prompt of more than
+    limit - SHORT_BYTES UTF-8 bytes is tokenized: byte-level BPE and a character vocabulary give at most one token
+    per byte, sentencepiece at most one more (its leading "_"), so a large file of short rows costs no tokenizing.
+    >>> class Chars:
+    ...     def __call__(self, text, **flags):
+    ...         return {"input_ids": list(text)}
+    >>> rows = [{"problem": "1+1", "id": "a"}, {"problem": "9" * 40, "id": "b", "where": "t.jsonl:2"}]
+    >>> fit_context(rows, lambda r: r["problem"], Chars(), 20, "a context of 20", drop=True)[1]
+    1
+    >>> fit_context(rows, lambda r: r["problem"], Chars(), 20, "a context of 20")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    mathtask.DataError: t.jsonl:2: the prompt is 40 tokens; a context of 20 leaves 20 for it: shorten or delete ...
+    """
+    kept, dropped = [], 0
+    for row in rows:
+        text = prompt(row)
+        n = len(text.encode("utf-8"))
+        if n > limit - SHORT_BYTES:
+            n = len(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])  # no warning: this line says it
+        if n <= limit:
+            kept.append(row)
+        elif drop:
+            dropped += 1
+        else:
+            raise DataError(f"{row.get('where', row.get('id'))}: the prompt is {n} tokens; {why} leaves {limit} for it: "
+                            "shorten or delete the row, or add --drop-long-prompts (choice: such rows are left out and "
+                            "counted)")
+    return kept, dropped
 
 
 def _hub_rows(spec):
@@ -359,12 +397,13 @@ def _verify(pred, gold):
 
 
 def _grader_worker(conn):
-    """Child process: answer (pred, gold) requests until the pipe closes. A preemption notice (SIGTERM, SIGUSR1) sent to
-    the whole process group is the parent's to act on: the child ignores it and grades on until the parent closes it."""
+    """Child process: answer (pred, gold) requests until the pipe closes. A preemption notice (SIGTERM, SIGUSR1) or a
+    Ctrl-C (SIGINT) sent to the whole process group is the parent's to act on: the child ignores it and grades on
+    until the parent closes the pipe or ends (a parent stopped at once: the answer has no reader, the child returns)."""
     import logging
     import signal
 
-    for notice in (signal.SIGTERM, signal.SIGUSR1):
+    for notice in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):  # a Ctrl-C too: the parent stops after its step
         signal.signal(notice, signal.SIG_IGN)
 
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # the parent enforces the time limit
@@ -376,9 +415,13 @@ def _grader_worker(conn):
         except (EOFError, KeyboardInterrupt):
             return
         try:
-            conn.send(_verify(pred, gold))
+            reward = _verify(pred, gold)
         except Exception:  # a parser bug on odd input is a wrong answer, not a crash
-            conn.send(0.0)
+            reward = 0.0
+        try:
+            conn.send(reward)
+        except OSError:  # the parent is gone (BrokenPipeError)
+            return
 
 
 GRADER_START_TIMEOUT_S = 120.0  # a child must import math-verify + sympy within this (seconds on a loaded node)
@@ -418,7 +461,10 @@ class _Child:
     def __init__(self, ctx):
         parent, child = ctx.Pipe()
         self.proc = ctx.Process(target=_grader_worker, args=(child,), daemon=True)
-        self.proc.start()
+        import common
+
+        with common.sigint_ignored():  # from its first instruction (while it imports): a Ctrl-C is the parent's
+            self.proc.start()
         child.close()  # the child holds the only other end: its death reads as EOF here
         self.conn = parent
         self.state, self.key, self.deadline = "starting", None, time.monotonic() + GRADER_START_TIMEOUT_S

@@ -30,7 +30,6 @@ import os
 import random
 import sys
 import time
-import traceback
 import types
 
 import torch
@@ -133,6 +132,7 @@ def build_parser():
       default=1.0, help="[recipe] rollout sampling temperature")
     a("--top-p", type=n(float, 0, 1, low_open=True), default=1.0, help="[recipe] rollout nucleus sampling")
     a("--max-prompt-len", type=n(int, 1), default=1024, help="[recipe] longer prompts are dropped (and counted)")
+    a("--drop-long-prompts", action="store_true", help=cli.DROP_LONG_PROMPTS_HELP)
     a("--max-response-len", type=n(int, 1), default=3000, help="[recipe] max generated tokens per rollout")
     # evaluation
     a("--eval-every", type=n(int, 0, what="an int >= 0 (0 = only after the last step)"), default=0,
@@ -395,6 +395,9 @@ def main(argv=None):
         f"rollouts per rank per step, method {args.method}, loss {args.loss}")
     order = full_io.PromptOrder(len(prompts), args.seed)
     model = fsdp_vllm.load_policy(args, dist_)
+    # NaN or inf in the weights (each rank its shards) or in the logits of a first forward: one line naming --model,
+    # exit 2, before any step
+    full_io.check_finite(model, args, dist_, prompts[0]["prompt_ids"])
     ref_model = fsdp_vllm.load_policy(args, dist_, reference=True) if args.kl_ref else None  # the initial policy, frozen
     optimizer = fsdp_vllm.make_optimizer(model, args)
     step, grad_norms = 0, []  # completed steps, and their grad norms (the same on every rank: --switch-on-spike's signal)
@@ -471,9 +474,10 @@ def main(argv=None):
 
 def entry(argv=None):
     """main() for torchrun. A bad flag, file, model or checkpoint is one line on stderr (full_io.usage_error_line)
-    and exit 2 (a full disk: 74). A rank that fails otherwise prints its traceback and exits at once (os._exit),
-    skipping the interpreter's shutdown (vLLM's engine and the process group would wait there for ranks that will
-    never answer): torchrun then stops the other ranks within seconds, instead of a 60-minute collective timeout."""
+    and exit 2 (a full disk: 74; a Ctrl-C outside the loop: 130, full_io.crashed). A rank that fails otherwise
+    prints its traceback and exits at once (os._exit), skipping the interpreter's shutdown (vLLM's engine and the
+    process group would wait there for ranks that will never answer): torchrun then stops the other ranks within
+    seconds, instead of a 60-minute collective timeout."""
     try:
         main(argv)
     except SystemExit as e:  # the parser's errors: already printed (cli.Parser.error)
@@ -486,12 +490,8 @@ def entry(argv=None):
         os._exit(2)
     except full_io.DiskFull as e:  # one line, exit 74; the last checkpoint intact
         full_io.fail_disk(e)
-    except BaseException:
-        print(f"train_full.py: rank {os.environ.get('RANK', '0')} failed; ending the job (the other ranks are stopped "
-              "by torchrun)", file=sys.stderr)
-        traceback.print_exc()
-        sys.stdout.flush(), sys.stderr.flush()
-        os._exit(1)
+    except BaseException as e:  # a Ctrl-C outside the loop: one line, exit 130; else its traceback, exit 1
+        full_io.crashed(e)
 
 
 if __name__ == "__main__":

@@ -112,6 +112,7 @@ def build_parser(prog=PROG):
     a("--temperature", type=n(float, 0.01, 100), default=1.0, help="sampling temperature (rollouts and eval samples)")
     a("--max-new-tokens", type=n(int, 1, 65536), default=None, help=f"response length limit (default: {TINY_MAX_NEW_TOKENS} "
       f"tiny model, {HF_MAX_NEW_TOKENS} with --model; paper: 3k)")
+    a("--drop-long-prompts", action="store_true", help=cli.DROP_LONG_PROMPTS_HELP)
     a("--grade-timeout", type=n(float, 0, 3600, low_open=True), default=5.0, help="seconds math-verify may spend on an answer")
     a("--eval-every", type=n(int, 1), default=10, help="evaluate on the held-out set every E steps (and at 0 and the end)")
     a("--eval-samples", type=n(int, 1, 1024), default=8, help="n: samples per held-out problem for Pass@1 and Pass@k")
@@ -345,9 +346,8 @@ def evaluate(model, tokenizer, grader, eval_rows, step, args):
 def train(args, train_rows, eval_rows, warm):
     """Warm start -> RL with args.method -> held-out evaluations -> summary (dict). Writes into args.out."""
     t_start = time.time()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    model, tokenizer, warm_info = warm
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    model, tokenizer, warm_info = common.finite_warm_start(warm, args, train_rows)  # NaN/inf weights or logits: one line
     ref_model = copy.deepcopy(model).eval().requires_grad_(False)  # the warm start: reference of the logged KL
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     os.makedirs(args.out, exist_ok=True)
@@ -366,7 +366,7 @@ def train(args, train_rows, eval_rows, warm):
                              f"that {'--schedule adaptive' if args.schedule == 'adaptive' else '--switch-on-spike'} reads; "
                              "resume into the run's own --out")
     rl_start, G = time.time(), args.group_size
-    with Grader(timeout_s=args.grade_timeout) as grader, common.Preemption() as notice:  # SIGTERM: stop after a step
+    with Grader(timeout_s=args.grade_timeout) as grader, common.Preemption(PROG) as notice:  # SIGTERM/Ctrl-C: stop after a step
         if start_step == 0:
             common.append_metrics(metrics_path, {**evaluate(model, tokenizer, grader, eval_rows, 0, args), **totals,
                                                  "warm_start": {k: v for k, v in warm_info.items() if k != "cached"}})
@@ -437,7 +437,7 @@ def train(args, train_rows, eval_rows, warm):
 def main(argv=None):
     args = parse_args(argv)
     try:  # every bad flag, file, model or checkpoint stops here, before training, with one line
-        train_rows, eval_rows = warmstart.load_data(args)
+        train_rows, eval_rows = common.fit_prompts(args, *warmstart.load_data(args))  # prompts that fit the context
         if args.resume:  # checked before the warm start: a bad checkpoint stops here
             common.read_resume(args, RUN_FLAGS, PROG, ADDED_RUN_FLAGS)
         with common.out_lock(args.out, PROG):
@@ -447,4 +447,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    common.interruptible(main, PROG, "the last checkpoint in --out, if any, is intact; continue with --resume")

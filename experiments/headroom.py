@@ -22,6 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
 import cli  # noqa: E402  (cli.py: one-line errors, the shared checks)
+import common  # noqa: E402
 
 PROG = "headroom.py"
 
@@ -62,7 +63,6 @@ def main(argv=None):
     out, argv = split_out(argv)  # before torch: a bad --out costs no import
     import torch
 
-    import common
     import train_small
     import warmstart
     from mathtask import DataError, Grader, pass_at_k
@@ -107,4 +107,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    common.interruptible(main, PROG)

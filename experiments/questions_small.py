@@ -46,6 +46,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
 import cli  # noqa: E402  (cli.py: one-line errors, the shared checks)
+import common  # noqa: E402
 
 PROG = "questions_small.py"
 
@@ -353,4 +354,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    common.interruptible(main, PROG)

@@ -26,6 +26,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
 sys.path.insert(0, os.path.join(ROOT, "toy"))
 import cli  # noqa: E402  (cli.py: one-line errors, the shared checks)
+import common  # noqa: E402
 
 PROG = "questions_toy.py"
 REF = "d3s"  # the paper's method at the toy's defaults: the reference row unless a row names another
@@ -78,10 +79,16 @@ def run_all(rows, seeds, steps, workers):
     import multiprocessing as mp
 
     jobs = sorted({(m, f, s, steps) for _, m, f, _ in rows for s in range(seeds)})
-    pool = mp.get_context("spawn").Pool(workers) if workers > 1 else None
+    with common.sigint_ignored():  # the workers leave a Ctrl-C to this process (one line, no traceback each)
+        pool = mp.get_context("spawn").Pool(workers) if workers > 1 else None
     logs = {}
-    for (method, flags, seed, _), log in (pool.imap_unordered(run_one, jobs) if pool else map(run_one, jobs)):
-        logs.setdefault((method, flags), {})[seed] = log
+    try:
+        for (method, flags, seed, _), log in (pool.imap_unordered(run_one, jobs) if pool else map(run_one, jobs)):
+            logs.setdefault((method, flags), {})[seed] = log
+    except BaseException:  # a Ctrl-C (or a failed run): the workers end now
+        if pool:
+            pool.terminate()
+        raise
     if pool:
         pool.close(), pool.join()
     return {key: [runs[s] for s in range(seeds)] for key, runs in logs.items()}
@@ -256,4 +263,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    common.interruptible(main, PROG)

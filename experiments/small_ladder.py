@@ -316,4 +316,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    common.interruptible(main, PROG, "the finished runs are kept and each stopped one resumes from its checkpoint: run the same command again")

@@ -23,6 +23,7 @@ sys.path[:0] = [ROOT, os.path.dirname(os.path.abspath(__file__))]
 from stats import excludes_zero, mean_std, paired_interval  # noqa: E402
 from toy import bandit  # noqa: E402
 
+import common  # noqa: E402
 import variants  # noqa: E402
 
 
@@ -179,4 +180,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    common.interruptible(main, "toy_ladder.py")

@@ -296,4 +296,4 @@ def main(argv=None, parser=None):
 
 
 if __name__ == "__main__":
-    main()
+    common.interruptible(main, PROG)
