@@ -2,6 +2,7 @@
 with its outputs: what a code host shows without running it. Run it after editing the source (about a minute):
 
     .venv/bin/python lesson/build.py
+    .venv/bin/python lesson/build.py --help      # what it does; it writes nothing
 """
 
 import os

@@ -20,7 +20,8 @@
 #   host memory).
 # Without vLLM in $PYTHON (a stock PyTorch image) the vLLM tests are skipped and the runs use --rollout hf.
 # It takes no arguments; its settings are environment variables: PYTHON (default python), OUT (the log's folder,
-# default runs/gpu_check), GPU_CHECK_7B=1. `bash scripts/gpu_check.sh --help` prints this header.
+# default runs/gpu_check), GPU_CHECK_7B=1.
+#   bash scripts/gpu_check.sh --help                               # this header; any other argument: exit 2
 set -uo pipefail
 case "$#:${1:-}" in
     0:) ;;
