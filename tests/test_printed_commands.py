@@ -30,12 +30,14 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-VENV = {".venv": ROOT / ".venv/bin/python", ".venv-trl": ROOT / ".venv-trl/bin/python"}
+# The project's venv (this interpreter's where there is none, as outside .ci/run) and TRL's.
+VENV = {".venv": ROOT / ".venv/bin/python" if (ROOT / ".venv/bin/python").exists() else pathlib.Path(sys.executable),
+        ".venv-trl": ROOT / ".venv-trl/bin/python"}
 PAGES = ["README.md", *sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md")),
          *sorted(f"lesson/{p.name}" for p in (ROOT / "lesson").glob("*.md")), "lesson/lesson.py"]
 HEADERS = ["train_small.py", "train_full.py", "toy/bandit.py", "lesson/build.py",
@@ -62,7 +64,6 @@ class Command:
     text: str  # as printed (continuation lines joined)
     inline: bool = False  # an inline code span (a reference: never run)
     output: str = ""  # the output block the page prints right after the command's block, if any
-    notes: list = field(default_factory=list)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -124,7 +125,7 @@ def markdown_commands(page, lines):
         block = command_lines(body, every_line=True) if lang in ("bash", "sh", "shell", "console") else \
             command_lines(body, every_line=False) if lang == "" else []
         found = [Command(f"{page}:{n}", t) for n, t in block]
-        # an untyped block right after a command block (at most 3 lines of prose between): what the commands print
+        # an untyped block right after a command block (a few lines of prose between): what the commands print
         k, prose = j + 1, 0
         while k < len(lines) and not FENCE.match(lines[k][1]) and prose <= 3:
             prose += bool(lines[k][1].strip())
@@ -295,17 +296,13 @@ def check_call(call):
         return [f"{call.target or '(no script)'}: no such file"]
     if call.python == ".venv-trl" and not VENV[".venv-trl"].exists():
         return problems  # the path is checked; its flags need the TRL venv
-    script, args = call.target, call.args
-    for arg_i, arg in enumerate(args):
-        if arg == "--":
-            script, args = PASSTHROUGH.get(call.target), args[arg_i + 1:]
-            if script is None:
-                return problems + [f"{call.target}: passes flags after '--' to a script this test does not know"]
-            break
-    else:
-        args = call.args
-    for owner, flags in ((call.target, call.args[:len(call.args) - len(args) - 1] if script != call.target else args),
-                         (script, args if script != call.target else [])):
+    own, passed = call.args, []
+    if "--" in call.args:  # bench/memory.py ... -- --cpu-offload: the flags after it are another script's
+        cut = call.args.index("--")
+        own, passed = call.args[:cut], call.args[cut + 1:]
+        if call.target not in PASSTHROUGH:
+            return [f"{call.target}: passes flags after '--' to a script this test does not know (PASSTHROUGH)"]
+    for owner, flags in ((call.target, own), (PASSTHROUGH.get(call.target), passed)):
         if not flags:
             continue
         options, choices, _ = script_help(owner, call.python if call.python in VENV else ".venv")
@@ -362,7 +359,8 @@ CHEAP = [
      matching("", "6 runs in", "wrote runs/toy/metrics.jsonl")),
     # questions.md's tokens per step (30 toy runs): step 1, the mean of steps 1-20 and d3s's line (its schedule's)
     # are the same on the CPUs we ran; the other rows' step 80 moves with the CPU (the page says so)
-    (r"^\.venv/bin/python -c \"\nimport sys; sys\.path\[:0\] = \['\.', 'experiments'\]; import torch; from toy import bandit",
+    (r"^\.venv/bin/python -c \"\nimport sys; sys\.path\[:0\] = \['\.', 'experiments'\]; import torch; "
+     r"from toy import bandit",
      900, matching(r"tokens at step 1 \d+, mean over steps 1-20 \d+|d3s \[\] tokens .* at step 80 \d+")),
 ]
 TABLE = []  # (where, command, how, result): filled by the tests, printed on a failure
@@ -419,15 +417,17 @@ def _try(f, *args):
 def repo_copy(tmp_path_factory):
     """The tracked files in a temporary folder, the venvs linked: a command writes into the copy."""
     dest = tmp_path_factory.mktemp("repo")
-    names = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout.decode()
+    if (ROOT / ".git").exists():
+        names = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout.decode()
+    else:  # an export without git: the tree less what runs and venvs leave
+        skip = {"runs", ".git", "__pycache__"}
+        names = "\0".join(str(p.relative_to(ROOT)) for p in ROOT.rglob("*") if p.is_file() and not
+                          (set(p.relative_to(ROOT).parts) & skip or p.relative_to(ROOT).parts[0].startswith(".venv")))
     for name in filter(None, names.split("\0")):
         src = ROOT / name
         if src.is_file():
             (dest / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dest / name)
-    for extra in ("integrations/train_trl_d3s.py", "tests/test_printed_commands.py"):  # new files, maybe untracked
-        if (ROOT / extra).exists() and not (dest / extra).exists():
-            shutil.copy2(ROOT / extra, dest / extra)
     for venv in (".venv", ".venv-trl", ".venv-vllm"):
         if (ROOT / venv).exists():
             (dest / venv).symlink_to(ROOT / venv)
@@ -445,8 +445,9 @@ def test_cheap_printed_commands_run_as_printed(commands, repo_copy):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PATH": f"{VENV['.venv'].parent}{os.pathsep}{os.environ['PATH']}"}
     failures, seen = [], {}
     for cmd, timeout, check in cheap:
-        if "venv-trl" in cmd.text and not VENV[".venv-trl"].exists():
-            TABLE.append((cmd.where, cmd.text, "skipped", "no .venv-trl"))
+        venv = re.match(r"^(\.venv[\w-]*)/", cmd.text)
+        if venv and not (ROOT / venv.group(1)).exists():
+            TABLE.append((cmd.where, cmd.text, "skipped", f"no {venv.group(1)}"))
             continue
         if cmd.text not in seen:  # the same command printed on several pages runs once
             t0 = time.time()
@@ -480,3 +481,29 @@ def test_the_trl_example_on_its_page_is_the_script():
 
     listed = re.search(r"^METHODS = \((.*?)\)$", script, re.M).group(1)
     assert tuple(re.findall(r'"([\w-]+)"', listed)) == variants.METHODS
+
+
+def test_the_parser_and_the_checker():
+    """What the two tests above rely on: a page's commands are found whole, and a wrong flag, choice or path fails."""
+    page = ["Run `python toy/bandit.py --steps 8` or `train_full.py --help`; not `d3s.py`.", "```bash",
+            "# a comment", ".venv/bin/python toy/bandit.py --methods grpo d3s \\", "  --seeds 3   # two lines",
+            'python -c "', "print(1)", '"', "```", "It prints:", "```", "0.5 and 7", "```"]
+    found = markdown_commands("p.md", list(enumerate(page, 1)))
+    assert [(c.where, c.text, c.inline) for c in found] == [
+        ("p.md:1", "python toy/bandit.py --steps 8", True), ("p.md:1", "train_full.py --help", True),
+        ("p.md:4", ".venv/bin/python toy/bandit.py --methods grpo d3s --seeds 3   # two lines", False),
+        ("p.md:6", 'python -c "\nprint(1)\n"', False)]
+    assert found[-1].output == "0.5 and 7" and every_number(found[-1].output, "got 0.5") == ["7"]
+    check = lambda text: [p for c in calls(text) for p in check_call(c)]  # noqa: E731
+    assert check(found[2].text) == [] and check("mkdir -p x && for m in a b; do echo $m; done") == []
+    assert check("python toy/bandit.py --seeds 3 --no-such-flag") == [
+        "toy/bandit.py: --no-such-flag is not in its --help"]
+    assert check("python toy/bandit.py --token-scope galaxy") == [
+        "toy/bandit.py: --token-scope galaxy: not one of {batch,sequence}"]
+    assert check("python toy/bandit.py --token-scope MODE") == []  # a placeholder is not a value
+    assert check("python toy/bandit2.py --seeds 3") == ["toy/bandit2.py: no such file"]
+    assert check("python bench/memory.py --preset 7b -- --cpu-offload") == []
+    assert check("python bench/memory.py --preset 7b -- --cpu-offlaod") == [
+        "train_full.py: --cpu-offlaod is not in its --help"]
+    assert check("torchrun --nproc_per_node=8 train_full.py --loss gpso") == [
+        "train_full.py: --loss gpso: not one of {grpo,gspo}"]
