@@ -406,12 +406,11 @@ def test_trainer_wants_a_d3s_config_and_a_supported_trl(tiny_model_dir, tmp_path
 
 @needs_trl
 def test_use_d3s_from_trl_example_runs(tmp_path):
-    with open(os.path.join(ROOT, "docs", "trl.md")) as f:
-        text = f.read()
-    code = re.search(r"```python\n(# train_trl_d3s\.py.*?)```", text, re.S).group(1)
-    script = tmp_path / "train_trl_d3s.py"
-    script.write_text(code)
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    """integrations/train_trl_d3s.py, the script docs/trl.md shows whole (tests/test_printed_commands.py checks they
+    are the same), runs from another folder and prints its d3s/* metrics."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    script = os.path.join(ROOT, "integrations", "train_trl_d3s.py")
+    proc = subprocess.run([sys.executable, script, "--out", str(tmp_path / "out")], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "'d3s/kept_rollouts'" in proc.stdout and "'d3s/k_realised'" in proc.stdout, proc.stdout[-2000:]
