@@ -63,7 +63,8 @@ def check_entropy_scores(fn):
 
 
 def check_linear_schedule(fn):
-    """Exercise 4 against d3s.dynamic_schedule at every step of a few runs (and past their end)."""
+    """Exercise 4 against d3s.dynamic_schedule at every step of a few runs (and past their end). N rounds half up:
+    the project's convention (choice; the paper gives no rounding), which Python's round (half to even) misses."""
     for total, ends in ((100, (8, 32, 0.05, 0.2)), (7, (4, 16, 0.05, 0.2)), (80, (2, 4, 0.3, 0.5))):
         for step in range(total + 3):
             n, k = fn(step, total, *ends)
@@ -71,3 +72,75 @@ def check_linear_schedule(fn):
             assert n == want_n and math.isclose(k, want_k, abs_tol=1e-9), \
                 f"step {step} of {total}, ends {ends}: ({n}, {k}), expected ({want_n}, {want_k})"
     print("exercise 4: passed (three runs, every step)")
+
+
+def _batches():
+    """Reward batches [P, G] for exercise 5: 0/1 at several success rates (groups without spread included) and
+    continuous, and one hand-made batch where the best pooled choice is uneven across groups."""
+    yield torch.tensor([[1.0, 0, 0, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1, 1, 0], [1, 1, 0, 0, 1, 0, 1, 0], [1] * 8, [0] * 8])
+    for seed in range(24):
+        gen = torch.Generator().manual_seed(100 + seed)
+        P, G = 2 + seed % 5, 4 + 2 * (seed % 4)
+        if seed % 3 == 2:
+            yield torch.rand(P, G, generator=gen)
+        else:
+            rate = torch.rand(P, 1, generator=gen)  # each prompt its own difficulty: some groups without spread
+            yield (torch.rand(P, G, generator=gen) < rate).float()
+
+
+def check_cross_group_selection(fn):
+    """Exercise 5: keep N * P rollouts of the whole batch, pooled across groups, with the largest (unbiased)
+    variance of their full-group advantages; return them with those advantages, not re-standardized."""
+    for rewards in _batches():
+        P, G = rewards.shape
+        for n in range(1, G + 1):
+            keep, adv = fn(rewards.clone(), n)
+            where = f"rewards {rewards.tolist()}, N = {n}"
+            assert tuple(keep.shape) == (P, G) and tuple(adv.shape) == (P, G), f"{where}: shapes {tuple(keep.shape)}, {tuple(adv.shape)}"
+            keep = keep.bool()
+            assert int(keep.sum()) == n * P, f"{where}: kept {int(keep.sum())}, expected N * P = {n * P} over the batch"
+            full = d3s.group_advantages(rewards)
+            assert torch.allclose(adv.float(), torch.where(keep, full, torch.zeros_like(full)), atol=1e-5), \
+                f"{where}: the advantages must be the full-group A of section 1 on the kept (0 elsewhere), not " \
+                "recomputed on the kept rollouts (that is PODS)"
+            want_keep, want_adv = d3s.select_samples(rewards, n, "cross")
+            best = d3s.kept_variance(want_adv, want_keep)
+            assert d3s.kept_variance(full, keep) >= best - 1e-6, \
+                f"{where}: pooled Var(A') {d3s.kept_variance(full, keep):.4f} < the best {best:.4f}"
+    print("exercise 5: passed (25 batches, every N)")
+
+
+def _token_batches():
+    """(adv [B], entropy [B, T], mask [B, T]) for exercise 6: right-padded responses of uneven lengths, the padding
+    given a high entropy (a padded position must never be kept), one response with A = 0."""
+    for seed in range(12):
+        gen = torch.Generator().manual_seed(200 + seed)
+        B, T = 3 + seed % 4, 6 + seed % 5
+        adv = torch.randn(B, generator=gen) * 1.5
+        adv[seed % B] = 0.0
+        entropy = torch.rand(B, T, generator=gen) * 2
+        lengths = torch.randint(1, T + 1, (B,), generator=gen)
+        lengths[0] = T
+        mask = torch.arange(T).unsqueeze(0) < lengths.unsqueeze(1)
+        entropy = torch.where(mask, entropy, torch.full_like(entropy, 5.0))  # garbage at the padding
+        yield adv, entropy, mask
+
+
+def check_token_topk(fn):
+    """Exercise 6: the top K of |A| * H over every real token of the batch (ceil(K * valid tokens) of them), never a
+    padded one. Compared with d3s.select_tokens(d3s.token_scores(adv, entropy), mask, k) by the scores kept (ties,
+    as among the tokens of a response with A = 0, may go either way)."""
+    for adv, entropy, mask in _token_batches():
+        scores = adv.abs().unsqueeze(-1) * entropy
+        for k in (0.05, 0.2, 0.5, 1.0):
+            got = fn(adv.clone(), entropy.clone(), mask.clone(), k)
+            where = f"adv {[round(a, 2) for a in adv.tolist()]}, lengths {mask.sum(-1).tolist()}, K = {k}"
+            assert tuple(got.shape) == tuple(mask.shape), f"{where}: shape {tuple(got.shape)}, expected {tuple(mask.shape)}"
+            got = got.bool()
+            assert not (got & ~mask).any(), f"{where}: a padded position was kept (rank only the real tokens)"
+            want = d3s.select_tokens(d3s.token_scores(adv, entropy), mask, k)
+            assert int(got.sum()) == int(want.sum()), \
+                f"{where}: kept {int(got.sum())} tokens, expected ceil(K * {int(mask.sum())} real tokens) = {int(want.sum())}"
+            assert torch.allclose(scores[got].sort().values, scores[want].sort().values), \
+                f"{where}: not the top K by |A| * H over the whole batch"
+    print("exercise 6: passed (12 batches, K = 5%, 20%, 50%, 100%)")

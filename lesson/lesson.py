@@ -22,7 +22,11 @@
 #
 # It runs top to bottom on a laptop CPU in about a minute (under 5), with no download. Sections:
 # 1. where GRPO's signal goes, 2. the first level, 3. the second level (a real tiny transformer), 4. the schedule,
-# 5. the loss, 6. the experiment (GRPO against D3S over seeds), 7. exercises with checkers.
+# 5. the loss, 6. the experiment (GRPO against D3S over seeds), 7. stability (cross-group against intra-group),
+# 8. exercises with checkers.
+#
+# Where the paper leaves a detail open, the project picks a reading, marked **(choice)** below with the alternative one
+# argument or flag away ([docs/algorithm.md](../docs/algorithm.md), section 8, lists them all).
 #
 # [![Open in Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/OWNER/d3s/blob/main/lesson/lesson.ipynb)
 # (the badge needs the repository's GitHub address in place of `OWNER/d3s`: set `REPO` in the next cell too).
@@ -112,9 +116,12 @@ plt.close(fig)
 # %% [markdown]
 # ## 2. The first level: keep the rollouts whose advantages vary most
 #
-# PODS (Xu et al., 2025) keeps, per group, the N rollouts whose advantages have the largest variance. The best such
-# subset is always "the k largest and the N − k smallest" for some k, so `d3s.max_variance_subset` sorts once and
-# scores N + 1 candidates. Here it is on one group with continuous rewards, checked against trying every subset.
+# PODS (Xu et al., 2025) keeps, per group, the N rollouts whose *rewards* have the largest variance, then standardizes
+# the advantages again on the kept N. D3S uses the same max-variance rule on the advantages but keeps the advantages
+# computed on the whole group of G: a kept set is not pulled back to Var = 1, which is why D3S's Lemma 1 (below) has
+# a point. The best subset is always "the k largest and the N − k smallest" for some k, so `d3s.max_variance_subset`
+# sorts once and scores N + 1 candidates. Here it is on one group with continuous rewards, checked against trying
+# every subset.
 
 # %%
 import itertools  # noqa: E402
@@ -133,21 +140,35 @@ display(fig)
 plt.close(fig)
 
 # %% [markdown]
-# **Lemma 1** of D3S: with the full group's advantages (mean 0, unbiased variance 1), any N-subset chosen for maximum
-# variance has Var(A′) ≥ 1, so the kept rollouts carry at least the gradient signal per rollout of the whole group.
-# Selection *within* each group ("intra", the rows `d1s` and `d3s-i`) keeps it per group:
+# **Lemma 1** of D3S: a group standardized to Var(A) = 1 has a subset with Var(A′) ≥ 1. That holds under either
+# variance: the group's smallest and largest advantages alone span at least 2σ. The paper draws from it that selecting
+# for maximum Var(A) "is positively correlated with the upper bound of the policy gradient norms": a claim about a
+# *bound*, not that the kept rollouts carry more signal. (On the tiny transformer the gradient norm does grow, mostly
+# because the loss divides by fewer tokens: [docs/walkthrough.md](../docs/walkthrough.md), section 5.)
+#
+# The project proves a **stronger form of its own**: for every size N from 2 to G, the max-variance N-subset has
+# Var(A′) ≥ 1 with the unbiased variance (the mean over all N-subsets equals the group's; docs/algorithm.md 2.3). It
+# fails with the population variance: rewards [0, 0, 1, 1], N = 3 give 0.889. Selection *within* each group ("intra",
+# the rows `d1s` and `d3s-i`) therefore keeps Var(A′) ≥ 1 per group; PODS's re-standardized advantages sit at 1:
 
 # %%
 keep_intra, adv_intra = d3s.select_samples(rewards, 4, "intra")  # N = 4 of G = 16 per prompt
+keep_pods, adv_pods = d3s.select_samples(rewards, 4, "pods")  # the same rollouts, advantages recomputed on the 4
 for p in range(P):
     if not no_spread[p]:
-        print(f"prompt {p}: Var(A) of the kept 4 = {d3s.kept_variance(adv_intra[p], keep_intra[p]):.2f} (>= 1)")
+        print(f"prompt {p}: Var(A) of the kept 4 = {d3s.kept_variance(adv_intra[p], keep_intra[p]):.2f} (>= 1);"
+              f" PODS's recomputed {d3s.kept_variance(adv_pods[p], keep_pods[p]):.2f}")
+pop = torch.tensor([-1.0, 1.0, 1.0])  # the best 3 of [0, 0, 1, 1] standardized with the population std: [-1, -1, 1, 1]
+print(f"population variance, [0, 0, 1, 1], N = 3: {float(pop.var(unbiased=False)):.3f} < 1; the pair {{-1, 1}}: "
+      f"{float(torch.tensor([-1.0, 1.0]).var(unbiased=False)):.0f}")
 
 # %% [markdown]
-# D3S chooses **across groups** ("cross", the rows `d1s-cross`, `d2s`, `d3s`): one pooled choice of N × P rollouts
-# over the whole batch. It may take many rollouts from one group and none from another, and it drops the groups
-# without spread first. Lemma 1 is about one group, though, and does not carry over: here is a batch where the pooled
-# choice must keep zero advantages.
+# D3S chooses **across groups** ("cross", the rows `d1s-cross`, `d2s`, `d3s`). The paper says "a further cross-group
+# selection over the entire batch" without saying over which rollouts or with what budget. This project's reading
+# **(choice)**: one pooled choice of N × P rollouts over the whole batch; the alternative one flag away is selection
+# within groups, `d3s-i` (`--method d3s-i`, `select_samples(..., "intra")`). The pooled choice may take many rollouts
+# from one group and none from another, and it drops the groups without spread first. Lemma 1 is about one group,
+# though, and does not carry over: here is a batch where the pooled choice must keep zero advantages.
 
 # %%
 keep_cross, adv_cross = d3s.select_samples(rewards, 4, "cross")
@@ -191,8 +212,12 @@ print("right answers per prompt:", rewards_s.sum(-1).int().tolist(), "of 8")
 
 # %% [markdown]
 # Keep 4 of 8 answers per prompt across groups, forward only those, and score each of their tokens by |A| × H; keep the
-# top K = 20% over the whole batch (printed below in brackets). The page `explain.py` draws shows the choice: the P × G grid of rollouts coloured
-# by A (the kept ones dotted), then a few answers token by token, shaded by |A| × H, the kept tokens outlined.
+# top K = 20% over the whole batch (printed below in brackets). The scope is a reading **(choice)**: the paper does
+# not pin it down, and one summary of it reads "for each selected sample, rank tokens ... keep top K%", that is per
+# response; the alternative is one argument away, `d3s.select_tokens(..., scope="sequence")` (`--token-scope
+# sequence`). Exercise 3 shows what the two scopes keep. The page `explain.py` draws shows the choice: the P × G grid
+# of rollouts coloured by A (the kept ones dotted), then a few answers token by token, shaded by |A| × H, the kept
+# tokens outlined.
 
 # %%
 keep_s, adv_s = d3s.select_samples(rewards_s, 4, "cross")
@@ -223,8 +248,11 @@ display(Image(os.path.join(RUNS, "explain", "step_000001.png")))
 #
 # ## 4. The schedule: aggressive early, mild late
 #
-# D3S keeps few rollouts and few tokens at the start (N = 8 of 32, K = 5%) and more as training goes on (N = 32,
-# K = 20%), linearly. The paper's open question is whether the shape matters: `variants.progress` gives others.
+# D3S keeps few rollouts and few tokens at the start (N = 8, K = 5%) and more as training goes on (N = 32, K = 20%),
+# linearly. Two readings here are the project's **(choice)**: N counts rollouts kept *per prompt*, so "8 of 32"
+# assumes G = 32 rollouts per prompt, which the paper does not state (it is inferred from N_final = 32; `--group-size`
+# sets another G); and N rounds half up, a convention (the paper gives no rounding; exercise 4 holds you to it). The
+# paper's open question is whether the shape matters: `variants.progress` gives others (`--schedule`).
 
 # %%
 steps = range(0, 101)
@@ -287,6 +315,7 @@ from stats import paired_interval  # noqa: E402  (experiments/stats.py, on scipy
 from toy_ladder import columns  # noqa: E402
 
 SEEDS, K_INIT, N_FINAL = 10, 0.05, 32  # change one and run again
+torch.set_num_threads(1)  # the toy's tensors are tiny: a second thread only adds overhead (as bandit.run_job)
 flags = ["--workers", "1", "--k-init", str(K_INIT), "--n-final", str(N_FINAL), "--out", os.path.join(RUNS, "toy")]
 toy_args = bandit.parse_args(flags)
 t0 = time.time()
@@ -314,9 +343,60 @@ plt.close(fig)
 # the ablations). On the tiny transformer of section 3 no row of the paper's ladder differs from GRPO
 # (docs/small_compare.md).
 #
-# ## 7. Exercises
+# What the paper reports for its own ladder on Qwen2.5-Math-7B (average Pass@1, from notes on the paper:
+# docs/algorithm.md, section 7): GRPO 29.8, D1S 31.3, D1S-Cross 34.1, D2S 31.3, D3S 34.3. Pooled selection alone
+# (D1S-Cross) gets about as far as the whole method; adding the token level without the schedule (D2S) drops back.
 #
-# Each exercise has a function to write and a cell that checks it against `d3s.py`. The functions below call the
+# ## 7. Stability: cross-group (`d3s`) against intra-group (`d3s-i`)
+#
+# The paper found cross-group selection unstable on a model that was not aligned (Llama3.1-8B-Instruct: "unstable
+# gradients"), while D3S-I, the same method selecting within groups, stayed stable. The pooled choice can put the
+# whole budget on a few groups, and so a few prompts steer a step. Here both run on a *less aligned* toy start: the
+# base policy's habit at the decision positions points away from the right token (`--hint -1`, where the default is
+# +1). We look at what the paper looked at: the gradient norm (before clipping), its largest jump over the median of
+# the 10 steps before (`variants.spike_ratios`; over 3 is a spike, the rule of `--switch-on-spike 3`), the KL to the
+# start, and the final reward.
+
+# %%
+HINT, STAB_SEEDS = -1.0, 6  # the base policy's logit bonus for the right token at decisions (default +1); seeds
+stab_args = bandit.parse_args(["--workers", "1", "--hint", str(HINT), "--out", os.path.join(RUNS, "toy")])
+t0 = time.time()
+stab = {m: [columns(bandit.run(m, seed, stab_args)) for seed in range(STAB_SEEDS)] for m in ("d3s", "d3s-i")}
+for m, logs in stab.items():
+    peaks = [max(r for r in variants.spike_ratios(log["grad_norm"]) if r is not None) for log in logs]
+    print(f"{m:>5}: final reward {sum(log['eval_reward'][-1] for log in logs) / STAB_SEEDS:.3f}, "
+          f"largest grad norm / running median {sum(peaks) / STAB_SEEDS:.2f} (max {max(peaks):.2f}), "
+          f"spikes > 3x per run {sum(sum(r is not None and r > 3 for r in variants.spike_ratios(log['grad_norm'])) for log in logs) / STAB_SEEDS:.1f}, "
+          f"KL to the start at the end {sum(log['kl_ref'][-1] for log in logs) / STAB_SEEDS:.2f}, "
+          f"SUR {sum(sum(log['sur']) / len(log['sur']) for log in logs) / STAB_SEEDS:.2f}")
+d, lo, hi = paired_interval([a["eval_reward"][-1] - b["eval_reward"][-1] for a, b in zip(stab["d3s"], stab["d3s-i"])])
+print(f"final reward d3s - d3s-i: {d:+.3f} [{lo:+.3f}, {hi:+.3f}] (95%, {STAB_SEEDS} seeds); {2 * STAB_SEEDS} runs in {time.time() - t0:.0f} s")
+fig = plt.figure(figsize=(6, 3.2))
+for m, color in (("d3s", "C3"), ("d3s-i", "C2")):
+    for i, log in enumerate(stab[m]):
+        plt.plot(log["step"], [g if g is not None else float("nan") for g in log["grad_norm"]], color=color, alpha=0.5,
+                 lw=0.8, label=m if i == 0 else None)
+plt.xlabel("step")
+plt.ylabel("gradient norm before clipping")
+plt.yscale("log")
+plt.legend()
+display(fig)
+plt.close(fig)
+
+# %% [markdown]
+# What the run above shows (2026-11-26): no instability. Neither row has a step whose gradient norm jumps 3× over its
+# running median, both drift about as far from the start (KL), and the final rewards do not differ at 6 seeds (the
+# interval contains 0, whichever row's mean is higher). The pooled choice does spend its budget differently: a
+# larger share of its kept rollouts has A ≠ 0 (SUR). The tiny transformer from weak starts says the same
+# (docs/questions.md, question 5: no difference in spikes, KL or Pass@1 over 15 pairs of runs). The instability the
+# paper saw was on an 8B model from an unaligned start, with settings the notes do not give; the toy does not
+# reproduce it, and this lesson does not claim it does. From an unaligned model, the paper's finding points to `d3s-i`
+# (or `--switch-on-spike 3`, which moves a run to intra-group selection after its first spike; off by default).
+#
+# ## 8. Exercises
+#
+# Each exercise has a function to write and a cell that checks it against `d3s.py`; exercises 5 and 6 are the two
+# pieces that are D3S's own (the pooled choice across groups, the |A| × H top K over a batch). The functions below call the
 # answers (`lesson/answers.py`) so that the notebook runs as it is: **delete the `return answers...` line and write
 # your own**, then run the check.
 
@@ -355,17 +435,59 @@ checks.check_entropy_scores(my_entropy_scores)
 kept_rows = keep_cross.view(-1).nonzero().squeeze(-1)
 H_kept, A_kept = H[kept_rows], adv_cross.view(-1)[kept_rows]
 ones = torch.ones_like(H_kept)
-for name, s in (("entropy alone", my_entropy_scores(A_kept, H_kept)), ("|A| * H", d3s.token_scores(A_kept, H_kept))):
-    chosen = d3s.select_tokens(s, ones, 0.05)
-    print(f"{name:>13}: share of decision positions among the kept tokens {float(decisions[kept_rows][chosen].float().mean()):.2f}")
+for scope in ("batch", "sequence"):
+    for name, s in (("entropy alone", my_entropy_scores(A_kept, H_kept)), ("|A| * H", d3s.token_scores(A_kept, H_kept))):
+        chosen = d3s.select_tokens(s, ones, 0.05, scope=scope)
+        print(f"scope={scope!r:>10}, {name:>13}: {int(chosen.sum())} tokens from {int(chosen.any(-1).sum())} of "
+              f"{len(kept_rows)} responses, mean |A| {float(A_kept.abs().unsqueeze(-1).expand_as(chosen)[chosen].mean()):.2f}, "
+              f"share of decision positions {float(decisions[kept_rows][chosen].float().mean()):.2f}")
+print(f"|A| of the kept responses: {float(A_kept.abs().min()):.2f} to {float(A_kept.abs().max()):.2f}; entropy at decisions "
+      f"/ at filler: {float(H_kept[decisions[kept_rows]].mean() / H_kept[~decisions[kept_rows]].mean()):.1f}")
+
+# %% [markdown]
+# Read this before concluding that the paper's rule is worse at finding decisions. With outcome rewards every token of a
+# response has the same A, and across the kept responses |A| spans a factor of about 8 (up to about 3.7 here), where a
+# decision position's entropy is only about twice a filler's. So over the whole batch (`scope="batch"`, this project's
+# choice) |A| × H is mostly a filter over *responses*: its tokens come from the few responses with the largest |A| (the
+# rare successes and failures), and it takes some of their filler too. Entropy alone ignores A and takes the
+# decisions of any response, including those with a small |A|. Under `scope="sequence"` (the per-response reading) a
+# constant |A| cannot reorder a response's tokens, so |A| × H keeps exactly what entropy alone keeps, one token per
+# response here: |A| then only matters through the loss's weights. Which reading is the paper's is open; the first
+# is the default here, the second one flag away (`--token-scope sequence`).
 
 
 # %%
 def my_linear_schedule(step, total_steps, n_init=8, n_final=32, k_init=0.05, k_final=0.20):
     """Exercise 4. (N, K) at `step` of `total_steps`: linear from the init to the final values, N rounded half up
-    (not Python's round, which rounds half to even), and the final values after the end."""
+    (not Python's round, which rounds half to even: the project's convention, a choice the paper does not make), and
+    the final values after the end."""
     return answers.linear_schedule(step, total_steps, n_init, n_final, k_init, k_final)  # delete this line
 
 
 checks.check_linear_schedule(my_linear_schedule)
+
+
+# %%
+def my_cross_group_selection(rewards, n):
+    """Exercise 5, D3S's own first level. rewards [P, G] -> (keep [P, G] bool, adv [P, G]): the N * P rollouts of the
+    whole batch, pooled across groups, whose advantages (exercise 1, on each full group) have the largest unbiased
+    variance (exercise 2's rule on the pooled values); adv is those full-group advantages where kept, 0 elsewhere.
+    Not per group, and not re-standardized on the kept rollouts (that is PODS)."""
+    return answers.cross_group_selection(rewards, n)  # delete this line and write your own
+
+
+checks.check_cross_group_selection(my_cross_group_selection)
+k5, a5 = my_cross_group_selection(rewards, 4)
+print("on section 1's batch, kept per prompt:", k5.sum(-1).tolist(), f"pooled Var(A') {d3s.kept_variance(a5, k5):.2f}")
+
+
+# %%
+def my_token_topk(adv, entropy, mask, k):
+    """Exercise 6, D3S's own second level. adv [B] (one A per response), entropy [B, T], mask [B, T] (True on real
+    tokens; the rest is padding) -> keep [B, T] bool: score each token by |A| * H, and keep the ceil(k * number of
+    real tokens) best over the whole batch (this project's scope), never a padded position."""
+    return answers.token_topk(adv, entropy, mask, k)  # delete this line and write your own
+
+
+checks.check_token_topk(my_token_topk)
 print(f"the whole lesson ran in {time.time() - started:.0f} s")
