@@ -69,7 +69,7 @@ def main(argv=None):
 
     args = train_small.parse_args(argv, train_small.build_parser(PROG))  # train_small.py's flags and checks
     try:
-        train_rows, eval_rows = warmstart.load_data(args)
+        train_rows, eval_rows = common.fit_prompts(args, *warmstart.load_data(args), prog=PROG)
         model, tokenizer, info = warmstart.load_warm_start(args, train_rows)
     except (cli.UsageError, DataError) as e:
         common.fail(PROG, " ".join(str(e).split()))

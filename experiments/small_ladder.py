@@ -70,7 +70,7 @@ def compare(args):
     t0 = time.time()
     methods = args.compare.split(",")
     seeds = [args.rl_seed + i for i in range(args.seeds)]
-    train_rows, eval_rows = warmstart.load_data(args)
+    train_rows, eval_rows = common.fit_prompts(args, *warmstart.load_data(args), prog=PROG)  # prompts that fit
     warmstart.load_warm_start(args, train_rows)  # build the cache once, outside the timed runs
     if args.workers > 1:
         summaries = compare_in_processes(args, methods, seeds)
