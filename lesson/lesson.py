@@ -343,15 +343,16 @@ plt.close(fig)
 # the ablations). On the tiny transformer of section 3 no row of the paper's ladder differs from GRPO
 # (docs/small_compare.md).
 #
-# What the paper reports for its own ladder on Qwen2.5-Math-7B (average Pass@1, from notes on the paper:
-# docs/algorithm.md, section 7): GRPO 29.8, D1S 31.3, D1S-Cross 34.1, D2S 31.3, D3S 34.3. Pooled selection alone
+# What the paper reports for its own ladder on Qwen2.5-Math-7B (average Pass@1, as quoted by notes on the paper that
+# could not be checked against its text: docs/algorithm.md, section 7): GRPO 29.8, D1S 31.3, D1S-Cross 34.1, D2S 31.3,
+# D3S 34.3 (29.8 + 4.5, the gain the paper's text states). Pooled selection alone
 # (D1S-Cross) gets about as far as the whole method; adding the token level without the schedule (D2S) drops back.
 #
 # ## 7. Stability: cross-group (`d3s`) against intra-group (`d3s-i`)
 #
 # The paper found cross-group selection unstable on a model that was not aligned (Llama3.1-8B-Instruct: "unstable
-# gradients"), while D3S-I, the same method selecting within groups, stayed stable. The pooled choice can put the
-# whole budget on a few groups, and so a few prompts steer a step. Here both run on a *less aligned* toy start: the
+# gradients"), while D3S-I, the same method selecting within groups, stayed stable. (A plausible reason, ours and not
+# the paper's: the pooled choice can put the whole budget on a few groups, so a few prompts steer a step.) Here both run on a *less aligned* toy start: the
 # base policy's habit at the decision positions points away from the right token (`--hint -1`, where the default is
 # +1). We look at what the paper looked at: the gradient norm (before clipping), its largest jump over the median of
 # the 10 steps before (`variants.spike_ratios`; over 3 is a spike, the rule of `--switch-on-spike 3`), the KL to the
