@@ -242,7 +242,8 @@ def test_max_variance_subset_with_m_n_keeps_everything():
 # =============================================================================================
 # 3. select_samples
 # =============================================================================================
-# --- Lemma 1 of D3S: a max-variance subset of a standardized group has Var(A') >= 1 ----------
+# --- Lemma 1 of D3S (the paper): some subset of a standardized group has Var(A') >= 1; the project's ---
+# --- every-N form: the max-variance N-subset has it for every N in 2..G (unbiased variance only) -------
 @pytest.mark.parametrize("reward_kind", ["binary", "continuous"])
 @pytest.mark.parametrize("G", [4, 8, 16])
 def test_d3s_i_kept_advantages_have_unbiased_variance_at_least_one(G, reward_kind):
@@ -267,7 +268,18 @@ def test_d3s_i_kept_variance_is_at_least_the_full_group_variance_with_default_ep
             assert kept_variance(adv[p], keep[p]) >= unbiased_var(full[p]) - 1e-6
 
 
-def test_population_variance_would_violate_lemma_1_which_is_why_unbiased_is_used():
+@pytest.mark.parametrize("unbiased", [True, False])
+def test_papers_lemma_1_some_subset_reaches_variance_one_under_either_variance(unbiased):
+    """The paper's claim: the {min, max} pair of a standardized group with spread has Var >= 1 (it spans >= 2 sigma),
+    whichever variance standardizes and measures it."""
+    rewards = continuous_rewards(64, 8, seed=7)
+    a = (rewards - rewards.mean(-1, keepdim=True)) / rewards.std(-1, keepdim=True, unbiased=unbiased)
+    for row in a[has_spread(rewards)]:
+        pair = torch.stack([row.min(), row.max()])
+        assert float(pair.var(unbiased=unbiased)) >= 1.0 - 1e-5
+
+
+def test_population_variance_would_violate_the_every_n_form_of_lemma_1_which_is_why_unbiased_is_used():
     rewards = torch.tensor([[0.0, 0.0, 1.0, 1.0]])
     # population version: A standardized with the population std (A = +-1, population Var = 1);
     # the best 3-subset {-1, 1, 1} then has population variance 8/9 = 0.889 < 1.
