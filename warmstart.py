@@ -5,6 +5,11 @@ warm start that RL starts from, cached so that every run of a comparison starts 
     format_prompt(problem, template)
     load_warm_start(args, rows)   (model, tokenizer, info): --model or the tiny Qwen2 (tiny.py), after --sft-steps of
                                   supervised training on the answers; cached in --cache-dir/warmstart-<hash>/
+
+The default warm start ships in weights/warmstart-<hash>/ (2.5 MB), so the first run starts RL at once; any other
+flags build their own. Rebuild the shipped one (1 thread, ~5 min) with:
+
+    python scripts/build_warmstart.py          # -> weights/warmstart-<hash>/ and its build.json
 """
 
 import hashlib
@@ -24,6 +29,7 @@ from mathtask import PLAIN_TEMPLATE, QWEN_MATH_TEMPLATE, arithmetic_problems, lo
 
 TASKS = {"steps": step_problems, "direct": arithmetic_problems}  # mathtask's generated tasks
 TINY_SFT_STEPS = {"steps": 600, "direct": 1000}  # warm-start length per task: a start with headroom (docs/small_compare.md)
+SHIPPED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "weights")  # the default's warm start, built once
 
 
 def load_data(args):
@@ -87,29 +93,39 @@ def warm_start_path(args, train_rows):
     return os.path.join(args.cache_dir, "warmstart-" + hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12])
 
 
-def load_warm_start(args, train_rows):
+def load_warm_start(args, train_rows, shipped=True):
     """(model, tokenizer, info): the base model after --sft-steps of supervised training.
 
     Cached in CACHE_DIR/warmstart-<hash>/ with save_pretrained (AutoModelForCausalLM loads it), so repeated runs
-    and every method of a comparison start from the very same weights.
+    and every method of a comparison start from the very same weights. A warm start of the same hash in weights/
+    (shipped=True) is loaded from there instead of being built.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if args.sft_steps == 0:
         model, tokenizer = load_base_model(args)
         return model, tokenizer, {"sft_steps": 0, "path": args.model or "tiny (fresh)"}
-    key, path = warm_start_key(args, train_rows), warm_start_path(args, train_rows)
-    if os.path.exists(os.path.join(path, "warmstart.json")):
-        with open(os.path.join(path, "warmstart.json")) as f:
-            info = json.load(f)
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        tokenizer.padding_side = "left"
-        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), tokenizer, {**info, "cached": True}
+    path = warm_start_path(args, train_rows)
+    for folder in [path, os.path.join(SHIPPED_DIR, os.path.basename(path))] if shipped else [path]:
+        if os.path.exists(os.path.join(folder, "warmstart.json")):
+            with open(os.path.join(folder, "warmstart.json")) as f:
+                info = json.load(f)
+            tokenizer = AutoTokenizer.from_pretrained(folder)
+            tokenizer.padding_side = "left"
+            return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), tokenizer, {**info, "cached": True}
+    model, tokenizer, info, _ = build_warm_start(args, train_rows, path)
+    return model, tokenizer, {**info, "cached": False}
+
+
+def build_warm_start(args, train_rows, path, record_path=None):
+    """Train the warm start and save it into `path` (atomically; info's path: record_path or path); returns (model,
+    tokenizer, info, losses)."""
     model, tokenizer = load_base_model(args)
     t0 = time.time()
     losses = supervised_warm_start(model, tokenizer, train_rows, args)
-    info = {**key, "path": path, "sft_loss_first": losses[0], "sft_loss_last": sum(losses[-20:]) / len(losses[-20:]),
-            "sft_s": round(time.time() - t0, 1), "n_params": sum(p.numel() for p in model.parameters())}
+    info = {**warm_start_key(args, train_rows), "path": record_path or path, "sft_loss_first": losses[0],
+            "sft_loss_last": sum(losses[-20:]) / len(losses[-20:]), "sft_s": round(time.time() - t0, 1),
+            "n_params": sum(p.numel() for p in model.parameters())}
     tmp = path + f".tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
@@ -118,11 +134,12 @@ def load_warm_start(args, train_rows):
         json.dump(info, f, indent=1)
     shutil.rmtree(path, ignore_errors=True)
     os.replace(tmp, path)  # atomic: a half-written cache folder is never picked up
-    return model, tokenizer, {**info, "cached": False}
+    return model, tokenizer, info, losses
 
 
-def supervised_warm_start(model, tokenizer, train_rows, args):
-    """Teacher-forced cross-entropy on sft_target(row) + <eos> after each prompt (prompt tokens masked)."""
+def supervised_warm_start(model, tokenizer, train_rows, args, max_steps=None):
+    """Teacher-forced cross-entropy on sft_target(row) + <eos> after each prompt (prompt tokens masked); the losses.
+    max_steps: stop after the first steps of the --sft-steps schedule (tests/test_warmstart_shipped.py)."""
     rng = random.Random(args.seed)
     examples = []  # (prompt token ids, target token ids)
     for row in train_rows:
@@ -134,7 +151,8 @@ def supervised_warm_start(model, tokenizer, train_rows, args):
     lr_schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_then_decay)
     model.train()
     losses = []
-    for _ in (bar := tqdm(range(args.sft_steps), desc="warm start (supervised)", dynamic_ncols=True)):
+    steps = args.sft_steps if max_steps is None else min(max_steps, args.sft_steps)
+    for _ in (bar := tqdm(range(steps), desc="warm start (supervised)", dynamic_ncols=True)):
         batch = sft_batch(rng.sample(examples, min(args.sft_batch, len(examples))), tokenizer.pad_token_id)
         loss = model(**batch).loss  # HF shifts the labels: position t predicts token t + 1
         optimizer.zero_grad(set_to_none=True)
@@ -175,3 +193,27 @@ def sft_batch(examples, pad_id):
         attention_mask[i, length - len(prompt) - len(target):] = 1
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # as generate does for left padding
     return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids, "labels": labels}
+
+
+def build_shipped(args):
+    """scripts/build_warmstart.py: the warm start of `args` (train_small.py's defaults) built afresh on 1 thread (one
+    float path on any core count) into args.cache_dir/warmstart-<hash>/, with build.json: the command, the machine,
+    every supervised loss and the sha256 of model.safetensors (tests/test_warmstart_shipped.py)."""
+    import platform
+
+    torch.set_num_threads(1)
+    train_rows, _ = load_data(args)
+    path = warm_start_path(args, train_rows)
+    root = os.path.dirname(os.path.abspath(__file__))
+    _, _, info, losses = build_warm_start(args, train_rows, path, os.path.relpath(os.path.abspath(path), root))
+    with open(os.path.join(path, "model.safetensors"), "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()
+    with open("/proc/cpuinfo") as f:  # the CPU's name, as lscpu's "Model name"
+        cpu = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")][:1]
+    build = {"command": "python scripts/build_warmstart.py", "machine": (cpu or [platform.machine()])[0],
+             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "threads": 1, "sft_losses": losses,
+             "model_sha256": digest}
+    with open(os.path.join(path, "build.json"), "w") as f:
+        json.dump(build, f, indent=1)
+    print(f"{path}: sha256 {digest}, supervised loss {info['sft_loss_first']:.3f} -> {info['sft_loss_last']:.4f}")
+    return path
