@@ -2,9 +2,10 @@
 
 Every bad flag, path or file ends the same way on train_small.py, train_full.py, toy/bandit.py and the bench and
 experiments scripts: ONE line on stderr, `prog: error: --flag VALUE: what is wrong; what to do`, exit code 2,
-before any work (no model, data or timing yet), never a traceback. A numeric flag carries its range in its
-declaration (`type=cli.number(int, 1)`), so flags are declared once. Standard library only, so that a script
-can check its flags before it imports torch.
+before any work (no model, data or timing yet), never a traceback. A rung declares its knobs as a list, one line
+each: `flag("--steps", 80, number(int, 1), "training steps per run")`, its name, default, what it may be (a numeric
+flag carries its range: number) and help; parser() turns the list into argparse flags. Standard library only, so
+that a script can check its flags before it imports torch.
 """
 
 import argparse
@@ -104,6 +105,37 @@ def number(kind, low=None, high=None, low_open=False, high_open=False, what=None
 
     parse.__name__ = kind.__name__
     return parse
+
+
+def flag(name, default=None, what=None, help="", **more):
+    """One knob of a rung, declared on one line: its flag, default, what it may be and help. `what`: a number(...)
+    range, a list of choices, bool for an on/off switch (store_true; store_false where the default is True), or None
+    for any text. `more`: argparse's other keywords (nargs, metavar, dest, const).
+
+    >>> flag("--optimizer", "adam", ["adam", "sgd"], "the optimizer")
+    ('--optimizer', {'default': 'adam', 'help': 'the optimizer', 'choices': ['adam', 'sgd']})
+    """
+    kw = {"default": default, "help": help, **more}
+    if what is bool:
+        kw["action"] = "store_false" if default else "store_true"
+    elif isinstance(what, (list, tuple)):
+        kw["choices"] = list(what)
+    elif what is not None:
+        kw["type"] = what
+    return name, kw
+
+
+def parser(prog, description, flags, **more):
+    """A Parser (one-line errors) with the flags of a list of flag(...) entries, in order; `more`: Parser's keywords.
+
+    >>> p = parser("toy", "a toy", [flag("--steps", 80, number(int, 1), "steps"), flag("--quick", False, bool, "fewer")])
+    >>> vars(p.parse_args(["--steps", "3"]))
+    {'steps': 3, 'quick': False}
+    """
+    p = Parser(prog=prog, description=description, **more)
+    for name, kw in flags:
+        p.add_argument(name, **kw)
+    return p
 
 
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")

@@ -7,6 +7,7 @@ need a few more pieces; they live here, in d3s.py's terms, so that every rung ru
     TOKEN_RULES   the token score: |A| * H (the paper's), H alone, |A| alone, random (a control)
     progress      the shape of the schedule: linear (the paper's), cosine, step, constant, adaptive
     switch_to_intra   the switch rule: a cross-group row moves to its intra-group twin at a gradient spike
+    flags         the flags of these knobs (--schedule, --token-rule, ...): a rung adds the ones it runs
 
 Every rung takes --method from LADDER and calls d3s.select_samples(rewards, N, row.samples), which runs a
 rule given as a function here; d3s.token_scores takes TOKEN_RULES' functions the same way.
@@ -17,6 +18,7 @@ import statistics
 
 import torch
 
+import cli
 import d3s
 
 
@@ -197,3 +199,29 @@ def switch_to_intra(method, grad_norms, ratio, window=10):
                  "must be > 1 (a spike is a norm over ratio x its median); 0 or None turns the rule off")
     spiked = any(r is not None and r > ratio for r in spike_ratios(list(grad_norms), window))
     return INTRA_TWIN[method] if spiked else method
+
+
+# ---------------------------------------------------------------------------------------------
+# Their flags: a rung adds the ones it runs with one call, *variants.flags("--schedule", ...) (cli.flag entries)
+# ---------------------------------------------------------------------------------------------
+FLAGS = [
+    cli.flag("--schedule", "linear", SCHEDULES, "the curve of N and K (variants.progress; linear: the paper's)"),
+    cli.flag("--token-rule", "adv-entropy", list(TOKEN_RULES), "token score (variants.TOKEN_RULES; adv-entropy = "
+             "|A| * H: the paper's)"),
+    cli.flag("--token-scope", "batch", ["batch", "sequence"], "top K over the batch or per response (choice)"),
+    cli.flag("--switch-on-spike", 0.0, cli.number(float, 1, low_open=True, what="0 (off) or a number > 1", also=(0,)),
+             "the switch rule (variants.switch_to_intra): a cross-group row selects within groups from the step "
+             "after the first grad-norm spike over this x the median of the 10 steps before; 0: off, the paper's "
+             "method"),
+    cli.flag("--min-token-per-response", False, bool, "every kept response keeps its best token (off: plain top-K%%)"),
+]
+
+
+def flags(*names):
+    """The FLAGS named, in that order: each rung adds the knobs its loop runs.
+
+    >>> [name for name, _ in flags("--token-scope", "--schedule")]
+    ['--token-scope', '--schedule']
+    """
+    declared = dict(FLAGS)
+    return [(name, declared[name]) for name in names]

@@ -41,45 +41,41 @@ MAX_ELEMENTS = 2**26  # the largest tensors of a step: sampling logits P*G*L*V, 
 
 
 def build_parser(prog=PROG):
-    p = cli.Parser(prog=prog, description=__doc__.split("\n\n")[0])
-    a, n = p.add_argument, cli.number
-    a("--methods", nargs="+", default=list(DEFAULT_METHODS), choices=list(variants.METHODS), help="rows of variants.LADDER")
-    a("--seeds", type=n(int, 1, 10_000), default=30, help="seeds per method (seed s: same task, init and prompt order)")
-    a("--steps", type=n(int, 1, 100_000), default=80, help="training steps per run")
-    a("--prompts", type=n(int, 1, 4096), default=16, help="prompts in the task")
-    a("--batch-prompts", type=n(int, 1, 4096), default=8, help="P: prompts per step")
-    a("--group-size", type=n(int, 2, 4096), default=32, help="G: rollouts per prompt (an advantage needs 2)")
-    a("--length", type=n(int, 1, 256), default=8, help="L: tokens per answer")
-    a("--vocab", type=n(int, 2, 256), default=8, help="V: vocabulary size")
-    a("--max-decisions", type=n(int, 1, 256), default=3, help="prompt p has 1 + p %% max-decisions decision positions")
-    a("--hint", type=n(float, -100, 100), default=1.0, help="base-policy logit bonus of the right token at decisions")
-    a("--filler-logit", type=n(float, -100, 100), default=3.0, help="base-policy logit bonus of a habitual token at filler "
-      "positions (high: low entropy, as most LLM tokens; 0: as uncertain as the decisions)")
-    a("--hidden", type=n(int, 1, 4096), default=64, help="policy MLP width")
-    a("--optimizer", default="adam", choices=["adam", "sgd"], help="adam (the rungs' AdamW without weight decay) or sgd, "
-      "which keeps the gradient's scale (ablation, docs/toy.md)")
-    a("--lr", type=n(float, 0, 100, low_open=True), default=1e-2, help="learning rate")
-    a("--max-grad-norm", type=n(float, 0, 1e6), default=1.0, help="gradient clipping (logged before clipping); 0: none")
-    a("--normalizer", default="selected", choices=["selected", "all"], help="the loss divides by the tokens it trains on "
-      "(selected, the paper's token-mean) or by every token of the P*G rollouts (all: GRPO's scale; docs/toy.md)")
-    a("--n-init", type=n(int, 1, 4096), default=8, help="D3S schedule: rollouts kept per prompt at step 1 [paper]")
-    a("--n-final", type=n(int, 1, 4096), default=32, help="... at the last step [paper]")
-    a("--k-init", type=n(float, 0, 1, low_open=True), default=0.05, help="D3S schedule: fraction of tokens kept at step 1 [paper]")
-    a("--k-final", type=n(float, 0, 1, low_open=True), default=0.20, help="... at the last step [paper]")
-    a("--static-n", type=n(int, 1, 4096), default=None, help="N of the static rows (default: the schedule's midpoint) (choice)")
-    a("--static-k", type=n(float, 0, 1, low_open=True), default=None, help="K of d2s (default: the midpoint) (choice)")
-    a("--schedule", default="linear", choices=list(variants.SCHEDULES), help="the curve of N and K (variants.progress; "
-      "linear: the paper's)")
-    a("--token-rule", default="adv-entropy", choices=list(variants.TOKEN_RULES), help="token score (variants.TOKEN_RULES; "
-      "adv-entropy = |A| * H: the paper's)")
-    a("--token-scope", default="batch", choices=["batch", "sequence"], help="top K over the batch or per response (choice)")
-    a("--min-token-per-response", action="store_true", help="every kept response keeps its best token (off: plain top-K%%)")
-    a("--target", type=n(float, 0, 1, low_open=True), nargs="+", default=[0.5, 0.8], help="rewards for 'steps to target'")
-    a("--workers", type=n(int, 1, 64), default=2, help="runs in parallel (processes); 1 runs in this process")
-    a("--out", default="runs/toy", help="output folder for metrics.jsonl (made if missing)")
-    a("--explain-every", type=n(int, 0, 10**9), default=0, help="step 1 and every N-th step write a page of what the step "
-      "trains on (explain.py) to OUT/explain/METHOD_seedS/; 0: off")
-    return p
+    f, n = cli.flag, cli.number  # one knob a line: f(flag, default, what it may be, help)
+    flags = [
+        f("--methods", list(DEFAULT_METHODS), variants.METHODS, "rows of variants.LADDER", nargs="+"),
+        f("--seeds", 30, n(int, 1, 10_000), "seeds per method (seed s: same task, init and prompt order)"),
+        f("--steps", 80, n(int, 1, 100_000), "training steps per run"),
+        f("--prompts", 16, n(int, 1, 4096), "prompts in the task"),
+        f("--batch-prompts", 8, n(int, 1, 4096), "P: prompts per step"),
+        f("--group-size", 32, n(int, 2, 4096), "G: rollouts per prompt (an advantage needs 2)"),
+        f("--length", 8, n(int, 1, 256), "L: tokens per answer"),
+        f("--vocab", 8, n(int, 2, 256), "V: vocabulary size"),
+        f("--max-decisions", 3, n(int, 1, 256), "prompt p has 1 + p %% max-decisions decision positions"),
+        f("--hint", 1.0, n(float, -100, 100), "base-policy logit bonus of the right token at decisions"),
+        f("--filler-logit", 3.0, n(float, -100, 100), "base-policy logit bonus of a habitual token at filler "
+          "positions (high: low entropy, as most LLM tokens; 0: as uncertain as the decisions)"),
+        f("--hidden", 64, n(int, 1, 4096), "policy MLP width"),
+        f("--optimizer", "adam", ["adam", "sgd"], "adam (the rungs' AdamW without weight decay) or sgd, which keeps "
+          "the gradient's scale (ablation, docs/toy.md)"),
+        f("--lr", 1e-2, n(float, 0, 100, low_open=True), "learning rate"),
+        f("--max-grad-norm", 1.0, n(float, 0, 1e6), "gradient clipping (logged before clipping); 0: none"),
+        f("--normalizer", "selected", ["selected", "all"], "the loss divides by the tokens it trains on (selected, "
+          "the paper's token-mean) or by every token of the P*G rollouts (all: GRPO's scale; docs/toy.md)"),
+        f("--n-init", 8, n(int, 1, 4096), "D3S schedule: rollouts kept per prompt at step 1 [paper]"),
+        f("--n-final", 32, n(int, 1, 4096), "... at the last step [paper]"),
+        f("--k-init", 0.05, n(float, 0, 1, low_open=True), "D3S schedule: fraction of tokens kept at step 1 [paper]"),
+        f("--k-final", 0.20, n(float, 0, 1, low_open=True), "... at the last step [paper]"),
+        f("--static-n", None, n(int, 1, 4096), "N of the static rows (default: the schedule's midpoint) (choice)"),
+        f("--static-k", None, n(float, 0, 1, low_open=True), "K of d2s (default: the midpoint) (choice)"),
+        *variants.flags("--schedule", "--token-rule", "--token-scope", "--min-token-per-response"),
+        f("--target", [0.5, 0.8], n(float, 0, 1, low_open=True), "rewards for 'steps to target'", nargs="+"),
+        f("--workers", 2, n(int, 1, 64), "runs in parallel (processes); 1 runs in this process"),
+        f("--out", "runs/toy", None, "output folder for metrics.jsonl (made if missing)"),
+        f("--explain-every", 0, n(int, 0, 10**9), "step 1 and every N-th step write a page of what the step trains "
+          "on (explain.py) to OUT/explain/METHOD_seedS/; 0: off"),
+    ]
+    return cli.parser(prog, __doc__.split("\n\n")[0], flags)
 
 
 def parse_args(argv=None, parser=None):
@@ -169,7 +165,8 @@ def expected_reward(policy, task):
     right = torch.where(task["decisions"].unsqueeze(-1), nn.functional.one_hot(task["answers"], V), 1).float()  # [n, L, V]
     alpha = nn.functional.one_hot(torch.full((n,), policy.bos), V + 1).float()  # [n, V+1]
     for t in range(L):
-        alpha = nn.functional.pad(torch.einsum("nu,nuv->nv", alpha, trans[:, t]) * right[:, t], (0, 1))  # BOS never follows
+        # over V + 1 previous tokens: BOS (the last) never follows, so its column is 0
+        alpha = nn.functional.pad(torch.einsum("nu,nuv->nv", alpha, trans[:, t]) * right[:, t], (0, 1))
     return alpha.sum(-1)  # [prompts]
 
 
@@ -222,7 +219,9 @@ def run(method, seed, args):
         # 5) select tokens: the top K of s_{i,t} = |A_i| * H_{i,t} over the whole batch
         mask = torch.ones_like(logp, dtype=torch.bool)  # every answer has exactly L tokens
         scores = d3s.token_scores(kept_adv, entropy, rule=rule, generator=score_gen)  # [B, L]
-        token_keep = d3s.select_tokens(scores, mask, k_frac, scope=args.token_scope, min_per_seq=int(args.min_token_per_response))
+        token_keep = d3s.select_tokens(
+            scores, mask, k_frac, scope=args.token_scope, min_per_seq=int(args.min_token_per_response)
+        )
         # 6) the loss on the selected tokens (on-policy, one update: w = 1, gradient -A grad logp / #tokens), Adam
         normalizer = P * G * L if args.normalizer == "all" else None  # None: the selected tokens (token-mean)
         loss, stats = d3s.policy_loss(logp, logp.detach(), kept_adv, token_keep, kind="grpo", ref_logp=ref_logp,
@@ -231,7 +230,8 @@ def run(method, seed, args):
         loss.backward()
         grad_norm = nn.utils.clip_grad_norm_(policy.parameters(), clip)  # the norm before clipping
         skipped = not torch.isfinite(grad_norm)  # a non-finite gradient: no update this step
-        updated = not skipped and bool(token_keep.any())  # dapo-filter on a step with no mixed group: nothing to train on
+        # dapo-filter on a step with no mixed group: nothing to train on
+        updated = not skipped and bool(token_keep.any())
         if updated:
             opt.step()
         if args.explain_every and (s == 1 or s % args.explain_every == 0):
