@@ -88,20 +88,19 @@ def parse_args(argv=None, parser=None):
                                      ("--max-decisions", args.max_decisions, args.length, "positions of an answer")):
         if value > limit:
             p.error(f"{flag} {value}: more than the {limit} {what}; lower it")
-    for size, flags in ((args.batch_prompts * args.group_size * args.length * args.vocab, "--batch-prompts x --group-size "
-                         "x --length x --vocab"), (args.prompts * args.length * (args.vocab + 1) * max(args.vocab, args.hidden),
-                                                   "--prompts x --length x (--vocab + 1) x max(--vocab, --hidden)")):
-        if size > MAX_ELEMENTS:
-            p.error(f"{flags.split()[0]} {getattr(args, flags.split()[0][2:].replace('-', '_'))}: {flags} = {size:,} "
-                    f"tensor elements, over {MAX_ELEMENTS:,}; make one of them smaller")
+    sampling = args.batch_prompts * args.group_size * args.length * args.vocab  # the sampling logits
+    grid = args.prompts * args.length * (args.vocab + 1) * max(args.vocab, args.hidden)  # the exact reward's grid
+    for flag, value, n, what in (("--batch-prompts", args.batch_prompts, sampling, "--batch-prompts x --group-size x "
+                                  "--length x --vocab"), ("--prompts", args.prompts, grid, "--prompts x --length x "
+                                                          "(--vocab + 1) x max(--vocab, --hidden)")):
+        if n > MAX_ELEMENTS:
+            p.error(f"{flag} {value}: {what} = {n:,} tensor elements, over {MAX_ELEMENTS:,}; make one of them smaller")
     cli.check_out_dir(p, "--out", args.out)
     common.check_method_flags(p, args, args.methods, "--methods")  # N <= G where a row uses N; static N and K
     return args
 
 
-# ---------------------------------------------------------------------------------------------
-# The task, the policy and its exact expected reward
-# ---------------------------------------------------------------------------------------------
+# === The task, the policy and its exact expected reward ===============================================================
 def make_task(args, seed):
     """answers [prompts, L], decisions [prompts, L] bool, prior [prompts, L, V] (base-policy logits)."""
     gen = torch.Generator().manual_seed(seed)
@@ -174,9 +173,7 @@ class Diverged(RuntimeError):
     """The policy went non-finite (a learning rate too large for the setting): main turns it into one line."""
 
 
-# ---------------------------------------------------------------------------------------------
-# One run: the six steps of docs/algorithm.md, section 6
-# ---------------------------------------------------------------------------------------------
+# === One run: the six steps of docs/algorithm.md, section 6 ===========================================================
 def run(method, seed, args):
     """Train one policy with `method`; returns its metrics.jsonl lines (docs/metrics.md): eval line s after s
     updates (s = 0..S), train line s for update s."""
@@ -192,11 +189,7 @@ def run(method, seed, args):
     P, G, L = args.batch_prompts, args.group_size, args.length
     lines, rewards_so_far = [], []
     for step in range(args.steps + 1):  # the evaluation after `step` updates, then update step + 1
-        per_prompt = expected_reward(policy, task)  # [prompts]
-        if not torch.isfinite(per_prompt).all():
-            raise Diverged(f"{method} seed {seed}: the policy went non-finite after step {step}")
-        lines.append({"kind": "eval", "step": step, "method": method, "seed": seed, "eval_reward": float(per_prompt.mean()),
-                      "eval_solved": int((per_prompt >= 0.5).sum())})
+        lines.append(eval_line(policy, task, method, seed, step))  # the exact expected reward after `step` updates
         if step == args.steps:
             return lines
         s = step + 1
@@ -214,14 +207,13 @@ def run(method, seed, args):
         logits = policy(prompt_ids[kept], tokens[kept])  # [B, L, V]
         logp = logits.log_softmax(-1).gather(-1, tokens[kept].unsqueeze(-1)).squeeze(-1)  # [B, L]
         entropy = d3s.token_entropy(logits)  # [B, L]
-        with torch.no_grad():
-            ref_logp = initial(prompt_ids[kept], tokens[kept]).log_softmax(-1).gather(-1, tokens[kept].unsqueeze(-1)).squeeze(-1)
+        ref_logits = initial(prompt_ids[kept], tokens[kept])  # the frozen reference of the logged KL (no grad)
+        ref_logp = ref_logits.log_softmax(-1).gather(-1, tokens[kept].unsqueeze(-1)).squeeze(-1)  # [B, L]
         # 5) select tokens: the top K of s_{i,t} = |A_i| * H_{i,t} over the whole batch
         mask = torch.ones_like(logp, dtype=torch.bool)  # every answer has exactly L tokens
         scores = d3s.token_scores(kept_adv, entropy, rule=rule, generator=score_gen)  # [B, L]
-        token_keep = d3s.select_tokens(
-            scores, mask, k_frac, scope=args.token_scope, min_per_seq=int(args.min_token_per_response)
-        )
+        token_keep = d3s.select_tokens(scores, mask, k_frac, scope=args.token_scope,
+                                       min_per_seq=int(args.min_token_per_response))
         # 6) the loss on the selected tokens (on-policy, one update: w = 1, gradient -A grad logp / #tokens), Adam
         normalizer = P * G * L if args.normalizer == "all" else None  # None: the selected tokens (token-mean)
         loss, stats = d3s.policy_loss(logp, logp.detach(), kept_adv, token_keep, kind="grpo", ref_logp=ref_logp,
@@ -230,8 +222,7 @@ def run(method, seed, args):
         loss.backward()
         grad_norm = nn.utils.clip_grad_norm_(policy.parameters(), clip)  # the norm before clipping
         skipped = not torch.isfinite(grad_norm)  # a non-finite gradient: no update this step
-        # dapo-filter on a step with no mixed group: nothing to train on
-        updated = not skipped and bool(token_keep.any())
+        updated = not skipped and bool(token_keep.any())  # dapo-filter with no mixed group: nothing to train on
         if updated:
             opt.step()
         if args.explain_every and (s == 1 or s % args.explain_every == 0):
@@ -242,6 +233,15 @@ def run(method, seed, args):
         lines.append(train_line(method, seed, s, args, rewards, keep, adv, kept, n_keep, k_frac, entropy, token_keep,
                                     stats, loss, grad_norm, updated, skipped, task["decisions"][prompt_ids], sample_logits))
     return lines
+
+
+def eval_line(policy, task, method, seed, step):
+    """The eval line: the expected reward over the prompts, and the prompts solved at least half the time."""
+    per_prompt = expected_reward(policy, task)  # [prompts]
+    if not torch.isfinite(per_prompt).all():
+        raise Diverged(f"{method} seed {seed}: the policy went non-finite after step {step}")
+    mean, solved = float(per_prompt.mean()), int((per_prompt >= 0.5).sum())
+    return {"kind": "eval", "step": step, "method": method, "seed": seed, "eval_reward": mean, "eval_solved": solved}
 
 
 def train_line(method, seed, step, args, rewards, keep, adv, kept, n_keep, k_frac, entropy, token_keep, stats, loss,
@@ -284,7 +284,7 @@ def main(argv=None, parser=None):
             runs[method][seed] = lines
     except Diverged as e:  # one line, as for a bad flag: the setting (a learning rate) is the cause
         common.fail(PROG, f"--lr {args.lr:g}: {e}; lower --lr (or keep --max-grad-norm above 0)")
-    runs = {m: [by_seed[s] for s in sorted(by_seed)] for m, by_seed in runs.items()}  # seed order, whatever the workers did
+    runs = {m: [by_seed[s] for s in sorted(by_seed)] for m, by_seed in runs.items()}  # in seed order
     with open(os.path.join(args.out, "metrics.jsonl"), "w") as f:
         f.writelines(json.dumps(line) + "\n" for lines in runs.values() for seed_lines in lines for line in seed_lines)
     for method, lines in runs.items():
