@@ -51,7 +51,7 @@ def test_help_shows_each_knobs_help_and_default():
     (["--target", "0.5", "2"], "x.py: error: --target 2: must be in (0, 1]"),
     (["--quick", "yes"], "x.py: error: unrecognized arguments: yes; see x.py --help for the flags"),
     (["--steps"], "x.py: error: --steps: expected one value; pass it after the flag (a value that starts with '-' as "
-                  "--steps=VALUE)"),
+     + "--steps=VALUE)"),
 ])
 def test_a_bad_value_of_a_declared_knob_is_one_line_and_exit_2(argv, line, capsys):
     with pytest.raises(SystemExit) as stop:
@@ -74,8 +74,8 @@ def test_the_switch_rule_flag_takes_0_for_off_or_a_ratio_over_1(value, ok, capsy
         return
     with pytest.raises(SystemExit):
         p.parse_args(["--switch-on-spike", value])
-    assert capsys.readouterr().err.splitlines() == [f"x.py: error: --switch-on-spike {value}: must be 0 (off) or a "
-                                                    "number > 1"]
+    line = f"x.py: error: --switch-on-spike {value}: must be 0 (off) or a number > 1"
+    assert capsys.readouterr().err.splitlines() == [line]
 
 
 def test_the_toy_takes_its_variant_knobs_from_variants_and_only_those_its_loop_runs():

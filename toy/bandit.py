@@ -90,9 +90,10 @@ def parse_args(argv=None, parser=None):
             p.error(f"{flag} {value}: more than the {limit} {what}; lower it")
     sampling = args.batch_prompts * args.group_size * args.length * args.vocab  # the sampling logits
     grid = args.prompts * args.length * (args.vocab + 1) * max(args.vocab, args.hidden)  # the exact reward's grid
-    for flag, value, n, what in (("--batch-prompts", args.batch_prompts, sampling, "--batch-prompts x --group-size x "
-                                  "--length x --vocab"), ("--prompts", args.prompts, grid, "--prompts x --length x "
-                                                          "(--vocab + 1) x max(--vocab, --hidden)")):
+    for flag, value, n, what in (
+        ("--batch-prompts", args.batch_prompts, sampling, "--batch-prompts x --group-size x --length x --vocab"),
+        ("--prompts", args.prompts, grid, "--prompts x --length x (--vocab + 1) x max(--vocab, --hidden)"),
+    ):
         if n > MAX_ELEMENTS:
             p.error(f"{flag} {value}: {what} = {n:,} tensor elements, over {MAX_ELEMENTS:,}; make one of them smaller")
     cli.check_out_dir(p, "--out", args.out)
@@ -267,10 +268,9 @@ def train_line(method, seed, step, args, rewards, keep, adv, kept, n_keep, k_fra
             "entropy_decision": float(sample_entropy[decisions].mean()), "entropy_filler": float(sample_entropy[~decisions].mean())}
 
 
-def run_job(job):
-    method, seed, args = job
+def run_job(job):  # job: (method, seed, args)
     torch.set_num_threads(1)  # tiny tensors: threads only add overhead
-    return run(method, seed, args)
+    return run(*job)
 
 
 def main(argv=None, parser=None):
