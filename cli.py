@@ -110,7 +110,8 @@ def number(kind, low=None, high=None, low_open=False, high_open=False, what=None
 def flag(name, default=None, what=None, help="", **more):
     """One knob of a rung, declared on one line: its flag, default, what it may be and help. `what`: a number(...)
     range, a list of choices, bool for an on/off switch (store_true; store_false where the default is True), or None
-    for any text. `more`: argparse's other keywords (nargs, metavar, dest, const).
+    for any text. `more`: argparse's other keywords (nargs, metavar, dest, const). A list default is passed on as
+    is: build the list of flags inside the rung's build_parser, so that each parser has its own.
 
     >>> flag("--optimizer", "adam", ["adam", "sgd"], "the optimizer")
     ('--optimizer', {'default': 'adam', 'help': 'the optimizer', 'choices': ['adam', 'sgd']})
