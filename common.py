@@ -331,6 +331,24 @@ def read_metrics(path, up_to_step=None):
     return [m for m in lines if up_to_step is None or m.get("step", math.inf) <= up_to_step]
 
 
+def train_history(path, args, start_step):
+    """The train lines of metrics.jsonl, which --schedule adaptive and the switch rule read; a resume whose
+    metrics.jsonl lacks some of them stops with one line."""
+    history = [m for m in read_metrics(path) if m["kind"] == "train"]
+    if (args.schedule == "adaptive" or args.switch_on_spike) and len(history) != start_step:
+        rule = "--schedule adaptive" if args.schedule == "adaptive" else "--switch-on-spike"
+        raise UsageError(f"--resume {args.resume}: {path} holds {len(history)} of the {start_step} train lines that "
+                         f"{rule} reads; resume into the run's own --out")
+    return history
+
+
+def add_totals(totals, m):
+    """The run's totals (summary.json, the eval lines) after the train line `m`."""
+    for key, value in (("samples", m["kept_samples"]), ("tokens", m["kept_tokens"]), ("fwd_tokens", m["fwd_tokens"]),
+                       ("gen_s", m["gen_s"] + m["reward_s"]), ("train_s", m["train_s"]), ("skipped", int(m["skipped"]))):
+        totals[key] += value
+
+
 def truncate_metrics(path, step):
     """Keep what the checkpoint after `step` steps covers (a killed run may have logged past it): the train lines
     of steps 1..step and the evaluations after at most `step` steps."""

@@ -114,7 +114,7 @@ def build_parser(prog=PROG):
       f"tiny model, {HF_MAX_NEW_TOKENS} with --model; paper: 3k)")
     a("--drop-long-prompts", action="store_true", help=cli.DROP_LONG_PROMPTS_HELP)
     a("--grade-timeout", type=n(float, 0, 3600, low_open=True), default=5.0, help="seconds math-verify may spend on an answer")
-    a("--eval-every", type=n(int, 1), default=10, help="evaluate on the held-out set every E steps (and at 0 and the end)")
+    a("--eval-every", type=n(int, 1), default=25, help="evaluate on the held-out set every E steps (and at 0 and the end)")
     a("--eval-samples", type=n(int, 1, 1024), default=8, help="n: samples per held-out problem for Pass@1 and Pass@k")
     a("--pass-k", type=n(int, 1), default=8, help="k of Pass@k (unbiased estimator from n samples; k <= n)")
     a("--gen-batch", type=n(int, 1), default=512, help="sequences per generate call during evaluation")
@@ -175,25 +175,29 @@ def rollout(model, tokenizer, prompts, group_size, max_new_tokens, temperature=1
     logits = model(input_ids=enc.input_ids, attention_mask=prompt_mask, position_ids=positions, past_key_values=cache,
                    use_cache=True, logits_to_keep=1).logits[:, -1]  # [P, V]: the prefill, once per prompt
     cache.batch_repeat_interleave(group_size)  # the prompt's keys and values, shared by its G rollouts
-    logits = logits.repeat_interleave(group_size, 0)  # [B, V]
-    attention_mask = prompt_mask.repeat_interleave(group_size, 0)  # [B, Lp + t]
-    position = positions[:, -1:].repeat_interleave(group_size, 0)  # [B, 1]
+    logits = logits.repeat_interleave(group_size, 0)  # [B, V]: each row's last logits (an ended row's: stale)
+    attention_mask = prompt_mask.repeat_interleave(group_size, 0)  # [live, Lp + t]
+    position = positions[:, -1:].repeat_interleave(group_size, 0)  # [live, 1]
     B = logits.shape[0]
     response_ids = torch.full((B, max_new_tokens), tokenizer.pad_token_id)
-    ended = torch.zeros(B, dtype=torch.bool)
+    ended, live = torch.zeros(B, dtype=torch.bool), torch.arange(B)  # live: the rows still in the cache
     for t in range(max_new_tokens):
         if greedy:
             token = logits.float().argmax(-1)  # [B]
-        else:
+        else:  # over all B rows, ended ones too: the same random draws whichever rows are still live
             token = torch.multinomial((logits.float() / temperature).softmax(-1), 1).squeeze(1)  # o_t ~ pi
         response_ids[:, t] = torch.where(ended, tokenizer.pad_token_id, token)
         ended |= torch.isin(token, eos)
         if bool(ended.all()) or t == max_new_tokens - 1:
             break
-        attention_mask = torch.cat([attention_mask, torch.ones(B, 1, dtype=attention_mask.dtype)], 1)
+        go_on = (~ended[live]).nonzero().squeeze(1)  # an ended row leaves the cache: no more forwards for it
+        if len(go_on) < len(live):
+            cache.batch_select_indices(go_on)
+            live, attention_mask, position = live[go_on], attention_mask[go_on], position[go_on]
+        attention_mask = torch.cat([attention_mask, torch.ones(len(live), 1, dtype=attention_mask.dtype)], 1)
         position = position + 1
-        logits = model(input_ids=token[:, None], attention_mask=attention_mask, position_ids=position,
-                       past_key_values=cache, use_cache=True).logits[:, -1]
+        logits[live] = model(input_ids=token[live, None], attention_mask=attention_mask, position_ids=position,
+                             past_key_values=cache, use_cache=True).logits[:, -1]
     response_ids = response_ids[:, : t + 1]  # [B, T]
     is_eos = torch.isin(response_ids, eos)
     response_mask = (~((is_eos.cumsum(-1) - is_eos.long()) > 0)).long()  # 0 strictly after the first EOS
@@ -360,11 +364,7 @@ def train(args, train_rows, eval_rows, warm):
         print(f"resumed {ckpt_path} at step {start_step}")
     for stale in [p for p in (metrics_path, ckpt_path) if not args.resume and os.path.exists(p)]:  # a new run
         os.remove(stale)
-    history = [m for m in common.read_metrics(metrics_path) if m["kind"] == "train"]  # --schedule adaptive, the switch
-    if (args.schedule == "adaptive" or args.switch_on_spike) and len(history) != start_step:
-        raise cli.UsageError(f"--resume {args.resume}: {metrics_path} holds {len(history)} of the {start_step} train lines "
-                             f"that {'--schedule adaptive' if args.schedule == 'adaptive' else '--switch-on-spike'} reads; "
-                             "resume into the run's own --out")
+    history = common.train_history(metrics_path, args, start_step)  # what --schedule adaptive and the switch rule read
     rl_start, G = time.time(), args.group_size
     with Grader(timeout_s=args.grade_timeout) as grader, common.Preemption(PROG) as notice:  # SIGTERM/Ctrl-C: stop after a step
         if start_step == 0:
@@ -411,9 +411,7 @@ def train(args, train_rows, eval_rows, warm):
                 explain.small_page(os.path.join(args.out, "explain"), step, tokenizer, problems, batch, rewards, keep, adv,
                                    kept_rows, n_keep, k_frac, entropy, scores, token_keep, m, args, row)
             history.append(m)
-            for key, value in (("samples", m["kept_samples"]), ("tokens", m["kept_tokens"]), ("fwd_tokens", m["fwd_tokens"]),
-                               ("gen_s", m["gen_s"] + m["reward_s"]), ("train_s", m["train_s"]), ("skipped", int(m["skipped"]))):
-                totals[key] += value
+            common.add_totals(totals, m)
             common.append_metrics(metrics_path, m)
             bar.set_postfix(reward=f"{m['reward_mean']:.2f}", N=n_keep, K=f"{k_frac:.2f}", gnorm=m["grad_norm"])
             if step % args.eval_every == 0 or step == args.steps:

@@ -53,7 +53,8 @@ def test_a_ctrl_c_mid_run_stops_after_its_step_with_a_checkpoint_and_resume_equa
                                                                                                          whole_run):
     flags, whole = whole_run
     out = tmp_path / "interrupted"
-    proc = start([sys.executable, os.path.join(ROOT, "train_small.py")] + flags + ["--out", str(out), "--save-every", "50"])
+    slow = os.path.join(ROOT, "tests", "small_slow_worker.py")  # 1 s after each train line: the Ctrl-C lands mid-run
+    proc = start([sys.executable, slow, "1.0"] + flags + ["--out", str(out), "--save-every", "50"])
     wait_for(proc, trained(out), "its first step")  # a step has run: the loop (and its handler) is on
     ctrl_c(proc)  # the grader's children get it too: they leave it to the parent
     err = proc.communicate(timeout=300)[1]
