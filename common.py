@@ -228,7 +228,8 @@ def fit_prompts(args, train_rows, eval_rows, prog="train_small.py"):
     A model whose tokenizer or config does not load is left to warmstart.load_base_model's line."""
     import inspect
 
-    from mathtask import PLAIN_TEMPLATE, QWEN_MATH_TEMPLATE, DataError, fit_context
+    from mathtask import DataError, fit_context
+    from warmstart import format_prompt
 
     args.dropped_long_prompts = 0
     files = [(f, path, rows) for f, path, rows in (("--train-file", args.train_file, train_rows),
@@ -253,11 +254,12 @@ def fit_prompts(args, train_rows, eval_rows, prog="train_small.py"):
     if args.max_new_tokens >= window:
         raise UsageError(f"--max-new-tokens {args.max_new_tokens}: the model's context is {window} positions "
                          "(max_position_embeddings), prompt included; lower it")
-    template, limit = PLAIN_TEMPLATE if args.template == "plain" else QWEN_MATH_TEMPLATE, window - args.max_new_tokens
+    limit = window - args.max_new_tokens
     why = f"the model's context of {window} positions less --max-new-tokens {args.max_new_tokens}"
     fitted = {}
     for flag, path, rows in files:
-        fitted[flag], dropped = fit_context(rows, lambda r: template.format(problem=r["problem"]), tokenizer, limit, why,
+        prompt = lambda r: format_prompt(r["problem"], args.template)  # noqa: E731
+        fitted[flag], dropped = fit_context(rows, prompt, tokenizer, limit, why,
                                             drop=getattr(args, "drop_long_prompts", False))
         if not fitted[flag]:
             raise DataError(f"{flag} {path}: no prompt fits in {limit} tokens ({why}); shorten them or raise the limit")
@@ -293,13 +295,12 @@ def check_finite(model, name, tokenizer=None, prompt=None):
 def finite_warm_start(warm, args, train_rows):
     """train_small.py: check_finite on the warm start (model, tokenizer, info) and the first training prompt; returns
     `warm`. The line names --model (or the tiny model) and the warm start's cache folder, where there is one."""
-    from mathtask import PLAIN_TEMPLATE, QWEN_MATH_TEMPLATE
+    from warmstart import format_prompt
 
     model, tokenizer, info = warm
     name = f"--model {args.model}" if args.model else "the tiny model"
     name += f" (warm start {info['path']}: delete it to build it again)" if info.get("sft_steps") else ""
-    template = PLAIN_TEMPLATE if args.template == "plain" else QWEN_MATH_TEMPLATE
-    check_finite(model, name, tokenizer, template.format(problem=train_rows[0]["problem"]))
+    check_finite(model, name, tokenizer, format_prompt(train_rows[0]["problem"], args.template))
     return warm
 
 
