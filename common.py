@@ -439,7 +439,7 @@ def write_summary(args, lines, warm_info, totals, timeouts, rl_s, wall_s):
         "evals": [{"step": m["step"], "pass1_mean": m["eval_pass1_mean"], "greedy_pass1": m["eval_greedy_pass1"],
                    "rl_s": m["gen_s"] + m["train_s"], "update_s": m["train_s"], "tokens": m["tokens"]} for m in evals],
         "warm_start": {"greedy_pass1": first["eval_greedy_pass1"], "pass1_mean": first["eval_pass1_mean"],
-                       "passk": first["eval_passk"], "train_reward_step1": train[0]["reward_mean"] if train else None,
+                       "passk": first["eval_passk"], "k": first["k"], "n": first["n"], "train_reward_step1": train[0]["reward_mean"] if train else None,
                        **{k.replace("eval_pass1_mean_", ""): v for k, v in first.items() if k.startswith("eval_pass1_mean_level")},
                        "cached": warm_info.get("cached"), "sft_steps": warm_info.get("sft_steps"),
                        "path": warm_info.get("path")},
@@ -469,8 +469,8 @@ def write_summary(args, lines, warm_info, totals, timeouts, rl_s, wall_s):
         json.dump(summary, f, indent=1)
     w, fin = summary["warm_start"], summary["final"]
     print(f"\n== {args.method} ({args.loss}), {args.steps} steps, {args.out}\n"
-          f"warm start  held-out greedy Pass@1 {w['greedy_pass1']:.3f}  Pass@1 mean@{fin['n']} {w['pass1_mean']:.3f}  "
-          f"Pass@{fin['k']} {w['passk']:.3f}  (train reward at step 1: {w['train_reward_step1']})\n"
+          f"warm start  held-out greedy Pass@1 {w['greedy_pass1']:.3f}  Pass@1 mean@{w['n']} {w['pass1_mean']:.3f}  "
+          f"Pass@{w['k']} {w['passk']:.3f}  (train reward at step 1: {w['train_reward_step1']})\n"
           f"final       held-out greedy Pass@1 {fin['greedy_pass1']:.3f}  Pass@1 mean@{fin['n']} {fin['pass1_mean']:.3f}  "
           f"Pass@{fin['k']} {fin['passk']:.3f}\n"
           f"trained on {summary['samples_trained']} rollouts, {summary['tokens_trained']} tokens in the loss "

@@ -116,6 +116,8 @@ def build_parser(prog=PROG):
     a("--grade-timeout", type=n(float, 0, 3600, low_open=True), default=5.0, help="seconds math-verify may spend on an answer")
     a("--eval-every", type=n(int, 1), default=25, help="evaluate on the held-out set every E steps (and at 0 and the end)")
     a("--eval-samples", type=n(int, 1, 1024), default=8, help="n: samples per held-out problem for Pass@1 and Pass@k")
+    a("--mid-eval-samples", type=n(int, 1, 1024), default=None, help="n at every evaluation but the last (choice; default: "
+      "--eval-samples; the ladder: 2; at most --eval-samples): cheaper, still unbiased")
     a("--pass-k", type=n(int, 1), default=8, help="k of Pass@k (unbiased estimator from n samples; k <= n)")
     a("--gen-batch", type=n(int, 1), default=512, help="sequences per generate call during evaluation")
     a("--save-every", type=n(int, 1), default=20, help="write OUT/checkpoint.pt every S steps (and at the end)")
@@ -146,6 +148,7 @@ def parse_args(argv=None, parser=None, methods=None):
     if args.model is not None:
         cli.check_model(p, args.model)
     args.kl_every = args.eval_every if args.kl_every is None else args.kl_every
+    args.mid_eval_samples = min(args.mid_eval_samples or args.eval_samples, args.eval_samples)
     args.rl_seed = args.seed if args.rl_seed is None else args.rl_seed
     args.loss_agg = args.loss_agg or d3s.DEFAULT_AGG[args.loss]
     clip = d3s.CLIP_DEFAULTS[args.loss]  # grpo 0.2 / 0.28 (DAPO's clip-higher), gspo 3e-4 / 4e-4
@@ -336,13 +339,14 @@ def step_seed(seed, step, salt=0):
 
 
 def evaluate(model, tokenizer, grader, eval_rows, step, args):
-    """Held-out greedy Pass@1, mean Pass@1 over --eval-samples samples and unbiased Pass@k (mathtask.held_out_pass)."""
-    t0 = time.time()
+    """Held-out greedy Pass@1, mean Pass@1 over n samples and unbiased Pass@k (mathtask.held_out_pass); n is
+    --eval-samples at the last step, --mid-eval-samples before it (k <= n)."""
+    t0, n = time.time(), args.eval_samples if step == args.steps else args.mid_eval_samples
     torch.manual_seed(step_seed(args.rl_seed, step, 2))
     rows = [{**r, "prompt": warmstart.format_prompt(r["problem"], args.template)} for r in eval_rows]
     sample = lambda prompts, n, greedy: rollout(model, tokenizer, prompts, n, args.max_new_tokens,  # noqa: E731
                                                  1.0 if greedy else args.temperature, greedy=greedy)["texts"]
-    metrics = held_out_pass(rows, sample, grader, args.eval_samples, args.pass_k, max(1, args.gen_batch // args.eval_samples))
+    metrics = held_out_pass(rows, sample, grader, n, min(args.pass_k, n), max(1, args.gen_batch // n))
     return {"kind": "eval", "step": step, **metrics, "eval_s": round(time.time() - t0, 3)}
 
 

@@ -168,7 +168,7 @@ def main(argv=None):
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     grader = Grader()
     eval_args = SimpleNamespace(seed=args.seed, rl_seed=args.seed, template=args.template,  # rl_seed: train_small's
-                                eval_samples=args.eval_samples, pass_k=1, gen_batch=args.gen_batch,  # --rl-seed
+                                eval_samples=args.eval_samples, mid_eval_samples=args.eval_samples, steps=args.steps, pass_k=1, gen_batch=args.gen_batch,  # --rl-seed
                                 max_new_tokens=args.max_new_tokens, temperature=args.temperature)
     eval0 = train_small.evaluate(model, tokenizer, grader, eval_rows, 0, eval_args)
 

@@ -47,6 +47,7 @@ def parse_args(argv=None):
                    "--rl-seed + 1, ...); the warm start is the same for all")
     p.add_argument("--workers", type=cli.number(int, 1, 64), default=1, help="runs at once, each a train_small.py process "
                    "(give each --threads 1 on a small machine: 2 workers x 1 thread on 2 cores)")
+    p.set_defaults(mid_eval_samples=2)  # (choice) smaller evaluations before the last: a 7 x 5 ladder in under an hour
     methods = p.parse_args(argv).compare.split(",")
     for m in methods:
         if m not in variants.LADDER:
@@ -121,7 +122,7 @@ def compare_in_processes(args, methods, seeds):
             resume = ["--resume"] if os.path.exists(os.path.join(out, "checkpoint.pt")) else []
             switch = ["--switch-on-spike", "0"] if method not in variants.INTRA_TWIN else []  # a row without a twin: off
             jobs.append((out, [sys.executable, os.path.join(ROOT, "train_small.py"), *base, "--method", method, "--rl-seed", str(seed),
-                               "--out", out, *resume, *switch]))
+                               "--out", out, *resume, *switch, "--mid-eval-samples", str(args.mid_eval_samples)]))
     def run_one(job):  # one train_small.py process; its log in OUT/M/seedS.log
         out, cmd = job
         os.makedirs(out, exist_ok=True)
@@ -245,13 +246,14 @@ def write_compare(args, methods, seeds, summaries, total_s):
         f"Command: `{args.command}`  ",
         f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__} with {torch.get_num_threads()} threads; "
         f"total time {total_s / 60:.1f} min.  ",
-        f"Warm start (the same for every run): held-out greedy Pass@1 {w['greedy_pass1']:.3f}, Pass@1 mean@{n} "
-        f"{w['pass1_mean']:.3f}, Pass@{k} {w['passk']:.3f}.", "",
+        f"Warm start (the same for every run): held-out greedy Pass@1 {w['greedy_pass1']:.3f}, Pass@1 mean@{w.get('n', n)} "
+        f"{w['pass1_mean']:.3f}, Pass@{w.get('k', k)} {w['passk']:.3f}.", "",
         "## Held-out Pass@1 at the last step", "", *outcome, "",
         f"Mean ± std over the {S} seeds (same warm start, data and held-out set; the seed sets prompt order, sampling and "
         f"random selection). Δ: the mean of the same-seed differences to {base}, with a 95% Student-t interval over the "
         f"{S} paired differences (mean ± t(0.975, {S - 1}) · sd / √{S}); a row differs from {base} only if its interval "
-        f"excludes 0. Held-out set: {args.eval_size} problems, {n} samples each at temperature {args.temperature}.", "",
+        f"excludes 0. Held-out set: {args.eval_size} problems, {n} samples each at temperature {args.temperature} "
+        f"({args.mid_eval_samples} at the evaluations before the last).", "",
         f"## Training speed-up: reaching {base}'s final mean Pass@1 ({target:.3f})", "", *speed, "",
         f"On the seed-mean curve of held-out Pass@1 (evaluated every {args.eval_every} steps), the first point at which a "
         f"row reaches {base}'s final mean, interpolated linearly between evaluations; in steps, in update seconds "

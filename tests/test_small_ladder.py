@@ -39,9 +39,13 @@ def test_compare_with_workers_runs_each_run_in_its_own_process_with_the_same_num
     reuses the finished runs."""
     train_file, eval_file = two_answer_data
     flags = TINY + ["--steps", "2", "--train-file", train_file, "--eval-file", eval_file, "--cache-dir", cache_dir,
-                    "--compare", "grpo,d3s", "--seeds", "2", "--switch-on-spike", "3"]  # grpo has no twin: its runs get 0
+                    "--compare", "grpo,d3s", "--seeds", "2", "--switch-on-spike", "3",  # grpo has no twin: its runs get 0
+                    "--eval-samples", "4"]  # the ladder's evaluations before the last take 2 samples (--mid-eval-samples)
     summaries = small_ladder.main(flags + ["--out", str(tmp_path / "par"), "--workers", "2"])
     assert [s["rl_seed"] for s in summaries["d3s"]] == [0, 1]
+    evals = [m for m in read_jsonl(tmp_path / "par" / "d3s" / "seed1" / "metrics.jsonl") if m["kind"] == "eval"]
+    assert [(m["step"], m["n"], m["k"]) for m in evals] == [(0, 2, 2), (2, 4, 2)]
+    assert summaries["d3s"][1]["warm_start"]["n"] == 2 and summaries["d3s"][1]["final"]["n"] == 4
     small_ladder.main(flags + ["--out", str(tmp_path / "seq")])
     for run in ("grpo/seed0", "d3s/seed1"):
         par, seq = read_jsonl(tmp_path / "par" / run / "metrics.jsonl"), read_jsonl(tmp_path / "seq" / run / "metrics.jsonl")

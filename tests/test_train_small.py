@@ -250,7 +250,7 @@ BAD_FLAGS = [  # (flags added to a valid tiny run, a fragment of the one line)
     (["--k-init", "0"], "--k-init 0: must be a fraction"), (["--k-final", "1.5"], "--k-final 1.5"),
     (["--steps", "0"], "--steps 0: must be an int >= 1"), (["--steps", "x"], "--steps 'x': must be an int >= 1"),
     (["--group-size", "1"], "--group-size 1"), (["--mini-batches", "0"], "--mini-batches 0"),
-    (["--eval-samples", "0"], "--eval-samples 0"), (["--pass-k", "3"], "--pass-k 3: must be an int in [1, --eval-samples 2]"),
+    (["--eval-samples", "0"], "--eval-samples 0"), (["--mid-eval-samples", "0"], "--mid-eval-samples 0"), (["--pass-k", "3"], "--pass-k 3: must be an int in [1, --eval-samples 2]"),
     (["--warmup-steps", "-1"], "--warmup-steps -1"), (["--grade-timeout", "0"], "--grade-timeout 0: must be"),
     (["--hidden-size", "30"], "--hidden-size 30: must be a multiple of 4"), (["--num-layers", "0"], "--num-layers 0"),
     (["--stop-after", "9"], "--stop-after 9: must be an int in [1, --steps 3]"), (["--seed", "-1"], "--seed -1"),
