@@ -15,8 +15,10 @@ import re
 import sys
 
 FLAG = r"argument (--[\w-]+)(?:/\S+)?: "  # argparse's "argument --x: ..." (or "argument --x/-x: ...")
-DROP_LONG_PROMPTS_HELP = ("(choice) leave out the rows whose prompt does not fit the model's context less the response "
-                          "length, and count them; default: stop before any work, naming the row's file:line")
+DROP_LONG_PROMPTS_HELP = (
+    "(choice) leave out the rows whose prompt does not fit the model's context less the response "
+    "length, and count them; default: stop before any work, naming the row's file:line"
+)
 
 
 class UsageError(ValueError):
@@ -34,11 +36,20 @@ class Parser(argparse.ArgumentParser):
     def parse_args(self, args=None, namespace=None):
         argv = list(sys.argv[1:] if args is None else args)
         options = {o for action in self._actions for o in action.option_strings}
-        one_value = {o for action in self._actions if action.nargs is None and action.option_strings
-                     and action.const is None for o in action.option_strings}
+        one_value = {
+            o
+            for action in self._actions
+            if action.nargs is None and action.option_strings and action.const is None
+            for o in action.option_strings
+        }
         glued, i = [], 0
         while i < len(argv):  # ["--lr", "-inf"] -> ["--lr=-inf"]: argparse would take "-inf" for a flag
-            if argv[i] in one_value and i + 1 < len(argv) and argv[i + 1].startswith("-") and argv[i + 1] not in options:
+            if (
+                argv[i] in one_value
+                and i + 1 < len(argv)
+                and argv[i + 1].startswith("-")
+                and argv[i + 1] not in options
+            ):
                 glued.append(f"{argv[i]}={argv[i + 1]}")
                 i += 2
             else:
@@ -54,8 +65,10 @@ class Parser(argparse.ArgumentParser):
             number = re.fullmatch(r"invalid (int|float) value: (.*)", rest)
             choice = re.fullmatch(r"invalid choice: (.*?) \(choose from (.*)\)", rest)
             if re.fullmatch(r"expected (one|at least one|\d+) arguments?", rest):  # a flag without its value
-                message = (f"{flag}: {rest.replace('argument', 'value')}; pass it after the flag (a value that starts "
-                           f"with '-' as {flag}=VALUE)")
+                message = (
+                    f"{flag}: {rest.replace('argument', 'value')}; pass it after the flag (a value that starts "
+                    f"with '-' as {flag}=VALUE)"
+                )
             elif number:
                 kind = "an integer" if number[1] == "int" else "a number"
                 message = f"{flag} {number[2]}: not {kind}; pass {kind}"
@@ -97,8 +110,11 @@ def number(kind, low=None, high=None, low_open=False, high_open=False, what=None
             value = kind(text)
         except (TypeError, ValueError, OverflowError):
             raise argparse.ArgumentTypeError(f"{text!r}: must be {what}") from None
-        ok = value in also or (math.isfinite(value) and (low is None or (low < value if low_open else low <= value))
-                               and (high is None or (value < high if high_open else value <= high)))
+        ok = value in also or (
+            math.isfinite(value)
+            and (low is None or (low < value if low_open else low <= value))
+            and (high is None or (value < high if high_open else value <= high))
+        )
         if not ok:
             raise argparse.ArgumentTypeError(f"{text}: must be {what}")
         return value
@@ -157,8 +173,10 @@ def check_model(p, model):
         if not files & set(WEIGHTS) and not any(f.endswith(".safetensors") for f in files):
             p.error(f"--model {model}: has no weights ({', '.join(WEIGHTS)}); pass a folder saved with save_pretrained")
         if not files & set(TOKENIZER):
-            p.error(f"--model {model}: has no tokenizer ({', '.join(TOKENIZER)}); save one into it "
-                    "(tokenizer.save_pretrained), or pass the folder of a complete model")
+            p.error(
+                f"--model {model}: has no tokenizer ({', '.join(TOKENIZER)}); save one into it "
+                "(tokenizer.save_pretrained), or pass the folder of a complete model"
+            )
     elif model.startswith((".", "/", "~")) or model.count("/") != 1:
         p.error(f"--model {model}: no such folder (and not a hub name like Qwen/Qwen2.5-Math-1.5B); check the path")
 
@@ -197,7 +215,9 @@ def size_list(p, flag, text, names, lows=(1, 1)):
     for part in (x.strip() for x in text.split(",")):
         m = re.fullmatch(r"(\d+)[xX](\d+)", part)
         if not m:
-            p.error(f"{flag} {text!r}: {part!r} is not {names[0]}x{names[1]}; pass comma-separated sizes, e.g. 64x8,256x16")
+            p.error(
+                f"{flag} {text!r}: {part!r} is not {names[0]}x{names[1]}; pass comma-separated sizes, e.g. 64x8,256x16"
+            )
         a, b = int(m[1]), int(m[2])
         if a < lows[0] or b < lows[1]:
             p.error(f"{flag} {text}: {part} needs {names[0]} >= {lows[0]} and {names[1]} >= {lows[1]}")
@@ -272,7 +292,9 @@ def check_program(p, flag, path, fix):
     if not os.path.exists(path):
         p.error(f"{flag} {path}: not found; {fix}")
     if os.path.isdir(path):
-        p.error(f"{flag} {path}: is a folder; pass the python executable itself, e.g. {os.path.join(path, 'bin', 'python')}")
+        p.error(
+            f"{flag} {path}: is a folder; pass the python executable itself, e.g. {os.path.join(path, 'bin', 'python')}"
+        )
     if not os.access(path, os.X_OK):
         p.error(f"{flag} {path}: not executable; pass a python executable")
 

@@ -35,18 +35,37 @@ def budget(args, row, step, history=None):
     import variants
 
     f = variants.progress(getattr(args, "schedule", "linear"), step - 1, args.steps, history=history)
-    return d3s.method_budget(variants.LADDER[row], step=step - 1, total_steps=args.steps, group_size=args.group_size,
-                             n_init=args.n_init, n_final=args.n_final, k_init=args.k_init, k_final=args.k_final,
-                             static_n=args.static_n, static_k=args.static_k, progress=f)
+    return d3s.method_budget(
+        variants.LADDER[row],
+        step=step - 1,
+        total_steps=args.steps,
+        group_size=args.group_size,
+        n_init=args.n_init,
+        n_final=args.n_final,
+        k_init=args.k_init,
+        k_final=args.k_final,
+        static_n=args.static_n,
+        static_k=args.static_k,
+        progress=f,
+    )
 
 
 def static_budget(args):
     """(N, K) of the static rows: --static-n and --static-k, by default the linear schedule's midpoint (choice)."""
     import d3s
 
-    return d3s.method_budget(d3s.LADDER["d2s"], step=0, total_steps=1, group_size=max(args.group_size, args.n_init,
-                             args.n_final), n_init=args.n_init, n_final=args.n_final, k_init=args.k_init,
-                             k_final=args.k_final, static_n=args.static_n, static_k=args.static_k)
+    return d3s.method_budget(
+        d3s.LADDER["d2s"],
+        step=0,
+        total_steps=1,
+        group_size=max(args.group_size, args.n_init, args.n_final),
+        n_init=args.n_init,
+        n_final=args.n_final,
+        k_init=args.k_init,
+        k_final=args.k_final,
+        static_n=args.static_n,
+        static_k=args.static_k,
+    )
 
 
 def check_method_flags(p, args, methods, flag="--method"):
@@ -60,15 +79,22 @@ def check_method_flags(p, args, methods, flag="--method"):
             hint = " (d3s-static is now d2s, the paper's name)" if m == "d3s-static" else ""
             p.error(f"{flag} {m!r}: unknown method{hint}; choose from {', '.join(variants.METHODS)}")
     uses_n = any(variants.LADDER[m].n != "all" for m in methods)  # N counts rollouts kept per prompt: N <= G
-    for name, value in (("--n-init", args.n_init if uses_n else None), ("--n-final", args.n_final if uses_n else None),
-                        ("--static-n", args.static_n)):  # a --static-n given over G is refused whatever the method
+    for name, value in (
+        ("--n-init", args.n_init if uses_n else None),
+        ("--n-final", args.n_final if uses_n else None),
+        ("--static-n", args.static_n),
+    ):  # a --static-n given over G is refused whatever the method
         if value is not None and value > args.group_size:
-            p.error(f"{name} {value} > --group-size {args.group_size}: N counts rollouts kept per prompt and must be "
-                    f"<= G; lower {name} or raise --group-size")
+            p.error(
+                f"{name} {value} > --group-size {args.group_size}: N counts rollouts kept per prompt and must be "
+                f"<= G; lower {name} or raise --group-size"
+            )
     if getattr(args, "switch_on_spike", 0) and not any(m in variants.INTRA_TWIN for m in methods):
-        p.error(f"--switch-on-spike {args.switch_on_spike:g}: moves a cross-group row to its intra-group twin "
-                f"({', '.join(f'{a} -> {b}' for a, b in variants.INTRA_TWIN.items())}); {', '.join(methods)} has none: "
-                "use --method d3s or d1s-cross, or drop the flag")
+        p.error(
+            f"--switch-on-spike {args.switch_on_spike:g}: moves a cross-group row to its intra-group twin "
+            f"({', '.join(f'{a} -> {b}' for a, b in variants.INTRA_TWIN.items())}); {', '.join(methods)} has none: "
+            "use --method d3s or d1s-cross, or drop the flag"
+        )
     args.static_n, args.static_k = static_budget(args)
 
 
@@ -106,8 +132,13 @@ class Preemption:
         import signal
 
         if number == signal.SIGINT and self.signal:  # a second Ctrl-C (or one after a notice): stop now
-            interrupted(self.prog, "stopped at once by a second Ctrl-C (SIGINT); the last checkpoint written is intact; "
-                        "continue with --resume", quiet=self.quiet, at_once=True)
+            interrupted(
+                self.prog,
+                "stopped at once by a second Ctrl-C (SIGINT); the last checkpoint written is intact; "
+                "continue with --resume",
+                quiet=self.quiet,
+                at_once=True,
+            )
         self.signal = signal.Signals(number).name
 
     def __exit__(self, *exc):
@@ -122,8 +153,10 @@ def stopped(prog, notice, step, checkpoint):
     from tqdm import tqdm  # tqdm.write: the line starts clear of a progress bar
 
     notice += " (Ctrl-C)" if notice == "SIGINT" else ""
-    tqdm.write(f"{prog}: stopped by {notice} after step {step}; checkpoint {checkpoint}; continue with --resume",
-               file=sys.stderr)
+    tqdm.write(
+        f"{prog}: stopped by {notice} after step {step}; checkpoint {checkpoint}; continue with --resume",
+        file=sys.stderr,
+    )
     sys.exit(STOPPED)
 
 
@@ -208,8 +241,10 @@ def disk_full_line(prog, error, out):
     """The one line of a full disk (`error` from disk_full) while the run wrote a file. Every write is a temporary
     file renamed into place (checkpoints, exports) or an appended line that a resume drops, so the last checkpoint is
     intact."""
-    return (f"{prog}: error: no space left on the device while writing {error.filename or out} ({error.strerror}); "
-            f"the last checkpoint in {out} is intact: free space, then continue with --resume")
+    return (
+        f"{prog}: error: no space left on the device while writing {error.filename or out} ({error.strerror}); "
+        f"the last checkpoint in {out} is intact: free space, then continue with --resume"
+    )
 
 
 def fail_disk(prog, error, out):
@@ -232,8 +267,11 @@ def fit_prompts(args, train_rows, eval_rows, prog="train_small.py"):
     from warmstart import format_prompt
 
     args.dropped_long_prompts = 0
-    files = [(f, path, rows) for f, path, rows in (("--train-file", args.train_file, train_rows),
-                                                   ("--eval-file", args.eval_file, eval_rows)) if path]
+    files = [
+        (f, path, rows)
+        for f, path, rows in (("--train-file", args.train_file, train_rows), ("--eval-file", args.eval_file, eval_rows))
+        if path
+    ]
     if not files:
         return train_rows, eval_rows
     if args.model is None:
@@ -246,26 +284,35 @@ def fit_prompts(args, train_rows, eval_rows, prog="train_small.py"):
 
         try:
             tokenizer = AutoTokenizer.from_pretrained(os.path.expanduser(args.model))
-            window = getattr(AutoConfig.from_pretrained(os.path.expanduser(args.model)), "max_position_embeddings", None)
+            window = getattr(
+                AutoConfig.from_pretrained(os.path.expanduser(args.model)), "max_position_embeddings", None
+            )
         except (OSError, ValueError):
             return train_rows, eval_rows
     if not window:  # a model without a position limit: nothing to check
         return train_rows, eval_rows
     if args.max_new_tokens >= window:
-        raise UsageError(f"--max-new-tokens {args.max_new_tokens}: the model's context is {window} positions "
-                         "(max_position_embeddings), prompt included; lower it")
+        raise UsageError(
+            f"--max-new-tokens {args.max_new_tokens}: the model's context is {window} positions "
+            "(max_position_embeddings), prompt included; lower it"
+        )
     limit = window - args.max_new_tokens
     why = f"the model's context of {window} positions less --max-new-tokens {args.max_new_tokens}"
     fitted = {}
     for flag, path, rows in files:
-        prompt = lambda r: format_prompt(r["problem"], args.template)  # noqa: E731
-        fitted[flag], dropped = fit_context(rows, prompt, tokenizer, limit, why,
-                                            drop=getattr(args, "drop_long_prompts", False))
+        prompt = lambda r: format_prompt(r["problem"], args.template)
+        fitted[flag], dropped = fit_context(
+            rows, prompt, tokenizer, limit, why, drop=getattr(args, "drop_long_prompts", False)
+        )
         if not fitted[flag]:
             raise DataError(f"{flag} {path}: no prompt fits in {limit} tokens ({why}); shorten them or raise the limit")
         if dropped:
-            print(f"{prog}: --drop-long-prompts: left out {dropped} of the {len(rows)} rows of {path} (prompts longer "
-                  f"than {limit} tokens)", file=sys.stderr, flush=True)
+            print(
+                f"{prog}: --drop-long-prompts: left out {dropped} of the {len(rows)} rows of {path} (prompts longer "
+                f"than {limit} tokens)",
+                file=sys.stderr,
+                flush=True,
+            )
         args.dropped_long_prompts += dropped
     return fitted.get("--train-file", train_rows), fitted.get("--eval-file", eval_rows)
 
@@ -288,8 +335,10 @@ def check_finite(model, name, tokenizer=None, prompt=None):
             logits = model.eval()(input_ids=ids[:, -64:]).logits  # the prompt's last tokens: enough to see NaN/inf
             model.train(training)
             if not bool(torch.isfinite(logits).all()):
-                raise UsageError(f"{name}: its first forward gives NaN or inf logits (weights finite: an overflow in "
-                                 f"{next(model.parameters()).dtype}?); {fix}, or run it in float32")
+                raise UsageError(
+                    f"{name}: its first forward gives NaN or inf logits (weights finite: an overflow in "
+                    f"{next(model.parameters()).dtype}?); {fix}, or run it in float32"
+                )
 
 
 def finite_warm_start(warm, args, train_rows):
@@ -338,15 +387,23 @@ def train_history(path, args, start_step):
     history = [m for m in read_metrics(path) if m["kind"] == "train"]
     if (args.schedule == "adaptive" or args.switch_on_spike) and len(history) != start_step:
         rule = "--schedule adaptive" if args.schedule == "adaptive" else "--switch-on-spike"
-        raise UsageError(f"--resume {args.resume}: {path} holds {len(history)} of the {start_step} train lines that "
-                         f"{rule} reads; resume into the run's own --out")
+        raise UsageError(
+            f"--resume {args.resume}: {path} holds {len(history)} of the {start_step} train lines that "
+            f"{rule} reads; resume into the run's own --out"
+        )
     return history
 
 
 def add_totals(totals, m):
     """The run's totals (summary.json, the eval lines) after the train line `m`."""
-    for key, value in (("samples", m["kept_samples"]), ("tokens", m["kept_tokens"]), ("fwd_tokens", m["fwd_tokens"]),
-                       ("gen_s", m["gen_s"] + m["reward_s"]), ("train_s", m["train_s"]), ("skipped", int(m["skipped"]))):
+    for key, value in (
+        ("samples", m["kept_samples"]),
+        ("tokens", m["kept_tokens"]),
+        ("fwd_tokens", m["fwd_tokens"]),
+        ("gen_s", m["gen_s"] + m["reward_s"]),
+        ("train_s", m["train_s"]),
+        ("skipped", int(m["skipped"])),
+    ):
         totals[key] += value
 
 
@@ -376,8 +433,10 @@ def out_lock(out, prog):
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise UsageError(f"--out {out}: another {prog} is writing there now ({os.path.join(out, '.lock')}); "
-                             "wait for it to end, or use another --out") from None
+            raise UsageError(
+                f"--out {out}: another {prog} is writing there now ({os.path.join(out, '.lock')}); "
+                "wait for it to end, or use another --out"
+            ) from None
         yield
 
 
@@ -433,21 +492,49 @@ def write_summary(args, lines, warm_info, totals, timeouts, rl_s, wall_s):
     evals = [m for m in lines if m["kind"] == "eval"]
     train = [m for m in lines if m["kind"] == "train"]
     first, last = evals[0], evals[-1]
-    own_rule = variants.rule_name(args.method)  # --switch-on-spike: switched_at_step is the first step run under another rule
+    own_rule = variants.rule_name(
+        args.method
+    )  # --switch-on-spike: switched_at_step is the first step run under another rule
     summary = {
-        "method": args.method, "loss": args.loss, "steps": args.steps, "out": args.out,
-        "evals": [{"step": m["step"], "pass1_mean": m["eval_pass1_mean"], "greedy_pass1": m["eval_greedy_pass1"],
-                   "rl_s": m["gen_s"] + m["train_s"], "update_s": m["train_s"], "tokens": m["tokens"]} for m in evals],
-        "warm_start": {"greedy_pass1": first["eval_greedy_pass1"], "pass1_mean": first["eval_pass1_mean"],
-                       "passk": first["eval_passk"], "k": first["k"], "n": first["n"], "train_reward_step1": train[0]["reward_mean"] if train else None,
-                       **{k.replace("eval_pass1_mean_", ""): v for k, v in first.items() if k.startswith("eval_pass1_mean_level")},
-                       "cached": warm_info.get("cached"), "sft_steps": warm_info.get("sft_steps"),
-                       "path": warm_info.get("path")},
-        "final": {"greedy_pass1": last["eval_greedy_pass1"], "pass1_mean": last["eval_pass1_mean"],
-                  "passk": last["eval_passk"], "k": last["k"], "n": last["n"],
-                  **{k.replace("eval_pass1_mean_", ""): v for k, v in last.items() if k.startswith("eval_pass1_mean_level")}},
+        "method": args.method,
+        "loss": args.loss,
+        "steps": args.steps,
+        "out": args.out,
+        "evals": [
+            {
+                "step": m["step"],
+                "pass1_mean": m["eval_pass1_mean"],
+                "greedy_pass1": m["eval_greedy_pass1"],
+                "rl_s": m["gen_s"] + m["train_s"],
+                "update_s": m["train_s"],
+                "tokens": m["tokens"],
+            }
+            for m in evals
+        ],
+        "warm_start": {
+            "greedy_pass1": first["eval_greedy_pass1"],
+            "pass1_mean": first["eval_pass1_mean"],
+            "passk": first["eval_passk"],
+            "k": first["k"],
+            "n": first["n"],
+            "train_reward_step1": train[0]["reward_mean"] if train else None,
+            **{k.replace("eval_pass1_mean_", ""): v for k, v in first.items() if k.startswith("eval_pass1_mean_level")},
+            "cached": warm_info.get("cached"),
+            "sft_steps": warm_info.get("sft_steps"),
+            "path": warm_info.get("path"),
+        },
+        "final": {
+            "greedy_pass1": last["eval_greedy_pass1"],
+            "pass1_mean": last["eval_pass1_mean"],
+            "passk": last["eval_passk"],
+            "k": last["k"],
+            "n": last["n"],
+            **{k.replace("eval_pass1_mean_", ""): v for k, v in last.items() if k.startswith("eval_pass1_mean_level")},
+        },
         "best_greedy_pass1": max(m["eval_greedy_pass1"] for m in evals),
-        "samples_trained": totals["samples"], "tokens_trained": totals["tokens"], "tokens_forwarded": totals["fwd_tokens"],
+        "samples_trained": totals["samples"],
+        "tokens_trained": totals["tokens"],
+        "tokens_forwarded": totals["fwd_tokens"],
         "mean_grad_norm": mean([m["grad_norm"] for m in train if m["grad_norm"] is not None]),
         "mean_kept_adv_var": sum(m["kept_adv_var"] for m in train) / max(len(train), 1),
         "mean_sur": sum(m["sur"] for m in train) / max(len(train), 1),
@@ -456,28 +543,35 @@ def write_summary(args, lines, warm_info, totals, timeouts, rl_s, wall_s):
         "final_kl_ref": next((m["kl_ref"] for m in reversed(train) if m.get("kl_ref") is not None), None),
         "mean_entropy": sum(m["entropy_mean"] for m in train) / max(len(train), 1),
         "mean_entropy_kept": mean([m["entropy_kept"] for m in train if m["kept_tokens"]]),  # steps that kept tokens
-        "time_per_step": {key: sum(m.get(f"{key}_s", 0.0) for m in train) / max(len(train), 1)
-                          for key in ("gen", "reward", "pass1", "train")},
+        "time_per_step": {
+            key: sum(m.get(f"{key}_s", 0.0) for m in train) / max(len(train), 1)
+            for key in ("gen", "reward", "pass1", "train")
+        },
         "rl_seed": args.rl_seed,
         "switched_at_step": next((m["step"] for m in train if m.get("sample_rule", own_rule) != own_rule), None),
-        "skipped_updates": totals["skipped"], "grader_timeouts": timeouts,
+        "skipped_updates": totals["skipped"],
+        "grader_timeouts": timeouts,
         "dropped_long_prompts": getattr(args, "dropped_long_prompts", 0),  # --drop-long-prompts (common.fit_prompts)
-        "gen_s": round(totals["gen_s"], 1), "train_s": round(totals["train_s"], 1),
-        "rl_s": round(rl_s, 1), "wall_s": round(wall_s, 1),
+        "gen_s": round(totals["gen_s"], 1),
+        "train_s": round(totals["train_s"], 1),
+        "rl_s": round(rl_s, 1),
+        "wall_s": round(wall_s, 1),
     }
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     w, fin = summary["warm_start"], summary["final"]
-    print(f"\n== {args.method} ({args.loss}), {args.steps} steps, {args.out}\n"
-          f"warm start  held-out greedy Pass@1 {w['greedy_pass1']:.3f}  Pass@1 mean@{w['n']} {w['pass1_mean']:.3f}  "
-          f"Pass@{w['k']} {w['passk']:.3f}  (train reward at step 1: {w['train_reward_step1']})\n"
-          f"final       held-out greedy Pass@1 {fin['greedy_pass1']:.3f}  Pass@1 mean@{fin['n']} {fin['pass1_mean']:.3f}  "
-          f"Pass@{fin['k']} {fin['passk']:.3f}\n"
-          f"trained on {summary['samples_trained']} rollouts, {summary['tokens_trained']} tokens in the loss "
-          f"({summary['tokens_forwarded']} forwarded); {summary['skipped_updates']} skipped updates, "
-          f"{timeouts} grader timeouts\n"
-          f"time: {summary['gen_s']} s generating + grading, {summary['train_s']} s training, {summary['rl_s']} s RL "
-          f"incl. eval, {summary['wall_s']} s in all")
+    print(
+        f"\n== {args.method} ({args.loss}), {args.steps} steps, {args.out}\n"
+        f"warm start  held-out greedy Pass@1 {w['greedy_pass1']:.3f}  Pass@1 mean@{w['n']} {w['pass1_mean']:.3f}  "
+        f"Pass@{w['k']} {w['passk']:.3f}  (train reward at step 1: {w['train_reward_step1']})\n"
+        f"final       held-out greedy Pass@1 {fin['greedy_pass1']:.3f}  Pass@1 mean@{fin['n']} {fin['pass1_mean']:.3f}  "
+        f"Pass@{fin['k']} {fin['passk']:.3f}\n"
+        f"trained on {summary['samples_trained']} rollouts, {summary['tokens_trained']} tokens in the loss "
+        f"({summary['tokens_forwarded']} forwarded); {summary['skipped_updates']} skipped updates, "
+        f"{timeouts} grader timeouts\n"
+        f"time: {summary['gen_s']} s generating + grading, {summary['train_s']} s training, {summary['rl_s']} s RL "
+        f"incl. eval, {summary['wall_s']} s in all"
+    )
     return summary
 
 
@@ -496,10 +590,20 @@ def save_checkpoint(path, model, optimizer, step, flags, totals):
 
     version, words, gauss = random.getstate()
     _, keys, pos, has_gauss, cached = np.random.get_state()
-    rng = {"torch": torch.get_rng_state(), "python": [version, torch.tensor(words, dtype=torch.int64), gauss],
-           "numpy": [torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)]}
-    state = {"format": CHECKPOINT_FORMAT, "step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-             "totals": totals, "args": flags, "rng": rng}
+    rng = {
+        "torch": torch.get_rng_state(),
+        "python": [version, torch.tensor(words, dtype=torch.int64), gauss],
+        "numpy": [torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)],
+    }
+    state = {
+        "format": CHECKPOINT_FORMAT,
+        "step": step,
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "totals": totals,
+        "args": flags,
+        "rng": rng,
+    }
     with open(path + ".tmp", "wb") as f:
         torch.save(state, f)
         f.flush()
@@ -522,20 +626,25 @@ def read_checkpoint(path, flags, prog, added=None):
         assert isinstance(state, dict) and {"step", "model", "optimizer", "totals", "args", "rng"} <= set(state)
     except pickle.UnpicklingError as e:
         if "weights_only" in str(e) or "Unsupported global" in str(e):
-            raise UsageError(f"--resume {path}: refused: it holds a pickled Python object, not tensors (loading it "
-                             f"could run code); {fix}") from None
+            raise UsageError(
+                f"--resume {path}: refused: it holds a pickled Python object, not tensors (loading it "
+                f"could run code); {fix}"
+            ) from None
         raise UsageError(f"--resume {path}: truncated or corrupt (not a checkpoint {prog} wrote); {fix}") from None
     except Exception:  # EOFError, RuntimeError (a truncated zip), AssertionError, ...
         raise UsageError(f"--resume {path}: truncated or corrupt (not a checkpoint {prog} wrote); {fix}") from None
     if state.get("format") != CHECKPOINT_FORMAT:
-        raise UsageError(f"--resume {path}: checkpoint format {state.get('format', 1)} of an older {prog}; "
-                         f"finish that run with the version that wrote it, or {fix}")
+        raise UsageError(
+            f"--resume {path}: checkpoint format {state.get('format', 1)} of an older {prog}; "
+            f"finish that run with the version that wrote it, or {fix}"
+        )
     for flag, value in flags.items():
         then = state["args"].get(flag, (added or {}).get(flag))
         if value != then:
             name = "--" + flag.replace("_", "-")
-            raise UsageError(f"{name} {value}: {path} was made with {name} {then}; resume with the run's flags, "
-                             "or use a new --out")
+            raise UsageError(
+                f"{name} {value}: {path} was made with {name} {then}; resume with the run's flags, or use a new --out"
+            )
     return state
 
 
@@ -545,11 +654,14 @@ def read_resume(args, run_flags, prog, added=None):
     path = os.path.join(args.out, "checkpoint.pt") if args.resume == "latest" else args.resume
     state = read_checkpoint(path, {k: getattr(args, k) for k in run_flags}, prog, added)
     if args.stop_after is not None and args.stop_after <= state["step"]:
-        raise UsageError(f"--stop-after {args.stop_after}: {path} is already at step {state['step']}; raise --stop-after "
-                         "or drop it")
+        raise UsageError(
+            f"--stop-after {args.stop_after}: {path} is already at step {state['step']}; raise --stop-after or drop it"
+        )
     if state["step"] >= args.steps:
-        raise UsageError(f"--resume {path}: the run already finished its {args.steps} steps; run without --resume to "
-                         "start again, or use a new --out")
+        raise UsageError(
+            f"--resume {path}: the run already finished its {args.steps} steps; run without --resume to "
+            "start again, or use a new --out"
+        )
     return state
 
 

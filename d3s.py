@@ -40,9 +40,13 @@ def group_advantages(rewards, scale=True, eps=1e-6):
     tensor([[-0.2500, -0.2500, -0.2500,  0.7500]])
     """
     _require(isinstance(rewards, torch.Tensor), "rewards", type(rewards).__name__, "pass a tensor of shape [P, G]")
-    _require(rewards.dim() == 2 and rewards.numel() > 0, "rewards.shape", tuple(rewards.shape), "expected [P, G], P, G >= 1")
+    _require(
+        rewards.dim() == 2 and rewards.numel() > 0, "rewards.shape", tuple(rewards.shape), "expected [P, G], P, G >= 1"
+    )
     bad = ~torch.isfinite(rewards.double())
-    _require(not bad.any(), "rewards", rewards[bad][:4].tolist(), "must be finite (no NaN/inf); check the reward function")
+    _require(
+        not bad.any(), "rewards", rewards[bad][:4].tolist(), "must be finite (no NaN/inf); check the reward function"
+    )
     rewards = rewards.float()
     centered = rewards - rewards.mean(dim=-1, keepdim=True)  # R_i - mean_g R
     spread = (rewards.amax(-1, keepdim=True) - rewards.amin(-1, keepdim=True)) > 0
@@ -74,7 +78,9 @@ def max_variance_subset(values, m):
     n = values.shape[-1]
     _require(isinstance(m, int) and 1 <= m <= n, "m", m, f"must be an int in [1, n={n}]")
     values64 = values.double()
-    _require(bool(torch.isfinite(values64.sum())), "values", values[~torch.isfinite(values)][:4].tolist(), "must be finite")
+    _require(
+        bool(torch.isfinite(values64.sum())), "values", values[~torch.isfinite(values)][:4].tolist(), "must be finite"
+    )
     order = values.sort(dim=-1, stable=True).indices  # ascending, [..., n]
     v_sorted = values64.gather(-1, order)
     v_sorted = v_sorted - v_sorted.mean(-1, keepdim=True)  # centered: prefix sums without cancellation
@@ -126,11 +132,17 @@ def select_samples(rewards, n_keep, rule="cross", scale=True, eps=1e-6, generato
         return rule(rewards, n_keep, scale=scale, eps=eps, generator=generator)
     adv = group_advantages(rewards, scale=scale, eps=eps)  # [P, G], on all G rollouts
     P, G = rewards.shape
-    _require(rule in SAMPLE_RULES, "rule", rule, f"choose one of {', '.join(SAMPLE_RULES)}, or a function (variants.py)")
+    _require(
+        rule in SAMPLE_RULES, "rule", rule, f"choose one of {', '.join(SAMPLE_RULES)}, or a function (variants.py)"
+    )
     if rule == "all":
         return torch.ones(P, G, dtype=torch.bool, device=rewards.device), adv
-    _require(isinstance(n_keep, int) and 1 <= n_keep <= G, "n_keep", n_keep,
-             f"must be an int in [1, G={G}] (rollouts kept per prompt); raise G or lower N")
+    _require(
+        isinstance(n_keep, int) and 1 <= n_keep <= G,
+        "n_keep",
+        n_keep,
+        f"must be an int in [1, G={G}] (rollouts kept per prompt); raise G or lower N",
+    )
     keep = torch.zeros(P, G, dtype=torch.bool, device=rewards.device)
     if rule == "cross":  # one pooled choice over all P*G advantages, budget n_keep * P
         keep.view(-1)[max_variance_subset(adv.reshape(-1), n_keep * P)] = True
@@ -180,8 +192,12 @@ def token_entropy(logits, chunk_size=None):
     >>> token_entropy(torch.zeros(2, 4))  # uniform over 4 tokens: log 4
     tensor([1.3863, 1.3863])
     """
-    _require(isinstance(logits, torch.Tensor) and logits.dim() >= 1, "logits", type(logits).__name__,
-             "pass a tensor of shape [..., V]")
+    _require(
+        isinstance(logits, torch.Tensor) and logits.dim() >= 1,
+        "logits",
+        type(logits).__name__,
+        "pass a tensor of shape [..., V]",
+    )
     V = logits.shape[-1]
     if chunk_size is None:
         chunk_size = max(1, (2**21 if logits.device.type == "cpu" else 2**26) // max(V, 1))  # fp32 elements
@@ -210,7 +226,12 @@ def token_scores(adv, entropy, rule=None, generator=None):
             [3., 0.]])
     """
     _require(rule is None or callable(rule), "rule", rule, "pass None (|A| * H) or a function (variants.TOKEN_RULES)")
-    _require(isinstance(entropy, torch.Tensor) and entropy.dim() == 2, "entropy.shape", tuple(entropy.shape), "expected [B, T]")
+    _require(
+        isinstance(entropy, torch.Tensor) and entropy.dim() == 2,
+        "entropy.shape",
+        tuple(entropy.shape),
+        "expected [B, T]",
+    )
     abs_adv = adv.abs().float().unsqueeze(-1) if adv.dim() == 1 else adv.abs().float()  # [B, 1] or [B, T]
     scores = abs_adv * entropy.float() if rule is None else rule(abs_adv, entropy, generator)
     return scores.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
@@ -233,9 +254,14 @@ def select_tokens(scores, mask, k_frac, scope="batch", min_per_seq=0):
     tensor([[1, 0, 0, 0],
             [1, 0, 0, 0]], dtype=torch.int32)
     """
-    shape = lambda t: tuple(getattr(t, "shape", ()))  # noqa: E731
+    shape = lambda t: tuple(getattr(t, "shape", ()))
     _require(isinstance(scores, torch.Tensor) and scores.dim() == 2, "scores.shape", shape(scores), "expected [B, T]")
-    _require(isinstance(mask, torch.Tensor) and shape(mask) == shape(scores), "mask.shape", shape(mask), f"must be {shape(scores)}")
+    _require(
+        isinstance(mask, torch.Tensor) and shape(mask) == shape(scores),
+        "mask.shape",
+        shape(mask),
+        f"must be {shape(scores)}",
+    )
     _require(isinstance(k_frac, (int, float)) and 0 < k_frac <= 1, "k_frac", k_frac, "must be in (0, 1]")
     _require(scope in ("batch", "sequence"), "scope", scope, "choose 'batch' or 'sequence'")
     _require(min_per_seq in (0, 1), "min_per_seq", min_per_seq, "choose 1 (every response keeps its best token) or 0")
@@ -271,8 +297,12 @@ def dynamic_schedule(step, total_steps, n_init=8, n_final=32, k_init=0.05, k_fin
     """
     _require(isinstance(total_steps, int) and total_steps >= 1, "total_steps", total_steps, "must be an int >= 1")
     _require(isinstance(step, int) and step >= 0, "step", step, "must be an int >= 0")
-    for name, val, ok in (("n_init", n_init, isinstance(n_init, int) and n_init >= 1), ("k_init", k_init, 0 < k_init <= 1),
-                          ("n_final", n_final, isinstance(n_final, int) and n_final >= 1), ("k_final", k_final, 0 < k_final <= 1)):
+    for name, val, ok in (
+        ("n_init", n_init, isinstance(n_init, int) and n_init >= 1),
+        ("k_init", k_init, 0 < k_init <= 1),
+        ("n_final", n_final, isinstance(n_final, int) and n_final >= 1),
+        ("k_final", k_final, 0 < k_final <= 1),
+    ):
         _require(ok, name, val, "must be an int >= 1" if name[0] == "n" else "must be in (0, 1]")
     f = min(step / total_steps, 1.0) if progress is None else progress
     n = int(math.floor(n_init + (n_final - n_init) * f + 0.5))  # round half up
@@ -298,8 +328,20 @@ LADDER = {
 }
 
 
-def method_budget(row, *, step, total_steps, group_size, n_init=8, n_final=32, k_init=0.05, k_final=0.20,
-                  static_n=None, static_k=None, progress=None):
+def method_budget(
+    row,
+    *,
+    step,
+    total_steps,
+    group_size,
+    n_init=8,
+    n_final=32,
+    k_init=0.05,
+    k_final=0.20,
+    static_n=None,
+    static_k=None,
+    progress=None,
+):
     """(n_keep, k_frac) of a method's Row at `step` (from 0): "schedule": dynamic_schedule; "static": static_n,
     static_k, by default the linear schedule's midpoint (choice: about as many rollouts over a run); "all": G, 1.
 
@@ -313,8 +355,12 @@ def method_budget(row, *, step, total_steps, group_size, n_init=8, n_final=32, k
     _require(0 < static[1] <= 1, "static_k", static[1], "must be in (0, 1]")
     n = {"schedule": scheduled[0], "static": static[0], "all": group_size}[row.n]
     k = {"schedule": scheduled[1], "static": static[1], "all": 1.0}[row.k]
-    _require(isinstance(n, int) and 1 <= n <= group_size, "n_keep", n,
-             f"N counts rollouts kept per prompt and must be in [1, G={group_size}]; lower N or raise G")
+    _require(
+        isinstance(n, int) and 1 <= n <= group_size,
+        "n_keep",
+        n,
+        f"N counts rollouts kept per prompt and must be in [1, G={group_size}]; lower N or raise G",
+    )
     return n, k
 
 
@@ -336,8 +382,19 @@ def kl_k3(logp, ref_logp):
     return torch.expm1(d) - d  # = exp(d) - 1 - d, without the cancellation of exp(d) - 1 at small d
 
 
-def policy_loss(logp, old_logp, adv, mask, kind="grpo", clip_low=None, clip_high=None,
-                ref_logp=None, beta=0.0, normalizer=None, agg=None):
+def policy_loss(
+    logp,
+    old_logp,
+    adv,
+    mask,
+    kind="grpo",
+    clip_low=None,
+    clip_high=None,
+    ref_logp=None,
+    beta=0.0,
+    normalizer=None,
+    agg=None,
+):
     """Clipped surrogate over the selected tokens, per token:
         l_{i,t} = -min(w * A_i, clip(w, 1 - eps_low, 1 + eps_high) * A_i) + beta * KL_{i,t}
     GRPO: w_{i,t} = exp(logp_{i,t} - old_{i,t})                                     (default eps 0.2 / 0.28)
@@ -363,13 +420,19 @@ def policy_loss(logp, old_logp, adv, mask, kind="grpo", clip_low=None, clip_high
     _require(agg in ("token-mean", "seq-mean-token-mean"), "agg", agg, "choose 'token-mean' or 'seq-mean-token-mean'")
     _require(logp.dim() == 2, "logp.shape", tuple(logp.shape), "expected [B, T]")
     for name, t in (("old_logp", old_logp), ("mask", mask), ("ref_logp", ref_logp)):
-        _require((t is None and name == "ref_logp") or tuple(getattr(t, "shape", ())) == tuple(logp.shape),
-                 f"{name}.shape", tuple(getattr(t, "shape", ())), f"must equal logp.shape {tuple(logp.shape)}")
+        _require(
+            (t is None and name == "ref_logp") or tuple(getattr(t, "shape", ())) == tuple(logp.shape),
+            f"{name}.shape",
+            tuple(getattr(t, "shape", ())),
+            f"must equal logp.shape {tuple(logp.shape)}",
+        )
     _require(tuple(adv.shape) == (logp.shape[0],), "adv.shape", tuple(adv.shape), f"expected [B] = ({logp.shape[0]},)")
     _require(normalizer is None or float(normalizer) > 0, "normalizer", normalizer, "must be > 0 (tokens or responses)")
     _require(beta == 0 or ref_logp is not None, "beta", beta, "a KL penalty needs ref_logp; pass it or set beta=0")
-    eps_low, eps_high = (CLIP_DEFAULTS[kind][0] if clip_low is None else clip_low,
-                         CLIP_DEFAULTS[kind][1] if clip_high is None else clip_high)
+    eps_low, eps_high = (
+        CLIP_DEFAULTS[kind][0] if clip_low is None else clip_low,
+        CLIP_DEFAULTS[kind][1] if clip_high is None else clip_high,
+    )
     _require(eps_low >= 0 and eps_high >= 0, "clip_low/clip_high", (eps_low, eps_high), "must be >= 0")
     dtype = torch.promote_types(logp.dtype, torch.float32)  # at least fp32: bf16 counts and sums would round
     logp, old_logp, mask = logp.to(dtype), old_logp.to(dtype), mask.to(dtype)
@@ -394,7 +457,12 @@ def policy_loss(logp, old_logp, adv, mask, kind="grpo", clip_low=None, clip_high
         n_tok = mask.sum().clamp(min=1)
         clipped = ((ratio < 1 - eps_low) & (A < 0)) | ((ratio > 1 + eps_high) & (A > 0))  # where the clip binds
         r = ratio[mask > 0] if (mask > 0).any() else torch.ones(1, dtype=ratio.dtype)
-        stats = {"clip_frac": float((clipped.to(mask.dtype) * mask).sum() / n_tok), "ratio_mean": float(r.mean()),
-                 "ratio_min": float(r.min()), "ratio_max": float(r.max()),
-                 "kl": float((kl * mask).sum() / n_tok) if kl is not None else 0.0, "tokens": float(mask.sum())}
+        stats = {
+            "clip_frac": float((clipped.to(mask.dtype) * mask).sum() / n_tok),
+            "ratio_mean": float(r.mean()),
+            "ratio_min": float(r.min()),
+            "ratio_max": float(r.max()),
+            "kl": float((kl * mask).sum() / n_tok) if kl is not None else 0.0,
+            "tokens": float(mask.sum()),
+        }
     return loss, stats

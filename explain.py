@@ -40,14 +40,14 @@ MARK = (230, 171, 2)  # a mark under some positions (the toy's decision position
 RULES = {  # the samples rule of a LADDER row (variants.rule_name), in words (d3s.select_samples)
     "all": "every rollout is trained on (N = G).",
     "intra": "intra-group: in every row, the N rollouts whose advantages have the largest variance "
-             "(the extremes of the row). Every row keeps N, even a row with no spread (A = 0).",
+    "(the extremes of the row). Every row keeps N, even a row with no spread (A = 0).",
     "cross": "cross-group: one pooled choice of N &times; P rollouts over the whole batch, the set whose "
-             "advantages have the largest variance. Rows keep uneven counts; rows with no spread (A = 0) are taken last.",
+    "advantages have the largest variance. Rows keep uneven counts; rows with no spread (A = 0) are taken last.",
     "pods": "PODS: in every row, the N rollouts whose rewards have the largest variance; A is recomputed on "
-            "the kept N (kept cells show that A, dropped cells their full-group A).",
+    "the kept N (kept cells show that A, dropped cells their full-group A).",
     "random": "random control: N uniform rollouts per row.",
     "mixed": "DAPO's filter: every rollout of each row whose rewards are not all equal (0 &lt; #correct &lt; G); "
-             "rows with no spread (A = 0) keep none. No N: the count follows the batch.",
+    "rows with no spread (A = 0) keep none. No N: the count follows the batch.",
 }
 
 
@@ -96,8 +96,23 @@ def pick_rollouts(adv, keep, n_high=2, n_low=2, n_dropped=1):
 # ---------------------------------------------------------------------------------------------
 # 2. The page
 # ---------------------------------------------------------------------------------------------
-def write_step(out_dir, *, step, rung, method, rewards, adv, keep, n_keep, k_frac, k_real,
-               shown, prompts=None, extra=None, png=True):
+def write_step(
+    out_dir,
+    *,
+    step,
+    rung,
+    method,
+    rewards,
+    adv,
+    keep,
+    n_keep,
+    k_frac,
+    k_real,
+    shown,
+    prompts=None,
+    extra=None,
+    png=True,
+):
     """Write out_dir/step_NNNNNN.html (and .png when png=True); return the html path.
 
     step: the global step as the rung counts it; rung: "toy" | "train_small" | "train_full";
@@ -124,8 +139,12 @@ def write_step(out_dir, *, step, rung, method, rewards, adv, keep, n_keep, k_fra
     """
     _check_grid(rewards=rewards, adv=adv, keep=keep)
     P, G = rewards.shape
-    _require(prompts is None or len(prompts) == P, "prompts", f"{len(prompts)} strings" if prompts else prompts,
-             f"pass one string per prompt (P={P}) or None")
+    _require(
+        prompts is None or len(prompts) == P,
+        "prompts",
+        f"{len(prompts)} strings" if prompts else prompts,
+        f"pass one string per prompt (P={P}) or None",
+    )
     for name, value in (("n_keep", n_keep), ("k_frac", k_frac), ("k_real", k_real), ("step", step)):
         _require(isinstance(value, (int, float)) and math.isfinite(value), name, value, "must be a finite number")
     shown = [_check_shown(item, P * G) for item in shown]
@@ -137,19 +156,31 @@ def write_step(out_dir, *, step, rung, method, rewards, adv, keep, n_keep, k_fra
     }
     os.makedirs(out_dir, exist_ok=True)
     base = os.path.join(out_dir, "step_%06d" % int(step))
-    page = "\n".join([
-        _HEAD % {"title": html.escape(f"{rung} step {int(step)}: {method}")},
-        _summary(step, rung, method, rewards, keep, n_keep, k_frac, k_real, numbers, extra),
-        _legend(shown),
-        _grid(rewards, adv, keep, prompts, n_keep, method),
-        _token_level(shown, rewards, adv, keep, prompts, k_frac, k_real),
-        "</body></html>\n",
-    ])
+    page = "\n".join(
+        [
+            _HEAD % {"title": html.escape(f"{rung} step {int(step)}: {method}")},
+            _summary(step, rung, method, rewards, keep, n_keep, k_frac, k_real, numbers, extra),
+            _legend(shown),
+            _grid(rewards, adv, keep, prompts, n_keep, method),
+            _token_level(shown, rewards, adv, keep, prompts, k_frac, k_real),
+            "</body></html>\n",
+        ]
+    )
     with open(base + ".html", "w", encoding="utf-8") as f:
         f.write(page)
     if png:
-        plot_step(base + ".png", step=step, rung=rung, method=method, adv=adv, keep=keep, shown=shown,
-                  var_kept=numbers["var_kept"], var_all=numbers["var_all"], prompts=prompts)
+        plot_step(
+            base + ".png",
+            step=step,
+            rung=rung,
+            method=method,
+            adv=adv,
+            keep=keep,
+            shown=shown,
+            var_kept=numbers["var_kept"],
+            var_all=numbers["var_all"],
+            prompts=prompts,
+        )
     return base + ".html"
 
 
@@ -196,26 +227,37 @@ def _summary(step, rung, method, rewards, keep, n_keep, k_frac, k_real, numbers,
     samples = _samples_rule(method)
     stats = [
         (f"{int(keep.sum())} / {P * G}", f"rollouts kept (P = {P} prompts &times; G = {G})"),
-        (f"N = {int(n_keep)}", f"per prompt on average: N &times; P = {int(n_keep) * P} pooled" if samples == "cross"
-         else f"rollouts kept per prompt, of G = {G}"),
-        (f"{numbers['var_kept']:.2f} <small>vs</small> {numbers['var_all']:.2f}",
-         "Var(A): kept set vs full batch (unbiased)"),
+        (
+            f"N = {int(n_keep)}",
+            f"per prompt on average: N &times; P = {int(n_keep) * P} pooled"
+            if samples == "cross"
+            else f"rollouts kept per prompt, of G = {G}",
+        ),
+        (
+            f"{numbers['var_kept']:.2f} <small>vs</small> {numbers['var_all']:.2f}",
+            "Var(A): kept set vs full batch (unbiased)",
+        ),
         (f"{100 * k_frac:.1f}% &rarr; {100 * k_real:.1f}%", "tokens: scheduled K &rarr; realised (kept / forwarded)"),
         (f"{numbers['sur']:.2f}", "usefulness: kept rollouts with A &ne; 0"),
     ]
     cards = "".join(f'<div class="stat"><b>{value}</b><span>{label}</span></div>' for value, label in stats)
     rows = ""
     if extra:
-        rows = '<p class="note">' + " &middot; ".join(
-            f"{html.escape(str(k))}: <b>{html.escape(_fmt(v))}</b>" for k, v in extra.items()) + "</p>"
-    return (f"<h1>Step {int(step)} &middot; {html.escape(str(method))} &middot; {html.escape(str(rung))}</h1>"
-            f'<p class="sub">What this step trains on: first the rollouts (sample level), then their tokens '
-            f"(token level). Global step {int(step)} of the run; hover any cell or token for its numbers.</p>"
-            f'<div class="stats">{cards}</div>{rows}')
+        rows = (
+            '<p class="note">'
+            + " &middot; ".join(f"{html.escape(str(k))}: <b>{html.escape(_fmt(v))}</b>" for k, v in extra.items())
+            + "</p>"
+        )
+    return (
+        f"<h1>Step {int(step)} &middot; {html.escape(str(method))} &middot; {html.escape(str(rung))}</h1>"
+        f'<p class="sub">What this step trains on: first the rollouts (sample level), then their tokens '
+        f"(token level). Global step {int(step)} of the run; hover any cell or token for its numbers.</p>"
+        f'<div class="stats">{cards}</div>{rows}'
+    )
 
 
 def _legend(shown):
-    chip = lambda a, text: f'<span class="chip" style="background:{_adv_css(a)};color:{_ink(a)}">{text}</span>'  # noqa: E731
+    chip = lambda a, text: f'<span class="chip" style="background:{_adv_css(a)};color:{_ink(a)}">{text}</span>'
     items = [
         chip(1.5, "A &gt; 0") + "better than its group",
         chip(-1.5, "A &lt; 0") + "worse than its group",
@@ -240,11 +282,16 @@ def _grid(rewards, adv, keep, prompts, n_keep, method):
     flat = rewards.amax(1) == rewards.amin(1)  # rows with no spread: A = 0
     this_step = f"This step: rows keep {int(per_row.min())} to {int(per_row.max())} of {G}"
     if flat.any():
-        this_step += (f"; {int(flat.sum())} row{'s' if int(flat.sum()) > 1 else ''} with no spread "
-                      f"keep {int(per_row[flat].sum())} rollout{'' if int(per_row[flat].sum()) == 1 else 's'} in all")
-    out = [f"<h2>1. Sample level: which rollouts</h2><div class=\"rule\"><b>{html.escape(str(method))}</b>, "
-           f"N = {int(n_keep)}: {rule} <b>{this_step}.</b> Cells are sorted by A within each row; the top number "
-           "is the reward R, the bottom one A.</div>", '<table class="grid">']
+        this_step += (
+            f"; {int(flat.sum())} row{'s' if int(flat.sum()) > 1 else ''} with no spread "
+            f"keep {int(per_row[flat].sum())} rollout{'' if int(per_row[flat].sum()) == 1 else 's'} in all"
+        )
+    out = [
+        f'<h2>1. Sample level: which rollouts</h2><div class="rule"><b>{html.escape(str(method))}</b>, '
+        f"N = {int(n_keep)}: {rule} <b>{this_step}.</b> Cells are sorted by A within each row; the top number "
+        "is the reward R, the bottom one A.</div>",
+        '<table class="grid">',
+    ]
     for p in range(P):
         order = _row_order(adv[p], keep[p])
         label = prompts[p] if prompts else f"prompt {p}"
@@ -252,14 +299,19 @@ def _grid(rewards, adv, keep, prompts, n_keep, method):
         for g in order:
             a, r, k = float(adv[p, g]), float(rewards[p, g]), bool(keep[p, g])
             tip = f"prompt {p}, rollout {g} (index {p * G + g}): reward {_fmt(r)}, A = {a:+.3f}, {'kept' if k else 'dropped'}"
-            cells.append(f'<td class="cell {"kept" if k else "drop"}" data-p="{p}" data-g="{g}" title="{html.escape(tip)}" '
-                         f'style="background-color:{_adv_css(a)};color:{_ink(a) if k else "#666"}">'
-                         f"<b>{html.escape(_fmt(r, short=True))}</b>{_fmt_adv(a)}</td>")
+            cells.append(
+                f'<td class="cell {"kept" if k else "drop"}" data-p="{p}" data-g="{g}" title="{html.escape(tip)}" '
+                f'style="background-color:{_adv_css(a)};color:{_ink(a) if k else "#666"}">'
+                f"<b>{html.escape(_fmt(r, short=True))}</b>{_fmt_adv(a)}</td>"
+            )
         n_kept, spread = int(keep[p].sum()), float(rewards[p].max() - rewards[p].min()) > 0
-        count = (f'<span class="bar" style="width:{round(40 * n_kept / G)}px"></span>{n_kept}/{G} kept'
-                 + ("" if spread else '<br><span class="nosig">no spread</span>'))
-        out.append(f'<tr><td class="lab" title="{html.escape(label)}">{html.escape(_short(label, 48))}</td>{"".join(cells)}'
-                   f'<td class="cnt">{count}</td></tr>')
+        count = f'<span class="bar" style="width:{round(40 * n_kept / G)}px"></span>{n_kept}/{G} kept' + (
+            "" if spread else '<br><span class="nosig">no spread</span>'
+        )
+        out.append(
+            f'<tr><td class="lab" title="{html.escape(label)}">{html.escape(_short(label, 48))}</td>{"".join(cells)}'
+            f'<td class="cnt">{count}</td></tr>'
+        )
     out.append("</table>")
     return "\n".join(out)
 
@@ -268,10 +320,12 @@ def _token_level(shown, rewards, adv, keep, prompts, k_frac, k_real):
     G = rewards.shape[1]
     scores = [s for item in shown if item["score"] is not None for s in item["score"] if math.isfinite(s)]
     top = max(scores, default=0.0) or 1.0  # the darkest shade: the largest score on the page
-    out = [f"<h2>2. Token level: which tokens</h2><div class=\"rule\">Score s = |A| &times; H (entropy of the policy at "
-           f"that token). The top K = {100 * k_frac:.1f}% of scores over all forwarded tokens of the batch are selected "
-           f"(realised: {100 * k_real:.1f}%); only they enter the loss. Shade: s relative to the largest s shown "
-           f"({top:.3g}). Rollouts shown: the highest- and lowest-advantage kept ones, and a dropped one for contrast.</div>"]
+    out = [
+        f'<h2>2. Token level: which tokens</h2><div class="rule">Score s = |A| &times; H (entropy of the policy at '
+        f"that token). The top K = {100 * k_frac:.1f}% of scores over all forwarded tokens of the batch are selected "
+        f"(realised: {100 * k_real:.1f}%); only they enter the loss. Shade: s relative to the largest s shown "
+        f"({top:.3g}). Rollouts shown: the highest- and lowest-advantage kept ones, and a dropped one for contrast.</div>"
+    ]
     for item in shown:
         p, g = divmod(item["index"], G)
         a, r, k = float(adv[p, g]), float(rewards[p, g]), bool(keep[p, g])
@@ -286,13 +340,17 @@ def _token_level(shown, rewards, adv, keep, prompts, k_frac, k_real):
             status = "dropped, with its whole group"
         if item["selected"] is not None:
             n_sel, n_tok = sum(map(bool, item["selected"])), len(item["tokens"])
-            status += f" &middot; <b>{n_sel}</b> of {n_tok} tokens selected" + (" (none made the batch's top K)" if k and not n_sel else "")
+            status += f" &middot; <b>{n_sel}</b> of {n_tok} tokens selected" + (
+                " (none made the batch's top K)" if k and not n_sel else ""
+            )
         else:
             status += " &middot; never forwarded: no entropy, no score, no gradient"
-        out.append(f'<div class="roll" data-index="{item["index"]}"><div class="hd">'
-                   f'<span class="chip" style="background:{_adv_css(a)};color:{_ink(a)}">A {f"{a:+.2f}" if a else "0"}</span>'
-                   f"R = {html.escape(_fmt(r))} &middot; rollout {g} of <i>{html.escape(_short(label, 80))}</i> &middot; {status}</div>"
-                   f'<div class="toks{"" if item["score"] is not None else " fwd0"}">{_tokens_html(item, top)}</div></div>')
+        out.append(
+            f'<div class="roll" data-index="{item["index"]}"><div class="hd">'
+            f'<span class="chip" style="background:{_adv_css(a)};color:{_ink(a)}">A {f"{a:+.2f}" if a else "0"}</span>'
+            f"R = {html.escape(_fmt(r))} &middot; rollout {g} of <i>{html.escape(_short(label, 80))}</i> &middot; {status}</div>"
+            f'<div class="toks{"" if item["score"] is not None else " fwd0"}">{_tokens_html(item, top)}</div></div>'
+        )
     if not shown:
         out.append('<p class="note">No rollout shown at token level.</p>')
     return "\n".join(out)
@@ -319,7 +377,9 @@ def _tokens_html(item, top):
             tip.append(item.get("mark_label") or "marked")
         if item.get("notes") and item["notes"][t]:
             tip.append(str(item["notes"][t]))
-        spans.append(f'<span class="{" ".join(classes)}"{style} title="{html.escape(" | ".join(tip))}">{_visible(piece)}</span>')
+        spans.append(
+            f'<span class="{" ".join(classes)}"{style} title="{html.escape(" | ".join(tip))}">{_visible(piece)}</span>'
+        )
         if "\n" in piece:
             spans.append("<br>")
     return "".join(spans)
@@ -364,11 +424,17 @@ def plot_step(path, *, step, rung, method, adv, keep, shown, var_kept, var_all, 
     if P <= 40:
         ax.set_yticks(range(P), [_short(prompts[p], 24) if prompts else f"prompt {p}" for p in range(P)], fontsize=8)
     ax.set_xlabel("rollouts of a prompt, sorted by advantage (right: kept / G)", fontsize=9)
-    ax.set_title(f"{rung} step {int(step)}, {method}: kept {int(keep.sum())} of {P * G} rollouts; "
-                 f"Var(A) kept {var_kept:.2f} vs full batch {var_all:.2f}", fontsize=10)
-    handles = [Patch(color=[c / 255 for c in _adv_rgb(1.5)], label="A > 0"), Patch(color=[c / 255 for c in _adv_rgb(-1.5)], label="A < 0"),
-               Patch(color=[c / 255 for c in ZERO], label="A = 0"),
-               plt.Line2D([], [], color="black", marker="o", ls="", markersize=4, label="kept (faded: dropped)")]
+    ax.set_title(
+        f"{rung} step {int(step)}, {method}: kept {int(keep.sum())} of {P * G} rollouts; "
+        f"Var(A) kept {var_kept:.2f} vs full batch {var_all:.2f}",
+        fontsize=10,
+    )
+    handles = [
+        Patch(color=[c / 255 for c in _adv_rgb(1.5)], label="A > 0"),
+        Patch(color=[c / 255 for c in _adv_rgb(-1.5)], label="A < 0"),
+        Patch(color=[c / 255 for c in ZERO], label="A = 0"),
+        plt.Line2D([], [], color="black", marker="o", ls="", markersize=4, label="kept (faded: dropped)"),
+    ]
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.06, 1), fontsize=8, frameon=False)
     if strip:
         _plot_strip(axes[1], strip, G, prompts, max_tokens)
@@ -394,23 +460,43 @@ def _plot_strip(ax, item, G, prompts, max_tokens):
     wide = width <= 32  # room for 3 characters per box, else 1 (plus … when cut)
     for x, t in enumerate(range(start, start + width)):
         shade = 0.85 * max(scores[t], 0) / top if math.isfinite(scores[t]) else 0.0
-        ax.add_patch(Rectangle((x + 0.06, 0.12), 0.88, 0.76, facecolor=[(255 + (c - 255) * shade) / 255 for c in SCORE],
-                               edgecolor="black" if selected[t] else "#ccc", linewidth=2.4 if selected[t] else 0.5))
+        ax.add_patch(
+            Rectangle(
+                (x + 0.06, 0.12),
+                0.88,
+                0.76,
+                facecolor=[(255 + (c - 255) * shade) / 255 for c in SCORE],
+                edgecolor="black" if selected[t] else "#ccc",
+                linewidth=2.4 if selected[t] else 0.5,
+            )
+        )
         text = _visible_plain(tokens[t])
         keep_chars = 3 if wide else 1
-        ax.text(x + 0.5, 0.5, text if len(text) <= keep_chars else text[: max(keep_chars - 1, 1)] + "…", ha="center",
-                va="center", fontsize=9 if wide else 6,
-                family="monospace", color="white" if shade > 0.5 else "black")
+        ax.text(
+            x + 0.5,
+            0.5,
+            text if len(text) <= keep_chars else text[: max(keep_chars - 1, 1)] + "…",
+            ha="center",
+            va="center",
+            fontsize=9 if wide else 6,
+            family="monospace",
+            color="white" if shade > 0.5 else "black",
+        )
         if marked and marked[t]:
-            ax.plot([x + 0.15, x + 0.85], [0.03, 0.03], color=[c / 255 for c in MARK], linewidth=3, solid_capstyle="butt")
+            ax.plot(
+                [x + 0.15, x + 0.85], [0.03, 0.03], color=[c / 255 for c in MARK], linewidth=3, solid_capstyle="butt"
+            )
     p, g = divmod(item["index"], G)
     label = _short(prompts[p], 40) if prompts else f"prompt {p}"
     shown_range = "" if width == n else f", tokens {start}-{start + width - 1} of {n}"
     mark = f"; underlined: {item.get('mark_label') or 'marked'}" if marked and any(marked) else ""
     ax.set(xlim=(0, max(width, 20)), ylim=(0, 1), xticks=[], yticks=[])
     ax.set_aspect("equal", anchor="W")  # square boxes, left-aligned
-    ax.set_title(f"{label}, rollout {g}{shown_range}\nshade = |A| x H, outlined = selected ({sum(selected)} of {n}){mark}",
-                 fontsize=8.5, loc="left")
+    ax.set_title(
+        f"{label}, rollout {g}{shown_range}\nshade = |A| x H, outlined = selected ({sum(selected)} of {n}){mark}",
+        fontsize=8.5,
+        loc="left",
+    )
     for side in ax.spines.values():
         side.set_visible(False)
 
@@ -418,8 +504,25 @@ def _plot_strip(ax, item, G, prompts, max_tokens):
 # ---------------------------------------------------------------------------------------------
 # The rungs' pages: what each rung shows of a token (train_full.py's: fsdp_vllm.write_explain_page)
 # ---------------------------------------------------------------------------------------------
-def toy_page(args, method, seed, step, task, prompts, tokens, rewards, keep, adv, kept, entropy, scores, token_keep,
-             n_keep, k_frac, extra):
+def toy_page(
+    args,
+    method,
+    seed,
+    step,
+    task,
+    prompts,
+    tokens,
+    rewards,
+    keep,
+    adv,
+    kept,
+    entropy,
+    scores,
+    token_keep,
+    n_keep,
+    k_frac,
+    extra,
+):
     """toy/bandit.py's page of a step: the P x G grid, then the tokens of a few rollouts. A toy "token" is a
     position: its id, and a mark on the decision positions (the ones the reward reads). A dropped rollout was
     never forwarded: no entropy, no score. Reads the step's tensors, draws no random number."""
@@ -431,23 +534,65 @@ def toy_page(args, method, seed, step, task, prompts, tokens, rewards, keep, adv
         prompt = int(prompts[i // G])
         decisions, answers = task["decisions"][prompt].tolist(), task["answers"][prompt].tolist()
         r = row_of.get(i)
-        shown.append({
-            "index": i, "tokens": [str(v) for v in tokens[i].tolist()],
-            "entropy": None if r is None else entropy[r].tolist(), "score": None if r is None else scores[r].tolist(),
-            "selected": None if r is None else token_keep[r].tolist(),
-            "marked": decisions, "mark_label": "decision position (the reward reads it)",
-            "notes": [(f"decision: the right token is {a}, this one is {'right' if v == a else 'wrong'}" if d
-                       else "filler: the reward ignores it") for d, a, v in zip(decisions, answers, tokens[i].tolist())],
-        })
-    labels = ["prompt %d: %d decision%s" % (p, task["decisions"][p].sum(), "" if task["decisions"][p].sum() == 1 else "s")
-              for p in prompts.tolist()]
-    write_step(os.path.join(args.out, "explain", f"{method}_seed{seed}"), step=step, rung="toy", method=method,
-               rewards=rewards, adv=shown_adv, keep=keep, n_keep=n_keep, k_frac=k_frac,
-               k_real=float(token_keep.sum() / token_keep.numel()), shown=shown, prompts=labels, extra=extra)
+        shown.append(
+            {
+                "index": i,
+                "tokens": [str(v) for v in tokens[i].tolist()],
+                "entropy": None if r is None else entropy[r].tolist(),
+                "score": None if r is None else scores[r].tolist(),
+                "selected": None if r is None else token_keep[r].tolist(),
+                "marked": decisions,
+                "mark_label": "decision position (the reward reads it)",
+                "notes": [
+                    (
+                        f"decision: the right token is {a}, this one is {'right' if v == a else 'wrong'}"
+                        if d
+                        else "filler: the reward ignores it"
+                    )
+                    for d, a, v in zip(decisions, answers, tokens[i].tolist())
+                ],
+            }
+        )
+    labels = [
+        "prompt %d: %d decision%s" % (p, task["decisions"][p].sum(), "" if task["decisions"][p].sum() == 1 else "s")
+        for p in prompts.tolist()
+    ]
+    write_step(
+        os.path.join(args.out, "explain", f"{method}_seed{seed}"),
+        step=step,
+        rung="toy",
+        method=method,
+        rewards=rewards,
+        adv=shown_adv,
+        keep=keep,
+        n_keep=n_keep,
+        k_frac=k_frac,
+        k_real=float(token_keep.sum() / token_keep.numel()),
+        shown=shown,
+        prompts=labels,
+        extra=extra,
+    )
 
 
-def small_page(explain_dir, step, tokenizer, problems, batch, rewards, keep, adv, kept_rows, n_keep, k_frac, entropy,
-               token_scores, token_keep, metrics, args, row=None):
+def small_page(
+    explain_dir,
+    step,
+    tokenizer,
+    problems,
+    batch,
+    rewards,
+    keep,
+    adv,
+    kept_rows,
+    n_keep,
+    k_frac,
+    entropy,
+    token_scores,
+    token_keep,
+    metrics,
+    args,
+    row=None,
+):
     """train_small.py's page of a step: reads the step's tensors, draws no random number. row: the LADDER row that
     selected the samples (args.method, or its twin after --switch-on-spike fired)."""
     row = row or args.method
@@ -459,15 +604,32 @@ def small_page(explain_dir, step, tokenizer, problems, batch, rewards, keep, adv
         item = {"index": i, "tokens": [tokenizer.decode([t]) for t in batch["response_ids"][i, :n].tolist()]}
         if i in row_of:  # forwarded: its entropy, score and selection
             r = row_of[i]
-            item.update(entropy=entropy[r, :n].tolist(), score=token_scores[r, :n].tolist(),
-                        selected=token_keep[r, :n].tolist())
+            item.update(
+                entropy=entropy[r, :n].tolist(), score=token_scores[r, :n].tolist(), selected=token_keep[r, :n].tolist()
+            )
         shown.append(item)
     switched = {} if row == args.method else {"--switch-on-spike": f"fired: --method {args.method} runs as {row}"}
-    write_step(explain_dir, step=step, rung="train_small", method=row, rewards=rewards, adv=shown_adv, keep=keep,
-               n_keep=n_keep, k_frac=k_frac, k_real=metrics["k_real"], shown=shown, prompts=[r["problem"] for r in problems],
-               extra={**switched, "loss (mean over mini-batches)": metrics["loss"],
-                      "grad norm (before clipping)": metrics["grad_norm"], "tokens in the loss": metrics["kept_tokens"],
-                      "mini-batches": args.mini_batches})
+    write_step(
+        explain_dir,
+        step=step,
+        rung="train_small",
+        method=row,
+        rewards=rewards,
+        adv=shown_adv,
+        keep=keep,
+        n_keep=n_keep,
+        k_frac=k_frac,
+        k_real=metrics["k_real"],
+        shown=shown,
+        prompts=[r["problem"] for r in problems],
+        extra={
+            **switched,
+            "loss (mean over mini-batches)": metrics["loss"],
+            "grad norm (before clipping)": metrics["grad_norm"],
+            "tokens in the loss": metrics["kept_tokens"],
+            "mini-batches": args.mini_batches,
+        },
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -481,15 +643,28 @@ def _require(ok, name, value, fix):
 def _check_grid(**tensors):
     shape = None
     for name, t in tensors.items():
-        _require(isinstance(t, torch.Tensor) and t.dim() == 2, name, type(t).__name__ if not isinstance(t, torch.Tensor)
-                 else tuple(t.shape), "pass a [P, G] tensor (prompts x rollouts per prompt)")
-        _require(shape is None or tuple(t.shape) == shape, f"{name}.shape", tuple(t.shape), f"must equal {shape}, as the other grids")
+        _require(
+            isinstance(t, torch.Tensor) and t.dim() == 2,
+            name,
+            type(t).__name__ if not isinstance(t, torch.Tensor) else tuple(t.shape),
+            "pass a [P, G] tensor (prompts x rollouts per prompt)",
+        )
+        _require(
+            shape is None or tuple(t.shape) == shape,
+            f"{name}.shape",
+            tuple(t.shape),
+            f"must equal {shape}, as the other grids",
+        )
         shape = tuple(t.shape)
 
 
 def _check_shown(item, n):
-    _require(isinstance(item, dict) and "index" in item and "tokens" in item, "shown[...]", type(item).__name__,
-             'pass dicts {"index": p * G + g, "tokens": [...], "entropy", "score", "selected"}')
+    _require(
+        isinstance(item, dict) and "index" in item and "tokens" in item,
+        "shown[...]",
+        type(item).__name__,
+        'pass dicts {"index": p * G + g, "tokens": [...], "entropy", "score", "selected"}',
+    )
     i = item["index"]
     _require(isinstance(i, int) and 0 <= i < n, "shown index", i, f"must be an int p * G + g in [0, {n})")
     item = {"entropy": None, "score": None, "selected": None, **item, "tokens": [str(t) for t in item["tokens"]]}
@@ -497,8 +672,12 @@ def _check_shown(item, n):
         value = item.get(key)
         if value is not None:
             value = value.tolist() if isinstance(value, torch.Tensor) else list(value)
-            _require(len(value) == len(item["tokens"]), f"shown[index={i}].{key}", f"{len(value)} values",
-                     f"must have one value per token ({len(item['tokens'])})")
+            _require(
+                len(value) == len(item["tokens"]),
+                f"shown[index={i}].{key}",
+                f"{len(value)} values",
+                f"must have one value per token ({len(item['tokens'])})",
+            )
             item[key] = value
     return item
 
@@ -511,7 +690,7 @@ def _samples_rule(method):
 def _row_order(adv_row, keep_row):
     """Display order of one row: A descending; among equal A the kept ones toward the nearer end
     (first if A > 0, last otherwise), so max-variance picks read as "the extremes"."""
-    side = lambda g: -1 if (float(adv_row[g]) > 0) == bool(keep_row[g]) else 1  # noqa: E731
+    side = lambda g: -1 if (float(adv_row[g]) > 0) == bool(keep_row[g]) else 1
     return sorted(range(len(adv_row)), key=lambda g: (-round(float(adv_row[g]), 6), side(g), g))
 
 
@@ -565,8 +744,9 @@ def _visible_plain(piece):
     """Whitespace a reader can see: space ·, newline ↵, tab →, empty ∅, other controls \\xNN."""
     if piece == "":
         return "∅"
-    return "".join({" ": "·", "\n": "↵", "\t": "→", "\r": "␍"}.get(c, c if c.isprintable() else "\\x%02x" % ord(c))
-                   for c in piece)
+    return "".join(
+        {" ": "·", "\n": "↵", "\t": "→", "\r": "␍"}.get(c, c if c.isprintable() else "\\x%02x" % ord(c)) for c in piece
+    )
 
 
 def _visible(piece):

@@ -58,8 +58,14 @@ def init_distributed(device_type, cpu_offload=False):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        os.environ.update(
+            RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_RANK="0",
+            LOCAL_WORLD_SIZE="1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
     local_rank = int(os.environ["LOCAL_RANK"])
     if device_type == "cuda":
         device = torch.device("cuda", local_rank)
@@ -68,8 +74,9 @@ def init_distributed(device_type, cpu_offload=False):
         device = torch.device("cpu")
     if not dist.is_initialized():
         backend = ("cpu:gloo,cuda:nccl" if cpu_offload else "nccl") if device_type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=60),
-                                device_id=device if device_type == "cuda" else None)
+        dist.init_process_group(
+            backend, timeout=datetime.timedelta(minutes=60), device_id=device if device_type == "cuda" else None
+        )
     return Dist(dist.get_rank(), dist.get_world_size(), local_rank, device)
 
 
@@ -179,7 +186,9 @@ def load_policy(args, dist_, reference=False):
     model.config.dtype, model.config.use_cache = checkpoint_dtype, False
     shard_policy(model, args)
     model.to_empty(device="cpu" if getattr(args, "cpu_offload", False) else dist_.device)
-    set_model_state_dict(model, full_state or {}, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    set_model_state_dict(
+        model, full_state or {}, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    )
     _init_rotary_buffers(model, dist_.device)  # non-persistent: not in the checkpoint, garbage after to_empty
     if reference:
         return model.eval().requires_grad_(False)
@@ -207,11 +216,18 @@ def shard_policy(model, args, mesh=None):
     compute = getattr(torch, args.dtype)
     mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)  # fp32 master weights + reductions
     # pinned host memory where there is a GPU to copy to (pin_memory needs one)
-    kw = {"mesh": mesh, "mp_policy": mp, "offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
-          if getattr(args, "cpu_offload", False) else OffloadPolicy()}
+    kw = {
+        "mesh": mesh,
+        "mp_policy": mp,
+        "offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+        if getattr(args, "cpu_offload", False)
+        else OffloadPolicy(),
+    }
     for layer in model.model.layers:
         fully_shard(layer, **kw)
-    if not model.config.tie_word_embeddings:  # an untied embedding (the 7B) is needed in forward only: 1 GiB freed after it
+    if (
+        not model.config.tie_word_embeddings
+    ):  # an untied embedding (the 7B) is needed in forward only: 1 GiB freed after it
         fully_shard(model.model.embed_tokens, **kw)
     # root (final norm, lm_head; the tied embedding): stays gathered after forward for the loss head, which calls
     # lm_head block by block; backward starts there (a no-grad forward, which has no backward, reshards it: reshard)
@@ -298,8 +314,13 @@ def pack(seqs, rows, pad_id, device):
         ids[i, width_p - len(prompt) : width_p + len(response)] = torch.tensor(prompt + response)
         attn[i, width_p - len(prompt) : width_p + len(response)] = 1
     position_ids = (attn.cumsum(-1) - 1).clamp(min=0)  # real tokens at 0, 1, 2, ... as without padding
-    inputs = {"input_ids": ids.to(device), "attention_mask": attn.to(device), "position_ids": position_ids.to(device),
-              "logits_to_keep": width_r + 1, "use_cache": False}
+    inputs = {
+        "input_ids": ids.to(device),
+        "attention_mask": attn.to(device),
+        "position_ids": position_ids.to(device),
+        "logits_to_keep": width_r + 1,
+        "use_cache": False,
+    }
     return inputs, ids[:, width_p:].to(device), attn[:, width_p:].bool().to(device)
 
 
@@ -388,8 +409,15 @@ def response_logp_at(model, inputs, targets, positions, temperature, with_entrop
             block_entropy[i] = d3s.token_entropy(logits.detach())
         return lp
 
-    blocks = [checkpoint(functools.partial(block_logp, i), picked[s : s + HEAD_CHUNK], picked_targets[s : s + HEAD_CHUNK],
-                         use_reentrant=False) for i, s in enumerate(starts)]
+    blocks = [
+        checkpoint(
+            functools.partial(block_logp, i),
+            picked[s : s + HEAD_CHUNK],
+            picked_targets[s : s + HEAD_CHUNK],
+            use_reentrant=False,
+        )
+        for i, s in enumerate(starts)
+    ]
     logp = logp.index_put(index, torch.cat(blocks))
     if not with_entropy:
         return logp
@@ -408,8 +436,12 @@ def micro_batch_rows(seqs, rows, size, dist_, at_least=0):
     `at_least`): a rank with fewer rows gets empty ones, on which it forwards DUMMY, so that FSDP's
     all-gathers and reduce-scatters match over the ranks."""
     n_micro = max(int(all_reduce(math.ceil(len(rows) / size), dist_, dist.ReduceOp.MAX)), at_least)
-    return [[rows[i] for i in chunk] for chunk in micro_batches(
-        [len(seqs[r]["prompt_ids"]) + len(seqs[r]["response_ids"]) for r in rows], size, n_micro)]
+    return [
+        [rows[i] for i in chunk]
+        for chunk in micro_batches(
+            [len(seqs[r]["prompt_ids"]) + len(seqs[r]["response_ids"]) for r in rows], size, n_micro
+        )
+    ]
 
 
 DUMMY = {"prompt_ids": [0], "response_ids": [0]}  # a rank with no rows left still runs FSDP's collectives
@@ -419,7 +451,9 @@ def idle_loss(model, pad_id, device, temperature):
     """A zero loss through the whole model (on DUMMY, no token selected): the backward of a rank with fewer
     micro-batches than the others, which keeps FSDP's collectives matched."""
     inputs, targets, _ = pack([DUMMY], [0], pad_id, device)
-    return response_logp_at(model, inputs, targets, torch.zeros_like(targets, dtype=torch.bool), temperature).sum() * 0.0
+    return (
+        response_logp_at(model, inputs, targets, torch.zeros_like(targets, dtype=torch.bool), temperature).sum() * 0.0
+    )
 
 
 def forward_no_grad(model, seqs, rows, T, args, dist_, pad_id, with_entropy):
@@ -439,8 +473,11 @@ def forward_no_grad(model, seqs, rows, T, args, dist_, pad_id, with_entropy):
                 if with_entropy:
                     entropy_out[chunk, : targets.shape[1]] = entropy
     reshard(model)  # the root's weights, gathered for the loss head: no backward follows to free them
-    return logp_out, entropy_out, all_reduce(sum(len(seqs[r]["prompt_ids"]) + len(seqs[r]["response_ids"]) for r in rows),
-                                             dist_)
+    return (
+        logp_out,
+        entropy_out,
+        all_reduce(sum(len(seqs[r]["prompt_ids"]) + len(seqs[r]["response_ids"]) for r in rows), dist_),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -531,7 +568,10 @@ def trainer_peak_bytes(config, args, ranks):
     memory with --cpu-offload)."""
     params, layer, root = model_shapes(config)
     offload, H, L = getattr(args, "cpu_offload", False), config.hidden_size, config.num_hidden_layers
-    tokens, block = args.micro_batch_size * (args.max_prompt_len + args.max_response_len), HEAD_CHUNK * config.vocab_size * 4
+    tokens, block = (
+        args.micro_batch_size * (args.max_prompt_len + args.max_response_len),
+        HEAD_CHUNK * config.vocab_size * 4,
+    )
     per_token = (2 * L * H + 50 * H) if args.activation_checkpointing else L * 52 * H
     if not args.mlp_chunk_tokens:
         per_token += 7 * config.intermediate_size
@@ -568,34 +608,58 @@ def _plan(config, args, ranks, gpu_bytes, host_bytes=None, local_ranks=1):
     utilization = given or min(max(gpu_bytes - beside - margin, 0.0) / gpu_bytes, 0.95)
     share = utilization * gpu_bytes
     kv_bytes = share - weights - workspace
-    what = ("its step, fsdp_vllm.trainer_peak_bytes: --vllm-sleep-level 0 keeps vLLM awake through it" if awake else
-            f"{'12' if not offload else '0'} B x {params / 1e9:.2f}B params / {ranks} rank(s)"
-            f"{' + the --kl-ref reference' if reference and not offload else ''}")
+    what = (
+        "its step, fsdp_vllm.trainer_peak_bytes: --vllm-sleep-level 0 keeps vLLM awake through it"
+        if awake
+        else f"{'12' if not offload else '0'} B x {params / 1e9:.2f}B params / {ranks} rank(s)"
+        f"{' + the --kl-ref reference' if reference and not offload else ''}"
+    )
     short = []
     if share < least:
-        short.append(f"vLLM would get {share / gib:.1f} GiB beside the trainer's {beside / gib:.1f} GiB "
-                     f"({what}) and the {MARGIN_GIB:g} GiB "
-                     f"margin, less than the {least / gib:.1f} GiB it needs (bf16 weights {weights / gib:.1f}, workspace "
-                     f"{workspace / gib:.1f}, one sequence of {full_length} tokens {kv_per_token * full_length / gib:.2f})")
+        short.append(
+            f"vLLM would get {share / gib:.1f} GiB beside the trainer's {beside / gib:.1f} GiB "
+            f"({what}) and the {MARGIN_GIB:g} GiB "
+            f"margin, less than the {least / gib:.1f} GiB it needs (bf16 weights {weights / gib:.1f}, workspace "
+            f"{workspace / gib:.1f}, one sequence of {full_length} tokens {kv_per_token * full_length / gib:.2f})"
+        )
     if given and share + beside + margin > gpu_bytes:  # the plan's own share always leaves the room
-        short.append(f"--vllm-gpu-memory-utilization {given:g} gives vLLM {share / gib:.1f} GiB, which beside the "
-                     f"trainer's {beside / gib:.1f} GiB ({what}) and the {MARGIN_GIB:g} GiB margin needs "
-                     f"{(share + beside + margin) / gib:.1f} GiB, more than the GPU's {gpu_bytes / gib:.1f}")
+        short.append(
+            f"--vllm-gpu-memory-utilization {given:g} gives vLLM {share / gib:.1f} GiB, which beside the "
+            f"trainer's {beside / gib:.1f} GiB ({what}) and the {MARGIN_GIB:g} GiB margin needs "
+            f"{(share + beside + margin) / gib:.1f} GiB, more than the GPU's {gpu_bytes / gib:.1f}"
+        )
     if peak + margin > gpu_bytes:
-        short.append(f"the trainer's step needs about {peak / gib:.1f} GiB (fsdp_vllm.trainer_peak_bytes: "
-                     f"{params / 1e9:.2f}B params / {ranks} rank(s), micro-batch {args.micro_batch_size} x "
-                     f"{args.max_prompt_len + args.max_response_len} tokens) + the {MARGIN_GIB:g} GiB margin")
+        short.append(
+            f"the trainer's step needs about {peak / gib:.1f} GiB (fsdp_vllm.trainer_peak_bytes: "
+            f"{params / 1e9:.2f}B params / {ranks} rank(s), micro-batch {args.micro_batch_size} x "
+            f"{args.max_prompt_len + args.max_response_len} tokens) + the {MARGIN_GIB:g} GiB margin"
+        )
     if host_bytes is not None and host > host_bytes:
-        short.append(f"--cpu-offload keeps the trainer's state in host memory: {host / gib:.1f} GiB for the "
-                     f"{local_ranks} rank(s) of this node (20 B x params / ranks each), {host_bytes / gib:.1f} GiB is "
-                     "available")
-    return {"params": params, "gpu_gib": gpu_bytes / gib, "trainer_resident_gib": trainer / gib,
-            "trainer_peak_gib": peak / gib, "host_gib": host / gib, "gpu_memory_utilization": round(utilization, 3),
-            "vllm_share_gib": share / gib, "vllm_weights_gib": weights / gib, "vllm_workspace_gib": workspace / gib,
-            "kv_cache_gib": kv_bytes / gib, "kv_bytes_per_token": kv_per_token, "full_length": full_length,
-            "vllm_least_gib": least / gib, "margin_gib": MARGIN_GIB, "vllm_beside_gib": beside / gib,
-            "vllm_awake_in_step": awake,
-            "max_num_seqs": int(min(1024, max(16, kv_bytes // (kv_per_token * full_length)))), "short": short}
+        short.append(
+            f"--cpu-offload keeps the trainer's state in host memory: {host / gib:.1f} GiB for the "
+            f"{local_ranks} rank(s) of this node (20 B x params / ranks each), {host_bytes / gib:.1f} GiB is "
+            "available"
+        )
+    return {
+        "params": params,
+        "gpu_gib": gpu_bytes / gib,
+        "trainer_resident_gib": trainer / gib,
+        "trainer_peak_gib": peak / gib,
+        "host_gib": host / gib,
+        "gpu_memory_utilization": round(utilization, 3),
+        "vllm_share_gib": share / gib,
+        "vllm_weights_gib": weights / gib,
+        "vllm_workspace_gib": workspace / gib,
+        "kv_cache_gib": kv_bytes / gib,
+        "kv_bytes_per_token": kv_per_token,
+        "full_length": full_length,
+        "vllm_least_gib": least / gib,
+        "margin_gib": MARGIN_GIB,
+        "vllm_beside_gib": beside / gib,
+        "vllm_awake_in_step": awake,
+        "max_num_seqs": int(min(1024, max(16, kv_bytes // (kv_per_token * full_length)))),
+        "short": short,
+    }
 
 
 def _refusal(plan, config, args, ranks, gpu_bytes, host_bytes, local_ranks):
@@ -640,12 +704,16 @@ def _refusal(plan, config, args, ranks, gpu_bytes, host_bytes, local_ranks):
     tokens = int(left // plan["kv_bytes_per_token"]) - args.max_prompt_len
     if plan["short"] and plan["short"][0].startswith("vLLM") and len(plan["short"]) == 1 and tokens >= 1:
         fits.append(f"--max-response-len {tokens} --eval-max-tokens {tokens} (one sequence's KV cache)")
-    fix = ("fits with " + "; or ".join(fits)) if fits else (
-        "no flag of train_full.py fits it on this GPU: use a GPU with more memory")
-    return (f"--model {args.model}: does not fit this {gpu_bytes / gib:.1f} GiB GPU: " + "; ".join(plan["short"])
-            + f"; {fix}")
-
-
+    fix = (
+        ("fits with " + "; or ".join(fits))
+        if fits
+        else ("no flag of train_full.py fits it on this GPU: use a GPU with more memory")
+    )
+    return (
+        f"--model {args.model}: does not fit this {gpu_bytes / gib:.1f} GiB GPU: "
+        + "; ".join(plan["short"])
+        + f"; {fix}"
+    )
 
 
 def _meta_model(config):
@@ -678,28 +746,45 @@ class VLLMEngine:
             from transformers import AutoConfig
 
             torch.cuda.empty_cache()  # vLLM sizes its KV cache from the free memory
-            plan = vllm_memory_plan(AutoConfig.from_pretrained(model_path), args, dist_.world,
-                                    torch.cuda.get_device_properties(dist_.device).total_memory)
+            plan = vllm_memory_plan(
+                AutoConfig.from_pretrained(model_path),
+                args,
+                dist_.world,
+                torch.cuda.get_device_properties(dist_.device).total_memory,
+            )
             utilization = plan["gpu_memory_utilization"]
             max_num_seqs = args.vllm_max_num_seqs or plan["max_num_seqs"]
             if dist_.is_main:
-                print(f"vLLM memory plan: trainer shards {plan['trainer_resident_gib']:.1f} GiB of {plan['gpu_gib']:.1f} "
-                      f"while vLLM generates{' (--cpu-offload: in host memory)' if args.cpu_offload else ''}, its step "
-                      f"~{plan['trainer_peak_gib']:.1f} GiB "
-                      f"{'beside vLLM awake' if plan['vllm_awake_in_step'] else 'while vLLM sleeps'}, gpu_memory_utilization "
-                      f"{utilization}: vLLM's bf16 weights {plan['vllm_weights_gib']:.1f} GiB + workspace "
-                      f"{plan['vllm_workspace_gib']:.1f} + KV cache ~{plan['kv_cache_gib']:.1f}, max_num_seqs "
-                      f"{max_num_seqs}; generation {'is' if os.environ.get('VLLM_BATCH_INVARIANT') == '1' else 'is not'} "
-                      "batch-invariant (VLLM_BATCH_INVARIANT, docs/train_full.md)", flush=True)
+                print(
+                    f"vLLM memory plan: trainer shards {plan['trainer_resident_gib']:.1f} GiB of {plan['gpu_gib']:.1f} "
+                    f"while vLLM generates{' (--cpu-offload: in host memory)' if args.cpu_offload else ''}, its step "
+                    f"~{plan['trainer_peak_gib']:.1f} GiB "
+                    f"{'beside vLLM awake' if plan['vllm_awake_in_step'] else 'while vLLM sleeps'}, gpu_memory_utilization "
+                    f"{utilization}: vLLM's bf16 weights {plan['vllm_weights_gib']:.1f} GiB + workspace "
+                    f"{plan['vllm_workspace_gib']:.1f} + KV cache ~{plan['kv_cache_gib']:.1f}, max_num_seqs "
+                    f"{max_num_seqs}; generation {'is' if os.environ.get('VLLM_BATCH_INVARIANT') == '1' else 'is not'} "
+                    "batch-invariant (VLLM_BATCH_INVARIANT, docs/train_full.md)",
+                    flush=True,
+                )
         # per-request seeds (the default) fix every sample; with --unseeded-sampling the engine's own
         # seed draws them, so each rank gets its own (seed + rank) instead of 8 copies of one stream
         engine_seed = args.seed + (dist_.rank if args.unseeded_sampling else 0)
-        self.llm = LLM(model=model_path, tokenizer=model_path, dtype=args.dtype, seed=engine_seed, generation_config="vllm",
-                       distributed_executor_backend="external_launcher", tensor_parallel_size=1,
-                       max_model_len=context_length(model_path, args),
-                       gpu_memory_utilization=utilization, enable_sleep_mode=self.sleep_level > 0,
-                       enable_prefix_caching=True, enforce_eager=args.vllm_enforce_eager or not cuda,
-                       max_num_seqs=max_num_seqs, **extra)
+        self.llm = LLM(
+            model=model_path,
+            tokenizer=model_path,
+            dtype=args.dtype,
+            seed=engine_seed,
+            generation_config="vllm",
+            distributed_executor_backend="external_launcher",
+            tensor_parallel_size=1,
+            max_model_len=context_length(model_path, args),
+            gpu_memory_utilization=utilization,
+            enable_sleep_mode=self.sleep_level > 0,
+            enable_prefix_caching=True,
+            enforce_eager=args.vllm_enforce_eager or not cuda,
+            max_num_seqs=max_num_seqs,
+            **extra,
+        )
         self.max_model_len = self.llm.llm_engine.vllm_config.model_config.max_model_len
         self.sleeping = False
 
@@ -708,14 +793,30 @@ class VLLMEngine:
         from vllm import SamplingParams
 
         self.wake_up()
-        params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, seed=seed, stop_token_ids=stop_ids,
-                                 max_tokens=max(1, min(max_tokens, self.max_model_len - len(ids))), detokenize=False,
-                                 logprobs=0 if logprobs else None)
-                  for ids, seed in zip(prompts, seeds)]
+        params = [
+            SamplingParams(
+                n=n,
+                temperature=temperature,
+                top_p=top_p,
+                seed=seed,
+                stop_token_ids=stop_ids,
+                max_tokens=max(1, min(max_tokens, self.max_model_len - len(ids))),
+                detokenize=False,
+                logprobs=0 if logprobs else None,
+            )
+            for ids, seed in zip(prompts, seeds)
+        ]
         outs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
-        return [[{"token_ids": list(c.token_ids),
-                  "logprobs": [next(iter(lp.values())).logprob for lp in c.logprobs] if logprobs else None}
-                 for c in out.outputs] for out in outs]
+        return [
+            [
+                {
+                    "token_ids": list(c.token_ids),
+                    "logprobs": [next(iter(lp.values())).logprob for lp in c.logprobs] if logprobs else None,
+                }
+                for c in out.outputs
+            ]
+            for out in outs
+        ]
 
     def sleep(self):
         if self.sleep_level > 0 and not self.sleeping:
@@ -732,8 +833,12 @@ class VLLMEngine:
         torch.cuda.empty_cache()  # hand the trainer's cached blocks back to the driver for vLLM
         from vllm.device_allocator import get_mem_allocator_instance
 
-        line = wake_shortfall(torch.cuda.mem_get_info()[0], get_mem_allocator_instance().pointer_to_data.values(), tags,
-                              torch.cuda.memory_allocated())
+        line = wake_shortfall(
+            torch.cuda.mem_get_info()[0],
+            get_mem_allocator_instance().pointer_to_data.values(),
+            tags,
+            torch.cuda.memory_allocated(),
+        )
         if line:
             raise UsageError(line)
         self.llm.wake_up(tags=tags)
@@ -767,13 +872,17 @@ def wake_shortfall(free_bytes, allocations, tags, trainer_bytes=0):
     .is_asleep). A wake maps back the asleep ones of `tags` (None: all) and, whatever the tags, those whose tag
     is not deferrable (weights and kv_cache are; runtime buffers and CUDA-graph pools are not)."""
     deferrable = ("weights", "kv_cache")
-    need = sum(a.handle[1] for a in allocations if a.is_asleep and (tags is None or a.tag in tags or a.tag not in deferrable))
+    need = sum(
+        a.handle[1] for a in allocations if a.is_asleep and (tags is None or a.tag in tags or a.tag not in deferrable)
+    )
     if need <= free_bytes:
         return None
     gib, what = 2**30, "its weights and KV cache" if tags is None else " and ".join(t.replace("_", " ") for t in tags)
-    return (f"GPU memory: vLLM's {what} need {need / gib:.2f} GiB to wake, {free_bytes / gib:.2f} GiB is free (the "
-            f"trainer holds {trainer_bytes / gib:.2f} GiB); lower --vllm-gpu-memory-utilization, or "
-            "--micro-batch-size, or add --cpu-offload (the vLLM memory plan printed at start: docs/memory.md)")
+    return (
+        f"GPU memory: vLLM's {what} need {need / gib:.2f} GiB to wake, {free_bytes / gib:.2f} GiB is free (the "
+        f"trainer holds {trainer_bytes / gib:.2f} GiB); lower --vllm-gpu-memory-utilization, or "
+        "--micro-batch-size, or add --cpu-offload (the vLLM memory plan printed at start: docs/memory.md)"
+    )
 
 
 def _repack_tied_lm_head(worker):
@@ -810,7 +919,9 @@ class HFEngine:
         from transformers import AutoModelForCausalLM
 
         self.device, self.batch = dist_.device, args.hf_generate_batch
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, args.dtype)).to(self.device).eval()
+        self.model = (
+            AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, args.dtype)).to(self.device).eval()
+        )
         self.max_model_len = context_length(model_path, args)
         self.pad_id = self.model.config.pad_token_id
         if self.pad_id is None:
@@ -832,12 +943,21 @@ class HFEngine:
             if seeds[start] is not None:
                 torch.manual_seed(seeds[start])
             greedy = temperature == 0
-            out = self.model.generate(input_ids=ids.to(self.device), attention_mask=attn.to(self.device),
-                                      do_sample=not greedy, temperature=None if greedy else temperature,
-                                      top_p=None if greedy else top_p, top_k=None if greedy else 0, repetition_penalty=1.0,
-                                      num_return_sequences=n, eos_token_id=stop_ids,
-                                      max_new_tokens=max(1, min(max_tokens, self.max_model_len - width)),
-                                      pad_token_id=self.pad_id, output_scores=logprobs, return_dict_in_generate=True)
+            out = self.model.generate(
+                input_ids=ids.to(self.device),
+                attention_mask=attn.to(self.device),
+                do_sample=not greedy,
+                temperature=None if greedy else temperature,
+                top_p=None if greedy else top_p,
+                top_k=None if greedy else 0,
+                repetition_penalty=1.0,
+                num_return_sequences=n,
+                eos_token_id=stop_ids,
+                max_new_tokens=max(1, min(max_tokens, self.max_model_len - width)),
+                pad_token_id=self.pad_id,
+                output_scores=logprobs,
+                return_dict_in_generate=True,
+            )
             new = out.sequences[:, width:].cpu()  # [len(chunk) * n, new]
             steps = torch.stack(out.scores, 1).float().log_softmax(-1).cpu() if logprobs else None  # [.., new, V]
             for i in range(len(chunk)):
@@ -891,7 +1011,9 @@ def make_engine(model_path, args, dist_):
         try:
             engine = VLLMEngine(model_path, args, dist_)
         except ImportError as e:
-            raise SystemExit(f"--rollout vllm needs vLLM ({e}): pip install -r requirements-full.txt, or use --rollout hf")
+            raise SystemExit(
+                f"--rollout vllm needs vLLM ({e}): pip install -r requirements-full.txt, or use --rollout hf"
+            )
         torch.set_rng_state(rng[0]), random.setstate(rng[1]), np.random.set_state(rng[2])
         if cuda_rng is not None:
             torch.cuda.set_rng_state(cuda_rng, dist_.device)
@@ -941,19 +1063,26 @@ def cuda_diagnosis(torch_version=None, build_cuda="", driver=None, driver_cuda=N
         torch_version, build_cuda = torch.__version__, torch.version.cuda
         driver, driver_cuda, gpus = _driver_facts()
     if not build_cuda:
-        return (f"torch {torch_version} is a CPU-only build; install torch's CUDA build (pip install -r "
-                "requirements-full.txt: the PyPI wheel of torch on Linux is the CUDA build)")
+        return (
+            f"torch {torch_version} is a CPU-only build; install torch's CUDA build (pip install -r "
+            "requirements-full.txt: the PyPI wheel of torch on Linux is the CUDA build)"
+        )
     facts = f"torch {torch_version} is built for CUDA {build_cuda}"
     if driver is None:
         return f"{facts}, and no NVIDIA driver answers here (nvidia-smi and libcuda.so.1 not found): install the driver"
     needed, major = MIN_DRIVER.get(int(build_cuda.split(".")[0])), driver.split(".")[0]
     facts += f"; the NVIDIA driver is {driver} (it runs CUDA up to {driver_cuda or '?'})"
     if needed and major.isdigit() and int(major) < needed:
-        return (f"{facts}, older than the R{needed}+ that CUDA {build_cuda.split('.')[0]} needs: update the driver, or "
-                f"install a torch built for CUDA {driver_cuda or 'your driver'} or older (https://download.pytorch.org/whl/)")
+        return (
+            f"{facts}, older than the R{needed}+ that CUDA {build_cuda.split('.')[0]} needs: update the driver, or "
+            f"install a torch built for CUDA {driver_cuda or 'your driver'} or older (https://download.pytorch.org/whl/)"
+        )
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    return (f"{facts}; nvidia-smi lists {len(gpus or [])} GPU(s)" + (f" and CUDA_VISIBLE_DEVICES={visible!r} hides "
-            "them" if visible is not None and gpus else "") + ": check the GPU, the driver and the container's access")
+    return (
+        f"{facts}; nvidia-smi lists {len(gpus or [])} GPU(s)"
+        + (f" and CUDA_VISIBLE_DEVICES={visible!r} hides them" if visible is not None and gpus else "")
+        + ": check the GPU, the driver and the container's access"
+    )
 
 
 def _driver_facts():
@@ -964,8 +1093,12 @@ def _driver_facts():
 
     driver, driver_cuda, gpus = None, None, []
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,name", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30).stdout
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version,name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout
         rows = [line.split(", ", 1) for line in out.strip().splitlines() if ", " in line]
         driver, gpus = (rows[0][0], [name for _, name in rows]) if rows else (None, [])
     except (OSError, subprocess.SubprocessError):
@@ -980,7 +1113,15 @@ def _driver_facts():
     return driver, driver_cuda, gpus
 
 
-PEAK_TFLOPS = (("H100 PCIe", 756), ("H100 NVL", 835), ("H100", 989), ("H200", 989), ("H800", 989), ("A100", 312), ("A800", 312))  # dense bf16
+PEAK_TFLOPS = (
+    ("H100 PCIe", 756),
+    ("H100 NVL", 835),
+    ("H100", 989),
+    ("H200", 989),
+    ("H800", 989),
+    ("A100", 312),
+    ("A800", 312),
+)  # dense bf16
 
 
 def peak_flops(device, peak_tflops):

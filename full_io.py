@@ -40,8 +40,16 @@ import d3s
 import explain
 from cli import UsageError
 from fsdp_vllm import all_reduce, context_length, load_generation_config, load_tokenizer, memory_peak_gb
-from mathtask import (PLAIN_TEMPLATE, QWEN_MATH_TEMPLATE, DataError, default_grader_workers, fit_context, load_problems,
-                      pass_at_k, stop_token_ids)
+from mathtask import (
+    PLAIN_TEMPLATE,
+    QWEN_MATH_TEMPLATE,
+    DataError,
+    default_grader_workers,
+    fit_context,
+    load_problems,
+    pass_at_k,
+    stop_token_ids,
+)
 
 TEMPLATES = {"qwen-math": QWEN_MATH_TEMPLATE, "plain": PLAIN_TEMPLATE}
 
@@ -73,28 +81,40 @@ def check_args(p, args, world):
         p.error(f"--stop-after {args.stop_after}: must be an int in [1, --steps {args.steps}]")
     args.eval_pass_k = sorted(set(cli.int_list(p, "--eval-pass-k", args.eval_pass_k, what="comma-separated ints")))
     if not all(1 <= k <= args.eval_samples for k in args.eval_pass_k):
-        p.error(f"--eval-pass-k {','.join(map(str, args.eval_pass_k))}: each k must be in [1, --eval-samples "
-                f"{args.eval_samples}] (Pass@k from k <= n samples); lower k or raise --eval-samples")
+        p.error(
+            f"--eval-pass-k {','.join(map(str, args.eval_pass_k))}: each k must be in [1, --eval-samples "
+            f"{args.eval_samples}] (Pass@k from k <= n samples); lower k or raise --eval-samples"
+        )
     if args.prompts_per_step * args.group_size > MAX_ROLLOUTS:
-        p.error(f"--prompts-per-step {args.prompts_per_step}: x --group-size {args.group_size} is more than "
-                f"{MAX_ROLLOUTS} rollouts per step; lower one of them")
+        p.error(
+            f"--prompts-per-step {args.prompts_per_step}: x --group-size {args.group_size} is more than "
+            f"{MAX_ROLLOUTS} rollouts per step; lower one of them"
+        )
     if args.prompts_per_step % world:
-        p.error(f"--prompts-per-step {args.prompts_per_step}: must be divisible by the {world} ranks; change it or the "
-                "number of ranks")
+        p.error(
+            f"--prompts-per-step {args.prompts_per_step}: must be divisible by the {world} ranks; change it or the "
+            "number of ranks"
+        )
     common.check_method_flags(p, args, [args.method])  # the method, N <= G, the switch rule; --static-n/-k filled in
     if args.mini_batches > args.prompts_per_step * args.group_size:
-        p.error(f"--mini-batches {args.mini_batches}: more than the {args.prompts_per_step * args.group_size} rollouts "
-                "of a step; lower it")
+        p.error(
+            f"--mini-batches {args.mini_batches}: more than the {args.prompts_per_step * args.group_size} rollouts "
+            "of a step; lower it"
+        )
     if args.kl_coef > 0 and not args.kl_ref:
         p.error(f"--kl-coef {args.kl_coef}: a KL penalty needs the reference model; add --kl-ref")
     args.kl_every = (args.eval_every or 10) if args.kl_every is None else args.kl_every
     if args.kl_ref and args.kl_coef == 0 and args.kl_every == 0:
-        p.error("--kl-every 0: with --kl-ref and --kl-coef 0 the reference would never be used; drop --kl-ref, or "
-                "measure the KL every N > 0 steps")
+        p.error(
+            "--kl-every 0: with --kl-ref and --kl-coef 0 the reference would never be used; drop --kl-ref, or "
+            "measure the KL every N > 0 steps"
+        )
     args.loss_agg = args.loss_agg or d3s.DEFAULT_AGG[args.loss]
     if args.normalize_by == "all" and args.loss_agg != "token-mean":
-        p.error(f"--normalize-by all: applies to --loss-agg token-mean ({args.loss_agg} divides by the responses); drop "
-                "it or add --loss-agg token-mean")
+        p.error(
+            f"--normalize-by all: applies to --loss-agg token-mean ({args.loss_agg} divides by the responses); drop "
+            "it or add --loss-agg token-mean"
+        )
     clip = d3s.CLIP_DEFAULTS[args.loss]  # grpo 0.2 / 0.28 (DAPO's clip-higher), gspo 3e-4 / 4e-4
     args.clip_low = clip[0] if args.clip_low is None else args.clip_low
     args.clip_high = clip[1] if args.clip_high is None else args.clip_high
@@ -105,18 +125,23 @@ def check_args(p, args, world):
     if args.dtype == "auto":
         args.dtype = "bfloat16" if args.device == "cuda" else "float32"
     if args.device == "cuda" and args.rollout == "vllm" and args.vllm_sleep_level < 2 and not args.vllm_allow_awake:
-        p.error(f"--vllm-sleep-level {args.vllm_sleep_level}: costs memory while the trainer runs (0: vLLM's whole "
-                "share of the GPU; 1: its bf16 weights in CPU RAM, 2 bytes x parameters per GPU); level 2, the default, "
-                "frees both; add --vllm-allow-awake to go on")
+        p.error(
+            f"--vllm-sleep-level {args.vllm_sleep_level}: costs memory while the trainer runs (0: vLLM's whole "
+            "share of the GPU; 1: its bf16 weights in CPU RAM, 2 bytes x parameters per GPU); level 2, the default, "
+            "frees both; add --vllm-allow-awake to go on"
+        )
     # paths: what is read must exist, what is written must be writable
     if not args.model:
         p.error("--model '': empty; pass a model folder or a hub name")
     if os.path.exists(args.model):  # a local folder: config.json, weights and a tokenizer, each named if missing
         cli.check_model(p, args.model)
     elif not HUB_NAME.fullmatch(args.model):
-        p.error(f"--model {args.model}: no such folder; pass a model folder (config.json, weights, tokenizer) or a hub "
-                "name")
-    for flag, spec in [("--train-data", args.train_data)] * (not args.eval_only) + [("--eval-data", s) for s in args.eval_data]:
+        p.error(
+            f"--model {args.model}: no such folder; pass a model folder (config.json, weights, tokenizer) or a hub name"
+        )
+    for flag, spec in [("--train-data", args.train_data)] * (not args.eval_only) + [
+        ("--eval-data", s) for s in args.eval_data
+    ]:
         check_data_spec(p, flag, spec)
     args.eval_data = expand_specs(args.eval_data)
     cli.check_out_dir(p, "--out", args.out)
@@ -132,7 +157,9 @@ def check_machine(args, world):
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"--device cuda: torch sees no CUDA device ({cuda_diagnosis()}); or use --device cpu")
     if args.rollout == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise UsageError("--rollout vllm: vLLM is not installed; pip install -r requirements-full.txt, or use --rollout hf")
+        raise UsageError(
+            "--rollout vllm: vLLM is not installed; pip install -r requirements-full.txt, or use --rollout hf"
+        )
     if args.device == "cuda" and args.rollout == "vllm" and not args.eval_only:
         from transformers import AutoConfig
 
@@ -141,8 +168,14 @@ def check_machine(args, world):
         except (OSError, ValueError):  # no config to read: load_inputs names the model's fault in its line
             return
         local = int(os.environ.get("LOCAL_RANK", "0"))
-        vllm_memory_plan(config, args, world, torch.cuda.get_device_properties(local).total_memory,
-                         host_bytes=host_available(), local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        vllm_memory_plan(
+            config,
+            args,
+            world,
+            torch.cuda.get_device_properties(local).total_memory,
+            host_bytes=host_available(),
+            local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+        )
 
 
 def host_available():
@@ -160,13 +193,18 @@ def check_data_spec(p, flag, spec):
         if item == "none" and flag == "--eval-data":
             continue
         if not item:
-            p.error(f"{flag} {spec!r}: empty; pass a JSONL/JSON/Parquet file" + (", or none" if flag == "--eval-data" else ""))
+            p.error(
+                f"{flag} {spec!r}: empty; pass a JSONL/JSON/Parquet file"
+                + (", or none" if flag == "--eval-data" else "")
+            )
         if any(c in item for c in "*?["):
             if not glob.glob(item):
                 p.error(f"{flag} {item}: no file matches; check the pattern")
         elif os.path.isdir(item):
             p.error(f"{flag} {item}: is a folder; pass a JSONL/JSON/Parquet file with 'problem' and 'answer'")
-        elif not os.path.exists(item) and (item.endswith((".jsonl", ".json", ".parquet")) or not HUB_NAME.fullmatch(item.split(":")[0])):
+        elif not os.path.exists(item) and (
+            item.endswith((".jsonl", ".json", ".parquet")) or not HUB_NAME.fullmatch(item.split(":")[0])
+        ):
             p.error(f"{flag} {item}: no such file; pass an existing JSONL/JSON/Parquet file or a hub dataset")
 
 
@@ -198,13 +236,17 @@ def load_inputs(args):
         generation_config = load_generation_config(args.model)
     except (OSError, ValueError) as e:  # not a model folder, not on the hub (or offline), no tokenizer
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UsageError(f"--model {args.model}: cannot load its tokenizer ({first}); pass a folder with config.json "
-                         "and the tokenizer files, or a hub name") from None
+        raise UsageError(
+            f"--model {args.model}: cannot load its tokenizer ({first}); pass a folder with config.json "
+            "and the tokenizer files, or a hub name"
+        ) from None
     finally:
         hub_logging.set_verbosity(verbosity)
     if not tokenizer(TEMPLATES[args.template].format(problem="What is 1 + 1?"), add_special_tokens=False)["input_ids"]:
-        raise UsageError(f"--model {args.model}: its tokenizer encodes a prompt to no tokens; pass a folder whose "
-                         "tokenizer matches its model (tokenizer.save_pretrained of the model's own tokenizer)")
+        raise UsageError(
+            f"--model {args.model}: its tokenizer encodes a prompt to no tokens; pass a folder whose "
+            "tokenizer matches its model (tokenizer.save_pretrained of the model's own tokenizer)"
+        )
     stops = stop_token_ids(tokenizer, generation_config)
     eval_sets = load_eval_sets(args, tokenizer, context_length(args.model, args))
     if args.eval_only:
@@ -213,11 +255,20 @@ def load_inputs(args):
     rows, args.dropped_long_prompts = fit_prompts(args, rows, tokenizer)  # the count: in args.json
     prompts, too_long = encode_prompts(rows, tokenizer, args.template, args.max_prompt_len)
     if not prompts:
-        raise UsageError(f"--max-prompt-len {args.max_prompt_len}: no prompt of {args.train_data} is that short "
-                         f"({too_long} longer); raise it")
-    note = f"{len(prompts)} prompts ({dropped} rows without an answer dropped, {too_long} longer than " \
-           f"{args.max_prompt_len} tokens dropped" + (f", {args.dropped_long_prompts} longer than the model's context " \
-           "dropped (--drop-long-prompts)" if args.dropped_long_prompts else "") + ")"
+        raise UsageError(
+            f"--max-prompt-len {args.max_prompt_len}: no prompt of {args.train_data} is that short "
+            f"({too_long} longer); raise it"
+        )
+    note = (
+        f"{len(prompts)} prompts ({dropped} rows without an answer dropped, {too_long} longer than "
+        f"{args.max_prompt_len} tokens dropped"
+        + (
+            f", {args.dropped_long_prompts} longer than the model's context dropped (--drop-long-prompts)"
+            if args.dropped_long_prompts
+            else ""
+        )
+        + ")"
+    )
     return tokenizer, stops, prompts, eval_sets, note
 
 
@@ -231,9 +282,14 @@ def fit_prompts(args, rows, tokenizer):
     window = getattr(AutoConfig.from_pretrained(args.model), "max_position_embeddings", None)
     if not window or window <= args.max_response_len:  # no limit, or none left for a prompt: not this check's to say
         return rows, 0
-    return fit_context(rows, lambda r: TEMPLATES[args.template].format(problem=r["problem"]), tokenizer,
-                       window - args.max_response_len, f"the model's context of {window} positions less "
-                       f"--max-response-len {args.max_response_len}", drop=args.drop_long_prompts)
+    return fit_context(
+        rows,
+        lambda r: TEMPLATES[args.template].format(problem=r["problem"]),
+        tokenizer,
+        window - args.max_response_len,
+        f"the model's context of {window} positions less --max-response-len {args.max_response_len}",
+        drop=args.drop_long_prompts,
+    )
 
 
 def check_finite(model, args, dist_, prompt_ids):
@@ -249,13 +305,17 @@ def check_finite(model, args, dist_, prompt_ids):
         if not all_reduce(bool(bad), dist_, dist.ReduceOp.MAX):
             ids = torch.tensor([prompt_ids[-64:]], device=dist_.device)
             if not bool(torch.isfinite(model.eval()(input_ids=ids).logits).all()):
-                bad = f"its first forward gives NaN or inf logits (weights finite: an overflow in --dtype {args.dtype}?)"
+                bad = (
+                    f"its first forward gives NaN or inf logits (weights finite: an overflow in --dtype {args.dtype}?)"
+                )
             model.train()
             if hasattr(model, "reshard"):  # FSDP2 keeps the root's parameters whole after a forward: shards again, so
                 model.reshard()  # that the optimizer and the checkpoints meet the sharded parameters they know
     if all_reduce(bool(bad), dist_, dist.ReduceOp.MAX):
-        raise UsageError(f"--model {args.model}: {bad or 'its weights hold NaN or inf (on another rank)'}; its weights "
-                         "are damaged or were saved from a diverged run: pass another model")
+        raise UsageError(
+            f"--model {args.model}: {bad or 'its weights hold NaN or inf (on another rank)'}; its weights "
+            "are damaged or were saved from a diverged run: pass another model"
+        )
 
 
 def load_eval_sets(args, tokenizer, context):
@@ -265,8 +325,9 @@ def load_eval_sets(args, tokenizer, context):
     for spec in args.eval_data:
         rows, dropped = load_problems(spec, drop_missing=True, limit=args.eval_limit or None)
         problems, too_long = encode_prompts(rows, tokenizer, args.template, max_prompt_len=context - 1)
-        sets.append((os.path.splitext(os.path.basename(spec))[0] if os.path.exists(spec) else spec, problems, dropped,
-                     too_long))
+        sets.append(
+            (os.path.splitext(os.path.basename(spec))[0] if os.path.exists(spec) else spec, problems, dropped, too_long)
+        )
     return sets
 
 
@@ -293,7 +354,9 @@ class PromptOrder:
         self.n, self.seed, self.epoch, self.pos = n, seed, 0, 0
 
     def _perm(self):
-        return torch.randperm(self.n, generator=torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)).tolist()
+        return torch.randperm(
+            self.n, generator=torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+        ).tolist()
 
     def take(self, count):
         out = []
@@ -311,8 +374,10 @@ class PromptOrder:
 
     def load_state_dict(self, state):
         if state["n"] != self.n:
-            raise DataError(f"checkpoint was made with {state['n']} training prompts, this run has {self.n}; "
-                            "resume with the same --train-data and --max-prompt-len")
+            raise DataError(
+                f"checkpoint was made with {state['n']} training prompts, this run has {self.n}; "
+                "resume with the same --train-data and --max-prompt-len"
+            )
         self.epoch, self.pos = state["epoch"], state["pos"]
 
 
@@ -336,10 +401,40 @@ def sample_seeds(args, step, indices, n):
 # ---------------------------------------------------------------------------------------------
 # 3. Checkpoints: sharded (DCP) for --resume, checked before any work; HF export for vLLM / transformers
 # ---------------------------------------------------------------------------------------------
-RUN_FLAGS = ("model", "train_data", "template", "max_prompt_len", "method", "loss", "loss_agg", "steps", "prompts_per_step",
-             "group_size", "n_init", "n_final", "k_init", "k_final", "static_n", "static_k", "token_scope",
-             "switch_on_spike", "min_token_per_response", "normalize_by", "lr", "weight_decay", "max_grad_norm", "clip_low",
-             "clip_high", "mini_batches", "kl_coef", "temperature", "top_p", "max_response_len", "seed", "unseeded_sampling")
+RUN_FLAGS = (
+    "model",
+    "train_data",
+    "template",
+    "max_prompt_len",
+    "method",
+    "loss",
+    "loss_agg",
+    "steps",
+    "prompts_per_step",
+    "group_size",
+    "n_init",
+    "n_final",
+    "k_init",
+    "k_final",
+    "static_n",
+    "static_k",
+    "token_scope",
+    "switch_on_spike",
+    "min_token_per_response",
+    "normalize_by",
+    "lr",
+    "weight_decay",
+    "max_grad_norm",
+    "clip_low",
+    "clip_high",
+    "mini_batches",
+    "kl_coef",
+    "temperature",
+    "top_p",
+    "max_response_len",
+    "seed",
+    "unseeded_sampling",
+)
 # the flags that define a run's trajectory: a resume must repeat them (--steps too: the schedule runs over it).
 # Free to change on a resume: the world size (DCP reshards), memory and systems flags, evaluation, checkpoints.
 ADDED_RUN_FLAGS = {"switch_on_spike": 0.0}  # RUN_FLAGS added later: a checkpoint without one ran with this value
@@ -348,7 +443,7 @@ MIDPOINT_FLAGS = ("static_n", "static_k")  # null in a checkpoint of a train_ful
 
 def run_flags(args):
     """RUN_FLAGS of this run, local paths made absolute (a resume may start from another folder)."""
-    value = lambda k, v: os.path.abspath(v) if k in ("model", "train_data") and os.path.exists(v) else v  # noqa: E731
+    value = lambda k, v: os.path.abspath(v) if k in ("model", "train_data") and os.path.exists(v) else v
     return {k: value(k, getattr(args, k)) for k in RUN_FLAGS}
 
 
@@ -360,13 +455,17 @@ def check_resume(args, world):
         return None
     if not args.resume:
         if find_checkpoint("latest", args.out):
-            raise UsageError(f"--out {args.out}: holds the checkpoints of an earlier run; pass --resume to continue it, "
-                             "or a new --out (nothing was overwritten)")
+            raise UsageError(
+                f"--out {args.out}: holds the checkpoints of an earlier run; pass --resume to continue it, "
+                "or a new --out (nothing was overwritten)"
+            )
         return None
     path = find_checkpoint(args.resume, args.out)
     if path is None:
-        raise UsageError(f"--resume: no complete checkpoint in {os.path.join(args.out, 'checkpoints')}; drop --resume to "
-                         "start a new run, or pass a checkpoint folder")
+        raise UsageError(
+            f"--resume: no complete checkpoint in {os.path.join(args.out, 'checkpoints')}; drop --resume to "
+            "start a new run, or pass a checkpoint folder"
+        )
     if not os.path.isdir(path):
         raise UsageError(f"--resume {path}: no such folder; pass a checkpoint folder (OUT/checkpoints/step_NNNNNN)")
     meta = read_checkpoint(path)  # CheckpointError: the file and the fix
@@ -376,13 +475,18 @@ def check_resume(args, world):
         if then is None and flag in MIDPOINT_FLAGS:
             then = midpoint[MIDPOINT_FLAGS.index(flag)]
         if then != value:
-            raise UsageError(f"--{flag.replace('_', '-')} {value}: the checkpoint {path} is of a run with "
-                             f"--{flag.replace('_', '-')} {then}" + (" (the D3S schedule runs over --steps)" if flag == "steps" else "")
-                             + "; resume with the run's flags (its trainer_state.json lists them), or start a new run "
-                             "with a new --out")
+            raise UsageError(
+                f"--{flag.replace('_', '-')} {value}: the checkpoint {path} is of a run with "
+                f"--{flag.replace('_', '-')} {then}"
+                + (" (the D3S schedule runs over --steps)" if flag == "steps" else "")
+                + "; resume with the run's flags (its trainer_state.json lists them), or start a new run "
+                "with a new --out"
+            )
     if args.stop_after is not None and args.stop_after <= meta["step"]:
-        raise UsageError(f"--stop-after {args.stop_after}: the checkpoint {path} is already at step {meta['step']}; "
-                         "raise --stop-after or drop it")
+        raise UsageError(
+            f"--stop-after {args.stop_after}: the checkpoint {path} is already at step {meta['step']}; "
+            "raise --stop-after or drop it"
+        )
     return path
 
 
@@ -412,18 +516,24 @@ def other_world_note(path, world, args):
 
     def hf_calls(ranks):  # the prompts of each generate() call of --rollout hf: one seed per call
         share, batch = args.prompts_per_step // ranks, args.hf_generate_batch
-        return {(r * share + k, r * share + min(k + batch, share)) for r in range(ranks) for k in range(0, share, batch)}
+        return {
+            (r * share + k, r * share + min(k + batch, share)) for r in range(ranks) for k in range(0, share, batch)
+        }
 
     if args.unseeded_sampling:
         rollouts = "; with --unseeded-sampling the rollouts differ from an uninterrupted run's"
     elif args.rollout == "hf" and hf_calls(saved) != hf_calls(world):
-        rollouts = (f"; --rollout hf seeds each generate() call of --hf-generate-batch {args.hf_generate_batch} prompts "
-                    "and the calls now group the prompts differently, so the rollouts differ from an uninterrupted run's")
+        rollouts = (
+            f"; --rollout hf seeds each generate() call of --hf-generate-batch {args.hf_generate_batch} prompts "
+            "and the calls now group the prompts differently, so the rollouts differ from an uninterrupted run's"
+        )
     else:
         rollouts = " (sampling is seeded per prompt, not drawn from it)"
-    return (f"; saved on {saved} ranks, resumed on {world}: the model and AdamW state are resharded exactly and the data "
-            "order continues, but the per-rank RNG is not restored" + rollouts + "; losses and gradient norms equal an "
-            "uninterrupted run's to rounding only, not bit for bit (the sums over ranks run in another order)")
+    return (
+        f"; saved on {saved} ranks, resumed on {world}: the model and AdamW state are resharded exactly and the data "
+        "order continues, but the per-rank RNG is not restored" + rollouts + "; losses and gradient norms equal an "
+        "uninterrupted run's to rounding only, not bit for bit (the sums over ranks run in another order)"
+    )
 
 
 CKPT_RE = re.compile(r"^step_(\d+)$")
@@ -461,19 +571,25 @@ def save_checkpoint(model, optimizer, out, step, trainer_state, dist_, keep):
                 os.makedirs(tmp)
         model_sd, optim_sd = get_state_dict(model, optimizer)
         with attempt(tmp, out, dist_):
-            dcp.save({"model": model_sd, "optim": {"state": optim_sd["state"]}}, checkpoint_id=tmp)  # raises on all ranks
+            dcp.save(
+                {"model": model_sd, "optim": {"state": optim_sd["state"]}}, checkpoint_id=tmp
+            )  # raises on all ranks
             version, words, gauss = random.getstate()
-            rng = {"torch": torch.get_rng_state(), "python_words": torch.tensor(words, dtype=torch.int64),
-                   "python_version": torch.tensor(version),
-                   "python_gauss": torch.tensor([math.nan if gauss is None else gauss])}
+            rng = {
+                "torch": torch.get_rng_state(),
+                "python_words": torch.tensor(words, dtype=torch.int64),
+                "python_version": torch.tensor(version),
+                "python_gauss": torch.tensor([math.nan if gauss is None else gauss]),
+            }
             if dist_.device.type == "cuda":
                 rng["cuda"] = torch.cuda.get_rng_state()
             torch.save(rng, os.path.join(tmp, f"rng_rank{dist_.rank}.pt"))
         with attempt(tmp, out, dist_):
             if dist_.is_main:
                 with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-                    json.dump({"format": CHECKPOINT_FORMAT, "step": step, "world": dist_.world, **trainer_state}, f,
-                              indent=1)
+                    json.dump(
+                        {"format": CHECKPOINT_FORMAT, "step": step, "world": dist_.world, **trainer_state}, f, indent=1
+                    )
                 shutil.rmtree(final, ignore_errors=True)  # resumed from an older checkpoint: this step is redone
                 os.replace(tmp, final)  # atomic: the checkpoint exists only once it is complete
                 done = sorted(d for d in os.listdir(root) if CKPT_RE.match(d))
@@ -500,14 +616,26 @@ class _MetadataUnpickler(pickle.Unpickler):
     """DCP's .metadata is a pickle: allow the classes DCP writes there (its metadata dataclasses, torch
     sizes, dtypes and layouts, paths), refuse anything else before it runs."""
 
-    ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-               ("pathlib", "PurePosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath")}
+    ALLOWED = {
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("pathlib", "PureWindowsPath"),
+    }
 
     def find_class(self, module, name):
         obj = getattr(sys.modules.get(module), name, None) if module in sys.modules else None
-        if ((module, name) in self.ALLOWED or (module == "torch" and isinstance(obj, torch.dtype))
-                or (module in ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
-                    and isinstance(obj, type) and name != "BytesStorageMetadata")):
+        if (
+            (module, name) in self.ALLOWED
+            or (module == "torch" and isinstance(obj, torch.dtype))
+            or (
+                module in ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+                and isinstance(obj, type)
+                and name != "BytesStorageMetadata"
+            )
+        ):
             return super().find_class(module, name)
         raise _Refused(f"{module}.{name}")
 
@@ -533,9 +661,11 @@ def read_checkpoint(path, rank=None):
     except (ValueError, AssertionError, UnicodeDecodeError):
         raise CheckpointError(f"{state_file}: truncated or corrupt (not the JSON train_full writes); {fix}") from None
     if meta.get("format") != CHECKPOINT_FORMAT:
-        raise CheckpointError(f"{state_file}: checkpoint format {meta.get('format', 1)}, written by an older train_full.py "
-                              f"(this one reads format {CHECKPOINT_FORMAT} only: no pickled state); finish that run with "
-                              "the train_full.py that wrote it, or start a new run with a new --out")
+        raise CheckpointError(
+            f"{state_file}: checkpoint format {meta.get('format', 1)}, written by an older train_full.py "
+            f"(this one reads format {CHECKPOINT_FORMAT} only: no pickled state); finish that run with "
+            "the train_full.py that wrote it, or start a new run with a new --out"
+        )
     for key in ("step", "world", "order", "run"):
         if key not in meta:
             raise CheckpointError(f"{state_file}: no '{key}' (truncated or edited); {fix}")
@@ -545,13 +675,17 @@ def read_checkpoint(path, rank=None):
         for info in metadata.storage_data.values():  # every shard file holds the bytes .metadata points to
             shard = os.path.join(path, info.relative_path)
             if not os.path.isfile(shard) or os.path.getsize(shard) < info.offset + info.length:
-                raise CheckpointError(f"{shard}: {'truncated' if os.path.isfile(shard) else 'missing'} (the write did "
-                                      f"not complete); {fix}")
+                raise CheckpointError(
+                    f"{shard}: {'truncated' if os.path.isfile(shard) else 'missing'} (the write did "
+                    f"not complete); {fix}"
+                )
     except FileNotFoundError:
         raise CheckpointError(f"{path}/.metadata: missing (the shards were not written completely); {fix}") from None
     except _Refused as e:  # (non-tensor entries, BytesStorageMetadata, would be unpickled by DCP: refused too)
-        raise CheckpointError(f"{path}/.metadata: refused: it holds a pickled object ({e}) that train_full never "
-                              f"writes there (loading it could run code); {fix}") from None
+        raise CheckpointError(
+            f"{path}/.metadata: refused: it holds a pickled object ({e}) that train_full never "
+            f"writes there (loading it could run code); {fix}"
+        ) from None
     except CheckpointError:
         raise
     except Exception as e:  # UnpicklingError, EOFError, ...: a damaged file
@@ -572,8 +706,9 @@ def load_rng_file(rng_file, fix):
     except pickle.UnpicklingError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         if "weights_only" in str(e) or "Unsupported global" in str(e):
-            raise CheckpointError(f"{rng_file}: refused: it holds a pickled Python object, not tensors (loading it could "
-                                  f"run code); {fix}") from None
+            raise CheckpointError(
+                f"{rng_file}: refused: it holds a pickled Python object, not tensors (loading it could run code); {fix}"
+            ) from None
         raise CheckpointError(f"{rng_file}: truncated or corrupt ({first}); {fix}") from None
     except Exception as e:
         raise CheckpointError(f"{rng_file}: truncated or corrupt ({type(e).__name__}); {fix}") from None
@@ -593,16 +728,24 @@ def load_checkpoint(path, model, optimizer, dist_):
         dcp.load(state, checkpoint_id=path)
     except (Exception, dcp.api.CheckpointException) as e:  # (DCP's own is a BaseException)
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"{path}: its shards cannot be read ({first}): truncated or corrupt, or from another "
-                              "model; resume from an older checkpoint or start a new run with a new --out") from None
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict={"state": state["optim"]["state"], "param_groups": optim_sd["param_groups"]})
+        raise CheckpointError(
+            f"{path}: its shards cannot be read ({first}): truncated or corrupt, or from another "
+            "model; resume from an older checkpoint or start a new run with a new --out"
+        ) from None
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict={"state": state["optim"]["state"], "param_groups": optim_sd["param_groups"]},
+    )
     rng_file = os.path.join(path, f"rng_rank{dist_.rank}.pt")
     if meta["world"] == dist_.world and os.path.exists(rng_file):  # another world size: sampling is seeded per prompt
         rng = load_rng_file(rng_file, "start a new run")
         torch.set_rng_state(rng["torch"])
         gauss = float(rng["python_gauss"][0])
-        random.setstate((int(rng["python_version"]), tuple(rng["python_words"].tolist()), None if math.isnan(gauss) else gauss))
+        random.setstate(
+            (int(rng["python_version"]), tuple(rng["python_words"].tolist()), None if math.isnan(gauss) else gauss)
+        )
         if "cuda" in rng and dist_.device.type == "cuda":
             torch.cuda.set_rng_state(rng["cuda"])
     return meta
@@ -621,7 +764,11 @@ def export_hf(model, tokenizer, path, dist_, out):
         with attempt(tmp, out, dist_):  # a full disk: DiskFull on every rank
             if dist_.is_main:
                 config = model.config
-                dtype = config.dtype if isinstance(config.dtype, torch.dtype) else getattr(torch, str(config.dtype or "float32"))
+                dtype = (
+                    config.dtype
+                    if isinstance(config.dtype, torch.dtype)
+                    else getattr(torch, str(config.dtype or "float32"))
+                )
                 config.use_cache = True
                 with torch.device("meta"):
                     shell = AutoModelForCausalLM.from_config(config)  # a plain class for save_pretrained (not FSDP's)
@@ -649,8 +796,9 @@ def evaluation_due(metrics_path, step, args, dist_):
     checkpoint. Rank 0 reads the file; every rank gets its answer."""
     if not args.eval_every or step % args.eval_every or step >= args.steps:
         return False
-    done = dist_.is_main and any(m.get("kind") == "eval" and m.get("step") == step
-                                 for m in common.read_metrics(metrics_path))
+    done = dist_.is_main and any(
+        m.get("kind") == "eval" and m.get("step") == step for m in common.read_metrics(metrics_path)
+    )
     return not all_reduce(done, dist_, dist.ReduceOp.MAX)
 
 
@@ -661,9 +809,19 @@ def evaluate(engine, tokenizer, stops, eval_sets, args, dist_, grader, tag="", m
     for name, problems, dropped, too_long in eval_sets:
         per = math.ceil(len(problems) / dist_.world)
         mine = list(range(dist_.rank * per, min((dist_.rank + 1) * per, len(problems))))
-        outs = engine.generate([problems[i]["prompt_ids"] for i in mine], args.eval_samples, args.eval_temperature,
-                               args.eval_top_p, args.eval_max_tokens, sample_seeds(args, 10**6, mine, args.eval_samples),
-                               stops) if mine else []
+        outs = (
+            engine.generate(
+                [problems[i]["prompt_ids"] for i in mine],
+                args.eval_samples,
+                args.eval_temperature,
+                args.eval_top_p,
+                args.eval_max_tokens,
+                sample_seeds(args, 10**6, mine, args.eval_samples),
+                stops,
+            )
+            if mine
+            else []
+        )
         texts = [tokenizer.decode(c["token_ids"], skip_special_tokens=True) for group in outs for c in group]
         rewards = grader.score_batch(texts, [problems[i]["answer"] for i, group in zip(mine, outs) for _ in group])
         n = args.eval_samples
@@ -689,30 +847,59 @@ def evaluate(engine, tokenizer, stops, eval_sets, args, dist_, grader, tag="", m
 
 def eval_record(step, results):
     """One metrics.jsonl line per evaluation: {benchmark}_pass@k for every benchmark and the average."""
-    return {"kind": "eval", "step": step, **{f"{name}_{k}": v for name, row in results.items()
-                                             for k, v in row.items() if k.startswith("pass@")}}
+    return {
+        "kind": "eval",
+        "step": step,
+        **{f"{name}_{k}": v for name, row in results.items() for k, v in row.items() if k.startswith("pass@")},
+    }
 
 
 def write_eval_report(results, keys, args, tag, model_name):
-    lines = [f"# Evaluation of {model_name}", "",
-             f"{args.eval_samples} samples per problem, temperature {args.eval_temperature}, top-p {args.eval_top_p}, "
-             f"max {args.eval_max_tokens} tokens, template {args.template}. Pass@1 = mean accuracy over the samples; "
-             "Pass@k unbiased (Chen et al., 2021).", "",
-             "| benchmark | problems | " + " | ".join(k.replace("pass", "Pass") for k in keys) + " |",
-             "|---|---|" + "---|" * len(keys)]
+    lines = [
+        f"# Evaluation of {model_name}",
+        "",
+        f"{args.eval_samples} samples per problem, temperature {args.eval_temperature}, top-p {args.eval_top_p}, "
+        f"max {args.eval_max_tokens} tokens, template {args.template}. Pass@1 = mean accuracy over the samples; "
+        "Pass@k unbiased (Chen et al., 2021).",
+        "",
+        "| benchmark | problems | " + " | ".join(k.replace("pass", "Pass") for k in keys) + " |",
+        "|---|---|" + "---|" * len(keys),
+    ]
     for name, row in results.items():
         cells = [f"{row[k]:.1f}" for k in keys]
         lines.append(f"| {name} | {row.get('problems', '')} | " + " | ".join(cells) + " |")
-    skipped = {name: (row["dropped"], row["too_long"]) for name, row in results.items() if row.get("dropped") or row.get("too_long")}
+    skipped = {
+        name: (row["dropped"], row["too_long"])
+        for name, row in results.items()
+        if row.get("dropped") or row.get("too_long")
+    }
     for name, (dropped, too_long) in skipped.items():
-        lines.append(f"\nNot evaluated in {name}: {dropped} rows without an answer, {too_long} prompts longer than the context.")
+        lines.append(
+            f"\nNot evaluated in {name}: {dropped} rows without an answer, {too_long} prompts longer than the context."
+        )
     stem = os.path.join(args.out, f"eval{'_' + tag if tag else ''}")
     with open(stem + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     with open(stem + ".json", "w") as f:
-        json.dump({"model": model_name, "settings": {k: getattr(args, k) for k in (
-            "eval_samples", "eval_temperature", "eval_top_p", "eval_max_tokens", "template", "eval_limit")},
-            "results": results}, f, indent=1)
+        json.dump(
+            {
+                "model": model_name,
+                "settings": {
+                    k: getattr(args, k)
+                    for k in (
+                        "eval_samples",
+                        "eval_temperature",
+                        "eval_top_p",
+                        "eval_max_tokens",
+                        "template",
+                        "eval_limit",
+                    )
+                },
+                "results": results,
+            },
+            f,
+            indent=1,
+        )
     print("\n".join(lines), flush=True)
 
 
@@ -735,20 +922,32 @@ def train_record(step, stats, rollouts, phases, grader, n_params, flops_peak, ar
     MAX = dist.ReduceOp.MAX
     gen_tokens = all_reduce(sum(len(r["response_ids"]) for group in rollouts for r in group), dist_)
     gen_s = all_reduce(phases["gen_s"], dist_, MAX)  # the slowest rank's
-    return {"kind": "train", "step": step, **stats,
-            "gen_tokens": int(gen_tokens), "kept_tokens_frac": stats["kept_tokens"] / max(gen_tokens, 1.0),
-            "response_len": gen_tokens / (args.prompts_per_step * args.group_size),
-            "grader_timeouts": int(all_reduce(grader.timeouts, dist_)),
-            "gen_s": gen_s, "reward_s": all_reduce(phases["reward_s"], dist_, MAX), "sync_s": phases["sync_s"],
-            "gen_tokens_per_s": gen_tokens / max(gen_s, 1e-9),
-            # model FLOPs of the update: the no-grad forwards (2 N per token: pass 1 and the
-            # reference) + pass 2 forward and backward (6 N per token), N without the embedding;
-            # activation recomputation and attention not counted
-            "mfu": ((2 * stats["pass1_tokens"] + 6 * stats["train_tokens"]) * n_params
-                    / (stats["train_s"] * dist_.world * flops_peak) if flops_peak else None),
-            "mem_peak_gb": all_reduce(memory_peak_gb(dist_.device), dist_, MAX),
-            "gpu_used_gen_gb": all_reduce(phases["gpu_used_gen"], dist_, MAX),
-            "gpu_used_train_gb": all_reduce(phases["gpu_used_train"], dist_, MAX)}
+    return {
+        "kind": "train",
+        "step": step,
+        **stats,
+        "gen_tokens": int(gen_tokens),
+        "kept_tokens_frac": stats["kept_tokens"] / max(gen_tokens, 1.0),
+        "response_len": gen_tokens / (args.prompts_per_step * args.group_size),
+        "grader_timeouts": int(all_reduce(grader.timeouts, dist_)),
+        "gen_s": gen_s,
+        "reward_s": all_reduce(phases["reward_s"], dist_, MAX),
+        "sync_s": phases["sync_s"],
+        "gen_tokens_per_s": gen_tokens / max(gen_s, 1e-9),
+        # model FLOPs of the update: the no-grad forwards (2 N per token: pass 1 and the
+        # reference) + pass 2 forward and backward (6 N per token), N without the embedding;
+        # activation recomputation and attention not counted
+        "mfu": (
+            (2 * stats["pass1_tokens"] + 6 * stats["train_tokens"])
+            * n_params
+            / (stats["train_s"] * dist_.world * flops_peak)
+            if flops_peak
+            else None
+        ),
+        "mem_peak_gb": all_reduce(memory_peak_gb(dist_.device), dist_, MAX),
+        "gpu_used_gen_gb": all_reduce(phases["gpu_used_gen"], dist_, MAX),
+        "gpu_used_train_gb": all_reduce(phases["gpu_used_train"], dist_, MAX),
+    }
 
 
 def write_explain_page(step, rollouts, prompts, sel, entropy, token_keep, stats, args, tokenizer, dist_, halt=None):
@@ -760,7 +959,9 @@ def write_explain_page(step, rollouts, prompts, sel, entropy, token_keep, stats,
     G = sel.keep_all.shape[1]
     local_row = {sel.kept_all[g][0] * G + sel.kept_all[g][1]: r for g, r in sel.row_of.items()}  # p * G + g -> row here
     token_scores = d3s.token_scores(sel.kept_adv, entropy)
-    shown_adv = torch.where(sel.keep_all, sel.adv_all, d3s.group_advantages(sel.rewards_all))  # the loss's A on kept cells
+    shown_adv = torch.where(
+        sel.keep_all, sel.adv_all, d3s.group_advantages(sel.rewards_all)
+    )  # the loss's A on kept cells
     picked, mine = explain.pick_rollouts(shown_adv, sel.keep_all), []
     for index in picked:
         p, g = divmod(index, G)
@@ -768,9 +969,18 @@ def write_explain_page(step, rollouts, prompts, sel, entropy, token_keep, stats,
             r = local_row[index]
             ids = list(sel.seqs[r]["response_ids"])
             n = len(ids)
-            mine.append({"index": index, "ids": ids, "entropy": entropy[r, :n].tolist(), "score": token_scores[r, :n].tolist(),
-                         "selected": token_keep[r, :n].tolist()})
-        elif not sel.keep_all[p, g] and sel.first <= p < sel.first + len(rollouts):  # dropped: only its home rank has it
+            mine.append(
+                {
+                    "index": index,
+                    "ids": ids,
+                    "entropy": entropy[r, :n].tolist(),
+                    "score": token_scores[r, :n].tolist(),
+                    "selected": token_keep[r, :n].tolist(),
+                }
+            )
+        elif not sel.keep_all[p, g] and sel.first <= p < sel.first + len(
+            rollouts
+        ):  # dropped: only its home rank has it
             mine.append({"index": index, "ids": list(rollouts[p - sel.first][g]["response_ids"])})
     parts = [None] * dist_.world if dist_.is_main else None
     dist.gather_object((mine, prompts), parts, dst=0)
@@ -780,15 +990,31 @@ def write_explain_page(step, rollouts, prompts, sel, entropy, token_keep, stats,
     for item in items:
         item["tokens"] = [tokenizer.decode([t]) for t in item.pop("ids")]
     # the row that selected: args.method, or its twin after --switch-on-spike
-    switched = {} if sel.row == args.method else {"--switch-on-spike": f"fired: --method {args.method} runs as {sel.row}"}
+    switched = (
+        {} if sel.row == args.method else {"--switch-on-spike": f"fired: --method {args.method} runs as {sel.row}"}
+    )
     with halt.writing(os.path.join(args.out, "explain")) if halt else contextlib.nullcontext():
-        explain.write_step(os.path.join(args.out, "explain"), step=step, rung="train_full", method=sel.row,
-                           rewards=sel.rewards_all, adv=shown_adv, keep=sel.keep_all, n_keep=stats["n_keep"],
-                           k_frac=stats["k_frac"], k_real=stats["k_real"], shown=items,
-                           prompts=[text for _, texts in parts for text in texts],
-                           extra={**switched, "loss (mean over optimizer steps)": stats["loss"],
-                                  "tokens in the loss": stats["kept_tokens"],
-                                  "grad norm (before clipping)": stats["grad_norm"], "ranks": dist_.world})
+        explain.write_step(
+            os.path.join(args.out, "explain"),
+            step=step,
+            rung="train_full",
+            method=sel.row,
+            rewards=sel.rewards_all,
+            adv=shown_adv,
+            keep=sel.keep_all,
+            n_keep=stats["n_keep"],
+            k_frac=stats["k_frac"],
+            k_real=stats["k_real"],
+            shown=items,
+            prompts=[text for _, texts in parts for text in texts],
+            extra={
+                **switched,
+                "loss (mean over optimizer steps)": stats["loss"],
+                "tokens in the loss": stats["kept_tokens"],
+                "grad norm (before clipping)": stats["grad_norm"],
+                "ranks": dist_.world,
+            },
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -876,10 +1102,17 @@ def crashed(error):
     import traceback
 
     if isinstance(error, KeyboardInterrupt):
-        common.interrupted("train_full.py", "stopped by Ctrl-C (SIGINT); the last checkpoint in --out, if any, is intact; "
-                           "continue with --resume", quiet=os.environ.get("RANK", "0") != "0", at_once=True)
-    print(f"train_full.py: rank {os.environ.get('RANK', '0')} failed; ending the job (the other ranks are stopped "
-          "by torchrun)", file=sys.stderr)
+        common.interrupted(
+            "train_full.py",
+            "stopped by Ctrl-C (SIGINT); the last checkpoint in --out, if any, is intact; continue with --resume",
+            quiet=os.environ.get("RANK", "0") != "0",
+            at_once=True,
+        )
+    print(
+        f"train_full.py: rank {os.environ.get('RANK', '0')} failed; ending the job (the other ranks are stopped "
+        "by torchrun)",
+        file=sys.stderr,
+    )
     traceback.print_exception(error)
     sys.stdout.flush(), sys.stderr.flush()
     os._exit(1)

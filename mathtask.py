@@ -84,16 +84,22 @@ def _read_rows(path):
         try:
             line.decode("utf-8")
         except UnicodeDecodeError as e:
-            raise DataError(f"{path}:{i}: byte 0x{line[e.start]:02x} at column {e.start + 1} is not UTF-8; "
-                            f"save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from e
+            raise DataError(
+                f"{path}:{i}: byte 0x{line[e.start]:02x} at column {e.start + 1} is not UTF-8; "
+                f"save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+            ) from e
     text = raw.decode("utf-8-sig")  # a leading byte-order mark is dropped
     if path.endswith(".json"):
         try:
             rows = json.loads(text)
         except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{e.lineno}: not valid JSON ({e.msg}); expected a list of objects, or use .jsonl") from e
+            raise DataError(
+                f"{path}:{e.lineno}: not valid JSON ({e.msg}); expected a list of objects, or use .jsonl"
+            ) from e
         if not isinstance(rows, list):
-            raise DataError(f"{path}: expected a JSON list of objects with 'problem' and 'answer', got {type(rows).__name__}")
+            raise DataError(
+                f"{path}: expected a JSON list of objects with 'problem' and 'answer', got {type(rows).__name__}"
+            )
         yield from enumerate(rows, start=1)
         return
     for i, line in enumerate(text.split("\n"), start=1):
@@ -115,8 +121,10 @@ def _text_field(value, where, name):
     elif isinstance(value, list) and len(value) == 1:
         value = value[0]
     if isinstance(value, bool) or isinstance(value, (list, dict, tuple)):
-        raise DataError(f"{where}: '{name}' is a {type(value).__name__} ({json.dumps(value)[:60]}); give one "
-                        f"{name} as a string or a number (a list is accepted only with one element)")
+        raise DataError(
+            f"{where}: '{name}' is a {type(value).__name__} ({json.dumps(value)[:60]}); give one "
+            f"{name} as a string or a number (a list is accepted only with one element)"
+        )
     if isinstance(value, float) and value.is_integer():
         value = int(value)  # 2.0 -> "2"
     return None if value is None else str(value).strip()
@@ -177,9 +185,11 @@ def load_problems(spec, drop_missing=False, limit=None):
             if drop_missing:
                 dropped += 1
                 continue
-            raise DataError(f"{where}: row has no problem ({'/'.join(PROBLEM_KEYS)}) or no answer "
-                            f"({'/'.join(ANSWER_KEYS)}); every row needs a non-empty 'problem' and 'answer' "
-                            f"(fix or delete the row)")
+            raise DataError(
+                f"{where}: row has no problem ({'/'.join(PROBLEM_KEYS)}) or no answer "
+                f"({'/'.join(ANSWER_KEYS)}); every row needs a non-empty 'problem' and 'answer' "
+                f"(fix or delete the row)"
+            )
         rows.append({**raw, **row, "id": str(raw.get("id", default_id)), "where": where})  # where: for fit_context
         if limit is not None and len(rows) >= limit:
             break
@@ -213,15 +223,19 @@ def fit_context(rows, prompt, tokenizer, limit, why, drop=False):
         text = prompt(row)
         n = len(text.encode("utf-8"))
         if n > limit - SHORT_BYTES:
-            n = len(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])  # no warning: this line says it
+            n = len(
+                tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+            )  # no warning: this line says it
         if n <= limit:
             kept.append(row)
         elif drop:
             dropped += 1
         else:
-            raise DataError(f"{row.get('where', row.get('id'))}: the prompt is {n} tokens; {why} leaves {limit} for it: "
-                            "shorten or delete the row, or add --drop-long-prompts (choice: such rows are left out and "
-                            "counted)")
+            raise DataError(
+                f"{row.get('where', row.get('id'))}: the prompt is {n} tokens; {why} leaves {limit} for it: "
+                "shorten or delete the row, or add --drop-long-prompts (choice: such rows are left out and "
+                "counted)"
+            )
     return kept, dropped
 
 
@@ -230,16 +244,19 @@ def _hub_rows(spec):
     try:
         import datasets
     except ImportError as e:
-        raise DataError(f"{spec}: not a local file, and loading it from the hub needs `pip install datasets` "
-                        "(requirements-full.txt)") from e
+        raise DataError(
+            f"{spec}: not a local file, and loading it from the hub needs `pip install datasets` "
+            "(requirements-full.txt)"
+        ) from e
     parts = spec.split(":")  # name, name:split, or name:config:split
     name, config, split = parts[0], (parts[1] if len(parts) == 3 else None), (parts[-1] if len(parts) > 1 else "train")
     try:
         table = datasets.load_dataset(name, config, split=split)
     except Exception as e:  # no network, no such dataset, split or config
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise DataError(f"{spec}: cannot load this hub dataset ({first}); pass a local file, or check the name, "
-                        f"config and split") from e
+        raise DataError(
+            f"{spec}: cannot load this hub dataset ({first}); pass a local file, or check the name, config and split"
+        ) from e
     for i, raw in enumerate(table):
         yield f"{spec} row {i}", f"{name}:{i}", raw
 
@@ -445,8 +462,10 @@ def default_grader_workers(ranks_per_node, cores=None, cap=GRADER_WORKERS_CAP):
     (8, 2, 1)
     """
     if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1:
-        raise ValueError(f"ranks_per_node={ranks_per_node!r}: must be an int >= 1 "
-                         "(processes per node, e.g. int(os.environ['LOCAL_WORLD_SIZE']) under torchrun)")
+        raise ValueError(
+            f"ranks_per_node={ranks_per_node!r}: must be an int >= 1 "
+            "(processes per node, e.g. int(os.environ['LOCAL_WORLD_SIZE']) under torchrun)"
+        )
     if cores is None:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, min(cap, cores // ranks_per_node))
@@ -506,8 +525,10 @@ class Grader:
         if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
             raise ValueError(f"timeout_s={timeout_s!r}: must be a number of seconds > 0 (per answer)")
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-            raise ValueError(f"workers={workers!r}: must be an int >= 1 (grader processes; "
-                             "mathtask.default_grader_workers(ranks_per_node) picks one)")
+            raise ValueError(
+                f"workers={workers!r}: must be an int >= 1 (grader processes; "
+                "mathtask.default_grader_workers(ranks_per_node) picks one)"
+            )
         self.timeout_s, self.workers = timeout_s, workers
         self.timeouts = 0  # how many answers hit the time limit or killed their child (logged by the trainers)
         self._ctx = mp.get_context("spawn")  # safe beside CUDA and vLLM (no fork of their threads)
@@ -529,8 +550,9 @@ class Grader:
     def score_batch(self, completions, golds):
         completions, golds = list(completions), list(golds)
         if len(completions) != len(golds):
-            raise ValueError(f"score_batch: {len(completions)} completions but {len(golds)} golds; "
-                             "pass one gold per completion")
+            raise ValueError(
+                f"score_batch: {len(completions)} completions but {len(golds)} golds; pass one gold per completion"
+            )
         rewards = [0.0] * len(completions)
         to_grade = {}  # (pred, gold) -> indices of the completions that need it, in input order
         for i, (completion, gold) in enumerate(zip(completions, golds)):
@@ -596,9 +618,11 @@ class Grader:
         """A child missed its deadline or died: score its answer 0 and drop it, or stop if it never started."""
         if child.state == "starting":
             self.close()
-            raise RuntimeError("the math-verify grader process did not start (see its error above); "
-                               "check that math-verify imports, and that the main script has an "
-                               "`if __name__ == '__main__':` guard (the child is spawned)")
+            raise RuntimeError(
+                "the math-verify grader process did not start (see its error above); "
+                "check that math-verify imports, and that the main script has an "
+                "`if __name__ == '__main__':` guard (the child is spawned)"
+            )
         self.timeouts += 1
         rewards[child.key] = 0.0
         self._drop(child)
@@ -643,12 +667,20 @@ def held_out_pass(rows, sample, grader, n, k, chunk):
 
     greedy, correct = [], []  # [E], [E] (correct samples out of n)
     for start in tqdm(range(0, len(rows), chunk), desc="eval", leave=False, dynamic_ncols=True):
-        prompts, golds = [r["prompt"] for r in rows[start:start + chunk]], [r["answer"] for r in rows[start:start + chunk]]
+        prompts, golds = (
+            [r["prompt"] for r in rows[start : start + chunk]],
+            [r["answer"] for r in rows[start : start + chunk]],
+        )
         greedy += grader.score_batch(sample(prompts, 1, True), golds)
         right = grader.score_batch(sample(prompts, n, False), [g for g in golds for _ in range(n)])
-        correct += [sum(right[i * n:(i + 1) * n]) for i in range(len(prompts))]
-    out = {"eval_greedy_pass1": sum(greedy) / len(greedy), "eval_pass1_mean": sum(correct) / (n * len(correct)),
-           "eval_passk": sum(pass_at_k(n, int(c), k) for c in correct) / len(correct), "k": k, "n": n}
+        correct += [sum(right[i * n : (i + 1) * n]) for i in range(len(prompts))]
+    out = {
+        "eval_greedy_pass1": sum(greedy) / len(greedy),
+        "eval_pass1_mean": sum(correct) / (n * len(correct)),
+        "eval_passk": sum(pass_at_k(n, int(c), k) for c in correct) / len(correct),
+        "k": k,
+        "n": n,
+    }
     for level in sorted({r["level"] for r in rows if "level" in r}):  # by difficulty: the spread that gives signal
         idx = [i for i, r in enumerate(rows) if r.get("level") == level]
         out[f"eval_pass1_mean_level{level}"] = sum(correct[i] for i in idx) / (n * len(idx))
@@ -670,14 +702,19 @@ def bench_grader(n=512, workers=(1, 2), data_dir=None, timeout_s=5.0, slow=False
     cache), whose children are started, and timed, before the timed call. Returns {w: seconds}.
     """
     data_dir = data_dir or os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
-    golds = [r["answer"] for name in ("math500.jsonl", "minerva_math.jsonl", "olympiadbench.jsonl")
-             for r in load_problems(os.path.join(data_dir, name))[0]]
+    golds = [
+        r["answer"]
+        for name in ("math500.jsonl", "minerva_math.jsonl", "olympiadbench.jsonl")
+        for r in load_problems(os.path.join(data_dir, name))[0]
+    ]
     golds = [golds[i * len(golds) // n] for i in range(n)]
     completions = [f"The answer is \\boxed{{{golds[i if i % 2 == 0 else (i + 1) % n]}}}." for i in range(n)]
     if slow:
         completions, golds = ["\\boxed{9^{9^{9^{9^{9^{9}}}}}}"] + completions[1:], ["7"] + golds[1:]
-    print(f"{n} answers{' (the first one slow)' if slow else ''}, {os.cpu_count()} CPUs, "
-          f"load average {os.getloadavg()[0]:.2f} at the start, timeout {timeout_s} s")
+    print(
+        f"{n} answers{' (the first one slow)' if slow else ''}, {os.cpu_count()} CPUs, "
+        f"load average {os.getloadavg()[0]:.2f} at the start, timeout {timeout_s} s"
+    )
     times, first = {}, None
     for w in workers:
         with Grader(timeout_s, workers=w) as grader:
@@ -688,9 +725,11 @@ def bench_grader(n=512, workers=(1, 2), data_dir=None, timeout_s=5.0, slow=False
             rewards = grader.score_batch(completions, golds)
             times[w] = time.perf_counter() - t0
         first = first or (rewards, times[w])
-        print(f"workers={w}: start {start_s:.2f} s, score_batch {times[w]:.2f} s ({n / times[w]:.0f} answers/s, "
-              f"x{first[1] / times[w]:.2f} vs workers={workers[0]}), reward sum {sum(rewards):.0f}, "
-              f"timeouts {grader.timeouts}, rewards identical to workers={workers[0]}: {rewards == first[0]}")
+        print(
+            f"workers={w}: start {start_s:.2f} s, score_batch {times[w]:.2f} s ({n / times[w]:.0f} answers/s, "
+            f"x{first[1] / times[w]:.2f} vs workers={workers[0]}), reward sum {sum(rewards):.0f}, "
+            f"timeouts {grader.timeouts}, rewards identical to workers={workers[0]}: {rewards == first[0]}"
+        )
     return times
 
 

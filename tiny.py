@@ -31,14 +31,30 @@ def build_char_tokenizer():
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
     for symbol in sorted(ByteLevel.alphabet()):  # byte-level symbols: " " is "\u0120", "\n" is "\u010a"
         vocab[symbol] = len(vocab)
-    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[], eos_token=EOS, pad_token=EOS, unk_token=None,
-                               additional_special_tokens=SPECIAL_TOKENS[1:], model_max_length=4096,
-                               padding_side="left")
+    tokenizer = Qwen2Tokenizer(
+        vocab=vocab,
+        merges=[],
+        eos_token=EOS,
+        pad_token=EOS,
+        unk_token=None,
+        additional_special_tokens=SPECIAL_TOKENS[1:],
+        model_max_length=4096,
+        padding_side="left",
+    )
     return tokenizer
 
 
-def build_tiny_model(tokenizer, hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-                     intermediate_size=None, max_position_embeddings=1024, seed=0, tie_word_embeddings=True):
+def build_tiny_model(
+    tokenizer,
+    hidden_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=None,
+    max_position_embeddings=1024,
+    seed=0,
+    tie_word_embeddings=True,
+):
     """A randomly initialized Qwen2ForCausalLM sized for a CPU (about 0.33M params by default).
 
     head_dim = hidden_size / num_heads (32 by default) is one that vLLM's CPU attention accepts.

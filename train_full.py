@@ -54,133 +54,340 @@ MAX = dist.ReduceOp.MAX
 # Flags: each declared once, with its range (cli.number) and where its default comes from
 # ---------------------------------------------------------------------------------------------
 def build_parser():
-    p = cli.Parser(prog="train_full.py", description=(
-        "GRPO/GSPO + D3S with vLLM rollouts and FSDP2 (one node or more, under torchrun). [paper] = stated in the D3S "
-        "paper, [recipe] = the common Qwen2.5-Math-7B zero-RL recipe (SimpleRL-Zoo / Dr.GRPO / verl), [inferred] = "
-        "follows from the paper, [choice] = this repo's. Measured costs of the memory flags: docs/memory.md."))
+    p = cli.Parser(
+        prog="train_full.py",
+        description=(
+            "GRPO/GSPO + D3S with vLLM rollouts and FSDP2 (one node or more, under torchrun). [paper] = stated in the D3S "
+            "paper, [recipe] = the common Qwen2.5-Math-7B zero-RL recipe (SimpleRL-Zoo / Dr.GRPO / verl), [inferred] = "
+            "follows from the paper, [choice] = this repo's. Measured costs of the memory flags: docs/memory.md."
+        ),
+    )
     p.say = full_io.usage_error_line  # one line per job under torchrun: rank 0's
     a, n, frac = p.add_argument, cli.number, "a fraction of tokens in (0, 1]"
     # what to train, on what
-    a("--model", default="Qwen/Qwen2.5-Math-7B", help="[paper] HF hub name or local folder of the policy (with "
-      "--eval-only: the model to evaluate, e.g. an hf_final/ export)")
+    a(
+        "--model",
+        default="Qwen/Qwen2.5-Math-7B",
+        help="[paper] HF hub name or local folder of the policy (with "
+        "--eval-only: the model to evaluate, e.g. an hf_final/ export)",
+    )
     a("--method", default="d3s", help=f"[paper] a row of variants.LADDER: {', '.join(variants.METHODS)}")
     a("--loss", default="grpo", choices=["grpo", "gspo"], help="[paper] token-ratio GRPO or sequence-ratio GSPO")
-    a("--rollout", default="vllm", choices=["vllm", "hf"], help="[choice] vLLM (colocated, sleep mode on CUDA) or HF "
-      "generate (without vLLM; slow)")
-    a("--train-data", default=os.path.join(DATA, "train_math_lvl3to5_8k.jsonl"), help="[recipe] MATH levels 3-5: "
-      "JSONL/JSON/Parquet with problem/answer, or a hub dataset 'name[:config]:split' (e.g. openai/gsm8k:main:train)")
-    a("--eval-data", nargs="+", default=[",".join(os.path.join(DATA, f"{b}.jsonl") for b in BENCHMARKS)],
-      help="[paper] benchmark files (globs work) or hub names, space- or comma-separated; 'none' = no eval. Default: "
-      "AIME24, AIME25, AMC23, GSM8K, MATH500, Minerva, OlympiadBench from the repo's data/")
+    a(
+        "--rollout",
+        default="vllm",
+        choices=["vllm", "hf"],
+        help="[choice] vLLM (colocated, sleep mode on CUDA) or HF generate (without vLLM; slow)",
+    )
+    a(
+        "--train-data",
+        default=os.path.join(DATA, "train_math_lvl3to5_8k.jsonl"),
+        help="[recipe] MATH levels 3-5: "
+        "JSONL/JSON/Parquet with problem/answer, or a hub dataset 'name[:config]:split' (e.g. openai/gsm8k:main:train)",
+    )
+    a(
+        "--eval-data",
+        nargs="+",
+        default=[",".join(os.path.join(DATA, f"{b}.jsonl") for b in BENCHMARKS)],
+        help="[paper] benchmark files (globs work) or hub names, space- or comma-separated; 'none' = no eval. Default: "
+        "AIME24, AIME25, AMC23, GSM8K, MATH500, Minerva, OlympiadBench from the repo's data/",
+    )
     a("--eval-only", action="store_true", help="evaluate --model on --eval-data and exit (no training)")
-    a("--out", default="runs/full", help="[choice] output folder: metrics.jsonl, checkpoints/, hf_final/, eval_*.md/json")
-    a("--resume", nargs="?", const="latest", default=None, help="continue a run from the newest complete checkpoint in "
-      "OUT/checkpoints (or the folder given), with the flags it was started with (--steps included)")
-    a("--template", default="qwen-math", choices=list(full_io.TEMPLATES), help="[recipe] prompt template (plain: for "
-      "tiny test models)")
+    a(
+        "--out",
+        default="runs/full",
+        help="[choice] output folder: metrics.jsonl, checkpoints/, hf_final/, eval_*.md/json",
+    )
+    a(
+        "--resume",
+        nargs="?",
+        const="latest",
+        default=None,
+        help="continue a run from the newest complete checkpoint in "
+        "OUT/checkpoints (or the folder given), with the flags it was started with (--steps included)",
+    )
+    a(
+        "--template",
+        default="qwen-math",
+        choices=list(full_io.TEMPLATES),
+        help="[recipe] prompt template (plain: for tiny test models)",
+    )
     # the batch and D3S
-    a("--steps", type=n(int, 1), default=250, help="[choice] optimizer steps S (~1 epoch at 32 prompts/step); the D3S "
-      "schedule runs over them")
-    a("--prompts-per-step", type=n(int, 1), default=32, help="[choice] P over all ranks (x G = 1024 rollouts, as "
-      "Dr.GRPO's 128 x 8); divisible by the number of ranks")
-    a("--group-size", type=n(int, 2, 1024, what="an int in [2, 1024] (rollouts per prompt)"), default=32,
-      help="[inferred] G: rollouts per prompt, from N_final = 32 (the paper states no G)")
+    a(
+        "--steps",
+        type=n(int, 1),
+        default=250,
+        help="[choice] optimizer steps S (~1 epoch at 32 prompts/step); the D3S schedule runs over them",
+    )
+    a(
+        "--prompts-per-step",
+        type=n(int, 1),
+        default=32,
+        help="[choice] P over all ranks (x G = 1024 rollouts, as Dr.GRPO's 128 x 8); divisible by the number of ranks",
+    )
+    a(
+        "--group-size",
+        type=n(int, 2, 1024, what="an int in [2, 1024] (rollouts per prompt)"),
+        default=32,
+        help="[inferred] G: rollouts per prompt, from N_final = 32 (the paper states no G)",
+    )
     a("--n-init", type=n(int, 1), default=8, help="[paper] D3S schedule: rollouts kept per prompt at step 1")
     a("--n-final", type=n(int, 1), default=32, help="[paper] D3S schedule: rollouts kept per prompt at the end")
     a("--k-init", type=n(float, 0, 1, low_open=True, what=frac), default=0.05, help="[paper] tokens kept at step 1")
     a("--k-final", type=n(float, 0, 1, low_open=True, what=frac), default=0.20, help="[paper] tokens kept at the end")
-    a("--static-n", type=n(int, 1), default=None, help="[choice] N of d1s, d1s-cross, d2s, pods (default: the midpoint)")
-    a("--static-k", type=n(float, 0, 1, low_open=True, what=frac), default=None, help="[choice] K of d2s (default: the "
-      "midpoint)")
-    a("--token-scope", default="batch", choices=["batch", "sequence"], help="[choice] top-K over the batch of all ranks, "
-      "or within each response")
-    a("--switch-on-spike", type=n(float, 1, low_open=True, also=(0,), what="0 (off) or a number > 1 (a spike is a grad "
-      "norm over this x its running median; 3 in docs/questions.md)"), default=0.0, help="[choice] the switch rule "
-      "(variants.switch_to_intra): d3s or d1s-cross selects within groups after the first grad norm over this x the "
-      "median of the 10 steps before; 0: off, the paper's method")
+    a(
+        "--static-n",
+        type=n(int, 1),
+        default=None,
+        help="[choice] N of d1s, d1s-cross, d2s, pods (default: the midpoint)",
+    )
+    a(
+        "--static-k",
+        type=n(float, 0, 1, low_open=True, what=frac),
+        default=None,
+        help="[choice] K of d2s (default: the midpoint)",
+    )
+    a(
+        "--token-scope",
+        default="batch",
+        choices=["batch", "sequence"],
+        help="[choice] top-K over the batch of all ranks, or within each response",
+    )
+    a(
+        "--switch-on-spike",
+        type=n(
+            float,
+            1,
+            low_open=True,
+            also=(0,),
+            what="0 (off) or a number > 1 (a spike is a grad "
+            "norm over this x its running median; 3 in docs/questions.md)",
+        ),
+        default=0.0,
+        help="[choice] the switch rule "
+        "(variants.switch_to_intra): d3s or d1s-cross selects within groups after the first grad norm over this x the "
+        "median of the 10 steps before; 0: off, the paper's method",
+    )
     a("--min-token-per-response", action="store_true", help="[choice] every kept response keeps its best token")
-    a("--loss-agg", default=None, choices=["token-mean", "seq-mean-token-mean"], help="[recipe] loss aggregation "
-      "(default: token-mean for grpo, seq-mean-token-mean for gspo)")
-    a("--normalize-by", default="selected", choices=["selected", "all"], help="[choice] token-mean divides by the "
-      "selected tokens or by all response tokens of the kept rollouts (the 80/20 paper's)")
+    a(
+        "--loss-agg",
+        default=None,
+        choices=["token-mean", "seq-mean-token-mean"],
+        help="[recipe] loss aggregation (default: token-mean for grpo, seq-mean-token-mean for gspo)",
+    )
+    a(
+        "--normalize-by",
+        default="selected",
+        choices=["selected", "all"],
+        help="[choice] token-mean divides by the "
+        "selected tokens or by all response tokens of the kept rollouts (the 80/20 paper's)",
+    )
     # optimization
-    a("--lr", type=n(float, 0, 1, low_open=True, what="in (0, 1] (the recipe's: 1e-6)"), default=1e-6,
-      help="[recipe] AdamW learning rate (constant)")
-    a("--weight-decay", type=n(float, 0, 1, what="in [0, 1] (AdamW's decoupled decay)"), default=0.0, help="[recipe] AdamW")
-    a("--max-grad-norm", type=n(float, 0, low_open=True, what="a finite number > 0 (the norm the gradient is clipped "
-      "to)"), default=1.0, help="[recipe] gradient clipping (grad_norm is logged before clipping)")
-    a("--clip-low", type=n(float, 0, 1, high_open=True, what="in [0, 1): the ratio is clipped at 1 - eps_low"),
-      default=None, help="[recipe] eps_low (default: 0.2 grpo, 3e-4 gspo (GSPO paper))")
+    a(
+        "--lr",
+        type=n(float, 0, 1, low_open=True, what="in (0, 1] (the recipe's: 1e-6)"),
+        default=1e-6,
+        help="[recipe] AdamW learning rate (constant)",
+    )
+    a(
+        "--weight-decay",
+        type=n(float, 0, 1, what="in [0, 1] (AdamW's decoupled decay)"),
+        default=0.0,
+        help="[recipe] AdamW",
+    )
+    a(
+        "--max-grad-norm",
+        type=n(float, 0, low_open=True, what="a finite number > 0 (the norm the gradient is clipped to)"),
+        default=1.0,
+        help="[recipe] gradient clipping (grad_norm is logged before clipping)",
+    )
+    a(
+        "--clip-low",
+        type=n(float, 0, 1, high_open=True, what="in [0, 1): the ratio is clipped at 1 - eps_low"),
+        default=None,
+        help="[recipe] eps_low (default: 0.2 grpo, 3e-4 gspo (GSPO paper))",
+    )
     a("--clip-high", type=n(float, 0), default=None, help="[choice] eps_high (default: 0.28 grpo, DAPO's; 4e-4 gspo)")
-    a("--mini-batches", type=n(int, 1, what="an int >= 1 (1 = on-policy)"), default=4, help="[recipe] M: optimizer "
-      "steps per rollout batch (verl's Qwen2.5-Math GRPO: 1024 / 256); 1 = on-policy (no clipping, GSPO = GRPO)")
-    a("--no-load-balance", dest="load_balance", action="store_false", help="train each kept rollout on the rank that "
-      "generated it (default: spread each mini-batch over the ranks by token count; the update is the same)")
-    a("--micro-batch-size", type=n(int, 1, what="an int >= 1 (rollouts per forward)"), default=16, help="[choice] "
-      "rollouts per forward/backward on one GPU (memory only: docs/memory.md)")
-    a("--kl-ref", action="store_true", help="load --model again as a frozen bf16 reference and log the KL (k3) to it "
-      "on the selected tokens (one more no-grad forward on the steps that measure it)")
+    a(
+        "--mini-batches",
+        type=n(int, 1, what="an int >= 1 (1 = on-policy)"),
+        default=4,
+        help="[recipe] M: optimizer "
+        "steps per rollout batch (verl's Qwen2.5-Math GRPO: 1024 / 256); 1 = on-policy (no clipping, GSPO = GRPO)",
+    )
+    a(
+        "--no-load-balance",
+        dest="load_balance",
+        action="store_false",
+        help="train each kept rollout on the rank that "
+        "generated it (default: spread each mini-batch over the ranks by token count; the update is the same)",
+    )
+    a(
+        "--micro-batch-size",
+        type=n(int, 1, what="an int >= 1 (rollouts per forward)"),
+        default=16,
+        help="[choice] rollouts per forward/backward on one GPU (memory only: docs/memory.md)",
+    )
+    a(
+        "--kl-ref",
+        action="store_true",
+        help="load --model again as a frozen bf16 reference and log the KL (k3) to it "
+        "on the selected tokens (one more no-grad forward on the steps that measure it)",
+    )
     a("--kl-coef", type=n(float, 0), default=0.0, help="[recipe] beta of the k3 KL penalty (needs --kl-ref)")
-    a("--kl-every", type=n(int, 0, what="an int >= 0 (0 = never)"), default=None, help="[choice] with --kl-ref and "
-      "--kl-coef 0, measure on step 1, every N-th and the last (default: --eval-every, or 10)")
-    a("--no-activation-checkpointing", dest="activation_checkpointing", action="store_false",
-      help="turn off activation checkpointing of the decoder layers")
-    a("--mlp-chunk-tokens", type=n(int, 0, what="an int >= 0 (0 = the whole micro-batch at once)"), default=4096,
-      help="[choice] tiled MLP: each decoder MLP over this many tokens at a time, recomputed in backward")
+    a(
+        "--kl-every",
+        type=n(int, 0, what="an int >= 0 (0 = never)"),
+        default=None,
+        help="[choice] with --kl-ref and "
+        "--kl-coef 0, measure on step 1, every N-th and the last (default: --eval-every, or 10)",
+    )
+    a(
+        "--no-activation-checkpointing",
+        dest="activation_checkpointing",
+        action="store_false",
+        help="turn off activation checkpointing of the decoder layers",
+    )
+    a(
+        "--mlp-chunk-tokens",
+        type=n(int, 0, what="an int >= 0 (0 = the whole micro-batch at once)"),
+        default=4096,
+        help="[choice] tiled MLP: each decoder MLP over this many tokens at a time, recomputed in backward",
+    )
     # sampling
-    a("--temperature", type=n(float, 0.01, 100, what="in [0.01, 100] (the loss divides the logits by it)"),
-      default=1.0, help="[recipe] rollout sampling temperature")
+    a(
+        "--temperature",
+        type=n(float, 0.01, 100, what="in [0.01, 100] (the loss divides the logits by it)"),
+        default=1.0,
+        help="[recipe] rollout sampling temperature",
+    )
     a("--top-p", type=n(float, 0, 1, low_open=True), default=1.0, help="[recipe] rollout nucleus sampling")
     a("--max-prompt-len", type=n(int, 1), default=1024, help="[recipe] longer prompts are dropped (and counted)")
     a("--drop-long-prompts", action="store_true", help=cli.DROP_LONG_PROMPTS_HELP)
     a("--max-response-len", type=n(int, 1), default=3000, help="[recipe] max generated tokens per rollout")
     # evaluation
-    a("--eval-every", type=n(int, 0, what="an int >= 0 (0 = only after the last step)"), default=0,
-      help="[choice] evaluate before training and every N steps (0: only after the last step)")
-    a("--eval-samples", type=n(int, 1, 1024, what="an int in [1, 1024] (samples per problem)"), default=32,
-      help="[paper] k samples per problem: Pass@1 = mean over the k samples")
+    a(
+        "--eval-every",
+        type=n(int, 0, what="an int >= 0 (0 = only after the last step)"),
+        default=0,
+        help="[choice] evaluate before training and every N steps (0: only after the last step)",
+    )
+    a(
+        "--eval-samples",
+        type=n(int, 1, 1024, what="an int in [1, 1024] (samples per problem)"),
+        default=32,
+        help="[paper] k samples per problem: Pass@1 = mean over the k samples",
+    )
     a("--eval-pass-k", default="1,8", help="[paper] Pass@k values to report (unbiased estimator over the k samples)")
-    a("--eval-temperature", type=n(float, 0.01, 100, also=(0,), what="0 (greedy) or in [0.01, 100]"), default=0.6,
-      help="[choice] evaluation sampling temperature (0: greedy)")
+    a(
+        "--eval-temperature",
+        type=n(float, 0.01, 100, also=(0,), what="0 (greedy) or in [0.01, 100]"),
+        default=0.6,
+        help="[choice] evaluation sampling temperature (0: greedy)",
+    )
     a("--eval-top-p", type=n(float, 0, 1, low_open=True), default=0.95, help="[choice] evaluation nucleus sampling")
     a("--eval-max-tokens", type=n(int, 1), default=3000, help="[recipe] max generated tokens per evaluation sample")
-    a("--eval-limit", type=n(int, 0, what="an int >= 0 (0 = every problem)"), default=0, help="[choice] the first N "
-      "problems of each benchmark (0: all)")
+    a(
+        "--eval-limit",
+        type=n(int, 0, what="an int >= 0 (0 = every problem)"),
+        default=0,
+        help="[choice] the first N problems of each benchmark (0: all)",
+    )
     # checkpoints and reports
     a("--save-every", type=n(int, 1), default=50, help="[choice] sharded checkpoint every N steps and after the last")
     a("--keep-checkpoints", type=n(int, 1), default=2, help="[choice] keep the newest N sharded checkpoints")
-    a("--export-every", type=n(int, 0, what="an int >= 0 (0 = only hf_final/)"), default=0, help="[choice] HF export "
-      "every N steps (0: only hf_final/ after the last step)")
-    a("--explain-every", type=n(int, 0, what="an int >= 0 (0 = off)"), default=0, help="[choice] step 1 and every N-th "
-      "step, rank 0 writes OUT/explain/step_NNNNNN.html: the rollouts and tokens the step trained on (explain.py)")
-    a("--stop-after", type=n(int, 1), default=None, help="stop cleanly after step N: its checkpoint, no final export "
-      "or evaluation, exit 0 (continue with --resume)")
+    a(
+        "--export-every",
+        type=n(int, 0, what="an int >= 0 (0 = only hf_final/)"),
+        default=0,
+        help="[choice] HF export every N steps (0: only hf_final/ after the last step)",
+    )
+    a(
+        "--explain-every",
+        type=n(int, 0, what="an int >= 0 (0 = off)"),
+        default=0,
+        help="[choice] step 1 and every N-th "
+        "step, rank 0 writes OUT/explain/step_NNNNNN.html: the rollouts and tokens the step trained on (explain.py)",
+    )
+    a(
+        "--stop-after",
+        type=n(int, 1),
+        default=None,
+        help="stop cleanly after step N: its checkpoint, no final export "
+        "or evaluation, exit 0 (continue with --resume)",
+    )
     # systems
-    a("--seed", type=n(int, 0, 2**31 - 1, what="an int in [0, 2^31)"), default=0, help="[choice] seed of the data "
-      "order, sampling and init")
-    a("--unseeded-sampling", action="store_true", help="no per-prompt sampling seeds (each engine seeded with seed + "
-      "rank): generation then depends on the number of ranks and resumes are not bit-exact")
+    a(
+        "--seed",
+        type=n(int, 0, 2**31 - 1, what="an int in [0, 2^31)"),
+        default=0,
+        help="[choice] seed of the data order, sampling and init",
+    )
+    a(
+        "--unseeded-sampling",
+        action="store_true",
+        help="no per-prompt sampling seeds (each engine seeded with seed + "
+        "rank): generation then depends on the number of ranks and resumes are not bit-exact",
+    )
     a("--device", default="auto", choices=["auto", "cuda", "cpu"], help="auto: cuda if available, else cpu (gloo)")
-    a("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="compute dtype; auto: bfloat16 on CUDA "
-      "(fp32 master weights and gradient reductions), float32 on CPU")
-    a("--cpu-offload", action="store_true", help="[choice] weights, gradients, AdamW in host memory (docs/train_full.md)")
-    a("--vllm-gpu-memory-utilization", type=n(float, 0, 1, low_open=True), default=None, help="GPU share vLLM may take "
-      "while awake (default on CUDA: fsdp_vllm.vllm_memory_plan, printed at start)")
-    a("--vllm-sleep-level", type=int, default=2, choices=[0, 1, 2], help="[choice] vLLM sleep during training (CUDA): "
-      "2 frees weights and KV cache, 1 offloads weights to CPU RAM, 0 = no sleep (0, 1: need --vllm-allow-awake)")
+    a(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float32"],
+        help="compute dtype; auto: bfloat16 on CUDA (fp32 master weights and gradient reductions), float32 on CPU",
+    )
+    a(
+        "--cpu-offload",
+        action="store_true",
+        help="[choice] weights, gradients, AdamW in host memory (docs/train_full.md)",
+    )
+    a(
+        "--vllm-gpu-memory-utilization",
+        type=n(float, 0, 1, low_open=True),
+        default=None,
+        help="GPU share vLLM may take while awake (default on CUDA: fsdp_vllm.vllm_memory_plan, printed at start)",
+    )
+    a(
+        "--vllm-sleep-level",
+        type=int,
+        default=2,
+        choices=[0, 1, 2],
+        help="[choice] vLLM sleep during training (CUDA): "
+        "2 frees weights and KV cache, 1 offloads weights to CPU RAM, 0 = no sleep (0, 1: need --vllm-allow-awake)",
+    )
     a("--vllm-allow-awake", action="store_true", help="accept --vllm-sleep-level 0 or 1 and the memory it costs")
-    a("--vllm-kv-cache-gb", type=n(float, 0, 4096, low_open=True, what="in (0, 4096] GB"), default=1.0,
-      help="[choice] vLLM KV cache size on CPU (ignored on CUDA; VLLM_CPU_KVCACHE_SPACE overrides it)")
-    a("--vllm-max-num-seqs", type=n(int, 1), default=None, help="vLLM max concurrent sequences (default on CUDA: "
-      "fsdp_vllm.vllm_memory_plan; 256 on CPU)")
+    a(
+        "--vllm-kv-cache-gb",
+        type=n(float, 0, 4096, low_open=True, what="in (0, 4096] GB"),
+        default=1.0,
+        help="[choice] vLLM KV cache size on CPU (ignored on CUDA; VLLM_CPU_KVCACHE_SPACE overrides it)",
+    )
+    a(
+        "--vllm-max-num-seqs",
+        type=n(int, 1),
+        default=None,
+        help="vLLM max concurrent sequences (default on CUDA: fsdp_vllm.vllm_memory_plan; 256 on CPU)",
+    )
     a("--vllm-enforce-eager", action="store_true", help="vLLM without CUDA graphs (slower; faster start)")
     a("--hf-generate-batch", type=n(int, 1), default=16, help="[choice] --rollout hf: prompts per generate() call")
-    a("--grader-timeout", type=n(float, 0, 3600, low_open=True, what="in (0, 3600] seconds per answer"), default=5.0,
-      help="[choice] seconds per answer before math-verify is killed (reward 0)")
-    a("--grader-workers", type=n(int, 1, 64, what="an int in [1, 64] (processes per rank)"), default=None,
-      help="math-verify processes per rank (default: the CPU cores / the ranks on this node, at most 8)")
-    a("--peak-tflops", type=n(float, 0, what="a finite number >= 0 (0: from the GPU's name)"), default=0.0,
-      help="peak dense bf16 TFLOP/s of one GPU for the logged MFU (0: from the GPU's name; none on CPUs)")
+    a(
+        "--grader-timeout",
+        type=n(float, 0, 3600, low_open=True, what="in (0, 3600] seconds per answer"),
+        default=5.0,
+        help="[choice] seconds per answer before math-verify is killed (reward 0)",
+    )
+    a(
+        "--grader-workers",
+        type=n(int, 1, 64, what="an int in [1, 64] (processes per rank)"),
+        default=None,
+        help="math-verify processes per rank (default: the CPU cores / the ranks on this node, at most 8)",
+    )
+    a(
+        "--peak-tflops",
+        type=n(float, 0, what="a finite number >= 0 (0: from the GPU's name)"),
+        default=0.0,
+        help="peak dense bf16 TFLOP/s of one GPU for the logged MFU (0: from the GPU's name; none on CPUs)",
+    )
     return p
 
 
@@ -196,11 +403,19 @@ def parse_args(argv=None):
 # ---------------------------------------------------------------------------------------------
 def generate(engine, batch, step, args, stops):
     """Step 1 for this rank's share of the batch [(global index, prompt)]: G rollouts per prompt."""
-    outs = engine.generate([p["prompt_ids"] for _, p in batch], args.group_size, args.temperature, args.top_p,
-                           args.max_response_len, full_io.sample_seeds(args, step, [g for g, _ in batch], args.group_size),
-                           stops)
-    return [[{"prompt_ids": p["prompt_ids"], "response_ids": c["token_ids"]} for c in group]
-            for (_, p), group in zip(batch, outs)]
+    outs = engine.generate(
+        [p["prompt_ids"] for _, p in batch],
+        args.group_size,
+        args.temperature,
+        args.top_p,
+        args.max_response_len,
+        full_io.sample_seeds(args, step, [g for g, _ in batch], args.group_size),
+        stops,
+    )
+    return [
+        [{"prompt_ids": p["prompt_ids"], "response_ids": c["token_ids"]} for c in group]
+        for (_, p), group in zip(batch, outs)
+    ]
 
 
 def grade(rollouts, batch, tokenizer, grader):
@@ -228,8 +443,13 @@ def select_samples_global(rollouts, rewards, step, row, args, dist_):
     dist.all_gather_object(shares, [rollouts[p - first][g] for p, g in kept_all if first <= p < first + P_local])
     seqs_all = [s for share in shares for s in share]  # global order: rank order = prompt order
     home = [r for r, share in enumerate(shares) for _ in share]
-    owner, parts = fsdp_vllm.assign_rollouts([len(s["prompt_ids"]) + len(s["response_ids"]) for s in seqs_all], home,
-                                             dist_.world, args.mini_batches, args.load_balance)
+    owner, parts = fsdp_vllm.assign_rollouts(
+        [len(s["prompt_ids"]) + len(s["response_ids"]) for s in seqs_all],
+        home,
+        dist_.world,
+        args.mini_batches,
+        args.load_balance,
+    )
     mine = [g for g in range(len(kept_all)) if owner[g] == dist_.rank]  # the kept rollouts this rank forwards
     row_of = {g: r for r, g in enumerate(mine)}
     seqs = [seqs_all[g] for g in mine]
@@ -238,10 +458,22 @@ def select_samples_global(rollouts, rewards, step, row, args, dist_):
     for r, s in enumerate(seqs):
         mask[r, : len(s["response_ids"])] = True
     return types.SimpleNamespace(
-        row=row, n_keep=n_keep, k_frac=k_frac, rewards_all=rewards_all, keep_all=keep_all, adv_all=adv_all, kept_all=kept_all,
-        first=first, total=len(kept_all), mine=mine, row_of=row_of, seqs=seqs, mask=mask,
+        row=row,
+        n_keep=n_keep,
+        k_frac=k_frac,
+        rewards_all=rewards_all,
+        keep_all=keep_all,
+        adv_all=adv_all,
+        kept_all=kept_all,
+        first=first,
+        total=len(kept_all),
+        mine=mine,
+        row_of=row_of,
+        seqs=seqs,
+        mask=mask,
         kept_adv=adv_all[keep_all][mine].to(dist_.device),  # [B], full-group A (pods: recomputed)
-        parts=[[row_of[g] for g in part if g in row_of] for part in parts])  # this rank's rows of each mini-batch
+        parts=[[row_of[g] for g in part if g in row_of] for part in parts],
+    )  # this rank's rows of each mini-batch
 
 
 def forward_kept(model, ref_model, sel, args, dist_, pad_id):
@@ -273,9 +505,13 @@ def select_tokens_global(sel, entropy, args, dist_):
     if not variants.selects_tokens(args.method):
         return sel.mask.clone()
     scores = d3s.token_scores(sel.kept_adv, entropy)  # |A_{i,t}| * H_{i,t}, [B, T]
-    keep = d3s.select_tokens(fsdp_vllm.gather_global(scores, sel.mine, sel.total, dist_),
-                             fsdp_vllm.gather_global(sel.mask, sel.mine, sel.total, dist_), sel.k_frac,
-                             scope=args.token_scope, min_per_seq=int(args.min_token_per_response))
+    keep = d3s.select_tokens(
+        fsdp_vllm.gather_global(scores, sel.mine, sel.total, dist_),
+        fsdp_vllm.gather_global(sel.mask, sel.mine, sel.total, dist_),
+        sel.k_frac,
+        scope=args.token_scope,
+        min_per_seq=int(args.min_token_per_response),
+    )
     return keep[sel.mine].to(scores.device)
 
 
@@ -312,10 +548,19 @@ def update_policy(model, optimizer, sel, token_keep, old_logp, has_old, entropy,
                 if entropy_here:
                     logp, entropy[rows, :width] = logp
                 old = old_logp[rows, :width] if bool(has_old[rows].all()) else logp.detach()  # on-policy: ratio 1
-                loss, stats = d3s.policy_loss(logp, old, kept_adv[rows], keep, kind=args.loss, clip_low=args.clip_low,
-                                              clip_high=args.clip_high,
-                                              ref_logp=ref_logp[rows, :width] if ref_logp is not None else None,
-                                              beta=args.kl_coef, normalizer=normalizer, agg=args.loss_agg)
+                loss, stats = d3s.policy_loss(
+                    logp,
+                    old,
+                    kept_adv[rows],
+                    keep,
+                    kind=args.loss,
+                    clip_low=args.clip_low,
+                    clip_high=args.clip_high,
+                    ref_logp=ref_logp[rows, :width] if ref_logp is not None else None,
+                    beta=args.kl_coef,
+                    normalizer=normalizer,
+                    agg=args.loss_agg,
+                )
                 part_clip += stats["clip_frac"] * stats["tokens"]
                 kl_tokens += stats["kl"] * stats["tokens"]
                 trained_tokens += float(inputs["attention_mask"].sum())
@@ -333,9 +578,16 @@ def update_policy(model, optimizer, sel, token_keep, old_logp, has_old, entropy,
         clip_fracs.append(all_reduce(part_clip, dist_) / n_selected)
         clip_tokens += clip_fracs[-1] * n_selected
     optimizer.zero_grad(set_to_none=True)
-    return types.SimpleNamespace(entropy=entropy, losses=losses, grad_norms=grad_norms, clip_fracs=clip_fracs,
-                                 clip_tokens=clip_tokens, skipped=skipped, kl_tokens=all_reduce(kl_tokens, dist_),
-                                 trained_tokens=all_reduce(trained_tokens, dist_))
+    return types.SimpleNamespace(
+        entropy=entropy,
+        losses=losses,
+        grad_norms=grad_norms,
+        clip_fracs=clip_fracs,
+        clip_tokens=clip_tokens,
+        skipped=skipped,
+        kl_tokens=all_reduce(kl_tokens, dist_),
+        trained_tokens=all_reduce(trained_tokens, dist_),
+    )
 
 
 def step_metrics(sel, token_keep, upd, train_s, pass1_tokens, measured_kl, dist_):
@@ -347,23 +599,33 @@ def step_metrics(sel, token_keep, upd, train_s, pass1_tokens, measured_kl, dist_
     rank_tokens = sum(len(s["prompt_ids"]) + len(s["response_ids"]) for s in sel.seqs)  # what this rank forwarded
     rewards_all, grad_norms, losses = sel.rewards_all, upd.grad_norms, upd.losses
     return {
-        "reward_mean": float(rewards_all.mean()), "acc_train": float(rewards_all.mean()),  # 0/1 reward: the same
+        "reward_mean": float(rewards_all.mean()),
+        "acc_train": float(rewards_all.mean()),  # 0/1 reward: the same
         "groups_mixed": float((rewards_all.amax(-1) > rewards_all.amin(-1)).float().mean()),  # groups with signal
-        "n_keep": sel.n_keep, "k_frac": sel.k_frac,
-        "sample_rule": variants.rule_name(sel.row),  # which rollouts this step kept: "cross" turns "intra" at the switch
+        "n_keep": sel.n_keep,
+        "k_frac": sel.k_frac,
+        "sample_rule": variants.rule_name(
+            sel.row
+        ),  # which rollouts this step kept: "cross" turns "intra" at the switch
         "k_real": n_selected / max(n_tokens, 1.0),  # realised fraction of the forwarded tokens
-        "kept_samples": sel.total, "sur": d3s.usefulness_rate(sel.adv_all, sel.keep_all),  # kept rollouts with A != 0
-        "kept_tokens": int(n_selected), "fwd_tokens": int(n_tokens),  # in the loss; response tokens of the kept
+        "kept_samples": sel.total,
+        "sur": d3s.usefulness_rate(sel.adv_all, sel.keep_all),  # kept rollouts with A != 0
+        "kept_tokens": int(n_selected),
+        "fwd_tokens": int(n_tokens),  # in the loss; response tokens of the kept
         "kept_adv_var": d3s.kept_variance(sel.adv_all, sel.keep_all),
-        "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else None,  # finite optimizer steps, before clipping
+        "grad_norm": sum(grad_norms) / len(grad_norms)
+        if grad_norms
+        else None,  # finite optimizer steps, before clipping
         "entropy_mean": all_reduce((upd.entropy * sel.mask).sum(), dist_) / max(n_tokens, 1.0),
         "entropy_kept": all_reduce((upd.entropy * token_keep).sum(), dist_) / max(n_selected, 1.0),
         "kl_ref": upd.kl_tokens / max(n_selected, 1.0) if measured_kl else None,
         "clip_frac": upd.clip_tokens / max(n_selected, 1.0),  # over the selected tokens of every mini-batch
         "clip_frac_by_minibatch": upd.clip_fracs,
         "loss": sum(losses) / len(losses) if losses else None,  # mean over the optimizer steps
-        "updates": len(grad_norms), "skipped": upd.skipped,  # skipped: an optimizer step had a non-finite loss/gradient
-        "train_s": train_s, "train_tokens": int(upd.trained_tokens),  # prompt + response tokens through pass 2
+        "updates": len(grad_norms),
+        "skipped": upd.skipped,  # skipped: an optimizer step had a non-finite loss/gradient
+        "train_s": train_s,
+        "train_tokens": int(upd.trained_tokens),  # prompt + response tokens through pass 2
         "pass1_tokens": int(pass1_tokens),  # prompt + response tokens through the no-grad forwards (policy + reference)
         "train_tokens_per_s": upd.trained_tokens / max(train_s, 1e-9),
         "rank_tokens_max": int(all_reduce(rank_tokens, dist_, MAX)),  # load balance: the busiest rank's tokens
@@ -391,32 +653,57 @@ def main(argv=None):
             full_io.evaluate(engine, tokenizer, stops, eval_sets, args, dist_, grader)
         return fsdp_vllm.shutdown(engine)
 
-    say(f"train data: {note}; {dist_.world} ranks, {args.prompts_per_step // dist_.world} prompts x {args.group_size} "
-        f"rollouts per rank per step, method {args.method}, loss {args.loss}")
+    say(
+        f"train data: {note}; {dist_.world} ranks, {args.prompts_per_step // dist_.world} prompts x {args.group_size} "
+        f"rollouts per rank per step, method {args.method}, loss {args.loss}"
+    )
     order = full_io.PromptOrder(len(prompts), args.seed)
     model = fsdp_vllm.load_policy(args, dist_)
     # NaN or inf in the weights (each rank its shards) or in the logits of a first forward: one line naming --model,
     # exit 2, before any step
     full_io.check_finite(model, args, dist_, prompts[0]["prompt_ids"])
-    ref_model = fsdp_vllm.load_policy(args, dist_, reference=True) if args.kl_ref else None  # the initial policy, frozen
+    ref_model = (
+        fsdp_vllm.load_policy(args, dist_, reference=True) if args.kl_ref else None
+    )  # the initial policy, frozen
     optimizer = fsdp_vllm.make_optimizer(model, args)
-    step, grad_norms = 0, []  # completed steps, and their grad norms (the same on every rank: --switch-on-spike's signal)
+    step, grad_norms = (
+        0,
+        [],
+    )  # completed steps, and their grad norms (the same on every rank: --switch-on-spike's signal)
     if ckpt:
         step, grad_norms = full_io.resume_from(ckpt, model, optimizer, order, args, dist_)
     n_params, flops_peak = fsdp_vllm.flop_params(model), fsdp_vllm.peak_flops(dist_.device, args.peak_tflops)  # MFU
     engine = fsdp_vllm.make_engine(args.model, args, dist_)
-    engine.update_weights(fsdp_vllm.full_named_tensors(model, getattr(torch, args.dtype)))  # the policy, also after a resume
+    engine.update_weights(
+        fsdp_vllm.full_named_tensors(model, getattr(torch, args.dtype))
+    )  # the policy, also after a resume
     metrics_path, pad_id, device = os.path.join(args.out, "metrics.jsonl"), tokenizer.pad_token_id, dist_.device
     if dist_.is_main:
         common.truncate_metrics(metrics_path, step if ckpt else -1)  # what the checkpoint covers (a new run: nothing)
     bar = tqdm(total=args.steps, initial=step, disable=not dist_.is_main, desc="steps", dynamic_ncols=True)
     stop_at = args.stop_after or args.steps
     with Grader(args.grader_timeout, workers=args.grader_workers) as grader, full_io.Stops(args.out, dist_) as halt:
-        evaluate = lambda tag, name: full_io.evaluate(engine, tokenizer, stops, eval_sets, args, dist_, grader,  # noqa: E731
-                                                      tag, name, step=step)
-        at_step = lambda: evaluate(f"step_{step:06d}", f"{args.model} after {step} steps of {args.method}, "  # noqa: E731
-                                   f"{args.loss} loss" if step else f"{args.model} before training")
-        if full_io.evaluation_due(metrics_path, step, args, dist_):  # step 0, or one a stop cut off after its checkpoint
+        evaluate = lambda tag, name: full_io.evaluate(
+            engine,
+            tokenizer,
+            stops,
+            eval_sets,
+            args,
+            dist_,
+            grader,
+            tag,
+            name,
+            step=step,
+        )
+        at_step = lambda: evaluate(
+            f"step_{step:06d}",
+            f"{args.model} after {step} steps of {args.method}, {args.loss} loss"
+            if step
+            else f"{args.model} before training",
+        )
+        if full_io.evaluation_due(
+            metrics_path, step, args, dist_
+        ):  # step 0, or one a stop cut off after its checkpoint
             at_step()
         while step < stop_at:
             s = step + 1  # this step, 1..S
@@ -432,15 +719,29 @@ def main(argv=None):
             sel = select_samples_global(rollouts, rewards, s, row, args, dist_)  # 3) N per prompt, over all ranks
             t0, measure_kl = clock(device), common.measures_kl(s, args)
             old_logp, has_old, entropy, ref_logp, pass1_tokens = forward_kept(  # 4) pass 1 of the kept rollouts
-                model, ref_model if measure_kl else None, sel, args, dist_, pad_id)
+                model, ref_model if measure_kl else None, sel, args, dist_, pad_id
+            )
             token_keep = select_tokens_global(sel, entropy, args, dist_)  # 5) the top K of |A| * H, over all ranks
-            upd = update_policy(model, optimizer, sel, token_keep, old_logp, has_old, entropy, ref_logp, args, dist_,
-                                pad_id)  # 6) M mini-batches, one AdamW step each on d3s.policy_loss
-            stats = step_metrics(sel, token_keep, upd, all_reduce(clock(device) - t0, dist_, MAX), pass1_tokens,
-                                 measure_kl, dist_)
+            upd = update_policy(
+                model, optimizer, sel, token_keep, old_logp, has_old, entropy, ref_logp, args, dist_, pad_id
+            )  # 6) M mini-batches, one AdamW step each on d3s.policy_loss
+            stats = step_metrics(
+                sel, token_keep, upd, all_reduce(clock(device) - t0, dist_, MAX), pass1_tokens, measure_kl, dist_
+            )
             if args.explain_every and (s == 1 or s % args.explain_every == 0):  # the page, from the global selection
-                full_io.write_explain_page(s, rollouts, [p["problem"] for _, p in batch], sel, upd.entropy, token_keep,
-                                           stats, args, tokenizer, dist_, halt)  # a full disk: noted in halt
+                full_io.write_explain_page(
+                    s,
+                    rollouts,
+                    [p["problem"] for _, p in batch],
+                    sel,
+                    upd.entropy,
+                    token_keep,
+                    stats,
+                    args,
+                    tokenizer,
+                    dist_,
+                    halt,
+                )  # a full disk: noted in halt
             phases["gpu_used_train"] = fsdp_vllm.gpu_used_gb(device)  # trainer (+ sleeping vLLM), before the sync
             t0 = clock(device)
             engine.update_weights(fsdp_vllm.full_named_tensors(model, getattr(torch, args.dtype)))  # weights to vLLM
@@ -456,8 +757,15 @@ def main(argv=None):
             if args.export_every and step % args.export_every == 0:  # before the checkpoint: a resume redoes both
                 full_io.export_hf(model, tokenizer, os.path.join(args.out, f"hf_step_{step:06d}"), dist_, args.out)
             if step % args.save_every == 0 or step == stop_at or notice:
-                full_io.save_checkpoint(model, optimizer, args.out, step, full_io.trainer_state(args, order, grad_norms),
-                                        dist_, args.keep_checkpoints)
+                full_io.save_checkpoint(
+                    model,
+                    optimizer,
+                    args.out,
+                    step,
+                    full_io.trainer_state(args, order, grad_norms),
+                    dist_,
+                    args.keep_checkpoints,
+                )
             if notice and step < stop_at:
                 full_io.stopped(notice, step, args.out, dist_)  # rank 0's line; exit 75 on every rank
             if args.eval_every and step % args.eval_every == 0 and step < args.steps:

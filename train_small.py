@@ -35,96 +35,244 @@ from mathtask import Grader, held_out_pass, stop_token_ids
 
 PROG = "train_small.py"
 TINY_MAX_NEW_TOKENS, HF_MAX_NEW_TOKENS = {"steps": 48, "direct": 16}, 512  # a worked answer + EOS: 34 tokens (tiny)
-RUN_FLAGS = ("method loss steps seed rl_seed model template hidden_size num_layers train_file train_size sft_steps "
-             "sft_shortcut sft_lr sft_batch prompts_per_step group_size n_init n_final k_init k_final static_n static_k "
-             "schedule token_rule token_scope min_token_per_response switch_on_spike lr warmup_steps max_grad_norm loss_agg "
-             "clip_low clip_high mini_batches task kl_coef temperature max_new_tokens").split()  # a resume must repeat them
+RUN_FLAGS = (
+    "method loss steps seed rl_seed model template hidden_size num_layers train_file train_size sft_steps "
+    "sft_shortcut sft_lr sft_batch prompts_per_step group_size n_init n_final k_init k_final static_n static_k "
+    "schedule token_rule token_scope min_token_per_response switch_on_spike lr warmup_steps max_grad_norm loss_agg "
+    "clip_low clip_high mini_batches task kl_coef temperature max_new_tokens"
+).split()  # a resume must repeat them
 ADDED_RUN_FLAGS = {"switch_on_spike": 0.0}  # RUN_FLAGS added later, and the value older checkpoints ran with
 
 
 def build_parser(prog=PROG):
-    p = cli.Parser(prog=prog, description=__doc__.split("\n\n")[0], epilog="Paper recipe (Qwen2.5-Math-7B): G >= 32, N 8 -> "
-                   "32, K 5% -> 20%, lr 1e-6, clip 0.2/0.28, 3k tokens. The CPU defaults are scaled down; each flag says so.")
+    p = cli.Parser(
+        prog=prog,
+        description=__doc__.split("\n\n")[0],
+        epilog="Paper recipe (Qwen2.5-Math-7B): G >= 32, N 8 -> "
+        "32, K 5% -> 20%, lr 1e-6, clip 0.2/0.28, 3k tokens. The CPU defaults are scaled down; each flag says so.",
+    )
     a, n, frac = p.add_argument, cli.number, "a fraction of tokens in (0, 1]"
     a("--method", default="d3s", help=f"what to train on, a row of variants.LADDER: {', '.join(variants.METHODS)}")
-    a("--loss", default="grpo", choices=["grpo", "gspo"], help="policy loss: token ratios (grpo) or the sequence ratio (gspo)")
+    a(
+        "--loss",
+        default="grpo",
+        choices=["grpo", "gspo"],
+        help="policy loss: token ratios (grpo) or the sequence ratio (gspo)",
+    )
     a("--steps", type=n(int, 1), default=100, help="RL steps (one optimizer batch of P x G rollouts each)")
-    a("--resume", nargs="?", const="latest", default=None, metavar="PATH", help="continue a killed run: from PATH (a "
-      "checkpoint.pt) or OUT/checkpoint.pt; with the flags it was started with")
+    a(
+        "--resume",
+        nargs="?",
+        const="latest",
+        default=None,
+        metavar="PATH",
+        help="continue a killed run: from PATH (a "
+        "checkpoint.pt) or OUT/checkpoint.pt; with the flags it was started with",
+    )
     a("--out", default="runs/small", help="run folder: metrics.jsonl, checkpoint.pt, summary.json, final/, explain/")
-    a("--seed", type=n(int, 0, 2**31 - 1), default=0, help="seed of the tiny model, the generated data and the warm start")
-    a("--rl-seed", type=n(int, 0, 2**31 - 1), default=None, help="seed of the RL run: prompt order, sampling, random "
-      "selection (default: --seed)")
+    a(
+        "--seed",
+        type=n(int, 0, 2**31 - 1),
+        default=0,
+        help="seed of the tiny model, the generated data and the warm start",
+    )
+    a(
+        "--rl-seed",
+        type=n(int, 0, 2**31 - 1),
+        default=None,
+        help="seed of the RL run: prompt order, sampling, random selection (default: --seed)",
+    )
     a("--threads", type=n(int, 0, 1024), default=0, help="torch CPU threads (0: torch's default)")
     a("--model", default=None, metavar="PATH_OR_HUB_NAME", help="any HF causal LM instead of the tiny model")
-    a("--template", default="auto", choices=["auto", "plain", "qwen-math"], help="prompt template (auto: plain for the tiny "
-      "model, qwen-math with --model)")
-    a("--hidden-size", type=n(int, 8, 4096, what="a multiple of 4 in [8, 4096] (4 heads)"), default=128,
-      help="tiny model: hidden size")
+    a(
+        "--template",
+        default="auto",
+        choices=["auto", "plain", "qwen-math"],
+        help="prompt template (auto: plain for the tiny model, qwen-math with --model)",
+    )
+    a(
+        "--hidden-size",
+        type=n(int, 8, 4096, what="a multiple of 4 in [8, 4096] (4 heads)"),
+        default=128,
+        help="tiny model: hidden size",
+    )
     a("--num-layers", type=n(int, 1, 64), default=4, help="tiny model: transformer layers")
-    a("--task", default="steps", choices=list(warmstart.TASKS), help="the tiny model's generated task: steps (worked "
-      "solutions, every intermediate result a decision) or direct (the answer only)")
+    a(
+        "--task",
+        default="steps",
+        choices=list(warmstart.TASKS),
+        help="the tiny model's generated task: steps (worked "
+        "solutions, every intermediate result a decision) or direct (the answer only)",
+    )
     a("--train-file", default=None, help="JSONL/JSON/Parquet with 'problem' and 'answer' (default: the generated task)")
     a("--eval-file", default=None, help="held-out JSONL/JSON/Parquet (default: generated, disjoint from train)")
     a("--train-size", type=n(int, 1, 10**6), default=5000, help="training problems (or the first rows of --train-file)")
     a("--eval-size", type=n(int, 1, 10**5), default=200, help="held-out problems (or the first rows of --eval-file)")
     a("--cache-dir", default="runs/cache", help="where the warm-started model is cached")
-    a("--sft-steps", type=n(int, 0, 10**6), default=None, help=f"supervised warm-start steps (default: tiny model "
-      f"{warmstart.TINY_SFT_STEPS['steps']} for --task steps, {warmstart.TINY_SFT_STEPS['direct']} for direct; 0 with --model)")
-    a("--sft-shortcut", type=n(float, 0, 1, what="a share in [0, 1]"), default=0.7, help="share of the multi-step "
-      "demonstrations that box the first step's result: a habit RL can unlearn (0.7: held-out Pass@1 near 0.35) (choice)")
-    a("--sft-lr", type=n(float, 0, 1, low_open=True), default=1e-3, help="supervised learning rate (linear decay to 10%%)")
+    a(
+        "--sft-steps",
+        type=n(int, 0, 10**6),
+        default=None,
+        help=f"supervised warm-start steps (default: tiny model "
+        f"{warmstart.TINY_SFT_STEPS['steps']} for --task steps, {warmstart.TINY_SFT_STEPS['direct']} for direct; 0 with --model)",
+    )
+    a(
+        "--sft-shortcut",
+        type=n(float, 0, 1, what="a share in [0, 1]"),
+        default=0.7,
+        help="share of the multi-step "
+        "demonstrations that box the first step's result: a habit RL can unlearn (0.7: held-out Pass@1 near 0.35) (choice)",
+    )
+    a(
+        "--sft-lr",
+        type=n(float, 0, 1, low_open=True),
+        default=1e-3,
+        help="supervised learning rate (linear decay to 10%%)",
+    )
     a("--sft-batch", type=n(int, 1, 65536), default=64, help="supervised batch size")
     a("--prompts-per-step", type=n(int, 1, 4096), default=16, help="P: prompts per step (scaled down for CPU)")
-    a("--group-size", type=n(int, 2, 1024, what="an int in [2, 1024] (advantages need 2 rollouts)"), default=16,
-      help="G: rollouts per prompt (paper: 32, [inferred] from N_final = 32; scaled down for CPU)")
+    a(
+        "--group-size",
+        type=n(int, 2, 1024, what="an int in [2, 1024] (advantages need 2 rollouts)"),
+        default=16,
+        help="G: rollouts per prompt (paper: 32, [inferred] from N_final = 32; scaled down for CPU)",
+    )
     a("--n-init", type=n(int, 1), default=4, help="N at the first step: rollouts kept per prompt (paper: 8 of 32)")
     a("--n-final", type=n(int, 1), default=16, help="N at the last step (paper: 32 of 32)")
     a("--k-init", type=n(float, 0, 1, low_open=True, what=frac), default=0.05, help="K at the first step (paper: 0.05)")
     a("--k-final", type=n(float, 0, 1, low_open=True, what=frac), default=0.20, help="K at the last step (paper: 0.20)")
-    a("--static-n", type=n(int, 1), default=None, help="N of the static rows d1s, d1s-cross, d2s, pods (default: the "
-      "schedule's midpoint) (choice)")
-    a("--static-k", type=n(float, 0, 1, low_open=True, what=frac), default=None, help="K of d2s (default: the midpoint) (choice)")
-    a("--schedule", default="linear", choices=variants.SCHEDULES, help="N and K from init to final: linear (paper), "
-      "cosine, step, constant, adaptive (variants.progress)")
-    a("--token-rule", default="adv-entropy", choices=list(variants.TOKEN_RULES), help="token score: adv-entropy "
-      "(|A| * H, paper), entropy, adv, random (variants.TOKEN_RULES)")
-    a("--token-scope", default="batch", choices=["batch", "sequence"], help="top-K tokens over the batch or within each "
-      "response (sequence) (choice)")
-    a("--switch-on-spike", type=n(float, 1, low_open=True, what="0 (off) or a number > 1", also=(0,)), default=0.0,
-      help="the switch rule (variants.switch_to_intra): a cross-group row selects within groups from the step after the "
-      "first grad-norm spike over this x the median of the 10 steps before; 0: off, the paper's method")
-    a("--min-token-per-response", action="store_true", help="every kept response keeps its best token (off: plain top-K%%)")
+    a(
+        "--static-n",
+        type=n(int, 1),
+        default=None,
+        help="N of the static rows d1s, d1s-cross, d2s, pods (default: the schedule's midpoint) (choice)",
+    )
+    a(
+        "--static-k",
+        type=n(float, 0, 1, low_open=True, what=frac),
+        default=None,
+        help="K of d2s (default: the midpoint) (choice)",
+    )
+    a(
+        "--schedule",
+        default="linear",
+        choices=variants.SCHEDULES,
+        help="N and K from init to final: linear (paper), cosine, step, constant, adaptive (variants.progress)",
+    )
+    a(
+        "--token-rule",
+        default="adv-entropy",
+        choices=list(variants.TOKEN_RULES),
+        help="token score: adv-entropy (|A| * H, paper), entropy, adv, random (variants.TOKEN_RULES)",
+    )
+    a(
+        "--token-scope",
+        default="batch",
+        choices=["batch", "sequence"],
+        help="top-K tokens over the batch or within each response (sequence) (choice)",
+    )
+    a(
+        "--switch-on-spike",
+        type=n(float, 1, low_open=True, what="0 (off) or a number > 1", also=(0,)),
+        default=0.0,
+        help="the switch rule (variants.switch_to_intra): a cross-group row selects within groups from the step after the "
+        "first grad-norm spike over this x the median of the 10 steps before; 0: off, the paper's method",
+    )
+    a(
+        "--min-token-per-response",
+        action="store_true",
+        help="every kept response keeps its best token (off: plain top-K%%)",
+    )
     a("--lr", type=n(float, 0, 1, low_open=True), default=5e-5, help="AdamW learning rate (recipe, 7B: 1e-6)")
-    a("--warmup-steps", type=n(int, 0, what="an int >= 0 (0: no warmup)"), default=10, help="the RL learning rate rises "
-      "linearly over the first W steps (choice)")
-    a("--max-grad-norm", type=n(float, 0, low_open=True), default=1.0, help="gradient clipping (logged before clipping)")
-    a("--loss-agg", default=None, choices=["token-mean", "seq-mean-token-mean"], help="default: token-mean for grpo, "
-      "seq-mean-token-mean for gspo")
-    a("--clip-low", type=n(float, 0, 1, high_open=True, what="in [0, 1): the ratio is clipped at 1 - eps_low"), default=None,
-      help="eps_low (default: 0.2 grpo, 3e-4 gspo (GSPO paper))")
-    a("--clip-high", type=n(float, 0, 100), default=None, help="eps_high (default: 0.28 grpo, DAPO's clip-higher; 4e-4 gspo)")
-    a("--mini-batches", type=n(int, 1, 4096), default=4, help="M: optimizer steps per rollout batch ([recipe]: verl's "
-      "Qwen2.5-Math GRPO runs use 1024 / 256 = 4); 1 = on-policy")
+    a(
+        "--warmup-steps",
+        type=n(int, 0, what="an int >= 0 (0: no warmup)"),
+        default=10,
+        help="the RL learning rate rises linearly over the first W steps (choice)",
+    )
+    a(
+        "--max-grad-norm",
+        type=n(float, 0, low_open=True),
+        default=1.0,
+        help="gradient clipping (logged before clipping)",
+    )
+    a(
+        "--loss-agg",
+        default=None,
+        choices=["token-mean", "seq-mean-token-mean"],
+        help="default: token-mean for grpo, seq-mean-token-mean for gspo",
+    )
+    a(
+        "--clip-low",
+        type=n(float, 0, 1, high_open=True, what="in [0, 1): the ratio is clipped at 1 - eps_low"),
+        default=None,
+        help="eps_low (default: 0.2 grpo, 3e-4 gspo (GSPO paper))",
+    )
+    a(
+        "--clip-high",
+        type=n(float, 0, 100),
+        default=None,
+        help="eps_high (default: 0.28 grpo, DAPO's clip-higher; 4e-4 gspo)",
+    )
+    a(
+        "--mini-batches",
+        type=n(int, 1, 4096),
+        default=4,
+        help="M: optimizer steps per rollout batch ([recipe]: verl's "
+        "Qwen2.5-Math GRPO runs use 1024 / 256 = 4); 1 = on-policy",
+    )
     a("--kl-coef", type=n(float, 0), default=0.0, help="beta of the k3 KL penalty to the warm start (recipe: 0)")
-    a("--kl-every", type=n(int, 0), default=None, help="with --kl-coef 0, measure the KL on step 1, every E steps and the "
-      "last (default: --eval-every; 0: never)")
+    a(
+        "--kl-every",
+        type=n(int, 0),
+        default=None,
+        help="with --kl-coef 0, measure the KL on step 1, every E steps and the last (default: --eval-every; 0: never)",
+    )
     a("--temperature", type=n(float, 0.01, 100), default=1.0, help="sampling temperature (rollouts and eval samples)")
-    a("--max-new-tokens", type=n(int, 1, 65536), default=None, help=f"response length limit (default: {TINY_MAX_NEW_TOKENS} "
-      f"tiny model, {HF_MAX_NEW_TOKENS} with --model; paper: 3k)")
+    a(
+        "--max-new-tokens",
+        type=n(int, 1, 65536),
+        default=None,
+        help=f"response length limit (default: {TINY_MAX_NEW_TOKENS} "
+        f"tiny model, {HF_MAX_NEW_TOKENS} with --model; paper: 3k)",
+    )
     a("--drop-long-prompts", action="store_true", help=cli.DROP_LONG_PROMPTS_HELP)
-    a("--grade-timeout", type=n(float, 0, 3600, low_open=True), default=5.0, help="seconds math-verify may spend on an answer")
-    a("--eval-every", type=n(int, 1), default=25, help="evaluate on the held-out set every E steps (and at 0 and the end)")
+    a(
+        "--grade-timeout",
+        type=n(float, 0, 3600, low_open=True),
+        default=5.0,
+        help="seconds math-verify may spend on an answer",
+    )
+    a(
+        "--eval-every",
+        type=n(int, 1),
+        default=25,
+        help="evaluate on the held-out set every E steps (and at 0 and the end)",
+    )
     a("--eval-samples", type=n(int, 1, 1024), default=8, help="n: samples per held-out problem for Pass@1 and Pass@k")
-    a("--mid-eval-samples", type=n(int, 1, 1024), default=None, help="n at every evaluation but the last (choice; default: "
-      "--eval-samples; the ladder: 2; at most --eval-samples): cheaper, still unbiased")
+    a(
+        "--mid-eval-samples",
+        type=n(int, 1, 1024),
+        default=None,
+        help="n at every evaluation but the last (choice; default: "
+        "--eval-samples; the ladder: 2; at most --eval-samples): cheaper, still unbiased",
+    )
     a("--pass-k", type=n(int, 1), default=8, help="k of Pass@k (unbiased estimator from n samples; k <= n)")
     a("--gen-batch", type=n(int, 1), default=512, help="sequences per generate call during evaluation")
     a("--save-every", type=n(int, 1), default=20, help="write OUT/checkpoint.pt every S steps (and at the end)")
-    a("--explain-every", type=n(int, 0), default=25, help="step 1 and every N-th step write OUT/explain/step_NNNNNN.html "
-      "(explain.py); 0 = off")
-    a("--stop-after", type=n(int, 1), default=None, metavar="N", help="stop cleanly after step N: write the checkpoint "
-      "and exit 0 (continue with --resume)")
+    a(
+        "--explain-every",
+        type=n(int, 0),
+        default=25,
+        help="step 1 and every N-th step write OUT/explain/step_NNNNNN.html (explain.py); 0 = off",
+    )
+    a(
+        "--stop-after",
+        type=n(int, 1),
+        default=None,
+        metavar="N",
+        help="stop cleanly after step N: write the checkpoint and exit 0 (continue with --resume)",
+    )
     return p
 
 
@@ -137,7 +285,9 @@ def parse_args(argv=None, parser=None, methods=None):
     if args.hidden_size % 4:
         p.error(f"--hidden-size {args.hidden_size}: must be a multiple of 4 in [8, 4096] (4 heads)")
     if args.pass_k > args.eval_samples:
-        p.error(f"--pass-k {args.pass_k}: must be an int in [1, --eval-samples {args.eval_samples}] (Pass@k needs k <= n)")
+        p.error(
+            f"--pass-k {args.pass_k}: must be an int in [1, --eval-samples {args.eval_samples}] (Pass@k needs k <= n)"
+        )
     if args.stop_after is not None and args.stop_after > args.steps:
         p.error(f"--stop-after {args.stop_after}: must be an int in [1, --steps {args.steps}]")
     for flag, path in (("--out", args.out), ("--cache-dir", args.cache_dir)):
@@ -152,9 +302,13 @@ def parse_args(argv=None, parser=None, methods=None):
     args.rl_seed = args.seed if args.rl_seed is None else args.rl_seed
     args.loss_agg = args.loss_agg or d3s.DEFAULT_AGG[args.loss]
     clip = d3s.CLIP_DEFAULTS[args.loss]  # grpo 0.2 / 0.28 (DAPO's clip-higher), gspo 3e-4 / 4e-4
-    args.clip_low, args.clip_high = (clip[0] if args.clip_low is None else args.clip_low,
-                                     clip[1] if args.clip_high is None else args.clip_high)
-    args.sft_steps = (0 if args.model else warmstart.TINY_SFT_STEPS[args.task]) if args.sft_steps is None else args.sft_steps
+    args.clip_low, args.clip_high = (
+        clip[0] if args.clip_low is None else args.clip_low,
+        clip[1] if args.clip_high is None else args.clip_high,
+    )
+    args.sft_steps = (
+        (0 if args.model else warmstart.TINY_SFT_STEPS[args.task]) if args.sft_steps is None else args.sft_steps
+    )
     if args.max_new_tokens is None:
         args.max_new_tokens = HF_MAX_NEW_TOKENS if args.model else TINY_MAX_NEW_TOKENS[args.task]
     args.template = ("qwen-math" if args.model else "plain") if args.template == "auto" else args.template
@@ -175,8 +329,14 @@ def rollout(model, tokenizer, prompts, group_size, max_new_tokens, temperature=1
     eos = torch.tensor(stop_token_ids(tokenizer, model.generation_config))  # the one rule of every rung
     model.eval()
     cache = DynamicCache()
-    logits = model(input_ids=enc.input_ids, attention_mask=prompt_mask, position_ids=positions, past_key_values=cache,
-                   use_cache=True, logits_to_keep=1).logits[:, -1]  # [P, V]: the prefill, once per prompt
+    logits = model(
+        input_ids=enc.input_ids,
+        attention_mask=prompt_mask,
+        position_ids=positions,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    ).logits[:, -1]  # [P, V]: the prefill, once per prompt
     cache.batch_repeat_interleave(group_size)  # the prompt's keys and values, shared by its G rollouts
     logits = logits.repeat_interleave(group_size, 0)  # [B, V]: each row's last logits (an ended row's: stale)
     attention_mask = prompt_mask.repeat_interleave(group_size, 0)  # [live, Lp + t]
@@ -199,14 +359,27 @@ def rollout(model, tokenizer, prompts, group_size, max_new_tokens, temperature=1
             live, attention_mask, position = live[go_on], attention_mask[go_on], position[go_on]
         attention_mask = torch.cat([attention_mask, torch.ones(len(live), 1, dtype=attention_mask.dtype)], 1)
         position = position + 1
-        logits[live] = model(input_ids=token[live, None], attention_mask=attention_mask, position_ids=position,
-                             past_key_values=cache, use_cache=True).logits[:, -1]
+        logits[live] = model(
+            input_ids=token[live, None],
+            attention_mask=attention_mask,
+            position_ids=position,
+            past_key_values=cache,
+            use_cache=True,
+        ).logits[:, -1]
     response_ids = response_ids[:, : t + 1]  # [B, T]
     is_eos = torch.isin(response_ids, eos)
     response_mask = (~((is_eos.cumsum(-1) - is_eos.long()) > 0)).long()  # 0 strictly after the first EOS
-    texts = [tokenizer.decode(ids[:n], skip_special_tokens=True) for ids, n in zip(response_ids, response_mask.sum(-1).tolist())]
-    return {"prompt_ids": enc.input_ids.repeat_interleave(group_size, 0), "prompt_mask": prompt_mask.repeat_interleave(group_size, 0),
-            "response_ids": response_ids, "response_mask": response_mask, "texts": texts}
+    texts = [
+        tokenizer.decode(ids[:n], skip_special_tokens=True)
+        for ids, n in zip(response_ids, response_mask.sum(-1).tolist())
+    ]
+    return {
+        "prompt_ids": enc.input_ids.repeat_interleave(group_size, 0),
+        "prompt_mask": prompt_mask.repeat_interleave(group_size, 0),
+        "response_ids": response_ids,
+        "response_mask": response_mask,
+        "texts": texts,
+    }
 
 
 def compute_rewards(grader, texts, golds):
@@ -222,20 +395,32 @@ def forward_logprobs_entropy(model, batch, temperature=1.0, with_entropy=True):
 
     model.train()
     Lp = batch["prompt_ids"].shape[1]
-    prompts, row_prompt = torch.unique(torch.cat([batch["prompt_ids"], batch["prompt_mask"]], 1), dim=0,
-                                       return_inverse=True)  # [U, 2 Lp] distinct prompts; row b's is row_prompt[b]
+    prompts, row_prompt = torch.unique(
+        torch.cat([batch["prompt_ids"], batch["prompt_mask"]], 1), dim=0, return_inverse=True
+    )  # [U, 2 Lp] distinct prompts; row b's is row_prompt[b]
     prompt_ids, prompt_mask = prompts[:, :Lp], prompts[:, Lp:]
     first = int(prompt_mask.any(0).int().argmax())  # drop the columns that are padding in every prompt
     prompt_ids, prompt_mask = prompt_ids[:, first:], prompt_mask[:, first:]
     prompt_pos = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # [U, Lp']
     cache = DynamicCache()
-    first_logits = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=prompt_pos,
-                         past_key_values=cache, use_cache=True, logits_to_keep=1).logits  # [U, 1, V]: predicts o_1
+    first_logits = model(
+        input_ids=prompt_ids,
+        attention_mask=prompt_mask,
+        position_ids=prompt_pos,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    ).logits  # [U, 1, V]: predicts o_1
     cache.batch_select_indices(row_prompt)  # each row's prompt keys and values (indexing: gradients add up)
     attention_mask = torch.cat([prompt_mask[row_prompt], batch["response_mask"]], 1)  # [B, Lp' + T]
     position_ids = prompt_pos[row_prompt, -1:] + batch["response_mask"].cumsum(-1)  # as cumsum(mask) - 1 above
-    logits = model(input_ids=batch["response_ids"], attention_mask=attention_mask, position_ids=position_ids,
-                   past_key_values=cache, use_cache=True).logits  # [B, T, V]: position t predicts o_{t+1}
+    logits = model(
+        input_ids=batch["response_ids"],
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        past_key_values=cache,
+        use_cache=True,
+    ).logits  # [B, T, V]: position t predicts o_{t+1}
     logits = torch.cat([first_logits[row_prompt], logits[:, :-1]], 1).float() / temperature  # [B, T, V]: o_1 .. o_T
     logp = logits.log_softmax(-1).gather(-1, batch["response_ids"].unsqueeze(-1)).squeeze(-1)  # [B, T]
     return logp, (d3s.token_entropy(logits) if with_entropy else None)
@@ -244,8 +429,12 @@ def forward_logprobs_entropy(model, batch, temperature=1.0, with_entropy=True):
 def take_rows(batch, rows):
     """The rollouts `rows` of a rollout batch, trimmed to their longest response (none: [0, 0])."""
     T = int(batch["response_mask"][rows].sum(-1).max()) if len(rows) else 0
-    return {"prompt_ids": batch["prompt_ids"][rows], "prompt_mask": batch["prompt_mask"][rows],
-            "response_ids": batch["response_ids"][rows, :T], "response_mask": batch["response_mask"][rows, :T]}
+    return {
+        "prompt_ids": batch["prompt_ids"][rows],
+        "prompt_mask": batch["prompt_mask"][rows],
+        "response_ids": batch["response_ids"][rows, :T],
+        "response_mask": batch["response_mask"][rows, :T],
+    }
 
 
 def forward_kept(model, ref_model, kept, parts, temperature):
@@ -280,9 +469,18 @@ def update_policy(model, optimizer, kept, parts, first_logp, old_logp, kept_adv,
         part = take_rows(kept, rows)
         logp = first_logp if i == 0 else forward_logprobs_entropy(model, part, args.temperature, with_entropy=False)[0]
         width = logp.shape[1]
-        loss, stats = d3s.policy_loss(logp, old_logp[rows, :width], kept_adv[rows], token_keep[rows, :width], kind=args.loss,
-                                      clip_low=args.clip_low, clip_high=args.clip_high, beta=args.kl_coef, agg=args.loss_agg,
-                                      ref_logp=ref_logp[rows, :width] if ref_logp is not None else None)
+        loss, stats = d3s.policy_loss(
+            logp,
+            old_logp[rows, :width],
+            kept_adv[rows],
+            token_keep[rows, :width],
+            kind=args.loss,
+            clip_low=args.clip_low,
+            clip_high=args.clip_high,
+            beta=args.kl_coef,
+            agg=args.loss_agg,
+            ref_logp=ref_logp[rows, :width] if ref_logp is not None else None,
+        )
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
         clip_fracs.append((stats["clip_frac"], stats["tokens"]))
@@ -313,23 +511,41 @@ def kl_ref_all(model, ref_model, batch, temperature=1.0):
 def step_metrics(step, batch, rewards, keep, adv, n_keep, k_frac, kept, entropy, token_keep, update, grader):
     """The step's line of metrics.jsonl (docs/metrics.md)."""
     grad_norms, response_mask = update["grad_norms"], kept["response_mask"]
-    gen_tokens, fwd_tokens, kept_tokens = int(batch["response_mask"].sum()), int(response_mask.sum()), int(token_keep.sum())
-    return {"kind": "train", "step": step, "reward_mean": float(rewards.mean()),
+    gen_tokens, fwd_tokens, kept_tokens = (
+        int(batch["response_mask"].sum()),
+        int(response_mask.sum()),
+        int(token_keep.sum()),
+    )
+    return {
+        "kind": "train",
+        "step": step,
+        "reward_mean": float(rewards.mean()),
         "acc_train": float(rewards.mean()),  # the reward is correctness (0/1): the same number
         "groups_mixed": float((rewards.amax(-1) > rewards.amin(-1)).float().mean()),  # groups with signal
-        "n_keep": n_keep, "k_frac": k_frac, "k_real": kept_tokens / max(fwd_tokens, 1),  # of the forwarded tokens
-        "kept_samples": int(keep.sum()), "sur": d3s.usefulness_rate(adv, keep),  # kept rollouts with A != 0
-        "kept_tokens": kept_tokens, "fwd_tokens": fwd_tokens, "gen_tokens": gen_tokens,  # in the loss, forwarded, generated
-        "kept_tokens_frac": kept_tokens / max(gen_tokens, 1), "kept_adv_var": d3s.kept_variance(adv, keep),
+        "n_keep": n_keep,
+        "k_frac": k_frac,
+        "k_real": kept_tokens / max(fwd_tokens, 1),  # of the forwarded tokens
+        "kept_samples": int(keep.sum()),
+        "sur": d3s.usefulness_rate(adv, keep),  # kept rollouts with A != 0
+        "kept_tokens": kept_tokens,
+        "fwd_tokens": fwd_tokens,
+        "gen_tokens": gen_tokens,  # in the loss, forwarded, generated
+        "kept_tokens_frac": kept_tokens / max(gen_tokens, 1),
+        "kept_adv_var": d3s.kept_variance(adv, keep),
         "grad_norm": common.mean([g for g in grad_norms if math.isfinite(g)]),  # null: no finite norm this step
-        "entropy_mean": float((entropy * response_mask).sum() / response_mask.sum().clamp(min=1)),  # all forwarded tokens
+        "entropy_mean": float(
+            (entropy * response_mask).sum() / response_mask.sum().clamp(min=1)
+        ),  # all forwarded tokens
         "entropy_kept": float(entropy[token_keep].mean()) if token_keep.any() else 0.0,  # the selected tokens
         "kl_ref": update["kl_ref"],  # k3 to the warm start on the selected tokens; None where not measured
         "clip_frac": sum(c * n for c, n in update["clip_fracs"]) / max(sum(n for _, n in update["clip_fracs"]), 1),
         "clip_frac_by_minibatch": [c for c, _ in update["clip_fracs"]],
         "loss": common.mean([x for x in update["losses"] if math.isfinite(x)]),  # over optimizer steps; null: none
-        "updates": len(grad_norms) - sum(not math.isfinite(g) for g in grad_norms), "skipped": update["skipped"] > 0,
-        "response_len": gen_tokens / rewards.numel(), "grader_timeouts": grader.timeouts}
+        "updates": len(grad_norms) - sum(not math.isfinite(g) for g in grad_norms),
+        "skipped": update["skipped"] > 0,
+        "response_len": gen_tokens / rewards.numel(),
+        "grader_timeouts": grader.timeouts,
+    }
 
 
 def step_seed(seed, step, salt=0):
@@ -344,8 +560,15 @@ def evaluate(model, tokenizer, grader, eval_rows, step, args):
     t0, n = time.time(), args.eval_samples if step == args.steps else args.mid_eval_samples
     torch.manual_seed(step_seed(args.rl_seed, step, 2))
     rows = [{**r, "prompt": warmstart.format_prompt(r["problem"], args.template)} for r in eval_rows]
-    sample = lambda prompts, n, greedy: rollout(model, tokenizer, prompts, n, args.max_new_tokens,  # noqa: E731
-                                                 1.0 if greedy else args.temperature, greedy=greedy)["texts"]
+    sample = lambda prompts, n, greedy: rollout(
+        model,
+        tokenizer,
+        prompts,
+        n,
+        args.max_new_tokens,
+        1.0 if greedy else args.temperature,
+        greedy=greedy,
+    )["texts"]
     metrics = held_out_pass(rows, sample, grader, n, min(args.pass_k, n), max(1, args.gen_batch // n))
     return {"kind": "eval", "step": step, **metrics, "eval_s": round(time.time() - t0, 3)}
 
@@ -355,7 +578,9 @@ def train(args, train_rows, eval_rows, warm):
     """Warm start -> RL with args.method -> held-out evaluations -> summary (dict). Writes into args.out."""
     t_start = time.time()
     torch.set_num_threads(args.threads or torch.get_num_threads())
-    model, tokenizer, warm_info = common.finite_warm_start(warm, args, train_rows)  # NaN/inf weights or logits: one line
+    model, tokenizer, warm_info = common.finite_warm_start(
+        warm, args, train_rows
+    )  # NaN/inf weights or logits: one line
     ref_model = copy.deepcopy(model).eval().requires_grad_(False)  # the warm start: reference of the logged KL
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     os.makedirs(args.out, exist_ok=True)
@@ -363,57 +588,124 @@ def train(args, train_rows, eval_rows, warm):
     totals = {"samples": 0, "tokens": 0, "fwd_tokens": 0, "gen_s": 0.0, "train_s": 0.0, "skipped": 0}
     start_step = 0
     if args.resume:
-        start_step, totals = common.load_checkpoint(common.read_resume(args, RUN_FLAGS, PROG, ADDED_RUN_FLAGS), model, optimizer)
+        start_step, totals = common.load_checkpoint(
+            common.read_resume(args, RUN_FLAGS, PROG, ADDED_RUN_FLAGS), model, optimizer
+        )
         common.truncate_metrics(metrics_path, start_step)  # drop what the killed run logged after it
         print(f"resumed {ckpt_path} at step {start_step}")
     for stale in [p for p in (metrics_path, ckpt_path) if not args.resume and os.path.exists(p)]:  # a new run
         os.remove(stale)
     history = common.train_history(metrics_path, args, start_step)  # what --schedule adaptive and the switch rule read
     rl_start, G = time.time(), args.group_size
-    with Grader(timeout_s=args.grade_timeout) as grader, common.Preemption(PROG) as notice:  # SIGTERM/Ctrl-C: stop after a step
+    with (
+        Grader(timeout_s=args.grade_timeout) as grader,
+        common.Preemption(PROG) as notice,
+    ):  # SIGTERM/Ctrl-C: stop after a step
         if start_step == 0:
-            common.append_metrics(metrics_path, {**evaluate(model, tokenizer, grader, eval_rows, 0, args), **totals,
-                                                 "warm_start": {k: v for k, v in warm_info.items() if k != "cached"}})
-        bar = tqdm(range(start_step + 1, args.steps + 1), desc=f"{args.method} ({args.loss}, seed {args.rl_seed})",
-                   dynamic_ncols=True, initial=start_step, total=args.steps)
+            common.append_metrics(
+                metrics_path,
+                {
+                    **evaluate(model, tokenizer, grader, eval_rows, 0, args),
+                    **totals,
+                    "warm_start": {k: v for k, v in warm_info.items() if k != "cached"},
+                },
+            )
+        bar = tqdm(
+            range(start_step + 1, args.steps + 1),
+            desc=f"{args.method} ({args.loss}, seed {args.rl_seed})",
+            dynamic_ncols=True,
+            initial=start_step,
+            total=args.steps,
+        )
         for step in bar:
             for group in optimizer.param_groups:  # linear warmup: lr * min(1, step / W)
                 group["lr"] = args.lr * min(1.0, step / args.warmup_steps) if args.warmup_steps else args.lr
             torch.manual_seed(step_seed(args.rl_seed, step))
-            problems = random.Random(step_seed(args.rl_seed, step)).sample(train_rows, min(args.prompts_per_step, len(train_rows)))
+            problems = random.Random(step_seed(args.rl_seed, step)).sample(
+                train_rows, min(args.prompts_per_step, len(train_rows))
+            )
             t0 = time.time()
             # 1) generate G rollouts per prompt, 2) reward them 0/1
-            batch = rollout(model, tokenizer, [warmstart.format_prompt(r["problem"], args.template) for r in problems], G,
-                            args.max_new_tokens, args.temperature)
+            batch = rollout(
+                model,
+                tokenizer,
+                [warmstart.format_prompt(r["problem"], args.template) for r in problems],
+                G,
+                args.max_new_tokens,
+                args.temperature,
+            )
             gen_s = time.time() - t0
-            rewards = compute_rewards(grader, batch["texts"], [r["answer"] for r in problems for _ in range(G)]).view(-1, G)
+            rewards = compute_rewards(grader, batch["texts"], [r["answer"] for r in problems for _ in range(G)]).view(
+                -1, G
+            )
             reward_s, t1 = time.time() - t0 - gen_s, time.time()
             # 3) select samples: N per prompt by max Var(A) (the row: --method, or its twin once the switch rule fired)
             row = variants.switch_to_intra(args.method, [h["grad_norm"] for h in history], args.switch_on_spike)
             n_keep, k_frac = common.budget(args, row, step, history=[h["reward_mean"] for h in history])
-            keep, adv = d3s.select_samples(rewards, n_keep, variants.LADDER[row].samples,
-                                           generator=torch.Generator().manual_seed(step_seed(args.rl_seed, step, 1)))
+            keep, adv = d3s.select_samples(
+                rewards,
+                n_keep,
+                variants.LADDER[row].samples,
+                generator=torch.Generator().manual_seed(step_seed(args.rl_seed, step, 1)),
+            )
             kept_rows = keep.view(-1).nonzero().squeeze(-1)  # [B] indices of the kept rollouts
             kept, kept_adv = take_rows(batch, kept_rows), adv.view(-1)[kept_rows]  # [B, T], [B]
             with_kl = common.measures_kl(step, args)
             kl_all = kl_ref_all(model, ref_model, batch, args.temperature) if with_kl else None  # all tokens, a metric
             # 4) forward the kept rollouts only: old log-probs, entropy (and the reference's log-probs on KL steps)
             parts = [rows for rows in torch.arange(len(kept_rows)).tensor_split(args.mini_batches) if len(rows)]
-            first_logp, old_logp, entropy, ref_logp, pass1_s = forward_kept(model, ref_model if with_kl else None, kept,
-                                                                             parts, args.temperature)
+            first_logp, old_logp, entropy, ref_logp, pass1_s = forward_kept(
+                model, ref_model if with_kl else None, kept, parts, args.temperature
+            )
             # 5) select tokens: the top K of |A| * H over the whole batch
-            scores = d3s.token_scores(kept_adv, entropy, rule=variants.TOKEN_RULES[args.token_rule],
-                                      generator=torch.Generator().manual_seed(step_seed(args.rl_seed, step, 2)))
-            token_keep = d3s.select_tokens(scores, kept["response_mask"], k_frac, scope=args.token_scope,
-                                           min_per_seq=int(args.min_token_per_response))  # [B, T]
+            scores = d3s.token_scores(
+                kept_adv,
+                entropy,
+                rule=variants.TOKEN_RULES[args.token_rule],
+                generator=torch.Generator().manual_seed(step_seed(args.rl_seed, step, 2)),
+            )
+            token_keep = d3s.select_tokens(
+                scores,
+                kept["response_mask"],
+                k_frac,
+                scope=args.token_scope,
+                min_per_seq=int(args.min_token_per_response),
+            )  # [B, T]
             # 6) M mini-batches, one optimizer step each: d3s.policy_loss, backward, clip, AdamW
-            update = update_policy(model, optimizer, kept, parts, first_logp, old_logp, kept_adv, token_keep, ref_logp, args)
-            m = {**step_metrics(step, batch, rewards, keep, adv, n_keep, k_frac, kept, entropy, token_keep, update, grader),
-                 "kl_ref_all": kl_all, "sample_rule": variants.rule_name(row), "gen_s": round(gen_s, 3),
-                 "reward_s": round(reward_s, 3), "train_s": round(time.time() - t1, 3), "pass1_s": round(pass1_s, 3)}
+            update = update_policy(
+                model, optimizer, kept, parts, first_logp, old_logp, kept_adv, token_keep, ref_logp, args
+            )
+            m = {
+                **step_metrics(
+                    step, batch, rewards, keep, adv, n_keep, k_frac, kept, entropy, token_keep, update, grader
+                ),
+                "kl_ref_all": kl_all,
+                "sample_rule": variants.rule_name(row),
+                "gen_s": round(gen_s, 3),
+                "reward_s": round(reward_s, 3),
+                "train_s": round(time.time() - t1, 3),
+                "pass1_s": round(pass1_s, 3),
+            }
             if args.explain_every and (step == 1 or step % args.explain_every == 0):
-                explain.small_page(os.path.join(args.out, "explain"), step, tokenizer, problems, batch, rewards, keep, adv,
-                                   kept_rows, n_keep, k_frac, entropy, scores, token_keep, m, args, row)
+                explain.small_page(
+                    os.path.join(args.out, "explain"),
+                    step,
+                    tokenizer,
+                    problems,
+                    batch,
+                    rewards,
+                    keep,
+                    adv,
+                    kept_rows,
+                    n_keep,
+                    k_frac,
+                    entropy,
+                    scores,
+                    token_keep,
+                    m,
+                    args,
+                    row,
+                )
             history.append(m)
             common.add_totals(totals, m)
             common.append_metrics(metrics_path, m)
@@ -421,10 +713,14 @@ def train(args, train_rows, eval_rows, warm):
             if step % args.eval_every == 0 or step == args.steps:
                 e = evaluate(model, tokenizer, grader, eval_rows, step, args)
                 common.append_metrics(metrics_path, {**e, **totals})
-                bar.write(f"step {step}: held-out greedy Pass@1 {e['eval_greedy_pass1']:.3f}, Pass@1 (mean of {e['n']}) "
-                          f"{e['eval_pass1_mean']:.3f}, Pass@{e['k']} {e['eval_passk']:.3f}")
+                bar.write(
+                    f"step {step}: held-out greedy Pass@1 {e['eval_greedy_pass1']:.3f}, Pass@1 (mean of {e['n']}) "
+                    f"{e['eval_pass1_mean']:.3f}, Pass@{e['k']} {e['eval_passk']:.3f}"
+                )
             if step % args.save_every == 0 or step in (args.steps, args.stop_after) or notice.signal:
-                common.save_checkpoint(ckpt_path, model, optimizer, step, {k: getattr(args, k) for k in RUN_FLAGS}, totals)
+                common.save_checkpoint(
+                    ckpt_path, model, optimizer, step, {k: getattr(args, k) for k in RUN_FLAGS}, totals
+                )
             if notice.signal and step < args.steps:  # a preemption notice: this step's checkpoint, then exit 75
                 common.stopped(PROG, notice.signal, step, ckpt_path)
             if step == args.stop_after:  # a clean stop: the checkpoint of this step, then --resume continues
@@ -432,8 +728,15 @@ def train(args, train_rows, eval_rows, warm):
                 return None
         timeouts = grader.timeouts
     common.export_pretrained(model, tokenizer, os.path.join(args.out, "final"))  # from_pretrained loads it
-    return common.write_summary(args, common.read_metrics(metrics_path), warm_info, totals, timeouts,
-                                rl_s=time.time() - rl_start, wall_s=time.time() - t_start)
+    return common.write_summary(
+        args,
+        common.read_metrics(metrics_path),
+        warm_info,
+        totals,
+        timeouts,
+        rl_s=time.time() - rl_start,
+        wall_s=time.time() - t_start,
+    )
 
 
 def main(argv=None):

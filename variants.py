@@ -33,8 +33,12 @@ def uniform_samples(rewards, n_keep, scale=True, eps=1e-6, generator=None):
     """
     adv = d3s.group_advantages(rewards, scale=scale, eps=eps)
     P, G = rewards.shape
-    d3s._require(isinstance(n_keep, int) and 1 <= n_keep <= G, "n_keep", n_keep,
-                 f"must be an int in [1, G={G}] (rollouts kept per prompt); raise G or lower N")
+    d3s._require(
+        isinstance(n_keep, int) and 1 <= n_keep <= G,
+        "n_keep",
+        n_keep,
+        f"must be an int in [1, G={G}] (rollouts kept per prompt); raise G or lower N",
+    )
     noise = torch.rand(P, G, generator=generator).to(rewards.device)  # CPU generator, any device
     keep = torch.zeros(P, G, dtype=torch.bool, device=rewards.device).scatter_(1, noise.argsort(-1)[:, :n_keep], True)
     return keep, adv * keep
@@ -149,12 +153,16 @@ def _plateaus(history, window, tol):
     (3, 0)
     """
     values = [float(v) for v in history]
-    d3s._require(all(math.isfinite(v) for v in values), "history", [v for v in values if not math.isfinite(v)][:4],
-                 "must be finite (the signal of each past step)")
+    d3s._require(
+        all(math.isfinite(v) for v in values),
+        "history",
+        [v for v in values if not math.isfinite(v)][:4],
+        "must be finite (the signal of each past step)",
+    )
     prefix = [0.0]
     for v in values:
         prefix.append(prefix[-1] + v)
-    mean = lambda a, b: (prefix[b] - prefix[a]) / window  # noqa: E731  the mean of values[a:b]
+    mean = lambda a, b: (prefix[b] - prefix[a]) / window  # the mean of values[a:b]
     return sum(mean(j - window, j) - mean(j - 2 * window, j - window) < tol for j in range(2 * window, len(values) + 1))
 
 
@@ -175,10 +183,10 @@ def spike_ratios(grad_norms, window=10):
     [None, None, None, 0.5, 9.0]
     """
     d3s._require(isinstance(window, int) and window >= 1, "window", window, "must be an int >= 1")
-    signal = lambda x: x is not None and x != 0 and math.isfinite(x)  # noqa: E731
+    signal = lambda x: x is not None and x != 0 and math.isfinite(x)
     ratios = []
     for i, g in enumerate(grad_norms):
-        before = [x for x in grad_norms[max(0, i - window):i] if signal(x)]  # the steps with signal
+        before = [x for x in grad_norms[max(0, i - window) : i] if signal(x)]  # the steps with signal
         ratios.append(g / max(statistics.median(before), 1e-12) if i >= window and signal(g) and before else None)
     return ratios
 
@@ -195,8 +203,12 @@ def switch_to_intra(method, grad_norms, ratio, window=10):
     """
     if not ratio or method not in INTRA_TWIN:
         return method
-    d3s._require(math.isfinite(ratio) and ratio > 1, "ratio", ratio,
-                 "must be > 1 (a spike is a norm over ratio x its median); 0 or None turns the rule off")
+    d3s._require(
+        math.isfinite(ratio) and ratio > 1,
+        "ratio",
+        ratio,
+        "must be > 1 (a spike is a norm over ratio x its median); 0 or None turns the rule off",
+    )
     spiked = any(r is not None and r > ratio for r in spike_ratios(list(grad_norms), window))
     return INTRA_TWIN[method] if spiked else method
 
@@ -206,13 +218,21 @@ def switch_to_intra(method, grad_norms, ratio, window=10):
 # ---------------------------------------------------------------------------------------------
 FLAGS = [
     cli.flag("--schedule", "linear", SCHEDULES, "the curve of N and K (variants.progress; linear: the paper's)"),
-    cli.flag("--token-rule", "adv-entropy", list(TOKEN_RULES), "token score (variants.TOKEN_RULES; adv-entropy = "
-             "|A| * H: the paper's)"),
+    cli.flag(
+        "--token-rule",
+        "adv-entropy",
+        list(TOKEN_RULES),
+        "token score (variants.TOKEN_RULES; adv-entropy = |A| * H: the paper's)",
+    ),
     cli.flag("--token-scope", "batch", ["batch", "sequence"], "top K over the batch or per response (choice)"),
-    cli.flag("--switch-on-spike", 0.0, cli.number(float, 1, low_open=True, what="0 (off) or a number > 1", also=(0,)),
-             "the switch rule (variants.switch_to_intra): a cross-group row selects within groups from the step "
-             "after the first grad-norm spike over this x the median of the 10 steps before; 0: off, the paper's "
-             "method"),
+    cli.flag(
+        "--switch-on-spike",
+        0.0,
+        cli.number(float, 1, low_open=True, what="0 (off) or a number > 1", also=(0,)),
+        "the switch rule (variants.switch_to_intra): a cross-group row selects within groups from the step "
+        "after the first grad-norm spike over this x the median of the 10 steps before; 0: off, the paper's "
+        "method",
+    ),
     cli.flag("--min-token-per-response", False, bool, "every kept response keeps its best token (off: plain top-K%%)"),
 ]
 

@@ -28,8 +28,13 @@ from cli import UsageError
 from mathtask import PLAIN_TEMPLATE, QWEN_MATH_TEMPLATE, arithmetic_problems, load_problems, step_problems
 
 TASKS = {"steps": step_problems, "direct": arithmetic_problems}  # mathtask's generated tasks
-TINY_SFT_STEPS = {"steps": 600, "direct": 1000}  # warm-start length per task: a start with headroom (docs/small_compare.md)
-SHIPPED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "weights")  # the default's warm start, built once
+TINY_SFT_STEPS = {
+    "steps": 600,
+    "direct": 1000,
+}  # warm-start length per task: a start with headroom (docs/small_compare.md)
+SHIPPED_DIR = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "weights"
+)  # the default's warm start, built once
 
 
 def load_data(args):
@@ -57,22 +62,32 @@ def load_base_model(args):
         from tiny import build_char_tokenizer, build_tiny_model
 
         tokenizer = build_char_tokenizer()
-        return build_tiny_model(tokenizer, hidden_size=args.hidden_size, num_layers=args.num_layers, seed=args.seed), tokenizer
-    looks_like_path = args.model.startswith((".", "/", "~")) or args.model.count("/") > 1 or os.sep + os.sep in args.model
+        return build_tiny_model(
+            tokenizer, hidden_size=args.hidden_size, num_layers=args.num_layers, seed=args.seed
+        ), tokenizer
+    looks_like_path = (
+        args.model.startswith((".", "/", "~")) or args.model.count("/") > 1 or os.sep + os.sep in args.model
+    )
     if looks_like_path and not os.path.isdir(os.path.expanduser(args.model)):
-        raise UsageError(f"--model {args.model}: no such folder; pass a folder with config.json (save_pretrained) or a hub name")
+        raise UsageError(
+            f"--model {args.model}: no such folder; pass a folder with config.json (save_pretrained) or a hub name"
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(os.path.expanduser(args.model))
         if not tokenizer(format_prompt("What is 1 + 1?", args.template), add_special_tokens=False).input_ids:
-            raise UsageError(f"--model {args.model}: its tokenizer encodes a prompt to no tokens; pass a folder whose "
-                             "tokenizer matches its model (tokenizer.save_pretrained of the model's own tokenizer)")
+            raise UsageError(
+                f"--model {args.model}: its tokenizer encodes a prompt to no tokens; pass a folder whose "
+                "tokenizer matches its model (tokenizer.save_pretrained of the model's own tokenizer)"
+            )
         model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(args.model), dtype=torch.float32)
     except (OSError, ValueError) as e:
         if isinstance(e, UsageError):
             raise
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UsageError(f"--model {args.model}: cannot load it ({first_line}); pass a local folder with config.json, "
-                         f"or a hub name with internet access") from e
+        raise UsageError(
+            f"--model {args.model}: cannot load it ({first_line}); pass a local folder with config.json, "
+            f"or a hub name with internet access"
+        ) from e
     tokenizer.padding_side = "left"  # generation appends to the right of every prompt
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -81,16 +96,27 @@ def load_base_model(args):
 
 def warm_start_key(args, train_rows):
     """Everything the warm-started weights depend on; its hash names the cache folder."""
-    data = hashlib.sha256(json.dumps([[r["problem"], sft_target(r, args.sft_shortcut)] for r in train_rows]).encode()).hexdigest()
-    return {"model": args.model or f"tiny-qwen2-h{args.hidden_size}-l{args.num_layers}", "seed": args.seed,
-            "sft_steps": args.sft_steps, "sft_lr": args.sft_lr, "sft_batch": args.sft_batch,
-            "template": args.template, "train_data": data[:16], "version": 2}
+    data = hashlib.sha256(
+        json.dumps([[r["problem"], sft_target(r, args.sft_shortcut)] for r in train_rows]).encode()
+    ).hexdigest()
+    return {
+        "model": args.model or f"tiny-qwen2-h{args.hidden_size}-l{args.num_layers}",
+        "seed": args.seed,
+        "sft_steps": args.sft_steps,
+        "sft_lr": args.sft_lr,
+        "sft_batch": args.sft_batch,
+        "template": args.template,
+        "train_data": data[:16],
+        "version": 2,
+    }
 
 
 def warm_start_path(args, train_rows):
     """The cache folder of this warm start: --cache-dir/warmstart-<12 hex digits of its key's hash>."""
     key = warm_start_key(args, train_rows)
-    return os.path.join(args.cache_dir, "warmstart-" + hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12])
+    return os.path.join(
+        args.cache_dir, "warmstart-" + hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    )
 
 
 def load_warm_start(args, train_rows, shipped=True):
@@ -112,7 +138,11 @@ def load_warm_start(args, train_rows, shipped=True):
                 info = json.load(f)
             tokenizer = AutoTokenizer.from_pretrained(folder)
             tokenizer.padding_side = "left"
-            return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), tokenizer, {**info, "cached": True}
+            return (
+                AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32),
+                tokenizer,
+                {**info, "cached": True},
+            )
     model, tokenizer, info, _ = build_warm_start(args, train_rows, path)
     return model, tokenizer, {**info, "cached": False}
 
@@ -123,9 +153,14 @@ def build_warm_start(args, train_rows, path, record_path=None):
     model, tokenizer = load_base_model(args)
     t0 = time.time()
     losses = supervised_warm_start(model, tokenizer, train_rows, args)
-    info = {**warm_start_key(args, train_rows), "path": record_path or path, "sft_loss_first": losses[0],
-            "sft_loss_last": sum(losses[-20:]) / len(losses[-20:]), "sft_s": round(time.time() - t0, 1),
-            "n_params": sum(p.numel() for p in model.parameters())}
+    info = {
+        **warm_start_key(args, train_rows),
+        "path": record_path or path,
+        "sft_loss_first": losses[0],
+        "sft_loss_last": sum(losses[-20:]) / len(losses[-20:]),
+        "sft_s": round(time.time() - t0, 1),
+        "n_params": sum(p.numel() for p in model.parameters()),
+    }
     tmp = path + f".tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
@@ -144,10 +179,12 @@ def supervised_warm_start(model, tokenizer, train_rows, args, max_steps=None):
     examples = []  # (prompt token ids, target token ids)
     for row in train_rows:
         prompt = tokenizer(format_prompt(row["problem"], args.template), add_special_tokens=False).input_ids
-        target = tokenizer(sft_target(row, args.sft_shortcut), add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+        target = tokenizer(sft_target(row, args.sft_shortcut), add_special_tokens=False).input_ids + [
+            tokenizer.eos_token_id
+        ]
         examples.append((prompt, target))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.sft_lr, weight_decay=0.01)
-    warmup_then_decay = lambda s: min(1.0, (s + 1) / 20) * (1 - 0.9 * s / args.sft_steps)  # noqa: E731
+    warmup_then_decay = lambda s: min(1.0, (s + 1) / 20) * (1 - 0.9 * s / args.sft_steps)
     lr_schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_then_decay)
     model.train()
     losses = []
@@ -188,9 +225,9 @@ def sft_batch(examples, pad_id):
     labels = torch.full((len(examples), length), -100)  # -100: no loss (prompt and padding)
     attention_mask = torch.zeros(len(examples), length, dtype=torch.long)
     for i, (prompt, target) in enumerate(examples):
-        input_ids[i, length - len(prompt) - len(target):] = torch.tensor(prompt + target)
-        labels[i, length - len(target):] = torch.tensor(target)
-        attention_mask[i, length - len(prompt) - len(target):] = 1
+        input_ids[i, length - len(prompt) - len(target) :] = torch.tensor(prompt + target)
+        labels[i, length - len(target) :] = torch.tensor(target)
+        attention_mask[i, length - len(prompt) - len(target) :] = 1
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # as generate does for left padding
     return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids, "labels": labels}
 
@@ -210,9 +247,15 @@ def build_shipped(args):
         digest = hashlib.sha256(f.read()).hexdigest()
     with open("/proc/cpuinfo") as f:  # the CPU's name, as lscpu's "Model name"
         cpu = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")][:1]
-    build = {"command": "python scripts/build_warmstart.py", "machine": (cpu or [platform.machine()])[0],
-             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "threads": 1, "sft_losses": losses,
-             "model_sha256": digest}
+    build = {
+        "command": "python scripts/build_warmstart.py",
+        "machine": (cpu or [platform.machine()])[0],
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+        "threads": 1,
+        "sft_losses": losses,
+        "model_sha256": digest,
+    }
     with open(os.path.join(path, "build.json"), "w") as f:
         json.dump(build, f, indent=1)
     print(f"{path}: sha256 {digest}, supervised loss {info['sft_loss_first']:.3f} -> {info['sft_loss_last']:.4f}")

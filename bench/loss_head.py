@@ -69,21 +69,27 @@ def time_passes(fn, model, batch, repeats):
 
 def parse_args(argv=None):
     """The flags, every one checked before any work: one line `loss_head.py: error: --flag VALUE: ...`, exit 2."""
-    p = cli.Parser(prog="loss_head.py", description=__doc__.split("\n\n")[0],
-                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = cli.Parser(
+        prog="loss_head.py",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--rollouts", type=int, default=64, help="rollouts in the micro-batch")
     p.add_argument("--prompt-len", type=int, default=24, help="prompt tokens per rollout")
     p.add_argument("--response-len", type=int, default=16, help="response tokens per rollout")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per cell (the median is reported)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = p.parse_args(argv)
-    cli.check_rules(p, [
-        ("--rollouts", args.rollouts, lambda v: 1 <= v <= 65536, "an int in [1, 65536]"),
-        ("--prompt-len", args.prompt_len, lambda v: 1 <= v <= 2**20, "an int in [1, 2^20]"),
-        ("--response-len", args.response_len, lambda v: 1 <= v <= 2**20, "an int in [1, 2^20]"),
-        ("--repeats", args.repeats, lambda v: 1 <= v <= 10**6, "an int >= 1"),
-        ("--threads", args.threads, lambda v: 0 <= v <= 1024, "an int in [0, 1024] (0: torch's default)"),
-    ])
+    cli.check_rules(
+        p,
+        [
+            ("--rollouts", args.rollouts, lambda v: 1 <= v <= 65536, "an int in [1, 65536]"),
+            ("--prompt-len", args.prompt_len, lambda v: 1 <= v <= 2**20, "an int in [1, 2^20]"),
+            ("--response-len", args.response_len, lambda v: 1 <= v <= 2**20, "an int in [1, 2^20]"),
+            ("--repeats", args.repeats, lambda v: 1 <= v <= 10**6, "an int >= 1"),
+            ("--threads", args.threads, lambda v: 0 <= v <= 1024, "an int in [0, 1024] (0: torch's default)"),
+        ],
+    )
     return args
 
 
@@ -93,13 +99,17 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     tokenizer = tiny.build_char_tokenizer()
     models = {
-        "train_small's model (hidden 128, 4 layers, vocab %d)" % len(tokenizer):
-            (tiny.build_tiny_model(tokenizer, hidden_size=128, num_layers=4), len(tokenizer)),
+        "train_small's model (hidden 128, 4 layers, vocab %d)" % len(tokenizer): (
+            tiny.build_tiny_model(tokenizer, hidden_size=128, num_layers=4),
+            len(tokenizer),
+        ),
         "hidden 128, 4 layers, vocab 32768": (None, 32768),
     }
-    print(f"# bench/loss_head.py: {args.rollouts} rollouts x ({args.prompt_len} prompt + {args.response_len} response) "
-          f"tokens; {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} "
-          f"threads; median of {args.repeats}\n")
+    print(
+        f"# bench/loss_head.py: {args.rollouts} rollouts x ({args.prompt_len} prompt + {args.response_len} response) "
+        f"tokens; {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__}, {torch.get_num_threads()} "
+        f"threads; median of {args.repeats}\n"
+    )
     print("| model | K | head | pass 1 s (no grad: log-probs + entropy) | pass 2 s (loss + backward) |")
     print("|---|---|---|---|---|")
     for name, (model, vocab) in models.items():
@@ -107,14 +117,26 @@ def main(argv=None):
             from transformers import Qwen2Config, Qwen2ForCausalLM
 
             torch.manual_seed(0)
-            model = Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab, hidden_size=128, intermediate_size=256,
-                                                 num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                                                 tie_word_embeddings=True))
+            model = Qwen2ForCausalLM(
+                Qwen2Config(
+                    vocab_size=vocab,
+                    hidden_size=128,
+                    intermediate_size=256,
+                    num_hidden_layers=4,
+                    num_attention_heads=4,
+                    num_key_value_heads=2,
+                    tie_word_embeddings=True,
+                )
+            )
         model.train()
         gen = torch.Generator().manual_seed(0)
-        seqs = [{"prompt_ids": torch.randint(3, vocab, (args.prompt_len,), generator=gen).tolist(),
-                 "response_ids": torch.randint(3, vocab, (args.response_len,), generator=gen).tolist()}
-                for _ in range(args.rollouts)]
+        seqs = [
+            {
+                "prompt_ids": torch.randint(3, vocab, (args.prompt_len,), generator=gen).tolist(),
+                "response_ids": torch.randint(3, vocab, (args.response_len,), generator=gen).tolist(),
+            }
+            for _ in range(args.rollouts)
+        ]
         inputs, targets, mask = fsdp_vllm.pack(seqs, list(range(args.rollouts)), 0, torch.device("cpu"))
         adv = torch.randn(args.rollouts, generator=gen)
         for k in (1.0, 0.2):

@@ -100,12 +100,32 @@ GIB = 2**30
 GPUS = {"24gb": 22.0, "48gb": 44.4, "80gb": 79.1}  # L4 / A10G (RTX 4090: 23.6), L40S (A6000: 47.5), H100 / A100 80GB
 # Qwen2.5-Math shapes (the fields that set the memory; the hub configs' other fields do not).
 PRESETS = {
-    "1.5b": {"model_type": "qwen2", "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
-             "num_attention_heads": 12, "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True,
-             "max_position_embeddings": 4096, "rope_theta": 10000.0, "rms_norm_eps": 1e-6},
-    "7b": {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
-           "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064, "tie_word_embeddings": False,
-           "max_position_embeddings": 4096, "rope_theta": 10000.0, "rms_norm_eps": 1e-6},
+    "1.5b": {
+        "model_type": "qwen2",
+        "hidden_size": 1536,
+        "intermediate_size": 8960,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 2,
+        "vocab_size": 151936,
+        "tie_word_embeddings": True,
+        "max_position_embeddings": 4096,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6,
+    },
+    "7b": {
+        "model_type": "qwen2",
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "vocab_size": 152064,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": 4096,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6,
+    },
 }
 # The tracker's categories, grouped for the table.
 GROUPS = {
@@ -125,35 +145,67 @@ def parse_args(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     train_argv = argv[argv.index("--") + 1 :] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
-    p = cli.Parser(prog="memory.py", description=__doc__.split("\n\n")[0],
-                    formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-                    epilog="Arguments after '--' go to train_full.parse_args (e.g. -- --no-activation-checkpointing).")
+    p = cli.Parser(
+        prog="memory.py",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="Arguments after '--' go to train_full.parse_args (e.g. -- --no-activation-checkpointing).",
+    )
     a = p.add_argument
     a("--preset", default="7b", help="1.5b or 7b (Qwen2.5-Math shapes), or a model folder / its config.json")
     a("--ranks", type=int, default=8, help="FSDP ranks (GPUs); each holds 1/ranks of the sharded state")
     a("--micro-batch-size", type=int, default=4, help="rollouts per forward/backward on one rank")
     a("--response-len", type=int, default=3000, help="response tokens per rollout (train_full --max-response-len)")
-    a("--prompt-len", type=int, default=512, help="prompt tokens per rollout (MATH levels 3-5: 99%% of the problems are "
-      "under 1,060 characters, plus 161 for the Qwen template; train_full drops prompts over --max-prompt-len 1024)")
-    a("--method", default="d3s", help=f"one of {', '.join(variants.METHODS)}; those with token selection keep K of the tokens")
-    a("--k-frac", type=float, default=None, help="fraction of tokens kept by the token-selecting methods (default: "
-      "train_full's --k-final, 0.20, the largest K of the schedule)")
+    a(
+        "--prompt-len",
+        type=int,
+        default=512,
+        help="prompt tokens per rollout (MATH levels 3-5: 99%% of the problems are "
+        "under 1,060 characters, plus 161 for the Qwen template; train_full drops prompts over --max-prompt-len 1024)",
+    )
+    a(
+        "--method",
+        default="d3s",
+        help=f"one of {', '.join(variants.METHODS)}; those with token selection keep K of the tokens",
+    )
+    a(
+        "--k-frac",
+        type=float,
+        default=None,
+        help="fraction of tokens kept by the token-selecting methods (default: "
+        "train_full's --k-final, 0.20, the largest K of the schedule)",
+    )
     a("--steps", type=int, default=2, help="optimizer steps to simulate (>= 2: step 1 has no optimizer state)")
-    a("--micro-batches", type=int, default=2, help="micro-batches per step on a rank (>= 2: the second accumulates "
-      "into the first one's gradients)")
-    a("--gpu", default=None, help=f"a GPU size ({', '.join(f'{k}: {v} GiB' for k, v in GPUS.items())}, or GiB as a "
-      "number): adds vLLM's share by the plan (fsdp_vllm.vllm_memory_plan) and the peak of trainer plus vLLM")
+    a(
+        "--micro-batches",
+        type=int,
+        default=2,
+        help="micro-batches per step on a rank (>= 2: the second accumulates into the first one's gradients)",
+    )
+    a(
+        "--gpu",
+        default=None,
+        help=f"a GPU size ({', '.join(f'{k}: {v} GiB' for k, v in GPUS.items())}, or GiB as a "
+        "number): adds vLLM's share by the plan (fsdp_vllm.vllm_memory_plan) and the peak of trainer plus vLLM",
+    )
     args = p.parse_args(argv)
-    cli.check_rules(p, [
-        ("--ranks", args.ranks, lambda v: 1 <= v <= 65536, "an int in [1, 65536] (GPUs)"),
-        ("--micro-batch-size", args.micro_batch_size, lambda v: 1 <= v <= 65536, "an int in [1, 65536]"),
-        ("--response-len", args.response_len, lambda v: 1 <= v <= 2**20, "an int in [1, 2^20]"),
-        ("--prompt-len", args.prompt_len, lambda v: 1 <= v <= 2**20, "an int in [1, 2^20]"),
-        ("--steps", args.steps, lambda v: 1 <= v <= 100, "an int in [1, 100] (2: the second step has the optimizer "
-         "state)"),
-        ("--micro-batches", args.micro_batches, lambda v: 1 <= v <= 1024, "an int in [1, 1024]"),
-        ("--k-frac", args.k_frac, lambda v: 0 < v <= 1, "a fraction of the tokens in (0, 1]"),
-    ])
+    cli.check_rules(
+        p,
+        [
+            ("--ranks", args.ranks, lambda v: 1 <= v <= 65536, "an int in [1, 65536] (GPUs)"),
+            ("--micro-batch-size", args.micro_batch_size, lambda v: 1 <= v <= 65536, "an int in [1, 65536]"),
+            ("--response-len", args.response_len, lambda v: 1 <= v <= 2**20, "an int in [1, 2^20]"),
+            ("--prompt-len", args.prompt_len, lambda v: 1 <= v <= 2**20, "an int in [1, 2^20]"),
+            (
+                "--steps",
+                args.steps,
+                lambda v: 1 <= v <= 100,
+                "an int in [1, 100] (2: the second step has the optimizer state)",
+            ),
+            ("--micro-batches", args.micro_batches, lambda v: 1 <= v <= 1024, "an int in [1, 1024]"),
+            ("--k-frac", args.k_frac, lambda v: 0 < v <= 1, "a fraction of the tokens in (0, 1]"),
+        ],
+    )
     if args.method not in variants.METHODS:
         p.error(f"--method {args.method!r}: not a method; choose one of {', '.join(variants.METHODS)}")
     if args.gpu is not None:
@@ -178,8 +230,10 @@ def parse_args(argv=None):
         message = err.getvalue().strip().splitlines()[-1] if err.getvalue().strip() else str(e.code)
         message = message.split(": error: ", 1)[-1]
         if message.startswith("unrecognized arguments: "):
-            p.error(f"unrecognized arguments after '--': {message.split(': ', 1)[1].split('; ')[0]}; they go to "
-                    "train_full.py, see python train_full.py --help for its flags")
+            p.error(
+                f"unrecognized arguments after '--': {message.split(': ', 1)[1].split('; ')[0]}; they go to "
+                "train_full.py, see python train_full.py --help for its flags"
+            )
         p.error(f"{message} (a train_full.py flag, given after '--')")
     args.train_argv = train_argv
     return args
@@ -210,8 +264,10 @@ def check_preset(p, preset):
     try:
         load_config(path)
     except Exception as e:  # a field transformers refuses: the same config is built again in main
-        p.error(f"--preset {path}: transformers cannot build a config from it ({type(e).__name__}: "
-                f"{' '.join(str(e).split())[:200]}); {fix}")
+        p.error(
+            f"--preset {path}: transformers cannot build a config from it ({type(e).__name__}: "
+            f"{' '.join(str(e).split())[:200]}); {fix}"
+        )
 
 
 def load_config(preset):
@@ -236,8 +292,20 @@ def load_config(preset):
 def trainer_args(micro_batch_size, response_len, method, extra=(), prompt_len=None):
     """train_full's own arguments and defaults, with the compute dtype it uses on a GPU (bf16). prompt_len: also
     --max-prompt-len, and --eval-max-tokens = response_len, so that the plan's sequences are the simulated ones."""
-    argv = ["--model", "simulated", "--device", "cpu", "--dtype", "bfloat16", "--eval-data", "none",
-            "--micro-batch-size", str(micro_batch_size), "--max-response-len", str(response_len)]
+    argv = [
+        "--model",
+        "simulated",
+        "--device",
+        "cpu",
+        "--dtype",
+        "bfloat16",
+        "--eval-data",
+        "none",
+        "--micro-batch-size",
+        str(micro_batch_size),
+        "--max-response-len",
+        str(response_len),
+    ]
     if prompt_len is not None:
         argv += ["--max-prompt-len", str(prompt_len), "--eval-max-tokens", str(response_len)]
     return train_full.parse_args(argv + ["--method", method] + list(extra))
@@ -316,7 +384,9 @@ def offload_copies(on):
 
     def all_gather_inputs(self):
         if self.offload_to_cpu and self.sharded_state == _fsdp_param.ShardedState.SHARDED:
-            return [_to_dtype_if_needed(self._sharded_param_data.clone(), self.param_dtype)]  # the H2D copy, then the cast
+            return [
+                _to_dtype_if_needed(self._sharded_param_data.clone(), self.param_dtype)
+            ]  # the H2D copy, then the cast
         return gather_inputs.fget(self)
 
     def foreach_reduce(*args, **kwargs):
@@ -437,8 +507,18 @@ def rollouts(n, prompt_len, response_len):
     return [{"prompt_ids": [1] * prompt_len, "response_ids": [2] * response_len} for _ in range(n)]
 
 
-def simulate(config, targs, ranks, micro_batch_size, response_len, prompt_len=512, k_frac=1.0, steps=2,
-             micro_batches=2, fake=True):
+def simulate(
+    config,
+    targs,
+    ranks,
+    micro_batch_size,
+    response_len,
+    prompt_len=512,
+    k_frac=1.0,
+    steps=2,
+    micro_batches=2,
+    fake=True,
+):
     """Build, shard and train the policy for `steps` steps; returns the tracker's figures (bytes).
 
     fake=False runs the very same code on real CPU tensors (what the test compares against).
@@ -472,8 +552,10 @@ def simulate(config, targs, ranks, micro_batch_size, response_len, prompt_len=51
             reference = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, targs.dtype))
             fsdp_vllm.shard_policy(reference, targs, mesh=mesh)
             reference.eval().requires_grad_(False)
-        batches = [({k: as_used(v) for k, v in inputs.items()}, as_used(targets), as_used(mask))
-                   for inputs, targets, mask in packed]
+        batches = [
+            ({k: as_used(v) for k, v in inputs.items()}, as_used(targets), as_used(mask))
+            for inputs, targets, mask in packed
+        ]
         keep = as_used(token_keep)
         # pass 2 computes the LM head at the kept tokens only: their positions, counted on the real
         # mask (a fake tensor cannot count a mask: nonzero has a data-dependent shape)
@@ -481,10 +563,13 @@ def simulate(config, targs, ranks, micro_batch_size, response_len, prompt_len=51
         tracker = step_mem_tracker(model, optimizer, config.vocab_size, host=HOST if offload else ())
         with no_hooks_without_grad(), tracker:
             for param in reference.parameters() if reference is not None else []:  # its shards count as sharded
-                tracker._update_and_maybe_create_winfos(param, _FSDPRefType.SHARDED_PARAM)  # weights (no track_external)
+                tracker._update_and_maybe_create_winfos(
+                    param, _FSDPRefType.SHARDED_PARAM
+                )  # weights (no track_external)
             for step in range(steps):
-                _train_step(model, optimizer, targs, batches, chunks, keep, positions, normalizer, tracker, step,
-                            reference)
+                _train_step(
+                    model, optimizer, targs, batches, chunks, keep, positions, normalizer, tracker, step, reference
+                )
                 tracker.phase = f"step {step + 1} sync"  # the trainer's side of the weight sync to vLLM
                 for _, tensor in fsdp_vllm.full_named_tensors(model, getattr(torch, targs.dtype)):
                     del tensor  # vLLM copies it into its own weights (not simulated) and lets it go
@@ -492,9 +577,16 @@ def simulate(config, targs, ranks, micro_batch_size, response_len, prompt_len=51
             end = tracker.get_tracker_snapshot("current")
             resident = held_bytes([model] + ([reference] if reference is not None else []), optimizer, offload)
         peak = tracker.device_peak_snap
-    return {"peak": _by_name(peak), "end": _by_name(end), "peak_phase": tracker.peak_phase, "device_peak": tracker.device_peak,
-            "phase_peaks": tracker.phase_peaks, "logits_at_peak": tracker.logits_at_peak, "resident": resident,
-            "offload": offload}
+    return {
+        "peak": _by_name(peak),
+        "end": _by_name(end),
+        "peak_phase": tracker.peak_phase,
+        "device_peak": tracker.device_peak,
+        "phase_peaks": tracker.phase_peaks,
+        "logits_at_peak": tracker.logits_at_peak,
+        "resident": resident,
+        "offload": offload,
+    }
 
 
 def held_bytes(models, optimizer, offload):
@@ -575,9 +667,17 @@ def _train_step(model, optimizer, targs, batches, chunks, keep, positions, norma
             logp, ent = logp
             del ent
         with zero_reads():
-            loss, _ = d3s.policy_loss(logp, old_logp[rows], kept_adv[rows], keep[rows], kind=targs.loss,
-                                      clip_low=targs.clip_low, clip_high=targs.clip_high, normalizer=normalizer,
-                                      agg=targs.loss_agg)
+            loss, _ = d3s.policy_loss(
+                logp,
+                old_logp[rows],
+                kept_adv[rows],
+                keep[rows],
+                kind=targs.loss,
+                clip_low=targs.clip_low,
+                clip_high=targs.clip_high,
+                normalizer=normalizer,
+                agg=targs.loss_agg,
+            )
         del logp
         loss.backward()
         del loss
@@ -603,8 +703,9 @@ def sharded_state_bytes(config, ranks):
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    return sum(math.ceil(p.shape[0] / ranks) * (p.numel() // p.shape[0]) * 4 for p in model.parameters()), \
-        sum(p.numel() for p in model.parameters())
+    return sum(math.ceil(p.shape[0] / ranks) * (p.numel() // p.shape[0]) * 4 for p in model.parameters()), sum(
+        p.numel() for p in model.parameters()
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -612,68 +713,114 @@ def sharded_state_bytes(config, ranks):
 # ---------------------------------------------------------------------------------------------
 def report(args, result, state_bytes, n_params, k_frac, wall_s, plan=None, estimate=None):
     peak, end = result["peak"], result["end"]
-    gib = lambda b: round(b / GIB, 3)  # noqa: E731
+    gib = lambda b: round(b / GIB, 3)
     groups = {name: sum(peak.get(k, 0) for k in keys) for name, keys in GROUPS.items()}
     offload = result["offload"]
-    lines = [f"# Simulated peak memory per GPU: {args.preset}, {n_params / 1e9:.2f}B params, {args.ranks} ranks, "
-             f"micro-batch {args.micro_batch_size} x ({args.prompt_len} prompt + {args.response_len} response) tokens, "
-             f"{args.method} (K = {k_frac:g}), {args.steps} steps x {args.micro_batches} micro-batches"
-             + (f", train_full flags {' '.join(args.train_argv)}" if args.train_argv else ""),
-             "", "| category (at the peak) | GiB | tracker categories |", "|---|---|---|"]
+    lines = [
+        f"# Simulated peak memory per GPU: {args.preset}, {n_params / 1e9:.2f}B params, {args.ranks} ranks, "
+        f"micro-batch {args.micro_batch_size} x ({args.prompt_len} prompt + {args.response_len} response) tokens, "
+        f"{args.method} (K = {k_frac:g}), {args.steps} steps x {args.micro_batches} micro-batches"
+        + (f", train_full flags {' '.join(args.train_argv)}" if args.train_argv else ""),
+        "",
+        "| category (at the peak) | GiB | tracker categories |",
+        "|---|---|---|",
+    ]
     for name, keys in GROUPS.items():
         parts = ", ".join(f"{k} {gib(peak.get(k, 0))}" for k in keys if peak.get(k, 0))
         where = " (host memory: --cpu-offload)" if offload and any(k in HOST for k in keys) and groups[name] else ""
         lines.append(f"| {name}{where} | {gib(groups[name]):.2f} | {parts} |")
-    lines.append(f"| of which logits-shaped [..., V] | {gib(result['logits_at_peak']):.2f} | activations + temporaries |")
-    lines.append(f"| **peak** | **{gib(result['device_peak']):.2f}** | on the GPU, in {result['peak_phase']}"
-                 + (" (the host categories left out)" if offload else "") + " |")
+    lines.append(
+        f"| of which logits-shaped [..., V] | {gib(result['logits_at_peak']):.2f} | activations + temporaries |"
+    )
+    lines.append(
+        f"| **peak** | **{gib(result['device_peak']):.2f}** | on the GPU, in {result['peak_phase']}"
+        + (" (the host categories left out)" if offload else "")
+        + " |"
+    )
     lines += ["", "| phase | peak GiB on the GPU |", "|---|---|"]
     lines += [f"| {phase} | {gib(b):.2f} |" for phase, b in result["phase_peaks"].items()]
-    lines += ["", f"Sharded state at the end (arithmetic: 4 B x ceil(rows / ranks) x columns = {gib(state_bytes):.3f} GiB "
-              f"per copy): weights {gib(end.get('Sharded Param', 0)):.3f} GiB, AdamW moments "
-              f"{gib(end.get('OptState', 0)):.3f} GiB (2 copies + step counts)"
-              + (", in host memory (--cpu-offload)." if offload else "."),
-              f"Held on the GPU between steps (while vLLM generates): {gib(result['resident']):.3f} GiB.",
-              f"The plan's estimate of this step's peak (fsdp_vllm.trainer_peak_bytes, --max-prompt-len {args.prompt_len}):"
-              f" {gib(estimate or 0):.2f} GiB.",
-              "Not included: CUDA context, NCCL buffers, allocator fragmentation, vLLM's sleeping remainder.",
-              f"Simulated in {wall_s:.1f} s, max RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB."]
-    record = {"peak_gib": gib(result["device_peak"]), "preset": args.preset, "params": n_params, "ranks": args.ranks,
-              "micro_batch_size": args.micro_batch_size, "response_len": args.response_len, "prompt_len": args.prompt_len,
-              "method": args.method, "k_frac": k_frac, "steps": args.steps, "micro_batches": args.micro_batches,
-              "train_args": args.train_argv, "peak_phase": result["peak_phase"], "cpu_offload": offload,
-              "categories_gib": {name: gib(b) for name, b in groups.items()},
-              "breakdown_gib": {k: gib(v) for k, v in peak.items() if k != "Total"},
-              "logits_gib": gib(result["logits_at_peak"]),
-              "phase_peaks_gib": {k: gib(v) for k, v in result["phase_peaks"].items()},
-              "sharded_params_gib": gib(end.get("Sharded Param", 0)), "optimizer_state_gib": gib(end.get("OptState", 0)),
-              "arithmetic_sharded_params_gib": gib(state_bytes), "peak_bytes": result["device_peak"],
-              "resident_gib": gib(result["resident"]), "resident_bytes": result["resident"],
-              "estimate_gib": gib(estimate or 0),
-              "breakdown_bytes": {k: v for k, v in peak.items() if k != "Total"},
-              "end_bytes": {k: v for k, v in end.items() if k != "Total"}, "wall_s": round(wall_s, 1),
-              "max_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)}
+    lines += [
+        "",
+        f"Sharded state at the end (arithmetic: 4 B x ceil(rows / ranks) x columns = {gib(state_bytes):.3f} GiB "
+        f"per copy): weights {gib(end.get('Sharded Param', 0)):.3f} GiB, AdamW moments "
+        f"{gib(end.get('OptState', 0)):.3f} GiB (2 copies + step counts)"
+        + (", in host memory (--cpu-offload)." if offload else "."),
+        f"Held on the GPU between steps (while vLLM generates): {gib(result['resident']):.3f} GiB.",
+        f"The plan's estimate of this step's peak (fsdp_vllm.trainer_peak_bytes, --max-prompt-len {args.prompt_len}):"
+        f" {gib(estimate or 0):.2f} GiB.",
+        "Not included: CUDA context, NCCL buffers, allocator fragmentation, vLLM's sleeping remainder.",
+        f"Simulated in {wall_s:.1f} s, max RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB.",
+    ]
+    record = {
+        "peak_gib": gib(result["device_peak"]),
+        "preset": args.preset,
+        "params": n_params,
+        "ranks": args.ranks,
+        "micro_batch_size": args.micro_batch_size,
+        "response_len": args.response_len,
+        "prompt_len": args.prompt_len,
+        "method": args.method,
+        "k_frac": k_frac,
+        "steps": args.steps,
+        "micro_batches": args.micro_batches,
+        "train_args": args.train_argv,
+        "peak_phase": result["peak_phase"],
+        "cpu_offload": offload,
+        "categories_gib": {name: gib(b) for name, b in groups.items()},
+        "breakdown_gib": {k: gib(v) for k, v in peak.items() if k != "Total"},
+        "logits_gib": gib(result["logits_at_peak"]),
+        "phase_peaks_gib": {k: gib(v) for k, v in result["phase_peaks"].items()},
+        "sharded_params_gib": gib(end.get("Sharded Param", 0)),
+        "optimizer_state_gib": gib(end.get("OptState", 0)),
+        "arithmetic_sharded_params_gib": gib(state_bytes),
+        "peak_bytes": result["device_peak"],
+        "resident_gib": gib(result["resident"]),
+        "resident_bytes": result["resident"],
+        "estimate_gib": gib(estimate or 0),
+        "breakdown_bytes": {k: v for k, v in peak.items() if k != "Total"},
+        "end_bytes": {k: v for k, v in end.items() if k != "Total"},
+        "wall_s": round(wall_s, 1),
+        "max_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+    }
     if plan is not None:
         generating = result["resident"] / GIB + plan["vllm_share_gib"]
         training = result["device_peak"] / GIB
         total = max(generating, training)
-        lines += ["", f"## One GPU of {plan['gpu_gib']:g} GiB: trainer + vLLM (fsdp_vllm.vllm_memory_plan)", "",
-                  "| phase | trainer GiB | vLLM GiB | together |", "|---|---|---|---|",
-                  f"| generating | {result['resident'] / GIB:.2f} (held) | {plan['vllm_share_gib']:.2f} (weights "
-                  f"{plan['vllm_weights_gib']:.2f} + workspace {plan['vllm_workspace_gib']:.2f} + KV cache "
-                  f"{plan['kv_cache_gib']:.2f}) | {generating:.2f} |",
-                  f"| training | {training:.2f} (peak) | 0 (asleep) | {training:.2f} |",
-                  f"| **peak** | | | **{total:.2f}** of {plan['gpu_gib']:g}, {plan['margin_gib']:g} left to the margin |",
-                  "", f"gpu_memory_utilization {plan['gpu_memory_utilization']}, max_num_seqs {plan['max_num_seqs']} "
-                  f"(sequences of {plan['full_length']} tokens whose KV cache fits at once); "
-                  + (f"the trainer's state in host memory: {plan['host_gib']:.1f} GiB per node of {args.ranks} rank(s); "
-                     if offload else "")
-                  + ("the plan accepts it." if not plan["short"] else "the plan refuses it: " + "; ".join(plan["short"]))]
-        record.update({"gpu_gib": plan["gpu_gib"], "vllm_share_gib": round(plan["vllm_share_gib"], 3),
-                       "kv_cache_gib": round(plan["kv_cache_gib"], 3), "max_num_seqs": plan["max_num_seqs"],
-                       "generating_gib": round(generating, 3), "training_gib": round(training, 3),
-                       "total_peak_gib": round(total, 3), "plan_accepts": not plan["short"], "plan_short": plan["short"],
-                       "host_gib": round(plan["host_gib"], 3)})
+        lines += [
+            "",
+            f"## One GPU of {plan['gpu_gib']:g} GiB: trainer + vLLM (fsdp_vllm.vllm_memory_plan)",
+            "",
+            "| phase | trainer GiB | vLLM GiB | together |",
+            "|---|---|---|---|",
+            f"| generating | {result['resident'] / GIB:.2f} (held) | {plan['vllm_share_gib']:.2f} (weights "
+            f"{plan['vllm_weights_gib']:.2f} + workspace {plan['vllm_workspace_gib']:.2f} + KV cache "
+            f"{plan['kv_cache_gib']:.2f}) | {generating:.2f} |",
+            f"| training | {training:.2f} (peak) | 0 (asleep) | {training:.2f} |",
+            f"| **peak** | | | **{total:.2f}** of {plan['gpu_gib']:g}, {plan['margin_gib']:g} left to the margin |",
+            "",
+            f"gpu_memory_utilization {plan['gpu_memory_utilization']}, max_num_seqs {plan['max_num_seqs']} "
+            f"(sequences of {plan['full_length']} tokens whose KV cache fits at once); "
+            + (
+                f"the trainer's state in host memory: {plan['host_gib']:.1f} GiB per node of {args.ranks} rank(s); "
+                if offload
+                else ""
+            )
+            + ("the plan accepts it." if not plan["short"] else "the plan refuses it: " + "; ".join(plan["short"])),
+        ]
+        record.update(
+            {
+                "gpu_gib": plan["gpu_gib"],
+                "vllm_share_gib": round(plan["vllm_share_gib"], 3),
+                "kv_cache_gib": round(plan["kv_cache_gib"], 3),
+                "max_num_seqs": plan["max_num_seqs"],
+                "generating_gib": round(generating, 3),
+                "training_gib": round(training, 3),
+                "total_peak_gib": round(total, 3),
+                "plan_accepts": not plan["short"],
+                "plan_short": plan["short"],
+                "host_gib": round(plan["host_gib"], 3),
+            }
+        )
     return "\n".join(lines), record
 
 
@@ -684,14 +831,31 @@ def main(argv=None):
     targs = trainer_args(args.micro_batch_size, args.response_len, args.method, args.train_argv, args.prompt_len)
     selects_tokens = variants.selects_tokens(args.method)
     k_frac = (args.k_frac if args.k_frac is not None else targs.k_final) if selects_tokens else 1.0
-    result = simulate(config, targs, args.ranks, args.micro_batch_size, args.response_len, args.prompt_len, k_frac,
-                      args.steps, args.micro_batches)
+    result = simulate(
+        config,
+        targs,
+        args.ranks,
+        args.micro_batch_size,
+        args.response_len,
+        args.prompt_len,
+        k_frac,
+        args.steps,
+        args.micro_batches,
+    )
     state_bytes, n_params = sharded_state_bytes(config, args.ranks)
     plan = None
     if args.gpu is not None:
         plan = fsdp_vllm._plan(config, targs, args.ranks, args.gpu_gib * GIB, local_ranks=args.ranks)
-    table, record = report(args, result, state_bytes, n_params, k_frac, time.perf_counter() - t0, plan,
-                           fsdp_vllm.trainer_peak_bytes(config, targs, args.ranks))
+    table, record = report(
+        args,
+        result,
+        state_bytes,
+        n_params,
+        k_frac,
+        time.perf_counter() - t0,
+        plan,
+        fsdp_vllm.trainer_peak_bytes(config, targs, args.ranks),
+    )
     print(table)
     print(json.dumps(record), flush=True)
     return record

@@ -162,7 +162,7 @@ def make_rewards(P, G, kind, device, gen):
 def bench_samples(args, device, sync, summary):
     rows = []
     gen = torch.Generator().manual_seed(args.seed)
-    tm = lambda fn, budget=args.budget: median_time(fn, sync, args.repeats, args.min_run, budget)  # noqa: E731
+    tm = lambda fn, budget=args.budget: median_time(fn, sync, args.repeats, args.min_run, budget)
     for P, G in parse_sizes(args.sizes):
         m = max(1, min(G, round(args.keep_frac * G)))
         r = make_rewards(P, G, args.rewards, device, gen)
@@ -177,7 +177,12 @@ def bench_samples(args, device, sync, summary):
         t = tm(lambda: d3s.max_variance_subset(r, m))
         rows.append([size, "max_variance_subset per group", fmt_time(t), fmt_ratio(t, floor)])
         summary["max_variance_subset per group"].append((t / floor, t))
-        for method in ("grpo", "pods", "d3s-i", "random"):  # one per per-group sample rule of variants.LADDER (d1s: as d3s-i)
+        for method in (
+            "grpo",
+            "pods",
+            "d3s-i",
+            "random",
+        ):  # one per per-group sample rule of variants.LADDER (d1s: as d3s-i)
             t = tm(lambda: d3s.select_samples(r, m, variants.LADDER[method].samples, generator=gen))
             rows.append([size, f"select_samples {method!r}", fmt_time(t), fmt_ratio(t, floor)])
             if method != "grpo":
@@ -210,8 +215,9 @@ def time_reference(rows, m, args):
     first = time.perf_counter() - t0
     if first * 3 > cap:  # slow: one run is the measurement
         return first
-    return median_time(lambda: python_max_variance_subset(rows, m), lambda: None,
-                       args.repeats, args.min_run, budget_s=cap)
+    return median_time(
+        lambda: python_max_variance_subset(rows, m), lambda: None, args.repeats, args.min_run, budget_s=cap
+    )
 
 
 def ref_cell(t):
@@ -228,7 +234,7 @@ def ref_ratio(t, floor):
 def bench_tokens(args, device, sync, summary):
     rows = []
     gen = torch.Generator().manual_seed(args.seed + 1)
-    tm = lambda fn: median_time(fn, sync, args.repeats, args.min_run, args.budget)  # noqa: E731
+    tm = lambda fn: median_time(fn, sync, args.repeats, args.min_run, args.budget)
     for B, T in parse_sizes(args.token_sizes):
         # score = |A_i| * H_{i,t}: one advantage per response, an entropy per token; right padding.
         A = torch.randn(B, 1, generator=gen).abs()
@@ -252,16 +258,24 @@ def bench_tokens(args, device, sync, summary):
         try:
             t = tm(lambda: d3s.select_tokens(scores, mask, args.k_frac, scope="sequence"))
         except Exception as e:  # report a broken d3s.py in the table instead of dying
-            rows.append([size, f"select_tokens scope='sequence', k_frac={args.k_frac}",
-                         f"error: {type(e).__name__}: {e}", "-"])
+            rows.append(
+                [size, f"select_tokens scope='sequence', k_frac={args.k_frac}", f"error: {type(e).__name__}: {e}", "-"]
+            )
             # Stand-in for the dominant cost, so the table still says what the scope costs:
             masked = torch.where(mask, scores, torch.full_like(scores, -math.inf))
             t = tm(lambda: masked.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1))
-            rows.append([size, "stand-in: the two argsorts of scope='sequence' (dim=-1 as keyword)",
-                         fmt_time(t), fmt_ratio(t, floor_row)])
+            rows.append(
+                [
+                    size,
+                    "stand-in: the two argsorts of scope='sequence' (dim=-1 as keyword)",
+                    fmt_time(t),
+                    fmt_ratio(t, floor_row),
+                ]
+            )
         else:
-            rows.append([size, f"select_tokens scope='sequence', k_frac={args.k_frac}", fmt_time(t),
-                         fmt_ratio(t, floor_row)])
+            rows.append(
+                [size, f"select_tokens scope='sequence', k_frac={args.k_frac}", fmt_time(t), fmt_ratio(t, floor_row)]
+            )
             summary["select_tokens 'sequence'"].append((t / floor_row, t))
     return md_table(["B x T", "operation", "median", "x sort"], rows)
 
@@ -366,8 +380,16 @@ def peak_extra_memory(variants, N, V, dtype_name, chunk, device):
         return extra, "torch.cuda.max_memory_allocated() minus memory_allocated() before the call"
     extra, todo, reset = {}, list(variants), True
     while todo:
-        cmd = [sys.executable, os.path.abspath(__file__), "--_mem-child", ",".join(todo), str(N), str(V),
-               dtype_name, str(chunk)]
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--_mem-child",
+            ",".join(todo),
+            str(N),
+            str(V),
+            dtype_name,
+            str(chunk),
+        ]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
         if res.returncode != 0:
             raise RuntimeError(f"memory child failed: {res.stderr[-2000:]}")
@@ -375,10 +397,16 @@ def peak_extra_memory(variants, N, V, dtype_name, chunk, device):
         reset = reset and info.pop("hwm_reset")
         extra.update(info)
         todo = [v for v in todo if v not in extra]
-    how = ("peak RSS growth in a fresh subprocess: /proc/self/status VmHWM after the call, minus VmRSS "
-           "before it, with the high-water mark reset through /proc/self/clear_refs") if reset else \
-          ("VmHWM growth in one fresh subprocess per variant (logits built in blocks, so the mark "
-           "starts near the RSS)")
+    how = (
+        (
+            "peak RSS growth in a fresh subprocess: /proc/self/status VmHWM after the call, minus VmRSS "
+            "before it, with the high-water mark reset through /proc/self/clear_refs"
+        )
+        if reset
+        else (
+            "VmHWM growth in one fresh subprocess per variant (logits built in blocks, so the mark starts near the RSS)"
+        )
+    )
     return extra, how
 
 
@@ -392,27 +420,49 @@ def bench_entropy(args, device, sync):
     rows, per_token = [], None
     for N in [int(x) for x in args.entropy_tokens.split(",")]:
         z = make_logits(N, V, dtype, device, seed=args.seed)
-        t = median_time(lambda: d3s.token_entropy(z, chunk_size=args.chunk_size), sync,
-                        args.repeats, args.min_run, args.budget)
+        t = median_time(
+            lambda: d3s.token_entropy(z, chunk_size=args.chunk_size), sync, args.repeats, args.min_run, args.budget
+        )
         per_token = t / N
         if full_fits(N, V, device):
             tf = median_time(lambda: full_softmax_entropy(z), sync, args.repeats, args.min_run, args.budget)
             full = fmt_time(tf)
         else:
             tf, full = None, f"skipped (needs ~{fmt_bytes(full_need(N, V))})"
-        rows.append([f"{N} x {V} {args.logits_dtype} ({fmt_bytes(N * V * esize)})", fmt_time(t),
-                     f"{per_token * 1e6:.2f} us", f"{N / t / 1e3:.1f}k", full, fmt_ratio(t, tf)])
+        rows.append(
+            [
+                f"{N} x {V} {args.logits_dtype} ({fmt_bytes(N * V * esize)})",
+                fmt_time(t),
+                f"{per_token * 1e6:.2f} us",
+                f"{N / t / 1e3:.1f}k",
+                full,
+                fmt_ratio(t, tf),
+            ]
+        )
         del z
-    table = md_table(["N tokens x V (logits size)", "token_entropy (chunked)", "per token", "tokens/s",
-                      "full softmax", "chunked / full"], rows)
+    table = md_table(
+        [
+            "N tokens x V (logits size)",
+            "token_entropy (chunked)",
+            "per token",
+            "tokens/s",
+            "full softmax",
+            "chunked / full",
+        ],
+        rows,
+    )
     extrap = per_token * 2**20
-    text = [table, "",
-            f"Extrapolated to 1M (2^20) response tokens at V={V}: {fmt_time(extrap)} of token_entropy "
-            f"(linear in N, from the largest size above). The [1M, {V}] logits themselves would be "
-            f"{fmt_bytes(2**20 * V * esize)} in {args.logits_dtype} ({fmt_bytes(2**20 * V * 4)} in fp32), so they never exist at "
-            "once: a training step forwards one micro-batch at a time and calls token_entropy on that "
-            "micro-batch's logits, so the step pays this time spread over its micro-batches, next to "
-            "the forward pass that produced the logits.", ""]
+    text = [
+        table,
+        "",
+        f"Extrapolated to 1M (2^20) response tokens at V={V}: {fmt_time(extrap)} of token_entropy "
+        f"(linear in N, from the largest size above). The [1M, {V}] logits themselves would be "
+        f"{fmt_bytes(2**20 * V * esize)} in {args.logits_dtype} ({fmt_bytes(2**20 * V * 4)} in fp32), so they never exist at "
+        "once: a training step forwards one micro-batch at a time and calls token_entropy on that "
+        "micro-batch's logits, so the step pays this time spread over its micro-batches, next to "
+        "the forward pass that produced the logits.",
+        "",
+    ]
 
     sweep = [int(c) for c in args.chunk_sweep.split(",") if c.strip()]
     if sweep:
@@ -421,29 +471,43 @@ def bench_entropy(args, device, sync):
         srows = []
         for c in sweep:
             t = median_time(lambda: d3s.token_entropy(z, chunk_size=c), sync, args.repeats, args.min_run, args.budget)
-            srows.append([str(c), fmt_bytes(c * V * 4), fmt_time(t), f"{t / N * 1e6:.2f} us",
-                          fmt_time(t / N * 2**20)])
+            srows.append([str(c), fmt_bytes(c * V * 4), fmt_time(t), f"{t / N * 1e6:.2f} us", fmt_time(t / N * 2**20)])
         del z
-        text += [f"token_entropy by chunk_size, on {N} x {V} {args.logits_dtype} logits:", "",
-                 md_table(["chunk_size", "one fp32 [chunk, V] temporary", "median", "per token", "1M tokens (extrapolated)"],
-                          srows), ""]
+        text += [
+            f"token_entropy by chunk_size, on {N} x {V} {args.logits_dtype} logits:",
+            "",
+            md_table(
+                ["chunk_size", "one fp32 [chunk, V] temporary", "median", "per token", "1M tokens (extrapolated)"],
+                srows,
+            ),
+            "",
+        ]
 
     N = args.mem_tokens
     variants = ["chunked"] + (["full"] if full_fits(N, V, device) else [])
     extra, how = peak_extra_memory(variants, N, V, args.logits_dtype, args.chunk_size, device)
     rows_c = min(N, args.chunk_size)
-    mem_rows = [["chunked (token_entropy)", fmt_bytes(extra["chunked"]),
-                 f"{extra['chunked'] / (rows_c * V * 4):.2f} x [{rows_c}, {V}]"]]
+    mem_rows = [
+        [
+            "chunked (token_entropy)",
+            fmt_bytes(extra["chunked"]),
+            f"{extra['chunked'] / (rows_c * V * 4):.2f} x [{rows_c}, {V}]",
+        ]
+    ]
     if "full" in extra:
         mem_rows.append(["full softmax", fmt_bytes(extra["full"]), f"{extra['full'] / (N * V * 4):.2f} x [{N}, {V}]"])
     else:
         mem_rows.append(["full softmax", f"skipped (needs ~{fmt_bytes(full_need(N, V))})", "-"])
-    text += [f"Peak extra memory of one entropy call on {N} x {V} {args.logits_dtype} logits "
-             f"({fmt_bytes(N * V * esize)}), chunk_size={args.chunk_size}:", "",
-             md_table(["variant", "measured peak extra", "= fp32 tensors of shape"], mem_rows), "",
-             f"Measured as: {how}. The chunked peak is a fixed number of fp32 [chunk_size, V] temporaries, "
-             "the same for any N (so also for 1M tokens); the full-softmax peak grows with N "
-             f"({fmt_bytes(extra.get('full', full_need(N, V)) / N * 2**20)} at 1M tokens, extrapolated)."]
+    text += [
+        f"Peak extra memory of one entropy call on {N} x {V} {args.logits_dtype} logits "
+        f"({fmt_bytes(N * V * esize)}), chunk_size={args.chunk_size}:",
+        "",
+        md_table(["variant", "measured peak extra", "= fp32 tensors of shape"], mem_rows),
+        "",
+        f"Measured as: {how}. The chunked peak is a fixed number of fp32 [chunk_size, V] temporaries, "
+        "the same for any N (so also for 1M tokens); the full-softmax peak grows with N "
+        f"({fmt_bytes(extra.get('full', full_need(N, V)) / N * 2**20)} at 1M tokens, extrapolated).",
+    ]
     return "\n".join(text)
 
 
@@ -451,32 +515,67 @@ def bench_entropy(args, device, sync):
 # Main
 # ---------------------------------------------------------------------------------------------
 def build_parser():
-    p = cli.Parser(prog="selection.py", description=__doc__.split("\n")[0],
-                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--quick", action="store_true",
-                   help=f"small sizes that finish in seconds (samples {QUICK_SIZES}, tokens {QUICK_TOKEN_SIZES}, "
-                        f"entropy {QUICK_ENTROPY_TOKENS}); overrides the size flags")
+    p = cli.Parser(
+        prog="selection.py", description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"small sizes that finish in seconds (samples {QUICK_SIZES}, tokens {QUICK_TOKEN_SIZES}, "
+        f"entropy {QUICK_ENTROPY_TOKENS}); overrides the size flags",
+    )
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (timings then synchronize)")
     p.add_argument("--sizes", default=DEFAULT_SIZES, help="sample-level sizes, comma-separated PxG")
     p.add_argument("--keep-frac", type=float, default=0.25, help="rollouts kept per group: m = round(keep_frac * G)")
-    p.add_argument("--rewards", choices=("binary", "uniform"), default="binary",
-                   help="reward distribution: binary 0/1 with a per-prompt success rate, or uniform [0, 1)")
+    p.add_argument(
+        "--rewards",
+        choices=("binary", "uniform"),
+        default="binary",
+        help="reward distribution: binary 0/1 with a per-prompt success rate, or uniform [0, 1)",
+    )
     p.add_argument("--token-sizes", default=DEFAULT_TOKEN_SIZES, help="select_tokens sizes, comma-separated BxT")
     p.add_argument("--k-frac", type=float, default=0.2, help="fraction of valid tokens select_tokens keeps")
-    p.add_argument("--entropy-tokens", default=DEFAULT_ENTROPY_TOKENS,
-                   help="token counts N for timing token_entropy on [N, vocab] logits, comma-separated")
+    p.add_argument(
+        "--entropy-tokens",
+        default=DEFAULT_ENTROPY_TOKENS,
+        help="token counts N for timing token_entropy on [N, vocab] logits, comma-separated",
+    )
     p.add_argument("--vocab", type=int, default=32768, help="vocabulary size V of the logits")
     p.add_argument("--logits-dtype", choices=tuple(DTYPES), default="bf16", help="dtype of the logits")
-    p.add_argument("--chunk-size", type=int, default=None, help="token_entropy chunk_size (rows per chunk; default: d3s.token_entropy's, 8 MiB of fp32 per chunk on CPU)")
-    p.add_argument("--chunk-sweep", default="16,64,256,1024,4096",
-                   help="chunk sizes to time token_entropy with, at min(largest N, 8192) tokens ('' to skip)")
+    p.add_argument(
+        "--chunk-size",
+        type=int,
+        default=None,
+        help="token_entropy chunk_size (rows per chunk; default: d3s.token_entropy's, 8 MiB of fp32 per chunk on CPU)",
+    )
+    p.add_argument(
+        "--chunk-sweep",
+        default="16,64,256,1024,4096",
+        help="chunk sizes to time token_entropy with, at min(largest N, 8192) tokens ('' to skip)",
+    )
     p.add_argument("--mem-tokens", type=int, default=16384, help="N for the peak-memory comparison of token_entropy")
     p.add_argument("--repeats", type=int, default=7, help="timed runs per measurement; the median is reported")
-    p.add_argument("--min-run", type=float, default=0.05, help="seconds one timed run should last (calls per run are chosen to reach it)")
-    p.add_argument("--budget", type=float, default=20.0, help="seconds at most per measurement; fewer repeats beyond it")
-    p.add_argument("--ref-cap", type=float, default=10.0, help="seconds at most for the Python reference per size; 'skipped' beyond")
-    p.add_argument("--step-seconds", type=float, default=None,
-                   help="wall time of one training step (e.g. of train_small.py); if given, selection is also reported as a percentage of it")
+    p.add_argument(
+        "--min-run",
+        type=float,
+        default=0.05,
+        help="seconds one timed run should last (calls per run are chosen to reach it)",
+    )
+    p.add_argument(
+        "--budget", type=float, default=20.0, help="seconds at most per measurement; fewer repeats beyond it"
+    )
+    p.add_argument(
+        "--ref-cap",
+        type=float,
+        default=10.0,
+        help="seconds at most for the Python reference per size; 'skipped' beyond",
+    )
+    p.add_argument(
+        "--step-seconds",
+        type=float,
+        default=None,
+        help="wall time of one training step (e.g. of train_small.py); if given, selection is also reported as a percentage of it",
+    )
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0, help="random seed for the synthetic data")
     p.add_argument("--skip", default="", help="comma-separated tables to skip: samples, tokens, entropy")
@@ -495,25 +594,34 @@ def parse_args(argv=None):
     if args._mem_child:  # this script's own child process (peak_extra_memory): its arguments are the parent's
         return args
     finite = cli.finite
-    cli.check_rules(p, [
-        ("--keep-frac", args.keep_frac, lambda v: 0 < v <= 1, "a fraction of each group in (0, 1]"),
-        ("--k-frac", args.k_frac, lambda v: 0 < v <= 1, "a fraction of the tokens in (0, 1]"),
-        ("--vocab", args.vocab, lambda v: 2 <= v <= 2**24, "an int in [2, 2^24]"),
-        ("--chunk-size", args.chunk_size, lambda v: v >= 1, "an int >= 1 (rows per chunk)"),
-        ("--mem-tokens", args.mem_tokens, lambda v: v >= 1, "an int >= 1"),
-        ("--repeats", args.repeats, lambda v: 1 <= v <= 10**6, "an int >= 1"),
-        ("--min-run", args.min_run, lambda v: finite(v) and v > 0, "a finite number of seconds > 0"),
-        ("--budget", args.budget, lambda v: finite(v) and v > 0, "a finite number of seconds > 0"),
-        ("--ref-cap", args.ref_cap, lambda v: finite(v) and v > 0, "a finite number of seconds > 0"),
-        ("--step-seconds", args.step_seconds, lambda v: finite(v) and v > 0, "a finite number of seconds > 0"),
-        ("--threads", args.threads, lambda v: 0 <= v <= 1024, "an int in [0, 1024] (0: torch's choice)"),
-        ("--seed", args.seed, lambda v: 0 <= v < 2**63 - 1, "an int in [0, 2^63 - 1)"),
-    ])
+    cli.check_rules(
+        p,
+        [
+            ("--keep-frac", args.keep_frac, lambda v: 0 < v <= 1, "a fraction of each group in (0, 1]"),
+            ("--k-frac", args.k_frac, lambda v: 0 < v <= 1, "a fraction of the tokens in (0, 1]"),
+            ("--vocab", args.vocab, lambda v: 2 <= v <= 2**24, "an int in [2, 2^24]"),
+            ("--chunk-size", args.chunk_size, lambda v: v >= 1, "an int >= 1 (rows per chunk)"),
+            ("--mem-tokens", args.mem_tokens, lambda v: v >= 1, "an int >= 1"),
+            ("--repeats", args.repeats, lambda v: 1 <= v <= 10**6, "an int >= 1"),
+            ("--min-run", args.min_run, lambda v: finite(v) and v > 0, "a finite number of seconds > 0"),
+            ("--budget", args.budget, lambda v: finite(v) and v > 0, "a finite number of seconds > 0"),
+            ("--ref-cap", args.ref_cap, lambda v: finite(v) and v > 0, "a finite number of seconds > 0"),
+            ("--step-seconds", args.step_seconds, lambda v: finite(v) and v > 0, "a finite number of seconds > 0"),
+            ("--threads", args.threads, lambda v: 0 <= v <= 1024, "an int in [0, 1024] (0: torch's choice)"),
+            ("--seed", args.seed, lambda v: 0 <= v < 2**63 - 1, "an int in [0, 2^63 - 1)"),
+        ],
+    )
     cli.size_list(p, "--sizes", args.sizes, ("P", "G"), lows=(1, 2))  # advantages need 2 rollouts per group
     cli.size_list(p, "--token-sizes", args.token_sizes, ("B", "T"))
     cli.int_list(p, "--entropy-tokens", args.entropy_tokens, low=1, what="comma-separated token counts >= 1")
-    cli.int_list(p, "--chunk-sweep", args.chunk_sweep, low=1, what="comma-separated chunk sizes >= 1 ('' to skip)",
-                  allow_empty=True)
+    cli.int_list(
+        p,
+        "--chunk-sweep",
+        args.chunk_sweep,
+        low=1,
+        what="comma-separated chunk sizes >= 1 ('' to skip)",
+        allow_empty=True,
+    )
     unknown = [t for t in (x.strip() for x in args.skip.split(",")) if t and t not in TABLES]
     if unknown:
         p.error(f"--skip {args.skip}: {unknown[0]!r} is not a table; skip some of {', '.join(TABLES)}")
@@ -538,29 +646,45 @@ def main(argv=None):
     if args.chunk_size is None:  # d3s.token_entropy's default for this device and vocabulary
         args.chunk_size = max(1, (2**21 if device.type == "cpu" else 2**26) // args.vocab)
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
-    summary = {k: [] for k in ("max_variance_subset per group", "select_samples 'pods'", "select_samples 'd3s-i'",
-                               "select_samples 'random'", "max_variance_subset cross-group",
-                               "select_samples 'd3s' (cross-group)", "select_tokens 'batch'", "select_tokens 'sequence'")}
+    summary = {
+        k: []
+        for k in (
+            "max_variance_subset per group",
+            "select_samples 'pods'",
+            "select_samples 'd3s-i'",
+            "select_samples 'random'",
+            "max_variance_subset cross-group",
+            "select_samples 'd3s' (cross-group)",
+            "select_tokens 'batch'",
+            "select_tokens 'sequence'",
+        )
+    }
 
     def emit(text):
         print(text, flush=True)
         report.append(text)
 
     report = []
-    dev_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
+    dev_name = (
+        torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or platform.machine()
+    )
     try:
         load = open("/proc/loadavg").read().split()[:3]
     except OSError:
         load = ["?"]
     emit("# d3s selection overhead\n")
-    emit(f"torch {torch.__version__}, device {device} ({dev_name}), {torch.get_num_threads()} threads, "
-         f"{os.cpu_count()} CPUs, load average {' '.join(load)}; median of up to {args.repeats} runs after a warm-up; "
-         f"{time.strftime('%Y-%m-%d %H:%M')}\n")
+    emit(
+        f"torch {torch.__version__}, device {device} ({dev_name}), {torch.get_num_threads()} threads, "
+        f"{os.cpu_count()} CPUs, load average {' '.join(load)}; median of up to {args.repeats} runs after a warm-up; "
+        f"{time.strftime('%Y-%m-%d %H:%M')}\n"
+    )
     if "samples" not in skip:
         emit(f"## Sample level: rewards [P, G] ({args.rewards}), m = round({args.keep_frac} * G) kept per group\n")
-        emit("Per-group rows are relative to one torch.sort of the [P, G] rewards; cross-group rows to one "
-             "torch.sort of the P*G advantages. The Python reference runs on Python lists (tensor -> list "
-             "conversion not timed).\n")
+        emit(
+            "Per-group rows are relative to one torch.sort of the [P, G] rewards; cross-group rows to one "
+            "torch.sort of the P*G advantages. The Python reference runs on Python lists (tensor -> list "
+            "conversion not timed).\n"
+        )
         emit(bench_samples(args, device, sync, summary) + "\n")
     if "tokens" not in skip:
         emit(f"## Token level: select_tokens on scores [B, T], k_frac={args.k_frac}, random right padding\n")
@@ -570,8 +694,13 @@ def main(argv=None):
         emit(bench_entropy(args, device, sync) + "\n")
 
     lines = ["## Target: selection within 3x of one sort\n"]
-    header = ["operation", "x sort at the largest size", "within 3x there", "worst x sort over sizes",
-              "time at the largest size"]
+    header = [
+        "operation",
+        "x sort at the largest size",
+        "within 3x there",
+        "worst x sort over sizes",
+        "time at the largest size",
+    ]
     if args.step_seconds:
         header.append(f"% of a {args.step_seconds:g} s step")
     rows = []
@@ -584,9 +713,11 @@ def main(argv=None):
             rows.append(row)
     if rows:
         lines.append(md_table(header, rows))
-        lines.append("\nAt small sizes a sort takes microseconds and the ratios mostly measure fixed per-call "
-                     "overhead (argument checks, a handful of small kernels); the largest size is the one "
-                     "the 3x target is about.")
+        lines.append(
+            "\nAt small sizes a sort takes microseconds and the ratios mostly measure fixed per-call "
+            "overhead (argument checks, a handful of small kernels); the largest size is the one "
+            "the 3x target is about."
+        )
     if not args.step_seconds:
         lines.append("\nPass --step-seconds (one training step of train_small.py) to compare with 1% of a step.")
     emit("\n".join(lines) + "\n")

@@ -73,34 +73,58 @@ def heads_of(hidden):
 
 def parse_args(argv=None):
     """The flags, every one checked before any work: one line `tiled_mlp.py: error: --flag VALUE: ...`, exit 2."""
-    p = cli.Parser(prog="tiled_mlp.py", description=__doc__.split("\n\n")[0],
-                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = cli.Parser(
+        prog="tiled_mlp.py",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--hidden", type=int, default=448, help="hidden size (7B: 3584); intermediate = 5.29 x hidden")
     p.add_argument("--layers", type=int, default=4, help="decoder layers")
     p.add_argument("--rows", type=int, default=4, help="rollouts in the micro-batch")
     p.add_argument("--seq-len", type=int, default=1024, help="tokens per rollout")
-    p.add_argument("--chunk-tokens", type=int, default=1024, help="--mlp-chunk-tokens of the tiled arm (rows x seq-len / "
-                   "chunk-tokens slices; 4 as the 7B's default at [4, 3512])")
+    p.add_argument(
+        "--chunk-tokens",
+        type=int,
+        default=1024,
+        help="--mlp-chunk-tokens of the tiled arm (rows x seq-len / "
+        "chunk-tokens slices; 4 as the 7B's default at [4, 3512])",
+    )
     p.add_argument("--repeats", type=int, default=3, help="timed runs per arm (the median is reported)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (on a GPU: --hidden 3584 --seq-len 3512 --chunk-tokens 4096 "
-                   "times the 7B's own layers)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="parameter and compute dtype "
-                   "(train_full computes in bfloat16 on a GPU)")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu or cuda (on a GPU: --hidden 3584 --seq-len 3512 --chunk-tokens 4096 times the 7B's own layers)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="parameter and compute dtype (train_full computes in bfloat16 on a GPU)",
+    )
     args = p.parse_args(argv)
-    cli.check_rules(p, [
-        ("--hidden", args.hidden, lambda v: 14 <= v <= 65536, "an int in [14, 65536]"),
-        ("--layers", args.layers, lambda v: 1 <= v <= 1024, "an int in [1, 1024]"),
-        ("--rows", args.rows, lambda v: 1 <= v <= 65536, "an int in [1, 65536]"),
-        ("--seq-len", args.seq_len, lambda v: 1 <= v <= 2**20, "an int in [1, 2^20]"),
-        ("--chunk-tokens", args.chunk_tokens, lambda v: 1 <= v <= 2**30, "an int >= 1 (tokens per slice of the tiled "
-         "arm; the whole arm is the other row)"),
-        ("--repeats", args.repeats, lambda v: 1 <= v <= 10**6, "an int >= 1"),
-    ])
+    cli.check_rules(
+        p,
+        [
+            ("--hidden", args.hidden, lambda v: 14 <= v <= 65536, "an int in [14, 65536]"),
+            ("--layers", args.layers, lambda v: 1 <= v <= 1024, "an int in [1, 1024]"),
+            ("--rows", args.rows, lambda v: 1 <= v <= 65536, "an int in [1, 65536]"),
+            ("--seq-len", args.seq_len, lambda v: 1 <= v <= 2**20, "an int in [1, 2^20]"),
+            (
+                "--chunk-tokens",
+                args.chunk_tokens,
+                lambda v: 1 <= v <= 2**30,
+                "an int >= 1 (tokens per slice of the tiled arm; the whole arm is the other row)",
+            ),
+            ("--repeats", args.repeats, lambda v: 1 <= v <= 10**6, "an int >= 1"),
+        ],
+    )
     heads = heads_of(args.hidden)
     if (args.hidden // heads) % 2:  # rotary embeddings rotate pairs of a head's dimensions
         fits = [h for h in range(args.hidden - 64, args.hidden + 65) if h >= 14 and (h // heads_of(h)) % 2 == 0]
-        p.error(f"--hidden {args.hidden}: gives {heads} heads of {args.hidden // heads} dimensions, and rotary "
-                f"embeddings need an even head size; pass e.g. {min(fits, key=lambda h: abs(h - args.hidden))}")
+        p.error(
+            f"--hidden {args.hidden}: gives {heads} heads of {args.hidden // heads} dimensions, and rotary "
+            f"embeddings need an even head size; pass e.g. {min(fits, key=lambda h: abs(h - args.hidden))}"
+        )
     cli.check_device(p, "--device", args.device, torch.cuda.device_count)
     return args
 
@@ -112,9 +136,15 @@ def main(argv=None):
     torch.manual_seed(0)
     heads = heads_of(args.hidden)
     ratio = SEVEN_B["intermediate_size"] / SEVEN_B["hidden_size"]  # 5.29
-    config = Qwen2Config(vocab_size=512, hidden_size=args.hidden, intermediate_size=round(args.hidden * ratio),
-                         num_hidden_layers=args.layers, num_attention_heads=heads, num_key_value_heads=heads // 7,
-                         tie_word_embeddings=False)
+    config = Qwen2Config(
+        vocab_size=512,
+        hidden_size=args.hidden,
+        intermediate_size=round(args.hidden * ratio),
+        num_hidden_layers=args.layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads // 7,
+        tie_word_embeddings=False,
+    )
     whole = Qwen2ForCausalLM(config).to(device=args.device, dtype=getattr(torch, args.dtype)).train()
     whole.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # as train_full
     tiled = copy.deepcopy(whole)
@@ -124,17 +154,23 @@ def main(argv=None):
     (t_whole, m_whole), (t_tiled, m_tiled) = time_pass2(whole, ids, args.repeats), time_pass2(tiled, ids, args.repeats)
     share = seven_b_extra_flops()
     slices = -(-args.seq_len // max(1, args.chunk_tokens // args.rows))
-    print(f"# bench/tiled_mlp.py: hidden {args.hidden}, intermediate {config.intermediate_size}, {args.layers} layers, "
-          f"[{args.rows}, {args.seq_len}] tokens, activation checkpointing on, {args.dtype}; "
-          f"{device_name(args.device)}, torch {torch.__version__}; median of {args.repeats}\n")
-    mem = lambda m: f" {m / 2**30:.2f} |" if m is not None else ""  # noqa: E731
+    print(
+        f"# bench/tiled_mlp.py: hidden {args.hidden}, intermediate {config.intermediate_size}, {args.layers} layers, "
+        f"[{args.rows}, {args.seq_len}] tokens, activation checkpointing on, {args.dtype}; "
+        f"{device_name(args.device)}, torch {torch.__version__}; median of {args.repeats}\n"
+    )
+    mem = lambda m: f" {m / 2**30:.2f} |" if m is not None else ""
     print("| MLP | forward + backward s | vs whole |" + (" peak GiB |" if m_whole is not None else ""))
     print("|---|---|---|" + ("---|" if m_whole is not None else ""))
     print(f"| whole (--mlp-chunk-tokens 0) | {t_whole:.3f} | 1.00 |" + mem(m_whole))
-    print(f"| tiled, {slices} slices (--mlp-chunk-tokens {args.chunk_tokens}) | {t_tiled:.3f} | {t_tiled / t_whole:.2f} |"
-          + mem(m_tiled))
-    print(f"\nArithmetic for Qwen2.5-Math-7B at 3512 tokens: one more MLP forward adds {share:.0%} to pass 2's FLOPs "
-          "(forward + recompute + backward = 4 forwards; the MLP is most of a layer's FLOPs).")
+    print(
+        f"| tiled, {slices} slices (--mlp-chunk-tokens {args.chunk_tokens}) | {t_tiled:.3f} | {t_tiled / t_whole:.2f} |"
+        + mem(m_tiled)
+    )
+    print(
+        f"\nArithmetic for Qwen2.5-Math-7B at 3512 tokens: one more MLP forward adds {share:.0%} to pass 2's FLOPs "
+        "(forward + recompute + backward = 4 forwards; the MLP is most of a layer's FLOPs)."
+    )
 
 
 if __name__ == "__main__":

@@ -65,7 +65,9 @@ sys.path.insert(0, ROOT)
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--model", required=True, help="model folder (save_pretrained), e.g. train_small's warm start")
     p.add_argument("--train-file", required=True, help="JSONL with problem/answer (training prompts)")
     p.add_argument("--eval-file", required=True, help="JSONL with problem/answer (held-out)")
@@ -85,14 +87,26 @@ def parse_args(argv=None):
     p.add_argument("--eval-size", type=int, default=None, help="first N rows of --eval-file (as train_small)")
     p.add_argument("--eval-samples", type=int, default=1, help="train_small.evaluate's n (sampled Pass@1)")
     p.add_argument("--gen-batch", type=int, default=512, help="sequences per generate call in evaluation")
-    p.add_argument("--no-same-prompts", dest="same_prompts", action="store_false",
-                   help="let TRL shuffle the training file instead of replaying train_small's prompt order")
-    p.add_argument("--gradient-checkpointing", default="on", choices=["on", "off"],
-                   help="GRPOConfig.gradient_checkpointing: on is TRL's default (recomputes every decoder layer's "
-                        "forward during backward); off matches train_small.py")
+    p.add_argument(
+        "--no-same-prompts",
+        dest="same_prompts",
+        action="store_false",
+        help="let TRL shuffle the training file instead of replaying train_small's prompt order",
+    )
+    p.add_argument(
+        "--gradient-checkpointing",
+        default="on",
+        choices=["on", "off"],
+        help="GRPOConfig.gradient_checkpointing: on is TRL's default (recomputes every decoder layer's "
+        "forward during backward); off matches train_small.py",
+    )
     p.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
-    p.add_argument("--d3s-method", default=None, help="train with integrations/trl.py's D3SGRPOTrainer and this "
-                   "variants.LADDER row (e.g. d3s); default: TRL's own GRPOTrainer")
+    p.add_argument(
+        "--d3s-method",
+        default=None,
+        help="train with integrations/trl.py's D3SGRPOTrainer and this "
+        "variants.LADDER row (e.g. d3s); default: TRL's own GRPOTrainer",
+    )
     p.add_argument("--n-init", type=int, default=None, help="D3SGRPOConfig.n_init (default G/4)")
     p.add_argument("--n-final", type=int, default=None, help="D3SGRPOConfig.n_final (default G)")
     p.add_argument("--k-init", type=float, default=0.05, help="D3SGRPOConfig.k_init")
@@ -142,8 +156,13 @@ def main(argv=None):
         from integrations.trl import D3SGRPOConfig as GRPOConfig  # noqa: F811
         from integrations.trl import D3SGRPOTrainer as GRPOTrainer  # noqa: F811
 
-        d3s_fields = {"d3s_method": args.d3s_method, "n_init": args.n_init, "n_final": args.n_final,
-                      "k_init": args.k_init, "k_final": args.k_final}
+        d3s_fields = {
+            "d3s_method": args.d3s_method,
+            "n_init": args.n_init,
+            "n_final": args.n_final,
+            "k_init": args.k_init,
+            "k_final": args.k_final,
+        }
     else:
         d3s_fields = {}
     if args.threads:
@@ -157,8 +176,12 @@ def main(argv=None):
         P = len(rows) // args.steps
     else:
         rows = train_rows
-    dataset = Dataset.from_dict({"prompt": [warmstart.format_prompt(r["problem"], args.template) for r in rows],
-                                 "answer": [r["answer"] for r in rows]})
+    dataset = Dataset.from_dict(
+        {
+            "prompt": [warmstart.format_prompt(r["problem"], args.template) for r in rows],
+            "answer": [r["answer"] for r in rows],
+        }
+    )
 
     transformers.set_seed(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -167,9 +190,18 @@ def main(argv=None):
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     grader = Grader()
-    eval_args = SimpleNamespace(seed=args.seed, rl_seed=args.seed, template=args.template,  # rl_seed: train_small's
-                                eval_samples=args.eval_samples, mid_eval_samples=args.eval_samples, steps=args.steps, pass_k=1, gen_batch=args.gen_batch,  # --rl-seed
-                                max_new_tokens=args.max_new_tokens, temperature=args.temperature)
+    eval_args = SimpleNamespace(
+        seed=args.seed,
+        rl_seed=args.seed,
+        template=args.template,  # rl_seed: train_small's
+        eval_samples=args.eval_samples,
+        mid_eval_samples=args.eval_samples,
+        steps=args.steps,
+        pass_k=1,
+        gen_batch=args.gen_batch,  # --rl-seed
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+    )
     eval0 = train_small.evaluate(model, tokenizer, grader, eval_rows, 0, eval_args)
 
     def math_reward(prompts, completions, answer, **kwargs):
@@ -182,16 +214,37 @@ def main(argv=None):
         gradient_accumulation_steps=1,
         num_generations=G,
         max_completion_length=args.max_new_tokens,
-        temperature=args.temperature, top_p=1.0, top_k=0, repetition_penalty=1.0,
-        learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-        optim="adamw_torch", max_grad_norm=args.max_grad_norm,
+        temperature=args.temperature,
+        top_p=1.0,
+        top_k=0,
+        repetition_penalty=1.0,
+        learning_rate=args.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        optim="adamw_torch",
+        max_grad_norm=args.max_grad_norm,
         gradient_checkpointing=args.gradient_checkpointing == "on",
-        beta=0.0, num_iterations=1, epsilon=0.2, loss_type=args.loss_type, scale_rewards=args.scale_rewards,
+        beta=0.0,
+        num_iterations=1,
+        epsilon=0.2,
+        loss_type=args.loss_type,
+        scale_rewards=args.scale_rewards,
         shuffle_dataset=not args.same_prompts,
-        use_vllm=False, bf16=False, fp16=False, use_cpu=True,
-        seed=args.seed, data_seed=args.seed,
-        logging_steps=1, report_to="none", eval_strategy="no", save_strategy="no", disable_tqdm=True,
-        dataloader_num_workers=0, log_completions=False, **d3s_fields,
+        use_vllm=False,
+        bf16=False,
+        fp16=False,
+        use_cpu=True,
+        seed=args.seed,
+        data_seed=args.seed,
+        logging_steps=1,
+        report_to="none",
+        eval_strategy="no",
+        save_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        log_completions=False,
+        **d3s_fields,
     )
 
     timings = {k: 0.0 for k in ("gen_s", "reward_s", "prep_s", "loss_fwd_s", "training_step_s")}
@@ -259,17 +312,25 @@ def main(argv=None):
         def on_step_end(self, a, state, control, **kw):
             self.t_end = time.perf_counter()
             step_s = self.t_end - self.t0
-            row = {"kind": "train", "step": state.global_step, "gen_s": timings["gen_s"],
-                   "reward_s": timings["reward_s"], "prep_s": timings["prep_s"],
-                   "update_s": step_s - timings["gen_s"] - timings["reward_s"], "step_s": step_s,
-                   "outside_s": self.outside_s,
-                   # update_s split: TRL's other batch prep, loss forward, backward, clip + AdamW + zero_grad
-                   "prep_other_s": timings["prep_s"] - timings["gen_s"] - timings["reward_s"],
-                   "loss_fwd_s": timings["loss_fwd_s"],
-                   "backward_s": timings["training_step_s"] - timings["prep_s"] - timings["loss_fwd_s"],
-                   "optim_s": step_s - timings["training_step_s"], "reward_mean": timings.get("reward_mean"),
-                   "gen_tokens": timings.get("gen_tokens"), "response_len": timings.get("response_len"),
-                   "rss_mb": peak_rss_mb()}
+            row = {
+                "kind": "train",
+                "step": state.global_step,
+                "gen_s": timings["gen_s"],
+                "reward_s": timings["reward_s"],
+                "prep_s": timings["prep_s"],
+                "update_s": step_s - timings["gen_s"] - timings["reward_s"],
+                "step_s": step_s,
+                "outside_s": self.outside_s,
+                # update_s split: TRL's other batch prep, loss forward, backward, clip + AdamW + zero_grad
+                "prep_other_s": timings["prep_s"] - timings["gen_s"] - timings["reward_s"],
+                "loss_fwd_s": timings["loss_fwd_s"],
+                "backward_s": timings["training_step_s"] - timings["prep_s"] - timings["loss_fwd_s"],
+                "optim_s": step_s - timings["training_step_s"],
+                "reward_mean": timings.get("reward_mean"),
+                "gen_tokens": timings.get("gen_tokens"),
+                "response_len": timings.get("response_len"),
+                "rss_mb": peak_rss_mb(),
+            }
             rows_out.append(row)
             self.pending = row  # written by on_log, which follows with the step's logged metrics
 
@@ -279,16 +340,31 @@ def main(argv=None):
                 return
             logs = logs or {}
             row["loss_tokens"] = logs.get("d3s/kept_tokens", row["gen_tokens"])  # tokens in the loss
-            row["fwd_tokens"] = logs.get("d3s/forwarded_tokens", row["gen_tokens"])  # response tokens forwarded with grad
+            row["fwd_tokens"] = logs.get(
+                "d3s/forwarded_tokens", row["gen_tokens"]
+            )  # response tokens forwarded with grad
             row["kept_rollouts"] = logs.get("d3s/kept_rollouts", P * G)
-            for key in ("d3s/n_keep", "d3s/k_frac", "d3s/k_realised", "d3s/sample_usefulness_rate", "loss", "grad_norm"):
+            for key in (
+                "d3s/n_keep",
+                "d3s/k_frac",
+                "d3s/k_realised",
+                "d3s/sample_usefulness_rate",
+                "loss",
+                "grad_norm",
+            ):
                 if key in logs:
                     row[key] = logs[key]
             metrics_file.write(json.dumps(row) + "\n")
             metrics_file.flush()
 
-    trainer = TimedGRPOTrainer(model=model, reward_funcs=[math_reward], args=config, train_dataset=dataset,
-                               processing_class=tokenizer, callbacks=[StepTimer()])
+    trainer = TimedGRPOTrainer(
+        model=model,
+        reward_funcs=[math_reward],
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[StepTimer()],
+    )
     t_train = time.perf_counter()
     trainer.train()
     train_wall_s = time.perf_counter() - t_train
@@ -297,24 +373,61 @@ def main(argv=None):
     final = train_small.evaluate(trainer.model, tokenizer, grader, eval_rows, args.steps, eval_args)
     grader.close()
     result = {
-        "arm": "trl", "steps": len(rows_out), "prompts_per_step": P, "group_size": G,
-        "eval_greedy_pass1_step0": eval0["eval_greedy_pass1"], "eval_greedy_pass1": final["eval_greedy_pass1"],
-        "eval_pass1_mean": final["eval_pass1_mean"], "eval_n": len(eval_rows), "eval_s": eval0["eval_s"] + final["eval_s"],
-        "train_wall_s": train_wall_s, "total_wall_s": time.perf_counter() - t_start,
-        "peak_rss_mb_self": peak_rss_mb(), "torch_threads": torch.get_num_threads(),
-        "grader_timeouts": grader.timeouts, "same_prompts": args.same_prompts, "d3s": d3s_fields or None,
-        "versions": {"trl": trl.__version__, "transformers": transformers.__version__, "torch": torch.__version__,
-                     "python": platform.python_version()},
-        "config": {k: getattr(config, k) for k in (
-            "per_device_train_batch_size", "num_generations", "max_completion_length", "temperature", "top_k", "top_p",
-            "learning_rate", "beta", "num_iterations", "loss_type", "scale_rewards", "epsilon", "max_grad_norm",
-            "lr_scheduler_type", "steps_per_generation", "gradient_accumulation_steps", "shuffle_dataset", "seed",
-            "gradient_checkpointing", "bf16")},
+        "arm": "trl",
+        "steps": len(rows_out),
+        "prompts_per_step": P,
+        "group_size": G,
+        "eval_greedy_pass1_step0": eval0["eval_greedy_pass1"],
+        "eval_greedy_pass1": final["eval_greedy_pass1"],
+        "eval_pass1_mean": final["eval_pass1_mean"],
+        "eval_n": len(eval_rows),
+        "eval_s": eval0["eval_s"] + final["eval_s"],
+        "train_wall_s": train_wall_s,
+        "total_wall_s": time.perf_counter() - t_start,
+        "peak_rss_mb_self": peak_rss_mb(),
+        "torch_threads": torch.get_num_threads(),
+        "grader_timeouts": grader.timeouts,
+        "same_prompts": args.same_prompts,
+        "d3s": d3s_fields or None,
+        "versions": {
+            "trl": trl.__version__,
+            "transformers": transformers.__version__,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+        },
+        "config": {
+            k: getattr(config, k)
+            for k in (
+                "per_device_train_batch_size",
+                "num_generations",
+                "max_completion_length",
+                "temperature",
+                "top_k",
+                "top_p",
+                "learning_rate",
+                "beta",
+                "num_iterations",
+                "loss_type",
+                "scale_rewards",
+                "epsilon",
+                "max_grad_norm",
+                "lr_scheduler_type",
+                "steps_per_generation",
+                "gradient_accumulation_steps",
+                "shuffle_dataset",
+                "seed",
+                "gradient_checkpointing",
+                "bf16",
+            )
+        },
     }
     with open(os.path.join(args.out, "result.json"), "w") as f:
         json.dump(result, f, indent=1)
-    print(json.dumps({k: result[k] for k in ("arm", "steps", "eval_greedy_pass1_step0", "eval_greedy_pass1",
-                                             "train_wall_s")}))
+    print(
+        json.dumps(
+            {k: result[k] for k in ("arm", "steps", "eval_greedy_pass1_step0", "eval_greedy_pass1", "train_wall_s")}
+        )
+    )
     return result
 
 

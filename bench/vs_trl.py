@@ -66,8 +66,9 @@ TRL_SPLIT = ("prep_other_s", "loss_fwd_s", "backward_s", "optim_s")  # trl_arm.p
 
 
 def parse_args(argv=None):
-    p = cli.Parser(prog="vs_trl.py", description=__doc__.split("\n\n")[0],
-                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = cli.Parser(
+        prog="vs_trl.py", description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--quick", action="store_true", help="2 steps, 1 repeat, 2 prompts x 4 rollouts, short warm start")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--repeats", type=int, default=2, help="rounds of all arms, in --arms order")
@@ -79,15 +80,25 @@ def parse_args(argv=None):
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--lr", type=float, default=3e-5)
     p.add_argument("--max-grad-norm", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0, help="seed of the data, the warm start and (without --seeds) the RL runs")
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of the data, the warm start and (without --seeds) the RL runs"
+    )
     p.add_argument("--seeds", default=None, help="comma-separated RL seeds, one run per arm and seed (default: --seed)")
-    p.add_argument("--train-size", type=int, default=5000, help="generated training problems (also the warm start's data)")
+    p.add_argument(
+        "--train-size", type=int, default=5000, help="generated training problems (also the warm start's data)"
+    )
     p.add_argument("--eval-size", type=int, default=200, help="held-out problems")
-    p.add_argument("--sft-steps", type=int, default=None, help="warm-start steps (default: train_small's; 20 with --quick)")
+    p.add_argument(
+        "--sft-steps", type=int, default=None, help="warm-start steps (default: train_small's; 20 with --quick)"
+    )
     p.add_argument("--hidden-size", type=int, default=128)
     p.add_argument("--num-layers", type=int, default=4)
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch threads in every arm (0: torch's default; 1 avoids oversubscription on a shared CPU)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads in every arm (0: torch's default; 1 avoids oversubscription on a shared CPU)",
+    )
     p.add_argument("--work", default="runs/bench_vs_trl", help="run folders, data files, logs, results.json")
     p.add_argument("--cache-dir", default="runs/cache", help="train_small's warm-start cache")
     p.add_argument("--python", default=os.path.join(ROOT, ".venv", "bin", "python"), help="the project's python")
@@ -111,25 +122,41 @@ def check_args(p, args):
     arms' train_small.py and trl_arm.py accept (train_small.parse_args'), paths, combinations. A
     bad one ends in one line, `vs_trl.py: error: --flag VALUE: ...`, exit 2."""
     finite = cli.finite
-    cli.check_rules(p, [
-        ("--steps", args.steps, lambda v: 1 <= v <= 10**6, "an int >= 1"),
-        ("--repeats", args.repeats, lambda v: 1 <= v <= 1000, "an int in [1, 1000]"),
-        ("--prompts-per-step", args.prompts_per_step, lambda v: 1 <= v <= 4096, "an int in [1, 4096]"),
-        ("--group-size", args.group_size, lambda v: 2 <= v <= 1024, "an int in [2, 1024] (advantages need 2 rollouts)"),
-        ("--max-new-tokens", args.max_new_tokens, lambda v: 1 <= v <= 65536, "an int in [1, 65536]"),
-        ("--temperature", args.temperature, lambda v: finite(v) and 0.01 <= v <= 100, "in [0.01, 100]"),
-        ("--lr", args.lr, lambda v: finite(v) and 0 < v <= 1, "in (0, 1]"),
-        ("--max-grad-norm", args.max_grad_norm, lambda v: finite(v) and v > 0, "a finite number > 0 (the norm the "
-         "gradient is clipped to)"),
-        ("--seed", args.seed, lambda v: 0 <= v < 2**31, "an int in [0, 2^31)"),
-        ("--train-size", args.train_size, lambda v: 1 <= v <= 10**6, "an int in [1, 10^6]"),
-        ("--eval-size", args.eval_size, lambda v: 1 <= v <= 10**5, "an int in [1, 10^5]"),
-        ("--sft-steps", args.sft_steps, lambda v: 0 <= v <= 10**6, "an int in [0, 10^6]"),
-        ("--hidden-size", args.hidden_size, lambda v: 8 <= v <= 4096 and v % 4 == 0, "a multiple of 4 in [8, 4096] "
-         "(4 heads)"),
-        ("--num-layers", args.num_layers, lambda v: 1 <= v <= 64, "an int in [1, 64]"),
-        ("--threads", args.threads, lambda v: 0 <= v <= 1024, "an int in [0, 1024] (0: torch's default)"),
-    ])
+    cli.check_rules(
+        p,
+        [
+            ("--steps", args.steps, lambda v: 1 <= v <= 10**6, "an int >= 1"),
+            ("--repeats", args.repeats, lambda v: 1 <= v <= 1000, "an int in [1, 1000]"),
+            ("--prompts-per-step", args.prompts_per_step, lambda v: 1 <= v <= 4096, "an int in [1, 4096]"),
+            (
+                "--group-size",
+                args.group_size,
+                lambda v: 2 <= v <= 1024,
+                "an int in [2, 1024] (advantages need 2 rollouts)",
+            ),
+            ("--max-new-tokens", args.max_new_tokens, lambda v: 1 <= v <= 65536, "an int in [1, 65536]"),
+            ("--temperature", args.temperature, lambda v: finite(v) and 0.01 <= v <= 100, "in [0.01, 100]"),
+            ("--lr", args.lr, lambda v: finite(v) and 0 < v <= 1, "in (0, 1]"),
+            (
+                "--max-grad-norm",
+                args.max_grad_norm,
+                lambda v: finite(v) and v > 0,
+                "a finite number > 0 (the norm the gradient is clipped to)",
+            ),
+            ("--seed", args.seed, lambda v: 0 <= v < 2**31, "an int in [0, 2^31)"),
+            ("--train-size", args.train_size, lambda v: 1 <= v <= 10**6, "an int in [1, 10^6]"),
+            ("--eval-size", args.eval_size, lambda v: 1 <= v <= 10**5, "an int in [1, 10^5]"),
+            ("--sft-steps", args.sft_steps, lambda v: 0 <= v <= 10**6, "an int in [0, 10^6]"),
+            (
+                "--hidden-size",
+                args.hidden_size,
+                lambda v: 8 <= v <= 4096 and v % 4 == 0,
+                "a multiple of 4 in [8, 4096] (4 heads)",
+            ),
+            ("--num-layers", args.num_layers, lambda v: 1 <= v <= 64, "an int in [1, 64]"),
+            ("--threads", args.threads, lambda v: 0 <= v <= 1024, "an int in [0, 1024] (0: torch's default)"),
+        ],
+    )
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     if not arms:
         p.error(f"--arms {args.arms!r}: empty; pass some of {','.join(ARMS)}")
@@ -150,11 +177,20 @@ def check_args(p, args):
     cli.check_out_file(p, "--out", args.out)
     if args.out and os.path.abspath(args.out) == os.path.abspath(os.path.join(args.work, "results.json")):
         p.error(f"--out {args.out}: is WORK/results.json, where the raw numbers go; pass another file")
-    cli.check_program(p, "--python", args.python, "create the project's venv (python3 -m venv .venv && .venv/bin/pip "
-                       "install -r requirements.txt), or pass its python")  # the warm start runs in it, whatever the arms
+    cli.check_program(
+        p,
+        "--python",
+        args.python,
+        "create the project's venv (python3 -m venv .venv && .venv/bin/pip "
+        "install -r requirements.txt), or pass its python",
+    )  # the warm start runs in it, whatever the arms
     if any(a in TRL_ARMS for a in args.arms):
-        cli.check_program(p, "--trl-python", args.trl_python, "create the TRL venv (see this file's docstring), or run "
-                           "only the train_small arms: --arms grpo,d3s")
+        cli.check_program(
+            p,
+            "--trl-python",
+            args.trl_python,
+            "create the TRL venv (see this file's docstring), or run only the train_small arms: --arms grpo,d3s",
+        )
     import warmstart  # the tasks (and their lengths) are train_small's; it imports torch, so it comes last
 
     if args.task not in warmstart.TASKS:
@@ -166,9 +202,24 @@ def check_args(p, args):
 # ---------------------------------------------------------------------------------------------
 def small_flags(args):
     """train_small.py flags that fix the model, data and warm start (same for the warm start and the arms)."""
-    return ["--seed", str(args.seed), "--hidden-size", str(args.hidden_size), "--num-layers", str(args.num_layers),
-            "--template", "plain", "--task", args.task, "--train-size", str(args.train_size), "--eval-size", str(args.eval_size),
-            "--cache-dir", args.cache_dir] + (["--sft-steps", str(args.sft_steps)] if args.sft_steps is not None else [])
+    return [
+        "--seed",
+        str(args.seed),
+        "--hidden-size",
+        str(args.hidden_size),
+        "--num-layers",
+        str(args.num_layers),
+        "--template",
+        "plain",
+        "--task",
+        args.task,
+        "--train-size",
+        str(args.train_size),
+        "--eval-size",
+        str(args.eval_size),
+        "--cache-dir",
+        args.cache_dir,
+    ] + (["--sft-steps", str(args.sft_steps)] if args.sft_steps is not None else [])
 
 
 WARM_START_SNIPPET = """
@@ -192,7 +243,7 @@ def prepare(args):
     line = [x for x in proc.stdout.splitlines() if x.startswith("WARM_START=")]
     if proc.returncode != 0 or not line:
         sys.exit(f"vs_trl.py: warm start failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
-    info = json.loads(line[0][len("WARM_START="):])
+    info = json.loads(line[0][len("WARM_START=") :])
     return info
 
 
@@ -243,32 +294,97 @@ def run_measured(cmd, log_path, interval=0.1):
         done.set()
         sampler.join()
         proc.returncode = os.waitstatus_to_exitcode(status)
-    return {"rc": proc.returncode, "wall_s": wall, "peak_rss_mb": usage.ru_maxrss / 1024,
-            "peak_tree_rss_mb": peak["kb"] / 1024}
+    return {
+        "rc": proc.returncode,
+        "wall_s": wall,
+        "peak_rss_mb": usage.ru_maxrss / 1024,
+        "peak_tree_rss_mb": peak["kb"] / 1024,
+    }
 
 
 def arm_command(arm, args, warm_path, out, seed):
     G = args.group_size
-    common = ["--steps", str(args.steps), "--prompts-per-step", str(args.prompts_per_step),
-              "--group-size", str(args.group_size), "--max-new-tokens", str(args.max_new_tokens),
-              "--temperature", str(args.temperature), "--lr", str(args.lr), "--max-grad-norm", str(args.max_grad_norm),
-              "--train-file", os.path.join(args.work, "train.jsonl"),
-              "--eval-file", os.path.join(args.work, "eval.jsonl"), "--train-size", str(args.train_size),
-              "--eval-size", str(args.eval_size), "--template", "plain", "--threads", str(args.threads),
-              "--model", warm_path, "--out", out,
-              # evaluation generates P x G sequences per call, as a training step does, so that the peak
-              # memory is the training step's, not that of a larger evaluation batch
-              "--gen-batch", str(args.prompts_per_step * args.group_size)]
+    common = [
+        "--steps",
+        str(args.steps),
+        "--prompts-per-step",
+        str(args.prompts_per_step),
+        "--group-size",
+        str(args.group_size),
+        "--max-new-tokens",
+        str(args.max_new_tokens),
+        "--temperature",
+        str(args.temperature),
+        "--lr",
+        str(args.lr),
+        "--max-grad-norm",
+        str(args.max_grad_norm),
+        "--train-file",
+        os.path.join(args.work, "train.jsonl"),
+        "--eval-file",
+        os.path.join(args.work, "eval.jsonl"),
+        "--train-size",
+        str(args.train_size),
+        "--eval-size",
+        str(args.eval_size),
+        "--template",
+        "plain",
+        "--threads",
+        str(args.threads),
+        "--model",
+        warm_path,
+        "--out",
+        out,
+        # evaluation generates P x G sequences per call, as a training step does, so that the peak
+        # memory is the training step's, not that of a larger evaluation batch
+        "--gen-batch",
+        str(args.prompts_per_step * args.group_size),
+    ]
     schedule = ["--n-init", str(max(1, G // 4)), "--n-final", str(G)]  # train_small's N 4 -> 16 of G = 16, scaled to G
     if arm in TRL_ARMS:
-        return [args.trl_python, os.path.join(ROOT, "bench", "trl_arm.py"), *common, "--seed", str(seed),
-                "--eval-samples", "1", "--gradient-checkpointing", "off" if arm == "trl-nogc" else "on",
-                *(["--d3s-method", "d3s", *schedule] if arm == "trl-d3s" else [])]
-    return [args.python, os.path.join(ROOT, "train_small.py"), "--method", arm, *common, "--seed", str(args.seed),
-            "--rl-seed", str(seed), "--sft-steps", "0", "--eval-every", str(args.steps), "--save-every", str(args.steps),
-            "--eval-samples", "1", "--pass-k", "1", *schedule,
-            # one on-policy optimizer step per batch, clip 0.2 / 0.2 and no reference forward, as the TRL arms (beta 0)
-            "--mini-batches", "1", "--clip-low", "0.2", "--clip-high", "0.2", "--kl-every", "0"]
+        return [
+            args.trl_python,
+            os.path.join(ROOT, "bench", "trl_arm.py"),
+            *common,
+            "--seed",
+            str(seed),
+            "--eval-samples",
+            "1",
+            "--gradient-checkpointing",
+            "off" if arm == "trl-nogc" else "on",
+            *(["--d3s-method", "d3s", *schedule] if arm == "trl-d3s" else []),
+        ]
+    return [
+        args.python,
+        os.path.join(ROOT, "train_small.py"),
+        "--method",
+        arm,
+        *common,
+        "--seed",
+        str(args.seed),
+        "--rl-seed",
+        str(seed),
+        "--sft-steps",
+        "0",
+        "--eval-every",
+        str(args.steps),
+        "--save-every",
+        str(args.steps),
+        "--eval-samples",
+        "1",
+        "--pass-k",
+        "1",
+        *schedule,
+        # one on-policy optimizer step per batch, clip 0.2 / 0.2 and no reference forward, as the TRL arms (beta 0)
+        "--mini-batches",
+        "1",
+        "--clip-low",
+        "0.2",
+        "--clip-high",
+        "0.2",
+        "--kl-every",
+        "0",
+    ]
 
 
 def read_jsonl(path):
@@ -279,12 +395,20 @@ def read_jsonl(path):
 def collect(arm, out):
     """Per-step rows and the held-out accuracy of one finished run, in one schema for all arms."""
     rows = [r for r in read_jsonl(os.path.join(out, "metrics.jsonl")) if r.get("kind", "train") == "train"]
-    steps = [{"gen_s": r["gen_s"], "reward_s": r["reward_s"],
-              "update_s": r["update_s"] if arm in TRL_ARMS else r["train_s"],
-              "reward_mean": r["reward_mean"], "gen_tokens": r["gen_tokens"],
-              "fwd_tokens": r.get("fwd_tokens", r["gen_tokens"]), "outside_s": r.get("outside_s"),
-              "loss_tokens": r.get("loss_tokens", r.get("kept_tokens", r["gen_tokens"])),
-              **{k: r.get(k) for k in TRL_SPLIT}} for r in rows]
+    steps = [
+        {
+            "gen_s": r["gen_s"],
+            "reward_s": r["reward_s"],
+            "update_s": r["update_s"] if arm in TRL_ARMS else r["train_s"],
+            "reward_mean": r["reward_mean"],
+            "gen_tokens": r["gen_tokens"],
+            "fwd_tokens": r.get("fwd_tokens", r["gen_tokens"]),
+            "outside_s": r.get("outside_s"),
+            "loss_tokens": r.get("loss_tokens", r.get("kept_tokens", r["gen_tokens"])),
+            **{k: r.get(k) for k in TRL_SPLIT},
+        }
+        for r in rows
+    ]
     if arm in TRL_ARMS:
         with open(os.path.join(out, "result.json")) as f:
             res = json.load(f)
@@ -319,8 +443,10 @@ def summarize(runs_by_arm):
         per_run = []
         for r in runs:
             steps = r["steps"][1:] or r["steps"]
-            m = {k: mean([s[k] for s in steps])
-                 for k in ("gen_s", "reward_s", "update_s", "gen_tokens", "fwd_tokens", "loss_tokens")}
+            m = {
+                k: mean([s[k] for s in steps])
+                for k in ("gen_s", "reward_s", "update_s", "gen_tokens", "fwd_tokens", "loss_tokens")
+            }
             for k in ("outside_s",) + TRL_SPLIT:
                 m[k] = mean([s[k] for s in steps])
             m["total_s"] = m["gen_s"] + m["reward_s"] + m["update_s"]
@@ -355,12 +481,15 @@ def render(args, summary, warm, versions, started, total_s):
         "| arm | gen s/step | reward s/step | update s/step | total s/step | total vs TRL | update vs TRL | "
         "response tokens/step (gen / fwd / loss) | peak RSS MB (process) | peak RSS MB (tree) | "
         "held-out greedy Pass@1 (before -> after) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|"]
-    names = {"trl": f"TRL GRPOTrainer {versions.get('trl', '')}".strip(),
-             "trl-nogc": f"TRL GRPOTrainer {versions.get('trl', '')}, gradient_checkpointing=False".strip(),
-             "grpo": "train_small.py grpo",
-             "d3s": "train_small.py d3s",
-             "trl-d3s": f"TRL GRPOTrainer {versions.get('trl', '')} + D3S (integrations/trl.py)"}
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    names = {
+        "trl": f"TRL GRPOTrainer {versions.get('trl', '')}".strip(),
+        "trl-nogc": f"TRL GRPOTrainer {versions.get('trl', '')}, gradient_checkpointing=False".strip(),
+        "grpo": "train_small.py grpo",
+        "d3s": "train_small.py d3s",
+        "trl-d3s": f"TRL GRPOTrainer {versions.get('trl', '')} + D3S (integrations/trl.py)",
+    }
     for arm in args.arms:
         s = summary[arm]
         sd = f" ± {s['total_sd']:.3f}" if s["n_runs"] > 1 else ""
@@ -370,15 +499,22 @@ def render(args, summary, warm, versions, started, total_s):
             f"| {names[arm]} | {s['gen_s']:.3f} | {s['reward_s']:.3f} | {s['update_s']:.3f} | {s['total_s']:.3f}{sd} | "
             f"{ratio(s['total_s'], ref['total_s']) if ref else 'n/a'} | {ratio(s['update_s'], ref['update_s']) if ref else 'n/a'} | "
             f"{s['gen_tokens']:.0f} / {s['fwd_tokens']:.0f} / {s['loss_tokens']:.0f} | {s['peak_rss_mb']:.0f} | "
-            f"{s['peak_tree_rss_mb']:.0f} | {s['acc0']:.3f} -> {s['acc']:.3f}{acc_sd} ({accs}) |")
+            f"{s['peak_tree_rss_mb']:.0f} | {s['acc0']:.3f} -> {s['acc']:.3f}{acc_sd} ({accs}) |"
+        )
     same = []
     for arm in (a for a in args.arms if a in PLAIN_TRL_ARMS and "grpo" in summary):
         t1, g1 = summary[arm]["step1"], summary["grpo"]["step1"]
-        same.append(f"`{arm}` vs `grpo`: step-1 rollouts " + (
-            "identical (same mean reward and generated-token count in every repeat)" if t1 == g1
-            else f"different: {t1} vs {g1} (mean reward, generated tokens)")
+        same.append(
+            f"`{arm}` vs `grpo`: step-1 rollouts "
+            + (
+                "identical (same mean reward and generated-token count in every repeat)"
+                if t1 == g1
+                else f"different: {t1} vs {g1} (mean reward, generated tokens)"
+            )
             + "; steps until the runs first differ in (mean reward, generated tokens), per repeat: "
-            + ", ".join(f"{n} of {args.steps}" for n in summary[arm]["same_as_grpo"]) + ".  ")
+            + ", ".join(f"{n} of {args.steps}" for n in summary[arm]["same_as_grpo"])
+            + ".  "
+        )
     cmd = "python bench/vs_trl.py " + " ".join(sys.argv[1:])
     header = [
         f"Command: `{cmd}`  ",
@@ -393,20 +529,29 @@ def render(args, summary, warm, versions, started, total_s):
         f"{args.seed} (data, warm start), RL seeds {','.join(map(str, args.seeds))}; {args.steps} steps per run, "
         f"{args.repeats} repeat(s) x {len(args.seeds)} seed(s) per arm, arms alternating "
         f"{' -> '.join(args.arms)}; held-out set {args.eval_size} generated problems.  ",
-        *(["Same weights, prompts and sampling seed, so the same trajectory until rounding differs:  "] + same
-          if same else []),
+        *(
+            ["Same weights, prompts and sampling seed, so the same trajectory until rounding differs:  "] + same
+            if same
+            else []
+        ),
         "",
     ]
     notes = [""]
     for arm in (a for a in args.arms if a in TRL_ARMS):
         t = summary[arm]
-        notes += [f"`{arm}` update, split (s/step): " + ", ".join(
-            f"{k[:-2].replace('_', ' ')} {t[k]:.3f}" for k in TRL_SPLIT) + f"; outside the step (logging, "
-            f"dataloader) {t['outside_s']:.3f}.  "]
+        notes += [
+            f"`{arm}` update, split (s/step): "
+            + ", ".join(f"{k[:-2].replace('_', ' ')} {t[k]:.3f}" for k in TRL_SPLIT)
+            + f"; outside the step (logging, "
+            f"dataloader) {t['outside_s']:.3f}.  "
+        ]
     if ref:
-        notes += ["(prep other = padding, advantages and metrics in `_generate_and_score_completions`; loss fwd = "
-                  "`compute_loss`; backward includes gradient checkpointing's recomputation; optim = grad clip + "
-                  "AdamW + zero_grad.)", ""]
+        notes += [
+            "(prep other = padding, advantages and metrics in `_generate_and_score_completions`; loss fwd = "
+            "`compute_loss`; backward includes gradient checkpointing's recomputation; optim = grad clip + "
+            "AdamW + zero_grad.)",
+            "",
+        ]
     notes += [
         "Columns: per-step seconds and tokens are means over steps 2..S of each run (step 1 also pays one-off costs), "
         "then over runs (seeds x repeats; ± = standard deviation of the per-run totals across runs). gen = tokenize + HF `generate` + "
@@ -420,10 +565,13 @@ def render(args, summary, warm, versions, started, total_s):
         "the order repeat by repeat, seed by seed).",
     ]
     if "trl-d3s" in summary:
-        notes += ["", "`trl-d3s` is the `trl` arm with `D3SGRPOTrainer` and `D3SGRPOConfig(d3s_method=\"d3s\", n_init=G/4, "
-                  "n_final=G, k_init=0.05, k_final=0.20)`: the same GRPOConfig, generation, grader and seeds. Its "
-                  "prep other includes `d3s.select_samples` on the batch; its loss fwd forwards only the kept rollouts "
-                  "and includes `d3s.select_tokens` and `d3s.policy_loss`."]
+        notes += [
+            "",
+            '`trl-d3s` is the `trl` arm with `D3SGRPOTrainer` and `D3SGRPOConfig(d3s_method="d3s", n_init=G/4, '
+            "n_final=G, k_init=0.05, k_final=0.20)`: the same GRPOConfig, generation, grader and seeds. Its "
+            "prep other includes `d3s.select_samples` on the batch; its loss fwd forwards only the kept rollouts "
+            "and includes `d3s.select_tokens` and `d3s.policy_loss`.",
+        ]
     return "\n".join(header + lines + notes) + "\n"
 
 
@@ -508,9 +656,12 @@ def main(argv=None):
                     versions = json.load(f)["versions"]
             runs[arm].append(r)
             s = r["steps"][1:] or r["steps"]
-            print(f"    {m['wall_s']:.0f} s wall, {mean([x['gen_s'] for x in s]):.3f} gen + "
-                  f"{mean([x['reward_s'] for x in s]):.3f} reward + {mean([x['update_s'] for x in s]):.3f} update s/step, "
-                  f"peak RSS {m['peak_rss_mb']:.0f} MB, held-out {r['acc0']:.3f} -> {r['acc']:.3f}", flush=True)
+            print(
+                f"    {m['wall_s']:.0f} s wall, {mean([x['gen_s'] for x in s]):.3f} gen + "
+                f"{mean([x['reward_s'] for x in s]):.3f} reward + {mean([x['update_s'] for x in s]):.3f} update s/step, "
+                f"peak RSS {m['peak_rss_mb']:.0f} MB, held-out {r['acc0']:.3f} -> {r['acc']:.3f}",
+                flush=True,
+            )
     summary = summarize(runs)
     if not versions:
         import torch
@@ -519,7 +670,11 @@ def main(argv=None):
         versions = {"torch": torch.__version__, "transformers": transformers.__version__}
     text = render(args, summary, warm, versions, started, time.perf_counter() - t0) + DIFFERENCES
     with open(os.path.join(args.work, "results.json"), "w") as f:
-        json.dump({"args": vars(args), "warm_start": warm, "versions": versions, "summary": summary, "runs": runs}, f, indent=1)
+        json.dump(
+            {"args": vars(args), "warm_start": warm, "versions": versions, "summary": summary, "runs": runs},
+            f,
+            indent=1,
+        )
     print("\n" + text)
     if args.out:
         with open(args.out, "w") as f:

@@ -100,13 +100,27 @@ def train_small_defaults():
 def parse_args(argv):
     p = cli.Parser(prog=PROG, description=__doc__.split("\n\n")[0])
     a = p.add_argument
-    a("--model", default=None, metavar="PATH", help="a saved HF model folder (config.json): a train_small run's final/ or "
-      "a warm-start cache folder; default: train_small.py's default warm start (built or loaded from --cache-dir)")
-    a("--cache-dir", default="runs/cache", help="without --model: where train_small's warm start is cached (default: runs/cache)")
+    a(
+        "--model",
+        default=None,
+        metavar="PATH",
+        help="a saved HF model folder (config.json): a train_small run's final/ or "
+        "a warm-start cache folder; default: train_small.py's default warm start (built or loaded from --cache-dir)",
+    )
+    a(
+        "--cache-dir",
+        default="runs/cache",
+        help="without --model: where train_small's warm start is cached (default: runs/cache)",
+    )
     a("--method", default="d3s", help="a row of variants.LADDER (default: d3s)")
     a("--steps", type=int, default=None, help="the run's length the schedule is read on (default: train_small's, 100)")
-    a("--step", type=int, default=1, help="S: the step (1-based, as train_small counts) whose N and K are used and whose "
-      "seeds batch 0 replays (default: 1, where D3S keeps the fewest)")
+    a(
+        "--step",
+        type=int,
+        default=1,
+        help="S: the step (1-based, as train_small counts) whose N and K are used and whose "
+        "seeds batch 0 replays (default: 1, where D3S keeps the fewest)",
+    )
     a("--batches", type=int, default=4, help="B: batches of P x G rollouts (default: 4)")
     a("--prompts-per-step", type=int, default=None, help="P (default: train_small's, 16)")
     a("--group-size", type=int, default=None, help="G (default: train_small's, 16)")
@@ -114,23 +128,51 @@ def parse_args(argv):
     a("--n-final", type=int, default=None, help="N at the last step (default: train_small's, 16)")
     a("--k-init", type=float, default=None, help="K at the first step (default: train_small's, 0.05)")
     a("--k-final", type=float, default=None, help="K at the last step (default: train_small's, 0.2)")
-    a("--k", type=float, default=None, help="fix K (fraction of the forwarded tokens selected) instead of the method's "
-      "budget; 1.0 selects every token (a method with a token level only)")
-    a("--random-draws", type=int, default=4, help="R: random selections per batch for the gradient reference, each "
-      "of as many tokens as the selection; the table shows their mean (default: 4)")
+    a(
+        "--k",
+        type=float,
+        default=None,
+        help="fix K (fraction of the forwarded tokens selected) instead of the method's "
+        "budget; 1.0 selects every token (a method with a token level only)",
+    )
+    a(
+        "--random-draws",
+        type=int,
+        default=4,
+        help="R: random selections per batch for the gradient reference, each "
+        "of as many tokens as the selection; the table shows their mean (default: 4)",
+    )
     a("--token-rule", default="adv-entropy", help="d3s.token_scores rule (default: adv-entropy, |A| * H)")
     a("--token-scope", default="batch", help="top K over the whole batch (batch, default) or per response (sequence)")
     a("--task", default=None, help="train_small's generated task: steps or direct (default: train_small's, steps)")
-    a("--train-size", type=int, default=None, help="generated training problems the batches draw from (default: "
-      "train_small's, 5000: the same problems as its runs)")
-    a("--template", default="auto", help="prompt template: plain, qwen-math, or auto (the warm start's, from the "
-      "folder's warmstart.json; else plain, the tiny rung's)")
+    a(
+        "--train-size",
+        type=int,
+        default=None,
+        help="generated training problems the batches draw from (default: "
+        "train_small's, 5000: the same problems as its runs)",
+    )
+    a(
+        "--template",
+        default="auto",
+        help="prompt template: plain, qwen-math, or auto (the warm start's, from the "
+        "folder's warmstart.json; else plain, the tiny rung's)",
+    )
     a("--temperature", type=float, default=None, help="sampling temperature (default: train_small's, 1.0)")
-    a("--max-new-tokens", type=int, default=None, help="response length limit (default: train_small's for the tiny "
-      "model and --task, 48 for steps)")
+    a(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help="response length limit (default: train_small's for the tiny model and --task, 48 for steps)",
+    )
     a("--grade-timeout", type=float, default=None, help="seconds math-verify may spend on one answer (default: 5)")
-    a("--seed", type=int, default=0, help="seed of the generated problems (train_small's --seed) and of batch 0's "
-      "rollouts (its --rl-seed); batch b uses SEED + b (default: 0)")
+    a(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the generated problems (train_small's --seed) and of batch 0's "
+        "rollouts (its --rl-seed); batch b uses SEED + b (default: 0)",
+    )
     a("--threads", type=int, default=1, help="torch CPU threads (default: 1; 0: torch's default)")
     a("--out", default=None, metavar="FILE", help="also write the markdown report to FILE")
     a("--explain-out", default=None, metavar="FILE.md", help="write a worked example (markdown) to FILE.md")
@@ -141,25 +183,33 @@ def parse_args(argv):
 
 def check_args(p, args):
     finite = cli.finite
-    cli.check_rules(p, [
-        ("--batches", args.batches, lambda v: 1 <= v <= 10_000, "an int in [1, 10000]"),
-        ("--random-draws", args.random_draws, lambda v: 1 <= v <= 1000, "an int in [1, 1000]"),
-        ("--steps", args.steps, lambda v: v >= 1, "an int >= 1"),
-        ("--step", args.step, lambda v: v >= 1, "an int >= 1 (train_small counts steps from 1)"),
-        ("--prompts-per-step", args.prompts_per_step, lambda v: 1 <= v <= 4096, "an int in [1, 4096]"),
-        ("--group-size", args.group_size, lambda v: 2 <= v <= 1024, "an int in [2, 1024] (advantages need 2 rollouts)"),
-        ("--n-init", args.n_init, lambda v: v >= 1, "an int >= 1"),
-        ("--n-final", args.n_final, lambda v: v >= 1, "an int >= 1"),
-        ("--k-init", args.k_init, lambda v: finite(v) and 0 < v <= 1, "a fraction of tokens in (0, 1]"),
-        ("--k-final", args.k_final, lambda v: finite(v) and 0 < v <= 1, "a fraction of tokens in (0, 1]"),
-        ("--k", args.k, lambda v: finite(v) and 0 < v <= 1, "a fraction of tokens in (0, 1]"),
-        ("--train-size", args.train_size, lambda v: 1 <= v <= 10**6, "an int in [1, 10^6]"),
-        ("--temperature", args.temperature, lambda v: finite(v) and 0.01 <= v <= 100, "in [0.01, 100]"),
-        ("--max-new-tokens", args.max_new_tokens, lambda v: 1 <= v <= 65536, "an int in [1, 65536]"),
-        ("--grade-timeout", args.grade_timeout, lambda v: finite(v) and 0 < v <= 3600, "in (0, 3600] seconds"),
-        ("--seed", args.seed, lambda v: 0 <= v < 2**31, "an int in [0, 2^31)"),
-        ("--threads", args.threads, lambda v: 0 <= v <= 1024, "an int in [0, 1024] (0: torch's default)"),
-    ])
+    cli.check_rules(
+        p,
+        [
+            ("--batches", args.batches, lambda v: 1 <= v <= 10_000, "an int in [1, 10000]"),
+            ("--random-draws", args.random_draws, lambda v: 1 <= v <= 1000, "an int in [1, 1000]"),
+            ("--steps", args.steps, lambda v: v >= 1, "an int >= 1"),
+            ("--step", args.step, lambda v: v >= 1, "an int >= 1 (train_small counts steps from 1)"),
+            ("--prompts-per-step", args.prompts_per_step, lambda v: 1 <= v <= 4096, "an int in [1, 4096]"),
+            (
+                "--group-size",
+                args.group_size,
+                lambda v: 2 <= v <= 1024,
+                "an int in [2, 1024] (advantages need 2 rollouts)",
+            ),
+            ("--n-init", args.n_init, lambda v: v >= 1, "an int >= 1"),
+            ("--n-final", args.n_final, lambda v: v >= 1, "an int >= 1"),
+            ("--k-init", args.k_init, lambda v: finite(v) and 0 < v <= 1, "a fraction of tokens in (0, 1]"),
+            ("--k-final", args.k_final, lambda v: finite(v) and 0 < v <= 1, "a fraction of tokens in (0, 1]"),
+            ("--k", args.k, lambda v: finite(v) and 0 < v <= 1, "a fraction of tokens in (0, 1]"),
+            ("--train-size", args.train_size, lambda v: 1 <= v <= 10**6, "an int in [1, 10^6]"),
+            ("--temperature", args.temperature, lambda v: finite(v) and 0.01 <= v <= 100, "in [0.01, 100]"),
+            ("--max-new-tokens", args.max_new_tokens, lambda v: 1 <= v <= 65536, "an int in [1, 65536]"),
+            ("--grade-timeout", args.grade_timeout, lambda v: finite(v) and 0 < v <= 3600, "in (0, 3600] seconds"),
+            ("--seed", args.seed, lambda v: 0 <= v < 2**31, "an int in [0, 2^31)"),
+            ("--threads", args.threads, lambda v: 0 <= v <= 1024, "an int in [0, 1024] (0: torch's default)"),
+        ],
+    )
     if args.template not in ("auto", "plain", "qwen-math"):
         p.error(f"--template {args.template!r}: not a template; choose auto, plain or qwen-math")
     if args.token_scope not in ("batch", "sequence"):
@@ -170,7 +220,9 @@ def check_args(p, args):
         if not args.model.strip():
             p.error("--model '': empty; pass a saved model folder (with config.json), e.g. runs/small/final")
         if not os.path.exists(args.model):
-            p.error(f"--model {args.model}: no such folder; pass a saved model folder (with config.json), e.g. runs/small/final")
+            p.error(
+                f"--model {args.model}: no such folder; pass a saved model folder (with config.json), e.g. runs/small/final"
+            )
         if not os.path.isdir(args.model):
             p.error(f"--model {args.model}: is a file; pass the model's folder (with config.json)")
         if not os.path.isfile(os.path.join(args.model, "config.json")):
@@ -186,8 +238,19 @@ def check_args(p, args):
     import variants
 
     defaults = train_small_defaults()
-    for name in ("steps", "prompts_per_step", "group_size", "n_init", "n_final", "k_init", "k_final", "task", "train_size",
-                 "temperature", "grade_timeout"):
+    for name in (
+        "steps",
+        "prompts_per_step",
+        "group_size",
+        "n_init",
+        "n_final",
+        "k_init",
+        "k_final",
+        "task",
+        "train_size",
+        "temperature",
+        "grade_timeout",
+    ):
         if getattr(args, name) is None:
             setattr(args, name, defaults[name])
     if args.max_new_tokens is None:
@@ -201,17 +264,28 @@ def check_args(p, args):
     if args.step > args.steps:
         p.error(f"--step {args.step}: must be in [1, --steps {args.steps}]")
     if args.k is not None and not variants.selects_tokens(args.method):
-        p.error(f"--k {args.k}: --method {args.method} has no token level (it trains on every token); drop --k or pick "
-                f"a method that selects tokens ({', '.join(m for m in variants.METHODS if variants.selects_tokens(m))})")
+        p.error(
+            f"--k {args.k}: --method {args.method} has no token level (it trains on every token); drop --k or pick "
+            f"a method that selects tokens ({', '.join(m for m in variants.METHODS if variants.selects_tokens(m))})"
+        )
     if variants.LADDER[args.method].n != "all":
         for flag, value in (("--n-init", args.n_init), ("--n-final", args.n_final)):
             if value > args.group_size:
-                p.error(f"{flag} {value} > --group-size {args.group_size}: N counts rollouts kept per prompt and must be "
-                        f"<= G; lower {flag} or raise --group-size")
+                p.error(
+                    f"{flag} {value} > --group-size {args.group_size}: N counts rollouts kept per prompt and must be "
+                    f"<= G; lower {flag} or raise --group-size"
+                )
     try:
-        args.n_keep, args.k_frac = d3s.method_budget(variants.LADDER[args.method], step=args.step - 1, total_steps=args.steps,
-                                                     group_size=args.group_size, n_init=args.n_init, n_final=args.n_final,
-                                                     k_init=args.k_init, k_final=args.k_final)
+        args.n_keep, args.k_frac = d3s.method_budget(
+            variants.LADDER[args.method],
+            step=args.step - 1,
+            total_steps=args.steps,
+            group_size=args.group_size,
+            n_init=args.n_init,
+            n_final=args.n_final,
+            k_init=args.k_init,
+            k_final=args.k_final,
+        )
     except ValueError as e:
         p.error(f"--method {args.method}: {' '.join(str(e).split())}")
     if args.k is not None:
@@ -243,13 +317,26 @@ def load_model(args, train_rows):
     import train_small
     import warmstart
 
-    flags = ["--seed", str(args.seed), "--task", args.task, "--train-size", str(args.train_size), "--cache-dir", args.cache_dir]
+    flags = [
+        "--seed",
+        str(args.seed),
+        "--task",
+        args.task,
+        "--train-size",
+        str(args.train_size),
+        "--cache-dir",
+        args.cache_dir,
+    ]
     ts = train_small.parse_args(flags + (["--model", args.model] if args.model else []), train_small.build_parser(PROG))
     if args.model:
         model, tokenizer = warmstart.load_base_model(ts)  # a folder: AutoModelForCausalLM, fp32, left padding
         return model, tokenizer, args.model
     model, tokenizer, info = warmstart.load_warm_start(ts, train_rows)
-    return model, tokenizer, f"{info['path']} (train_small's default warm start{', cached' if info.get('cached') else ''})"
+    return (
+        model,
+        tokenizer,
+        f"{info['path']} (train_small's default warm start{', cached' if info.get('cached') else ''})",
+    )
 
 
 def one_batch(model, tokenizer, grader, train_rows, b, args):
@@ -267,31 +354,62 @@ def one_batch(model, tokenizer, grader, train_rows, b, args):
     torch.manual_seed(train_small.step_seed(seed, step))
     problems = random.Random(train_small.step_seed(seed, step)).sample(train_rows, min(P, len(train_rows)))
     P = len(problems)
-    batch = train_small.rollout(model, tokenizer, [warmstart.format_prompt(r["problem"], args.template) for r in problems],
-                                G, args.max_new_tokens, args.temperature)
-    rewards = train_small.compute_rewards(grader, batch["texts"], [r["answer"] for r in problems for _ in range(G)]).view(P, G)
-    keep, adv = d3s.select_samples(rewards, args.n_keep, variants.LADDER[args.method].samples,
-                                   generator=torch.Generator().manual_seed(train_small.step_seed(seed, step, 1)))
+    batch = train_small.rollout(
+        model,
+        tokenizer,
+        [warmstart.format_prompt(r["problem"], args.template) for r in problems],
+        G,
+        args.max_new_tokens,
+        args.temperature,
+    )
+    rewards = train_small.compute_rewards(
+        grader, batch["texts"], [r["answer"] for r in problems for _ in range(G)]
+    ).view(P, G)
+    keep, adv = d3s.select_samples(
+        rewards,
+        args.n_keep,
+        variants.LADDER[args.method].samples,
+        generator=torch.Generator().manual_seed(train_small.step_seed(seed, step, 1)),
+    )
     kept_rows = keep.view(-1).nonzero().squeeze(-1)
     kept = train_small.take_rows(batch, kept_rows)
     kept_adv = adv.view(-1)[kept_rows]
-    out = {"problems": problems, "rewards": rewards, "keep": keep, "kept_rows": kept_rows, "kept": kept,
-           "kept_adv": kept_adv, "texts": batch["texts"]}
+    out = {
+        "problems": problems,
+        "rewards": rewards,
+        "keep": keep,
+        "kept_rows": kept_rows,
+        "kept": kept,
+        "kept_adv": kept_adv,
+        "texts": batch["texts"],
+    }
     if not len(kept_rows):  # dapo-filter on a batch without spread: nothing forwarded
-        out.update(entropy=torch.zeros(0, 0), scores=torch.zeros(0, 0), token_keep=torch.zeros(0, 0, dtype=torch.bool),
-                   grads=None)
+        out.update(
+            entropy=torch.zeros(0, 0),
+            scores=torch.zeros(0, 0),
+            token_keep=torch.zeros(0, 0, dtype=torch.bool),
+            grads=None,
+        )
         return out
 
     logp, entropy = train_small.forward_logprobs_entropy(model, kept, args.temperature)  # with grad, as mini-batch 1
     mask = kept["response_mask"]
-    score_gen = torch.Generator().manual_seed(train_small.step_seed(seed, step, 2))  # train_small's stream for rule random/adv
+    score_gen = torch.Generator().manual_seed(
+        train_small.step_seed(seed, step, 2)
+    )  # train_small's stream for rule random/adv
     scores = d3s.token_scores(kept_adv, entropy, rule=variants.TOKEN_RULES[args.token_rule], generator=score_gen)
     token_keep = d3s.select_tokens(scores, mask, args.k_frac, scope=args.token_scope)
     rand_keeps = []  # the reference: --random-draws random selections of as many tokens, each a stream of its own
     for d in range(args.random_draws):
         rand_gen = torch.Generator().manual_seed(train_small.step_seed(seed, step, 3 + d))
-        rand_keeps.append(d3s.select_tokens(d3s.token_scores(kept_adv, entropy, rule=variants.random_scores, generator=rand_gen), mask,
-                                            args.k_frac, scope=args.token_scope))
+        rand_keeps.append(
+            d3s.select_tokens(
+                d3s.token_scores(kept_adv, entropy, rule=variants.random_scores, generator=rand_gen),
+                mask,
+                args.k_frac,
+                scope=args.token_scope,
+            )
+        )
         assert int(rand_keeps[-1].sum()) == int(token_keep.sum()), (int(rand_keeps[-1].sum()), int(token_keep.sum()))
 
     params = [q for q in model.parameters() if q.requires_grad]
@@ -300,14 +418,20 @@ def one_batch(model, tokenizer, grader, train_rows, b, args):
     def grad(m):
         loss, _ = d3s.policy_loss(logp, old, kept_adv, m, kind="grpo", agg="token-mean")
         g = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
-        return torch.cat([(x if x is not None else torch.zeros_like(q)).reshape(-1) for x, q in zip(g, params)]).double()
+        return torch.cat(
+            [(x if x is not None else torch.zeros_like(q)).reshape(-1) for x, q in zip(g, params)]
+        ).double()
 
     n_all, n_sel = int(mask.sum()), int(token_keep.sum())
     g_all, g_sel, g_rand = grad(mask), grad(token_keep), [grad(m) for m in rand_keeps]
     n_drop = n_all - n_sel
     g_drop = (n_all * g_all - n_sel * g_sel) / n_drop if n_drop else None  # summed gradients add
-    out.update(entropy=entropy, scores=scores, token_keep=token_keep,
-               grads={"n_all": n_all, "n_sel": n_sel, "all": g_all, "sel": g_sel, "rand": g_rand, "drop": g_drop})
+    out.update(
+        entropy=entropy,
+        scores=scores,
+        token_keep=token_keep,
+        grads={"n_all": n_all, "n_sel": n_sel, "all": g_all, "sel": g_sel, "rand": g_rand, "drop": g_drop},
+    )
     return out
 
 
@@ -359,9 +483,17 @@ def collect_tokens(out, tokenizer, eos_ids):
         classes = token_classes(pieces, [t in eos_ids for t in ids])
         a = abs(float(out["kept_adv"][r]))
         for t in range(n):
-            records.append({"sel": bool(token_keep[r, t]), "H": float(out["entropy"][r, t]), "absA": a,
-                            "score": float(out["scores"][r, t]), "pos": t / n, "cls": classes[t],
-                            "bin": min(int(t / n * BINS), BINS - 1)})
+            records.append(
+                {
+                    "sel": bool(token_keep[r, t]),
+                    "H": float(out["entropy"][r, t]),
+                    "absA": a,
+                    "score": float(out["scores"][r, t]),
+                    "pos": t / n,
+                    "cls": classes[t],
+                    "bin": min(int(t / n * BINS), BINS - 1),
+                }
+            )
     return records
 
 
@@ -400,30 +532,42 @@ def gradient_row(grads):
     sel = ratio(grads["sel"], grads["all"])
     rand = mean_or_none([ratio(g, grads["all"]) for g in grads["rand"]])  # the mean over the random draws
     drop = ratio(grads["drop"], grads["all"])
-    return {"n_all": n_all, "n_sel": n_sel, "cos_sel": cosine(grads["sel"], grads["all"]),
-            "cos_rand": mean_or_none([cosine(g, grads["all"]) for g in grads["rand"]]),
-            "cos_drop": cosine(grads["drop"], grads["all"]),
-            "cos_sel_drop": cosine(grads["sel"], grads["drop"]),
-            "ratio_sel": sel, "ratio_rand": rand,
-            "sum_sel": None if sel is None else sel * n_sel / n_all,
-            "sum_rand": None if rand is None else rand * n_sel / n_all,
-            "sum_drop": None if drop is None else drop * (n_all - n_sel) / n_all}
+    return {
+        "n_all": n_all,
+        "n_sel": n_sel,
+        "cos_sel": cosine(grads["sel"], grads["all"]),
+        "cos_rand": mean_or_none([cosine(g, grads["all"]) for g in grads["rand"]]),
+        "cos_drop": cosine(grads["drop"], grads["all"]),
+        "cos_sel_drop": cosine(grads["sel"], grads["drop"]),
+        "ratio_sel": sel,
+        "ratio_rand": rand,
+        "sum_sel": None if sel is None else sel * n_sel / n_all,
+        "sum_rand": None if rand is None else rand * n_sel / n_all,
+        "sum_drop": None if drop is None else drop * (n_all - n_sel) / n_all,
+    }
 
 
 # ---------------------------------------------------------------------------------------------
 # The report
 # ---------------------------------------------------------------------------------------------
 def table_tokens(records):
-    groups = {"selected": [x for x in records if x["sel"]], "dropped": [x for x in records if not x["sel"]],
-              "dropped, A != 0": [x for x in records if not x["sel"] and x["absA"] > 0], "all": records}
+    groups = {
+        "selected": [x for x in records if x["sel"]],
+        "dropped": [x for x in records if not x["sel"]],
+        "dropped, A != 0": [x for x in records if not x["sel"] and x["absA"] > 0],
+        "all": records,
+    }
     total = max(len(records), 1)
-    rows = [("tokens", lambda g: str(len(g))), ("share of the tokens", lambda g: f"{len(g) / total:.3f}"),
-            ("entropy H, mean", lambda g: fmt(mean([x["H"] for x in g]))),
-            ("entropy H, median", lambda g: fmt(statistics.median([x["H"] for x in g]) if g else None)),
-            ("\\|A\\|, mean", lambda g: fmt(mean([x["absA"] for x in g]))),
-            ("share with A = 0", lambda g: fmt(mean([float(x["absA"] == 0) for x in g]))),
-            ("score \\|A\\| * H, mean", lambda g: fmt(mean([x["score"] for x in g]))),
-            ("relative position t / L, mean", lambda g: fmt(mean([x["pos"] for x in g])))]
+    rows = [
+        ("tokens", lambda g: str(len(g))),
+        ("share of the tokens", lambda g: f"{len(g) / total:.3f}"),
+        ("entropy H, mean", lambda g: fmt(mean([x["H"] for x in g]))),
+        ("entropy H, median", lambda g: fmt(statistics.median([x["H"] for x in g]) if g else None)),
+        ("\\|A\\|, mean", lambda g: fmt(mean([x["absA"] for x in g]))),
+        ("share with A = 0", lambda g: fmt(mean([float(x["absA"] == 0) for x in g]))),
+        ("score \\|A\\| * H, mean", lambda g: fmt(mean([x["score"] for x in g]))),
+        ("relative position t / L, mean", lambda g: fmt(mean([x["pos"] for x in g]))),
+    ]
     lines = ["| | " + " | ".join(groups) + " |", "|---" * (len(groups) + 1) + "|"]
     for name, f in rows:
         lines.append(f"| {name} | " + " | ".join(f(g) for g in groups.values()) + " |")
@@ -432,13 +576,17 @@ def table_tokens(records):
 
 def table_position(records):
     sel, drop = [x for x in records if x["sel"]], [x for x in records if not x["sel"]]
-    lines = ["| t / L | share of the selected | share of the dropped | tokens | share of the bin selected |",
-             "|---|---|---|---|---|"]
+    lines = [
+        "| t / L | share of the selected | share of the dropped | tokens | share of the bin selected |",
+        "|---|---|---|---|---|",
+    ]
     for k in range(BINS):
         in_bin = [x for x in records if x["bin"] == k]
-        lines.append(f"| [{k / BINS:.1f}, {(k + 1) / BINS:.1f}) | {fmt(mean([float(x['bin'] == k) for x in sel]))} | "
-                     f"{fmt(mean([float(x['bin'] == k) for x in drop]))} | {len(in_bin)} | "
-                     f"{fmt(mean([float(x['sel']) for x in in_bin]))} |")
+        lines.append(
+            f"| [{k / BINS:.1f}, {(k + 1) / BINS:.1f}) | {fmt(mean([float(x['bin'] == k) for x in sel]))} | "
+            f"{fmt(mean([float(x['bin'] == k) for x in drop]))} | {len(in_bin)} | "
+            f"{fmt(mean([float(x['sel']) for x in in_bin]))} |"
+        )
     return "\n".join(lines)
 
 
@@ -449,40 +597,79 @@ def class_shares(records):
     out = {}
     for c in CLASSES:
         of_class = [x for x in records if x["cls"] == c]
-        out[c] = (mean([float(x["cls"] == c) for x in sel]), mean([float(x["cls"] == c) for x in drop]),
-                  mean([float(x["cls"] == c) for x in drop_a]), mean([float(x["sel"]) for x in of_class]), len(of_class))
+        out[c] = (
+            mean([float(x["cls"] == c) for x in sel]),
+            mean([float(x["cls"] == c) for x in drop]),
+            mean([float(x["cls"] == c) for x in drop_a]),
+            mean([float(x["sel"]) for x in of_class]),
+            len(of_class),
+        )
     return out
 
 
 def table_classes(records):
     shares = class_shares(records)
-    lines = ["| class | share of the selected | share of the dropped | share of the dropped, A != 0 | tokens | "
-             "share of the class selected |", "|---|---|---|---|---|---|"]
+    lines = [
+        "| class | share of the selected | share of the dropped | share of the dropped, A != 0 | tokens | "
+        "share of the class selected |",
+        "|---|---|---|---|---|---|",
+    ]
     for c, (s, d, da, k, n) in shares.items():
         lines.append(f"| {c} | {fmt(s)} | {fmt(d)} | {fmt(da)} | {n} | {fmt(k)} |")
     return "\n".join(lines)
 
 
 def table_gradient(rows):
-    keys = ("cos_sel", "cos_rand", "cos_drop", "cos_sel_drop", "ratio_sel", "ratio_rand", "sum_sel", "sum_rand", "sum_drop")
-    head = ["batch", "tokens (all)", "selected", "cos(sel, all)", "cos(rand, all)", "cos(drop, all)", "cos(sel, drop)",
-            "‖sel‖ / ‖all‖ (per token)", "‖rand‖ / ‖all‖ (per token)", "sum ‖sel‖ / ‖all‖", "sum ‖rand‖ / ‖all‖",
-            "sum ‖drop‖ / ‖all‖"]
+    keys = (
+        "cos_sel",
+        "cos_rand",
+        "cos_drop",
+        "cos_sel_drop",
+        "ratio_sel",
+        "ratio_rand",
+        "sum_sel",
+        "sum_rand",
+        "sum_drop",
+    )
+    head = [
+        "batch",
+        "tokens (all)",
+        "selected",
+        "cos(sel, all)",
+        "cos(rand, all)",
+        "cos(drop, all)",
+        "cos(sel, drop)",
+        "‖sel‖ / ‖all‖ (per token)",
+        "‖rand‖ / ‖all‖ (per token)",
+        "sum ‖sel‖ / ‖all‖",
+        "sum ‖rand‖ / ‖all‖",
+        "sum ‖drop‖ / ‖all‖",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for b, row in enumerate(rows):
         if row is None:
             lines.append(f"| {b} | 0 | 0 | " + " | ".join("–" for _ in keys) + " |")
             continue
-        lines.append(f"| {b} | {row['n_all']} | {row['n_sel']} | " + " | ".join(fmt(row[k], ".4f") for k in keys) + " |")
+        lines.append(
+            f"| {b} | {row['n_all']} | {row['n_sel']} | " + " | ".join(fmt(row[k], ".4f") for k in keys) + " |"
+        )
     done = [r for r in rows if r is not None]
     if len(done) > 1:
         cells = []
         for k in keys:
             vals = [r[k] for r in done if r[k] is not None]
-            cells.append("–" if not vals else f"{mean(vals):.4f} ± {statistics.stdev(vals):.4f}" if len(vals) > 1
-                         else f"{vals[0]:.4f}")
-        lines.append(f"| mean ± std | {mean([r['n_all'] for r in done]):.0f} | {mean([r['n_sel'] for r in done]):.0f} | "
-                     + " | ".join(cells) + " |")
+            cells.append(
+                "–"
+                if not vals
+                else f"{mean(vals):.4f} ± {statistics.stdev(vals):.4f}"
+                if len(vals) > 1
+                else f"{vals[0]:.4f}"
+            )
+        lines.append(
+            f"| mean ± std | {mean([r['n_all'] for r in done]):.0f} | {mean([r['n_sel'] for r in done]):.0f} | "
+            + " | ".join(cells)
+            + " |"
+        )
     return "\n".join(lines)
 
 
@@ -491,28 +678,44 @@ def report(args, source, command, batches, records, grad_rows, seconds):
     spread = [float((o["rewards"].amax(-1) > o["rewards"].amin(-1)).float().mean()) for o in batches]
     kept = [len(o["kept_rows"]) for o in batches]
     n_sel = sum(x["sel"] for x in records)
-    lines = [f"# Which tokens are dropped? `{command}`", "",
-             f"Model: {source}. Method {args.method} at step {args.step} of {args.steps}: N = {args.n_keep} of G = "
-             f"{args.group_size} per prompt, K = {args.k_frac:g}{' (--k)' if args.k is not None else ''}, token rule "
-             f"{args.token_rule}, scope {args.token_scope}. {args.batches} batch(es) of P x G = {args.prompts_per_step} x "
-             f"{args.group_size} rollouts (train_small's step {args.step} with --rl-seed {args.seed}.."
-             f"{args.seed + args.batches - 1}), task {args.task}, template {args.template}, temperature "
-             f"{args.temperature:g}, max {args.max_new_tokens} new tokens. {seconds:.0f} s, {time.strftime('%Y-%m-%d %H:%M %Z')}.",
-             "",
-             f"Train reward per batch: {', '.join(f'{r:.3f}' for r in rewards)}; groups with spread: "
-             f"{', '.join(f'{s:.2f}' for s in spread)}; kept rollouts: {', '.join(map(str, kept))}. Response tokens of "
-             f"the kept rollouts: {len(records)}, of which {n_sel} selected ({n_sel / max(len(records), 1):.3f}) and "
-             f"{len(records) - n_sel} dropped.", "",
-             "## 1. Selected and dropped tokens", "", table_tokens(records), "",
-             "## 2. Relative position in the response", "", table_position(records), "",
-             "## 3. Character class", "", table_classes(records), "",
-             "## 4. Gradient share (on-policy, GRPO token-mean loss, all parameters)", "",
-             "`‖x‖ / ‖all‖` divides the norms of the token-mean gradients, each normalised by its own token count: the "
-             "mean gradient per token (a mean over fewer tokens cancels less, so a random selection's is above 1 too). `sum` "
-             "multiplies that by n_sel / n_all (n_drop / n_all): the un-normalised (summed) gradients. "
-             f"Each random selection has as many tokens as the selected one; the rand columns are the mean of "
-             f"{args.random_draws} draws.", "",
-             table_gradient(grad_rows), ""]
+    lines = [
+        f"# Which tokens are dropped? `{command}`",
+        "",
+        f"Model: {source}. Method {args.method} at step {args.step} of {args.steps}: N = {args.n_keep} of G = "
+        f"{args.group_size} per prompt, K = {args.k_frac:g}{' (--k)' if args.k is not None else ''}, token rule "
+        f"{args.token_rule}, scope {args.token_scope}. {args.batches} batch(es) of P x G = {args.prompts_per_step} x "
+        f"{args.group_size} rollouts (train_small's step {args.step} with --rl-seed {args.seed}.."
+        f"{args.seed + args.batches - 1}), task {args.task}, template {args.template}, temperature "
+        f"{args.temperature:g}, max {args.max_new_tokens} new tokens. {seconds:.0f} s, {time.strftime('%Y-%m-%d %H:%M %Z')}.",
+        "",
+        f"Train reward per batch: {', '.join(f'{r:.3f}' for r in rewards)}; groups with spread: "
+        f"{', '.join(f'{s:.2f}' for s in spread)}; kept rollouts: {', '.join(map(str, kept))}. Response tokens of "
+        f"the kept rollouts: {len(records)}, of which {n_sel} selected ({n_sel / max(len(records), 1):.3f}) and "
+        f"{len(records) - n_sel} dropped.",
+        "",
+        "## 1. Selected and dropped tokens",
+        "",
+        table_tokens(records),
+        "",
+        "## 2. Relative position in the response",
+        "",
+        table_position(records),
+        "",
+        "## 3. Character class",
+        "",
+        table_classes(records),
+        "",
+        "## 4. Gradient share (on-policy, GRPO token-mean loss, all parameters)",
+        "",
+        "`‖x‖ / ‖all‖` divides the norms of the token-mean gradients, each normalised by its own token count: the "
+        "mean gradient per token (a mean over fewer tokens cancels less, so a random selection's is above 1 too). `sum` "
+        "multiplies that by n_sel / n_all (n_drop / n_all): the un-normalised (summed) gradients. "
+        f"Each random selection has as many tokens as the selected one; the rand columns are the mean of "
+        f"{args.random_draws} draws.",
+        "",
+        table_gradient(grad_rows),
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -520,17 +723,23 @@ def explain_page(args, command, out, tokenizer, eos_ids):
     """The worked example of batch 0 (markdown)."""
     kept, token_keep = out["kept"], out["token_keep"]
     G = args.group_size
-    lines = [f"# Worked example: which tokens of a rollout D3S keeps (`{command}`)", "",
-             f"Batch 0: train_small's step {args.step} with --rl-seed {args.seed}, method {args.method}, N = {args.n_keep} of "
-             f"{G}, K = {args.k_frac:g} over all {int(kept['response_mask'].sum()) if len(out['kept_rows']) else 0} response "
-             f"tokens of the {len(out['kept_rows'])} kept rollouts. Selected tokens are in [[ ]] (consecutive ones share a "
-             "pair); H is the entropy of the policy at that token (nats), score = |A| * H.", ""]
+    lines = [
+        f"# Worked example: which tokens of a rollout D3S keeps (`{command}`)",
+        "",
+        f"Batch 0: train_small's step {args.step} with --rl-seed {args.seed}, method {args.method}, N = {args.n_keep} of "
+        f"{G}, K = {args.k_frac:g} over all {int(kept['response_mask'].sum()) if len(out['kept_rows']) else 0} response "
+        f"tokens of the {len(out['kept_rows'])} kept rollouts. Selected tokens are in [[ ]] (consecutive ones share a "
+        "pair); H is the entropy of the policy at that token (nats), score = |A| * H.",
+        "",
+    ]
     candidates = [r for r in range(len(out["kept_rows"])) if bool(token_keep[r].any())]
     if not candidates:
         return "\n".join(lines + ["No kept rollout has a selected token in this batch.", ""])
     adv = out["kept_adv"]
-    shown = sorted({max(candidates, key=lambda r: float(adv[r])), min(candidates, key=lambda r: float(adv[r]))},
-                   key=lambda r: -float(adv[r]))
+    shown = sorted(
+        {max(candidates, key=lambda r: float(adv[r])), min(candidates, key=lambda r: float(adv[r]))},
+        key=lambda r: -float(adv[r]),
+    )
     for r in shown:
         flat = int(out["kept_rows"][r])
         problem = out["problems"][flat // G]
@@ -550,17 +759,34 @@ def explain_page(args, command, out, tokenizer, eos_ids):
             open_ = s
             marked += piece
         marked += "]]" if open_ else ""
-        lines += [f"## Rollout {flat % G} of prompt {flat // G}: reward {float(out['rewards'].view(-1)[flat]):g}, "
-                  f"A = {float(adv[r]):+.3f}, {sum(sel)} of {n} tokens selected", "",
-                  "Problem: `" + problem["problem"].replace("`", "'") + f"` (answer {problem['answer']})", "",
-                  "```", marked, "```", "",
-                  "| t | token | class | H | score | selected |", "|---|---|---|---|---|---|"]
+        lines += [
+            f"## Rollout {flat % G} of prompt {flat // G}: reward {float(out['rewards'].view(-1)[flat]):g}, "
+            f"A = {float(adv[r]):+.3f}, {sum(sel)} of {n} tokens selected",
+            "",
+            "Problem: `" + problem["problem"].replace("`", "'") + f"` (answer {problem['answer']})",
+            "",
+            "```",
+            marked,
+            "```",
+            "",
+            "| t | token | class | H | score | selected |",
+            "|---|---|---|---|---|---|",
+        ]
         for t in range(min(n, SHOWN_TOKENS)):
             piece = pieces[t]
-            token = ("EOS" if is_eos[t] else "(space)" if piece == " " else repr(piece) if not piece.strip() or not
-                     piece.isprintable() else piece.replace("|", "\\|").replace("`", "'"))
-            lines.append(f"| {t} | `{token}` | {classes[t]} | {float(out['entropy'][r, t]):.3f} | "
-                         f"{float(out['scores'][r, t]):.3f} | {'**yes**' if sel[t] else ''} |")
+            token = (
+                "EOS"
+                if is_eos[t]
+                else "(space)"
+                if piece == " "
+                else repr(piece)
+                if not piece.strip() or not piece.isprintable()
+                else piece.replace("|", "\\|").replace("`", "'")
+            )
+            lines.append(
+                f"| {t} | `{token}` | {classes[t]} | {float(out['entropy'][r, t]):.3f} | "
+                f"{float(out['scores'][r, t]):.3f} | {'**yes**' if sel[t] else ''} |"
+            )
         if n > SHOWN_TOKENS:
             lines.append(f"| ... | ({n - SHOWN_TOKENS} more) | | | | |")
         lines.append("")

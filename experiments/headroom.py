@@ -50,7 +50,7 @@ def split_out(argv):
             out, i = argv[i + 1], i + 2
             continue
         if arg.startswith("--out="):
-            out, i = arg[len("--out="):], i + 1
+            out, i = arg[len("--out=") :], i + 1
             continue
         rest.append(arg)
         i += 1
@@ -83,22 +83,33 @@ def main(argv=None):
         greedy = train_small.rollout(model, tokenizer, prompts, 1, args.max_new_tokens, greedy=True)["texts"]
         greedy_ok = train_small.compute_rewards(grader, greedy, [r["answer"] for r in eval_rows]).tolist()
         batch = train_small.rollout(model, tokenizer, prompts, n, args.max_new_tokens, args.temperature)
-        ok = train_small.compute_rewards(grader, batch["texts"], [r["answer"] for r in eval_rows for _ in range(n)]).view(-1, n)
+        ok = train_small.compute_rewards(
+            grader, batch["texts"], [r["answer"] for r in eval_rows for _ in range(n)]
+        ).view(-1, n)
     lengths = batch["response_mask"].sum(-1).float().view(-1, n)
-    shortcut = torch.tensor([[is_shortcut(t) for t in batch["texts"][i * n:(i + 1) * n]] for i in range(len(eval_rows))],
-                            dtype=torch.float)
+    shortcut = torch.tensor(
+        [[is_shortcut(t) for t in batch["texts"][i * n : (i + 1) * n]] for i in range(len(eval_rows))],
+        dtype=torch.float,
+    )
     levels = sorted({r.get("level", 0) for r in eval_rows})
-    lines = [f"# Headroom of the warm start: `python experiments/headroom.py {' '.join(argv)}`".rstrip(), "",
-             f"Warm start: {info['path']} ({args.sft_steps} supervised steps, --sft-shortcut {args.sft_shortcut}); held-out "
-             f"set: {len(eval_rows)} problems, {n} samples each at temperature {args.temperature}; {time.time() - t0:.0f} s.", "",
-             f"| level | problems | greedy Pass@1 | Pass@1 (mean of {n}) | Pass@{k} | Pass@{k} / Pass@1 | shortcut samples | "
-             "response tokens |", "|---" * 8 + "|"]
+    lines = [
+        f"# Headroom of the warm start: `python experiments/headroom.py {' '.join(argv)}`".rstrip(),
+        "",
+        f"Warm start: {info['path']} ({args.sft_steps} supervised steps, --sft-shortcut {args.sft_shortcut}); held-out "
+        f"set: {len(eval_rows)} problems, {n} samples each at temperature {args.temperature}; {time.time() - t0:.0f} s.",
+        "",
+        f"| level | problems | greedy Pass@1 | Pass@1 (mean of {n}) | Pass@{k} | Pass@{k} / Pass@1 | shortcut samples | "
+        "response tokens |",
+        "|---" * 8 + "|",
+    ]
     for level in levels + ["all"]:
         idx = [i for i, r in enumerate(eval_rows) if level == "all" or r.get("level", 0) == level]
         p1 = float(ok[idx].mean())
         pk = sum(pass_at_k(n, int(ok[i].sum()), k) for i in idx) / len(idx)
-        lines.append(f"| {level} | {len(idx)} | {sum(greedy_ok[i] for i in idx) / len(idx):.3f} | {p1:.3f} | {pk:.3f} | "
-                     f"{pk / p1 if p1 else float('inf'):.2f}x | {float(shortcut[idx].mean()):.2f} | {float(lengths[idx].mean()):.1f} |")
+        lines.append(
+            f"| {level} | {len(idx)} | {sum(greedy_ok[i] for i in idx) / len(idx):.3f} | {p1:.3f} | {pk:.3f} | "
+            f"{pk / p1 if p1 else float('inf'):.2f}x | {float(shortcut[idx].mean()):.2f} | {float(lengths[idx].mean()):.1f} |"
+        )
     text = "\n".join(lines) + "\n"
     print(text)
     if out:

@@ -58,23 +58,48 @@ def fail(message):
 
 
 def parse_args(argv=None):
-    p = cli.Parser(prog=PROG, description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = cli.Parser(
+        prog=PROG, description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--question", type=int, choices=(1, 2, 3, 4, 5, 7), required=True)
-    p.add_argument("--runs", required=True, help="an experiments/small_ladder.py --compare --out folder (METHOD/seedS/metrics.jsonl); "
-                   "questions 1, 2, 3, 7: the folder the --rows paths start from")
-    p.add_argument("--rows", default=None, help="question 4: methods to report (default d2s,d3s); question 5: methods to pair "
-                   "with --base (default d3s); questions 1, 2, 3, 7: METHOD folders under --runs, each ROW or ROW@REF")
-    p.add_argument("--base", default=None, help="question 5: the method the others are paired with (default d3s-i); "
-                   "questions 1, 2, 3, 7: the reference of rows without @REF (default: the first row)")
-    p.add_argument("--grpo", default=None, help="questions 1, 2, 3, 7: the row whose final Pass@1 'to GRPO' counts the "
-                   "steps to (default: the first row named .../grpo)")
+    p.add_argument(
+        "--runs",
+        required=True,
+        help="an experiments/small_ladder.py --compare --out folder (METHOD/seedS/metrics.jsonl); "
+        "questions 1, 2, 3, 7: the folder the --rows paths start from",
+    )
+    p.add_argument(
+        "--rows",
+        default=None,
+        help="question 4: methods to report (default d2s,d3s); question 5: methods to pair "
+        "with --base (default d3s); questions 1, 2, 3, 7: METHOD folders under --runs, each ROW or ROW@REF",
+    )
+    p.add_argument(
+        "--base",
+        default=None,
+        help="question 5: the method the others are paired with (default d3s-i); "
+        "questions 1, 2, 3, 7: the reference of rows without @REF (default: the first row)",
+    )
+    p.add_argument(
+        "--grpo",
+        default=None,
+        help="questions 1, 2, 3, 7: the row whose final Pass@1 'to GRPO' counts the "
+        "steps to (default: the first row named .../grpo)",
+    )
     p.add_argument("--window", type=int, default=10, help="question 4: train steps averaged up to each eval step")
-    p.add_argument("--spike", type=float, default=3.0, help="question 5: a spike is grad_norm > this x the median of the 10 steps before")
+    p.add_argument(
+        "--spike",
+        type=float,
+        default=3.0,
+        help="question 5: a spike is grad_norm > this x the median of the 10 steps before",
+    )
     p.add_argument("--out", default=None, help="also write the markdown here")
     p.add_argument("--plot", default=None, help="write the figure here (.png)")
     args = p.parse_args(argv)
     if not os.path.isdir(args.runs):
-        p.error(f"--runs {args.runs}: not a folder; give the --out folder of an experiments/small_ladder.py --compare run")
+        p.error(
+            f"--runs {args.runs}: not a folder; give the --out folder of an experiments/small_ladder.py --compare run"
+        )
     for flag, value in (("--window", args.window), ("--spike", args.spike)):
         if not (cli.finite(value) and value > 0):
             p.error(f"{flag} {value}: must be a number > 0")
@@ -83,14 +108,22 @@ def parse_args(argv=None):
     table = args.question in (1, 2, 3, 7)
     if args.rows is None:
         if table:
-            p.error(f"--question {args.question} needs --rows: METHOD folders under --runs, e.g. ladder2/grpo,ladder2/d3s")
+            p.error(
+                f"--question {args.question} needs --rows: METHOD folders under --runs, e.g. ladder2/grpo,ladder2/d3s"
+            )
         args.rows = "d2s,d3s" if args.question == 4 else "d3s"
     if args.base is None and args.question == 5:
         args.base = "d3s-i"
     for flag, value in (("--rows", args.rows), ("--base", args.base), ("--grpo", args.grpo)):
         if value is not None and (not value.strip() or any(not m.strip() for m in value.split(","))):
-            p.error(f"{flag} {value!r}: name " + ("METHOD folders under --runs, comma-separated (e.g. ladder2/grpo,ladder2/d3s)"
-                                                  if table else "methods, comma-separated (e.g. d2s,d3s)"))
+            p.error(
+                f"{flag} {value!r}: name "
+                + (
+                    "METHOD folders under --runs, comma-separated (e.g. ladder2/grpo,ladder2/d3s)"
+                    if table
+                    else "methods, comma-separated (e.g. d2s,d3s)"
+                )
+            )
     return args
 
 
@@ -98,10 +131,14 @@ def load_runs(folder, method, with_seeds=False):
     """[(train lines, eval lines)] per seed folder of OUT/method, in seed order (and the seeds, if asked)."""
     base = os.path.join(folder, method)
     if not os.path.isdir(base):
-        fail(f"--runs {folder}: no {method}/ in it; run experiments/small_ladder.py --compare with {method}, "
-                              "or name the methods it has with --rows/--base")
+        fail(
+            f"--runs {folder}: no {method}/ in it; run experiments/small_ladder.py --compare with {method}, "
+            "or name the methods it has with --rows/--base"
+        )
     runs, seeds = [], []
-    for seed in sorted((d for d in os.listdir(base) if d.startswith("seed") and d[4:].isdigit()), key=lambda d: int(d[4:])):
+    for seed in sorted(
+        (d for d in os.listdir(base) if d.startswith("seed") and d[4:].isdigit()), key=lambda d: int(d[4:])
+    ):
         path = os.path.join(base, seed, "metrics.jsonl")
         if not os.path.exists(path):
             continue
@@ -138,6 +175,7 @@ def mean_sd(values, spec="%.3f"):
 def two_panels():
     """(figure, left axes, right axes): the side-by-side figure every question draws."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -164,8 +202,15 @@ def q4_curves(runs, window):
             last_kl = measured[-1] if measured else None
             if ev is None or not recent:
                 continue
-            per_seed.append((mean(recent), ev["eval_pass1_mean"], mean(recent) - ev["eval_pass1_mean"],
-                             last_kl["kl_ref_all"] if last_kl else None, last_kl["kl_ref"] if last_kl else None))
+            per_seed.append(
+                (
+                    mean(recent),
+                    ev["eval_pass1_mean"],
+                    mean(recent) - ev["eval_pass1_mean"],
+                    last_kl["kl_ref_all"] if last_kl else None,
+                    last_kl["kl_ref"] if last_kl else None,
+                )
+            )
         if per_seed:
             out[step] = tuple(mean([s[i] for s in per_seed]) for i in range(5))
     return out
@@ -176,26 +221,36 @@ def question4(args):
 
     methods = args.rows.split(",")
     data = {m: load_runs(args.runs, m) for m in methods}
-    lines = [f"Question 4 from `{args.runs}` ({', '.join(f'{m}: {len(data[m])} seeds' for m in methods)}); train reward = "
-             f"mean of the {args.window} train steps up to the eval step; means over seeds.", "",
-             "| method | step | train reward | held-out Pass@1 | gap (train − held-out) | KL all tokens | KL selected tokens |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Question 4 from `{args.runs}` ({', '.join(f'{m}: {len(data[m])} seeds' for m in methods)}); train reward = "
+        f"mean of the {args.window} train steps up to the eval step; means over seeds.",
+        "",
+        "| method | step | train reward | held-out Pass@1 | gap (train − held-out) | KL all tokens | KL selected tokens |",
+        "|---|---|---|---|---|---|---|",
+    ]
     curves = {m: q4_curves(data[m], args.window) for m in methods}
     for m in methods:
         for step, (tr, ho, gap, kla, kls) in curves[m].items():
-            lines.append(f"| {m} | {step} | {fmt(tr)} | {fmt(ho)} | {fmt(gap, '%+.3f')} | {fmt(kla, '%.5f')} | {fmt(kls, '%.5f')} |")
+            lines.append(
+                f"| {m} | {step} | {fmt(tr)} | {fmt(ho)} | {fmt(gap, '%+.3f')} | {fmt(kla, '%.5f')} | {fmt(kls, '%.5f')} |"
+            )
     if len(methods) >= 2:
         a, b = methods[-1], methods[0]
         gaps = {m: [q4_curves([r], args.window) for r in data[m]] for m in (a, b)}
         last = max(curves[a])
         diffs = [ga[last][2] - gb[last][2] for ga, gb in zip(gaps[a], gaps[b]) if last in ga and last in gb]
-        kl = [ga[last][3] - gb[last][3] for ga, gb in zip(gaps[a], gaps[b])
-              if last in ga and last in gb and ga[last][3] is not None and gb[last][3] is not None]
+        kl = [
+            ga[last][3] - gb[last][3]
+            for ga, gb in zip(gaps[a], gaps[b])
+            if last in ga and last in gb and ga[last][3] is not None and gb[last][3] is not None
+        ]
         lines.append("")
         for name, d, spec in (("gap", diffs, "%+.3f"), ("KL on all tokens", kl, "%+.5f")):
             m_, lo, hi = paired_interval(d) if d else (None, None, None)
-            lines.append(f"At step {last}, {a} − {b} in {name}, same seed, 95% t interval over {len(d)} seeds: {fmt(m_, spec)} "
-                         f"[{fmt(lo, spec)}, {fmt(hi, spec)}]")
+            lines.append(
+                f"At step {last}, {a} − {b} in {name}, same seed, 95% t interval over {len(d)} seeds: {fmt(m_, spec)} "
+                f"[{fmt(lo, spec)}, {fmt(hi, spec)}]"
+            )
     if args.plot:
         fig, ax1, ax2 = two_panels()
         for i, m in enumerate(methods):
@@ -206,7 +261,9 @@ def question4(args):
             ax2.plot(steps, [curves[m][s][3] for s in steps], "-o", color=color, label=f"{m} all tokens")
             ax2.plot(steps, [curves[m][s][4] for s in steps], ":x", color=color, label=f"{m} selected tokens")
         ax1.set(xlabel="RL step", ylabel="reward / Pass@1", title="train reward vs held-out")
-        ax2.set(xlabel="RL step", ylabel="KL to the warm start (k3)", title="KL on all vs selected tokens", yscale="log")
+        ax2.set(
+            xlabel="RL step", ylabel="KL to the warm start (k3)", title="KL on all vs selected tokens", yscale="log"
+        )
         save(fig, args.plot, ax1, ax2)
     return lines
 
@@ -218,7 +275,9 @@ def spikes(train, ratio):
 
     ratios = variants.spike_ratios([t["grad_norm"] for t in train])
     found = [r for r in ratios if r is not None]
-    first = next((train[i]["step"] + 1 for i, r in enumerate(ratios[:-1]) if r is not None and r > ratio), None)  # a spike
+    first = next(
+        (train[i]["step"] + 1 for i, r in enumerate(ratios[:-1]) if r is not None and r > ratio), None
+    )  # a spike
     # on the last step switches nothing
     return sum(r > ratio for r in found), max(found, default=0.0), first
 
@@ -230,13 +289,22 @@ def question5(args):
     methods = [args.base] + [m for m in args.rows.split(",") if m != args.base]
     data = {m: load_runs(args.runs, m) for m in methods}
     final = {m: [evals[-1]["eval_pass1_mean"] for _, evals in data[m]] for m in methods}
-    lines = [f"Question 5 from `{args.runs}`; spike: grad_norm > {args.spike:g} x the median of the 10 steps before; "
-             "mean ± std over seeds.", "",
-             f"| method | seeds | spikes per run | largest grad_norm / median | KL all tokens at the end | final Pass@1 | − {args.base} [95% t] "
-             f"| spikes − {args.base} | KL − {args.base} | switch would fire (from step) |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Question 5 from `{args.runs}`; spike: grad_norm > {args.spike:g} x the median of the 10 steps before; "
+        "mean ± std over seeds.",
+        "",
+        f"| method | seeds | spikes per run | largest grad_norm / median | KL all tokens at the end | final Pass@1 | − {args.base} [95% t] "
+        f"| spikes − {args.base} | KL − {args.base} | switch would fire (from step) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     spike_counts = {m: [spikes(train, args.spike) for train, _ in data[m]] for m in methods}
-    kl_ends = {m: [next((t["kl_ref_all"] for t in reversed(train) if t.get("kl_ref_all") is not None), None) for train, _ in data[m]]
-               for m in methods}
+    kl_ends = {
+        m: [
+            next((t["kl_ref_all"] for t in reversed(train) if t.get("kl_ref_all") is not None), None)
+            for train, _ in data[m]
+        ]
+        for m in methods
+    }
 
     def paired(a, b, spec):
         pairs = [x - y for x, y in zip(a, b) if x is not None and y is not None]
@@ -249,24 +317,40 @@ def question5(args):
         sp, kl_end = spike_counts[m], kl_ends[m]
         diffs = ["(reference)"] * 3
         if m != args.base:
-            diffs = [paired(final[m], final[args.base], "%+.3f"),
-                     paired([s[0] for s in sp], [s[0] for s in spike_counts[args.base]], "%+.1f"),
-                     paired(kl_end, kl_ends[args.base], "%+.4f")]
+            diffs = [
+                paired(final[m], final[args.base], "%+.3f"),
+                paired([s[0] for s in sp], [s[0] for s in spike_counts[args.base]], "%+.1f"),
+                paired(kl_end, kl_ends[args.base], "%+.4f"),
+            ]
         fired = [s[2] for s in sp if s[2] is not None]
         switch = f"{len(fired)}/{len(sp)}" + (f" ({', '.join(map(str, fired))})" if fired else "")
         switch = switch if method_of(m) in variants.INTRA_TWIN else "— (no intra-group twin)"
-        lines.append(f"| {m} | {len(data[m])} | {mean_sd([s[0] for s in sp], '%.1f')} | {mean_sd([s[1] for s in sp], '%.1f')} | "
-                     f"{mean_sd(kl_end, '%.4f')} | {mean_sd(final[m])} | {' | '.join(diffs)} | {switch} |")
+        lines.append(
+            f"| {m} | {len(data[m])} | {mean_sd([s[0] for s in sp], '%.1f')} | {mean_sd([s[1] for s in sp], '%.1f')} | "
+            f"{mean_sd(kl_end, '%.4f')} | {mean_sd(final[m])} | {' | '.join(diffs)} | {switch} |"
+        )
     if args.plot:  # one thin line per seed: the gradient norm (spikes show as jumps) and the KL on all tokens
         fig, ax1, ax2 = two_panels()
         for i, m in enumerate(methods):
             for j, (train, _) in enumerate(data[m]):
                 label = m if j == 0 else None
-                ax1.plot([t["step"] for t in train], [t["grad_norm"] or float("nan") for t in train], "-", lw=0.7, alpha=0.6,
-                         color=f"C{i}", label=label)  # a step with no signal (norm 0 or none) is a gap
+                ax1.plot(
+                    [t["step"] for t in train],
+                    [t["grad_norm"] or float("nan") for t in train],
+                    "-",
+                    lw=0.7,
+                    alpha=0.6,
+                    color=f"C{i}",
+                    label=label,
+                )  # a step with no signal (norm 0 or none) is a gap
                 kl = [(t["step"], t["kl_ref_all"]) for t in train if t.get("kl_ref_all") is not None]
                 ax2.plot([k[0] for k in kl], [k[1] for k in kl], "-o", ms=3, lw=0.8, color=f"C{i}", label=label)
-        ax1.set(xlabel="RL step", ylabel="grad norm (before clipping)", yscale="log", title="gradient norm, one line per seed")
+        ax1.set(
+            xlabel="RL step",
+            ylabel="grad norm (before clipping)",
+            yscale="log",
+            title="gradient norm, one line per seed",
+        )
         ax2.set(xlabel="RL step", ylabel="KL to the warm start, all tokens (k3)", title="KL on all response tokens")
         save(fig, args.plot, ax1, ax2)
     return lines
@@ -285,10 +369,16 @@ def row_numbers(runs):
     """{seed: (final Pass@1, mean Pass@1 over the evals after step 0, kept tokens, evals, mean entropy of the kept
     tokens)} of one row."""
     data, seeds = runs
-    return {seed: (evals[-1]["eval_pass1_mean"], mean([e["eval_pass1_mean"] for e in evals if e["step"] > 0]),
-                   sum(t.get("kept_tokens") or 0 for t in train), evals,
-                   mean([t.get("entropy_kept") for t in train if t.get("kept_tokens")]))  # a step that kept no token logs 0
-            for (train, evals), seed in zip(data, seeds)}
+    return {
+        seed: (
+            evals[-1]["eval_pass1_mean"],
+            mean([e["eval_pass1_mean"] for e in evals if e["step"] > 0]),
+            sum(t.get("kept_tokens") or 0 for t in train),
+            evals,
+            mean([t.get("entropy_kept") for t in train if t.get("kept_tokens")]),
+        )  # a step that kept no token logs 0
+        for (train, evals), seed in zip(data, seeds)
+    }
 
 
 def question_table(args):
@@ -308,11 +398,16 @@ def question_table(args):
         mark = " **≠**" if excludes_zero(lo, hi, "%+.3f") else ""
         return f"{d:+.3f} [{fmt(lo, '%+.3f')}, {fmt(hi, '%+.3f')}]{mark}" if seeds else "— (no common seed)"
 
-    lines = [f"Question {args.question} from `{args.runs}`: held-out Pass@1 (mean of n samples), mean ± std over seeds; "
-             "− ref: same-seed differences, mean [95% t interval], **≠** where it excludes 0"
-             + (f"; to GRPO: steps to `{grpo}`'s final on the same seed" if grpo else "") + ".", "",
-             "| row | seeds | final Pass@1 | − ref (95%) | mean Pass@1 over the run | − ref (95%) | steps to GRPO's final (seeds) "
-             "| tokens trained (k) | entropy of the kept tokens | ref |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Question {args.question} from `{args.runs}`: held-out Pass@1 (mean of n samples), mean ± std over seeds; "
+        "− ref: same-seed differences, mean [95% t interval], **≠** where it excludes 0"
+        + (f"; to GRPO: steps to `{grpo}`'s final on the same seed" if grpo else "")
+        + ".",
+        "",
+        "| row | seeds | final Pass@1 | − ref (95%) | mean Pass@1 over the run | − ref (95%) | steps to GRPO's final (seeds) "
+        "| tokens trained (k) | entropy of the kept tokens | ref |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for row, ref in rows:
         n = numbers[row]
         to_grpo = "—"
@@ -321,24 +416,39 @@ def question_table(args):
             reached = [x for x in reached if x is not None]
             to_grpo = f"{mean_sd(reached, '%.0f')} ({len(reached)}/{len(n)})" if reached else f"– (0/{len(n)})"
         same = row == ref
-        lines.append(f"| `{row}` | {len(n)} | {mean_sd([v[0] for v in n.values()])} | "
-                     f"{'(reference)' if same else paired(row, ref, 0)} | {mean_sd([v[1] for v in n.values()])} | "
-                     f"{'(reference)' if same else paired(row, ref, 1)} | {to_grpo} | "
-                     f"{mean([v[2] for v in n.values()]) / 1000:.1f} | {fmt(mean([v[4] for v in n.values()]), '%.2f')} | `{ref}` |")
+        lines.append(
+            f"| `{row}` | {len(n)} | {mean_sd([v[0] for v in n.values()])} | "
+            f"{'(reference)' if same else paired(row, ref, 0)} | {mean_sd([v[1] for v in n.values()])} | "
+            f"{'(reference)' if same else paired(row, ref, 1)} | {to_grpo} | "
+            f"{mean([v[2] for v in n.values()]) / 1000:.1f} | {fmt(mean([v[4] for v in n.values()]), '%.2f')} | `{ref}` |"
+        )
     if args.plot:
         fig, ax1, ax2 = two_panels()
         for i, row in enumerate(dict.fromkeys(r for r, _ in rows)):  # a row paired with two references: one curve
             runs, _seeds = loaded[row]
             steps = [e["step"] for e in runs[0][1]]
-            ax1.plot(steps, [mean([next((e["eval_pass1_mean"] for e in ev if e["step"] == s), None) for _, ev in runs])
-                             for s in steps], "-o", ms=3, color=f"C{i % 10}", label=row)
+            ax1.plot(
+                steps,
+                [
+                    mean([next((e["eval_pass1_mean"] for e in ev if e["step"] == s), None) for _, ev in runs])
+                    for s in steps
+                ],
+                "-o",
+                ms=3,
+                color=f"C{i % 10}",
+                label=row,
+            )
             length = min(len(tr) for tr, _ in runs)
             per_step = [mean([tr[j].get("kept_tokens") or 0 for tr, _ in runs]) for j in range(length)]
-            smooth = [mean(per_step[max(0, j - 4):j + 1]) for j in range(length)]  # the mean of the last 5 steps
+            smooth = [mean(per_step[max(0, j - 4) : j + 1]) for j in range(length)]  # the mean of the last 5 steps
             ax2.plot([tr["step"] for tr in runs[0][0][:length]], smooth, "-", color=f"C{i % 10}", label=row)
         ax1.set(xlabel="RL step", ylabel="held-out Pass@1 (mean of n)", title="held-out Pass@1, mean over seeds")
-        ax2.set(xlabel="RL step", ylabel="tokens trained per step", title="tokens in the loss (mean of the last 5 steps)",
-                yscale="log")
+        ax2.set(
+            xlabel="RL step",
+            ylabel="tokens trained per step",
+            title="tokens in the loss (mean of the last 5 steps)",
+            yscale="log",
+        )
         save(fig, args.plot, ax1)
     return lines
 

@@ -45,20 +45,36 @@ def grid_cell(n, k):
 def variants(question):
     base = [("grpo", "grpo", (), REF), (REF, "d3s", (), REF)]
     if question == 1:
-        sweep = [(f"d3s --{flag} {v:g}", "d3s", (f"--{flag}", f"{v:g}"), REF) for flag, vals in SWEEPS.items() for v in vals]
+        sweep = [
+            (f"d3s --{flag} {v:g}", "d3s", (f"--{flag}", f"{v:g}"), REF) for flag, vals in SWEEPS.items() for v in vals
+        ]
         labels = {label for label, *_ in base + sweep}
         return base + sweep + [cell for n in GRID_N for k in GRID_K if (cell := grid_cell(n, k))[0] not in labels]
     if question == 2:
-        kinds = [(f"d3s --schedule {kind}", "d3s", ("--schedule", kind), REF) for kind in ("cosine", "step", "constant",
-                                                                                           "adaptive")]
+        kinds = [
+            (f"d3s --schedule {kind}", "d3s", ("--schedule", kind), REF)
+            for kind in ("cosine", "step", "constant", "adaptive")
+        ]
         return base + kinds + [("d2s", "d2s", (), REF)]
     if question == 3:
-        return base + [(f"d3s --token-rule {rule} --token-scope {scope}", "d3s", ("--token-rule", rule, "--token-scope", scope),
-                        REF) for scope in ("batch", "sequence") for rule in ("adv-entropy", "entropy", "adv", "random")
-                       if (rule, scope) != ("adv-entropy", "batch")]
+        return base + [
+            (
+                f"d3s --token-rule {rule} --token-scope {scope}",
+                "d3s",
+                ("--token-rule", rule, "--token-scope", scope),
+                REF,
+            )
+            for scope in ("batch", "sequence")
+            for rule in ("adv-entropy", "entropy", "adv", "random")
+            if (rule, scope) != ("adv-entropy", "batch")
+        ]
     # question 7: the filter against the max-variance rule, without token selection and with D3S's
-    return base[:1] + [("d1s-cross", "d1s-cross", (), "grpo"), ("dapo-filter", "dapo-filter", (), "d1s-cross"),
-                       (REF, "d3s", (), "grpo"), ("dapo-filter-k", "dapo-filter-k", (), REF)]
+    return base[:1] + [
+        ("d1s-cross", "d1s-cross", (), "grpo"),
+        ("dapo-filter", "dapo-filter", (), "d1s-cross"),
+        (REF, "d3s", (), "grpo"),
+        ("dapo-filter-k", "dapo-filter-k", (), REF),
+    ]
 
 
 def run_one(job):
@@ -71,7 +87,9 @@ def run_one(job):
     torch.set_num_threads(1)
     from toy_ladder import columns
 
-    return job, columns(bandit.run(method, seed, bandit.parse_args(list(flags) + ["--steps", str(steps), "--workers", "1"])))
+    return job, columns(
+        bandit.run(method, seed, bandit.parse_args(list(flags) + ["--steps", str(steps), "--workers", "1"]))
+    )
 
 
 def run_all(rows, seeds, steps, workers):
@@ -83,7 +101,7 @@ def run_all(rows, seeds, steps, workers):
         pool = mp.get_context("spawn").Pool(workers) if workers > 1 else None
     logs = {}
     try:
-        for (method, flags, seed, _), log in (pool.imap_unordered(run_one, jobs) if pool else map(run_one, jobs)):
+        for (method, flags, seed, _), log in pool.imap_unordered(run_one, jobs) if pool else map(run_one, jobs):
             logs.setdefault((method, flags), {})[seed] = log
     except BaseException:  # a Ctrl-C (or a failed run): the workers end now
         if pool:
@@ -98,12 +116,15 @@ def measures(logs, grpo):
     """Per seed: final reward, mean reward over the run, steps to GRPO's final on that seed, tokens trained."""
     import toy_ladder
 
-    return {"final": [log["eval_reward"][-1] for log in logs], "mean": [sum(log["eval_reward"]) / len(log["eval_reward"])
-                                                                         for log in logs],
-            "steps": [toy_ladder.steps_to(log, ref["eval_reward"][-1]) for log, ref in zip(logs, grpo)],
-            "tokens": [sum(log["kept_tokens"]) for log in logs], "rollouts": [sum(log["kept_samples"]) for log in logs],
-            "updates": [sum(log["updates"]) for log in logs],
-            "decision": [sum(log["decision_share"]) / len(log["decision_share"]) for log in logs]}
+    return {
+        "final": [log["eval_reward"][-1] for log in logs],
+        "mean": [sum(log["eval_reward"]) / len(log["eval_reward"]) for log in logs],
+        "steps": [toy_ladder.steps_to(log, ref["eval_reward"][-1]) for log, ref in zip(logs, grpo)],
+        "tokens": [sum(log["kept_tokens"]) for log in logs],
+        "rollouts": [sum(log["kept_samples"]) for log in logs],
+        "updates": [sum(log["updates"]) for log in logs],
+        "decision": [sum(log["decision_share"]) / len(log["decision_share"]) for log in logs],
+    }
 
 
 def table(rows, numbers):
@@ -117,19 +138,46 @@ def table(rows, numbers):
         mark = " **≠**" if stats.excludes_zero(lo, hi, fmt) else ""
         return (fmt % m) + (" [%s, %s]" % (fmt % lo, fmt % hi) if lo is not None else "") + mark
 
-    head = ["variant", "final reward", "− reference (95%)", "mean reward over the run", "− reference (95%)",
-            "steps to GRPO's final (seeds)", "rollouts trained (k)", "tokens trained (k)", "updates",
-            "decision share", "reference"]
+    head = [
+        "variant",
+        "final reward",
+        "− reference (95%)",
+        "mean reward over the run",
+        "− reference (95%)",
+        "steps to GRPO's final (seeds)",
+        "rollouts trained (k)",
+        "tokens trained (k)",
+        "updates",
+        "decision share",
+        "reference",
+    ]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for label, _, _, ref in rows:
         n = numbers[label]
         reached = [s for s in n["steps"] if s is not None]
-        steps = ("%.0f ± %.0f" % stats.mean_std(reached) if reached else "–") + " (%d/%d)" % (len(reached), len(n["steps"]))
-        out.append("| " + " | ".join([
-            f"`{label}`", "%.3f ± %.3f" % stats.mean_std(n["final"]), diff(label, ref, "final", "%+.3f"),
-            "%.3f ± %.3f" % stats.mean_std(n["mean"]), diff(label, ref, "mean", "%+.3f"), steps,
-            "%.1f" % (stats.mean_std(n["rollouts"])[0] / 1000), "%.1f" % (stats.mean_std(n["tokens"])[0] / 1000),
-            "%.1f" % stats.mean_std(n["updates"])[0], "%.2f" % stats.mean_std(n["decision"])[0], f"`{ref}`"]) + " |")
+        steps = ("%.0f ± %.0f" % stats.mean_std(reached) if reached else "–") + " (%d/%d)" % (
+            len(reached),
+            len(n["steps"]),
+        )
+        out.append(
+            "| "
+            + " | ".join(
+                [
+                    f"`{label}`",
+                    "%.3f ± %.3f" % stats.mean_std(n["final"]),
+                    diff(label, ref, "final", "%+.3f"),
+                    "%.3f ± %.3f" % stats.mean_std(n["mean"]),
+                    diff(label, ref, "mean", "%+.3f"),
+                    steps,
+                    "%.1f" % (stats.mean_std(n["rollouts"])[0] / 1000),
+                    "%.1f" % (stats.mean_std(n["tokens"])[0] / 1000),
+                    "%.1f" % stats.mean_std(n["updates"])[0],
+                    "%.2f" % stats.mean_std(n["decision"])[0],
+                    f"`{ref}`",
+                ]
+            )
+            + " |"
+        )
     return "\n".join(out)
 
 
@@ -145,10 +193,21 @@ def grid_table(numbers):
             mine, ref = numbers[grid_cell(n, k)[0]], numbers[REF]
             m, lo, hi = stats.paired_interval([a - b for a, b in zip(mine["final"], ref["final"])])
             reached = [s for s in mine["steps"] if s is not None]
-            diff = "default" if (n, k) == (8, 0.05) else ("**%+.3f**" if stats.excludes_zero(lo, hi, "%+.3f") else "%+.3f") % m
-            cells.append("%.3f (%s); %s steps (%d/%d)" % (stats.mean_std(mine["final"])[0], diff,
-                                                        "%.0f" % stats.mean_std(reached)[0] if reached else "–",
-                                                        len(reached), len(mine["steps"])))
+            diff = (
+                "default"
+                if (n, k) == (8, 0.05)
+                else ("**%+.3f**" if stats.excludes_zero(lo, hi, "%+.3f") else "%+.3f") % m
+            )
+            cells.append(
+                "%.3f (%s); %s steps (%d/%d)"
+                % (
+                    stats.mean_std(mine["final"])[0],
+                    diff,
+                    "%.0f" % stats.mean_std(reached)[0] if reached else "–",
+                    len(reached),
+                    len(mine["steps"]),
+                )
+            )
         out.append(f"| {k:g} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
@@ -165,7 +224,11 @@ def plot_curves(rows, logs, path, title, budget=False):
     fig, axes = plt.subplots(1, 2 if budget else 1, figsize=(12 if budget else 7.5, 4.2), squeeze=False)
     ax = axes[0][0]
     for i, (label, method, flags, _) in enumerate(rows):
-        runs, color, style = logs[(method, flags)], "C%d" % (i % 10), "--" if method in ("grpo", "d2s", "d1s-cross") else "-"
+        runs, color, style = (
+            logs[(method, flags)],
+            "C%d" % (i % 10),
+            "--" if method in ("grpo", "d2s", "d1s-cross") else "-",
+        )
         reward = torch.tensor([log["eval_reward"] for log in runs])
         mean, std = reward.mean(0), reward.std(0)
         ax.plot(runs[0]["eval_step"], mean, color=color, lw=1.3, label=label, ls=style)
@@ -176,8 +239,11 @@ def plot_curves(rows, logs, path, title, budget=False):
     ax.set(xlabel="step", ylabel="expected reward, all prompts", title=title)
     ax.legend(fontsize=7)
     if budget:
-        axes[0][1].set(xlabel="step", ylabel="tokens in the loss per step (mean over seeds)",
-                       title="the budget each variant trains on (GRPO: 2048)")
+        axes[0][1].set(
+            xlabel="step",
+            ylabel="tokens in the loss per step (mean over seeds)",
+            title="the budget each variant trains on (GRPO: 2048)",
+        )
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -195,19 +261,35 @@ def plot_grid(numbers, path, seeds):
         return (sum(values) / len(values) if values else float("nan")), len(values)
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    for ax, key, name, cmap in ((axes[0], "final", "final reward (mean)", "viridis"),
-                                (axes[1], "mean", "mean reward over the run (mean)", "viridis"),
-                                (axes[2], "steps", "steps to GRPO's final (mean; seeds that reach it)", "viridis_r")):
+    for ax, key, name, cmap in (
+        (axes[0], "final", "final reward (mean)", "viridis"),
+        (axes[1], "mean", "mean reward over the run (mean)", "viridis"),
+        (axes[2], "steps", "steps to GRPO's final (mean; seeds that reach it)", "viridis_r"),
+    ):
         grid = [[cell(n, k, key) for n in GRID_N] for k in GRID_K]
         image = ax.imshow([[v for v, _ in row] for row in grid], cmap=cmap, origin="lower", aspect="auto")
         for y, row in enumerate(grid):
             for x, (v, count) in enumerate(row):
                 text = "%.3f" % v if key != "steps" else "%.0f\n(%d/%d)" % (v, count, seeds)
                 r, g, b, _ = image.cmap(image.norm(v))
-                ax.text(x, y, text, ha="center", va="center", fontsize=8,
-                        color="black" if 0.299 * r + 0.587 * g + 0.114 * b > 0.5 else "white")
-        ax.set(xticks=range(len(GRID_N)), xticklabels=GRID_N, yticks=range(len(GRID_K)), yticklabels=GRID_K,
-               xlabel="N_init (N_final = 32)", ylabel="K_init (K_final = 0.2)", title=name)
+                ax.text(
+                    x,
+                    y,
+                    text,
+                    ha="center",
+                    va="center",
+                    fontsize=8,
+                    color="black" if 0.299 * r + 0.587 * g + 0.114 * b > 0.5 else "white",
+                )
+        ax.set(
+            xticks=range(len(GRID_N)),
+            xticklabels=GRID_N,
+            yticks=range(len(GRID_K)),
+            yticklabels=GRID_K,
+            xlabel="N_init (N_final = 32)",
+            ylabel="K_init (K_final = 0.2)",
+            title=name,
+        )
         fig.colorbar(image, ax=ax)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
@@ -222,9 +304,14 @@ def parse_args(argv):
     p.add_argument("--workers", type=int, default=1, help="runs in parallel (processes) (default: 1)")
     p.add_argument("--out", default="runs/questions_toy", help="output folder (default: runs/questions_toy)")
     args = p.parse_args(argv)
-    cli.check_rules(p, [("--seeds", args.seeds, lambda v: 2 <= v <= 1000, "an int in [2, 1000] (an interval needs 2)"),
-                         ("--steps", args.steps, lambda v: 1 <= v <= 100_000, "an int in [1, 100000]"),
-                         ("--workers", args.workers, lambda v: 1 <= v <= 64, "an int in [1, 64]")])
+    cli.check_rules(
+        p,
+        [
+            ("--seeds", args.seeds, lambda v: 2 <= v <= 1000, "an int in [2, 1000] (an interval needs 2)"),
+            ("--steps", args.steps, lambda v: 1 <= v <= 100_000, "an int in [1, 100000]"),
+            ("--workers", args.workers, lambda v: 1 <= v <= 64, "an int in [1, 64]"),
+        ],
+    )
     cli.check_out_dir(p, "--out", args.out)
     return args
 
@@ -233,16 +320,29 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)  # before torch: a bad flag costs no import
     os.makedirs(args.out, exist_ok=True)
-    for question in ([1, 2, 3, 7] if args.question == "all" else [int(args.question)]):
+    for question in [1, 2, 3, 7] if args.question == "all" else [int(args.question)]:
         start, rows = time.time(), variants(question)
         logs = run_all(rows, args.seeds, args.steps, args.workers)
         grpo = logs[("grpo", ())]
         numbers = {label: measures(logs[(method, flags)], grpo) for label, method, flags, _ in rows}
         text = table(rows, numbers) + ("\n\n" + grid_table(numbers) if question == 1 else "")
-        command = " ".join(["experiments/questions_toy.py", "--question", str(question), "--seeds", str(args.seeds),
-                            "--steps", str(args.steps)])
-        done = "%d runs in %.0f s; %s, %s" % (len({(m, f) for _, m, f, _ in rows}) * args.seeds, time.time() - start,
-                                              command, time.strftime("%Y-%m-%d %H:%M %Z"))
+        command = " ".join(
+            [
+                "experiments/questions_toy.py",
+                "--question",
+                str(question),
+                "--seeds",
+                str(args.seeds),
+                "--steps",
+                str(args.steps),
+            ]
+        )
+        done = "%d runs in %.0f s; %s, %s" % (
+            len({(m, f) for _, m, f, _ in rows}) * args.seeds,
+            time.time() - start,
+            command,
+            time.strftime("%Y-%m-%d %H:%M %Z"),
+        )
         name = os.path.join(args.out, f"q{question}")
         with open(name + ".md", "w") as f:
             f.write(f"{text}\n\n{done}\n")
@@ -250,15 +350,34 @@ def main(argv=None):
             json.dump({"command": command, "seeds": args.seeds, "steps": args.steps, "numbers": numbers}, f)
         if question == 1:
             plot_grid(numbers, name + "_grid.png", args.seeds)
-            shown = ("grpo", REF, "d3s --n-final 16", "d3s --k-final 0.1", "d3s --k-final 0.5", "d3s --n-init 32 --k-init 0.2")
-            plot_curves([r for r in rows if r[0] in shown], logs, name + ".png",
-                        f"D3S, one end of the schedule moved, mean ± std of {args.seeds} seeds")
+            shown = (
+                "grpo",
+                REF,
+                "d3s --n-final 16",
+                "d3s --k-final 0.1",
+                "d3s --k-final 0.5",
+                "d3s --n-init 32 --k-init 0.2",
+            )
+            plot_curves(
+                [r for r in rows if r[0] in shown],
+                logs,
+                name + ".png",
+                f"D3S, one end of the schedule moved, mean ± std of {args.seeds} seeds",
+            )
         else:
-            titles = {2: "schedule shapes (d3s --schedule) and d2s", 3: "token rules and scopes (d3s)",
-                      7: "DAPO's filter against max-Var(A) selection"}
+            titles = {
+                2: "schedule shapes (d3s --schedule) and d2s",
+                3: "token rules and scopes (d3s)",
+                7: "DAPO's filter against max-Var(A) selection",
+            }
             shown = rows if question != 3 else [r for r in rows if "random" not in r[0] or "batch" in r[0]]
-            plot_curves(shown, logs, name + ".png", titles[question] + f", mean ± std of {args.seeds} seeds",
-                        budget=question in (2, 7))
+            plot_curves(
+                shown,
+                logs,
+                name + ".png",
+                titles[question] + f", mean ± std of {args.seeds} seeds",
+                budget=question in (2, 7),
+            )
         print(f"## Question {question}\n\n{text}\n\n{done}\n", flush=True)
 
 

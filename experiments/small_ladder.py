@@ -43,10 +43,19 @@ def parse_args(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     p = train_small.build_parser(PROG)
     p.add_argument("--compare", required=True, metavar="M1,M2,...", help="the methods to run from the same warm start")
-    p.add_argument("--seeds", type=cli.number(int, 1, 1000), default=1, help="RL seeds per method (--rl-seed, "
-                   "--rl-seed + 1, ...); the warm start is the same for all")
-    p.add_argument("--workers", type=cli.number(int, 1, 64), default=1, help="runs at once, each a train_small.py process "
-                   "(give each --threads 1 on a small machine: 2 workers x 1 thread on 2 cores)")
+    p.add_argument(
+        "--seeds",
+        type=cli.number(int, 1, 1000),
+        default=1,
+        help="RL seeds per method (--rl-seed, --rl-seed + 1, ...); the warm start is the same for all",
+    )
+    p.add_argument(
+        "--workers",
+        type=cli.number(int, 1, 64),
+        default=1,
+        help="runs at once, each a train_small.py process "
+        "(give each --threads 1 on a small machine: 2 workers x 1 thread on 2 cores)",
+    )
     p.set_defaults(mid_eval_samples=2)  # (choice) smaller evaluations before the last: a 7 x 5 ladder in under an hour
     methods = p.parse_args(argv).compare.split(",")
     for m in methods:
@@ -59,8 +68,10 @@ def parse_args(argv=None):
     for m in methods:  # a method's folder linked to the runs of another compare that were never made
         folder = os.path.join(args.out, m)
         if os.path.islink(folder) and not os.path.exists(folder):
-            p.error(f"--out {args.out}: {folder} links to {os.readlink(folder)}, which does not exist; make those runs "
-                    "first, or remove the link")
+            p.error(
+                f"--out {args.out}: {folder} links to {os.readlink(folder)}, which does not exist; make those runs "
+                "first, or remove the link"
+            )
     args.argv, args.command = argv, " ".join(["python experiments/small_ladder.py"] + argv)
     return args
 
@@ -82,7 +93,9 @@ def compare(args):
         for method in methods:
             sub = copy.copy(args)
             sub.method, sub.rl_seed, sub.compare = method, seed, None
-            sub.switch_on_spike = args.switch_on_spike if method in variants.INTRA_TWIN else 0.0  # as compare_in_processes
+            sub.switch_on_spike = (
+                args.switch_on_spike if method in variants.INTRA_TWIN else 0.0
+            )  # as compare_in_processes
             sub.out = os.path.join(args.out, method, f"seed{seed}")
             done = os.path.join(sub.out, "summary.json")
             lines = common.read_metrics(os.path.join(sub.out, "metrics.jsonl"))
@@ -92,7 +105,9 @@ def compare(args):
                 continue
             sub.resume = "latest" if args.resume and os.path.exists(os.path.join(sub.out, "checkpoint.pt")) else None
             with common.out_lock(sub.out, "train_small.py"):
-                summaries[method].append(train_small.train(sub, train_rows, eval_rows, warmstart.load_warm_start(sub, train_rows)))
+                summaries[method].append(
+                    train_small.train(sub, train_rows, eval_rows, warmstart.load_warm_start(sub, train_rows))
+                )
     write_compare(args, methods, seeds, summaries, time.time() - t0)
     return summaries
 
@@ -108,7 +123,11 @@ def compare_in_processes(args, methods, seeds):
         flag = args.argv[i].split("=")[0]
         if flag in drop:
             has_value = drop[flag] and "=" not in args.argv[i]
-            i += 1 + (has_value if flag != "--resume" else int(i + 1 < len(args.argv) and not args.argv[i + 1].startswith("--")))
+            i += 1 + (
+                has_value
+                if flag != "--resume"
+                else int(i + 1 < len(args.argv) and not args.argv[i + 1].startswith("--"))
+            )
             continue
         base.append(args.argv[i])
         i += 1
@@ -120,9 +139,30 @@ def compare_in_processes(args, methods, seeds):
             if os.path.exists(os.path.join(out, "summary.json")) and lines and lines[-1]["step"] == args.steps:
                 continue
             resume = ["--resume"] if os.path.exists(os.path.join(out, "checkpoint.pt")) else []
-            switch = ["--switch-on-spike", "0"] if method not in variants.INTRA_TWIN else []  # a row without a twin: off
-            jobs.append((out, [sys.executable, os.path.join(ROOT, "train_small.py"), *base, "--method", method, "--rl-seed", str(seed),
-                               "--out", out, *resume, *switch, "--mid-eval-samples", str(args.mid_eval_samples)]))
+            switch = (
+                ["--switch-on-spike", "0"] if method not in variants.INTRA_TWIN else []
+            )  # a row without a twin: off
+            jobs.append(
+                (
+                    out,
+                    [
+                        sys.executable,
+                        os.path.join(ROOT, "train_small.py"),
+                        *base,
+                        "--method",
+                        method,
+                        "--rl-seed",
+                        str(seed),
+                        "--out",
+                        out,
+                        *resume,
+                        *switch,
+                        "--mid-eval-samples",
+                        str(args.mid_eval_samples),
+                    ],
+                )
+            )
+
     def run_one(job):  # one train_small.py process; its log in OUT/M/seedS.log
         out, cmd = job
         os.makedirs(out, exist_ok=True)
@@ -133,8 +173,10 @@ def compare_in_processes(args, methods, seeds):
     try:
         for out, code in tqdm(pool.map(run_one, jobs), total=len(jobs), desc=f"--compare, {args.workers} workers"):
             if code != 0:
-                raise cli.UsageError(f"--compare: the run in {out} failed (exit {code}); see {out}.log, fix it and rerun "
-                                     "the same command with --resume")
+                raise cli.UsageError(
+                    f"--compare: the run in {out} failed (exit {code}); see {out}.log, fix it and rerun "
+                    "the same command with --resume"
+                )
     finally:
         pool.shutdown(cancel_futures=True)  # after a failure, the runs not yet started are not started
     summaries = {m: [] for m in methods}
@@ -171,8 +213,13 @@ def ladder_rows(summaries, methods, base="grpo"):
     for m in methods:
         evals = [s["evals"] for s in summaries[m]]
         n_evals = min(len(e) for e in evals)
-        mean = lambda key: [sum(e[i][key] for e in evals) / len(evals) for i in range(n_evals)]  # noqa: E731
-        curves[m] = {"step": mean("step"), "pass1": mean("pass1_mean"), "update_s": mean("update_s"), "step_s": mean("rl_s")}
+        mean = lambda key: [sum(e[i][key] for e in evals) / len(evals) for i in range(n_evals)]
+        curves[m] = {
+            "step": mean("step"),
+            "pass1": mean("pass1_mean"),
+            "update_s": mean("update_s"),
+            "step_s": mean("rl_s"),
+        }
     rows = {}
     for m in methods:
         final = [s["final"]["pass1_mean"] for s in summaries[m]]
@@ -182,12 +229,19 @@ def ladder_rows(summaries, methods, base="grpo"):
         if m != base:
             d, lo, hi = paired_interval([a - b for a, b in zip(final, base_final)])
             row["diff"] = (d, lo, hi)
-            row["verdict"] = ("no interval (1 seed)" if lo is None else "better" if lo > 0 else "worse" if hi < 0
-                              else "no difference")
+            row["verdict"] = (
+                "no interval (1 seed)" if lo is None else "better" if lo > 0 else "worse" if hi < 0 else "no difference"
+            )
         rows[m] = row
     for m in methods:
-        rows[m]["speedup"] = {x: (None if rows[m]["to_target"][x] in (None, 0.0) or rows[base]["to_target"][x] is None
-                                  else rows[base]["to_target"][x] / rows[m]["to_target"][x]) for x in ("step", "update_s", "step_s")}
+        rows[m]["speedup"] = {
+            x: (
+                None
+                if rows[m]["to_target"][x] in (None, 0.0) or rows[base]["to_target"][x] is None
+                else rows[base]["to_target"][x] / rows[m]["to_target"][x]
+            )
+            for x in ("step", "update_s", "step_s")
+        }
     return target, rows
 
 
@@ -202,72 +256,121 @@ def write_compare(args, methods, seeds, summaries, total_s):
     base = "grpo" if "grpo" in methods else methods[0]
     S = len(seeds)
     target, lrows = ladder_rows(summaries, methods, base)
-    avg = lambda values: sum(values) / len(values)  # noqa: E731
-    fmt_x = lambda v, f="%.0f": "never" if v is None else f % v  # noqa: E731
-    fmt_r = lambda v: "" if v is None else f" ({v:.2f}x)"  # noqa: E731
+    avg = lambda values: sum(values) / len(values)
+    fmt_x = lambda v, f="%.0f": "never" if v is None else f % v
+    fmt_r = lambda v: "" if v is None else f" ({v:.2f}x)"
 
-    outcome = [f"| method | Pass@1 (mean of {n}) | Δ vs {base}, 95% interval | verdict | greedy Pass@1 | Pass@{k} |",
-               "|---|---|---|---|---|---|"]
+    outcome = [
+        f"| method | Pass@1 (mean of {n}) | Δ vs {base}, 95% interval | verdict | greedy Pass@1 | Pass@{k} |",
+        "|---|---|---|---|---|---|",
+    ]
     speed = [f"| method | steps to {target:.3f} | update s to it | whole-step s to it |", "|---|---|---|---|"]
     levels = sorted(key for key in s0["final"] if key.startswith("level"))
-    by_level = ["| method | " + " | ".join(f"L{key[5:]} start → end" for key in levels) + " |", "|---" * (len(levels) + 1) + "|"]
-    costs = ["| method | rollouts trained | tokens in loss | tokens forwarded | SUR | K realised / scheduled | KL to start "
-             "(last) | entropy all / kept | mean grad norm |", "|---" * 9 + "|"]
-    times = ["| method | generate s/step | grade s/step | pass 1 s/step | update s/step | whole step s |", "|---" * 6 + "|"]
+    by_level = [
+        "| method | " + " | ".join(f"L{key[5:]} start → end" for key in levels) + " |",
+        "|---" * (len(levels) + 1) + "|",
+    ]
+    costs = [
+        "| method | rollouts trained | tokens in loss | tokens forwarded | SUR | K realised / scheduled | KL to start "
+        "(last) | entropy all / kept | mean grad norm |",
+        "|---" * 9 + "|",
+    ]
+    times = [
+        "| method | generate s/step | grade s/step | pass 1 s/step | update s/step | whole step s |",
+        "|---" * 6 + "|",
+    ]
     for m in methods:
         runs, r = summaries[m], lrows[m]
-        col = lambda f, fmt="%.3f": fmt_mean_std([f(s) for s in runs], fmt)  # noqa: E731
+        col = lambda f, fmt="%.3f": fmt_mean_std([f(s) for s in runs], fmt)
         if m == base:
             diff, verdict = "(reference)", ""
         else:
             d, lo, hi = r["diff"]
             diff = f"{d:+.3f}" + ("" if lo is None else f" [{lo:+.3f}, {hi:+.3f}]")
             verdict = r["verdict"]
-        outcome.append(f"| {m} | {fmt_mean_std(r['final'])} | {diff} | {verdict} | {col(lambda s: s['final']['greedy_pass1'])} | "
-                       f"{col(lambda s: s['final']['passk'])} |")
+        outcome.append(
+            f"| {m} | {fmt_mean_std(r['final'])} | {diff} | {verdict} | {col(lambda s: s['final']['greedy_pass1'])} | "
+            f"{col(lambda s: s['final']['passk'])} |"
+        )
         t, sp = r["to_target"], r["speedup"]
-        speed.append(f"| {m} | {fmt_x(t['step'], '%.1f')}{fmt_r(sp['step'])} | {fmt_x(t['update_s'])}{fmt_r(sp['update_s'])} | "
-                     f"{fmt_x(t['step_s'])}{fmt_r(sp['step_s'])} |")
-        by_level.append(f"| {m} | " + " | ".join(f"{avg([s['warm_start'].get(key, 0) for s in runs]):.2f} → "
-                                                 f"{avg([s['final'][key] for s in runs]):.2f}" for key in levels) + " |")
+        speed.append(
+            f"| {m} | {fmt_x(t['step'], '%.1f')}{fmt_r(sp['step'])} | {fmt_x(t['update_s'])}{fmt_r(sp['update_s'])} | "
+            f"{fmt_x(t['step_s'])}{fmt_r(sp['step_s'])} |"
+        )
+        by_level.append(
+            f"| {m} | "
+            + " | ".join(
+                f"{avg([s['warm_start'].get(key, 0) for s in runs]):.2f} → {avg([s['final'][key] for s in runs]):.2f}"
+                for key in levels
+            )
+            + " |"
+        )
         kl = [s["final_kl_ref"] for s in runs if s.get("final_kl_ref") is not None]
-        costs.append(f"| {m} | {col(lambda s: s['samples_trained'], '%.0f')} | {col(lambda s: s['tokens_trained'], '%.0f')} | "
-                     f"{col(lambda s: s['tokens_forwarded'], '%.0f')} | {col(lambda s: s['mean_sur'], '%.2f')} | "
-                     f"{col(lambda s: s['mean_k_real'])} / {col(lambda s: s['mean_k_frac'])} | "
-                     f"{fmt_mean_std(kl) if kl else 'n/a'} | {col(lambda s: s['mean_entropy'])} / "
-                     f"{col(lambda s: s['mean_entropy_kept'] or 0.0)} | {col(lambda s: s['mean_grad_norm'] or 0.0)} |")
+        costs.append(
+            f"| {m} | {col(lambda s: s['samples_trained'], '%.0f')} | {col(lambda s: s['tokens_trained'], '%.0f')} | "
+            f"{col(lambda s: s['tokens_forwarded'], '%.0f')} | {col(lambda s: s['mean_sur'], '%.2f')} | "
+            f"{col(lambda s: s['mean_k_real'])} / {col(lambda s: s['mean_k_frac'])} | "
+            f"{fmt_mean_std(kl) if kl else 'n/a'} | {col(lambda s: s['mean_entropy'])} / "
+            f"{col(lambda s: s['mean_entropy_kept'] or 0.0)} | {col(lambda s: s['mean_grad_norm'] or 0.0)} |"
+        )
         tp = {key: avg([s["time_per_step"][key] for s in runs]) for key in ("gen", "reward", "pass1", "train")}
-        times.append(f"| {m} | {tp['gen']:.2f} | {tp['reward']:.2f} | {tp['pass1']:.2f} | {tp['train'] - tp['pass1']:.2f} | "
-                     f"{tp['gen'] + tp['reward'] + tp['train']:.2f} |")
+        times.append(
+            f"| {m} | {tp['gen']:.2f} | {tp['reward']:.2f} | {tp['pass1']:.2f} | {tp['train'] - tp['pass1']:.2f} | "
+            f"{tp['gen'] + tp['reward'] + tp['train']:.2f} |"
+        )
     w = s0["warm_start"]
-    text = "\n".join([
-        f"# train_small.py --compare ({args.loss} loss, {args.steps} steps, {S} RL seed{'s' * (S > 1)}: "
-        f"{', '.join(map(str, seeds))})", "",
-        f"Command: `{args.command}`  ",
-        f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__} with {torch.get_num_threads()} threads; "
-        f"total time {total_s / 60:.1f} min.  ",
-        f"Warm start (the same for every run): held-out greedy Pass@1 {w['greedy_pass1']:.3f}, Pass@1 mean@{w.get('n', n)} "
-        f"{w['pass1_mean']:.3f}, Pass@{w.get('k', k)} {w['passk']:.3f}.", "",
-        "## Held-out Pass@1 at the last step", "", *outcome, "",
-        f"Mean ± std over the {S} seeds (same warm start, data and held-out set; the seed sets prompt order, sampling and "
-        f"random selection). Δ: the mean of the same-seed differences to {base}, with a 95% Student-t interval over the "
-        f"{S} paired differences (mean ± t(0.975, {S - 1}) · sd / √{S}); a row differs from {base} only if its interval "
-        f"excludes 0. Held-out set: {args.eval_size} problems, {n} samples each at temperature {args.temperature} "
-        f"({args.mid_eval_samples} at the evaluations before the last).", "",
-        f"## Training speed-up: reaching {base}'s final mean Pass@1 ({target:.3f})", "", *speed, "",
-        f"On the seed-mean curve of held-out Pass@1 (evaluated every {args.eval_every} steps), the first point at which a "
-        f"row reaches {base}'s final mean, interpolated linearly between evaluations; in steps, in update seconds "
-        f"(forward, backward, optimizer) and in whole-step seconds (generate + grade + update; evaluation excluded). "
-        f"In brackets: the speed-up, {base}'s figure / the row's (> 1: faster). 'never': not reached in {args.steps} steps.", "",
-        "## Where RL helped: held-out Pass@1 by level (mean over seeds)", "", *by_level, "",
-        "## Costs and the paper's metrics (mean ± std over seeds)", "", *costs, "",
-        "Tokens in loss: the response tokens that token selection kept; tokens forwarded: the response tokens of the kept "
-        "rollouts (the forward/backward cost). SUR: the share of trained rollouts with a non-zero advantage. KL: k3 to the "
-        "warm start on the selected tokens, at the last step that measured it. Entropy: per token, of all forwarded tokens "
-        "/ of the selected ones, mean over steps.", "",
-        "## Where a step's time goes (mean over steps and seeds)", "", *times, "",
-        "Pass 1: the no-grad forward for the old log-probs of mini-batches 2..M (and the reference on KL steps); update: "
-        "token selection and the M forward/backward/optimizer steps.", ""])
+    text = "\n".join(
+        [
+            f"# train_small.py --compare ({args.loss} loss, {args.steps} steps, {S} RL seed{'s' * (S > 1)}: "
+            f"{', '.join(map(str, seeds))})",
+            "",
+            f"Command: `{args.command}`  ",
+            f"Machine: {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__} with {torch.get_num_threads()} threads; "
+            f"total time {total_s / 60:.1f} min.  ",
+            f"Warm start (the same for every run): held-out greedy Pass@1 {w['greedy_pass1']:.3f}, Pass@1 mean@{w.get('n', n)} "
+            f"{w['pass1_mean']:.3f}, Pass@{w.get('k', k)} {w['passk']:.3f}.",
+            "",
+            "## Held-out Pass@1 at the last step",
+            "",
+            *outcome,
+            "",
+            f"Mean ± std over the {S} seeds (same warm start, data and held-out set; the seed sets prompt order, sampling and "
+            f"random selection). Δ: the mean of the same-seed differences to {base}, with a 95% Student-t interval over the "
+            f"{S} paired differences (mean ± t(0.975, {S - 1}) · sd / √{S}); a row differs from {base} only if its interval "
+            f"excludes 0. Held-out set: {args.eval_size} problems, {n} samples each at temperature {args.temperature} "
+            f"({args.mid_eval_samples} at the evaluations before the last).",
+            "",
+            f"## Training speed-up: reaching {base}'s final mean Pass@1 ({target:.3f})",
+            "",
+            *speed,
+            "",
+            f"On the seed-mean curve of held-out Pass@1 (evaluated every {args.eval_every} steps), the first point at which a "
+            f"row reaches {base}'s final mean, interpolated linearly between evaluations; in steps, in update seconds "
+            f"(forward, backward, optimizer) and in whole-step seconds (generate + grade + update; evaluation excluded). "
+            f"In brackets: the speed-up, {base}'s figure / the row's (> 1: faster). 'never': not reached in {args.steps} steps.",
+            "",
+            "## Where RL helped: held-out Pass@1 by level (mean over seeds)",
+            "",
+            *by_level,
+            "",
+            "## Costs and the paper's metrics (mean ± std over seeds)",
+            "",
+            *costs,
+            "",
+            "Tokens in loss: the response tokens that token selection kept; tokens forwarded: the response tokens of the kept "
+            "rollouts (the forward/backward cost). SUR: the share of trained rollouts with a non-zero advantage. KL: k3 to the "
+            "warm start on the selected tokens, at the last step that measured it. Entropy: per token, of all forwarded tokens "
+            "/ of the selected ones, mean over steps.",
+            "",
+            "## Where a step's time goes (mean over steps and seeds)",
+            "",
+            *times,
+            "",
+            "Pass 1: the no-grad forward for the old log-probs of mini-batches 2..M (and the reference on KL steps); update: "
+            "token selection and the M forward/backward/optimizer steps.",
+            "",
+        ]
+    )
     with open(os.path.join(args.out, "compare.md"), "w") as f:
         f.write(text)
 
@@ -284,18 +387,28 @@ def write_compare(args, methods, seeds, summaries, total_s):
             ax.fill_between(x, mean - std, mean + std, color=color, alpha=0.12, lw=0)
         if m != base:
             d, lo, hi = lrows[m]["diff"]
-            axes[2].errorbar([d], [i], xerr=None if lo is None else [[d - lo], [hi - d]], fmt="o", color=color, capsize=4)
-        train = [[t for t in common.read_metrics(os.path.join(s["out"], "metrics.jsonl")) if t["kind"] == "train"]
-                 for s in summaries[m]]
-        gnorm = torch.tensor([[t["grad_norm"] if t.get("grad_norm") is not None else math.nan for t in tr] for tr in train])
+            axes[2].errorbar(
+                [d], [i], xerr=None if lo is None else [[d - lo], [hi - d]], fmt="o", color=color, capsize=4
+            )
+        train = [
+            [t for t in common.read_metrics(os.path.join(s["out"], "metrics.jsonl")) if t["kind"] == "train"]
+            for s in summaries[m]
+        ]
+        gnorm = torch.tensor(
+            [[t["grad_norm"] if t.get("grad_norm") is not None else math.nan for t in tr] for tr in train]
+        )
         axes[3].plot([t["step"] for t in train[0]], gnorm.nanmean(0), style, color=color, label=m, lw=1.0)
     for ax in axes[:2]:
         ax.axhline(target, color="grey", lw=0.8, ls=":")
     axes[0].set(xlabel="RL step", ylabel=f"held-out Pass@1 (mean of {n})", title="mean ± std over seeds")
     axes[1].set(xlabel="whole-step seconds (generate + grade + update)", ylabel=f"held-out Pass@1 (mean of {n})")
     axes[2].axvline(0, color="grey", lw=0.8)
-    axes[2].set(yticks=range(len(methods)), yticklabels=methods, xlabel=f"final Pass@1 − {base} (same seed), 95% interval",
-                title="paired differences")
+    axes[2].set(
+        yticks=range(len(methods)),
+        yticklabels=methods,
+        xlabel=f"final Pass@1 − {base} (same seed), 95% interval",
+        title="paired differences",
+    )
     axes[3].set(xlabel="RL step", ylabel="gradient norm before clipping (seed mean)", yscale="log")
     for ax in axes:
         ax.grid(alpha=0.3)
@@ -318,4 +431,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    common.interruptible(main, PROG, "the finished runs are kept and each stopped one resumes from its checkpoint: run the same command again")
+    common.interruptible(
+        main,
+        PROG,
+        "the finished runs are kept and each stopped one resumes from its checkpoint: run the same command again",
+    )

@@ -54,21 +54,37 @@ def summarize(logs, args, reference="grpo"):
     """Markdown: one row per method, mean ± std over seeds; then, when `reference` ran, each method paired by seed
     with it (same task, initial policy and prompt order) with 95% t intervals."""
     head = ["method"] + ["steps to reward ≥ %g" % t for t in args.target]
-    head += ["final reward", "mean reward over the run", "prompts solved /%d" % args.prompts, "mean grad norm",
-             "… at GRPO's normalizer", "SUR", "rollouts trained", "tokens trained", "K realised / scheduled"]
+    head += [
+        "final reward",
+        "mean reward over the run",
+        "prompts solved /%d" % args.prompts,
+        "mean grad norm",
+        "… at GRPO's normalizer",
+        "SUR",
+        "rollouts trained",
+        "tokens trained",
+        "K realised / scheduled",
+    ]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for method, runs in logs.items():
         cells = [method]
         for target in args.target:  # seeds that never reach the target are counted, not averaged
             reached = [h for h in (steps_to(log, target) for log in runs) if h is not None]
-            cells.append("%.0f ± %.0f (%d/%d)" % (*mean_std(reached), len(reached), len(runs)) if reached else "– (0/%d)" % len(runs))
-        for key, reduce, fmt in (("eval_reward", lambda v: v[-1], "%.3f ± %.3f"),
-                                 ("eval_reward", lambda v: sum(v) / len(v), "%.3f ± %.3f"),
-                                 ("eval_solved", lambda v: v[-1], "%.1f ± %.1f"),
-                                 ("grad_norm", mean_finite, "%.3f ± %.3f"),
-                                 ("grad_norm_grpo_scale", mean_finite, "%.3f ± %.3f"),
-                                 ("sur", lambda v: sum(v) / len(v), "%.2f"),
-                                 ("kept_samples", sum, "%.0f"), ("kept_tokens", sum, "%.0f ± %.0f")):
+            cells.append(
+                "%.0f ± %.0f (%d/%d)" % (*mean_std(reached), len(reached), len(runs))
+                if reached
+                else "– (0/%d)" % len(runs)
+            )
+        for key, reduce, fmt in (
+            ("eval_reward", lambda v: v[-1], "%.3f ± %.3f"),
+            ("eval_reward", lambda v: sum(v) / len(v), "%.3f ± %.3f"),
+            ("eval_solved", lambda v: v[-1], "%.1f ± %.1f"),
+            ("grad_norm", mean_finite, "%.3f ± %.3f"),
+            ("grad_norm_grpo_scale", mean_finite, "%.3f ± %.3f"),
+            ("sur", lambda v: sum(v) / len(v), "%.2f"),
+            ("kept_samples", sum, "%.0f"),
+            ("kept_tokens", sum, "%.0f ± %.0f"),
+        ):
             values = [v for v in (reduce(log[key]) for log in runs) if v is not None]  # None: a run with no update
             cells.append(fmt % mean_std(values)[: fmt.count("%")] if values else "–")
         realised = [sum(log["k_real"]) / len(log["k_real"]) for log in runs]
@@ -84,7 +100,9 @@ def summarize(logs, args, reference="grpo"):
 def paired_table(logs, args, reference="grpo"):
     """Each method minus `reference`, seed by seed: mean [95% t interval], and the verdict: it differs only where
     the interval, as printed, excludes 0."""
-    fmt_interval = lambda m, lo, hi, f: (f % m) + (" [%s, %s]" % (f % lo, f % hi) if lo is not None else " (no interval: 1 seed)")  # noqa: E731
+    fmt_interval = lambda m, lo, hi, f: (
+        (f % m) + (" [%s, %s]" % (f % lo, f % hi) if lo is not None else " (no interval: 1 seed)")
+    )
     head = ["method", f"final reward − {reference}'s", "seeds better", f"mean reward over the run − {reference}'s"]
     head += [f"steps to ≥ {t:g} − {reference}'s (seeds where both reach it)" for t in args.target]
     head += [f"differs from {reference} (95%)"]
@@ -94,8 +112,10 @@ def paired_table(logs, args, reference="grpo"):
         if method == reference:
             continue
         verdict, cells = [], [method]
-        for name, key, reduce in (("final reward", "eval_reward", lambda v: v[-1]),
-                                  ("mean reward over the run", "eval_reward", lambda v: sum(v) / len(v))):
+        for name, key, reduce in (
+            ("final reward", "eval_reward", lambda v: v[-1]),
+            ("mean reward over the run", "eval_reward", lambda v: sum(v) / len(v)),
+        ):
             diffs = [reduce(log[key]) - reduce(ref[key]) for log, ref in zip(runs, base)]
             m, lo, hi = paired_interval(diffs)
             cells.append(fmt_interval(m, lo, hi, "%+.3f"))
@@ -135,15 +155,21 @@ def plot(logs, args, path):
         grad_norm = grad_norm.unfold(1, smooth, 1).mean(-1)  # [seeds, steps - smooth + 1]
         for ax, x, y in ((ax_r, runs[0]["eval_step"], reward), (ax_g, runs[0]["step"][smooth - 1 :], grad_norm)):
             mean, std = y.mean(0), (y.std(0) if len(runs) > 1 else torch.zeros_like(y[0]))
-            lower = (mean - std).clamp(min=0.0) if ax is ax_r else (mean - std).clamp(min=mean / 3)  # log axis: no band to 0
+            lower = (
+                (mean - std).clamp(min=0.0) if ax is ax_r else (mean - std).clamp(min=mean / 3)
+            )  # log axis: no band to 0
             ax.plot(x, mean, style, color=color, label=method, lw=1.2)
             ax.fill_between(x, lower, mean + std, color=color, alpha=0.12, lw=0)
     for target in args.target:
         ax_r.axhline(target, color="grey", lw=0.6, ls=":")
     ax_r.set(xlabel="step", ylabel="expected reward, all prompts", title="reward (mean ± std of %d seeds)" % args.seeds)
     positive = any(v is not None and v > 0 for runs in logs.values() for log in runs for v in log["grad_norm"])
-    ax_g.set(xlabel="step", ylabel="gradient norm before clipping", yscale="log" if positive else "linear",
-             title="gradient norm (mean ± std, 5-step mean)")
+    ax_g.set(
+        xlabel="step",
+        ylabel="gradient norm before clipping",
+        yscale="log" if positive else "linear",
+        title="gradient norm (mean ± std, 5-step mean)",
+    )
     ax_r.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
@@ -155,12 +181,14 @@ def plot(logs, args, path):
 
 def notes(args, reference="grpo"):
     """What the tables' numbers are, written under them in results.md."""
-    return ("First table: mean ± std over the %d seeds; steps to a target average the seeds that reach it (counted in "
-            "brackets). Second table: each method minus %s on the same seed (same task, initial policy and prompt "
-            "order), mean [95%% t interval over seeds: mean ± t_{0.975, n-1} · sd / √n]; steps to a target over the "
-            "seeds where both reach it (counted in brackets). A method differs from %s only where the interval, as "
-            "printed, excludes 0. Per-seed numbers move with the CPU's floating-point path (RL amplifies a last-bit "
-            "difference); the interval verdicts should not." % (args.seeds, reference, reference))
+    return (
+        "First table: mean ± std over the %d seeds; steps to a target average the seeds that reach it (counted in "
+        "brackets). Second table: each method minus %s on the same seed (same task, initial policy and prompt "
+        "order), mean [95%% t interval over seeds: mean ± t_{0.975, n-1} · sd / √n]; steps to a target over the "
+        "seeds where both reach it (counted in brackets). A method differs from %s only where the interval, as "
+        "printed, excludes 0. Per-seed numbers move with the CPU's floating-point path (RL amplifies a last-bit "
+        "difference); the interval verdicts should not." % (args.seeds, reference, reference)
+    )
 
 
 def main(argv=None):
@@ -168,8 +196,12 @@ def main(argv=None):
     args, runs = bandit.main(argv, bandit.build_parser("toy_ladder.py"))
     logs = {method: [columns(lines) for lines in seeds] for method, seeds in runs.items()}
     table = summarize(logs, args)
-    done = "%d runs in %.1f s (static N=%d, K=%.3f)" % (sum(map(len, runs.values())), time.time() - start, args.static_n,
-                                                          args.static_k)
+    done = "%d runs in %.1f s (static N=%d, K=%.3f)" % (
+        sum(map(len, runs.values())),
+        time.time() - start,
+        args.static_n,
+        args.static_k,
+    )
     command = " ".join(["experiments/toy_ladder.py"] + list(argv if argv is not None else sys.argv[1:]))
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write("%s\n\n%s\n\n%s; %s, %s\n" % (table, notes(args), done, command, time.strftime("%Y-%m-%d %H:%M %Z")))

@@ -42,15 +42,28 @@ def main(argv=None):
     model = tiny.build_tiny_model(tokenizer)  # or model="Qwen/Qwen2.5-0.5B-Instruct"
     dataset = Dataset.from_dict({"prompt": [f"{a}+{b}=" for a in range(10) for b in range(10)]})
     config = D3SGRPOConfig(
-        output_dir=args.out, max_steps=args.steps, per_device_train_batch_size=32, num_generations=8,
-        max_completion_length=16, learning_rate=1e-3, logging_steps=1, report_to="none", save_strategy="no",
-        use_cpu=True, bf16=False,  # this example runs on a CPU; drop both on a GPU
+        output_dir=args.out,
+        max_steps=args.steps,
+        per_device_train_batch_size=32,
+        num_generations=8,
+        max_completion_length=16,
+        learning_rate=1e-3,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        use_cpu=True,
+        bf16=False,  # this example runs on a CPU; drop both on a GPU
         # D3S: N rollouts kept per prompt and K of their tokens, on the paper's linear schedule
         # (8 -> 32 of G = 32 in the paper, scaled here to G = 8)
-        d3s_method=args.method, n_init=2, n_final=8, k_init=0.05, k_final=0.20,
+        d3s_method=args.method,
+        n_init=2,
+        n_final=8,
+        k_init=0.05,
+        k_final=0.20,
     )
-    trainer = D3SGRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=reward_digits,
-                             args=config, train_dataset=dataset)
+    trainer = D3SGRPOTrainer(
+        model=model, processing_class=tokenizer, reward_funcs=reward_digits, args=config, train_dataset=dataset
+    )
     trainer.train()
     last = [h for h in trainer.state.log_history if "d3s/kept_rollouts" in h][-1]
     print({k: round(v, 4) for k, v in last.items() if k.startswith("d3s/")})

@@ -79,8 +79,13 @@ from packaging.version import Version
 from trl import GRPOConfig, GRPOTrainer
 
 SUPPORTED_TRL = ">=1.16.0,<1.17"  # tested: 1.16.0 (requirements-trl.txt pins the same range)
-OVERRIDDEN = ("_calculate_rewards", "_generate_and_score_completions", "_prepare_inputs", "_compute_loss",
-              "_get_per_token_logps_and_entropies")
+OVERRIDDEN = (
+    "_calculate_rewards",
+    "_generate_and_score_completions",
+    "_prepare_inputs",
+    "_compute_loss",
+    "_get_per_token_logps_and_entropies",
+)
 TRL_ADV_EPS = 1e-4  # TRL divides by (std + 1e-4); d3s.group_advantages takes eps, so the advantages are TRL's
 LOSS_AGG = {"dapo": "token-mean", "grpo": "seq-mean-token-mean"}  # TRL loss_type -> d3s.policy_loss agg
 MULTIMODAL_KEYS = ("pixel_values", "image_grid_thw", "num_images", "token_type_ids", "mm_token_type_ids")
@@ -92,11 +97,13 @@ def check_trl_version(version=None):
     missing = [name for name in OVERRIDDEN if not hasattr(GRPOTrainer, name)]
     if Version(version) in SpecifierSet(SUPPORTED_TRL) and not missing:
         return
-    msg = (f"integrations/trl.py supports trl{SUPPORTED_TRL} (tested with 1.16.0), found trl {version}"
-           + (f" without GRPOTrainer.{', '.join(missing)}" if missing else "")
-           + ": it overrides GRPOTrainer internals that change between TRL releases. "
-           "Install a supported TRL with `pip install -r requirements-trl.txt`, "
-           "or set D3S_TRL_ALLOW_UNTESTED=1 to try this version anyway.")
+    msg = (
+        f"integrations/trl.py supports trl{SUPPORTED_TRL} (tested with 1.16.0), found trl {version}"
+        + (f" without GRPOTrainer.{', '.join(missing)}" if missing else "")
+        + ": it overrides GRPOTrainer internals that change between TRL releases. "
+        "Install a supported TRL with `pip install -r requirements-trl.txt`, "
+        "or set D3S_TRL_ALLOW_UNTESTED=1 to try this version anyway."
+    )
     if os.environ.get("D3S_TRL_ALLOW_UNTESTED") == "1" and not missing:
         warnings.warn(msg, stacklevel=3)
         return
@@ -120,23 +127,40 @@ class D3SGRPOConfig(GRPOConfig):
                  token of the kept rollouts (1/K smaller gradients)
     """
 
-    d3s_method: str = field(default="d3s", metadata={"help": "a row of variants.LADDER: " + ", ".join(variants.METHODS)})
-    n_init: int | None = field(default=None, metadata={
-        "help": "N at step 0: rollouts kept per prompt (default num_generations // 4; paper: 8 of 32)"})
-    n_final: int | None = field(default=None, metadata={
-        "help": "N at max_steps (default num_generations; paper: 32 of 32)"})
+    d3s_method: str = field(
+        default="d3s", metadata={"help": "a row of variants.LADDER: " + ", ".join(variants.METHODS)}
+    )
+    n_init: int | None = field(
+        default=None,
+        metadata={"help": "N at step 0: rollouts kept per prompt (default num_generations // 4; paper: 8 of 32)"},
+    )
+    n_final: int | None = field(
+        default=None, metadata={"help": "N at max_steps (default num_generations; paper: 32 of 32)"}
+    )
     k_init: float = field(default=0.05, metadata={"help": "K at step 0: fraction of tokens kept (paper: 0.05)"})
     k_final: float = field(default=0.20, metadata={"help": "K at max_steps (paper: 0.20)"})
-    static_n: int | None = field(default=None, metadata={
-        "help": "N of the static rows d1s, d1s-cross, d2s, pods (default: the schedule's midpoint) (choice)"})
-    static_k: float | None = field(default=None, metadata={
-        "help": "K of d2s (default: the schedule's midpoint) (choice)"})
-    token_scope: str = field(default="batch", metadata={
-        "help": "top K over the optimizer batch of all processes (batch) or within each response (sequence) (choice)"})
-    min_tokens_per_seq: int = field(default=0, metadata={
-        "help": "1: every kept response keeps its best token; 0: the paper's plain top K (choice)"})
-    normalize_by: str = field(default="selected", metadata={
-        "help": "loss normalizer: selected tokens (selected) or all response tokens of the kept rollouts (all) (choice)"})
+    static_n: int | None = field(
+        default=None,
+        metadata={"help": "N of the static rows d1s, d1s-cross, d2s, pods (default: the schedule's midpoint) (choice)"},
+    )
+    static_k: float | None = field(
+        default=None, metadata={"help": "K of d2s (default: the schedule's midpoint) (choice)"}
+    )
+    token_scope: str = field(
+        default="batch",
+        metadata={
+            "help": "top K over the optimizer batch of all processes (batch) or within each response (sequence) (choice)"
+        },
+    )
+    min_tokens_per_seq: int = field(
+        default=0, metadata={"help": "1: every kept response keeps its best token; 0: the paper's plain top K (choice)"}
+    )
+    normalize_by: str = field(
+        default="selected",
+        metadata={
+            "help": "loss normalizer: selected tokens (selected) or all response tokens of the kept rollouts (all) (choice)"
+        },
+    )
 
     def __post_init__(self):
         super().__post_init__()
@@ -150,57 +174,122 @@ class D3SGRPOConfig(GRPOConfig):
 
 def check_d3s_config(args):
     """Raise ValueError naming the field, its value and the fix, before any model is loaded."""
+
     def require(ok, name, value, fix):
         if not ok:
             raise ValueError(f"D3SGRPOConfig.{name}={value!r}: {fix}")
 
     G = args.num_generations
-    require(args.d3s_method in variants.LADDER, "d3s_method", args.d3s_method, f"choose one of {', '.join(variants.METHODS)}")
+    require(
+        args.d3s_method in variants.LADDER,
+        "d3s_method",
+        args.d3s_method,
+        f"choose one of {', '.join(variants.METHODS)}",
+    )
     for name in ("n_init", "n_final") + (("static_n",) if args.static_n is not None else ()):
         value = getattr(args, name)
-        require(isinstance(value, int) and 1 <= value <= G, name, value,
-                f"must be an int in [1, num_generations={G}] (N counts rollouts kept per prompt); "
-                f"lower {name} or raise num_generations")
+        require(
+            isinstance(value, int) and 1 <= value <= G,
+            name,
+            value,
+            f"must be an int in [1, num_generations={G}] (N counts rollouts kept per prompt); "
+            f"lower {name} or raise num_generations",
+        )
     for name in ("k_init", "k_final") + (("static_k",) if args.static_k is not None else ()):
         value = getattr(args, name)
-        require(isinstance(value, (int, float)) and 0 < value <= 1, name, value, "must be in (0, 1] (fraction of tokens kept)")
+        require(
+            isinstance(value, (int, float)) and 0 < value <= 1,
+            name,
+            value,
+            "must be in (0, 1] (fraction of tokens kept)",
+        )
     require(args.token_scope in ("batch", "sequence"), "token_scope", args.token_scope, "choose 'batch' or 'sequence'")
     require(args.min_tokens_per_seq in (0, 1), "min_tokens_per_seq", args.min_tokens_per_seq, "choose 0 or 1")
     require(args.normalize_by in ("selected", "all"), "normalize_by", args.normalize_by, "choose 'selected' or 'all'")
-    require(args.normalize_by == "selected" or args.loss_type == "dapo", "normalize_by", args.normalize_by,
-            "'all' applies to the token mean (loss_type='dapo'); loss_type='grpo' divides by the responses")
+    require(
+        args.normalize_by == "selected" or args.loss_type == "dapo",
+        "normalize_by",
+        args.normalize_by,
+        "'all' applies to the token mean (loss_type='dapo'); loss_type='grpo' divides by the responses",
+    )
     # TRL options that change the objective d3s.policy_loss computes
-    require(args.loss_type in LOSS_AGG, "loss_type", args.loss_type,
-            "D3S supports 'dapo' (token mean over the batch, TRL's default) and 'grpo' (mean per response, then mean)")
-    require(args.scale_rewards in ("group", "none"), "scale_rewards", args.scale_rewards,
-            "D3S selects within groups: use 'group' (GRPO) or 'none' (Dr. GRPO)")
-    require(args.multi_objective_aggregation == "sum_then_normalize", "multi_objective_aggregation",
-            args.multi_objective_aggregation, "D3S ranks rollouts by one reward per rollout: use 'sum_then_normalize'")
-    require(args.top_entropy_quantile >= 1.0, "top_entropy_quantile", args.top_entropy_quantile,
-            "D3S selects tokens itself (k_init/k_final): leave it at 1.0")
-    require(args.off_policy_mask_threshold is None, "off_policy_mask_threshold", args.off_policy_mask_threshold,
-            "not supported with D3S: leave it None")
+    require(
+        args.loss_type in LOSS_AGG,
+        "loss_type",
+        args.loss_type,
+        "D3S supports 'dapo' (token mean over the batch, TRL's default) and 'grpo' (mean per response, then mean)",
+    )
+    require(
+        args.scale_rewards in ("group", "none"),
+        "scale_rewards",
+        args.scale_rewards,
+        "D3S selects within groups: use 'group' (GRPO) or 'none' (Dr. GRPO)",
+    )
+    require(
+        args.multi_objective_aggregation == "sum_then_normalize",
+        "multi_objective_aggregation",
+        args.multi_objective_aggregation,
+        "D3S ranks rollouts by one reward per rollout: use 'sum_then_normalize'",
+    )
+    require(
+        args.top_entropy_quantile >= 1.0,
+        "top_entropy_quantile",
+        args.top_entropy_quantile,
+        "D3S selects tokens itself (k_init/k_final): leave it at 1.0",
+    )
+    require(
+        args.off_policy_mask_threshold is None,
+        "off_policy_mask_threshold",
+        args.off_policy_mask_threshold,
+        "not supported with D3S: leave it None",
+    )
     require(args.delta is None, "delta", args.delta, "two-sided clipping is not supported with D3S: leave it None")
-    require(args.beta == 0.0 or not args.use_bias_correction_kl, "use_bias_correction_kl", args.use_bias_correction_kl,
-            f"with beta={args.beta}, D3S adds d3s.policy_loss's k3 KL without TRL's importance weight: set it False")
-    require(args.entropy_coef == 0.0 and not args.use_adaptive_entropy, "entropy_coef",
-            (args.entropy_coef, args.use_adaptive_entropy), "the entropy bonus is not supported with D3S: "
-            "set entropy_coef=0 and use_adaptive_entropy=False")
-    require(not (args.use_vllm and args.vllm_importance_sampling_correction
-                 and not args.vllm_importance_sampling_mode.startswith("sequence")),
-            "vllm_importance_sampling_mode", args.vllm_importance_sampling_mode,
-            "D3S applies vLLM importance sampling per rollout: use 'sequence_mask' (TRL's default) or "
-            "'sequence_truncate', or set vllm_importance_sampling_correction=False")
+    require(
+        args.beta == 0.0 or not args.use_bias_correction_kl,
+        "use_bias_correction_kl",
+        args.use_bias_correction_kl,
+        f"with beta={args.beta}, D3S adds d3s.policy_loss's k3 KL without TRL's importance weight: set it False",
+    )
+    require(
+        args.entropy_coef == 0.0 and not args.use_adaptive_entropy,
+        "entropy_coef",
+        (args.entropy_coef, args.use_adaptive_entropy),
+        "the entropy bonus is not supported with D3S: set entropy_coef=0 and use_adaptive_entropy=False",
+    )
+    require(
+        not (
+            args.use_vllm
+            and args.vllm_importance_sampling_correction
+            and not args.vllm_importance_sampling_mode.startswith("sequence")
+        ),
+        "vllm_importance_sampling_mode",
+        args.vllm_importance_sampling_mode,
+        "D3S applies vLLM importance sampling per rollout: use 'sequence_mask' (TRL's default) or "
+        "'sequence_truncate', or set vllm_importance_sampling_correction=False",
+    )
     gas, spg = args.gradient_accumulation_steps, args.steps_per_generation
-    require(gas == 1 or spg % gas == 0, "steps_per_generation", spg,
-            f"must be a multiple of gradient_accumulation_steps={gas}, so that an optimizer step's micro-batches "
-            "come from one generation batch (token selection runs over the optimizer batch)")
+    require(
+        gas == 1 or spg % gas == 0,
+        "steps_per_generation",
+        spg,
+        f"must be a multiple of gradient_accumulation_steps={gas}, so that an optimizer step's micro-batches "
+        "come from one generation batch (token selection runs over the optimizer batch)",
+    )
     # d3s's own checks of the budget at the first, middle and last step
     for step in (0, 1, 2):
         try:
-            d3s.method_budget(variants.LADDER[args.d3s_method], step=step, total_steps=2, group_size=G, n_init=args.n_init,
-                              n_final=args.n_final, k_init=args.k_init, k_final=args.k_final, static_n=args.static_n,
-                              static_k=args.static_k)
+            d3s.method_budget(
+                variants.LADDER[args.d3s_method],
+                step=step,
+                total_steps=2,
+                group_size=G,
+                n_init=args.n_init,
+                n_final=args.n_final,
+                k_init=args.k_init,
+                k_final=args.k_final,
+                static_n=args.static_n,
+                static_k=args.static_k,
+            )
         except ValueError as e:
             raise ValueError(f"D3SGRPOConfig: {e}") from None
 
@@ -227,8 +316,10 @@ class D3SGRPOTrainer(GRPOTrainer):
 
         config = inspect.signature(GRPOTrainer.__init__).bind_partial(None, *args, **kwargs).arguments.get("args")
         if not isinstance(config, D3SGRPOConfig):
-            raise TypeError(f"D3SGRPOTrainer(args=...): got {type(config).__name__}; pass a D3SGRPOConfig "
-                            "(GRPOConfig plus d3s_method, n_init, n_final, k_init, k_final, ...)")
+            raise TypeError(
+                f"D3SGRPOTrainer(args=...): got {type(config).__name__}; pass a D3SGRPOConfig "
+                "(GRPOConfig plus d3s_method, n_init, n_final, k_init, k_final, ...)"
+            )
         self._d3s_nothing_selected = False  # set per optimizer step by _normalizer, read by the optimizer's step
         super().__init__(*args, **kwargs)
         self._d3s_rewards_per_func = None
@@ -244,8 +335,10 @@ class D3SGRPOTrainer(GRPOTrainer):
         per_func = self._d3s_rewards_per_func
         unscorable = torch.isnan(per_func).all(dim=1)
         if unscorable.any():
-            raise ValueError(f"reward_funcs: every reward function returned None for {int(unscorable.sum())} "
-                             "completion(s); D3S ranks every rollout by its reward, so return a number for each")
+            raise ValueError(
+                f"reward_funcs: every reward function returned None for {int(unscorable.sum())} "
+                "completion(s); D3S ranks every rollout by its reward, so return a number for each"
+            )
         return (per_func * self.reward_weights.to(per_func.device).unsqueeze(0)).nansum(dim=1).float().cpu()
 
     # -- 2 samples: one choice on the global batch ----------------------------------------------
@@ -258,14 +351,29 @@ class D3SGRPOTrainer(GRPOTrainer):
         if training:
             method, step = args.d3s_method, self.state.global_step
             total = max(int(self.state.max_steps or args.max_steps), 1)
-            n_keep, k_frac = d3s.method_budget(variants.LADDER[method], step=min(step, total), total_steps=total, group_size=G,
-                                               n_init=args.n_init, n_final=args.n_final, k_init=args.k_init,
-                                               k_final=args.k_final, static_n=args.static_n, static_k=args.static_k)
+            n_keep, k_frac = d3s.method_budget(
+                variants.LADDER[method],
+                step=min(step, total),
+                total_steps=total,
+                group_size=G,
+                n_init=args.n_init,
+                n_final=args.n_final,
+                k_init=args.k_init,
+                k_final=args.k_final,
+                static_n=args.static_n,
+                static_k=args.static_k,
+            )
         else:  # evaluation loss: every rollout, every token
             method, step, n_keep, k_frac = "grpo", 0, G, 1.0
         generator = torch.Generator().manual_seed(args.seed * 7919 + step)  # "random": one draw for all processes
-        keep, adv = d3s.select_samples(rewards, n_keep, variants.LADDER[method].samples, scale=self.scale_rewards == "group",
-                                       eps=TRL_ADV_EPS, generator=generator)  # [P, G] each
+        keep, adv = d3s.select_samples(
+            rewards,
+            n_keep,
+            variants.LADDER[method].samples,
+            scale=self.scale_rewards == "group",
+            eps=TRL_ADV_EPS,
+            generator=generator,
+        )  # [P, G] each
         B = output["completion_ids"].shape[0]  # this process's rows: [i * B, (i + 1) * B) of the global batch
         mine = slice(self.accelerator.process_index * B, (self.accelerator.process_index + 1) * B)
         device = output["advantages"].device
@@ -307,15 +415,22 @@ class D3SGRPOTrainer(GRPOTrainer):
         padded = x.new_zeros(rows, cols)
         padded[: x.shape[0], : x.shape[1]] = x
         everything = self.accelerator.gather(padded)  # [processes * rows, cols]
-        return torch.cat([everything[i * rows : i * rows + n] for i, (n, _) in enumerate(shapes)]), [n for n, _ in shapes]
+        return torch.cat([everything[i * rows : i * rows + n] for i, (n, _) in enumerate(shapes)]), [
+            n for n, _ in shapes
+        ]
 
     def _select_tokens(self, scores, mask, k_frac):
         """d3s.select_tokens on the [n, T] scores of ALL processes at once (on CPU, so every
         process makes the identical choice); returns this process's rows of the kept mask."""
         all_scores, counts = self._gather_rows(scores.float())
         all_mask, _ = self._gather_rows(mask.float())
-        keep = d3s.select_tokens(all_scores.cpu(), all_mask.cpu() > 0, k_frac, scope=self.args.token_scope,
-                                 min_per_seq=self.args.min_tokens_per_seq)
+        keep = d3s.select_tokens(
+            all_scores.cpu(),
+            all_mask.cpu() > 0,
+            k_frac,
+            scope=self.args.token_scope,
+            min_per_seq=self.args.min_tokens_per_seq,
+        )
         first = sum(counts[: self.accelerator.process_index])
         return keep[first : first + scores.shape[0], : scores.shape[1]].to(scores.device)
 
@@ -354,14 +469,19 @@ class D3SGRPOTrainer(GRPOTrainer):
                 input_ids, attention_mask, mask, T = self._kept_rows(mb, rows)
                 if rows.numel() and k_frac < 1.0:
                     _, entropy, _ = self._get_per_token_logps_and_entropies(
-                        self.model, input_ids, attention_mask, T, batch_size=self.args.per_device_train_batch_size,
-                        compute_entropy=True)
+                        self.model,
+                        input_ids,
+                        attention_mask,
+                        T,
+                        batch_size=self.args.per_device_train_batch_size,
+                        compute_entropy=True,
+                    )
                     scores = d3s.token_scores(mb["advantages"][rows], entropy)  # |A_i| * H_{i,t}
                 else:
                     scores = torch.zeros(mask.shape, device=mask.device)
                 parts.append((mb, rows, scores, mask))
         width = max(s.shape[1] for _, _, s, _ in parts)
-        pad = lambda x: torch.nn.functional.pad(x, (0, width - x.shape[1]))  # noqa: E731
+        pad = lambda x: torch.nn.functional.pad(x, (0, width - x.shape[1]))
         scores = torch.cat([pad(s) for _, _, s, _ in parts])
         mask = torch.cat([pad(m) for _, _, _, m in parts]).bool()
         token_keep = self._select_tokens(scores, mask, k_frac) if k_frac < 1.0 else mask
@@ -389,7 +509,8 @@ class D3SGRPOTrainer(GRPOTrainer):
         dummy = rows.numel() == 0
         input_ids, attention_mask, mask, T = self._kept_rows(inputs, rows if not dummy else rows.new_zeros(1))
         logps, entropy, aux_loss = self._get_per_token_logps_and_entropies(
-            model, input_ids, attention_mask, T, compute_entropy=True, compute_aux_loss=self.aux_loss_enabled)
+            model, input_ids, attention_mask, T, compute_entropy=True, compute_aux_loss=self.aux_loss_enabled
+        )
         if dummy:
             mask = mask[:0]
         adv = inputs["advantages"][rows]  # [n]
@@ -416,18 +537,33 @@ class D3SGRPOTrainer(GRPOTrainer):
             if self.use_vllm and self.vllm_importance_sampling_correction:  # sequence-level ratio (B, 1), >= 0:
                 loss_adv = adv * inputs["importance_sampling_ratio"][rows].view(-1)  # r * min(wA, cA) = min(w rA, c rA)
             loss, stats = d3s.policy_loss(
-                logps, old, loss_adv, token_keep, kind="gspo" if self.importance_sampling_level == "sequence" else "grpo",
-                clip_low=self.epsilon_low, clip_high=self.epsilon_high, ref_logp=ref, beta=self.beta,
+                logps,
+                old,
+                loss_adv,
+                token_keep,
+                kind="gspo" if self.importance_sampling_level == "sequence" else "grpo",
+                clip_low=self.epsilon_low,
+                clip_high=self.epsilon_high,
+                ref_logp=ref,
+                beta=self.beta,
                 normalizer=normalizer / self.accelerator.num_processes,  # DDP averages the processes' gradients
-                agg=LOSS_AGG[self.loss_type])
+                agg=LOSS_AGG[self.loss_type],
+            )
         if self.aux_loss_enabled:  # MoE load balancing, as TRL adds it
             gas = self.current_gradient_accumulation_steps if self.model.training else 1
             loss = loss + self.router_aux_loss_coef * aux_loss / gas
 
         # TRL's metrics, over the kept rollouts (entropy) and the selected tokens (clipping)
         metrics = self._metrics["train" if self.model.training else "eval"]
-        sums = torch.tensor([float((entropy.float() * mask).sum()), float(mask.sum()),
-                             stats["clip_frac"] * stats["tokens"], stats["tokens"]], device=logps.device)
+        sums = torch.tensor(
+            [
+                float((entropy.float() * mask).sum()),
+                float(mask.sum()),
+                stats["clip_frac"] * stats["tokens"],
+                stats["tokens"],
+            ],
+            device=logps.device,
+        )
         sums = self.accelerator.reduce(sums, "sum")
         metrics["entropy"].append(float(sums[0] / sums[1].clamp(min=1)))
         metrics["clip_ratio/region_mean"].append(float(sums[2] / sums[3].clamp(min=1)))

@@ -17,15 +17,17 @@ def max_variance_subset(values, m):
     """Exercise 2: the indices (ascending) of the m values with the largest unbiased variance. PODS: the best subset
     is always "the k largest plus the m - k smallest" for some k, so m + 1 candidates suffice."""
     order = sorted(range(len(values)), key=lambda i: values[i])
-    candidates = [sorted(order[:m - k] + order[len(order) - k:]) for k in range(m + 1)]
-    variance = lambda idx: torch.tensor([values[i] for i in idx], dtype=torch.float64).var().item() if m > 1 else 0.0  # noqa: E731
+    candidates = [sorted(order[: m - k] + order[len(order) - k :]) for k in range(m + 1)]
+    variance = lambda idx: torch.tensor([values[i] for i in idx], dtype=torch.float64).var().item() if m > 1 else 0.0
     return max(candidates, key=variance)
 
 
 def brute_force_subset(values, m):
     """The same by trying every m-subset (for checking; exponential in len(values))."""
-    return max((list(c) for c in itertools.combinations(range(len(values)), m)),
-               key=lambda idx: torch.tensor([values[i] for i in idx], dtype=torch.float64).var().item() if m > 1 else 0.0)
+    return max(
+        (list(c) for c in itertools.combinations(range(len(values)), m)),
+        key=lambda idx: torch.tensor([values[i] for i in idx], dtype=torch.float64).var().item() if m > 1 else 0.0,
+    )
 
 
 def entropy_scores(adv, entropy):

@@ -34,8 +34,12 @@ def normalise(nb):
         cell.metadata.pop("execution", None)
         outputs = []
         for out in cell.get("outputs", []):
-            if outputs and out.output_type == "stream" and outputs[-1].output_type == "stream" \
-                    and outputs[-1].name == out.name:
+            if (
+                outputs
+                and out.output_type == "stream"
+                and outputs[-1].output_type == "stream"
+                and outputs[-1].name == out.name
+            ):
                 outputs[-1].text += out.text
             else:
                 outputs.append(out)
@@ -46,8 +50,11 @@ def normalise(nb):
 
 def main(argv=None):
     """No flags: execute lesson/lesson.py and write lesson/lesson.ipynb (--help says so and writes nothing)."""
-    p = cli.Parser(prog="build.py", description="Execute lesson/lesson.py top to bottom and write lesson/lesson.ipynb "
-                   "with its outputs (about a minute). It takes no flags.")
+    p = cli.Parser(
+        prog="build.py",
+        description="Execute lesson/lesson.py top to bottom and write lesson/lesson.ipynb "
+        "with its outputs (about a minute). It takes no flags.",
+    )
     p.parse_args(argv)
     nb, seconds = execute()
     normalise(nb)

@@ -36,11 +36,15 @@ def check_max_variance_subset(fn):
     for seed in range(30):
         gen = torch.Generator().manual_seed(seed)
         n = 3 + seed % 6
-        values = torch.rand(n, generator=gen).tolist() if seed % 3 else (torch.rand(n, generator=gen) < 0.5).float().tolist()
+        values = (
+            torch.rand(n, generator=gen).tolist() if seed % 3 else (torch.rand(n, generator=gen) < 0.5).float().tolist()
+        )
         for m in range(1, n + 1):
             idx = [int(i) for i in fn(values, m)]
-            assert len(set(idx)) == m and all(0 <= i < n for i in idx), f"values {values}, m = {m}: {idx} is not m indices"
-            var = lambda ix: torch.tensor([values[i] for i in ix], dtype=torch.float64).var().item() if m > 1 else 0.0  # noqa: E731
+            assert len(set(idx)) == m and all(0 <= i < n for i in idx), (
+                f"values {values}, m = {m}: {idx} is not m indices"
+            )
+            var = lambda ix: torch.tensor([values[i] for i in ix], dtype=torch.float64).var().item() if m > 1 else 0.0
             best = max(var(c) for c in itertools.combinations(range(n), m))
             assert var(idx) >= best - 1e-9, f"values {values}, m = {m}: Var {var(idx):.4f} < the best {best:.4f}"
             mine = d3s.max_variance_subset(torch.tensor(values), m).tolist()
@@ -57,8 +61,9 @@ def check_entropy_scores(fn):
         got = d3s.select_tokens(fn(adv, entropy), mask, k)
         want = d3s.select_tokens(entropy, mask, k)
         assert torch.equal(got, want), f"K = {k}: the kept tokens differ from the top K by entropy"
-    assert not torch.equal(d3s.select_tokens(fn(adv, entropy), mask, 0.3), d3s.select_tokens(d3s.token_scores(adv, entropy), mask, 0.3)), \
-        "these are the tokens |A| * H keeps: the exercise asks for entropy alone"
+    assert not torch.equal(
+        d3s.select_tokens(fn(adv, entropy), mask, 0.3), d3s.select_tokens(d3s.token_scores(adv, entropy), mask, 0.3)
+    ), "these are the tokens |A| * H keeps: the exercise asks for entropy alone"
     print("exercise 3: passed (the top K by entropy at K = 0.1, 0.3, 0.6)")
 
 
@@ -69,15 +74,18 @@ def check_linear_schedule(fn):
         for step in range(total + 3):
             n, k = fn(step, total, *ends)
             want_n, want_k = d3s.dynamic_schedule(step, total, *ends)
-            assert n == want_n and math.isclose(k, want_k, abs_tol=1e-9), \
+            assert n == want_n and math.isclose(k, want_k, abs_tol=1e-9), (
                 f"step {step} of {total}, ends {ends}: ({n}, {k}), expected ({want_n}, {want_k})"
+            )
     print("exercise 4: passed (three runs, every step)")
 
 
 def _batches():
     """Reward batches [P, G] for exercise 5: 0/1 at several success rates (groups without spread included) and
     continuous, and one hand-made batch where the best pooled choice is uneven across groups."""
-    yield torch.tensor([[1.0, 0, 0, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1, 1, 0], [1, 1, 0, 0, 1, 0, 1, 0], [1] * 8, [0] * 8])
+    yield torch.tensor(
+        [[1.0, 0, 0, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1, 1, 0], [1, 1, 0, 0, 1, 0, 1, 0], [1] * 8, [0] * 8]
+    )
     for seed in range(24):
         gen = torch.Generator().manual_seed(100 + seed)
         P, G = 2 + seed % 5, 4 + 2 * (seed % 4)
@@ -96,17 +104,21 @@ def check_cross_group_selection(fn):
         for n in range(1, G + 1):
             keep, adv = fn(rewards.clone(), n)
             where = f"rewards {rewards.tolist()}, N = {n}"
-            assert tuple(keep.shape) == (P, G) and tuple(adv.shape) == (P, G), f"{where}: shapes {tuple(keep.shape)}, {tuple(adv.shape)}"
+            assert tuple(keep.shape) == (P, G) and tuple(adv.shape) == (P, G), (
+                f"{where}: shapes {tuple(keep.shape)}, {tuple(adv.shape)}"
+            )
             keep = keep.bool()
             assert int(keep.sum()) == n * P, f"{where}: kept {int(keep.sum())}, expected N * P = {n * P} over the batch"
             full = d3s.group_advantages(rewards)
-            assert torch.allclose(adv.float(), torch.where(keep, full, torch.zeros_like(full)), atol=1e-5), \
-                f"{where}: the advantages must be the full-group A of section 1 on the kept (0 elsewhere), not " \
+            assert torch.allclose(adv.float(), torch.where(keep, full, torch.zeros_like(full)), atol=1e-5), (
+                f"{where}: the advantages must be the full-group A of section 1 on the kept (0 elsewhere), not "
                 "recomputed on the kept rollouts (that is PODS)"
+            )
             want_keep, want_adv = d3s.select_samples(rewards, n, "cross")
             best = d3s.kept_variance(want_adv, want_keep)
-            assert d3s.kept_variance(full, keep) >= best - 1e-6, \
+            assert d3s.kept_variance(full, keep) >= best - 1e-6, (
                 f"{where}: pooled Var(A') {d3s.kept_variance(full, keep):.4f} < the best {best:.4f}"
+            )
     print("exercise 5: passed (25 batches, every N)")
 
 
@@ -135,12 +147,16 @@ def check_token_topk(fn):
         for k in (0.05, 0.2, 0.5, 1.0):
             got = fn(adv.clone(), entropy.clone(), mask.clone(), k)
             where = f"adv {[round(a, 2) for a in adv.tolist()]}, lengths {mask.sum(-1).tolist()}, K = {k}"
-            assert tuple(got.shape) == tuple(mask.shape), f"{where}: shape {tuple(got.shape)}, expected {tuple(mask.shape)}"
+            assert tuple(got.shape) == tuple(mask.shape), (
+                f"{where}: shape {tuple(got.shape)}, expected {tuple(mask.shape)}"
+            )
             got = got.bool()
             assert not (got & ~mask).any(), f"{where}: a padded position was kept (rank only the real tokens)"
             want = d3s.select_tokens(d3s.token_scores(adv, entropy), mask, k)
-            assert int(got.sum()) == int(want.sum()), \
+            assert int(got.sum()) == int(want.sum()), (
                 f"{where}: kept {int(got.sum())} tokens, expected ceil(K * {int(mask.sum())} real tokens) = {int(want.sum())}"
-            assert torch.allclose(scores[got].sort().values, scores[want].sort().values), \
+            )
+            assert torch.allclose(scores[got].sort().values, scores[want].sort().values), (
                 f"{where}: not the top K by |A| * H over the whole batch"
+            )
     print("exercise 6: passed (12 batches, K = 5%, 20%, 50%, 100%)")

@@ -47,8 +47,9 @@ here = os.path.abspath("")  # in the repository: the lesson imports the project 
 sys.path[:0] = [os.path.dirname(here) if os.path.basename(here) == "lesson" else here]
 if importlib.util.find_spec("d3s") is None:  # on Colab: fetch the project (torch is there already)
     subprocess.run(["git", "clone", "--depth", "1", REPO, "d3s-repo"], check=True)
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "math-verify", "scipy", "transformers>=5.16.1,<5.20"],
-                   check=True)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "math-verify", "scipy", "transformers>=5.16.1,<5.20"], check=True
+    )
     os.chdir("d3s-repo/lesson")
     sys.path[:0] = [os.path.abspath("..")]
 ROOT = sys.path[0]
@@ -76,8 +77,9 @@ print("the project is importable:", ", ".join(m.__name__ + ".py" for m in (d3s, 
 # rollouts, then compute GRPO's advantages, $A_i = (R_i - \text{mean}_g R) / (\text{std}_g R + \epsilon)$ per group.
 
 # %%
-args = bandit.parse_args(["--group-size", "16", "--n-init", "4", "--n-final", "16", "--workers", "1",
-                          "--out", os.path.join(RUNS, "toy")])
+args = bandit.parse_args(
+    ["--group-size", "16", "--n-init", "4", "--n-final", "16", "--workers", "1", "--out", os.path.join(RUNS, "toy")]
+)
 task = bandit.make_task(args, seed=0)
 torch.manual_seed(0)
 policy = bandit.Policy(task["prior"], args.hidden)  # step 0: exactly the "base model" prior
@@ -89,7 +91,7 @@ tokens, logits = policy.sample(prompt_ids, L, gen)  # [P*G, L] tokens, [P*G, L, 
 rewards = bandit.reward(task, prompt_ids, tokens).view(P, G)  # [P, G], 0/1
 A = d3s.group_advantages(rewards)  # [P, G]
 print("correct answers per prompt:", rewards.sum(-1).int().tolist(), "of", G)
-no_spread = (rewards.amax(-1) == rewards.amin(-1))
+no_spread = rewards.amax(-1) == rewards.amin(-1)
 print(f"groups with no spread (A = 0 for all {G}): {int(no_spread.sum())} of {P}")
 print(f"rollouts GRPO trains on with A = 0: {float((A == 0).float().mean()):.0%}")
 
@@ -101,7 +103,9 @@ print(f"rollouts GRPO trains on with A = 0: {float((A == 0).float().mean()):.0%}
 # %%
 H = d3s.token_entropy(logits)  # [P*G, L]
 decisions = task["decisions"][prompt_ids]  # [P*G, L]: which positions the reward reads
-print(f"mean entropy at decision positions {float(H[decisions].mean()):.2f}, at filler {float(H[~decisions].mean()):.2f}")
+print(
+    f"mean entropy at decision positions {float(H[decisions].mean()):.2f}, at filler {float(H[~decisions].mean()):.2f}"
+)
 print(f"share of tokens that are decisions: {float(decisions.float().mean()):.0%}")
 fig, ax = plt.subplots(1, 2, figsize=(11, 3.2))
 order = A.argsort(-1)
@@ -133,7 +137,9 @@ best = max(itertools.combinations(range(len(values)), m), key=lambda c: values[l
 print("max_variance_subset:", kept.tolist(), f"Var = {values[kept].double().var():.4f}")
 print("brute force:        ", list(best), f"Var = {values[list(best)].double().var():.4f}")
 fig = plt.figure(figsize=(6, 1.4))
-plt.scatter(values, [0] * len(values), c=["C3" if i in kept.tolist() else "lightgrey" for i in range(len(values))], s=80)
+plt.scatter(
+    values, [0] * len(values), c=["C3" if i in kept.tolist() else "lightgrey" for i in range(len(values))], s=80
+)
 plt.yticks([])
 plt.title("kept (red): the extremes")
 display(fig)
@@ -156,11 +162,15 @@ keep_intra, adv_intra = d3s.select_samples(rewards, 4, "intra")  # N = 4 of G = 
 keep_pods, adv_pods = d3s.select_samples(rewards, 4, "pods")  # the same rollouts, advantages recomputed on the 4
 for p in range(P):
     if not no_spread[p]:
-        print(f"prompt {p}: Var(A) of the kept 4 = {d3s.kept_variance(adv_intra[p], keep_intra[p]):.2f} (>= 1);"
-              f" PODS's recomputed {d3s.kept_variance(adv_pods[p], keep_pods[p]):.2f}")
+        print(
+            f"prompt {p}: Var(A) of the kept 4 = {d3s.kept_variance(adv_intra[p], keep_intra[p]):.2f} (>= 1);"
+            f" PODS's recomputed {d3s.kept_variance(adv_pods[p], keep_pods[p]):.2f}"
+        )
 pop = torch.tensor([-1.0, 1.0, 1.0])  # the best 3 of [0, 0, 1, 1] standardized with the population std: [-1, -1, 1, 1]
-print(f"population variance, [0, 0, 1, 1], N = 3: {float(pop.var(unbiased=False)):.3f} < 1; the pair {{-1, 1}}: "
-      f"{float(torch.tensor([-1.0, 1.0]).var(unbiased=False)):.0f}")
+print(
+    f"population variance, [0, 0, 1, 1], N = 3: {float(pop.var(unbiased=False)):.3f} < 1; the pair {{-1, 1}}: "
+    f"{float(torch.tensor([-1.0, 1.0]).var(unbiased=False)):.0f}"
+)
 
 # %% [markdown]
 # D3S chooses **across groups** ("cross", the rows `d1s-cross`, `d2s`, `d3s`). The paper says "a further cross-group
@@ -174,12 +184,18 @@ print(f"population variance, [0, 0, 1, 1], N = 3: {float(pop.var(unbiased=False)
 keep_cross, adv_cross = d3s.select_samples(rewards, 4, "cross")
 print("kept per prompt, intra:", keep_intra.sum(-1).tolist())
 print("kept per prompt, cross:", keep_cross.sum(-1).tolist())
-print(f"pooled Var(A') intra {d3s.kept_variance(adv_intra, keep_intra):.2f}, cross {d3s.kept_variance(adv_cross, keep_cross):.2f}")
-print(f"share of kept rollouts with A != 0 (SUR): GRPO {d3s.usefulness_rate(A, torch.ones_like(rewards, dtype=torch.bool)):.2f},"
-      f" cross {d3s.usefulness_rate(adv_cross, keep_cross):.2f}")
+print(
+    f"pooled Var(A') intra {d3s.kept_variance(adv_intra, keep_intra):.2f}, cross {d3s.kept_variance(adv_cross, keep_cross):.2f}"
+)
+print(
+    f"share of kept rollouts with A != 0 (SUR): GRPO {d3s.usefulness_rate(A, torch.ones_like(rewards, dtype=torch.bool)):.2f},"
+    f" cross {d3s.usefulness_rate(adv_cross, keep_cross):.2f}"
+)
 small = torch.tensor([[1.0, 0, 0, 0], [1, 1, 1, 1]])  # group 2 has no spread; keep 3 per prompt, 6 of 8
 k_small, a_small = d3s.select_samples(small, 3, "cross")
-print("counter-example: kept", k_small.int().tolist(), f"pooled Var(A') = {d3s.kept_variance(a_small, k_small):.2f} < 1")
+print(
+    "counter-example: kept", k_small.int().tolist(), f"pooled Var(A') = {d3s.kept_variance(a_small, k_small):.2f} < 1"
+)
 
 # %% [markdown]
 # ## 3. The second level: |A| × H on a real tiny transformer
@@ -195,18 +211,47 @@ import train_small  # noqa: E402  (the second rung)
 import warmstart  # noqa: E402
 from mathtask import Grader  # noqa: E402
 
-small_args = train_small.parse_args(["--task", "direct", "--hidden-size", "64", "--num-layers", "2", "--sft-steps", "250",
-                                     "--sft-lr", "3e-3", "--sft-batch", "32", "--train-size", "2000", "--threads", "2",
-                                     "--cache-dir", os.path.join(RUNS, "cache"), "--out", os.path.join(RUNS, "small"),
-                                     "--group-size", "8", "--n-init", "4", "--n-final", "8"])
+small_args = train_small.parse_args(
+    [
+        "--task",
+        "direct",
+        "--hidden-size",
+        "64",
+        "--num-layers",
+        "2",
+        "--sft-steps",
+        "250",
+        "--sft-lr",
+        "3e-3",
+        "--sft-batch",
+        "32",
+        "--train-size",
+        "2000",
+        "--threads",
+        "2",
+        "--cache-dir",
+        os.path.join(RUNS, "cache"),
+        "--out",
+        os.path.join(RUNS, "small"),
+        "--group-size",
+        "8",
+        "--n-init",
+        "4",
+        "--n-final",
+        "8",
+    ]
+)
 train_rows, _ = warmstart.load_data(small_args)
 model, tokenizer, info = warmstart.load_warm_start(small_args, train_rows)
 problems = [r for r in train_rows if r["level"] == 1][:12]  # one-digit sums: a weak model gets some right
 torch.manual_seed(1)
-batch = train_small.rollout(model, tokenizer, [warmstart.format_prompt(r["problem"], "plain") for r in problems], 8,
-                           small_args.max_new_tokens)  # 12 prompts x 8 answers
+batch = train_small.rollout(
+    model, tokenizer, [warmstart.format_prompt(r["problem"], "plain") for r in problems], 8, small_args.max_new_tokens
+)  # 12 prompts x 8 answers
 with Grader(timeout_s=5.0) as grader:
-    rewards_s = train_small.compute_rewards(grader, batch["texts"], [r["answer"] for r in problems for _ in range(8)]).view(12, 8)
+    rewards_s = train_small.compute_rewards(
+        grader, batch["texts"], [r["answer"] for r in problems for _ in range(8)]
+    ).view(12, 8)
 print(problems[0]["problem"], "->", [batch["texts"][i] for i in range(4)])
 print("right answers per prompt:", rewards_s.sum(-1).int().tolist(), "of 8")
 
@@ -227,14 +272,37 @@ with torch.no_grad():
     logp_s, H_s = train_small.forward_logprobs_entropy(model, kept_batch)  # [B, T] each
 scores = d3s.token_scores(adv_s.view(-1)[rows], H_s)  # |A| * H
 token_keep = d3s.select_tokens(scores, kept_batch["response_mask"], 0.2)
-metrics = {"k_real": float(token_keep.sum() / kept_batch["response_mask"].sum()), "loss": None, "grad_norm": None,
-           "kept_tokens": int(token_keep.sum())}
-explain.small_page(os.path.join(RUNS, "explain"), 1, tokenizer, problems, batch, rewards_s, keep_s, adv_s, rows, 4, 0.2, H_s,
-                   scores, token_keep, metrics, small_args)
+metrics = {
+    "k_real": float(token_keep.sum() / kept_batch["response_mask"].sum()),
+    "loss": None,
+    "grad_norm": None,
+    "kept_tokens": int(token_keep.sum()),
+}
+explain.small_page(
+    os.path.join(RUNS, "explain"),
+    1,
+    tokenizer,
+    problems,
+    batch,
+    rewards_s,
+    keep_s,
+    adv_s,
+    rows,
+    4,
+    0.2,
+    H_s,
+    scores,
+    token_keep,
+    metrics,
+    small_args,
+)
 for r in adv_s.view(-1)[rows].abs().argsort(descending=True)[:4].tolist():  # the kept answers with the largest |A|
     n = int(kept_batch["response_mask"][r].sum())
     pieces = [tokenizer.decode([t]) for t in kept_batch["response_ids"][r, :n].tolist()]
-    print(f"A = {adv_s.view(-1)[rows[r]]:+.2f}:", " ".join(f"[{p}]" if k else p for p, k in zip(pieces, token_keep[r, :n].tolist())))
+    print(
+        f"A = {adv_s.view(-1)[rows[r]]:+.2f}:",
+        " ".join(f"[{p}]" if k else p for p, k in zip(pieces, token_keep[r, :n].tolist())),
+    )
 
 # %%
 display(Image(os.path.join(RUNS, "explain", "step_000001.png")))
@@ -284,8 +352,10 @@ selected = torch.tensor([[1, 1, 0, 0, 1], [0, 1, 0, 0, 0], [1, 0, 0, 1, 1]], dty
 loss, stats = d3s.policy_loss(logp, logp.detach(), adv, selected, kind="grpo")
 loss.backward()
 expected = -adv.unsqueeze(-1) * selected / selected.sum()
-print(f"loss {loss.item():+.4f} = -mean(A over selected) {-(adv.unsqueeze(-1) * selected).sum().item() / selected.sum().item():+.4f};"
-      f" clip_frac {stats['clip_frac']}")
+print(
+    f"loss {loss.item():+.4f} = -mean(A over selected) {-(adv.unsqueeze(-1) * selected).sum().item() / selected.sum().item():+.4f};"
+    f" clip_frac {stats['clip_frac']}"
+)
 print("gradient == -A * selected / #selected:", torch.allclose(logp.grad, expected))
 grpo_grad = logp.grad.clone()
 logp.grad = None
@@ -301,7 +371,9 @@ print("GSPO's gradient on-policy == GRPO's:", torch.allclose(logp.grad, grpo_gra
 moved = (logp.detach() + 0.3 * torch.randn(3, 5)).requires_grad_()  # the policy after an update
 for kind in ("grpo", "gspo"):
     _, st = d3s.policy_loss(moved, logp.detach(), adv, selected, kind=kind)
-    print(f"{kind}: ratio in [{st['ratio_min']:.2f}, {st['ratio_max']:.2f}], clipped share of tokens {st['clip_frac']:.2f}")
+    print(
+        f"{kind}: ratio in [{st['ratio_min']:.2f}, {st['ratio_max']:.2f}], clipped share of tokens {st['clip_frac']:.2f}"
+    )
 
 # %% [markdown]
 # ## 6. The experiment: GRPO against D3S on the toy, over seeds
@@ -322,15 +394,21 @@ t0 = time.time()
 runs = {m: [columns(bandit.run(m, seed, toy_args)) for seed in range(SEEDS)] for m in ("grpo", "d3s")}
 final = {m: [log["eval_reward"][-1] for log in logs] for m, logs in runs.items()}
 d, lo, hi = paired_interval([a - b for a, b in zip(final["d3s"], final["grpo"])])
-print(f"{2 * SEEDS} runs in {time.time() - t0:.0f} s. Final expected reward: GRPO {sum(final['grpo']) / SEEDS:.3f}, "
-      f"D3S {sum(final['d3s']) / SEEDS:.3f}; D3S - GRPO {d:+.3f} [{lo:+.3f}, {hi:+.3f}] (95%)")
+print(
+    f"{2 * SEEDS} runs in {time.time() - t0:.0f} s. Final expected reward: GRPO {sum(final['grpo']) / SEEDS:.3f}, "
+    f"D3S {sum(final['d3s']) / SEEDS:.3f}; D3S - GRPO {d:+.3f} [{lo:+.3f}, {hi:+.3f}] (95%)"
+)
 tokens = {m: sum(sum(log["kept_tokens"]) for log in logs) / SEEDS for m, logs in runs.items()}
-print(f"tokens in the loss per run: GRPO {tokens['grpo']:.0f}, D3S {tokens['d3s']:.0f} ({tokens['d3s'] / tokens['grpo']:.0%})")
+print(
+    f"tokens in the loss per run: GRPO {tokens['grpo']:.0f}, D3S {tokens['d3s']:.0f} ({tokens['d3s'] / tokens['grpo']:.0%})"
+)
 fig = plt.figure(figsize=(6, 3.2))
 for m, color in (("grpo", "C0"), ("d3s", "C3")):
     curve = torch.tensor([log["eval_reward"] for log in runs[m]])
     plt.plot(curve.mean(0), color=color, label=m)
-    plt.fill_between(range(curve.shape[1]), curve.mean(0) - curve.std(0), curve.mean(0) + curve.std(0), color=color, alpha=0.15)
+    plt.fill_between(
+        range(curve.shape[1]), curve.mean(0) - curve.std(0), curve.mean(0) + curve.std(0), color=color, alpha=0.15
+    )
 plt.xlabel("step")
 plt.ylabel("expected reward (mean ± std over seeds)")
 plt.legend()
@@ -365,18 +443,28 @@ t0 = time.time()
 stab = {m: [columns(bandit.run(m, seed, stab_args)) for seed in range(STAB_SEEDS)] for m in ("d3s", "d3s-i")}
 for m, logs in stab.items():
     peaks = [max(r for r in variants.spike_ratios(log["grad_norm"]) if r is not None) for log in logs]
-    print(f"{m:>5}: final reward {sum(log['eval_reward'][-1] for log in logs) / STAB_SEEDS:.3f}, "
-          f"largest grad norm / running median {sum(peaks) / STAB_SEEDS:.2f} (max {max(peaks):.2f}), "
-          f"spikes > 3x per run {sum(sum(r is not None and r > 3 for r in variants.spike_ratios(log['grad_norm'])) for log in logs) / STAB_SEEDS:.1f}, "
-          f"KL to the start at the end {sum(log['kl_ref'][-1] for log in logs) / STAB_SEEDS:.2f}, "
-          f"SUR {sum(sum(log['sur']) / len(log['sur']) for log in logs) / STAB_SEEDS:.2f}")
+    print(
+        f"{m:>5}: final reward {sum(log['eval_reward'][-1] for log in logs) / STAB_SEEDS:.3f}, "
+        f"largest grad norm / running median {sum(peaks) / STAB_SEEDS:.2f} (max {max(peaks):.2f}), "
+        f"spikes > 3x per run {sum(sum(r is not None and r > 3 for r in variants.spike_ratios(log['grad_norm'])) for log in logs) / STAB_SEEDS:.1f}, "
+        f"KL to the start at the end {sum(log['kl_ref'][-1] for log in logs) / STAB_SEEDS:.2f}, "
+        f"SUR {sum(sum(log['sur']) / len(log['sur']) for log in logs) / STAB_SEEDS:.2f}"
+    )
 d, lo, hi = paired_interval([a["eval_reward"][-1] - b["eval_reward"][-1] for a, b in zip(stab["d3s"], stab["d3s-i"])])
-print(f"final reward d3s - d3s-i: {d:+.3f} [{lo:+.3f}, {hi:+.3f}] (95%, {STAB_SEEDS} seeds); {2 * STAB_SEEDS} runs in {time.time() - t0:.0f} s")
+print(
+    f"final reward d3s - d3s-i: {d:+.3f} [{lo:+.3f}, {hi:+.3f}] (95%, {STAB_SEEDS} seeds); {2 * STAB_SEEDS} runs in {time.time() - t0:.0f} s"
+)
 fig = plt.figure(figsize=(6, 3.2))
 for m, color in (("d3s", "C3"), ("d3s-i", "C2")):
     for i, log in enumerate(stab[m]):
-        plt.plot(log["step"], [g if g is not None else float("nan") for g in log["grad_norm"]], color=color, alpha=0.5,
-                 lw=0.8, label=m if i == 0 else None)
+        plt.plot(
+            log["step"],
+            [g if g is not None else float("nan") for g in log["grad_norm"]],
+            color=color,
+            alpha=0.5,
+            lw=0.8,
+            label=m if i == 0 else None,
+        )
 plt.xlabel("step")
 plt.ylabel("gradient norm before clipping")
 plt.yscale("log")
@@ -437,13 +525,20 @@ kept_rows = keep_cross.view(-1).nonzero().squeeze(-1)
 H_kept, A_kept = H[kept_rows], adv_cross.view(-1)[kept_rows]
 ones = torch.ones_like(H_kept)
 for scope in ("batch", "sequence"):
-    for name, s in (("entropy alone", my_entropy_scores(A_kept, H_kept)), ("|A| * H", d3s.token_scores(A_kept, H_kept))):
+    for name, s in (
+        ("entropy alone", my_entropy_scores(A_kept, H_kept)),
+        ("|A| * H", d3s.token_scores(A_kept, H_kept)),
+    ):
         chosen = d3s.select_tokens(s, ones, 0.05, scope=scope)
-        print(f"scope={scope!r:>10}, {name:>13}: {int(chosen.sum())} tokens from {int(chosen.any(-1).sum())} of "
-              f"{len(kept_rows)} responses, mean |A| {float(A_kept.abs().unsqueeze(-1).expand_as(chosen)[chosen].mean()):.2f}, "
-              f"share of decision positions {float(decisions[kept_rows][chosen].float().mean()):.2f}")
-print(f"|A| of the kept responses: {float(A_kept.abs().min()):.2f} to {float(A_kept.abs().max()):.2f}; entropy at decisions "
-      f"/ at filler: {float(H_kept[decisions[kept_rows]].mean() / H_kept[~decisions[kept_rows]].mean()):.1f}")
+        print(
+            f"scope={scope!r:>10}, {name:>13}: {int(chosen.sum())} tokens from {int(chosen.any(-1).sum())} of "
+            f"{len(kept_rows)} responses, mean |A| {float(A_kept.abs().unsqueeze(-1).expand_as(chosen)[chosen].mean()):.2f}, "
+            f"share of decision positions {float(decisions[kept_rows][chosen].float().mean()):.2f}"
+        )
+print(
+    f"|A| of the kept responses: {float(A_kept.abs().min()):.2f} to {float(A_kept.abs().max()):.2f}; entropy at decisions "
+    f"/ at filler: {float(H_kept[decisions[kept_rows]].mean() / H_kept[~decisions[kept_rows]].mean()):.1f}"
+)
 
 # %% [markdown]
 # Read this before concluding that the paper's rule is worse at finding decisions. With outcome rewards every token of a

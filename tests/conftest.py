@@ -1,5 +1,6 @@
 """Put the repository root on sys.path so the tests can `import d3s` however pytest is run; the fixtures that
 several test files use."""
+
 import pathlib
 import subprocess
 import sys

@@ -38,8 +38,11 @@ def run(argv):
                 os._exit(0)
         _, status = os.waitpid(pid, 0)
         out.seek(0), err.seek(0)
-        return {"code": os.waitstatus_to_exitcode(status), "stdout": out.read().decode(errors="replace")[-3000:],
-                "stderr": err.read().decode(errors="replace")}
+        return {
+            "code": os.waitstatus_to_exitcode(status),
+            "stdout": out.read().decode(errors="replace")[-3000:],
+            "stderr": err.read().decode(errors="replace"),
+        }
 
 
 if __name__ == "__main__":

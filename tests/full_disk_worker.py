@@ -51,11 +51,19 @@ if __name__ == "__main__":  # the grader's child processes re-import this file
     if what == "checkpoint":
         full_io.save_checkpoint = before(lambda *a, **k: a[3], step, filler, full_io.save_checkpoint)
     elif what == "metrics":
-        common.append_metrics = before(lambda path, record: record["step"] if record["kind"] == "train" else None, step,
-                                       filler, common.append_metrics)
+        common.append_metrics = before(
+            lambda path, record: record["step"] if record["kind"] == "train" else None,
+            step,
+            filler,
+            common.append_metrics,
+        )
     elif what == "export":
-        full_io.export_hf = before(lambda model, tok, path, *a: int(path.rsplit("_", 1)[-1]) if "hf_step_" in path else None,
-                                   step, filler, full_io.export_hf)
+        full_io.export_hf = before(
+            lambda model, tok, path, *a: int(path.rsplit("_", 1)[-1]) if "hf_step_" in path else None,
+            step,
+            filler,
+            full_io.export_hf,
+        )
     elif what == "explain":
         explain.write_step = before(lambda *a, **k: k["step"], step, filler, explain.write_step)
     else:

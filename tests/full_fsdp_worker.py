@@ -31,8 +31,20 @@ P, G, STEP, STEPS = 4, 4, 2, 4  # step 2 of 4 (method_budget at 1 of 4) with N 2
 REWARDS = torch.tensor([[1.0, 0, 0, 0], [1, 1, 0, 0], [0, 0, 0, 0], [1, 1, 1, 0]])  # group 2 has no signal
 
 
-def train_step(model, optimizer, rollouts, rewards, step, args, dist_, pad_id, ref_model=None, row=None,
-               keep_grads=False, full_pass1=False):
+def train_step(
+    model,
+    optimizer,
+    rollouts,
+    rewards,
+    step,
+    args,
+    dist_,
+    pad_id,
+    ref_model=None,
+    row=None,
+    keep_grads=False,
+    full_pass1=False,
+):
     """Steps 3-6 of train_full.main's loop, its calls in its order, on this rank's fixed rollouts [P_rank][G] and
     rewards [P_rank, G]. row: the row that selects (default args.method; the twin once --switch-on-spike fired).
     Test-side hooks: keep_grads also returns the gradients of the last optimizer step (taken as it steps, all
@@ -53,13 +65,15 @@ def train_step(model, optimizer, rollouts, rewards, step, args, dist_, pad_id, r
     if full_pass1:
         variants.selects_tokens = lambda method: True  # what forward_kept reads: the rows and the entropy it needs
     try:
-        old_logp, has_old, entropy, ref_logp, pass1_tokens = train_full.forward_kept(model, ref_model, sel, args, dist_,
-                                                                                    pad_id)
+        old_logp, has_old, entropy, ref_logp, pass1_tokens = train_full.forward_kept(
+            model, ref_model, sel, args, dist_, pad_id
+        )
     finally:
         variants.selects_tokens = selects_tokens
     token_keep = train_full.select_tokens_global(sel, entropy, args, dist_)
-    upd = train_full.update_policy(model, optimizer, sel, token_keep, old_logp, has_old, entropy, ref_logp, args, dist_,
-                                   pad_id)
+    upd = train_full.update_policy(
+        model, optimizer, sel, token_keep, old_logp, has_old, entropy, ref_logp, args, dist_, pad_id
+    )
     if keep_grads:
         del optimizer.step
     metrics = train_full.step_metrics(sel, token_keep, upd, 1.0, pass1_tokens, ref_model is not None, dist_)
@@ -76,34 +90,76 @@ def make_rollouts(vocab_size, seed=0):
         group = []
         for _ in range(G):
             n = int(torch.randint(1, 8, (1,), generator=gen))
-            group.append({"prompt_ids": prompt, "response_ids": torch.randint(3, vocab_size, (n,), generator=gen).tolist()})
+            group.append(
+                {"prompt_ids": prompt, "response_ids": torch.randint(3, vocab_size, (n,), generator=gen).tolist()}
+            )
         rollouts.append(group)
     return rollouts
 
 
 # name -> (method, loss, mini-batches, lr): on-policy GRPO, and M = 2 (the second optimizer step off-policy;
 # GSPO with a larger lr, so that the policy moves past its 3e-4/4e-4 clip range in one step)
-CONFIGS = {"grpo": ("grpo", "grpo", 1, 1e-4), "grpo-m2": ("grpo", "grpo", 2, 1e-4), "d3s-m2": ("d3s", "grpo", 2, 1e-4),
-           "d3s-m2-unbalanced": ("d3s", "grpo", 2, 1e-4), "gspo-d3s-i-m2": ("d3s-i", "gspo", 2, 1e-1),
-           "dapo-filter-m2": ("dapo-filter", "grpo", 2, 1e-4), "dapo-filter-k-m2": ("dapo-filter-k", "grpo", 2, 1e-4),
-           "d3s-m2-offload": ("d3s", "grpo", 2, 1e-4)}  # --cpu-offload: FSDP2's CPUOffloadPolicy (issue 30)
+CONFIGS = {
+    "grpo": ("grpo", "grpo", 1, 1e-4),
+    "grpo-m2": ("grpo", "grpo", 2, 1e-4),
+    "d3s-m2": ("d3s", "grpo", 2, 1e-4),
+    "d3s-m2-unbalanced": ("d3s", "grpo", 2, 1e-4),
+    "gspo-d3s-i-m2": ("d3s-i", "gspo", 2, 1e-1),
+    "dapo-filter-m2": ("dapo-filter", "grpo", 2, 1e-4),
+    "dapo-filter-k-m2": ("dapo-filter-k", "grpo", 2, 1e-4),
+    "d3s-m2-offload": ("d3s", "grpo", 2, 1e-4),
+}  # --cpu-offload: FSDP2's CPUOffloadPolicy (issue 30)
 
 # check_dapo_filter's three steps on the same rollouts, (name, rewards [P, G], load balance). Rank r holds groups
 # 2r, 2r + 1 (2 ranks). "one-rank": only rank 0's groups have spread and the kept rollouts stay home, so rank 1
 # trains no row (its FSDP collectives run on dummy rows); "empty": no group has spread on any rank, nothing is
 # kept (no forward, no optimizer step); "mixed": REWARDS (groups 0, 1, 3), spread over both ranks.
-DAPO_STEPS = (("one-rank", torch.tensor([[1.0, 0, 0, 0], [1, 1, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]]), False),
-              ("empty", torch.ones(P, G), True), ("mixed", REWARDS, True))
+DAPO_STEPS = (
+    ("one-rank", torch.tensor([[1.0, 0, 0, 0], [1, 1, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]]), False),
+    ("empty", torch.ones(P, G), True),
+    ("mixed", REWARDS, True),
+)
 
 
 def trainer_args(model_dir, method, loss="grpo", mini_batches=1, lr=1e-4):
-    return train_full.parse_args(["--model", model_dir, "--method", method, "--loss", loss, "--device", DEVICE,
-                                  "--steps", str(STEPS), "--group-size", str(G), "--n-init", "2", "--n-final", "4",
-                                  "--k-init", "0.3", "--k-final", "0.5", "--micro-batch-size", "3", "--lr", str(lr),
-                                  "--max-grad-norm", "0.05", "--prompts-per-step", str(P),
-                                  "--mini-batches", str(mini_batches),
-                                  "--dtype", "float32",  # the reference is fp32 (on CUDA auto would compute in bf16)
-                                  "--mlp-chunk-tokens", "6"])  # 3 rows: the tiled MLP runs 2 positions at a time
+    return train_full.parse_args(
+        [
+            "--model",
+            model_dir,
+            "--method",
+            method,
+            "--loss",
+            loss,
+            "--device",
+            DEVICE,
+            "--steps",
+            str(STEPS),
+            "--group-size",
+            str(G),
+            "--n-init",
+            "2",
+            "--n-final",
+            "4",
+            "--k-init",
+            "0.3",
+            "--k-final",
+            "0.5",
+            "--micro-batch-size",
+            "3",
+            "--lr",
+            str(lr),
+            "--max-grad-norm",
+            "0.05",
+            "--prompts-per-step",
+            str(P),
+            "--mini-batches",
+            str(mini_batches),
+            "--dtype",
+            "float32",  # the reference is fp32 (on CUDA auto would compute in bf16)
+            "--mlp-chunk-tokens",
+            "6",
+        ]
+    )  # 3 rows: the tiled MLP runs 2 positions at a time
 
 
 def check_global_token_selection(dist_):
@@ -117,8 +173,13 @@ def check_global_token_selection(dist_):
     ok = True
     for k in (0.1, 0.35, 1.0):
         for scope in ("batch", "sequence"):
-            sel = types.SimpleNamespace(kept_adv=torch.ones(rows[dist_.rank]), mask=mask[mine], k_frac=k, total=sum(rows),
-                                        mine=list(range(mine.start, mine.stop)))  # |A| = 1: the scores are H
+            sel = types.SimpleNamespace(
+                kept_adv=torch.ones(rows[dist_.rank]),
+                mask=mask[mine],
+                k_frac=k,
+                total=sum(rows),
+                mine=list(range(mine.start, mine.stop)),
+            )  # |A| = 1: the scores are H
             args = types.SimpleNamespace(method="d3s", token_scope=scope, min_token_per_response=False)
             local = train_full.select_tokens_global(sel, scores[mine], args, dist_)
             ok &= bool(torch.equal(local, d3s.select_tokens(scores, mask, k, scope=scope)[mine]))
@@ -151,8 +212,11 @@ def check_resume(cli, dist_, tokenizer, rollouts, mine, workdir, offload=False):
     step, _ = full_io.resume_from(path, model, optimizer, order, args, dist_)
     train_step(model, optimizer, rollouts[mine], REWARDS[mine], step + 1, args, dist_, tokenizer.pad_token_id)
     resumed = full_params(model)
-    return {"step": step, "order": order.state_dict(), "max_diff": max(float((straight[n] - resumed[n]).abs().max())
-                                                                       for n in straight)}
+    return {
+        "step": step,
+        "order": order.state_dict(),
+        "max_diff": max(float((straight[n] - resumed[n]).abs().max()) for n in straight),
+    }
 
 
 def check_sync_gathers_in_the_sync_dtype(cli, dist_):
@@ -174,8 +238,11 @@ def check_sync_gathers_in_the_sync_dtype(cli, dist_):
         synced = {name: t.cpu() for name, t in fsdp_vllm.full_named_tensors(model, torch.bfloat16)}
     finally:
         DTensor.full_tensor = full_tensor
-    return {"dtypes": sorted({str(d) for d in gathered}), "count": len(gathered),
-            "equal": all(torch.equal(synced[n], fp32[n].to(torch.bfloat16)) for n in fp32)}
+    return {
+        "dtypes": sorted({str(d) for d in gathered}),
+        "count": len(gathered),
+        "equal": all(torch.equal(synced[n], fp32[n].to(torch.bfloat16)) for n in fp32),
+    }
 
 
 def check_nonfinite_skip(cli, dist_, tokenizer, rollouts, mine):
@@ -205,11 +272,35 @@ def check_pass1_skip(cli, dist_, tokenizer, rollouts, mine):
         for full in (False, True):
             model = fsdp_vllm.load_policy(args, dist_)
             optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
-            stats, _, grads = train_step(model, optimizer, rollouts[mine], REWARDS[mine], STEP, args, dist_,
-                                         tokenizer.pad_token_id, keep_grads=True, full_pass1=full)
-            runs[full] = {"params": full_params(model), "grads": grads,
-                          **{k: stats[k] for k in ("loss", "grad_norm", "pass1_tokens", "train_tokens", "entropy_mean",
-                                                   "entropy_kept", "updates", "clip_frac_by_minibatch")}}
+            stats, _, grads = train_step(
+                model,
+                optimizer,
+                rollouts[mine],
+                REWARDS[mine],
+                STEP,
+                args,
+                dist_,
+                tokenizer.pad_token_id,
+                keep_grads=True,
+                full_pass1=full,
+            )
+            runs[full] = {
+                "params": full_params(model),
+                "grads": grads,
+                **{
+                    k: stats[k]
+                    for k in (
+                        "loss",
+                        "grad_norm",
+                        "pass1_tokens",
+                        "train_tokens",
+                        "entropy_mean",
+                        "entropy_kept",
+                        "updates",
+                        "clip_frac_by_minibatch",
+                    )
+                },
+            }
         out[name] = {"skipped": runs[False], "full": runs[True]}
     return out
 
@@ -227,8 +318,17 @@ def check_kl_schedule(cli, dist_, tokenizer, rollouts, mine):
         kls = []
         for step in range(1, STEPS + 1):
             measure = schedule == "every" or common.measures_kl(step, args)
-            stats, _ = train_step(model, optimizer, rollouts[mine], REWARDS[mine], step, args, dist_,
-                                  tokenizer.pad_token_id, ref_model=ref_model if measure else None)
+            stats, _ = train_step(
+                model,
+                optimizer,
+                rollouts[mine],
+                REWARDS[mine],
+                step,
+                args,
+                dist_,
+                tokenizer.pad_token_id,
+                ref_model=ref_model if measure else None,
+            )
             kls.append(stats["kl_ref"])
         result[schedule] = {"kl": kls, "params": full_params(model)}
     return result
@@ -247,15 +347,37 @@ def check_dapo_filter(cli, dist_, tokenizer, rollouts, mine):
         for step, (name, rewards, balance) in enumerate(DAPO_STEPS, start=1):
             args.load_balance = balance
             before = full_params(model)
-            stats, details = train_step(model, optimizer, rollouts[mine], rewards[mine], step, args, dist_,
-                                        tokenizer.pad_token_id)
+            stats, details = train_step(
+                model, optimizer, rollouts[mine], rewards[mine], step, args, dist_, tokenizer.pad_token_id
+            )
             after = full_params(model)
-            steps.append({"name": name, "keep": details["keep"], "moved": max(float((after[n] - before[n]).abs().max())
-                                                                            for n in before),
-                          **{k: stats[k] for k in ("kept_samples", "sur", "groups_mixed", "n_keep", "k_frac", "k_real",
-                                                   "kept_tokens", "fwd_tokens", "updates", "skipped", "loss",
-                                                   "grad_norm", "clip_frac_by_minibatch", "rank_tokens_min",
-                                                   "rank_tokens_max")}})
+            steps.append(
+                {
+                    "name": name,
+                    "keep": details["keep"],
+                    "moved": max(float((after[n] - before[n]).abs().max()) for n in before),
+                    **{
+                        k: stats[k]
+                        for k in (
+                            "kept_samples",
+                            "sur",
+                            "groups_mixed",
+                            "n_keep",
+                            "k_frac",
+                            "k_real",
+                            "kept_tokens",
+                            "fwd_tokens",
+                            "updates",
+                            "skipped",
+                            "loss",
+                            "grad_norm",
+                            "clip_frac_by_minibatch",
+                            "rank_tokens_min",
+                            "rank_tokens_max",
+                        )
+                    },
+                }
+            )
         out[method] = steps
     return out
 
@@ -268,10 +390,15 @@ def check_switch(cli, dist_, tokenizer, rollouts, mine):
         args = trainer_args(cli.model, method, mini_batches=2)
         model = fsdp_vllm.load_policy(args, dist_)
         optimizer = fsdp_vllm.make_optimizer(model, args)
-        stats, details = train_step(model, optimizer, rollouts[mine], REWARDS[mine], STEP, args, dist_,
-                                    tokenizer.pad_token_id, row=row)
-        out[name] = {"params": full_params(model), "keep": details["keep"], "sample_rule": stats["sample_rule"],
-                     "loss": stats["loss"]}
+        stats, details = train_step(
+            model, optimizer, rollouts[mine], REWARDS[mine], STEP, args, dist_, tokenizer.pad_token_id, row=row
+        )
+        out[name] = {
+            "params": full_params(model),
+            "keep": details["keep"],
+            "sample_rule": stats["sample_rule"],
+            "loss": stats["loss"],
+        }
     return out
 
 
@@ -295,21 +422,51 @@ def main():
         args.cpu_offload = config.endswith("offload")
         model = fsdp_vllm.load_policy(args, dist_)
         optimizer = fsdp_vllm.make_optimizer(model, args)
-        ref_model = fsdp_vllm.load_policy(args, dist_, reference=True) if config.startswith("gspo") else None  # --kl-ref
-        stats, details, grads = train_step(model, optimizer, rollouts[mine], REWARDS[mine], STEP, args, dist_,
-                                           tokenizer.pad_token_id, keep_grads=True, ref_model=ref_model)
+        ref_model = (
+            fsdp_vllm.load_policy(args, dist_, reference=True) if config.startswith("gspo") else None
+        )  # --kl-ref
+        stats, details, grads = train_step(
+            model,
+            optimizer,
+            rollouts[mine],
+            REWARDS[mine],
+            STEP,
+            args,
+            dist_,
+            tokenizer.pad_token_id,
+            keep_grads=True,
+            ref_model=ref_model,
+        )
         # after pass 1, the reference's root (never run backward) holds no gathered weight: its params are shards
         resharded = ref_model is None or all(isinstance(p, DTensor) for p in ref_model.parameters())
         params = full_params(model)
-        result[config] = {"params": params, "grads": grads, "keep": details["keep"], "token_keep": details["token_keep"],
-                        "grad_norm": stats["grad_norm"], "loss": stats["loss"], "n_keep": stats["n_keep"],
-                        "k_frac": stats["k_frac"], "kept_tokens": stats["kept_tokens"], "updates": stats["updates"],
-                        "clip_frac_by_minibatch": stats["clip_frac_by_minibatch"], "k_real": stats["k_real"],
-                        "sur": stats["sur"], "kept_samples": stats["kept_samples"], "kl_ref": stats["kl_ref"],
-                        "rank_tokens_max": stats["rank_tokens_max"],
-                        "rank_tokens_min": stats["rank_tokens_min"], "reference_resharded": resharded,
-                        "offloaded": [fp.offload_to_cpu for m in model.modules() if hasattr(m, "_get_fsdp_state")
-                                      for g in m._get_fsdp_state()._fsdp_param_groups for fp in g.fsdp_params]}
+        result[config] = {
+            "params": params,
+            "grads": grads,
+            "keep": details["keep"],
+            "token_keep": details["token_keep"],
+            "grad_norm": stats["grad_norm"],
+            "loss": stats["loss"],
+            "n_keep": stats["n_keep"],
+            "k_frac": stats["k_frac"],
+            "kept_tokens": stats["kept_tokens"],
+            "updates": stats["updates"],
+            "clip_frac_by_minibatch": stats["clip_frac_by_minibatch"],
+            "k_real": stats["k_real"],
+            "sur": stats["sur"],
+            "kept_samples": stats["kept_samples"],
+            "kl_ref": stats["kl_ref"],
+            "rank_tokens_max": stats["rank_tokens_max"],
+            "rank_tokens_min": stats["rank_tokens_min"],
+            "reference_resharded": resharded,
+            "offloaded": [
+                fp.offload_to_cpu
+                for m in model.modules()
+                if hasattr(m, "_get_fsdp_state")
+                for g in m._get_fsdp_state()._fsdp_param_groups
+                for fp in g.fsdp_params
+            ],
+        }
     result["resume"] = check_resume(cli, dist_, tokenizer, rollouts, mine, cli.workdir)
     result["resume_offload"] = check_resume(cli, dist_, tokenizer, rollouts, mine, cli.workdir, offload=True)
     result["sync"] = check_sync_gathers_in_the_sync_dtype(cli, dist_)

@@ -38,17 +38,24 @@ def trainer_view(model, tokenizer, prompt_ids, completions):
     logp = logits.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     argmax = logits.argmax(-1)
     margin = logits.log_softmax(-1).amax(-1) - logp  # 0 where vLLM's token is the trainer's argmax
-    return ([logp[i, mask[i]].tolist() for i in range(len(seqs))],
-            [bool((argmax[i, mask[i]] == targets[i, mask[i]]).all()) for i in range(len(seqs))],
-            [margin[i, mask[i]].tolist() for i in range(len(seqs))])
+    return (
+        [logp[i, mask[i]].tolist() for i in range(len(seqs))],
+        [bool((argmax[i, mask[i]] == targets[i, mask[i]]).all()) for i in range(len(seqs))],
+        [margin[i, mask[i]].tolist() for i in range(len(seqs))],
+    )
 
 
 def snapshot(engine, model, tokenizer, prompt_ids, stops):
     outs = engine.generate(prompt_ids, 1, 0.0, 1.0, 10, [0] * len(prompt_ids), stops, logprobs=True)
     completions = [group[0] for group in outs]
     trainer_logp, trainer_greedy, margin = trainer_view(model, tokenizer, prompt_ids, completions)
-    return {"tokens": [c["token_ids"] for c in completions], "vllm_logp": [c["logprobs"] for c in completions],
-            "trainer_logp": trainer_logp, "trainer_greedy_agrees": trainer_greedy, "greedy_margin": margin}
+    return {
+        "tokens": [c["token_ids"] for c in completions],
+        "vllm_logp": [c["logprobs"] for c in completions],
+        "trainer_logp": trainer_logp,
+        "trainer_greedy_agrees": trainer_greedy,
+        "greedy_margin": margin,
+    }
 
 
 def main():
@@ -57,10 +64,36 @@ def main():
     parser.add_argument("--out", required=True)
     cli = parser.parse_args()
     device = os.environ.get("D3S_TEST_DEVICE", "cpu")  # cuda on a GPU node (scripts/gpu_check.sh)
-    args = train_full.parse_args(["--model", cli.model, "--device", device, "--template", "plain", "--method", "grpo",
-                                  "--group-size", "4", "--prompts-per-step", "4", "--lr", "3e-2", "--max-grad-norm", "100",
-                                  "--max-prompt-len", "32", "--max-response-len", "16", "--eval-max-tokens", "16",
-                                  "--vllm-kv-cache-gb", "0.25", "--micro-batch-size", "8"])
+    args = train_full.parse_args(
+        [
+            "--model",
+            cli.model,
+            "--device",
+            device,
+            "--template",
+            "plain",
+            "--method",
+            "grpo",
+            "--group-size",
+            "4",
+            "--prompts-per-step",
+            "4",
+            "--lr",
+            "3e-2",
+            "--max-grad-norm",
+            "100",
+            "--max-prompt-len",
+            "32",
+            "--max-response-len",
+            "16",
+            "--eval-max-tokens",
+            "16",
+            "--vllm-kv-cache-gb",
+            "0.25",
+            "--micro-batch-size",
+            "8",
+        ]
+    )
     dist_ = fsdp_vllm.init_distributed(device)
     tokenizer = fsdp_vllm.load_tokenizer(cli.model)
     stops = mathtask.stop_token_ids(tokenizer, fsdp_vllm.load_generation_config(cli.model))
@@ -76,14 +109,25 @@ def main():
     per = full_fsdp_worker.P // dist_.world
     mine = slice(dist_.rank * per, (dist_.rank + 1) * per)
     rollouts = full_fsdp_worker.make_rollouts(len(tokenizer))[mine]
-    stats, _ = full_fsdp_worker.train_step(model, optimizer, rollouts, full_fsdp_worker.REWARDS[mine], 1, args, dist_,
-                                           tokenizer.pad_token_id)  # steps 3-6 of train_full's loop
+    stats, _ = full_fsdp_worker.train_step(
+        model, optimizer, rollouts, full_fsdp_worker.REWARDS[mine], 1, args, dist_, tokenizer.pad_token_id
+    )  # steps 3-6 of train_full's loop
     engine.sleep()  # no-op on CPU (vLLM has no sleep mode there); on CUDA this frees vLLM's memory
     engine.update_weights(fsdp_vllm.full_named_tensors(model, getattr(torch, args.dtype)))
     after = snapshot(engine, model, tokenizer, prompt_ids, stops)
     with open(f"{cli.out}.rank{dist_.rank}", "w") as f:
-        json.dump({"before": before, "after": after, "skipped": stats["skipped"], "grad_norm": stats["grad_norm"],
-                   "world": dist_.world, "dtype": args.dtype, "rng_kept": rng_kept}, f)
+        json.dump(
+            {
+                "before": before,
+                "after": after,
+                "skipped": stats["skipped"],
+                "grad_norm": stats["grad_norm"],
+                "world": dist_.world,
+                "dtype": args.dtype,
+                "rng_kept": rng_kept,
+            },
+            f,
+        )
     fsdp_vllm.shutdown(engine)
 
 

@@ -53,7 +53,10 @@ VS_TRL = [
     (["--python", "{file}"], "--python {file}: not executable"),
     (["--trl-python", "{missing}"], "--trl-python {missing}: not found; create the TRL venv"),
     # without a TRL arm the TRL python is not needed: the next bad flag is the one reported
-    (["--arms", "grpo,d3s", "--trl-python", "{missing}", "--task", "nope"], "--task 'nope': not a task of train_small.py"),
+    (
+        ["--arms", "grpo,d3s", "--trl-python", "{missing}", "--task", "nope"],
+        "--task 'nope': not a task of train_small.py",
+    ),
     (["--bogus"], "unrecognized arguments: --bogus"),
 ]
 
@@ -69,7 +72,10 @@ MEMORY = [
     (["--preset", "{dir}"], "the folder holds no config.json"),
     (["--preset", "{file}"], "not a readable JSON config"),
     (["--preset", "{json}"], "no 'model_type' field"),
-    (["--", "--lr", "nan"], "--lr nan: must be in (0, 1] (the recipe's: 1e-6) (a train_full.py flag, given after '--')"),
+    (
+        ["--", "--lr", "nan"],
+        "--lr nan: must be in (0, 1] (the recipe's: 1e-6) (a train_full.py flag, given after '--')",
+    ),
     (["--", "--bogus"], "unrecognized arguments after '--': --bogus"),
 ]
 
@@ -140,7 +146,10 @@ QUESTIONS_SMALL = [
     (["--question", "6", "--runs", "{dir}"], "--question 6: not a choice; choose from 1, 2, 3, 4, 5, 7"),
     (["--question", "7", "--runs", "{dir}"], "--question 7 needs --rows: METHOD folders under --runs"),
     (["--question", "1", "--runs", "{dir}", "--rows", "a/d3s"], "--runs {dir}: no a/d3s/ in it"),
-    (["--question", "2", "--runs", "{dir}", "--rows", "a/d3s,,b"], "--rows 'a/d3s,,b': name METHOD folders under --runs"),
+    (
+        ["--question", "2", "--runs", "{dir}", "--rows", "a/d3s,,b"],
+        "--rows 'a/d3s,,b': name METHOD folders under --runs",
+    ),
     (["--question", "4", "--runs", "{missing}"], "--runs {missing}: not a folder"),
     (["--question", "4", "--runs", "{dir}"], "--runs {dir}: no d2s/ in it"),
     (["--question", "5", "--runs", "{dir}", "--spike", "nan"], "--spike nan: must be a number > 0"),
@@ -172,8 +181,12 @@ DROPPED_TOKENS = [
 ]
 
 TOY_LADDER = [  # the toy's flags, its checks
-    (["--steps", "-3"], "--steps -3"), (["--lr", "nan"], "--lr nan"), (["--methods", "nope"], "--methods"),
-    (["--out", "{file}"], "is a file"), (["--seeds", "0"], "--seeds 0"), (["--no-such-flag"], "--no-such-flag"),
+    (["--steps", "-3"], "--steps -3"),
+    (["--lr", "nan"], "--lr nan"),
+    (["--methods", "nope"], "--methods"),
+    (["--out", "{file}"], "is a file"),
+    (["--seeds", "0"], "--seeds 0"),
+    (["--no-such-flag"], "--no-such-flag"),
 ]
 SMALL_LADDER = [  # train_small.py's flags and checks, and the compare's own
     ([], "the following arguments are required: --compare"),
@@ -185,11 +198,22 @@ SMALL_LADDER = [  # train_small.py's flags and checks, and the compare's own
     (["--compare", "d3s", "--out", "{file}"], "is a file, not a folder"),
     (["--compare", "grpo", "--out", "{dangling}"], "links to"),
 ]
-TABLES = {"toy_ladder.py": TOY_LADDER, "small_ladder.py": SMALL_LADDER, "vs_trl.py": VS_TRL, "memory.py": MEMORY, "selection.py": SELECTION, "loss_head.py": LOSS_HEAD,
-          "tiled_mlp.py": TILED_MLP, "headroom.py": HEADROOM, "questions_toy.py": QUESTIONS_TOY,
-          "questions_small.py": QUESTIONS_SMALL, "dropped_tokens.py": DROPPED_TOKENS}
-CASES = [(script, *case) if len(case) == 3 else (script, *case, script)
-         for script, table in TABLES.items() for case in table]
+TABLES = {
+    "toy_ladder.py": TOY_LADDER,
+    "small_ladder.py": SMALL_LADDER,
+    "vs_trl.py": VS_TRL,
+    "memory.py": MEMORY,
+    "selection.py": SELECTION,
+    "loss_head.py": LOSS_HEAD,
+    "tiled_mlp.py": TILED_MLP,
+    "headroom.py": HEADROOM,
+    "questions_toy.py": QUESTIONS_TOY,
+    "questions_small.py": QUESTIONS_SMALL,
+    "dropped_tokens.py": DROPPED_TOKENS,
+}
+CASES = [
+    (script, *case) if len(case) == 3 else (script, *case, script) for script, table in TABLES.items() for case in table
+]
 
 
 @pytest.fixture(scope="module")
@@ -200,11 +224,23 @@ def paths(tmp_path_factory):
     (base / "config.json").write_text(json.dumps({"hidden_size": 8}))
     (base / "compare").mkdir()
     (base / "compare" / "grpo").symlink_to(base / "never-made")  # a method folder linked to runs that were never made
-    return {"file": str(base / "notes.txt"), "dir": str(base / "empty"), "missing": str(base / "missing"),
-            "json": str(base / "config.json"), "dangling": str(base / "compare")}
+    return {
+        "file": str(base / "notes.txt"),
+        "dir": str(base / "empty"),
+        "missing": str(base / "missing"),
+        "json": str(base / "config.json"),
+        "dangling": str(base / "compare"),
+    }
 
 
-EXPERIMENTS = {"toy_ladder.py", "small_ladder.py", "questions_toy.py", "questions_small.py", "dropped_tokens.py", "headroom.py"}  # experiments/, not bench/
+EXPERIMENTS = {
+    "toy_ladder.py",
+    "small_ladder.py",
+    "questions_toy.py",
+    "questions_small.py",
+    "dropped_tokens.py",
+    "headroom.py",
+}  # experiments/, not bench/
 
 
 def script_path(script):
@@ -212,8 +248,14 @@ def script_path(script):
 
 
 def run_bad(script, argv):
-    res = subprocess.run([sys.executable, script_path(script), *argv], cwd=ROOT, capture_output=True,
-                         text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    res = subprocess.run(
+        [sys.executable, script_path(script), *argv],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     return res
 
 
@@ -235,8 +277,16 @@ def test_bad_input_is_one_line_and_exit_2(script, argv, fragment, prog, paths):
 
 
 @pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root may write anywhere")
-@pytest.mark.parametrize("script,flag", [("vs_trl.py", "--out"), ("selection.py", "--out"), ("headroom.py", "--out"),
-                                         ("vs_trl.py", "--work"), ("dropped_tokens.py", "--out")])
+@pytest.mark.parametrize(
+    "script,flag",
+    [
+        ("vs_trl.py", "--out"),
+        ("selection.py", "--out"),
+        ("headroom.py", "--out"),
+        ("vs_trl.py", "--work"),
+        ("dropped_tokens.py", "--out"),
+    ],
+)
 def test_an_output_in_a_folder_that_cannot_be_written(script, flag, tmp_path):
     locked = tmp_path / "locked"
     locked.mkdir()
@@ -261,13 +311,17 @@ def test_an_unwritable_folder_in_process(check, name, tmp_path, monkeypatch, cap
     assert err.count("\n") == 1 and err.startswith(f"x.py: error: --out {tmp_path / name}: ") and "not writable" in err
 
 
-INTERNAL = {"trl_arm.py", "stats.py"}  # trl_arm.py: run by vs_trl.py with flags it builds; stats.py: a module, not a script
+INTERNAL = {
+    "trl_arm.py",
+    "stats.py",
+}  # trl_arm.py: run by vs_trl.py with flags it builds; stats.py: a module, not a script
 
 
 def test_every_bench_script_the_docs_name_has_a_table():
     """A bench script the README or docs/ mention gets a table here (a new one fails this test)."""
-    pages = [os.path.join(ROOT, "README.md")] + [os.path.join(ROOT, "docs", n) for n in os.listdir(os.path.join(ROOT, "docs"))
-                                                 if n.endswith(".md")]
+    pages = [os.path.join(ROOT, "README.md")] + [
+        os.path.join(ROOT, "docs", n) for n in os.listdir(os.path.join(ROOT, "docs")) if n.endswith(".md")
+    ]
     named = set()
     for page in pages:
         with open(page, encoding="utf-8") as f:

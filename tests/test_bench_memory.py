@@ -43,10 +43,27 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def fake_run(tiny_dir):
-    cmd = [sys.executable, SCRIPT, "--preset", tiny_dir, "--ranks", str(RANKS), "--micro-batch-size", str(MICRO_BATCH),
-           "--response-len", str(RESPONSE), "--prompt-len", str(PROMPT), "--method", "d3s", "--", *TRAIN_ARGS]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [
+        sys.executable,
+        SCRIPT,
+        "--preset",
+        tiny_dir,
+        "--ranks",
+        str(RANKS),
+        "--micro-batch-size",
+        str(MICRO_BATCH),
+        "--response-len",
+        str(RESPONSE),
+        "--prompt-len",
+        str(PROMPT),
+        "--method",
+        "d3s",
+        "--",
+        *TRAIN_ARGS,
+    ]
+    proc = subprocess.run(
+        cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout, json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -63,8 +80,17 @@ def shard_bytes(model_dir, ranks):
 def test_prints_a_table_and_one_json_line(fake_run):
     stdout, record = fake_run
     assert "| **peak** |" in stdout and "| optimizer state |" in stdout
-    for key in ("peak_gib", "ranks", "micro_batch_size", "response_len", "method", "k_frac", "breakdown_gib",
-                "categories_gib", "logits_gib"):
+    for key in (
+        "peak_gib",
+        "ranks",
+        "micro_batch_size",
+        "response_len",
+        "method",
+        "k_frac",
+        "breakdown_gib",
+        "categories_gib",
+        "logits_gib",
+    ):
         assert key in record, key
     assert (record["ranks"], record["micro_batch_size"], record["response_len"]) == (RANKS, MICRO_BATCH, RESPONSE)
     assert record["method"] == "d3s" and record["k_frac"] == 0.2  # train_full's --k-final
@@ -92,12 +118,15 @@ def test_a_real_cpu_run_of_the_same_step_peaks_within_10_percent_of_the_fake_run
     assert real["peak_phase"] == record["peak_phase"]
 
 
-@pytest.mark.parametrize("argv,flag", [
-    (["--method", "ppo"], "--method"),
-    (["--ranks", "0"], "--ranks"),
-    (["--k-frac", "1.5"], "--k-frac"),
-    (["--preset", "no/such/folder"], "--preset"),
-])
+@pytest.mark.parametrize(
+    "argv,flag",
+    [
+        (["--method", "ppo"], "--method"),
+        (["--ranks", "0"], "--ranks"),
+        (["--k-frac", "1.5"], "--k-frac"),
+        (["--preset", "no/such/folder"], "--preset"),
+    ],
+)
 def test_bad_flags_name_the_flag_and_the_fix(argv, flag, capsys):
     bench = _load_bench()
     with pytest.raises(SystemExit) as exit_info:
@@ -107,16 +136,38 @@ def test_bad_flags_name_the_flag_and_the_fix(argv, flag, capsys):
 
 
 def run_bench(tiny_dir, *extra, gpu=None):
-    cmd = [sys.executable, SCRIPT, "--preset", tiny_dir, "--ranks", str(RANKS), "--micro-batch-size", str(MICRO_BATCH),
-           "--response-len", str(RESPONSE), "--prompt-len", str(PROMPT), "--method", "d3s"]
+    cmd = [
+        sys.executable,
+        SCRIPT,
+        "--preset",
+        tiny_dir,
+        "--ranks",
+        str(RANKS),
+        "--micro-batch-size",
+        str(MICRO_BATCH),
+        "--response-len",
+        str(RESPONSE),
+        "--prompt-len",
+        str(PROMPT),
+        "--method",
+        "d3s",
+    ]
     cmd += ["--gpu", str(gpu)] if gpu else []
-    proc = subprocess.run(cmd + ["--", *TRAIN_ARGS, *extra], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        cmd + ["--", *TRAIN_ARGS, *extra],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout, json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_what_the_trainer_holds_while_vllm_generates_is_its_state_and_with_kl_ref_the_references_shards(fake_run, tiny_dir):
+def test_what_the_trainer_holds_while_vllm_generates_is_its_state_and_with_kl_ref_the_references_shards(
+    fake_run, tiny_dir
+):
     """The plan's trainer_resident (fp32 shards + AdamW's moments, + 2 B x params / ranks with --kl-ref), counted in
     the simulated run: the reference's root (wrapped reshard_after_forward=False, no backward) holds no gathered
     weights after its forward (fsdp_vllm.reshard), which would add its lm_head here (issue 30)."""
@@ -132,7 +183,11 @@ def test_cpu_offload_moves_the_sharded_state_off_the_gpu_and_gpu_adds_vllms_shar
     stdout, offload = run_bench(tiny_dir, "--cpu-offload", gpu=8)
     assert offload["cpu_offload"] and offload["resident_bytes"] == 2 * 16 * 4  # only the buffers stay on the GPU
     assert offload["peak_bytes"] < fake_run[1]["peak_bytes"] - fake_run[1]["breakdown_bytes"]["OptState"]
-    assert offload["peak_phase"].endswith("pass 2") and "| **peak** |" in stdout and "(host memory: --cpu-offload)" in stdout
+    assert (
+        offload["peak_phase"].endswith("pass 2")
+        and "| **peak** |" in stdout
+        and "(host memory: --cpu-offload)" in stdout
+    )
     assert offload["generating_gib"] == pytest.approx(offload["resident_gib"] + offload["vllm_share_gib"], abs=1e-3)
     assert offload["total_peak_gib"] == pytest.approx(max(offload["generating_gib"], offload["training_gib"]), abs=1e-3)
     assert offload["plan_accepts"] and offload["vllm_share_gib"] == pytest.approx(8 - 4.0, abs=1e-3)  # the margin: 4

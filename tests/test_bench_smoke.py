@@ -28,14 +28,17 @@ def _var(values):
 
 def test_quick_run_prints_tables(tmp_path):
     out = tmp_path / "bench.md"
-    res = subprocess.run([sys.executable, SCRIPT, "--quick", "--out", str(out)], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)
+    res = subprocess.run(
+        [sys.executable, SCRIPT, "--quick", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert res.returncode == 0, res.stderr[-3000:]
-    for header in ("| P x G | operation | median | x sort |",
-                   "| B x T | operation | median | x sort |",
-                   "| N tokens x V (logits size) | token_entropy (chunked) |",
-                   "| variant | measured peak extra |",
-                   "## Target: selection within 3x of one sort"):
+    for header in (
+        "| P x G | operation | median | x sort |",
+        "| B x T | operation | median | x sort |",
+        "| N tokens x V (logits size) | token_entropy (chunked) |",
+        "| variant | measured peak extra |",
+        "## Target: selection within 3x of one sort",
+    ):
         assert header in res.stdout, header
     assert out.read_text() == res.stdout
 

@@ -18,24 +18,48 @@ SCRIPT = os.path.join(ROOT, "bench", "vs_trl.py")
 TRL_PYTHON = os.path.join(ROOT, ".venv-trl", "bin", "python")
 
 pytestmark = [
-    pytest.mark.skipif(os.environ.get("D3S_BENCH") != "1",
-                       reason="opt-in benchmark smoke test: set D3S_BENCH=1 (needs .venv-trl with trl)"),
-    pytest.mark.skipif(not os.path.exists(TRL_PYTHON),
-                       reason=f"{TRL_PYTHON} not found: create it as bench/vs_trl.py's docstring says"),
+    pytest.mark.skipif(
+        os.environ.get("D3S_BENCH") != "1",
+        reason="opt-in benchmark smoke test: set D3S_BENCH=1 (needs .venv-trl with trl)",
+    ),
+    pytest.mark.skipif(
+        not os.path.exists(TRL_PYTHON), reason=f"{TRL_PYTHON} not found: create it as bench/vs_trl.py's docstring says"
+    ),
 ]
 
 
 def test_quick_run_writes_the_table(tmp_path):
     out = tmp_path / "vs_trl.md"
     work = tmp_path / "work"
-    res = subprocess.run([sys.executable, SCRIPT, "--quick", "--work", str(work), "--cache-dir", str(tmp_path / "cache"),
-                          "--trl-python", TRL_PYTHON, "--out", str(out)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=900)
+    res = subprocess.run(
+        [
+            sys.executable,
+            SCRIPT,
+            "--quick",
+            "--work",
+            str(work),
+            "--cache-dir",
+            str(tmp_path / "cache"),
+            "--trl-python",
+            TRL_PYTHON,
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert res.returncode == 0, (res.stdout[-3000:], res.stderr[-3000:])
     text = out.read_text()
     assert "| arm | gen s/step | reward s/step | update s/step | total s/step | total vs TRL |" in text
-    for row in ("| TRL GRPOTrainer", "gradient_checkpointing=False |", "| train_small.py grpo |", "| train_small.py d3s |",
-                "+ D3S (integrations/trl.py) |"):
+    for row in (
+        "| TRL GRPOTrainer",
+        "gradient_checkpointing=False |",
+        "| train_small.py grpo |",
+        "| train_small.py d3s |",
+        "+ D3S (integrations/trl.py) |",
+    ):
         assert row in text, row
     assert "What differs between the arms beyond the algorithm" in text
     results = json.loads((work / "results.json").read_text())

@@ -16,43 +16,84 @@ import bandit  # noqa: E402
 
 def knobs():
     f, n = cli.flag, cli.number
-    return cli.parser("x.py", "a test rung", [
-        f("--steps", 80, n(int, 1), "training steps"),
-        f("--optimizer", "adam", ["adam", "sgd"], "the optimizer"),
-        f("--quick", False, bool, "a switch, off by default"),
-        f("--no-balance", True, bool, "a switch that turns something off", dest="balance"),
-        f("--out", "runs/x", None, "any text"),
-        f("--target", [0.5], n(float, 0, 1, low_open=True), "one value or more", nargs="+"),
-        f("--resume", None, None, "an optional value", nargs="?", const="latest"),
-    ])
+    return cli.parser(
+        "x.py",
+        "a test rung",
+        [
+            f("--steps", 80, n(int, 1), "training steps"),
+            f("--optimizer", "adam", ["adam", "sgd"], "the optimizer"),
+            f("--quick", False, bool, "a switch, off by default"),
+            f("--no-balance", True, bool, "a switch that turns something off", dest="balance"),
+            f("--out", "runs/x", None, "any text"),
+            f("--target", [0.5], n(float, 0, 1, low_open=True), "one value or more", nargs="+"),
+            f("--resume", None, None, "an optional value", nargs="?", const="latest"),
+        ],
+    )
 
 
 def test_each_kind_of_knob_becomes_the_argparse_flag_it_declares():
-    defaults = {"steps": 80, "optimizer": "adam", "quick": False, "balance": True, "out": "runs/x", "target": [0.5],
-                "resume": None}
+    defaults = {
+        "steps": 80,
+        "optimizer": "adam",
+        "quick": False,
+        "balance": True,
+        "out": "runs/x",
+        "target": [0.5],
+        "resume": None,
+    }
     assert vars(knobs().parse_args([])) == defaults
-    given = ["--steps", "3", "--optimizer", "sgd", "--quick", "--no-balance", "--out", "y", "--target", "0.1", "1",
-             "--resume"]
-    assert vars(knobs().parse_args(given)) == {"steps": 3, "optimizer": "sgd", "quick": True, "balance": False,
-                                              "out": "y", "target": [0.1, 1.0], "resume": "latest"}
+    given = [
+        "--steps",
+        "3",
+        "--optimizer",
+        "sgd",
+        "--quick",
+        "--no-balance",
+        "--out",
+        "y",
+        "--target",
+        "0.1",
+        "1",
+        "--resume",
+    ]
+    assert vars(knobs().parse_args(given)) == {
+        "steps": 3,
+        "optimizer": "sgd",
+        "quick": True,
+        "balance": False,
+        "out": "y",
+        "target": [0.1, 1.0],
+        "resume": "latest",
+    }
 
 
 def test_help_shows_each_knobs_help_and_default():
     text = " ".join(knobs().format_help().split())
-    for shown in ("training steps (default: 80)", "{adam,sgd}", "the optimizer (default: adam)",
-                  "a switch, off by default (default: False)", "one value or more (default: [0.5])"):
+    for shown in (
+        "training steps (default: 80)",
+        "{adam,sgd}",
+        "the optimizer (default: adam)",
+        "a switch, off by default (default: False)",
+        "one value or more (default: [0.5])",
+    ):
         assert shown in text, shown
 
 
-@pytest.mark.parametrize("argv, line", [
-    (["--steps", "0"], "x.py: error: --steps 0: must be an int >= 1"),
-    (["--steps", "2.5"], "x.py: error: --steps '2.5': must be an int >= 1"),
-    (["--optimizer", "adagrad"], "x.py: error: --optimizer 'adagrad': not a choice; choose from 'adam', 'sgd'"),
-    (["--target", "0.5", "2"], "x.py: error: --target 2: must be in (0, 1]"),
-    (["--quick", "yes"], "x.py: error: unrecognized arguments: yes; see x.py --help for the flags"),
-    (["--steps"], "x.py: error: --steps: expected one value; pass it after the flag (a value that starts with '-' as "
-     + "--steps=VALUE)"),
-])
+@pytest.mark.parametrize(
+    "argv, line",
+    [
+        (["--steps", "0"], "x.py: error: --steps 0: must be an int >= 1"),
+        (["--steps", "2.5"], "x.py: error: --steps '2.5': must be an int >= 1"),
+        (["--optimizer", "adagrad"], "x.py: error: --optimizer 'adagrad': not a choice; choose from 'adam', 'sgd'"),
+        (["--target", "0.5", "2"], "x.py: error: --target 2: must be in (0, 1]"),
+        (["--quick", "yes"], "x.py: error: unrecognized arguments: yes; see x.py --help for the flags"),
+        (
+            ["--steps"],
+            "x.py: error: --steps: expected one value; pass it after the flag (a value that starts with '-' as "
+            + "--steps=VALUE)",
+        ),
+    ],
+)
 def test_a_bad_value_of_a_declared_knob_is_one_line_and_exit_2(argv, line, capsys):
     with pytest.raises(SystemExit) as stop:
         knobs().parse_args(argv)

@@ -87,11 +87,13 @@ def test_group_advantages_match_hand_values():
     rewards = torch.tensor([[0.0, 0.0, 1.0, 1.0], [0.0, 0.0, 0.0, 1.0], [1.0, 2.0, 3.0, 4.0]])
     # unbiased std: sqrt(1/3), 1/2, sqrt(5/3); eps = 1e-6 in the denominator
     s1, s2, s3 = math.sqrt(1 / 3) + 1e-6, 0.5 + 1e-6, math.sqrt(5 / 3) + 1e-6
-    expected = torch.tensor([
-        [-0.5 / s1, -0.5 / s1, 0.5 / s1, 0.5 / s1],  # +-0.8660
-        [-0.25 / s2, -0.25 / s2, -0.25 / s2, 0.75 / s2],  # -0.5, 1.5
-        [-1.5 / s3, -0.5 / s3, 0.5 / s3, 1.5 / s3],  # +-1.1619, +-0.3873
-    ])
+    expected = torch.tensor(
+        [
+            [-0.5 / s1, -0.5 / s1, 0.5 / s1, 0.5 / s1],  # +-0.8660
+            [-0.25 / s2, -0.25 / s2, -0.25 / s2, 0.75 / s2],  # -0.5, 1.5
+            [-1.5 / s3, -0.5 / s3, 0.5 / s3, 1.5 / s3],  # +-1.1619, +-0.3873
+        ]
+    )
     torch.testing.assert_close(group_advantages(rewards), expected, atol=1e-6, rtol=1e-6)
 
 
@@ -110,13 +112,17 @@ def test_group_advantages_have_zero_mean_per_group():
 
 
 @pytest.mark.parametrize("scale", [True, False])
-@pytest.mark.parametrize("rewards", [
-    torch.full((2, 3), 0.1),  # constant non-integer: mean(0.1,...) != 0.1 in float32
-    torch.full((1, 7), 0.1),
-    torch.ones(3, 4),
-    torch.zeros(2, 8),
-    torch.tensor([[0.3], [1.0], [0.0]]),  # G = 1: torch.std would be NaN
-], ids=["0.1-G3", "0.1-G7", "ones", "zeros", "G1"])
+@pytest.mark.parametrize(
+    "rewards",
+    [
+        torch.full((2, 3), 0.1),  # constant non-integer: mean(0.1,...) != 0.1 in float32
+        torch.full((1, 7), 0.1),
+        torch.ones(3, 4),
+        torch.zeros(2, 8),
+        torch.tensor([[0.3], [1.0], [0.0]]),  # G = 1: torch.std would be NaN
+    ],
+    ids=["0.1-G3", "0.1-G7", "ones", "zeros", "G1"],
+)
 def test_zero_spread_groups_get_exactly_zero_never_nan(rewards, scale):
     adv = group_advantages(rewards, scale=scale)
     assert torch.isfinite(adv).all()
@@ -133,8 +139,9 @@ def test_zero_spread_group_does_not_affect_other_groups():
 def test_scale_false_is_dr_grpo_reward_minus_group_mean():
     rewards = continuous_rewards(8, 6, seed=2)
     torch.testing.assert_close(group_advantages(rewards, scale=False), rewards - rewards.mean(-1, keepdim=True))
-    torch.testing.assert_close(group_advantages(torch.tensor([[0.0, 0.0, 0.0, 1.0]]), scale=False),
-                               torch.tensor([[-0.25, -0.25, -0.25, 0.75]]))
+    torch.testing.assert_close(
+        group_advantages(torch.tensor([[0.0, 0.0, 0.0, 1.0]]), scale=False), torch.tensor([[-0.25, -0.25, -0.25, 0.75]])
+    )
 
 
 # =============================================================================================
@@ -143,12 +150,14 @@ def test_scale_false_is_dr_grpo_reward_minus_group_mean():
 def _small_vectors(n, seed):
     """Rows of length n: continuous, 0/1 (many ties), small integers (some ties), all equal."""
     g = torch.Generator().manual_seed(seed)
-    return torch.cat([
-        torch.randn(4, n, generator=g, dtype=torch.float64),
-        (torch.rand(4, n, generator=g) < 0.5).double(),
-        torch.randint(0, 3, (3, n), generator=g).double(),
-        torch.full((1, n), 0.5, dtype=torch.float64),
-    ])
+    return torch.cat(
+        [
+            torch.randn(4, n, generator=g, dtype=torch.float64),
+            (torch.rand(4, n, generator=g) < 0.5).double(),
+            torch.randint(0, 3, (3, n), generator=g).double(),
+            torch.full((1, n), 0.5, dtype=torch.float64),
+        ]
+    )
 
 
 @pytest.mark.parametrize("n", range(1, 9))
@@ -385,8 +394,7 @@ def test_pods_recomputes_advantages_on_the_kept_subset():
 def test_pods_example_keeps_the_correct_rollout_and_one_wrong_one():
     keep, adv = select_samples(torch.tensor([[1.0, 0.0, 0.0, 0.0]]), 2, "pods")
     assert keep[0].tolist() == [True, False, False, True]
-    torch.testing.assert_close(adv[0], torch.tensor([1 / math.sqrt(2), 0.0, 0.0, -1 / math.sqrt(2)]),
-                               atol=1e-5, rtol=0)
+    torch.testing.assert_close(adv[0], torch.tensor([1 / math.sqrt(2), 0.0, 0.0, -1 / math.sqrt(2)]), atol=1e-5, rtol=0)
 
 
 def test_d3s_i_keeps_full_group_advantages_on_kept_and_zero_elsewhere():
@@ -477,8 +485,9 @@ def test_token_entropy_is_log_v_for_uniform_logits():
 @pytest.mark.parametrize("chunk_size", [1, 3, 10_000])
 def test_token_entropy_does_not_depend_on_chunk_size(chunk_size):
     logits = torch.randn(7, 5, 33, generator=torch.Generator().manual_seed(19)) * 2
-    torch.testing.assert_close(token_entropy(logits, chunk_size=chunk_size), token_entropy(logits, chunk_size=4),
-                               atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        token_entropy(logits, chunk_size=chunk_size), token_entropy(logits, chunk_size=4), atol=1e-6, rtol=0
+    )
 
 
 def test_token_entropy_has_no_grad_even_if_logits_require_grad():
@@ -733,8 +742,9 @@ def test_gspo_ratio_is_the_geometric_mean_of_the_token_ratios_over_selected_toke
     old = logp.detach() + 0.1 * torch.randn(3, 6, generator=g, dtype=torch.float64)
     mask = torch.rand(3, 6, generator=g) > 0.4
     mask[:, 0] = True
-    _, stats = policy_loss(logp, old, torch.ones(3, dtype=torch.float64), mask.double(), kind="gspo",
-                           clip_low=10.0, clip_high=10.0)
+    _, stats = policy_loss(
+        logp, old, torch.ones(3, dtype=torch.float64), mask.double(), kind="gspo", clip_low=10.0, clip_high=10.0
+    )
     token_ratios = (logp.detach() - old).exp()
     geometric = [float(token_ratios[b][mask[b]].prod() ** (1 / int(mask[b].sum()))) for b in range(3)]
     assert stats["ratio_min"] == pytest.approx(min(geometric), rel=1e-12)
@@ -782,8 +792,14 @@ def test_token_scores_rank_by_what_each_rule_says():
     torch.testing.assert_close(d3s.token_scores(adv, entropy, variants.TOKEN_RULES["entropy"]), entropy)
     by_adv = d3s.token_scores(adv, entropy, variants.TOKEN_RULES["adv"], generator=torch.Generator().manual_seed(0))
     assert (by_adv[0].min() > by_adv[1].max()) and (by_adv[1].min() > by_adv[2].max())  # |A| decides between responses
-    orders = {tuple(d3s.token_scores(adv, entropy, variants.TOKEN_RULES["adv"], generator=torch.Generator().manual_seed(s))[0].argsort().tolist())
-              for s in range(20)}
+    orders = {
+        tuple(
+            d3s.token_scores(adv, entropy, variants.TOKEN_RULES["adv"], generator=torch.Generator().manual_seed(s))[0]
+            .argsort()
+            .tolist()
+        )
+        for s in range(20)
+    }
     assert len(orders) > 1  # ties (equal |A| inside a response) are broken at random, not by position
     r = d3s.token_scores(adv, entropy, variants.TOKEN_RULES["random"], generator=torch.Generator().manual_seed(0))
     assert r.shape == entropy.shape and 0 <= r.min() and r.max() < 1
@@ -797,8 +813,9 @@ def test_token_scores_rank_by_what_each_rule_says():
 def test_grpo_custom_clip_range_is_used():
     logp = torch.zeros(1, 2, dtype=torch.float64, requires_grad=True)
     old = -torch.tensor([[0.25, 0.15]], dtype=torch.float64)  # w = 1.284, 1.162
-    loss, stats = policy_loss(logp, old, torch.tensor([1.0], dtype=torch.float64), torch.ones(1, 2),
-                              clip_low=0.2, clip_high=0.28)  # DAPO clip-higher
+    loss, stats = policy_loss(
+        logp, old, torch.tensor([1.0], dtype=torch.float64), torch.ones(1, 2), clip_low=0.2, clip_high=0.28
+    )  # DAPO clip-higher
     loss.backward()
     assert stats["clip_frac"] == pytest.approx(0.5)
     assert logp.grad[0, 0] == 0.0 and logp.grad[0, 1] != 0.0
@@ -823,12 +840,15 @@ def test_gspo_clips_on_the_sequence_ratio_not_on_token_ratios():
     assert stats["clip_frac"] == pytest.approx(8 / 16)
 
 
-@pytest.mark.parametrize("seq_log_ratio, adv, clipped", [
-    (3.5e-4, 1.0, False),   # s - 1 = 3.5e-4 < eps_high = 4e-4
-    (4.5e-4, 1.0, True),    # s - 1 > 4e-4
-    (-2.5e-4, -1.0, False),  # 1 - s = 2.5e-4 < eps_low = 3e-4
-    (-3.5e-4, -1.0, True),  # 1 - s > 3e-4
-])
+@pytest.mark.parametrize(
+    "seq_log_ratio, adv, clipped",
+    [
+        (3.5e-4, 1.0, False),  # s - 1 = 3.5e-4 < eps_high = 4e-4
+        (4.5e-4, 1.0, True),  # s - 1 > 4e-4
+        (-2.5e-4, -1.0, False),  # 1 - s = 2.5e-4 < eps_low = 3e-4
+        (-3.5e-4, -1.0, True),  # 1 - s > 3e-4
+    ],
+)
 def test_gspo_default_clip_range_is_3e_4_low_and_4e_4_high(seq_log_ratio, adv, clipped):
     logp = torch.zeros(1, 3, dtype=torch.float64, requires_grad=True)
     old = torch.full((1, 3), -seq_log_ratio, dtype=torch.float64)
@@ -849,7 +869,9 @@ def test_gspo_sequence_ratio_averages_over_selected_tokens_only():
 
 def test_k3_kl_penalty_value_gradient_and_stat():
     logp, old, adv, mask = loss_batch()
-    ref = logp.detach() + 0.3 * torch.randn(logp.shape, generator=torch.Generator().manual_seed(23), dtype=torch.float64)
+    ref = logp.detach() + 0.3 * torch.randn(
+        logp.shape, generator=torch.Generator().manual_seed(23), dtype=torch.float64
+    )
     beta = 0.05
     loss, stats = policy_loss(logp, old, adv, mask, ref_logp=ref, beta=beta)
     loss.backward()
@@ -984,7 +1006,9 @@ def test_select_tokens_min_per_seq_does_not_exceed_the_budget_on_ties():
     # Tied scores: top-K takes ceil(0.25 * 8) = 2 tokens; only a row left with none gets one more.
     keep = select_tokens(torch.zeros(2, 4), torch.ones(2, 4), 0.25, min_per_seq=1)
     assert (keep.sum(-1) >= 1).all()
-    assert int(keep.sum()) <= 2 + int((select_tokens(torch.zeros(2, 4), torch.ones(2, 4), 0.25, min_per_seq=0).sum(-1) == 0).sum())
+    assert int(keep.sum()) <= 2 + int(
+        (select_tokens(torch.zeros(2, 4), torch.ones(2, 4), 0.25, min_per_seq=0).sum(-1) == 0).sum()
+    )
 
 
 def test_max_variance_subset_is_exact_for_values_with_a_large_offset():
@@ -1036,13 +1060,16 @@ def test_token_entropy_of_a_non_contiguous_slice_and_bf16():
     torch.testing.assert_close(token_entropy(half), direct_half, atol=1e-5, rtol=1e-5)
 
 
-
 # =============================================================================================
 # 10. The ladder (LADDER, method_budget) and the cross-group guarantees
 # =============================================================================================
 def test_the_ladder_names_are_the_papers():
     assert set(d3s.LADDER) == {"grpo", "pods", "d1s", "d1s-cross", "d2s", "d3s", "d3s-i"}
-    assert set(variants.METHODS) == set(d3s.LADDER) | {"random", "dapo-filter", "dapo-filter-k"}  # + DAPO's filter (question 7)
+    assert set(variants.METHODS) == set(d3s.LADDER) | {
+        "random",
+        "dapo-filter",
+        "dapo-filter-k",
+    }  # + DAPO's filter (question 7)
     assert d3s.LADDER["d1s"] == ("intra", "static", "all")
     assert d3s.LADDER["d1s-cross"] == ("cross", "static", "all")
     assert d3s.LADDER["d2s"] == ("cross", "static", "static")

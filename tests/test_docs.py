@@ -48,13 +48,15 @@ def test_every_relative_link_in_the_markdown_points_at_a_file():
 
 
 def test_the_link_parser():
-    text = "[`docs/a.md`](docs/a.md) ![fig](b.png \"t\") `[no](c.md)`\n```\n[no](d.md)\n```\n[r]: e.md\n[web](https://x)"
+    text = '[`docs/a.md`](docs/a.md) ![fig](b.png "t") `[no](c.md)`\n```\n[no](d.md)\n```\n[r]: e.md\n[web](https://x)'
     assert links(text) == ["docs/a.md", "b.png", "https://x", "e.md"]
 
 
 # The old home outside the repository, spelled in pieces so that this file does not mention it.
-OUTSIDE = re.compile(r"\.\./" + "shared" + r"|\b" + "shared" + r"/(?:data|design|paper)\b"
-                     r"|[\"']" + "shared" + r"[\"']\s*,\s*[\"'](?:data|design|paper)[\"']")
+OUTSIDE = re.compile(
+    r"\.\./" + "shared" + r"|\b" + "shared" + r"/(?:data|design|paper)\b"
+    r"|[\"']" + "shared" + r"[\"']\s*,\s*[\"'](?:data|design|paper)[\"']"
+)
 # Files that still mention it, each fixed by its owner: remove an entry with the fix (the test
 # below fails once an entry is no longer needed).
 NOT_YET = set()
@@ -77,8 +79,12 @@ def test_no_tracked_file_refers_to_the_folder_outside_the_repo():
 
 
 def test_the_outside_pattern():
-    for text in ("../" + "shared" + "/data/x.jsonl", "see ../" + "shared", "`" + "shared" + "/design/ALGORITHM.md`",
-                 'os.path.join(ROOT, "' + "shared" + '", "data")'):
+    for text in (
+        "../" + "shared" + "/data/x.jsonl",
+        "see ../" + "shared",
+        "`" + "shared" + "/design/ALGORITHM.md`",
+        'os.path.join(ROOT, "' + "shared" + '", "data")',
+    ):
         assert OUTSIDE.search(text), text
     for text in ("shared with other jobs", "the shared weight", "a shared 2-core machine", "/mnt/nfs/runs/full"):
         assert not OUTSIDE.search(text), text

@@ -16,19 +16,36 @@ import toy_ladder  # noqa: E402
 # ---------------------------------------------------------------------------------------------
 # The paired table: 95% t intervals, verdicts only where an interval excludes 0
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("df, t", [  # Student's t quantiles at 0.975, from printed tables
-    (1, 12.7062), (2, 4.3027), (3, 3.1824), (5, 2.5706), (9, 2.2622), (29, 2.0452), (30, 2.0423), (100, 1.9840)])
+@pytest.mark.parametrize(
+    "df, t",
+    [  # Student's t quantiles at 0.975, from printed tables
+        (1, 12.7062),
+        (2, 4.3027),
+        (3, 3.1824),
+        (5, 2.5706),
+        (9, 2.2622),
+        (29, 2.0452),
+        (30, 2.0423),
+        (100, 1.9840),
+    ],
+)
 def test_the_paired_interval_is_the_mean_plus_minus_t_sd_over_root_n(df, t):
     diffs = [float(i % 3) for i in range(df + 1)]  # n = df + 1 values, not all equal
     m, sd = stats.mean_std(diffs)
     mean, lo, hi = stats.paired_interval(diffs)
     half = t * sd / math.sqrt(len(diffs))
-    assert mean == pytest.approx(m) and lo == pytest.approx(m - half, abs=1e-4) and hi == pytest.approx(m + half, abs=1e-4)
+    assert (
+        mean == pytest.approx(m) and lo == pytest.approx(m - half, abs=1e-4) and hi == pytest.approx(m + half, abs=1e-4)
+    )
 
 
 def test_paired_interval():
     m, lo, hi = stats.paired_interval([1.0, 2.0, 3.0])  # mean 2, sd 1, t_{0.975, 2} = 4.3027
-    assert m == 2.0 and lo == pytest.approx(2 - 4.3027 / math.sqrt(3), abs=1e-4) and hi == pytest.approx(2 + 4.3027 / math.sqrt(3), abs=1e-4)
+    assert (
+        m == 2.0
+        and lo == pytest.approx(2 - 4.3027 / math.sqrt(3), abs=1e-4)
+        and hi == pytest.approx(2 + 4.3027 / math.sqrt(3), abs=1e-4)
+    )
     assert stats.paired_interval([0.5]) == (0.5, None, None)  # one seed: no interval
     assert stats.paired_interval([0.2] * 5)[1:] == (0.2, 0.2)
 
@@ -36,10 +53,17 @@ def test_paired_interval():
 def fake_log(rewards):
     """The keys summarize reads, for a run whose expected reward is `rewards` at steps 0, 1, ..."""
     steps = len(rewards) - 1
-    log = {k: [0.5] * steps for k in ("grad_norm", "grad_norm_grpo_scale", "sur", "kept_samples", "kept_tokens", "k_real",
-                                      "k_frac")}
-    return {**log, "step": list(range(1, steps + 1)), "eval_step": list(range(steps + 1)), "eval_reward": list(rewards),
-            "eval_solved": [0] * (steps + 1)}
+    log = {
+        k: [0.5] * steps
+        for k in ("grad_norm", "grad_norm_grpo_scale", "sur", "kept_samples", "kept_tokens", "k_real", "k_frac")
+    }
+    return {
+        **log,
+        "step": list(range(1, steps + 1)),
+        "eval_step": list(range(steps + 1)),
+        "eval_reward": list(rewards),
+        "eval_solved": [0] * (steps + 1),
+    }
 
 
 def test_the_verdict_needs_an_interval_that_excludes_zero():

@@ -19,10 +19,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import bandit  # noqa: E402
 
 # P = 4 prompts x G = 6 rollouts: row 2 has no spread (all 0), row 3 one success.
-REWARDS = torch.tensor([[1., 1., 1., 0., 0., 0.],
-                        [1., 0., 0., 0., 0., 0.],
-                        [0., 0., 0., 0., 0., 0.],
-                        [1., 1., 1., 1., 1., 0.]])
+REWARDS = torch.tensor(
+    [
+        [1.0, 1.0, 1.0, 0.0, 0.0, 0.0],
+        [1.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+        [0.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+        [1.0, 1.0, 1.0, 1.0, 1.0, 0.0],
+    ]
+)
 TOKENS = ["12", " ", "+", "<b>", "&amp;", "\n", '"q"', "x\ty"]  # text that must be escaped or made visible
 
 
@@ -49,7 +53,12 @@ class Page(HTMLParser):
         if tag == "span" and self._token is not None:
             self._depth += 1
         elif tag == "span" and "tok" in classes:
-            self._token = {"selected": "sel" in classes, "marked": "mark" in classes, "title": attrs.get("title", ""), "text": ""}
+            self._token = {
+                "selected": "sel" in classes,
+                "marked": "mark" in classes,
+                "title": attrs.get("title", ""),
+                "text": "",
+            }
             self.tokens.append(self._token)
 
     def handle_endtag(self, tag):
@@ -80,13 +89,31 @@ def make_page(tmp_path, method, n_keep=2, k_frac=0.3, png=True):
     shown = []
     for i in explain.pick_rollouts(shown_adv, keep):
         r = row_of.get(i)
-        shown.append({"index": i, "tokens": TOKENS, "entropy": None if r is None else entropy[r].tolist(),
-                      "score": None if r is None else scores[r].tolist(),
-                      "selected": None if r is None else token_keep[r].tolist()})
-    path = explain.write_step(tmp_path / method, step=7, rung="test", method=method, rewards=REWARDS, adv=shown_adv,
-                              keep=keep, n_keep=n_keep, k_frac=k_frac, k_real=float(token_keep.float().mean()),
-                              shown=shown, prompts=[f"question <{p}> & co" for p in range(P)], extra={"grad norm": 1.5},
-                              png=png)
+        shown.append(
+            {
+                "index": i,
+                "tokens": TOKENS,
+                "entropy": None if r is None else entropy[r].tolist(),
+                "score": None if r is None else scores[r].tolist(),
+                "selected": None if r is None else token_keep[r].tolist(),
+            }
+        )
+    path = explain.write_step(
+        tmp_path / method,
+        step=7,
+        rung="test",
+        method=method,
+        rewards=REWARDS,
+        adv=shown_adv,
+        keep=keep,
+        n_keep=n_keep,
+        k_frac=k_frac,
+        k_real=float(token_keep.float().mean()),
+        shown=shown,
+        prompts=[f"question <{p}> & co" for p in range(P)],
+        extra={"grad norm": 1.5},
+        png=png,
+    )
     return path, keep, shown
 
 
@@ -181,11 +208,33 @@ def test_pick_rollouts_without_an_empty_group_takes_the_dropped_one_with_the_lar
 def test_bad_input_names_the_field(tmp_path):
     keep, adv = d3s.select_samples(REWARDS, 2, "cross")
     with pytest.raises(ValueError, match="keep.shape"):
-        explain.write_step(tmp_path, step=0, rung="t", method="d3s", rewards=REWARDS, adv=adv, keep=keep[:2],
-                           n_keep=2, k_frac=0.1, k_real=0.1, shown=[])
+        explain.write_step(
+            tmp_path,
+            step=0,
+            rung="t",
+            method="d3s",
+            rewards=REWARDS,
+            adv=adv,
+            keep=keep[:2],
+            n_keep=2,
+            k_frac=0.1,
+            k_real=0.1,
+            shown=[],
+        )
     with pytest.raises(ValueError, match="selected"):
-        explain.write_step(tmp_path, step=0, rung="t", method="d3s", rewards=REWARDS, adv=adv, keep=keep, n_keep=2,
-                           k_frac=0.1, k_real=0.1, shown=[{"index": 0, "tokens": ["a", "b"], "selected": [True]}])
+        explain.write_step(
+            tmp_path,
+            step=0,
+            rung="t",
+            method="d3s",
+            rewards=REWARDS,
+            adv=adv,
+            keep=keep,
+            n_keep=2,
+            k_frac=0.1,
+            k_real=0.1,
+            shown=[{"index": 0, "tokens": ["a", "b"], "selected": [True]}],
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -194,13 +243,20 @@ def test_bad_input_names_the_field(tmp_path):
 def test_toy_pages_are_written_and_do_not_change_the_numbers(tmp_path):
     torch.set_num_threads(1)
     plain = bandit.parse_args(["--steps", "3", "--workers", "1", "--out", str(tmp_path / "plain")])
-    explained = bandit.parse_args(["--steps", "3", "--workers", "1", "--out", str(tmp_path / "x"), "--explain-every", "2"])
+    explained = bandit.parse_args(
+        ["--steps", "3", "--workers", "1", "--out", str(tmp_path / "x"), "--explain-every", "2"]
+    )
     for method in ("d3s", "grpo"):
         assert bandit.run(method, 1, plain) == bandit.run(method, 1, explained), method
     assert not (tmp_path / "plain" / "explain").exists()
     for method in ("d3s", "grpo"):
         folder = tmp_path / "x" / "explain" / f"{method}_seed1"
-        assert sorted(os.listdir(folder)) == ["step_000001.html", "step_000001.png", "step_000002.html", "step_000002.png"]
+        assert sorted(os.listdir(folder)) == [
+            "step_000001.html",
+            "step_000001.png",
+            "step_000002.html",
+            "step_000002.png",
+        ]
     page = Page(open(tmp_path / "x" / "explain" / "d3s_seed1" / "step_000001.html", encoding="utf-8").read())
     text = " ".join(page.text)
     assert "Step 1" in text and "d3s" in text and "toy" in text
@@ -220,7 +276,19 @@ def test_toy_rejects_a_negative_explain_every():
 
 def test_a_page_describes_the_methods_ladder_row(tmp_path):
     keep, adv = d3s.select_samples(REWARDS, 2, "cross")  # d2s selects rollouts as d3s does (cross-group)
-    path = explain.write_step(tmp_path, step=1, rung="train_full", method="d2s", rewards=REWARDS, adv=adv,
-                              keep=keep, n_keep=2, k_frac=0.1, k_real=0.1, shown=[], png=False)
+    path = explain.write_step(
+        tmp_path,
+        step=1,
+        rung="train_full",
+        method="d2s",
+        rewards=REWARDS,
+        adv=adv,
+        keep=keep,
+        n_keep=2,
+        k_frac=0.1,
+        k_real=0.1,
+        shown=[],
+        png=False,
+    )
     text = " ".join(Page(open(path, encoding="utf-8").read()).text)
     assert "cross-group" in text and "d2s" in text and "train_full" in text

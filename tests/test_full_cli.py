@@ -25,7 +25,13 @@ from hypothesis import strategies as st
 import tiny
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
+ENV = {
+    **os.environ,
+    "OMP_NUM_THREADS": "1",
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "CUDA_VISIBLE_DEVICES": "",
+}
 
 
 @pytest.fixture(scope="module")
@@ -33,10 +39,19 @@ def files(tmp_path_factory):
     """A tiny model, data files good and bad, a folder, a plain file; the worker runs in `work`."""
     root = tmp_path_factory.mktemp("cli")
     tokenizer = tiny.build_char_tokenizer()
-    paths = {"model": tiny.save_tiny(tiny.build_tiny_model(tokenizer), tokenizer, str(root / "tiny")),
-             "train": root / "train.jsonl", "bad": root / "bad.jsonl", "empty": root / "empty.jsonl",
-             "dir": root / "a_folder", "file": root / "a_file.txt", "work": root / "work", "root": root}
-    paths["train"].write_text("".join(json.dumps({"problem": f"{i}+{i}", "answer": str(2 * i)}) + "\n" for i in range(8)))
+    paths = {
+        "model": tiny.save_tiny(tiny.build_tiny_model(tokenizer), tokenizer, str(root / "tiny")),
+        "train": root / "train.jsonl",
+        "bad": root / "bad.jsonl",
+        "empty": root / "empty.jsonl",
+        "dir": root / "a_folder",
+        "file": root / "a_file.txt",
+        "work": root / "work",
+        "root": root,
+    }
+    paths["train"].write_text(
+        "".join(json.dumps({"problem": f"{i}+{i}", "answer": str(2 * i)}) + "\n" for i in range(8))
+    )
     paths["bad"].write_text('{"problem": "1+1", "answer": "2"}\n{"problem": "2+2", "answer": \n')
     paths["empty"].write_text("")
     paths["file"].write_text("not a model\n")
@@ -48,24 +63,34 @@ def files(tmp_path_factory):
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
-    for name, drop in (("noweights", ("model.safetensors",)), ("notokenizer", ("tokenizer.json", "vocab.json")),
-                       ("emptytok", ())):
+    for name, drop in (
+        ("noweights", ("model.safetensors",)),
+        ("notokenizer", ("tokenizer.json", "vocab.json")),
+        ("emptytok", ()),
+    ):
         paths[name] = root / name
         shutil.copytree(paths["model"], paths[name])
         for file in drop:
             (paths[name] / file).unlink(missing_ok=True)
     for file in ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer_config.json", "special_tokens_map.json"):
         (paths["emptytok"] / file).unlink(missing_ok=True)
-    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE(vocab={"<|endoftext|>": 0}, merges=[])),
-                            eos_token="<|endoftext|>").save_pretrained(paths["emptytok"])
+    PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.BPE(vocab={"<|endoftext|>": 0}, merges=[])), eos_token="<|endoftext|>"
+    ).save_pretrained(paths["emptytok"])
     return {k: str(v) for k, v in paths.items()}
 
 
 @pytest.fixture(scope="module")
 def cli(files):
     """run(argv) -> {"code", "stderr", "stdout"} of train_full.py ARGV (tests/full_cli_worker.py)."""
-    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "full_cli_worker.py")], cwd=files["work"], env=ENV,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "full_cli_worker.py")],
+        cwd=files["work"],
+        env=ENV,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
 
     def run(argv):
         proc.stdin.write(json.dumps([str(a) for a in argv]) + "\n")
@@ -81,11 +106,50 @@ def cli(files):
 
 def base(files, out):
     """A valid tiny run: 1 step of 2 prompts x 4 rollouts, no evaluation (unless a flag adds one, then a tiny one)."""
-    return ["--model", files["model"], "--rollout", "hf", "--device", "cpu", "--template", "plain", "--train-data",
-            files["train"], "--eval-data", "none", "--out", out, "--steps", "1", "--prompts-per-step", "2", "--group-size",
-            "4", "--n-init", "2", "--n-final", "4", "--max-response-len", "8", "--max-prompt-len", "64",
-            "--micro-batch-size", "4", "--eval-samples", "2", "--eval-pass-k", "1", "--eval-max-tokens", "4",
-            "--eval-limit", "1", "--grader-workers", "1", "--hf-generate-batch", "2"]
+    return [
+        "--model",
+        files["model"],
+        "--rollout",
+        "hf",
+        "--device",
+        "cpu",
+        "--template",
+        "plain",
+        "--train-data",
+        files["train"],
+        "--eval-data",
+        "none",
+        "--out",
+        out,
+        "--steps",
+        "1",
+        "--prompts-per-step",
+        "2",
+        "--group-size",
+        "4",
+        "--n-init",
+        "2",
+        "--n-final",
+        "4",
+        "--max-response-len",
+        "8",
+        "--max-prompt-len",
+        "64",
+        "--micro-batch-size",
+        "4",
+        "--eval-samples",
+        "2",
+        "--eval-pass-k",
+        "1",
+        "--eval-max-tokens",
+        "4",
+        "--eval-limit",
+        "1",
+        "--grader-workers",
+        "1",
+        "--hf-generate-batch",
+        "2",
+    ]
 
 
 def one_line_exit_2(result):
@@ -145,8 +209,11 @@ CASES = [  # (flags added to a valid tiny run, a fragment the one line must hold
     (["--loss", "gspo", "--normalize-by", "all"], "--normalize-by all: applies to --loss-agg token-mean"),
     (["--switch-on-spike", "1"], "--switch-on-spike 1: must be 0 (off) or a number > 1"),
     (["--switch-on-spike", "inf"], "--switch-on-spike inf"),
-    (["--method", "d3s-i", "--switch-on-spike", "3"], "--switch-on-spike 3: moves a cross-group row to its intra-group "
-     "twin (d3s -> d3s-i, d1s-cross -> d1s); d3s-i has none"),
+    (
+        ["--method", "d3s-i", "--switch-on-spike", "3"],
+        "--switch-on-spike 3: moves a cross-group row to its intra-group "
+        "twin (d3s -> d3s-i, d1s-cross -> d1s); d3s-i has none",
+    ),
     (["--method", "d4s"], "--method 'd4s': unknown method; choose from grpo, d1s"),
     (["--method", "d3s-static"], "--method 'd3s-static': unknown method (d3s-static is now d2s, the paper's name)"),
     (["--method", "grpo", "--static-n", "40"], "--static-n 40 > --group-size 4"),
@@ -205,19 +272,36 @@ def test_bad_checkpoints_are_one_line_naming_the_file_and_the_fix(cli, files, tm
 
     damages = {
         "truncated shards": (lambda c: open(c / "__0_0.distcp", "r+b").truncate(100), "__0_0.distcp: truncated"),
-        "corrupt shards": (lambda c: (c / "__0_0.distcp").write_bytes(b"x" * (c / "__0_0.distcp").stat().st_size),
-                           "its shards cannot be read"),  # found when DCP reads them: after the model is built
+        "corrupt shards": (
+            lambda c: (c / "__0_0.distcp").write_bytes(b"x" * (c / "__0_0.distcp").stat().st_size),
+            "its shards cannot be read",
+        ),  # found when DCP reads them: after the model is built
         "truncated metadata": (lambda c: open(c / ".metadata", "r+b").truncate(40), ".metadata: truncated or corrupt"),
         "no metadata": (lambda c: (c / ".metadata").unlink(), ".metadata: missing"),
-        "truncated state": (lambda c: open(c / "trainer_state.json", "r+b").truncate(20), "trainer_state.json: truncated or corrupt"),
-        "truncated rng": (lambda c: open(c / "rng_rank0.pt", "r+b").truncate(100), "rng_rank0.pt: truncated or corrupt"),
-        "pickled rng": (lambda c: torch.save({"torch": torch.get_rng_state(), "x": NotATensor()}, c / "rng_rank0.pt"),
-                        "rng_rank0.pt: refused: it holds a pickled Python object"),
-        "pickled metadata": (lambda c: (c / ".metadata").write_bytes(pickle.dumps({"x": os.system})),
-                             ".metadata: refused: it holds a pickled object (posix.system)"),
-        "older format": (lambda c: (c / "trainer_state.json").write_text(json.dumps(
-            {k: v for k, v in json.loads((c / "trainer_state.json").read_text()).items() if k != "format"})),
-            "checkpoint format 1, written by an older train_full.py"),
+        "truncated state": (
+            lambda c: open(c / "trainer_state.json", "r+b").truncate(20),
+            "trainer_state.json: truncated or corrupt",
+        ),
+        "truncated rng": (
+            lambda c: open(c / "rng_rank0.pt", "r+b").truncate(100),
+            "rng_rank0.pt: truncated or corrupt",
+        ),
+        "pickled rng": (
+            lambda c: torch.save({"torch": torch.get_rng_state(), "x": NotATensor()}, c / "rng_rank0.pt"),
+            "rng_rank0.pt: refused: it holds a pickled Python object",
+        ),
+        "pickled metadata": (
+            lambda c: (c / ".metadata").write_bytes(pickle.dumps({"x": os.system})),
+            ".metadata: refused: it holds a pickled object (posix.system)",
+        ),
+        "older format": (
+            lambda c: (c / "trainer_state.json").write_text(
+                json.dumps(
+                    {k: v for k, v in json.loads((c / "trainer_state.json").read_text()).items() if k != "format"}
+                )
+            ),
+            "checkpoint format 1, written by an older train_full.py",
+        ),
     }
     for name, (damage, fragment) in damages.items():
         copy = tmp_path / name.replace(" ", "_")
@@ -225,12 +309,17 @@ def test_bad_checkpoints_are_one_line_naming_the_file_and_the_fix(cli, files, tm
         damage(copy / "checkpoints" / "step_000001")
         result = cli(base(files, str(copy)) + ["--steps", "2", "--resume"])
         line = one_line_exit_2(result)
-        assert fragment in line and "step_000001" in line and ("resume from an older checkpoint" in line or
-                                                              "start a new run" in line), (name, line)
-    for flags, fragment in ((["--steps", "3", "--resume"], "--steps 3: the checkpoint"),  # the schedule runs over --steps
-                            (["--steps", "2", "--resume", "--lr", "1e-3"], "--lr 0.001: the checkpoint"),
-                            (["--steps", "2"], "holds the checkpoints of an earlier run; pass --resume"),
-                            (["--steps", "2", "--resume", "--stop-after", "1"], "already at step 1")):
+        assert (
+            fragment in line
+            and "step_000001" in line
+            and ("resume from an older checkpoint" in line or "start a new run" in line)
+        ), (name, line)
+    for flags, fragment in (
+        (["--steps", "3", "--resume"], "--steps 3: the checkpoint"),  # the schedule runs over --steps
+        (["--steps", "2", "--resume", "--lr", "1e-3"], "--lr 0.001: the checkpoint"),
+        (["--steps", "2"], "holds the checkpoints of an earlier run; pass --resume"),
+        (["--steps", "2", "--resume", "--stop-after", "1"], "already at step 1"),
+    ):
         line = one_line_exit_2(cli(base(files, str(run)) + flags))
         assert fragment in line, line
     resumed = cli(base(files, str(run)) + ["--steps", "2", "--resume"])  # the undamaged original still resumes
@@ -243,39 +332,112 @@ def test_under_torchrun_rank_0_alone_prints_the_line_and_every_rank_exits_2(file
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}",
-           str(ROOT / "train_full.py"), *base(files, str(tmp_path / "run")), "--lr", "nan"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={port}",
+        str(ROOT / "train_full.py"),
+        *base(files, str(tmp_path / "run")),
+        "--lr",
+        "nan",
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert proc.stderr.count("train_full.py: error: --lr nan: must be in (0, 1]") == 1, proc.stderr
-    assert "exitcode  : 2" in proc.stderr or "exit code 2" in proc.stderr or "exitcode: 2" in proc.stderr, proc.stderr[-2000:]
+    assert "exitcode  : 2" in proc.stderr or "exit code 2" in proc.stderr or "exitcode: 2" in proc.stderr, proc.stderr[
+        -2000:
+    ]
 
 
 WIDE = st.one_of(  # wider than any flag's valid range
-    st.sampled_from(["-1", "0", "1", "2", "3", "7"]), st.integers(10**6, 10**12).map(str),
+    st.sampled_from(["-1", "0", "1", "2", "3", "7"]),
+    st.integers(10**6, 10**12).map(str),
     st.integers(-(10**12), -(10**6)).map(str),
-    st.floats(allow_nan=True, allow_infinity=True).map(repr), st.floats(0, 1).map(repr),
-    st.sampled_from(["", "abc", "1e999", "-inf", "nan", "0x10", "1,2", "DIR", "FILE", "MISSING"]))
-CHOICES = {"--method": ["grpo", "d3s", "pods", "d2s"], "--loss": ["grpo", "gspo"], "--rollout": ["hf", "vllm"],
-           "--template": ["plain", "qwen-math"], "--token-scope": ["batch", "sequence"],
-           "--loss-agg": ["token-mean", "seq-mean-token-mean"], "--normalize-by": ["selected", "all"],
-           "--device": ["cpu", "auto", "cuda"], "--dtype": ["float32", "bfloat16"], "--vllm-sleep-level": ["0", "1", "2"],
-           "--model": ["MODEL"], "--train-data": ["TRAIN"], "--eval-data": ["none", "EVAL"], "--out": ["FRESH", "DIR"],
-           "--eval-pass-k": ["1", "1,2"]}
-VALUED = ["--prompts-per-step", "--group-size", "--n-init", "--n-final", "--k-init", "--k-final", "--static-n",
-          "--static-k", "--lr", "--weight-decay", "--max-grad-norm", "--clip-low", "--clip-high", "--mini-batches",
-          "--micro-batch-size", "--kl-coef", "--kl-every", "--mlp-chunk-tokens", "--temperature", "--top-p",
-          "--max-prompt-len", "--max-response-len", "--eval-every", "--eval-samples", "--eval-temperature",
-          "--eval-top-p", "--eval-max-tokens", "--eval-limit", "--save-every", "--keep-checkpoints", "--export-every",
-          "--explain-every", "--stop-after", "--seed", "--vllm-gpu-memory-utilization", "--vllm-kv-cache-gb",
-          "--vllm-max-num-seqs", "--hf-generate-batch", "--grader-timeout", "--grader-workers", "--peak-tflops",
-          "--resume", *CHOICES]
-SWITCHES = ["--eval-only", "--min-token-per-response", "--no-load-balance", "--kl-ref", "--no-activation-checkpointing",
-            "--unseeded-sampling", "--vllm-allow-awake", "--vllm-enforce-eager", "--resume"]
+    st.floats(allow_nan=True, allow_infinity=True).map(repr),
+    st.floats(0, 1).map(repr),
+    st.sampled_from(["", "abc", "1e999", "-inf", "nan", "0x10", "1,2", "DIR", "FILE", "MISSING"]),
+)
+CHOICES = {
+    "--method": ["grpo", "d3s", "pods", "d2s"],
+    "--loss": ["grpo", "gspo"],
+    "--rollout": ["hf", "vllm"],
+    "--template": ["plain", "qwen-math"],
+    "--token-scope": ["batch", "sequence"],
+    "--loss-agg": ["token-mean", "seq-mean-token-mean"],
+    "--normalize-by": ["selected", "all"],
+    "--device": ["cpu", "auto", "cuda"],
+    "--dtype": ["float32", "bfloat16"],
+    "--vllm-sleep-level": ["0", "1", "2"],
+    "--model": ["MODEL"],
+    "--train-data": ["TRAIN"],
+    "--eval-data": ["none", "EVAL"],
+    "--out": ["FRESH", "DIR"],
+    "--eval-pass-k": ["1", "1,2"],
+}
+VALUED = [
+    "--prompts-per-step",
+    "--group-size",
+    "--n-init",
+    "--n-final",
+    "--k-init",
+    "--k-final",
+    "--static-n",
+    "--static-k",
+    "--lr",
+    "--weight-decay",
+    "--max-grad-norm",
+    "--clip-low",
+    "--clip-high",
+    "--mini-batches",
+    "--micro-batch-size",
+    "--kl-coef",
+    "--kl-every",
+    "--mlp-chunk-tokens",
+    "--temperature",
+    "--top-p",
+    "--max-prompt-len",
+    "--max-response-len",
+    "--eval-every",
+    "--eval-samples",
+    "--eval-temperature",
+    "--eval-top-p",
+    "--eval-max-tokens",
+    "--eval-limit",
+    "--save-every",
+    "--keep-checkpoints",
+    "--export-every",
+    "--explain-every",
+    "--stop-after",
+    "--seed",
+    "--vllm-gpu-memory-utilization",
+    "--vllm-kv-cache-gb",
+    "--vllm-max-num-seqs",
+    "--hf-generate-batch",
+    "--grader-timeout",
+    "--grader-workers",
+    "--peak-tflops",
+    "--resume",
+    *CHOICES,
+]
+SWITCHES = [
+    "--eval-only",
+    "--min-token-per-response",
+    "--no-load-balance",
+    "--kl-ref",
+    "--no-activation-checkpointing",
+    "--unseeded-sampling",
+    "--vllm-allow-awake",
+    "--vllm-enforce-eager",
+    "--resume",
+]
 # --steps stays 1 (the brief's tiny settings): a wide value would be a long run, not a bad input
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
 @given(data=st.data())
 def test_fuzzed_flags_train_or_fail_with_one_line(cli, files, tmp_path_factory, data):
     flags = data.draw(st.lists(st.sampled_from(VALUED + SWITCHES), min_size=1, max_size=3, unique=True), label="flags")
@@ -286,8 +448,15 @@ def test_fuzzed_flags_train_or_fail_with_one_line(cli, files, tmp_path_factory, 
             argv.append(flag)
             continue
         value = data.draw(st.one_of(WIDE, st.sampled_from(CHOICES[flag])) if flag in CHOICES else WIDE, label=flag)
-        value = {"DIR": files["dir"], "FILE": files["file"], "MISSING": files["root"] + "/missing", "MODEL": files["model"],
-                 "TRAIN": files["train"], "EVAL": str(ROOT / "data" / "gsm8k.jsonl"), "FRESH": fresh}.get(value, value)
+        value = {
+            "DIR": files["dir"],
+            "FILE": files["file"],
+            "MISSING": files["root"] + "/missing",
+            "MODEL": files["model"],
+            "TRAIN": files["train"],
+            "EVAL": str(ROOT / "data" / "gsm8k.jsonl"),
+            "FRESH": fresh,
+        }.get(value, value)
         argv += [flag, value]
     result = cli(argv)
     assert "Traceback" not in result["stderr"], (argv, result["stderr"][-3000:])
@@ -306,8 +475,14 @@ def test_a_sigkill_while_a_checkpoint_is_written_then_resume_continues_as_the_un
     whole = tmp_path / "whole"
     assert cli(base(files, str(whole)) + flags)["code"] == 0
     killed = tmp_path / "killed"  # tests/full_stall_worker.py: train_full.py, its checkpoint of step 2 stalled halfway
-    proc = subprocess.Popen([sys.executable, str(ROOT / "tests" / "full_stall_worker.py"), "2", *base(files, str(killed)),
-                             *flags], cwd=files["work"], env=ENV, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "full_stall_worker.py"), "2", *base(files, str(killed)), *flags],
+        cwd=files["work"],
+        env=ENV,
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+    )
     for line in proc.stderr:
         if "stalled before completion" in line:
             break
@@ -319,8 +494,14 @@ def test_a_sigkill_while_a_checkpoint_is_written_then_resume_continues_as_the_un
 
     def lines(run):
         rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-        return [{k: v for k, v in r.items() if not (k.endswith("_s") or "per_s" in k or k.startswith(("mem_", "gpu_", "mfu")))}
-                for r in rows]
+        return [
+            {
+                k: v
+                for k, v in r.items()
+                if not (k.endswith("_s") or "per_s" in k or k.startswith(("mem_", "gpu_", "mfu")))
+            }
+            for r in rows
+        ]
 
     assert [r["step"] for r in lines(killed)] == [1, 2, 3]
     assert lines(killed) == lines(whole)
@@ -338,8 +519,23 @@ def test_the_dapo_filter_on_rewards_without_spread_keeps_nothing_and_leaves_the_
     from safetensors.torch import load_file
 
     out = tmp_path / "run"
-    result = cli(base(files, str(out)) + ["--method", method, "--steps", "2", "--mini-batches", "2",
-                                          "--explain-every", "1", "--weight-decay", "0.1", "--lr", "1e-2"])
+    result = cli(
+        base(files, str(out))
+        + [
+            "--method",
+            method,
+            "--steps",
+            "2",
+            "--mini-batches",
+            "2",
+            "--explain-every",
+            "1",
+            "--weight-decay",
+            "0.1",
+            "--lr",
+            "1e-2",
+        ]
+    )
     assert result["code"] == 0, result
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     records = [r for r in records if r["kind"] == "train"]
@@ -383,9 +579,18 @@ def test_the_switch_rule_reads_the_grad_norms_of_the_earlier_steps_from_the_chec
     for copy in (spiked, old):
         shutil.copytree(run, copy)
     (spiked / state_file).write_text(json.dumps({**state, "grad_norms": [1.0] * 10 + [10.0]}))
-    (old / state_file).write_text(json.dumps({**{k: v for k, v in state.items() if k != "grad_norms"},  # static N, K: null
-                                              "run": {**{k: v for k, v in state["run"].items() if k != "switch_on_spike"},
-                                                      "static_n": None, "static_k": None}}))
+    (old / state_file).write_text(
+        json.dumps(
+            {
+                **{k: v for k, v in state.items() if k != "grad_norms"},  # static N, K: null
+                "run": {
+                    **{k: v for k, v in state["run"].items() if k != "switch_on_spike"},
+                    "static_n": None,
+                    "static_k": None,
+                },
+            }
+        )
+    )
     for folder, rules in ((run, ["cross", "cross"]), (spiked, ["cross", "intra"])):
         result, lines = resumed(folder, ["--switch-on-spike", "3"])
         assert result["code"] == 0, result

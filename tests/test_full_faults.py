@@ -40,10 +40,43 @@ def inputs(tmp_path_factory):
 
 def flags(inputs, out, *extra):
     model, data = inputs
-    return ["--model", model, "--train-data", data, "--eval-data", "none", "--out", str(out), "--template", "plain",
-            "--rollout", "hf", "--device", "cpu", "--prompts-per-step", "2", "--group-size", "4", "--n-init", "2",
-            "--n-final", "4", "--max-response-len", "12", "--max-prompt-len", "64", "--micro-batch-size", "3",
-            "--mini-batches", "2", "--lr", "1e-2", "--grader-workers", "1", *extra]
+    return [
+        "--model",
+        model,
+        "--train-data",
+        data,
+        "--eval-data",
+        "none",
+        "--out",
+        str(out),
+        "--template",
+        "plain",
+        "--rollout",
+        "hf",
+        "--device",
+        "cpu",
+        "--prompts-per-step",
+        "2",
+        "--group-size",
+        "4",
+        "--n-init",
+        "2",
+        "--n-final",
+        "4",
+        "--max-response-len",
+        "12",
+        "--max-prompt-len",
+        "64",
+        "--micro-batch-size",
+        "3",
+        "--mini-batches",
+        "2",
+        "--lr",
+        "1e-2",
+        "--grader-workers",
+        "1",
+        *extra,
+    ]
 
 
 def torchrun(nproc=2):
@@ -60,8 +93,10 @@ def run(cmd, timeout=600):
 def lines(out):
     """metrics.jsonl without the clock, rate and memory readings (they differ from run to run)."""
     rows = [json.loads(line) for line in (pathlib.Path(out) / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not (k.endswith("_s") or "per_s" in k or k.startswith(("mem_", "gpu_", "mfu")))}
-            for r in rows]
+    return [
+        {k: v for k, v in r.items() if not (k.endswith("_s") or "per_s" in k or k.startswith(("mem_", "gpu_", "mfu")))}
+        for r in rows
+    ]
 
 
 def ours(stderr):
@@ -75,15 +110,36 @@ def ours(stderr):
 def test_a_notice_to_one_rank_stops_every_rank_after_its_step_and_resume_equals_the_uninterrupted_run(inputs, tmp_path):
     import psutil
 
-    steps = ["--steps", "6", "--save-every", "50",  # no --save-every step before the end: the notice's checkpoint
-             "--eval-data", inputs[1], "--eval-every", "1", "--eval-limit", "2", "--eval-samples", "2",
-             "--eval-max-tokens", "8", "--eval-pass-k", "1,2"]  # the evaluation due at the stopped step runs first thing after --resume
+    steps = [
+        "--steps",
+        "6",
+        "--save-every",
+        "50",  # no --save-every step before the end: the notice's checkpoint
+        "--eval-data",
+        inputs[1],
+        "--eval-every",
+        "1",
+        "--eval-limit",
+        "2",
+        "--eval-samples",
+        "2",
+        "--eval-max-tokens",
+        "8",
+        "--eval-pass-k",
+        "1,2",
+    ]  # the evaluation due at the stopped step runs first thing after --resume
     whole = tmp_path / "whole"
     done = run(torchrun() + [str(ROOT / "train_full.py"), *flags(inputs, whole, *steps)])
     assert done.returncode == 0, done.stderr[-3000:]
     out = tmp_path / "stopped"
-    proc = subprocess.Popen(torchrun() + [str(ROOT / "train_full.py"), *flags(inputs, out, *steps)], cwd=ROOT, env=ENV,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        torchrun() + [str(ROOT / "train_full.py"), *flags(inputs, out, *steps)],
+        cwd=ROOT,
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     metrics, deadline = out / "metrics.jsonl", time.time() + 300
     while not (metrics.exists() and '"train"' in metrics.read_text()):  # step 1 is done: the loop (and its handler) on
         assert proc.poll() is None and time.time() < deadline, "the run ended before its first step"
@@ -95,11 +151,15 @@ def test_a_notice_to_one_rank_stops_every_rank_after_its_step_and_resume_equals_
     assert len(stopped) == 1 and not stopped[0].endswith(".tmp"), stopped
     step = int(stopped[0].split("_")[1])
     assert 1 <= step < 6, step
-    assert ours(err) == [f"train_full.py: stopped by SIGUSR1 after step {step}; checkpoint {out / 'checkpoints' / stopped[0]}; "
-                         "continue with --resume"], err[-3000:]
+    assert ours(err) == [
+        f"train_full.py: stopped by SIGUSR1 after step {step}; checkpoint {out / 'checkpoints' / stopped[0]}; "
+        "continue with --resume"
+    ], err[-3000:]
     assert err.count("exitcode  : 75") == 2 or "exitcode: 75" in err or "exit code 75" in err, err[-3000:]  # both ranks
     kinds = [(r["kind"], r["step"]) for r in lines(out)]
-    assert kinds == [("eval", 0)] + [(k, s) for s in range(1, step) for k in ("train", "eval")] + [("train", step)], kinds
+    assert kinds == [("eval", 0)] + [(k, s) for s in range(1, step) for k in ("train", "eval")] + [("train", step)], (
+        kinds
+    )
     assert not (out / "hf_final").exists()
     resumed = run(torchrun() + [str(ROOT / "train_full.py"), *flags(inputs, out, *steps, "--resume")])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -109,7 +169,18 @@ def test_a_notice_to_one_rank_stops_every_rank_after_its_step_and_resume_equals_
 # ---------------------------------------------------------------------------------------------
 # A full disk
 # ---------------------------------------------------------------------------------------------
-EVERY_WRITE = ["--steps", "3", "--save-every", "1", "--keep-checkpoints", "3", "--export-every", "1", "--explain-every", "1"]
+EVERY_WRITE = [
+    "--steps",
+    "3",
+    "--save-every",
+    "1",
+    "--keep-checkpoints",
+    "3",
+    "--export-every",
+    "1",
+    "--explain-every",
+    "1",
+]
 
 
 @pytest.fixture(scope="module")
@@ -121,15 +192,17 @@ def whole_run(inputs, tmp_path_factory):
 
 
 @pytest.mark.parametrize("what", ["checkpoint", "metrics", "export", "explain"])
-def test_a_full_disk_stops_the_run_with_one_line_keeps_the_last_checkpoint_and_resume_continues(inputs, whole_run,
-                                                                                                small_disk, what):
+def test_a_full_disk_stops_the_run_with_one_line_keeps_the_last_checkpoint_and_resume_continues(
+    inputs, whole_run, small_disk, what
+):
     out, filler = small_disk[0] / "run", small_disk[0] / "filler"
     cmd = [sys.executable, str(ROOT / "tests" / "full_disk_worker.py"), what, "2", str(filler)]
     failed = run(cmd + flags(inputs, out, *EVERY_WRITE))
     assert failed.returncode == 74, (failed.returncode, failed.stderr[-3000:])
     (line,) = ours(failed.stderr)
     assert line.startswith("train_full.py: error: no space left on the device while writing ") and line.endswith(
-        f"(No space left on device); the last checkpoint in {out} is intact: free space, then continue with --resume"), line
+        f"(No space left on device); the last checkpoint in {out} is intact: free space, then continue with --resume"
+    ), line
     assert "Traceback" not in failed.stderr
     assert sorted(os.listdir(out / "checkpoints")) == ["step_000001"]  # step 2's: not written, its .tmp removed
     assert [r["step"] for r in lines(out)][0] == 1 and not (out / "hf_final").exists()
@@ -146,10 +219,14 @@ def test_a_full_disk_at_rank_0s_metrics_line_stops_both_ranks_with_one_line(inpu
     stops there too, instead of waiting in the next collective."""
     out, filler = small_disk[0] / "run", small_disk[0] / "filler"
     start = time.time()
-    failed = run(torchrun() + [str(ROOT / "tests" / "full_disk_worker.py"), "metrics", "2", str(filler),
-                               *flags(inputs, out, *EVERY_WRITE)])
+    failed = run(
+        torchrun()
+        + [str(ROOT / "tests" / "full_disk_worker.py"), "metrics", "2", str(filler), *flags(inputs, out, *EVERY_WRITE)]
+    )
     assert failed.returncode != 0 and time.time() - start < 240
-    assert len(ours(failed.stderr)) == 1 and "no space left on the device" in ours(failed.stderr)[0], failed.stderr[-3000:]
+    assert len(ours(failed.stderr)) == 1 and "no space left on the device" in ours(failed.stderr)[0], failed.stderr[
+        -3000:
+    ]
     assert "exitcode  : 74" in failed.stderr and "failed; ending the job" not in failed.stderr, failed.stderr[-3000:]
     assert sorted(os.listdir(out / "checkpoints")) == ["step_000001"]
 
@@ -166,17 +243,25 @@ def test_a_full_disk_is_recognised_in_each_form_its_writers_raise_and_nothing_el
     enospc = OSError(errno.ENOSPC, "No space left on device", "x.pt")
     assert common.disk_full(enospc) is enospc
     assert common.disk_full(OSError(errno.EDQUOT, "Disk quota exceeded")).errno == errno.EDQUOT
-    assert common.disk_full(Exception("I/O error: No space left on device (os error 28)"), "m").filename == "m"  # safetensors
+    assert (
+        common.disk_full(Exception("I/O error: No space left on device (os error 28)"), "m").filename == "m"
+    )  # safetensors
     wrapped = RuntimeError("save failed")
     wrapped.__cause__ = enospc
     assert common.disk_full(wrapped) is enospc
     dcp = BaseException("CheckpointException ranks:dict_keys([1])")
     dcp.failures = {1: (enospc, "traceback")}  # DCP: each rank's (exception, traceback)
     assert common.disk_full(dcp) is enospc
-    for other in (OSError(errno.EACCES, "Permission denied"), ValueError("No space"), RuntimeError("unexpected pos 64")):
+    for other in (
+        OSError(errno.EACCES, "Permission denied"),
+        ValueError("No space"),
+        RuntimeError("unexpected pos 64"),
+    ):
         assert common.disk_full(other, str(tmp_path)) is None  # not a full disk: raised on as it is
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=common.NEARLY_FULL - 1))
-    full = common.disk_full(RuntimeError("[enforce fail at inline_container.cc] unexpected pos 64"), str(tmp_path / "c"))
+    full = common.disk_full(
+        RuntimeError("[enforce fail at inline_container.cc] unexpected pos 64"), str(tmp_path / "c")
+    )
     assert full.errno == errno.ENOSPC and full.filename == str(tmp_path / "c")  # torch.save's zip writer on a full disk
     assert common.disk_full(KeyError("step"), str(tmp_path)) is None  # a nearly full disk does not make every error one

@@ -49,9 +49,22 @@ def tiny_model_dir(request, tmp_path_factory):
 def fsdp_result(tiny_model_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp") / "result.pt"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={RANKS}", f"--master_port={free_port()}",
-           str(ROOT / "tests" / "full_fsdp_worker.py"), "--model", tiny_model_dir, "--out", str(out),
-           "--configs", ",".join(CONFIGS), "--workdir", str(out.parent / "work")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={RANKS}",
+        f"--master_port={free_port()}",
+        str(ROOT / "tests" / "full_fsdp_worker.py"),
+        "--model",
+        tiny_model_dir,
+        "--out",
+        str(out),
+        "--configs",
+        ",".join(CONFIGS),
+        "--workdir",
+        str(out.parent / "work"),
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return torch.load(out, weights_only=False)
@@ -67,8 +80,16 @@ def reference_step(model_dir, name):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.train()
     rollouts = [r for group in worker.make_rollouts(model.config.vocab_size) for r in group]  # [P*G], prompt-major
-    n_keep, k_frac = d3s.method_budget(variants.LADDER[method], step=worker.STEP - 1, total_steps=worker.STEPS,
-                                       group_size=worker.G, n_init=2, n_final=4, k_init=0.3, k_final=0.5)  # steps count from 1
+    n_keep, k_frac = d3s.method_budget(
+        variants.LADDER[method],
+        step=worker.STEP - 1,
+        total_steps=worker.STEPS,
+        group_size=worker.G,
+        n_init=2,
+        n_final=4,
+        k_init=0.3,
+        k_final=0.5,
+    )  # steps count from 1
     keep, adv = d3s.select_samples(worker.REWARDS, n_keep, variants.LADDER[method].samples)
     kept = keep.view(-1).nonzero().squeeze(1).tolist()
     seqs = [rollouts[i] for i in kept]
@@ -105,8 +126,16 @@ def reference_step(model_dir, name):
         rows = part.tolist()
         optimizer.zero_grad()
         logp, _ = response_logp(rows)
-        loss, stats = d3s.policy_loss(logp, old_logp[rows], kept_adv[rows], token_keep[rows], kind=loss_kind,
-                                      clip_low=clip[0], clip_high=clip[1], ref_logp=old_logp[rows])  # ref = the start
+        loss, stats = d3s.policy_loss(
+            logp,
+            old_logp[rows],
+            kept_adv[rows],
+            token_keep[rows],
+            kind=loss_kind,
+            clip_low=clip[0],
+            clip_high=clip[1],
+            ref_logp=old_logp[rows],
+        )  # ref = the start
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)))
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -114,9 +143,16 @@ def reference_step(model_dir, name):
         losses.append(float(loss.detach()))
         clip_fracs.append(stats["clip_frac"])
         kls.append((stats["kl"], stats["tokens"]))
-    return {"keep": keep, "token_keep": token_keep, "grads": grads, "grad_norm": sum(norms) / len(norms),
-            "loss": sum(losses) / len(losses), "clip_fracs": clip_fracs, "kl": sum(k * n for k, n in kls) / sum(n for _, n in kls),
-            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return {
+        "keep": keep,
+        "token_keep": token_keep,
+        "grads": grads,
+        "grad_norm": sum(norms) / len(norms),
+        "loss": sum(losses) / len(losses),
+        "clip_fracs": clip_fracs,
+        "kl": sum(k * n for k, n in kls) / sum(n for _, n in kls),
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+    }
 
 
 def test_global_token_selection_over_uneven_ranks_equals_one_shot_selection(fsdp_result):
@@ -154,8 +190,9 @@ def test_fsdp_two_ranks_step_equals_single_process_step(fsdp_result, tiny_model_
         # of g (3.2e-9 against 3.7e-9 seen on CPU) moves the weight by 0.02 lr, so those weights are left to the
         # gradient check above
         sure = ref["grads"][param].abs() > 1e-7
-        torch.testing.assert_close(got["params"][param][sure], ref["params"][param][sure], rtol=0, atol=0.02 * lr,
-                                   msg=param)
+        torch.testing.assert_close(
+            got["params"][param][sure], ref["params"][param][sure], rtol=0, atol=0.02 * lr, msg=param
+        )
     base = dict(__import__("transformers").AutoModelForCausalLM.from_pretrained(tiny_model_dir).named_parameters())
     moved = max(float((got["params"][n] - base[n].detach()).abs().max()) for n in base)
     assert moved > 5e-5  # the step did change the weights (lr >= 1e-4)
@@ -165,11 +202,13 @@ def test_load_balance_moves_work_between_ranks_and_leaves_the_update_unchanged(f
     if RANKS < 2:
         pytest.skip("one rank: nothing to balance")
     balanced, unbalanced = fsdp_result["d3s-m2"], fsdp_result["d3s-m2-unbalanced"]
-    spread = lambda r: r["rank_tokens_max"] - r["rank_tokens_min"]  # noqa: E731
+    spread = lambda r: r["rank_tokens_max"] - r["rank_tokens_min"]
     assert spread(balanced) < spread(unbalanced)  # rank 0 generated 8 kept rollouts, rank 1 only 4
     assert balanced["loss"] == pytest.approx(unbalanced["loss"], abs=1e-6)
     for param in balanced["params"]:
-        torch.testing.assert_close(balanced["grads"][param], unbalanced["grads"][param], rtol=1e-4, atol=1e-8, msg=param)
+        torch.testing.assert_close(
+            balanced["grads"][param], unbalanced["grads"][param], rtol=1e-4, atol=1e-8, msg=param
+        )
         torch.testing.assert_close(balanced["params"][param], unbalanced["params"][param], rtol=0, atol=2e-6, msg=param)
 
 
@@ -263,9 +302,18 @@ def test_the_dapo_filter_keeps_the_groups_with_spread_and_a_step_with_none_makes
             assert got["k_frac"] == 1.0 and got["kept_tokens"] == got["fwd_tokens"]  # every token, as GRPO
         else:  # D3S's token level on K's schedule (K 0.3 -> 0.5 over 4 steps), within one token of K
             step = list(steps).index(name) + 1
-            assert got["k_frac"] == pytest.approx(d3s.method_budget(variants.LADDER[method], step=step - 1,
-                                                                    total_steps=worker.STEPS, group_size=worker.G, n_init=2,
-                                                                    n_final=4, k_init=0.3, k_final=0.5)[1])
+            assert got["k_frac"] == pytest.approx(
+                d3s.method_budget(
+                    variants.LADDER[method],
+                    step=step - 1,
+                    total_steps=worker.STEPS,
+                    group_size=worker.G,
+                    n_init=2,
+                    n_final=4,
+                    k_init=0.3,
+                    k_final=0.5,
+                )[1]
+            )
             if got["fwd_tokens"]:
                 assert 0 < got["kept_tokens"] < got["fwd_tokens"]
                 assert abs(got["kept_tokens"] - got["k_frac"] * got["fwd_tokens"]) < 1.0

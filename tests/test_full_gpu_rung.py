@@ -20,10 +20,26 @@ import fsdp_vllm
 import train_full
 
 GIB = 2**30
-QWEN25_MATH_1_5B = dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                        num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=4096)
-QWEN25_MATH_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-                      num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False, max_position_embeddings=4096)
+QWEN25_MATH_1_5B = dict(
+    hidden_size=1536,
+    intermediate_size=8960,
+    num_hidden_layers=28,
+    num_attention_heads=12,
+    num_key_value_heads=2,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+    max_position_embeddings=4096,
+)
+QWEN25_MATH_7B = dict(
+    hidden_size=3584,
+    intermediate_size=18944,
+    num_hidden_layers=28,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    vocab_size=152064,
+    tie_word_embeddings=False,
+    max_position_embeddings=4096,
+)
 GPUS = {"24gb": 22.0, "48gb": 44.4, "80gb": 79.1}  # bench/memory.py's --gpu sizes (GiB as torch reports them)
 
 
@@ -35,8 +51,9 @@ def config(shapes):
 
 def plan(shapes, flags=(), ranks=1, gpu="24gb", **kw):
     model = ["--model", "Qwen/Qwen2.5-Math-1.5B"] if shapes is QWEN25_MATH_1_5B else []  # the name the line gives
-    return fsdp_vllm.vllm_memory_plan(config(shapes), train_full.parse_args(model + list(flags)), ranks,
-                                      GPUS[gpu] * GIB, **kw)
+    return fsdp_vllm.vllm_memory_plan(
+        config(shapes), train_full.parse_args(model + list(flags)), ranks, GPUS[gpu] * GIB, **kw
+    )
 
 
 ONE_GPU = ["--micro-batch-size", "4", "--max-prompt-len", "512"]  # the one-GPU settings of docs/train_full.md
@@ -62,11 +79,15 @@ def test_the_1_5b_fits_48_and_80_gb_without_offload(gpu):
     fits = plan(QWEN25_MATH_1_5B, ONE_GPU, gpu=gpu)
     assert fits["trainer_resident_gib"] == pytest.approx(12 * fits["params"] / GIB)  # 17.25 GiB
     assert fits["trainer_peak_gib"] == pytest.approx(20 * fits["params"] / GIB)  # the AdamW step at micro-batch 4
-    assert fits["vllm_share_gib"] + fits["trainer_resident_gib"] + fsdp_vllm.MARGIN_GIB == pytest.approx(GPUS[gpu], abs=0.01)
+    assert fits["vllm_share_gib"] + fits["trainer_resident_gib"] + fsdp_vllm.MARGIN_GIB == pytest.approx(
+        GPUS[gpu], abs=0.01
+    )
 
 
 def test_the_7b_on_one_80_gb_gpu_needs_offload_and_the_host_memory_for_it():
-    with pytest.raises(fsdp_vllm.UsageError, match=r"fits with --cpu-offload; or 2 GPUs \(torchrun --nproc_per_node 2\)"):
+    with pytest.raises(
+        fsdp_vllm.UsageError, match=r"fits with --cpu-offload; or 2 GPUs \(torchrun --nproc_per_node 2\)"
+    ):
         plan(QWEN25_MATH_7B, ONE_GPU, gpu="80gb")
     ok = plan(QWEN25_MATH_7B, ONE_GPU + ["--cpu-offload"], gpu="80gb", host_bytes=256 * GIB)
     assert ok["vllm_weights_gib"] == pytest.approx(14.2, abs=0.05) and ok["kv_cache_gib"] > 50
@@ -78,7 +99,9 @@ def test_the_7b_on_one_80_gb_gpu_needs_offload_and_the_host_memory_for_it():
 
 def test_the_plan_counts_the_kl_reference_and_refuses_a_micro_batch_that_does_not_fit():
     base, with_ref = plan(QWEN25_MATH_7B, ranks=8, gpu="80gb"), plan(QWEN25_MATH_7B, ["--kl-ref"], ranks=8, gpu="80gb")
-    assert with_ref["trainer_resident_gib"] - base["trainer_resident_gib"] == pytest.approx(2 * base["params"] / 8 / GIB)
+    assert with_ref["trainer_resident_gib"] - base["trainer_resident_gib"] == pytest.approx(
+        2 * base["params"] / 8 / GIB
+    )
     assert with_ref["trainer_peak_gib"] - base["trainer_peak_gib"] == pytest.approx(2 * base["params"] / 8 / GIB)
     with pytest.raises(fsdp_vllm.UsageError) as refused:  # 64 rollouts of 4024 tokens per forward on a 48 GB GPU
         plan(QWEN25_MATH_1_5B, ["--micro-batch-size", "64"], gpu="48gb")
@@ -103,8 +126,10 @@ def test_a_given_gpu_memory_utilization_that_overfills_the_gpu_beside_the_traine
         plan(QWEN25_MATH_7B, ["--vllm-gpu-memory-utilization", "0.95"], ranks=8, gpu="80gb")
     line = str(refused.value)
     assert "\n" not in line and line.startswith("--model Qwen/Qwen2.5-Math-7B: does not fit this 79.1 GiB GPU: ")
-    assert ("--vllm-gpu-memory-utilization 0.95 gives vLLM 75.1 GiB, which beside the trainer's 10.6 GiB (12 B x 7.62B "
-            "params / 8 rank(s)) and the 4 GiB margin needs 89.8 GiB, more than the GPU's 79.1") in line
+    assert (
+        "--vllm-gpu-memory-utilization 0.95 gives vLLM 75.1 GiB, which beside the trainer's 10.6 GiB (12 B x 7.62B "
+        "params / 8 rank(s)) and the 4 GiB margin needs 89.8 GiB, more than the GPU's 79.1"
+    ) in line
     assert "no --vllm-gpu-memory-utilization (the plan's)" in line
     largest = line.split("fits with --vllm-gpu-memory-utilization ")[1].split(";")[0]
     ok = plan(QWEN25_MATH_7B, ["--vllm-gpu-memory-utilization", largest], ranks=8, gpu="80gb")
@@ -140,8 +165,11 @@ def test_sleep_level_0_that_leaves_vllm_too_little_beside_the_step_is_refused_na
     # a given share that fits beside the resident shards but not beside the step's peak
     util = ["--vllm-gpu-memory-utilization", "0.7"]
     assert not plan(QWEN25_MATH_1_5B, ONE_GPU + util, gpu="80gb")["short"]
-    with pytest.raises(fsdp_vllm.UsageError, match=r"gives vLLM 55.4 GiB, which beside the trainer's 28.8 GiB \(its step"
-                       r".*needs 88.1 GiB, more than the GPU's 79.1.*--vllm-sleep-level 2"):
+    with pytest.raises(
+        fsdp_vllm.UsageError,
+        match=r"gives vLLM 55.4 GiB, which beside the trainer's 28.8 GiB \(its step"
+        r".*needs 88.1 GiB, more than the GPU's 79.1.*--vllm-sleep-level 2",
+    ):
         plan(QWEN25_MATH_1_5B, ONE_GPU + util + AWAKE, gpu="80gb")
 
 
@@ -149,14 +177,22 @@ def test_sleep_level_0_that_leaves_vllm_too_little_beside_the_step_is_refused_na
 # the plan's estimate is at least the simulated figure and at most 12% above it.
 # (preset, ranks, micro-batch, train_full flags) -> simulated peak
 SIMULATED = {
-    ("7b", 8, 1, ()): 19.80, ("7b", 8, 4, ()): 23.20, ("7b", 8, 8, ()): 27.63, ("7b", 8, 16, ()): 36.92,
+    ("7b", 8, 1, ()): 19.80,
+    ("7b", 8, 4, ()): 23.20,
+    ("7b", 8, 8, ()): 27.63,
+    ("7b", 8, 16, ()): 36.92,
     ("7b", 8, 4, ("--kl-ref",)): 24.97,
-    ("1.5b", 1, 4, ()): 28.75, ("1.5b", 1, 12, ()): 30.44, ("1.5b", 1, 16, ()): 32.51,
+    ("1.5b", 1, 4, ()): 28.75,
+    ("1.5b", 1, 12, ()): 30.44,
+    ("1.5b", 1, 16, ()): 32.51,
     ("1.5b", 1, 96, ()): 74.80,
-    ("1.5b", 1, 4, ("--cpu-offload",)): 4.50, ("1.5b", 1, 16, ("--cpu-offload",)): 9.51,
+    ("1.5b", 1, 4, ("--cpu-offload",)): 4.50,
+    ("1.5b", 1, 16, ("--cpu-offload",)): 9.51,
     ("1.5b", 1, 32, ("--cpu-offload",)): 17.95,
-    ("7b", 1, 4, ("--cpu-offload",)): 9.14, ("7b", 1, 16, ("--cpu-offload",)): 22.30,
-    ("7b", 1, 32, ("--cpu-offload",)): 40.90, ("7b", 1, 60, ("--cpu-offload",)): 73.97,
+    ("7b", 1, 4, ("--cpu-offload",)): 9.14,
+    ("7b", 1, 16, ("--cpu-offload",)): 22.30,
+    ("7b", 1, 32, ("--cpu-offload",)): 40.90,
+    ("7b", 1, 60, ("--cpu-offload",)): 73.97,
     ("1.5b", 1, 30, ()): 39.90,
 }
 
@@ -218,7 +254,8 @@ def vllm_stub(monkeypatch):
     def install(allocations):
         allocator = types.ModuleType("vllm.device_allocator")
         allocator.get_mem_allocator_instance = lambda: types.SimpleNamespace(
-            pointer_to_data={i: a for i, a in enumerate(allocations)})
+            pointer_to_data={i: a for i, a in enumerate(allocations)}
+        )
         monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
         monkeypatch.setitem(sys.modules, "vllm.device_allocator", allocator)
 
@@ -228,10 +265,17 @@ def vllm_stub(monkeypatch):
 def test_the_first_weight_sync_puts_a_fresh_engine_to_sleep_and_wakes_the_weights_alone(monkeypatch, vllm_stub):
     """Finding 3: on --resume the first sync ran with vLLM fully awake beside AdamW's state. Now every sync
     starts asleep: weights woken alone, loaded, then the KV cache, then the prefix cache is reset."""
-    engine, calls = fake_engine(monkeypatch, vllm_stub, 40, [("weights", 3, False), ("kv_cache", 20, False), ("runtime", 1, False)])
+    engine, calls = fake_engine(
+        monkeypatch, vllm_stub, 40, [("weights", 3, False), ("kv_cache", 20, False), ("runtime", 1, False)]
+    )
     engine.update_weights(iter([("w", torch.zeros(1))]))
-    assert calls == [("sleep", 2), ("wake_up", ["weights"]), ("rpc", "reload_weights"), ("wake_up", ["kv_cache"]),
-                     ("reset_prefix_cache",)]
+    assert calls == [
+        ("sleep", 2),
+        ("wake_up", ["weights"]),
+        ("rpc", "reload_weights"),
+        ("wake_up", ["kv_cache"]),
+        ("reset_prefix_cache",),
+    ]
     assert not engine.sleeping
 
 
@@ -240,14 +284,25 @@ def test_a_kv_cache_that_the_free_memory_cannot_hold_is_one_line_before_the_wake
     with pytest.raises(fsdp_vllm.UsageError) as short:
         engine.update_weights(iter([]))
     line = str(short.value)
-    assert line.startswith("GPU memory: vLLM's kv cache need 20.00 GiB to wake, 10.00 GiB is free (the trainer holds "
-                           "3.00 GiB); lower --vllm-gpu-memory-utilization") and "\n" not in line
+    assert (
+        line.startswith(
+            "GPU memory: vLLM's kv cache need 20.00 GiB to wake, 10.00 GiB is free (the trainer holds "
+            "3.00 GiB); lower --vllm-gpu-memory-utilization"
+        )
+        and "\n" not in line
+    )
     assert ("wake_up", ["kv_cache"]) not in calls  # refused before vLLM would have run out of memory
 
 
 def test_the_wake_check_counts_what_vllm_maps_back_whatever_the_tags():
-    alloc = lambda tag, gib, asleep=True: types.SimpleNamespace(tag=tag, handle=(0, gib * GIB), is_asleep=asleep)  # noqa: E731
-    pool = [alloc("weights", 3), alloc("kv_cache", 20), alloc("runtime", 1), alloc("cudagraph", 1), alloc("kv_cache", 5, False)]
+    alloc = lambda tag, gib, asleep=True: types.SimpleNamespace(tag=tag, handle=(0, gib * GIB), is_asleep=asleep)
+    pool = [
+        alloc("weights", 3),
+        alloc("kv_cache", 20),
+        alloc("runtime", 1),
+        alloc("cudagraph", 1),
+        alloc("kv_cache", 5, False),
+    ]
     assert fsdp_vllm.wake_shortfall(5 * GIB, pool, ["weights"]) is None  # weights + runtime + CUDA graphs: 5 GiB
     assert "need 5.00 GiB to wake, 4.99 GiB" in fsdp_vllm.wake_shortfall(5 * GIB - 2**23, pool, ["weights"])
     assert fsdp_vllm.wake_shortfall(25 * GIB, pool, None) is None and fsdp_vllm.wake_shortfall(24 * GIB, pool, None)
@@ -274,8 +329,10 @@ def test_a_micro_batch_without_a_selected_token_still_gives_every_parameter_a_ze
 
 def test_a_torch_that_sees_no_gpu_is_told_why_with_the_driver_and_cuda_versions():
     old = fsdp_vllm.cuda_diagnosis("2.13.0+cu130", "13.0", "550.54.15", "12.4", ["NVIDIA H100 80GB HBM3"])
-    assert ("torch 2.13.0+cu130 is built for CUDA 13.0; the NVIDIA driver is 550.54.15 (it runs CUDA up to 12.4), "
-            "older than the R580+ that CUDA 13 needs: update the driver") in old
+    assert (
+        "torch 2.13.0+cu130 is built for CUDA 13.0; the NVIDIA driver is 550.54.15 (it runs CUDA up to 12.4), "
+        "older than the R580+ that CUDA 13 needs: update the driver"
+    ) in old
     assert "CPU-only build" in fsdp_vllm.cuda_diagnosis("2.13.0+cpu", None)
     assert "no NVIDIA driver answers here" in fsdp_vllm.cuda_diagnosis("2.13.0+cu130", "13.0", None, None, [])
     new = fsdp_vllm.cuda_diagnosis("2.13.0+cu130", "13.0", "580.65.06", "13.0", ["NVIDIA H100 80GB HBM3"])
@@ -299,9 +356,14 @@ def test_gpu_check_on_a_machine_without_a_gpu_says_why_in_its_one_log(tmp_path):
     import sys
 
     root = pathlib.Path(__file__).resolve().parent.parent
-    proc = subprocess.run(["bash", str(root / "scripts" / "gpu_check.sh")], cwd=root, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path / "check"),
-                                            "CUDA_VISIBLE_DEVICES": ""})
+    proc = subprocess.run(
+        ["bash", str(root / "scripts" / "gpu_check.sh")],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path / "check"), "CUDA_VISIBLE_DEVICES": ""},
+    )
     log = (tmp_path / "check" / "gpu_check.log").read_text()
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "== 0/4 the machine" in log and f"torch {torch.__version__}" in log

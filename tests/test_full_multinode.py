@@ -43,9 +43,22 @@ import torch  # noqa: E402
 
 import tiny  # noqa: E402
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
+ENV = {
+    **os.environ,
+    "OMP_NUM_THREADS": "1",
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "CUDA_VISIBLE_DEVICES": "",
+}
 TIMEOUT = 300
-CLOSE = ("loss", "grad_norm", "entropy_mean", "entropy_kept", "clip_frac", "clip_frac_by_minibatch")  # float sums over ranks
+CLOSE = (
+    "loss",
+    "grad_norm",
+    "entropy_mean",
+    "entropy_kept",
+    "clip_frac",
+    "clip_frac_by_minibatch",
+)  # float sums over ranks
 PER_RANK_COUNT = ("rank_tokens_max", "rank_tokens_min")  # the load balance: a function of the rank count
 
 
@@ -102,18 +115,62 @@ def files(tmp_path_factory):
 def flags(files, out, *extra):
     """2 steps of 4 prompts x 4 rollouts (2 prompts per rank on 2 ranks), up to 4 optimizer steps a
     step (--mini-batches 4, the default), no evaluation."""
-    return ["--model", files["model"], "--rollout", "hf", "--device", "cpu", "--template", "plain", "--train-data",
-            files["train"], "--eval-data", "none", "--out", str(out), "--steps", "2", "--prompts-per-step", "4",
-            "--group-size", "4", "--n-init", "2", "--n-final", "4", "--max-response-len", "12", "--max-prompt-len", "64",
-            "--micro-batch-size", "4", "--lr", "1e-3", "--grader-workers", "1", "--hf-generate-batch", "2",
-            *extra]
+    return [
+        "--model",
+        files["model"],
+        "--rollout",
+        "hf",
+        "--device",
+        "cpu",
+        "--template",
+        "plain",
+        "--train-data",
+        files["train"],
+        "--eval-data",
+        "none",
+        "--out",
+        str(out),
+        "--steps",
+        "2",
+        "--prompts-per-step",
+        "4",
+        "--group-size",
+        "4",
+        "--n-init",
+        "2",
+        "--n-final",
+        "4",
+        "--max-response-len",
+        "12",
+        "--max-prompt-len",
+        "64",
+        "--micro-batch-size",
+        "4",
+        "--lr",
+        "1e-3",
+        "--grader-workers",
+        "1",
+        "--hf-generate-batch",
+        "2",
+        *extra,
+    ]
 
 
 def launch(ranks, argv, cwd):
     """train_full.py ARGV on `ranks` gloo ranks of one node (a plain `python train_full.py` for 1); its stdout."""
-    cmd = [sys.executable, str(ROOT / "train_full.py"), *argv] if ranks == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", f"--master_port={free_port()}",
-         str(ROOT / "train_full.py"), *argv]
+    cmd = (
+        [sys.executable, str(ROOT / "train_full.py"), *argv]
+        if ranks == 1
+        else [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={ranks}",
+            f"--master_port={free_port()}",
+            str(ROOT / "train_full.py"),
+            *argv,
+        ]
+    )
     proc = subprocess.run(cmd, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc.stdout
@@ -122,8 +179,10 @@ def launch(ranks, argv, cwd):
 def lines(out):
     """metrics.jsonl, wall-clock and memory fields aside."""
     rows = [json.loads(line) for line in (pathlib.Path(out) / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not (k.endswith("_s") or "per_s" in k or k.startswith(("mem_", "gpu_", "mfu")))}
-            for r in rows]
+    return [
+        {k: v for k, v in r.items() if not (k.endswith("_s") or "per_s" in k or k.startswith(("mem_", "gpu_", "mfu")))}
+        for r in rows
+    ]
 
 
 def weights(folder):
@@ -148,13 +207,31 @@ def runs(files, tmp_path_factory):
 
 def test_two_nodes_of_one_process_equal_one_node_of_two(files, runs, tmp_path):
     out, port = tmp_path / "two_nodes", free_port()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-           "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"d3s-test-{port}", "--local-addr", "127.0.0.1",
-           str(ROOT / "train_full.py"), *flags(files, out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-id",
+        f"d3s-test-{port}",
+        "--local-addr",
+        "127.0.0.1",
+        str(ROOT / "train_full.py"),
+        *flags(files, out),
+    ]
     paths = [tmp_path / f"node{n}.log" for n in range(2)]  # stdout and stderr of each launch
     with open(paths[0], "w") as log0, open(paths[1], "w") as log1:
-        nodes = [subprocess.Popen(cmd, cwd=files["work"], env=ENV, stdout=log, stderr=subprocess.STDOUT)
-                 for log in (log0, log1)]
+        nodes = [
+            subprocess.Popen(cmd, cwd=files["work"], env=ENV, stdout=log, stderr=subprocess.STDOUT)
+            for log in (log0, log1)
+        ]
         try:
             codes = [node.wait(timeout=TIMEOUT) for node in nodes]
         finally:
@@ -182,8 +259,18 @@ def test_resume_on_another_rank_count(files, runs, tmp_path, saved, resumed):
 
     # the weights and AdamW's state loaded on the other rank count are the saved ones, bit for bit
     loaded = tmp_path / "loaded.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={resumed}", f"--master_port={free_port()}",
-           __file__, str(ckpt), str(loaded), "--", *flags(files, tmp_path / "unused")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={resumed}",
+        f"--master_port={free_port()}",
+        __file__,
+        str(ckpt),
+        str(loaded),
+        "--",
+        *flags(files, tmp_path / "unused"),
+    ]
     proc = subprocess.run(cmd, cwd=files["work"], env=ENV, capture_output=True, text=True, timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     got = torch.load(loaded, weights_only=True)
@@ -192,7 +279,9 @@ def test_resume_on_another_rank_count(files, runs, tmp_path, saved, resumed):
     assert exported.keys() <= got["model"].keys()
     for name, tensor in exported.items():
         assert torch.equal(got["model"][name], tensor), name
-    assert not torch.equal(exported["model.norm.weight"], weights(files["model"])["model.norm.weight"])  # step 1 moved it
+    assert not torch.equal(
+        exported["model.norm.weight"], weights(files["model"])["model.norm.weight"]
+    )  # step 1 moved it
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     dcp_to_torch_save(str(ckpt), str(tmp_path / "saved.pt"))
@@ -201,15 +290,19 @@ def test_resume_on_another_rank_count(files, runs, tmp_path, saved, resumed):
     for name, state in saved_optim.items():
         assert state.keys() == got["optim"][name].keys() == {"step", "exp_avg", "exp_avg_sq"}, name
         assert all(torch.equal(got["optim"][name][k], state[k]) for k in state), name
-    assert {float(s["step"]) for s in saved_optim.values()} == {lines(runs[saved])[0]["updates"]}  # step 1's optimizer steps
+    assert {float(s["step"]) for s in saved_optim.values()} == {
+        lines(runs[saved])[0]["updates"]
+    }  # step 1's optimizer steps
     assert any(s["exp_avg"].abs().max() > 0 for s in saved_optim.values())
 
     # the resumed run says what it keeps and what it cannot, and finishes
     stdout = launch(resumed, flags(files, out, "--resume"), files["work"])
-    assert (f"resumed from {ckpt} at step 1; saved on {saved} ranks, resumed on {resumed}: the model and AdamW state are "
-            "resharded exactly and the data order continues, but the per-rank RNG is not restored (sampling is seeded "
-            "per prompt, not drawn from it); losses and gradient norms equal an uninterrupted run's to rounding only, "
-            "not bit for bit") in stdout, stdout[-3000:]
+    assert (
+        f"resumed from {ckpt} at step 1; saved on {saved} ranks, resumed on {resumed}: the model and AdamW state are "
+        "resharded exactly and the data order continues, but the per-rank RNG is not restored (sampling is seeded "
+        "per prompt, not drawn from it); losses and gradient norms equal an uninterrupted run's to rounding only, "
+        "not bit for bit"
+    ) in stdout, stdout[-3000:]
     got = lines(out)
     assert [r["step"] for r in got] == [1, 2]
     assert got[0] == lines(runs[saved])[0]  # step 1 is the saving run's line
@@ -239,17 +332,25 @@ def test_the_resume_note_says_when_the_rollouts_differ(files, tmp_path):
     ckpt = tmp_path / "step_000001"
     ckpt.mkdir()
     (ckpt / "trainer_state.json").write_text(json.dumps({"world": 2}))
-    note = lambda world, *extra: full_io.other_world_note(str(ckpt), world, train_full.parse_args(  # noqa: E731
-        flags(files, tmp_path / "out", *extra)))
+    note = lambda world, *extra: full_io.other_world_note(
+        str(ckpt),
+        world,
+        train_full.parse_args(flags(files, tmp_path / "out", *extra)),
+    )
     assert note(2) == note(2, "--unseeded-sampling") == note(2, "--hf-generate-batch", "16") == ""
     assert "(sampling is seeded per prompt, not drawn from it)" in note(1)  # calls of 2 prompts on 1 and 2 ranks alike
-    assert "; with --unseeded-sampling the rollouts differ from an uninterrupted run's;" in note(1, "--unseeded-sampling")
+    assert "; with --unseeded-sampling the rollouts differ from an uninterrupted run's;" in note(
+        1, "--unseeded-sampling"
+    )
     hf = note(1, "--hf-generate-batch", "16")
     assert hf.startswith("; saved on 2 ranks, resumed on 1: the model and AdamW state are resharded exactly")
-    assert ("--rollout hf seeds each generate() call of --hf-generate-batch 16 prompts and the calls now group the prompts "
-            "differently, so the rollouts differ from an uninterrupted run's") in hf
-    assert hf.endswith("equal an uninterrupted run's to rounding only, not bit for bit (the sums over ranks run in another "
-                       "order)")
+    assert (
+        "--rollout hf seeds each generate() call of --hf-generate-batch 16 prompts and the calls now group the prompts "
+        "differently, so the rollouts differ from an uninterrupted run's"
+    ) in hf
+    assert hf.endswith(
+        "equal an uninterrupted run's to rounding only, not bit for bit (the sums over ranks run in another order)"
+    )
 
 
 def load_resharded(ckpt, out, argv):
@@ -266,10 +367,19 @@ def load_resharded(ckpt, out, argv):
     model = fsdp_vllm.load_policy(args, dist_)
     optimizer = fsdp_vllm.make_optimizer(model, args)
     meta = full_io.load_checkpoint(ckpt, model, optimizer, dist_)
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    model_sd, optim_sd = get_state_dict(
+        model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
     if dist_.is_main:
-        torch.save({"model": model_sd, "optim": optim_sd["state"], "world": torch.tensor(dist_.world),
-                    "saved_world": torch.tensor(meta["world"])}, out)
+        torch.save(
+            {
+                "model": model_sd,
+                "optim": optim_sd["state"],
+                "world": torch.tensor(dist_.world),
+                "saved_world": torch.tensor(meta["world"]),
+            },
+            out,
+        )
     dist.barrier()
     dist.destroy_process_group()
 

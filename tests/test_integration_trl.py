@@ -43,20 +43,40 @@ try:
 except ImportError:
     HAVE_TRL = False
 
-needs_trl = pytest.mark.skipif(not HAVE_TRL, reason="needs trl: runs under .venv-trl (test_trl_suite_in_trl_venv runs them)")
+needs_trl = pytest.mark.skipif(
+    not HAVE_TRL, reason="needs trl: runs under .venv-trl (test_trl_suite_in_trl_venv runs them)"
+)
 
 
 # ---------------------------------------------------------------------------------------------
 # Under .venv: run this file under .venv-trl
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.skipif(HAVE_TRL, reason="trl is importable here: the tests below run in this process")
-@pytest.mark.skipif(not os.path.exists(TRL_PYTHON),
-                    reason=f"{TRL_PYTHON} not found: python3 -m venv .venv-trl && .venv-trl/bin/pip install -r requirements-trl.txt")
+@pytest.mark.skipif(
+    not os.path.exists(TRL_PYTHON),
+    reason=f"{TRL_PYTHON} not found: python3 -m venv .venv-trl && .venv-trl/bin/pip install -r requirements-trl.txt",
+)
 def test_trl_suite_in_trl_venv():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([TRL_PYTHON, "-m", "pytest", os.path.abspath(__file__), "-q", "-ra", "-p", "no:cacheprovider",
-                           "-k", "not test_trl_suite_in_trl_venv"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
+    proc = subprocess.run(
+        [
+            TRL_PYTHON,
+            "-m",
+            "pytest",
+            os.path.abspath(__file__),
+            "-q",
+            "-ra",
+            "-p",
+            "no:cacheprovider",
+            "-k",
+            "not test_trl_suite_in_trl_venv",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert " passed" in summary and "skipped" not in summary and "failed" not in summary, summary
@@ -77,8 +97,10 @@ def tiny_model_dir(tmp_path_factory):
 def load(model_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    return (AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
-            AutoTokenizer.from_pretrained(model_dir))
+    return (
+        AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+        AutoTokenizer.from_pretrained(model_dir),
+    )
 
 
 def dataset():
@@ -93,8 +115,13 @@ def run(trainer_cls, config, model_dir, reward=None):
 
     model, tokenizer = load(model_dir)
     torch.manual_seed(0)
-    trainer = trainer_cls(model=model, processing_class=tokenizer, reward_funcs=reward or parity_reward, args=config,
-                          train_dataset=dataset())
+    trainer = trainer_cls(
+        model=model,
+        processing_class=tokenizer,
+        reward_funcs=reward or parity_reward,
+        args=config,
+        train_dataset=dataset(),
+    )
     trainer.train()
     return trainer
 
@@ -134,8 +161,16 @@ def budget(method, step, total_steps, config):
     import d3s
     import variants
 
-    return d3s.method_budget(variants.LADDER[method], step=step, total_steps=total_steps, group_size=4,
-                             n_init=config.n_init, n_final=config.n_final, k_init=config.k_init, k_final=config.k_final)
+    return d3s.method_budget(
+        variants.LADDER[method],
+        step=step,
+        total_steps=total_steps,
+        group_size=4,
+        n_init=config.n_init,
+        n_final=config.n_final,
+        k_init=config.k_init,
+        k_final=config.k_final,
+    )
 
 
 def reference_selection(batch, method, n_keep, model_dir):
@@ -163,7 +198,6 @@ def reference_selection(batch, method, n_keep, model_dir):
 @needs_trl
 @pytest.mark.parametrize("method", ["d3s", "d3s-i"])
 def test_kept_rollouts_and_tokens_are_d3s_py_selections(tiny_model_dir, tmp_path, method):
-    import d3s
     from trl_worker import RecordingTrainer, kept_tokens_by_row, make_config
 
     config = make_config(str(tmp_path / "out"), d3s_method=method, max_steps=4)
@@ -197,7 +231,6 @@ def test_the_dapo_filter_trains_on_every_rollout_of_the_groups_with_spread(tiny_
     spread in some groups only (half_flat_reward): the kept rollouts are exactly the groups with spread,
     whole; the logged d3s/kept_rollouts is G x their count, every kept rollout has A != 0, and the loss
     sees the kept rows only, with the tokens d3s.select_tokens keeps."""
-    import d3s
     from trl_worker import RecordingTrainer, half_flat_reward, kept_tokens_by_row, make_config
 
     config = make_config(str(tmp_path / "out"), d3s_method=method, max_steps=3)
@@ -239,8 +272,12 @@ def test_the_dapo_filter_without_spread_keeps_nothing_and_makes_no_optimizer_ste
 
     from integrations.trl import D3SGRPOTrainer
 
-    trainer = run(D3SGRPOTrainer, make_config(str(tmp_path / "out"), d3s_method=method, max_steps=2), tiny_model_dir,
-                  reward=flat_reward)
+    trainer = run(
+        D3SGRPOTrainer,
+        make_config(str(tmp_path / "out"), d3s_method=method, max_steps=2),
+        tiny_model_dir,
+        reward=flat_reward,
+    )
     logs = train_logs(trainer)
     assert len(logs) == 2
     for log in logs:
@@ -256,7 +293,8 @@ def test_the_dapo_filter_without_spread_keeps_nothing_and_makes_no_optimizer_ste
 @needs_trl
 @pytest.mark.parametrize("gas", [1, 2])
 def test_an_empty_dapo_filter_step_after_a_step_with_signal_leaves_the_weights_and_adamw_as_they_are(
-        tiny_model_dir, tmp_path, gas):
+    tiny_model_dir, tmp_path, gas
+):
     """Step 1 has spread (parity), step 2 none (signal_then_flat_reward). Step 2's gradient is exactly 0, but
     an AdamW step would still move the weights by step 1's momentum (0.67 lr with beta 0.9 / 0.999).
     D3SGRPOTrainer makes no optimizer step when no process selected a token: after step 2 the weights and
@@ -265,8 +303,12 @@ def test_an_empty_dapo_filter_step_after_a_step_with_signal_leaves_the_weights_a
     from trl_worker import RecordingTrainer, make_config, signal_then_flat_reward
 
     accumulation = {} if gas == 1 else {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 2}
-    trainer = run(RecordingTrainer, make_config(str(tmp_path / "out"), d3s_method="dapo-filter", max_steps=2,
-                                                **accumulation), tiny_model_dir, reward=signal_then_flat_reward)
+    trainer = run(
+        RecordingTrainer,
+        make_config(str(tmp_path / "out"), d3s_method="dapo-filter", max_steps=2, **accumulation),
+        tiny_model_dir,
+        reward=signal_then_flat_reward,
+    )
     first, second = train_logs(trainer)
     assert first["d3s/kept_rollouts"] > 0 and first["grad_norm"] > 0
     assert second["d3s/kept_rollouts"] == 0 and second["d3s/kept_tokens"] == 0
@@ -281,7 +323,9 @@ def test_an_empty_dapo_filter_step_after_a_step_with_signal_leaves_the_weights_a
     assert any(bool(st["exp_avg"].any()) for st in adam_1.values())  # momentum an AdamW step would have applied
     for i, st in adam_2.items():
         assert int(st["step"]) == int(adam_1[i]["step"]) == 1
-        assert torch.equal(st["exp_avg"], adam_1[i]["exp_avg"]) and torch.equal(st["exp_avg_sq"], adam_1[i]["exp_avg_sq"])
+        assert torch.equal(st["exp_avg"], adam_1[i]["exp_avg"]) and torch.equal(
+            st["exp_avg_sq"], adam_1[i]["exp_avg_sq"]
+        )
     assert trainer.state.global_step == 2 and trainer.lr_scheduler.last_epoch == 2
 
 
@@ -291,12 +335,17 @@ def test_gradient_accumulation_gives_the_update_of_one_micro_batch(tiny_model_di
     from trl_worker import make_config
 
     one = run(D3SGRPOTrainer, make_config(str(tmp_path / "one"), max_steps=2), tiny_model_dir)
-    two = run(D3SGRPOTrainer, make_config(str(tmp_path / "two"), max_steps=2, per_device_train_batch_size=8,
-                                          gradient_accumulation_steps=2), tiny_model_dir)
+    two = run(
+        D3SGRPOTrainer,
+        make_config(str(tmp_path / "two"), max_steps=2, per_device_train_batch_size=8, gradient_accumulation_steps=2),
+        tiny_model_dir,
+    )
     for a, b in zip(train_logs(one), train_logs(two)):
         assert a["reward"] == b["reward"]
         assert a["d3s/kept_rollouts"] == b["d3s/kept_rollouts"] and a["d3s/kept_tokens"] == b["d3s/kept_tokens"]
-        assert b["loss"] == pytest.approx(a["loss"], abs=1e-6) and b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+        assert b["loss"] == pytest.approx(a["loss"], abs=1e-6) and b["grad_norm"] == pytest.approx(
+            a["grad_norm"], rel=1e-5
+        )
     assert max_param_diff(one.model, two.model) < 1e-6
 
 
@@ -312,11 +361,36 @@ def run_one_and_two_processes(model_dir, tmp_path, *worker_args):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     one, two = tmp_path / "one.pt", tmp_path / "two.pt"
     procs = [
-        subprocess.Popen([sys.executable, worker, "--model", model_dir, "--out", str(one), *worker_args], cwd=ROOT,
-                         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
-        subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-                          worker, "--model", model_dir, "--out", str(two), "--rows-per-process", "8", *worker_args],
-                         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True),
+        subprocess.Popen(
+            [sys.executable, worker, "--model", model_dir, "--out", str(one), *worker_args],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        ),
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc_per_node=2",
+                f"--master_port={free_port()}",
+                worker,
+                "--model",
+                model_dir,
+                "--out",
+                str(two),
+                "--rows-per-process",
+                "8",
+                *worker_args,
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        ),
     ]
     for p in procs:
         out, _ = p.communicate(timeout=600)
@@ -335,7 +409,9 @@ def test_two_processes_keep_the_global_set_of_one(tiny_model_dir, tmp_path):
     logs = [[h for h in r["log_history"] if "grad_norm" in h] for r in (a, b)]
     assert len(logs[0]) == len(logs[1]) == 2
     for la, lb in zip(*logs):  # the loss and the gradient of the whole batch (global normalizer), not twice one half
-        assert lb["loss"] == pytest.approx(la["loss"], abs=1e-6) and lb["grad_norm"] == pytest.approx(la["grad_norm"], rel=1e-5)
+        assert lb["loss"] == pytest.approx(la["loss"], abs=1e-6) and lb["grad_norm"] == pytest.approx(
+            la["grad_norm"], rel=1e-5
+        )
     assert max(float((a["params"][k] - b["params"][k]).abs().max()) for k in a["params"]) < 1e-6  # same update
 
 
@@ -346,14 +422,18 @@ def test_two_processes_step_together_when_one_keeps_nothing_and_skip_together_wh
     The gradients are all-reduced, so both processes must step (one skipping would leave the two copies
     apart), with the update of the one process. Step 2: every reward 1, nothing kept anywhere: both skip,
     the weights stay those after step 1 and AdamW's step count 1 on every process."""
-    a, b = run_one_and_two_processes(tiny_model_dir, tmp_path, "--method", "dapo-filter", "--flat-rows", "0:8:16", "1:0:16")
+    a, b = run_one_and_two_processes(
+        tiny_model_dir, tmp_path, "--method", "dapo-filter", "--flat-rows", "0:8:16", "1:0:16"
+    )
     assert a["completions"] == b["completions"] and a["keep"] == b["keep"]
     kept = {s: sorted(r for (step, r), k in b["keep"].items() if k and step == s) for s in (0, 1)}
     assert kept[0] and max(kept[0]) < 8 and kept[1] == []  # step 1: process 0's rows only; step 2: none
     logs = [[h for h in r["log_history"] if "grad_norm" in h] for r in (a, b)]
     assert len(logs[0]) == len(logs[1]) == 2
     for la, lb in zip(*logs):
-        assert lb["loss"] == pytest.approx(la["loss"], abs=1e-6) and lb["grad_norm"] == pytest.approx(la["grad_norm"], rel=1e-5)
+        assert lb["loss"] == pytest.approx(la["loss"], abs=1e-6) and lb["grad_norm"] == pytest.approx(
+            la["grad_norm"], rel=1e-5
+        )
     assert logs[1][0]["grad_norm"] > 0 and logs[1][1]["grad_norm"] == 0.0
     after_step_1 = b["weights_before"][1]
     assert max(float((after_step_1[k] - b["weights_before"][0][k]).abs().max()) for k in after_step_1) > 1e-4  # stepped
@@ -367,19 +447,22 @@ def test_two_processes_step_together_when_one_keeps_nothing_and_skip_together_wh
 
 
 @needs_trl
-@pytest.mark.parametrize("overrides, field", [
-    ({"n_final": 5}, "n_final=5"),                    # above num_generations = 4
-    ({"n_init": 0}, "n_init=0"),
-    ({"d3s_method": "d4s"}, "d3s_method='d4s'"),
-    ({"k_final": 1.5}, "k_final=1.5"),
-    ({"token_scope": "group"}, "token_scope='group'"),
-    ({"loss_type": "bnpo"}, "loss_type='bnpo'"),
-    ({"scale_rewards": "batch"}, "scale_rewards='batch'"),
-    ({"top_entropy_quantile": 0.2}, "top_entropy_quantile=0.2"),
-    ({"static_n": 9, "d3s_method": "pods"}, "static_n=9"),
-    ({"normalize_by": "all", "loss_type": "grpo"}, "normalize_by='all'"),
-    ({"gradient_accumulation_steps": 2, "steps_per_generation": 3}, "steps_per_generation=3"),
-])
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        ({"n_final": 5}, "n_final=5"),  # above num_generations = 4
+        ({"n_init": 0}, "n_init=0"),
+        ({"d3s_method": "d4s"}, "d3s_method='d4s'"),
+        ({"k_final": 1.5}, "k_final=1.5"),
+        ({"token_scope": "group"}, "token_scope='group'"),
+        ({"loss_type": "bnpo"}, "loss_type='bnpo'"),
+        ({"scale_rewards": "batch"}, "scale_rewards='batch'"),
+        ({"top_entropy_quantile": 0.2}, "top_entropy_quantile=0.2"),
+        ({"static_n": 9, "d3s_method": "pods"}, "static_n=9"),
+        ({"normalize_by": "all", "loss_type": "grpo"}, "normalize_by='all'"),
+        ({"gradient_accumulation_steps": 2, "steps_per_generation": 3}, "steps_per_generation=3"),
+    ],
+)
 def test_misconfiguration_is_one_clear_error_before_training(tmp_path, overrides, field):
     from trl_worker import make_config
 
@@ -396,8 +479,13 @@ def test_trainer_wants_a_d3s_config_and_a_supported_trl(tiny_model_dir, tmp_path
 
     model, tokenizer = load(tiny_model_dir)
     with pytest.raises(TypeError, match="pass a D3SGRPOConfig"):
-        D3SGRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=parity_reward,
-                       args=GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False), train_dataset=dataset())
+        D3SGRPOTrainer(
+            model=model,
+            processing_class=tokenizer,
+            reward_funcs=parity_reward,
+            args=GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False),
+            train_dataset=dataset(),
+        )
     check_trl_version()  # the installed one is supported
     for version in ("1.15.0", "1.17.0", "2.0.0"):
         with pytest.raises(RuntimeError, match=re.escape(f"supports trl{SUPPORTED_TRL}")):
@@ -410,7 +498,13 @@ def test_use_d3s_from_trl_example_runs(tmp_path):
     are the same), runs from another folder and prints its d3s/* metrics."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     script = os.path.join(ROOT, "integrations", "train_trl_d3s.py")
-    proc = subprocess.run([sys.executable, script, "--out", str(tmp_path / "out")], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, script, "--out", str(tmp_path / "out")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "'d3s/kept_rollouts'" in proc.stdout and "'d3s/k_realised'" in proc.stdout, proc.stdout[-2000:]

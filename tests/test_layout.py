@@ -15,8 +15,17 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RUNGS = {"toy/bandit.py": "bandit", "train_small.py": "train_small", "train_full.py": "train_full"}
-SHARED = ["d3s.py", "variants.py", "cli.py", "common.py", "explain.py", "mathtask.py", "tiny.py", "warmstart.py",
-          "fsdp_vllm.py"] + sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("full_*.py"))
+SHARED = [
+    "d3s.py",
+    "variants.py",
+    "cli.py",
+    "common.py",
+    "explain.py",
+    "mathtask.py",
+    "tiny.py",
+    "warmstart.py",
+    "fsdp_vllm.py",
+] + sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("full_*.py"))
 READER_PATH = {"README.md": 200, "d3s.py": 400, "toy/bandit.py": 300, "train_small.py": 450, "train_full.py": 500}
 STDLIB = set(sys.stdlib_module_names)
 
@@ -65,7 +74,9 @@ def test_the_import_scan_sees_function_level_and_from_imports(tmp_path):
 
 @pytest.mark.parametrize("module", ["d3s.py", "variants.py"])
 def test_the_doctests_pass_from_the_command_line(module):
-    proc = subprocess.run([sys.executable, "-m", "doctest", module], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "doctest", module], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
@@ -81,7 +92,7 @@ def test_the_readmes_reading_order_gives_each_files_true_length():
     import re
 
     text = (ROOT / "README.md").read_text(encoding="utf-8")
-    table = text[text.index("## Read it in this order"):].split("\n\n")[1]
+    table = text[text.index("## Read it in this order") :].split("\n\n")[1]
     rows = re.findall(r"^\| \d+ \| \[?`([^`]+)`\]?(?:\([^)]*\))? \| (\d+) \|", table, re.M)
     assert [path for path, _ in rows] == list(READER_PATH)
     for path, lines in rows:

@@ -35,7 +35,9 @@ def test_the_committed_notebook_is_the_source_with_its_outputs():
     assert cells(notebook) == cells(source), "lesson.ipynb is out of date: run .venv/bin/python lesson/build.py"
     code = [c for c in notebook.cells if c.cell_type == "code"]
     assert all(c.get("execution_count") for c in code), "every code cell ran (the notebook is committed executed)"
-    assert not any(o.get("output_type") == "error" for c in code for o in c.get("outputs", [])), "a committed cell failed"
+    assert not any(o.get("output_type") == "error" for c in code for o in c.get("outputs", [])), (
+        "a committed cell failed"
+    )
     images = [o for c in code for o in c.get("outputs", []) if "image/png" in o.get("data", {})]
     assert len(images) >= 5  # the figures read on a code host without running
 
@@ -57,7 +59,9 @@ WRONG = {  # a plausible mistake per exercise
     "max_variance_subset": lambda values, m: list(range(m)),
     "entropy_scores": lambda adv, entropy: adv.abs().unsqueeze(-1) * entropy,
     "linear_schedule": lambda step, total, n_init=8, n_final=32, k_init=0.05, k_final=0.2: (
-        round(n_init + (n_final - n_init) * step / total), k_init + (k_final - k_init) * step / total),
+        round(n_init + (n_final - n_init) * step / total),
+        k_init + (k_final - k_init) * step / total,
+    ),
 }
 
 
@@ -80,7 +84,7 @@ def _half_largest_half_smallest(values, m):
     """The m // 2 largest and the rest smallest: the candidate k fixed at m // 2 instead of the best of the m + 1."""
     order = sorted(range(len(values)), key=lambda i: values[i])
     k = m // 2
-    return sorted(order[:m - k] + (order[len(order) - k:] if k else []))
+    return sorted(order[: m - k] + (order[len(order) - k :] if k else []))
 
 
 def _per_group(rewards, n):
@@ -102,7 +106,7 @@ def _top_abs_advantage(rewards, n):
     """The N * P largest |A| of the batch: drops zero-advantage groups too, but without the variance rule."""
     adv = d3s.group_advantages(rewards)
     keep = torch.zeros(adv.numel(), dtype=torch.bool)
-    keep[adv.abs().flatten().argsort(descending=True, stable=True)[:n * adv.shape[0]]] = True
+    keep[adv.abs().flatten().argsort(descending=True, stable=True)[: n * adv.shape[0]]] = True
     keep = keep.view(adv.shape)
     return keep, torch.where(keep, adv, torch.zeros_like(adv))
 

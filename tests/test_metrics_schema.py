@@ -21,7 +21,13 @@ import tiny
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "metrics.md"
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
+ENV = {
+    **os.environ,
+    "OMP_NUM_THREADS": "1",
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "CUDA_VISIBLE_DEVICES": "",
+}
 RUNGS = ("toy", "small", "full")
 STEPS = 2
 
@@ -39,7 +45,9 @@ def read_schema():
         elif kind and line.startswith("| `"):
             key, type_, rungs = (cell.strip() for cell in line.strip("|").split("|")[:3])
             key = key.strip("`")
-            pattern = re.compile("^" + re.sub(r"<\w+>", ".+", re.escape(key).replace(r"\<", "<").replace(r"\>", ">")) + "$")
+            pattern = re.compile(
+                "^" + re.sub(r"<\w+>", ".+", re.escape(key).replace(r"\<", "<").replace(r"\>", ">")) + "$"
+            )
             rungs = set(RUNGS) if rungs == "all" else {r.strip() for r in rungs.split(",")}
             assert rungs <= set(RUNGS), (key, rungs)
             schema[kind].append((key, pattern, type_.rstrip("?"), type_.endswith("?"), rungs))
@@ -51,11 +59,14 @@ def type_ok(value, type_):
     if type_.endswith(" or null"):
         return value is None or type_ok(value, type_[: -len(" or null")])
     number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    return {"int": isinstance(value, int) and not isinstance(value, bool),
-            "float": number and math.isfinite(value),
-            "bool": isinstance(value, bool), "str": isinstance(value, str),
-            "list": isinstance(value, list) and all(isinstance(v, (int, float)) and math.isfinite(v) for v in value),
-            "object": isinstance(value, dict)}[type_]
+    return {
+        "int": isinstance(value, int) and not isinstance(value, bool),
+        "float": number and math.isfinite(value),
+        "bool": isinstance(value, bool),
+        "str": isinstance(value, str),
+        "list": isinstance(value, list) and all(isinstance(v, (int, float)) and math.isfinite(v) for v in value),
+        "object": isinstance(value, dict),
+    }[type_]
 
 
 def run(argv, cwd):
@@ -72,24 +83,119 @@ def lines(tmp_path_factory):
     """{rung: the lines of one run's metrics.jsonl}, each rung run for STEPS steps."""
     root = tmp_path_factory.mktemp("schema")
     out = {}
-    run([str(ROOT / "toy" / "bandit.py"), "--seeds", "1", "--steps", str(STEPS), "--methods", "d3s", "--workers", "1",
-         "--out", str(root / "toy")], root)
+    run(
+        [
+            str(ROOT / "toy" / "bandit.py"),
+            "--seeds",
+            "1",
+            "--steps",
+            str(STEPS),
+            "--methods",
+            "d3s",
+            "--workers",
+            "1",
+            "--out",
+            str(root / "toy"),
+        ],
+        root,
+    )
     out["toy"] = read_lines(root / "toy" / "metrics.jsonl")
-    run([str(ROOT / "train_small.py"), "--hidden-size", "32", "--num-layers", "1", "--sft-steps", "20", "--train-size",
-         "100", "--eval-size", "4", "--eval-samples", "2", "--pass-k", "2", "--prompts-per-step", "2", "--group-size", "4",
-         "--n-init", "2", "--n-final", "4", "--max-new-tokens", "12", "--steps", str(STEPS), "--eval-every", "2",
-         "--threads", "1", "--out", str(root / "small"), "--cache-dir", str(root / "cache")], root)
+    run(
+        [
+            str(ROOT / "train_small.py"),
+            "--hidden-size",
+            "32",
+            "--num-layers",
+            "1",
+            "--sft-steps",
+            "20",
+            "--train-size",
+            "100",
+            "--eval-size",
+            "4",
+            "--eval-samples",
+            "2",
+            "--pass-k",
+            "2",
+            "--prompts-per-step",
+            "2",
+            "--group-size",
+            "4",
+            "--n-init",
+            "2",
+            "--n-final",
+            "4",
+            "--max-new-tokens",
+            "12",
+            "--steps",
+            str(STEPS),
+            "--eval-every",
+            "2",
+            "--threads",
+            "1",
+            "--out",
+            str(root / "small"),
+            "--cache-dir",
+            str(root / "cache"),
+        ],
+        root,
+    )
     out["small"] = read_lines(root / "small" / "metrics.jsonl")
     tokenizer = tiny.build_char_tokenizer()
     model = tiny.save_tiny(tiny.build_tiny_model(tokenizer), tokenizer, str(root / "tiny"))
     data = root / "problems.jsonl"
     data.write_text("".join(json.dumps({"problem": f"{i}+{i}", "answer": str(2 * i)}) + "\n" for i in range(8)))
-    run([str(ROOT / "train_full.py"), "--model", model, "--rollout", "hf", "--device", "cpu", "--template", "plain",
-         "--train-data", str(data), "--eval-data", str(data), "--out", str(root / "full"), "--steps", str(STEPS),
-         "--prompts-per-step", "2", "--group-size", "4", "--n-init", "2", "--n-final", "4", "--max-response-len", "8",
-         "--max-prompt-len", "64", "--micro-batch-size", "4", "--eval-samples", "2", "--eval-pass-k", "1,2",
-         "--eval-max-tokens", "4", "--eval-limit", "2", "--grader-workers", "1", "--hf-generate-batch", "2",
-         "--eval-every", "1", "--kl-ref"], root)
+    run(
+        [
+            str(ROOT / "train_full.py"),
+            "--model",
+            model,
+            "--rollout",
+            "hf",
+            "--device",
+            "cpu",
+            "--template",
+            "plain",
+            "--train-data",
+            str(data),
+            "--eval-data",
+            str(data),
+            "--out",
+            str(root / "full"),
+            "--steps",
+            str(STEPS),
+            "--prompts-per-step",
+            "2",
+            "--group-size",
+            "4",
+            "--n-init",
+            "2",
+            "--n-final",
+            "4",
+            "--max-response-len",
+            "8",
+            "--max-prompt-len",
+            "64",
+            "--micro-batch-size",
+            "4",
+            "--eval-samples",
+            "2",
+            "--eval-pass-k",
+            "1,2",
+            "--eval-max-tokens",
+            "4",
+            "--eval-limit",
+            "2",
+            "--grader-workers",
+            "1",
+            "--hf-generate-batch",
+            "2",
+            "--eval-every",
+            "1",
+            "--kl-ref",
+        ],
+        root,
+    )
     out["full"] = read_lines(root / "full" / "metrics.jsonl")
     return out
 

@@ -36,14 +36,28 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # The project's venv (this interpreter's where there is none, as outside .ci/run) and TRL's.
-VENV = {".venv": ROOT / ".venv/bin/python" if (ROOT / ".venv/bin/python").exists() else pathlib.Path(sys.executable),
-        ".venv-trl": ROOT / ".venv-trl/bin/python"}
-PAGES = ["README.md", *sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md")),
-         *sorted(f"lesson/{p.name}" for p in (ROOT / "lesson").glob("*.md")), "lesson/lesson.py"]
-HEADERS = ["train_small.py", "train_full.py", "toy/bandit.py", "lesson/build.py",
-           *sorted(str(p.relative_to(ROOT)) for pattern in ("experiments/*.py", "bench/*.py", "integrations/*.py",
-                                                            "scripts/*.sh") for p in ROOT.glob(pattern)
-                   if p.name != "__init__.py")]
+VENV = {
+    ".venv": ROOT / ".venv/bin/python" if (ROOT / ".venv/bin/python").exists() else pathlib.Path(sys.executable),
+    ".venv-trl": ROOT / ".venv-trl/bin/python",
+}
+PAGES = [
+    "README.md",
+    *sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md")),
+    *sorted(f"lesson/{p.name}" for p in (ROOT / "lesson").glob("*.md")),
+    "lesson/lesson.py",
+]
+HEADERS = [
+    "train_small.py",
+    "train_full.py",
+    "toy/bandit.py",
+    "lesson/build.py",
+    *sorted(
+        str(p.relative_to(ROOT))
+        for pattern in ("experiments/*.py", "bench/*.py", "integrations/*.py", "scripts/*.sh")
+        for p in ROOT.glob(pattern)
+        if p.name != "__init__.py"
+    ),
+]
 # A line that starts like a command: environment assignments, then an interpreter, torchrun or bash.
 START = re.compile(r"^(?:[A-Z_][A-Z0-9_]*=\S*\s+)*(?:python3?|\S*\.venv[\w-]*/bin/python3?|torchrun|bash|pytest)\s")
 SCRIPT_REF = re.compile(r"^(?:[\w.-]+/)*[\w.-]+\.(?:py|sh)\s+--?\w")  # inline `toy/bandit.py --steps 8`: flags only
@@ -121,9 +135,14 @@ def markdown_commands(page, lines):
         j = i + 1
         while j < len(lines) and not lines[j][1].strip().startswith(fence):
             j += 1
-        body = [(n, t) for n, t in lines[i + 1:j]]
-        block = command_lines(body, every_line=True) if lang in ("bash", "sh", "shell", "console") else \
-            command_lines(body, every_line=False) if lang == "" else []
+        body = [(n, t) for n, t in lines[i + 1 : j]]
+        block = (
+            command_lines(body, every_line=True)
+            if lang in ("bash", "sh", "shell", "console")
+            else command_lines(body, every_line=False)
+            if lang == ""
+            else []
+        )
         found = [Command(f"{page}:{n}", t) for n, t in block]
         # an untyped block right after a command block (a few lines of prose between): what the commands print
         k, prose = j + 1, 0
@@ -136,8 +155,8 @@ def markdown_commands(page, lines):
                 end = k + 1
                 while end < len(lines) and not lines[end][1].strip().startswith(m2.group(2)):
                     end += 1
-                if not any(START.match(t + " ") for _, t in lines[k + 1:end]):
-                    found[-1].output = "\n".join(t for _, t in lines[k + 1:end])
+                if not any(START.match(t + " ") for _, t in lines[k + 1 : end]):
+                    found[-1].output = "\n".join(t for _, t in lines[k + 1 : end])
         commands += found
         i = j + 1
     return commands
@@ -182,8 +201,11 @@ def printed_commands():
         path = ROOT / page
         if not path.exists():
             continue
-        lines = lesson_markdown() if page == "lesson/lesson.py" else \
-            list(enumerate(path.read_text(encoding="utf-8").splitlines(), 1))
+        lines = (
+            lesson_markdown()
+            if page == "lesson/lesson.py"
+            else list(enumerate(path.read_text(encoding="utf-8").splitlines(), 1))
+        )
         commands += markdown_commands(page, lines)
     for script in HEADERS:
         commands += [Command(f"{script}:{no}", text) for no, text in command_lines(header_lines(script), False)]
@@ -256,7 +278,7 @@ def torchrun_call(python, rest):
     i = 0
     while i < len(rest) and not rest[i].endswith(".py"):
         i += 1
-    return Call(python, "script", rest[i] if i < len(rest) else "", rest[i + 1:])
+    return Call(python, "script", rest[i] if i < len(rest) else "", rest[i + 1 :])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -299,7 +321,7 @@ def check_call(call):
     own, passed = call.args, []
     if "--" in call.args:  # bench/memory.py ... -- --cpu-offload: the flags after it are another script's
         cut = call.args.index("--")
-        own, passed = call.args[:cut], call.args[cut + 1:]
+        own, passed = call.args[:cut], call.args[cut + 1 :]
         if call.target not in PASSTHROUGH:
             return [f"{call.target}: passes flags after '--' to a script this test does not know (PASSTHROUGH)"]
     for owner, flags in ((call.target, own), (PASSTHROUGH.get(call.target), passed)):
@@ -332,10 +354,12 @@ def every_number(page, out):
 def matching(pattern, *more):
     """Each match of `pattern` in the page's output block is in what the command printed, word for word (the
     numbers that move from CPU to CPU are left out of the pattern); `more`: texts the output must hold."""
+
     def check(page, out):
         found = re.findall(pattern, page) if pattern else []
         missing = [w for w in found + list(more) if w not in out]
         return missing + ([f"the page's output has no {pattern!r}"] if pattern and page and not found else [])
+
     return check
 
 
@@ -352,16 +376,25 @@ CHEAP = [
     (r"^bash scripts/gpu_check\.sh --help$", 60, matching("", "It takes no arguments")),
     (r"^\.venv/bin/python lesson/build\.py --help$", 60, matching("", "usage: build.py")),
     # the TRL example: the schedule's budget at the last step is exact, the counts move with the machine
-    (r"^\.venv-trl/bin/python integrations/train_trl_d3s\.py$", 600,
-     matching(r"'d3s/(?:n_keep|k_frac)': [\d.]+|'d3s/\w+'")),
+    (
+        r"^\.venv-trl/bin/python integrations/train_trl_d3s\.py$",
+        600,
+        matching(r"'d3s/(?:n_keep|k_frac)': [\d.]+|'d3s/\w+'"),
+    ),
     # the toy's header: 3 seeds of grpo and d3s with the explanation pages
-    (r"^python toy/bandit\.py --seeds 3 --methods grpo d3s --explain-every 20", 600,
-     matching("", "6 runs in", "wrote runs/toy/metrics.jsonl")),
+    (
+        r"^python toy/bandit\.py --seeds 3 --methods grpo d3s --explain-every 20",
+        600,
+        matching("", "6 runs in", "wrote runs/toy/metrics.jsonl"),
+    ),
     # questions.md's tokens per step (30 toy runs): step 1, the mean of steps 1-20 and d3s's line (its schedule's)
     # are the same on the CPUs we ran; the other rows' step 80 moves with the CPU (the page says so)
-    (r"^\.venv/bin/python -c \"\nimport sys; sys\.path\[:0\] = \['\.', 'experiments'\]; import torch; "
-     r"from toy import bandit",
-     900, matching(r"tokens at step 1 \d+, mean over steps 1-20 \d+|d3s \[\] tokens .* at step 80 \d+")),
+    (
+        r"^\.venv/bin/python -c \"\nimport sys; sys\.path\[:0\] = \['\.', 'experiments'\]; import torch; "
+        r"from toy import bandit",
+        900,
+        matching(r"tokens at step 1 \d+, mean over steps 1-20 \d+|d3s \[\] tokens .* at step 80 \d+"),
+    ),
 ]
 TABLE = []  # (where, command, how, result): filled by the tests, printed on a failure
 
@@ -383,9 +416,15 @@ def commands():
 
 def test_every_printed_command_names_a_script_that_takes_its_flags(commands):
     # the --help of each script once, two at a time (each imports torch)
-    scripts = {(c.target, c.python if c.python in VENV else ".venv") for cmd in commands for c in calls(cmd.text)
-               if c.kind == "script" and any(a.startswith("-") for a in c.args) and (ROOT / c.target).is_file()
-               and not (c.python == ".venv-trl" and not VENV[".venv-trl"].exists())}
+    scripts = {
+        (c.target, c.python if c.python in VENV else ".venv")
+        for cmd in commands
+        for c in calls(cmd.text)
+        if c.kind == "script"
+        and any(a.startswith("-") for a in c.args)
+        and (ROOT / c.target).is_file()
+        and not (c.python == ".venv-trl" and not VENV[".venv-trl"].exists())
+    }
     scripts |= {(PASSTHROUGH[s], p) for s, p in list(scripts) if s in PASSTHROUGH}
     with ThreadPoolExecutor(2) as pool:
         list(pool.map(lambda sp: _try(script_help, *sp), sorted(scripts)))
@@ -421,8 +460,12 @@ def repo_copy(tmp_path_factory):
         names = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout.decode()
     else:  # an export without git: the tree less what runs and venvs leave
         skip = {"runs", ".git", "__pycache__"}
-        names = "\0".join(str(p.relative_to(ROOT)) for p in ROOT.rglob("*") if p.is_file() and not
-                          (set(p.relative_to(ROOT).parts) & skip or p.relative_to(ROOT).parts[0].startswith(".venv")))
+        names = "\0".join(
+            str(p.relative_to(ROOT))
+            for p in ROOT.rglob("*")
+            if p.is_file()
+            and not (set(p.relative_to(ROOT).parts) & skip or p.relative_to(ROOT).parts[0].startswith(".venv"))
+        )
     for name in filter(None, names.split("\0")):
         src = ROOT / name
         if src.is_file():
@@ -437,8 +480,11 @@ def repo_copy(tmp_path_factory):
 def test_cheap_printed_commands_run_as_printed(commands, repo_copy):
     cheap = []
     for pattern, timeout, check in CHEAP:
-        hits = [c for c in commands if re.search(pattern, re.sub(r"\s+#[^\n]*$", "", c.text) if "\n" not in c.text
-                                                  else c.text)]  # a one-line command: without its comment
+        hits = [
+            c
+            for c in commands
+            if re.search(pattern, re.sub(r"\s+#[^\n]*$", "", c.text) if "\n" not in c.text else c.text)
+        ]  # a one-line command: without its comment
         assert hits, f"no printed command matches {pattern!r}: update CHEAP with the page"
         cheap += [(c, timeout, check) for c in hits]
     # `python` as printed in the headers is the project's venv (activated), so its bin/ comes first on the PATH
@@ -451,8 +497,9 @@ def test_cheap_printed_commands_run_as_printed(commands, repo_copy):
             continue
         if cmd.text not in seen:  # the same command printed on several pages runs once
             t0 = time.time()
-            proc = subprocess.run(["bash", "-c", cmd.text], cwd=repo_copy, env=env, capture_output=True, text=True,
-                                  timeout=timeout)
+            proc = subprocess.run(
+                ["bash", "-c", cmd.text], cwd=repo_copy, env=env, capture_output=True, text=True, timeout=timeout
+            )
             seen[cmd.text] = (proc, time.time() - t0)
         proc, seconds = seen[cmd.text]
         problems = []
@@ -461,8 +508,11 @@ def test_cheap_printed_commands_run_as_printed(commands, repo_copy):
         else:
             missing = check(cmd.output, proc.stdout + proc.stderr)
             if missing:
-                problems.append(f"not in its output: {missing}" + (f" (the page prints:\n{cmd.output}\n)" if cmd.output
-                                                                   else "") + f"; it printed:\n{proc.stdout[-1500:]}")
+                problems.append(
+                    f"not in its output: {missing}"
+                    + (f" (the page prints:\n{cmd.output}\n)" if cmd.output else "")
+                    + f"; it printed:\n{proc.stdout[-1500:]}"
+                )
         TABLE.append((cmd.where, cmd.text, f"ran {seconds:.0f}s", "FAIL" if problems else "ok"))
         if problems:
             failures.append(f"{cmd.where}: {' '.join(cmd.text.split())[:120]}\n    " + "\n    ".join(problems))
@@ -485,25 +535,43 @@ def test_the_trl_example_on_its_page_is_the_script():
 
 def test_the_parser_and_the_checker():
     """What the two tests above rely on: a page's commands are found whole, and a wrong flag, choice or path fails."""
-    page = ["Run `python toy/bandit.py --steps 8` or `train_full.py --help`; not `d3s.py`.", "```bash",
-            "# a comment", ".venv/bin/python toy/bandit.py --methods grpo d3s \\", "  --seeds 3   # two lines",
-            'python -c "', "print(1)", '"', "```", "It prints:", "```", "0.5 and 7", "```"]
+    page = [
+        "Run `python toy/bandit.py --steps 8` or `train_full.py --help`; not `d3s.py`.",
+        "```bash",
+        "# a comment",
+        ".venv/bin/python toy/bandit.py --methods grpo d3s \\",
+        "  --seeds 3   # two lines",
+        'python -c "',
+        "print(1)",
+        '"',
+        "```",
+        "It prints:",
+        "```",
+        "0.5 and 7",
+        "```",
+    ]
     found = markdown_commands("p.md", list(enumerate(page, 1)))
     assert [(c.where, c.text, c.inline) for c in found] == [
-        ("p.md:1", "python toy/bandit.py --steps 8", True), ("p.md:1", "train_full.py --help", True),
+        ("p.md:1", "python toy/bandit.py --steps 8", True),
+        ("p.md:1", "train_full.py --help", True),
         ("p.md:4", ".venv/bin/python toy/bandit.py --methods grpo d3s --seeds 3   # two lines", False),
-        ("p.md:6", 'python -c "\nprint(1)\n"', False)]
+        ("p.md:6", 'python -c "\nprint(1)\n"', False),
+    ]
     assert found[-1].output == "0.5 and 7" and every_number(found[-1].output, "got 0.5") == ["7"]
-    check = lambda text: [p for c in calls(text) for p in check_call(c)]  # noqa: E731
+    check = lambda text: [p for c in calls(text) for p in check_call(c)]
     assert check(found[2].text) == [] and check("mkdir -p x && for m in a b; do echo $m; done") == []
     assert check("python toy/bandit.py --seeds 3 --no-such-flag") == [
-        "toy/bandit.py: --no-such-flag is not in its --help"]
+        "toy/bandit.py: --no-such-flag is not in its --help"
+    ]
     assert check("python toy/bandit.py --token-scope galaxy") == [
-        "toy/bandit.py: --token-scope galaxy: not one of {batch,sequence}"]
+        "toy/bandit.py: --token-scope galaxy: not one of {batch,sequence}"
+    ]
     assert check("python toy/bandit.py --token-scope MODE") == []  # a placeholder is not a value
     assert check("python toy/bandit2.py --seeds 3") == ["toy/bandit2.py: no such file"]
     assert check("python bench/memory.py --preset 7b -- --cpu-offload") == []
     assert check("python bench/memory.py --preset 7b -- --cpu-offlaod") == [
-        "train_full.py: --cpu-offlaod is not in its --help"]
+        "train_full.py: --cpu-offlaod is not in its --help"
+    ]
     assert check("torchrun --nproc_per_node=8 train_full.py --loss gpso") == [
-        "train_full.py: --loss gpso: not one of {grpo,gspo}"]
+        "train_full.py: --loss gpso: not one of {grpo,gspo}"
+    ]

@@ -141,10 +141,12 @@ def top_k_gap(scores, mask, k_frac, scope="batch", min_per_seq=0):
 def clip_gap(logp, old_logp, mask, kind="grpo", clip_low=None, clip_high=None, **_):
     """The least distance between a selected token's log-ratio (GSPO: its response's) and log(1 - eps_low) or
     log(1 + eps_high): where it is small, rounding could move a token across a clip."""
-    eps_low, eps_high = (d3s.CLIP_DEFAULTS[kind][0] if clip_low is None else clip_low,
-                         d3s.CLIP_DEFAULTS[kind][1] if clip_high is None else clip_high)
+    eps_low, eps_high = (
+        d3s.CLIP_DEFAULTS[kind][0] if clip_low is None else clip_low,
+        d3s.CLIP_DEFAULTS[kind][1] if clip_high is None else clip_high,
+    )
     mask = mask.bool()
-    log_ratio = (logp.detach().double() - old_logp.double())
+    log_ratio = logp.detach().double() - old_logp.double()
     if kind == "gspo":
         seq = (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1)
         log_ratio = seq.unsqueeze(-1).expand_as(log_ratio)
@@ -194,8 +196,14 @@ def plain(value):
 
 # --- d3s.py ---------------------------------------------------------------------------------------------------------
 REWARDS_01 = torch.tensor([[1.0, 0, 0, 1, 0, 0], [1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 0, 1], [0, 0, 0, 1, 0, 0]])
-SAMPLE_RULES = {"cross": "cross", "intra": "intra", "pods": "pods", "all": "all", "random": variants.uniform_samples,
-                "dapo-filter": variants.dapo_filter}
+SAMPLE_RULES = {
+    "cross": "cross",
+    "intra": "intra",
+    "pods": "pods",
+    "all": "all",
+    "random": variants.uniform_samples,
+    "dapo-filter": variants.dapo_filter,
+}
 
 
 def d3s_outputs(x):
@@ -209,8 +217,11 @@ def d3s_outputs(x):
             for n_keep in (2, 3, 5):
                 keep, adv = d3s.select_samples(rewards, n_keep, fn, generator=torch.Generator().manual_seed(n_keep))
                 out[f"select_samples.{name}.{rule}.{n_keep}"] = {
-                    "keep": keep, "adv": adv, "kept_variance": d3s.kept_variance(adv, keep),
-                    "usefulness_rate": d3s.usefulness_rate(adv, keep)}
+                    "keep": keep,
+                    "adv": adv,
+                    "kept_variance": d3s.kept_variance(adv, keep),
+                    "usefulness_rate": d3s.usefulness_rate(adv, keep),
+                }
     logits = x.uniform(3, 5, 7, low=-4.0, high=4.0)
     logits[0, 0, :3] = -math.inf  # tokens the policy never writes
     out["token_entropy"] = d3s.token_entropy(logits)
@@ -230,18 +241,31 @@ def d3s_outputs(x):
     for k in (0.05, 0.2, 0.35, 1.0):
         for scope in ("batch", "sequence"):
             for floor in (0, 1):
-                out[f"select_tokens.{k}.{scope}.{floor}"] = d3s.select_tokens(distinct, mask, k, scope=scope,
-                                                                              min_per_seq=floor)
+                out[f"select_tokens.{k}.{scope}.{floor}"] = d3s.select_tokens(
+                    distinct, mask, k, scope=scope, min_per_seq=floor
+                )
     out["dynamic_schedule"] = [d3s.dynamic_schedule(s, 10) for s in range(12)] + [
-        d3s.dynamic_schedule(s, 7, n_init=3, n_final=9, k_init=0.1, k_final=0.3) for s in range(8)]
+        d3s.dynamic_schedule(s, 7, n_init=3, n_final=9, k_init=0.1, k_final=0.3) for s in range(8)
+    ]
     history = [0.1 * (i % 4) for i in range(10)]  # train rewards of the steps before (--schedule adaptive)
     out["method_budget"] = {
-        f"{method}.{schedule}": [d3s.method_budget(row, step=s, total_steps=10, group_size=32,
-                                                   progress=variants.progress(schedule, s, 10, history=history[:s]))
-                                 for s in range(10)]
-        for method, row in variants.LADDER.items() for schedule in variants.SCHEDULES}
-    out["method_budget.static"] = [d3s.method_budget(row, step=3, total_steps=10, group_size=16, n_init=4, n_final=16,
-                                                     static_n=6, static_k=0.3) for row in variants.LADDER.values()]
+        f"{method}.{schedule}": [
+            d3s.method_budget(
+                row,
+                step=s,
+                total_steps=10,
+                group_size=32,
+                progress=variants.progress(schedule, s, 10, history=history[:s]),
+            )
+            for s in range(10)
+        ]
+        for method, row in variants.LADDER.items()
+        for schedule in variants.SCHEDULES
+    }
+    out["method_budget.static"] = [
+        d3s.method_budget(row, step=3, total_steps=10, group_size=16, n_init=4, n_final=16, static_n=6, static_k=0.3)
+        for row in variants.LADDER.values()
+    ]
     B, T = 5, 6
     logp = x.uniform(B, T, low=-3.0, high=-0.1)
     mask = torch.arange(T) < torch.tensor([6, 4, 1, 5, 3]).unsqueeze(1)
@@ -255,8 +279,9 @@ def d3s_outputs(x):
         for agg in ("token-mean", "seq-mean-token-mean"):
             for beta in (0.0, 0.1):
                 new = logp.clone().requires_grad_()
-                loss, stats = d3s.policy_loss(new, logp - log_ratio, adv, mask, kind=kind, agg=agg, ref_logp=ref,
-                                              beta=beta)
+                loss, stats = d3s.policy_loss(
+                    new, logp - log_ratio, adv, mask, kind=kind, agg=agg, ref_logp=ref, beta=beta
+                )
                 loss.backward()
                 out[f"policy_loss.{kind}.{agg}.{beta}"] = {"loss": loss, "stats": stats, "grad": new.grad}
     new = logp.clone().requires_grad_()
@@ -270,9 +295,38 @@ def d3s_outputs(x):
 # The toy's policy sees (prompt, position, previous token): rollouts of a group that share them have equal entropy,
 # and with equal rewards equal scores. A vocabulary of 16 and these K keep every top K's boundary between distinct
 # scores (clear_of_ties checks it).
-TOY_FLAGS = ["--seeds", "1", "--steps", "1", "--prompts", "4", "--batch-prompts", "3", "--group-size", "8", "--length",
-             "5", "--vocab", "16", "--max-decisions", "2", "--hidden", "8", "--n-init", "3", "--n-final", "8",
-             "--k-init", "0.2", "--workers", "1", "--optimizer", "sgd", "--lr", "0.5"]
+TOY_FLAGS = [
+    "--seeds",
+    "1",
+    "--steps",
+    "1",
+    "--prompts",
+    "4",
+    "--batch-prompts",
+    "3",
+    "--group-size",
+    "8",
+    "--length",
+    "5",
+    "--vocab",
+    "16",
+    "--max-decisions",
+    "2",
+    "--hidden",
+    "8",
+    "--n-init",
+    "3",
+    "--n-final",
+    "8",
+    "--k-init",
+    "0.2",
+    "--workers",
+    "1",
+    "--optimizer",
+    "sgd",
+    "--lr",
+    "0.5",
+]
 
 
 def toy_outputs(x, folder):
@@ -304,8 +358,9 @@ def toy_outputs(x, folder):
             args = bandit.parse_args([*TOY_FLAGS, "--methods", method, "--out", str(folder)])
             task = bandit.make_task(args, 0)
             out[method] = bandit.run(method, 0, args)
-        args = bandit.parse_args([*TOY_FLAGS, "--methods", "d3s", "--token-rule", "entropy", "--normalizer", "all",
-                                  "--out", str(folder)])
+        args = bandit.parse_args(
+            [*TOY_FLAGS, "--methods", "d3s", "--token-rule", "entropy", "--normalizer", "all", "--out", str(folder)]
+        )
         out["d3s.entropy.all"] = bandit.run("d3s", 0, args)
     finally:
         bandit.Policy = real_policy
@@ -317,8 +372,12 @@ def toy_outputs(x, folder):
 # that rounding puts on the other side of 0 moves its weight by 2 lr (the toy too: --optimizer sgd). With SGD the
 # updated policy is as close to the recorded one as the gradients are.
 SGD_LR = 0.5
-SMALL_CONFIGS = {"grpo": ("grpo", "grpo", 1), "d3s-m2": ("d3s", "grpo", 2), "d3s-i-m2": ("d3s-i", "grpo", 2),
-                 "d3s-i-gspo-m2": ("d3s-i", "gspo", 2)}
+SMALL_CONFIGS = {
+    "grpo": ("grpo", "grpo", 1),
+    "d3s-m2": ("d3s", "grpo", 2),
+    "d3s-i-m2": ("d3s-i", "grpo", 2),
+    "d3s-i-gspo-m2": ("d3s-i", "gspo", 2),
+}
 
 
 def small_batch(x, tokenizer, P=3, G=4):
@@ -338,8 +397,12 @@ def small_batch(x, tokenizer, P=3, G=4):
             response_ids[b, n:] = pad
         response_mask[b, : min(n, T)] = 1
     rewards = torch.tensor([[1.0, 0, 0, 1], [0, 0, 1, 0], [1, 1, 0, 1]])
-    return {"prompt_ids": prompt_ids.repeat_interleave(G, 0), "prompt_mask": prompt_mask.repeat_interleave(G, 0),
-            "response_ids": response_ids, "response_mask": response_mask}, rewards
+    return {
+        "prompt_ids": prompt_ids.repeat_interleave(G, 0),
+        "prompt_mask": prompt_mask.repeat_interleave(G, 0),
+        "response_ids": response_ids,
+        "response_mask": response_mask,
+    }, rewards
 
 
 def small_outputs(x, folder):
@@ -353,10 +416,32 @@ def small_outputs(x, folder):
     batch, rewards = small_batch(Inputs(3), tokenizer)
     out, step = {}, 2
     for name, (method, loss, mini_batches) in SMALL_CONFIGS.items():
-        args = train_small.parse_args(["--method", method, "--loss", loss, "--mini-batches", str(mini_batches),
-                                       "--steps", "4", "--group-size", "4", "--n-init", "2", "--n-final", "4",
-                                       "--k-init", "0.3", "--k-final", "0.5", "--out", str(folder),
-                                       "--cache-dir", str(folder)])
+        args = train_small.parse_args(
+            [
+                "--method",
+                method,
+                "--loss",
+                loss,
+                "--mini-batches",
+                str(mini_batches),
+                "--steps",
+                "4",
+                "--group-size",
+                "4",
+                "--n-init",
+                "2",
+                "--n-final",
+                "4",
+                "--k-init",
+                "0.3",
+                "--k-final",
+                "0.5",
+                "--out",
+                str(folder),
+                "--cache-dir",
+                str(folder),
+            ]
+        )
         model, ref_model = copy.deepcopy(base), copy.deepcopy(base).eval().requires_grad_(False)
         valid = batch["response_mask"].bool()
         with torch.no_grad():
@@ -365,28 +450,58 @@ def small_outputs(x, folder):
         with_ref = mini_batches > 1  # the steps that measure the KL to the reference
         n_keep, k_frac = common.budget(args, method, step, history=[])
         seed = train_small.step_seed(args.rl_seed, step, 1)
-        keep, adv = d3s.select_samples(rewards, n_keep, variants.LADDER[method].samples,
-                                       generator=torch.Generator().manual_seed(seed))
+        keep, adv = d3s.select_samples(
+            rewards, n_keep, variants.LADDER[method].samples, generator=torch.Generator().manual_seed(seed)
+        )
         kept_rows = keep.view(-1).nonzero().squeeze(-1)
         kept, kept_adv = train_small.take_rows(batch, kept_rows), adv.view(-1)[kept_rows]
         kl_all = train_small.kl_ref_all(model, ref_model, batch, args.temperature) if with_ref else None
         parts = [rows for rows in torch.arange(len(kept_rows)).tensor_split(args.mini_batches) if len(rows)]
         first_logp, old_logp, entropy, ref_logp, _ = train_small.forward_kept(
-            model, ref_model if with_ref else None, kept, parts, args.temperature)
-        scores = d3s.token_scores(kept_adv, entropy, rule=variants.TOKEN_RULES[args.token_rule],
-                                  generator=torch.Generator().manual_seed(train_small.step_seed(args.rl_seed, step, 2)))
-        token_keep = d3s.select_tokens(scores, kept["response_mask"], k_frac, scope=args.token_scope,
-                                       min_per_seq=int(args.min_token_per_response))
-        update = train_small.update_policy(model, optimizer, kept, parts, first_logp, old_logp, kept_adv, token_keep,
-                                           ref_logp, args)
-        metrics = train_small.step_metrics(step, batch, rewards, keep, adv, n_keep, k_frac, kept, entropy, token_keep,
-                                           update, types.SimpleNamespace(timeouts=0))
+            model, ref_model if with_ref else None, kept, parts, args.temperature
+        )
+        scores = d3s.token_scores(
+            kept_adv,
+            entropy,
+            rule=variants.TOKEN_RULES[args.token_rule],
+            generator=torch.Generator().manual_seed(train_small.step_seed(args.rl_seed, step, 2)),
+        )
+        token_keep = d3s.select_tokens(
+            scores, kept["response_mask"], k_frac, scope=args.token_scope, min_per_seq=int(args.min_token_per_response)
+        )
+        update = train_small.update_policy(
+            model, optimizer, kept, parts, first_logp, old_logp, kept_adv, token_keep, ref_logp, args
+        )
+        metrics = train_small.step_metrics(
+            step,
+            batch,
+            rewards,
+            keep,
+            adv,
+            n_keep,
+            k_frac,
+            kept,
+            entropy,
+            token_keep,
+            update,
+            types.SimpleNamespace(timeouts=0),
+        )
         with torch.no_grad():
             after_logp, after_entropy = train_small.forward_logprobs_entropy(model, batch, args.temperature)
-        out[name] = {"before_logp": before_logp, "keep": keep, "adv": adv, "token_keep": token_keep,
-                     "old_logp": old_logp, "entropy": entropy, "ref_logp": ref_logp, "kl_ref_all": kl_all,
-                     "update": update, "metrics": metrics, "after_logp": after_logp.masked_fill(~valid, 0),
-                     "after_entropy": after_entropy.masked_fill(~valid, 0)}
+        out[name] = {
+            "before_logp": before_logp,
+            "keep": keep,
+            "adv": adv,
+            "token_keep": token_keep,
+            "old_logp": old_logp,
+            "entropy": entropy,
+            "ref_logp": ref_logp,
+            "kl_ref_all": kl_all,
+            "update": update,
+            "metrics": metrics,
+            "after_logp": after_logp.masked_fill(~valid, 0),
+            "after_entropy": after_entropy.masked_fill(~valid, 0),
+        }
     return out
 
 
@@ -423,12 +538,18 @@ def full_outputs(x, folder):
             optimizer = torch.optim.SGD(model.parameters(), lr=SGD_LR)
             ref_model = fsdp_vllm.load_policy(args, dist_, reference=True) if mini_batches > 1 else None
             before = fsdp_vllm.forward_no_grad(model, seqs, every, T, args, dist_, pad_id, False)[0]
-            metrics, details = worker.train_step(model, optimizer, rollouts, worker.REWARDS, worker.STEP, args, dist_,
-                                                 pad_id, ref_model=ref_model)
+            metrics, details = worker.train_step(
+                model, optimizer, rollouts, worker.REWARDS, worker.STEP, args, dist_, pad_id, ref_model=ref_model
+            )
             logp, entropy, _ = fsdp_vllm.forward_no_grad(model, seqs, every, T, args, dist_, pad_id, True)
-            out[name] = {"before_logp": before, "metrics": metrics, **details, "after_logp": logp,
-                         "after_entropy": entropy,
-                         "adamw": {k: adamw[k] for k in ("lr", "betas", "eps", "weight_decay")}}
+            out[name] = {
+                "before_logp": before,
+                "metrics": metrics,
+                **details,
+                "after_logp": logp,
+                "after_entropy": entropy,
+                "adamw": {k: adamw[k] for k in ("lr", "betas", "eps", "weight_decay")},
+            }
     finally:
         dist.destroy_process_group()
     return out
@@ -497,8 +618,12 @@ def fixed_golden():
 def test_fixed_inputs_give_the_recorded_numbers(tmp_path):
     now = fixed_outputs(tmp_path)
     if RECORD_FIXED:
-        machine = {"machine": platform.machine(), "processor": platform.processor(), "torch": torch.__version__,
-                   "recorded": "2026-11-26"}
+        machine = {
+            "machine": platform.machine(),
+            "processor": platform.processor(),
+            "torch": torch.__version__,
+            "recorded": "2026-11-26",
+        }
         FIXED.write_text(json.dumps({"machine": machine, **now}, indent=0) + "\n")
     golden = json.loads(FIXED.read_text())
     found = mismatches({k: now[k] for k in PARTS}, {k: golden[k] for k in PARTS})
@@ -562,23 +687,70 @@ def test_a_changed_loss_or_selection_is_reported(tmp_path, fixed_golden, monkeyp
 
 # === The bit-for-bit form: the trajectories, on the recording machine =================================================
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
-SMALL = ["--hidden-size", "32", "--num-layers", "1", "--sft-steps", "40", "--sft-lr", "3e-2", "--sft-batch", "32",
-         "--eval-size", "6", "--eval-samples", "2", "--pass-k", "2", "--prompts-per-step", "4", "--group-size", "4",
-         "--n-init", "2", "--n-final", "4", "--max-new-tokens", "12", "--eval-every", "3", "--save-every", "3",
-         "--threads", "1", "--lr", "3e-3", "--steps", "3", "--mini-batches", "2", "--explain-every", "0"]
+SMALL = [
+    "--hidden-size",
+    "32",
+    "--num-layers",
+    "1",
+    "--sft-steps",
+    "40",
+    "--sft-lr",
+    "3e-2",
+    "--sft-batch",
+    "32",
+    "--eval-size",
+    "6",
+    "--eval-samples",
+    "2",
+    "--pass-k",
+    "2",
+    "--prompts-per-step",
+    "4",
+    "--group-size",
+    "4",
+    "--n-init",
+    "2",
+    "--n-final",
+    "4",
+    "--max-new-tokens",
+    "12",
+    "--eval-every",
+    "3",
+    "--save-every",
+    "3",
+    "--threads",
+    "1",
+    "--lr",
+    "3e-3",
+    "--steps",
+    "3",
+    "--mini-batches",
+    "2",
+    "--explain-every",
+    "0",
+]
 SMALL_METHODS = ("grpo", "d3s", "d3s-i")
 TOY_METHODS = ("grpo", "d3s")
 TOY_VARIANTS = {  # the other rows and rules, on the toy (a second each): what moves to variants.py must keep them
     "rows": ["--methods", "d1s", "d1s-cross", "d2s", "d3s-i", "pods", "random", "dapo-filter", "dapo-filter-k"],
     "entropy-cosine": ["--methods", "d3s", "--token-rule", "entropy", "--schedule", "cosine"],
     "adv-adaptive": ["--methods", "d3s", "--token-rule", "adv", "--schedule", "adaptive", "--steps", "30"],
-    "random-step-sequence": ["--methods", "d3s", "--token-rule", "random", "--schedule", "step", "--token-scope", "sequence"],
+    "random-step-sequence": [
+        "--methods",
+        "d3s",
+        "--token-rule",
+        "random",
+        "--schedule",
+        "step",
+        "--token-scope",
+        "sequence",
+    ],
 }
 
 
 def wall_clock(key):
     """Keys whose value is a time, a rate or a memory reading: they differ from run to run."""
-    return (key.endswith(("_s", "_per_s", "_gb")) or key in ("mfu",))
+    return key.endswith(("_s", "_per_s", "_gb")) or key in ("mfu",)
 
 
 def clean(line):
@@ -630,19 +802,61 @@ def now(tmp_path_factory):
     base = tmp_path_factory.mktemp("refactor")
     train, held_out = two_answer_data(base)
     result = {"small": {}, "small_weights": {}}
-    run([sys.executable, "toy/bandit.py", "--methods", *TOY_METHODS, "--seeds", "1", "--steps", "8", "--workers", "1",
-         "--out", str(base / "toy")])
+    run(
+        [
+            sys.executable,
+            "toy/bandit.py",
+            "--methods",
+            *TOY_METHODS,
+            "--seeds",
+            "1",
+            "--steps",
+            "8",
+            "--workers",
+            "1",
+            "--out",
+            str(base / "toy"),
+        ]
+    )
     result["toy"] = read_jsonl(base / "toy" / "metrics.jsonl")
     result["toy_variants"] = {}
     for name, flags in TOY_VARIANTS.items():
-        run([sys.executable, "toy/bandit.py", "--seeds", "1", "--steps", "8", "--workers", "1", *flags,
-             "--out", str(base / name)])
+        run(
+            [
+                sys.executable,
+                "toy/bandit.py",
+                "--seeds",
+                "1",
+                "--steps",
+                "8",
+                "--workers",
+                "1",
+                *flags,
+                "--out",
+                str(base / name),
+            ]
+        )
         result["toy_variants"][name] = read_jsonl(base / name / "metrics.jsonl")
     cache = base / "cache"
     for method in SMALL_METHODS:
         out = base / "small" / method
-        run([sys.executable, "train_small.py", "--method", method, "--train-file", train, "--eval-file", held_out,
-             "--cache-dir", str(cache), "--out", str(out), *SMALL])
+        run(
+            [
+                sys.executable,
+                "train_small.py",
+                "--method",
+                method,
+                "--train-file",
+                train,
+                "--eval-file",
+                held_out,
+                "--cache-dir",
+                str(cache),
+                "--out",
+                str(out),
+                *SMALL,
+            ]
+        )
         result["small"][method] = read_jsonl(out / "metrics.jsonl")
         result["small_weights"][method] = weights_checksum(out / "final")
     (warm,) = glob.glob(str(cache / "warmstart-*"))
@@ -650,11 +864,53 @@ def now(tmp_path_factory):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = base / "full"
-    run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}", "train_full.py",
-         "--rollout", "hf", "--device", "cpu", "--model", warm, "--train-data", train, "--eval-data", "none",
-         "--template", "plain", "--out", str(out), "--steps", "1", "--prompts-per-step", "4", "--group-size", "4",
-         "--n-init", "2", "--n-final", "4", "--mini-batches", "2", "--micro-batch-size", "3", "--max-response-len", "12",
-         "--max-prompt-len", "64", "--lr", "1e-2", "--kl-ref", "--grader-workers", "1"])
+    run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            f"--master_port={port}",
+            "train_full.py",
+            "--rollout",
+            "hf",
+            "--device",
+            "cpu",
+            "--model",
+            warm,
+            "--train-data",
+            train,
+            "--eval-data",
+            "none",
+            "--template",
+            "plain",
+            "--out",
+            str(out),
+            "--steps",
+            "1",
+            "--prompts-per-step",
+            "4",
+            "--group-size",
+            "4",
+            "--n-init",
+            "2",
+            "--n-final",
+            "4",
+            "--mini-batches",
+            "2",
+            "--micro-batch-size",
+            "3",
+            "--max-response-len",
+            "12",
+            "--max-prompt-len",
+            "64",
+            "--lr",
+            "1e-2",
+            "--kl-ref",
+            "--grader-workers",
+            "1",
+        ]
+    )
     result["full"] = read_jsonl(out / "metrics.jsonl")
     return result
 
@@ -678,8 +934,12 @@ def test_the_rungs_give_the_recorded_numbers(now):
     """The bit-for-bit form: every line of every run and the exported weights, equal to refactor.json."""
     if RECORD:
         GOLDEN.parent.mkdir(exist_ok=True)
-        machine = {"machine": platform.machine(), "processor": platform.processor(), "torch": torch.__version__,
-                   "recorded": "2026-11-25"}
+        machine = {
+            "machine": platform.machine(),
+            "processor": platform.processor(),
+            "torch": torch.__version__,
+            "recorded": "2026-11-25",
+        }
         GOLDEN.write_text(json.dumps({"machine": machine, **now}, indent=0) + "\n")
     golden = json.loads(GOLDEN.read_text())
     for part in ("toy", "toy_variants", "small", "small_weights", "full"):

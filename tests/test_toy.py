@@ -24,6 +24,7 @@ def run(method, seed, args):
     """bandit.run as one list per metrics key."""
     return columns(bandit.run(method, seed, args))
 
+
 SHORT = ["--steps", "30", "--workers", "1"]  # a few seconds per method
 
 
@@ -65,7 +66,7 @@ def test_methods_train_on_the_rollouts_and_tokens_they_claim(short_runs):
         assert tokens == math.ceil(k * samples * L - 1e-9)
     # At the start the high-entropy positions are the decisions: token selection trains mostly
     # on them, GRPO on all positions (decisions are 2 of 8 on average).
-    early_share = lambda log: sum(log["decision_share"][:3]) / 3  # noqa: E731
+    early_share = lambda log: sum(log["decision_share"][:3]) / 3
     assert early_share(grpo) < 0.35 and early_share(d3s_run) > 0.6
 
 
@@ -78,7 +79,9 @@ def test_the_dapo_filter_trains_on_every_rollout_of_the_groups_with_spread(short
         assert log["updates"] == [int(n > 0) for n in log["kept_samples"]]  # no group with spread: no update
     for log in short_runs["dapo-filter-k"]:  # the same rollouts, D3S's token level
         assert log["kept_samples"] == [round(mixed * P) * G for mixed in log["groups_mixed"]]
-        assert all(t == math.ceil(k * n * L - 1e-9) for t, k, n in zip(log["kept_tokens"], log["k_frac"], log["kept_samples"]))
+        assert all(
+            t == math.ceil(k * n * L - 1e-9) for t, k, n in zip(log["kept_tokens"], log["k_frac"], log["kept_samples"])
+        )
 
 
 @pytest.mark.parametrize("method", ["d2s", "d3s", "d3s-i"])
@@ -104,7 +107,7 @@ def test_the_metrics_the_paper_reads_are_logged_every_step(short_runs):
             assert len(log[key]) == len(log["grad_norm"]) and all(math.isfinite(v) for v in log[key]), key
     assert grpo["kl_ref"][0] == pytest.approx(0.0, abs=1e-9) and grpo["kl_ref"][-1] > 0  # KL to the initial policy
     # GRPO trains on groups without spread (SUR < 1); cross-group selection drops them first.
-    mean = lambda values: sum(values) / len(values)  # noqa: E731
+    mean = lambda values: sum(values) / len(values)
     assert mean(grpo["sur"]) < 0.9 < mean(d1s_cross["sur"])
     # Token selection keeps the high-entropy tokens.
     assert all(kept > mean for kept, mean in zip(d3s_run["entropy_kept"][:5], d3s_run["entropy_mean"][:5]))
@@ -137,7 +140,9 @@ def test_main_writes_the_metrics_of_every_run(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "grpo" in printed and "d3s" in printed and "final expected reward" in printed
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert len(metrics) == 2 * 2 * (4 + 4 + 1)  # methods x seeds x (train lines + eval lines, the first before training)
+    assert len(metrics) == 2 * 2 * (
+        4 + 4 + 1
+    )  # methods x seeds x (train lines + eval lines, the first before training)
     assert {(m["method"], m["seed"]) for m in metrics} == {(m, s) for m in ("grpo", "d3s") for s in (0, 1)}
     one_run = [(m["kind"], m["step"]) for m in metrics if (m["method"], m["seed"]) == ("d3s", 1)]
     assert one_run == [("eval", 0)] + [(kind, s) for s in range(1, 5) for kind in ("train", "eval")]  # steps from 1
@@ -157,8 +162,9 @@ def test_parallel_workers_give_the_same_numbers(tmp_path):
 def test_d3s_at_the_full_budget_trains_exactly_as_grpo():
     """N = G and K = 1: cross-group selection keeps every rollout and top-K every token, so the run is
     GRPO's, number for number (what the ablations in docs/toy.md vary starts from here)."""
-    args = bandit.parse_args(["--steps", "4", "--workers", "1", "--n-init", "32", "--n-final", "32", "--k-init", "1",
-                              "--k-final", "1"])
+    args = bandit.parse_args(
+        ["--steps", "4", "--workers", "1", "--n-init", "32", "--n-final", "32", "--k-init", "1", "--k-final", "1"]
+    )
     full, grpo = run("d3s", 3, args), run("grpo", 3, args)
     assert full["eval_reward"] == grpo["eval_reward"] and full["grad_norm"] == grpo["grad_norm"]
 
@@ -194,24 +200,50 @@ def test_ablation_switches_do_what_they_say():
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "toy", "bandit.py")
 A_FILE = os.path.abspath(__file__)  # an existing file: not a folder for --out
 BAD = [  # (argv, a fragment the one line must contain)
-    (["--steps", "-3"], "--steps -3"), (["--steps", "abc"], "--steps 'abc'"),
-    (["--steps", "2.5"], "--steps '2.5'"), (["--steps", "10000000"], "--steps"), (["--seeds", "0"], "--seeds 0"),
-    (["--lr", "nan"], "--lr nan"), (["--lr", "-1"], "--lr -1"), (["--lr", "inf"], "--lr inf"), (["--lr", "0"], "--lr 0"),
-    (["--lr=-inf"], "--lr -inf"), (["--lr", "-1e-3"], "--lr -1e-3"), (["--lr"], "--lr=VALUE"), (["--lr", ""], "--lr ''"),
-    (["--out", A_FILE], "is a file"), (["--out", os.path.join(A_FILE, "sub")], "cannot be made"), (["--out", ""], "--out ''"),
-    (["--prompts", "0"], "--prompts 0"), (["--batch-prompts", "-2"], "--batch-prompts -2"),
-    (["--batch-prompts", "17"], "--batch-prompts 17"), (["--group-size", "1"], "--group-size 1"),
-    (["--length", "0"], "--length 0"), (["--vocab", "1"], "--vocab 1"), (["--hidden", "0"], "--hidden 0"),
+    (["--steps", "-3"], "--steps -3"),
+    (["--steps", "abc"], "--steps 'abc'"),
+    (["--steps", "2.5"], "--steps '2.5'"),
+    (["--steps", "10000000"], "--steps"),
+    (["--seeds", "0"], "--seeds 0"),
+    (["--lr", "nan"], "--lr nan"),
+    (["--lr", "-1"], "--lr -1"),
+    (["--lr", "inf"], "--lr inf"),
+    (["--lr", "0"], "--lr 0"),
+    (["--lr=-inf"], "--lr -inf"),
+    (["--lr", "-1e-3"], "--lr -1e-3"),
+    (["--lr"], "--lr=VALUE"),
+    (["--lr", ""], "--lr ''"),
+    (["--out", A_FILE], "is a file"),
+    (["--out", os.path.join(A_FILE, "sub")], "cannot be made"),
+    (["--out", ""], "--out ''"),
+    (["--prompts", "0"], "--prompts 0"),
+    (["--batch-prompts", "-2"], "--batch-prompts -2"),
+    (["--batch-prompts", "17"], "--batch-prompts 17"),
+    (["--group-size", "1"], "--group-size 1"),
+    (["--length", "0"], "--length 0"),
+    (["--vocab", "1"], "--vocab 1"),
+    (["--hidden", "0"], "--hidden 0"),
     (["--max-decisions", "9"], "--max-decisions 9"),
-    (["--k-init", "0"], "--k-init 0"), (["--k-final", "1.5"], "--k-final 1.5"), (["--static-k", "nan"], "--static-k nan"),
-    (["--n-init", "33", "--methods", "d3s"], "--n-init 33"), (["--static-n", "64", "--methods", "pods"], "--static-n 64"),
-    (["--hint", "nan"], "--hint nan"), (["--filler-logit", "inf"], "--filler-logit inf"), (["--hint", "1e9"], "--hint 1e9"),
-    (["--max-grad-norm", "-1"], "--max-grad-norm -1"), (["--target", "0.5", "1.5"], "--target 1.5"),
-    (["--workers", "0"], "--workers 0"), (["--explain-every", "-1"], "--explain-every -1"),
-    (["--methods", "nope"], "--methods"), (["--methods", "grpo", "grpo"], "named twice"),
-    (["--optimizer", "rmsprop"], "--optimizer"), (["--token-rule", "x"], "--token-rule"),
-    (["--schedule", "cubic"], "--schedule"), (["--token-scope", "response"], "--token-scope"),
-    (["--group-size", "4096", "--vocab", "256", "--batch-prompts", "16"], "tensor elements"), (["--no-such-flag"], "--no-such-flag"),
+    (["--k-init", "0"], "--k-init 0"),
+    (["--k-final", "1.5"], "--k-final 1.5"),
+    (["--static-k", "nan"], "--static-k nan"),
+    (["--n-init", "33", "--methods", "d3s"], "--n-init 33"),
+    (["--static-n", "64", "--methods", "pods"], "--static-n 64"),
+    (["--hint", "nan"], "--hint nan"),
+    (["--filler-logit", "inf"], "--filler-logit inf"),
+    (["--hint", "1e9"], "--hint 1e9"),
+    (["--max-grad-norm", "-1"], "--max-grad-norm -1"),
+    (["--target", "0.5", "1.5"], "--target 1.5"),
+    (["--workers", "0"], "--workers 0"),
+    (["--explain-every", "-1"], "--explain-every -1"),
+    (["--methods", "nope"], "--methods"),
+    (["--methods", "grpo", "grpo"], "named twice"),
+    (["--optimizer", "rmsprop"], "--optimizer"),
+    (["--token-rule", "x"], "--token-rule"),
+    (["--schedule", "cubic"], "--schedule"),
+    (["--token-scope", "response"], "--token-scope"),
+    (["--group-size", "4096", "--vocab", "256", "--batch-prompts", "16"], "tensor elements"),
+    (["--no-such-flag"], "--no-such-flag"),
 ]
 
 
@@ -221,7 +253,18 @@ def bad_runs(tmp_path_factory):
     each, a tiny valid setting (a later flag wins): should a bad value slip through, it runs for a second."""
     from concurrent.futures import ThreadPoolExecutor
 
-    tiny = ["--seeds", "1", "--steps", "1", "--workers", "1", "--methods", "grpo", "--out", str(tmp_path_factory.mktemp("bad"))]
+    tiny = [
+        "--seeds",
+        "1",
+        "--steps",
+        "1",
+        "--workers",
+        "1",
+        "--methods",
+        "grpo",
+        "--out",
+        str(tmp_path_factory.mktemp("bad")),
+    ]
 
     def one(argv):
         return subprocess.run([sys.executable, SCRIPT, *tiny, *argv], capture_output=True, text=True, timeout=60)
@@ -249,17 +292,42 @@ def test_a_run_that_goes_non_finite_stops_with_one_line(tmp_path, monkeypatch, c
         bandit.main(["--seeds", "1", "--steps", "4", "--methods", "grpo", "--workers", "1", "--out", str(tmp_path)])
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip() and "runs:" not in line]
     assert exit_.value.code == 2 and len(lines) == 1
-    assert lines[0].startswith("bandit.py: error: --lr 0.01: grpo seed 0: the policy went non-finite") and "lower --lr" in lines[0]
+    assert (
+        lines[0].startswith("bandit.py: error: --lr 0.01: grpo seed 0: the policy went non-finite")
+        and "lower --lr" in lines[0]
+    )
 
 
 WIDE = st.one_of(  # wider than any flag's valid range
-    st.integers(-10, 10), st.integers(10**6, 10**12), st.integers(-(10**12), -(10**6)),
-    st.floats(allow_nan=True, allow_infinity=True), st.sampled_from(["", "abc", "1e999", "-inf", "0x10", "DIR", "FILE"]))
+    st.integers(-10, 10),
+    st.integers(10**6, 10**12),
+    st.integers(-(10**12), -(10**6)),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from(["", "abc", "1e999", "-inf", "0x10", "DIR", "FILE"]),
+)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(flags=st.dictionaries(st.sampled_from(["--steps", "--seeds", "--lr", "--hint", "--max-grad-norm", "--group-size",
-                                              "--n-init", "--k-init", "--target", "--out"]), WIDE, max_size=3))
+@given(
+    flags=st.dictionaries(
+        st.sampled_from(
+            [
+                "--steps",
+                "--seeds",
+                "--lr",
+                "--hint",
+                "--max-grad-norm",
+                "--group-size",
+                "--n-init",
+                "--k-init",
+                "--target",
+                "--out",
+            ]
+        ),
+        WIDE,
+        max_size=3,
+    )
+)
 def test_fuzzed_flags_run_or_fail_with_one_line(tmp_path_factory, flags):
     """In this process (an interpreter start per example would cost more than the runs): any value
     either runs (tiny settings) or exits 2 with one line; another exception would fail the test."""
@@ -268,9 +336,35 @@ def test_fuzzed_flags_run_or_fail_with_one_line(tmp_path_factory, flags):
 
     folder = tmp_path_factory.mktemp("fuzz")
     (folder / "a_file").write_text("")
-    argv = ["--steps", "1", "--seeds", "1", "--methods", "grpo", "d3s", "--workers", "1", "--prompts", "4",
-            "--batch-prompts", "2", "--group-size", "4", "--n-init", "2", "--n-final", "4", "--length", "4", "--vocab", "4",
-            "--hidden", "8", "--out", str(folder / "out")]
+    argv = [
+        "--steps",
+        "1",
+        "--seeds",
+        "1",
+        "--methods",
+        "grpo",
+        "d3s",
+        "--workers",
+        "1",
+        "--prompts",
+        "4",
+        "--batch-prompts",
+        "2",
+        "--group-size",
+        "4",
+        "--n-init",
+        "2",
+        "--n-final",
+        "4",
+        "--length",
+        "4",
+        "--vocab",
+        "4",
+        "--hidden",
+        "8",
+        "--out",
+        str(folder / "out"),
+    ]
     for flag, value in flags.items():
         value = {"DIR": str(folder), "FILE": str(folder / "a_file")}.get(value, value)
         argv += [flag, str(value)]

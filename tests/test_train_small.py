@@ -24,10 +24,46 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "data")  # the real benchmarks, in the repo (data/README.md)
 
 # A run small enough for a test: tiny model, 2 prompts x 4 rollouts, a handful of steps.
-TINY = ["--hidden-size", "32", "--num-layers", "1", "--sft-steps", "60", "--sft-lr", "3e-2", "--sft-batch", "32",
-        "--train-size", "200", "--eval-size", "6", "--eval-samples", "2", "--pass-k", "2", "--prompts-per-step", "2",
-        "--group-size", "4", "--n-init", "2", "--n-final", "4", "--max-new-tokens", "12", "--eval-every", "3",
-        "--save-every", "3", "--threads", "1", "--lr", "3e-3", "--grade-timeout", "5"]
+TINY = [
+    "--hidden-size",
+    "32",
+    "--num-layers",
+    "1",
+    "--sft-steps",
+    "60",
+    "--sft-lr",
+    "3e-2",
+    "--sft-batch",
+    "32",
+    "--train-size",
+    "200",
+    "--eval-size",
+    "6",
+    "--eval-samples",
+    "2",
+    "--pass-k",
+    "2",
+    "--prompts-per-step",
+    "2",
+    "--group-size",
+    "4",
+    "--n-init",
+    "2",
+    "--n-final",
+    "4",
+    "--max-new-tokens",
+    "12",
+    "--eval-every",
+    "3",
+    "--save-every",
+    "3",
+    "--threads",
+    "1",
+    "--lr",
+    "3e-3",
+    "--grade-timeout",
+    "5",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -51,7 +87,15 @@ def two_answer_data(tmp_path_factory):
     for name, n in (("train.jsonl", 64), ("eval.jsonl", 6)):
         with open(folder / name, "w") as f:
             for i in range(n):
-                f.write(json.dumps({"problem": f"Pick {name[0]}{i}.", "answer": str(1 + int(torch.randint(2, (1,), generator=gen)))}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "problem": f"Pick {name[0]}{i}.",
+                            "answer": str(1 + int(torch.randint(2, (1,), generator=gen))),
+                        }
+                    )
+                    + "\n"
+                )
     return str(folder / "train.jsonl"), str(folder / "eval.jsonl")
 
 
@@ -88,7 +132,9 @@ def test_reward_is_1_for_the_boxed_gold_answer_and_0_for_a_wrong_one(name):
     golds = [r["answer"] for r in rows]
     with Grader(timeout_s=10.0) as grader:
         right = train_small.compute_rewards(grader, [f"So the answer is \\boxed{{{g}}}." for g in golds], golds)
-        wrong = train_small.compute_rewards(grader, [f"So the answer is \\boxed{{{_wrong_answer(g)}}}." for g in golds], golds)
+        wrong = train_small.compute_rewards(
+            grader, [f"So the answer is \\boxed{{{_wrong_answer(g)}}}." for g in golds], golds
+        )
     assert [g for g, r in zip(golds, right) if r != 1.0] == []
     assert [g for g, r in zip(golds, wrong) if r != 0.0] == []
 
@@ -144,7 +190,10 @@ def test_the_steps_task_works_each_step_out_and_its_targets_grade_correct():
     assert sum(map(len, targets)) / len(targets) >= 20
     with Grader(timeout_s=5.0) as grader:
         assert grader.score_batch(targets[:8], [r["answer"] for r in held_out[:8]]) == [1.0] * 8
-        wrong = held_out[1]["solution"].rsplit("=", 1)[0] + f"={int(held_out[1]['answer']) + 1}. \\boxed{{{int(held_out[1]['answer']) + 1}}}"
+        wrong = (
+            held_out[1]["solution"].rsplit("=", 1)[0]
+            + f"={int(held_out[1]['answer']) + 1}. \\boxed{{{int(held_out[1]['answer']) + 1}}}"
+        )
         assert grader.score(wrong, held_out[1]["answer"]) == 0.0
 
 
@@ -197,12 +246,41 @@ def test_help_documents_every_flag_with_its_default(capsys):
     with pytest.raises(SystemExit):
         train_small.parse_args(["--help"])
     text = " ".join(capsys.readouterr().out.split())  # undo argparse's line wrapping
-    for flag in ("--method", "--loss", "--steps", "--resume", "--model", "--train-file", "--eval-file",
-                 "--out", "--group-size", "--prompts-per-step", "--n-init", "--n-final", "--k-init", "--k-final",
-                 "--static-n", "--static-k", "--schedule", "--token-rule", "--token-scope", "--min-token-per-response",
-                 "--lr", "--clip-low",
-                 "--clip-high", "--loss-agg", "--mini-batches", "--kl-coef", "--temperature", "--max-new-tokens",
-                 "--eval-every", "--eval-samples", "--save-every", "--seed", "--rl-seed"):
+    for flag in (
+        "--method",
+        "--loss",
+        "--steps",
+        "--resume",
+        "--model",
+        "--train-file",
+        "--eval-file",
+        "--out",
+        "--group-size",
+        "--prompts-per-step",
+        "--n-init",
+        "--n-final",
+        "--k-init",
+        "--k-final",
+        "--static-n",
+        "--static-k",
+        "--schedule",
+        "--token-rule",
+        "--token-scope",
+        "--min-token-per-response",
+        "--lr",
+        "--clip-low",
+        "--clip-high",
+        "--loss-agg",
+        "--mini-batches",
+        "--kl-coef",
+        "--temperature",
+        "--max-new-tokens",
+        "--eval-every",
+        "--eval-samples",
+        "--save-every",
+        "--seed",
+        "--rl-seed",
+    ):
         assert flag in text
     assert "(default: d3s)" in text and "paper: 8" in text
     assert "linear (paper)" in text and "(default: linear)" in text and "(|A| * H, paper)" in text
@@ -233,7 +311,9 @@ def test_a_second_train_small_on_a_busy_out_stops_with_one_line_and_touches_noth
     prog = "small_ladder.py" if compare else "train_small.py"
     assert len(err.splitlines()) == 1 and err.startswith(f"{prog}: error: --out {out}: another train_small.py"), err
     assert (out / "metrics.jsonl").read_text() == '{"kind": "eval", "step": 0}\n' and sorted(os.listdir(out)) == [
-        ".lock", "metrics.jsonl"]
+        ".lock",
+        "metrics.jsonl",
+    ]
     assert not (tmp_path / "cache").exists()  # stopped before the warm start
 
 
@@ -242,40 +322,69 @@ def test_the_old_name_d3s_static_points_to_d2s(tmp_path, capsys):
 
 
 BAD_FLAGS = [  # (flags added to a valid tiny run, a fragment of the one line)
-    (["--lr", "nan"], "--lr nan: must be in (0, 1]"), (["--lr", "-1"], "--lr -1: must be"), (["--lr", "inf"], "--lr inf"),
-    (["--sft-lr", "0"], "--sft-lr 0: must be"), (["--clip-low", "-0.5"], "--clip-low -0.5: must be in [0, 1)"),
-    (["--clip-high", "nan"], "--clip-high nan"), (["--max-grad-norm", "-1"], "--max-grad-norm -1: must be a finite number > 0"),
-    (["--max-grad-norm", "inf"], "--max-grad-norm inf"), (["--kl-coef", "-0.1"], "--kl-coef -0.1"),
-    (["--temperature", "0"], "--temperature 0: must be"), (["--temperature", "nan"], "--temperature nan"),
-    (["--k-init", "0"], "--k-init 0: must be a fraction"), (["--k-final", "1.5"], "--k-final 1.5"),
-    (["--steps", "0"], "--steps 0: must be an int >= 1"), (["--steps", "x"], "--steps 'x': must be an int >= 1"),
-    (["--group-size", "1"], "--group-size 1"), (["--mini-batches", "0"], "--mini-batches 0"),
-    (["--eval-samples", "0"], "--eval-samples 0"), (["--mid-eval-samples", "0"], "--mid-eval-samples 0"), (["--pass-k", "3"], "--pass-k 3: must be an int in [1, --eval-samples 2]"),
-    (["--warmup-steps", "-1"], "--warmup-steps -1"), (["--grade-timeout", "0"], "--grade-timeout 0: must be"),
-    (["--hidden-size", "30"], "--hidden-size 30: must be a multiple of 4"), (["--num-layers", "0"], "--num-layers 0"),
-    (["--stop-after", "9"], "--stop-after 9: must be an int in [1, --steps 3]"), (["--seed", "-1"], "--seed -1"),
-    (["--threads", "-2"], "--threads -2"), (["--max-new-tokens", "0"], "--max-new-tokens 0"),
-    (["--kl-every", "-1"], "--kl-every -1"), (["--loss", "ppo"], "--loss 'ppo'"), (["--task", "chess"], "--task 'chess'"),
-    (["--schedule", "cubic"], "--schedule 'cubic': not a choice; choose from 'linear', 'cosine', 'step', 'constant', "
-                                 "'adaptive'"),
+    (["--lr", "nan"], "--lr nan: must be in (0, 1]"),
+    (["--lr", "-1"], "--lr -1: must be"),
+    (["--lr", "inf"], "--lr inf"),
+    (["--sft-lr", "0"], "--sft-lr 0: must be"),
+    (["--clip-low", "-0.5"], "--clip-low -0.5: must be in [0, 1)"),
+    (["--clip-high", "nan"], "--clip-high nan"),
+    (["--max-grad-norm", "-1"], "--max-grad-norm -1: must be a finite number > 0"),
+    (["--max-grad-norm", "inf"], "--max-grad-norm inf"),
+    (["--kl-coef", "-0.1"], "--kl-coef -0.1"),
+    (["--temperature", "0"], "--temperature 0: must be"),
+    (["--temperature", "nan"], "--temperature nan"),
+    (["--k-init", "0"], "--k-init 0: must be a fraction"),
+    (["--k-final", "1.5"], "--k-final 1.5"),
+    (["--steps", "0"], "--steps 0: must be an int >= 1"),
+    (["--steps", "x"], "--steps 'x': must be an int >= 1"),
+    (["--group-size", "1"], "--group-size 1"),
+    (["--mini-batches", "0"], "--mini-batches 0"),
+    (["--eval-samples", "0"], "--eval-samples 0"),
+    (["--mid-eval-samples", "0"], "--mid-eval-samples 0"),
+    (["--pass-k", "3"], "--pass-k 3: must be an int in [1, --eval-samples 2]"),
+    (["--warmup-steps", "-1"], "--warmup-steps -1"),
+    (["--grade-timeout", "0"], "--grade-timeout 0: must be"),
+    (["--hidden-size", "30"], "--hidden-size 30: must be a multiple of 4"),
+    (["--num-layers", "0"], "--num-layers 0"),
+    (["--stop-after", "9"], "--stop-after 9: must be an int in [1, --steps 3]"),
+    (["--seed", "-1"], "--seed -1"),
+    (["--threads", "-2"], "--threads -2"),
+    (["--max-new-tokens", "0"], "--max-new-tokens 0"),
+    (["--kl-every", "-1"], "--kl-every -1"),
+    (["--loss", "ppo"], "--loss 'ppo'"),
+    (["--task", "chess"], "--task 'chess'"),
+    (
+        ["--schedule", "cubic"],
+        "--schedule 'cubic': not a choice; choose from 'linear', 'cosine', 'step', 'constant', 'adaptive'",
+    ),
     (["--token-rule", "h"], "--token-rule 'h': not a choice; choose from 'adv-entropy', 'entropy', 'adv', 'random'"),
     (["--token-scope", "response"], "--token-scope 'response': not a choice; choose from 'batch', 'sequence'"),
     (["--switch-on-spike", "0.5"], "--switch-on-spike 0.5: must be 0 (off) or a number > 1"),
     (["--switch-on-spike", "nan"], "--switch-on-spike nan"),
-    (["--method", "grpo", "--switch-on-spike", "3"], "--switch-on-spike 3: moves a cross-group row to its intra-group twin"),
-    (["--out", "{file}"], "is a file, not a folder; pass a folder"), (["--out", ""], "--out '': empty"),
+    (
+        ["--method", "grpo", "--switch-on-spike", "3"],
+        "--switch-on-spike 3: moves a cross-group row to its intra-group twin",
+    ),
+    (["--out", "{file}"], "is a file, not a folder; pass a folder"),
+    (["--out", ""], "--out '': empty"),
     (["--cache-dir", "{file}"], "--cache-dir {file}: is a file"),
-    (["--train-file", "{dir}"], "--train-file {dir}: is a folder"), (["--eval-file", "{missing}"], "missing.jsonl"),
+    (["--train-file", "{dir}"], "--train-file {dir}: is a folder"),
+    (["--eval-file", "{missing}"], "missing.jsonl"),
     (["--train-file", "{latin1}"], "latin1.jsonl:1: byte 0xe9 at column 17 is not UTF-8"),
-    (["--model", "{file}"], "--model {file}: is a file"), (["--model", "{dir}"], "has no config.json"),
+    (["--model", "{file}"], "--model {file}: is a file"),
+    (["--model", "{dir}"], "has no config.json"),
     (["--resume"], "--resume: no checkpoint at"),
 ]
 
 
 @pytest.mark.parametrize("extra, fragment", BAD_FLAGS, ids=[" ".join(c[0]) for c in BAD_FLAGS])
 def test_bad_flags_and_paths_are_one_line_and_exit_2_before_any_work(tmp_path, capsys, extra, fragment):
-    paths = {"file": tmp_path / "a_file.txt", "dir": tmp_path / "a_dir", "missing": tmp_path / "missing.jsonl",
-             "latin1": tmp_path / "latin1.jsonl"}
+    paths = {
+        "file": tmp_path / "a_file.txt",
+        "dir": tmp_path / "a_dir",
+        "missing": tmp_path / "missing.jsonl",
+        "latin1": tmp_path / "latin1.jsonl",
+    }
     paths["file"].write_text("x")
     paths["dir"].mkdir()
     paths["latin1"].write_bytes('{"problem": "caf\xe9", "answer": "1"}\n'.encode("latin-1"))
@@ -289,11 +398,17 @@ def test_fuzzed_flags_pass_the_checks_or_fail_with_one_usage_line(capsys):
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    numeric = [a.option_strings[-1] for a in train_small.build_parser()._actions
-               if a.option_strings and getattr(a.type, "__name__", None) in ("int", "float")]
+    numeric = [
+        a.option_strings[-1]
+        for a in train_small.build_parser()._actions
+        if a.option_strings and getattr(a.type, "__name__", None) in ("int", "float")
+    ]
     assert len(numeric) > 30
-    values = st.one_of(st.integers(-10**12, 10**12).map(str), st.floats(allow_nan=True, allow_infinity=True).map(repr),
-                       st.sampled_from(["", "x", "1e999", "-inf", "nan", "0", "1", "0.5"]))
+    values = st.one_of(
+        st.integers(-(10**12), 10**12).map(str),
+        st.floats(allow_nan=True, allow_infinity=True).map(repr),
+        st.sampled_from(["", "x", "1e999", "-inf", "nan", "0", "1", "0.5"]),
+    )
 
     @settings(max_examples=400, deadline=None)
     @given(st.lists(st.tuples(st.sampled_from(numeric), values), min_size=1, max_size=4))
@@ -319,9 +434,28 @@ def test_one_minute_run_trains_evaluates_and_saves(tmp_path, cache_dir):
     train = [m for m in lines if m["kind"] == "train"]
     evals = [m for m in lines if m["kind"] == "eval"]
     assert [m["step"] for m in train] == [1, 2, 3] and [m["step"] for m in evals] == [0, 3]
-    for key in ("reward_mean", "acc_train", "n_keep", "k_frac", "k_real", "kept_samples", "kept_tokens", "kept_tokens_frac",
-                "kept_adv_var", "sur", "grad_norm", "entropy_mean", "entropy_kept", "kl_ref", "clip_frac",
-                "clip_frac_by_minibatch", "loss", "skipped", "gen_s", "train_s"):
+    for key in (
+        "reward_mean",
+        "acc_train",
+        "n_keep",
+        "k_frac",
+        "k_real",
+        "kept_samples",
+        "kept_tokens",
+        "kept_tokens_frac",
+        "kept_adv_var",
+        "sur",
+        "grad_norm",
+        "entropy_mean",
+        "entropy_kept",
+        "kl_ref",
+        "clip_frac",
+        "clip_frac_by_minibatch",
+        "loss",
+        "skipped",
+        "gen_s",
+        "train_s",
+    ):
         assert key in train[0]
     for key in ("eval_greedy_pass1", "eval_pass1_mean", "eval_passk", "k"):
         assert key in evals[-1]
@@ -373,8 +507,12 @@ def test_a_sigkill_while_the_checkpoint_is_written_then_resume_equals_the_uninte
 
     flags, whole = whole_run
     out = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "small_stall_worker.py"), "6"] + flags +
-                            ["--out", str(out)], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, "tests", "small_stall_worker.py"), "6"] + flags + ["--out", str(out)],
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     for line in proc.stderr:  # tqdm's lines end in \r: a \n-ended line is a message
         if "half written, stalled" in line:
             break
@@ -386,8 +524,9 @@ def test_a_sigkill_while_the_checkpoint_is_written_then_resume_equals_the_uninte
     assert_same_run(whole, out)
 
 
-def test_a_sigterm_mid_run_stops_after_its_step_with_a_checkpoint_and_resume_equals_the_uninterrupted_run(tmp_path,
-                                                                                                           whole_run):
+def test_a_sigterm_mid_run_stops_after_its_step_with_a_checkpoint_and_resume_equals_the_uninterrupted_run(
+    tmp_path, whole_run
+):
     """A preemption notice (SIGTERM, as SLURM and Kubernetes send before a kill) while step s runs: the step finishes,
     its checkpoint is written (here no --save-every step falls before the end), one line says so, exit 75; --resume
     then gives the numbers and the weights of the run that was never stopped."""
@@ -395,9 +534,13 @@ def test_a_sigterm_mid_run_stops_after_its_step_with_a_checkpoint_and_resume_equ
 
     flags, whole = whole_run
     out = tmp_path / "preempted"
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train_small.py")] + flags + ["--out", str(out),
-                            "--save-every", "50"], cwd=ROOT, stderr=subprocess.PIPE, text=True)
-    trained = lambda: (out / "metrics.jsonl").exists() and "train" in (out / "metrics.jsonl").read_text()  # noqa: E731
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, "train_small.py")] + flags + ["--out", str(out), "--save-every", "50"],
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    trained = lambda: (out / "metrics.jsonl").exists() and "train" in (out / "metrics.jsonl").read_text()
     deadline = time.time() + 600
     while not trained():  # a step has run: the loop (and its SIGTERM handler) is on
         assert proc.poll() is None and time.time() < deadline, "the run ended before its first step"
@@ -406,15 +549,18 @@ def test_a_sigterm_mid_run_stops_after_its_step_with_a_checkpoint_and_resume_equ
     err = proc.communicate(timeout=300)[1]
     lines = [line for line in err.splitlines() if line.startswith("train_small.py:")]  # a line of its own
     step = torch.load(out / "checkpoint.pt", weights_only=True)["step"]
-    assert proc.returncode == 75 and lines == [f"train_small.py: stopped by SIGTERM after step {step}; checkpoint "
-                                               f"{out / 'checkpoint.pt'}; continue with --resume"], (proc.returncode, err[-2000:])
+    assert proc.returncode == 75 and lines == [
+        f"train_small.py: stopped by SIGTERM after step {step}; checkpoint "
+        f"{out / 'checkpoint.pt'}; continue with --resume"
+    ], (proc.returncode, err[-2000:])
     assert 1 <= step < 6 and not (out / "final").exists()
     train_small.main(flags + ["--out", str(out), "--resume"])
     assert_same_run(whole, out)
 
 
-def test_a_full_disk_stops_with_one_line_keeps_the_last_checkpoint_and_resume_continues(tmp_path, whole_run, small_disk,
-                                                                                       capsys):
+def test_a_full_disk_stops_with_one_line_keeps_the_last_checkpoint_and_resume_continues(
+    tmp_path, whole_run, small_disk, capsys
+):
     """--out on a disk that holds one checkpoint but not a second beside it: the step-6 checkpoint's write fails, the
     run stops with one line and exit 74, the step-3 checkpoint is intact; with space again, --resume finishes the run
     with the numbers of the uninterrupted one."""
@@ -426,8 +572,11 @@ def test_a_full_disk_stops_with_one_line_keeps_the_last_checkpoint_and_resume_co
     with pytest.raises(SystemExit) as exit_:
         train_small.main(flags + ["--out", str(out), "--explain-every", "0"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert exit_.value.code == 74 and err[-1].startswith("train_small.py: error: no space left on the device while "
-                                                         "writing ") and "continue with --resume" in err[-1], err[-3:]
+    assert (
+        exit_.value.code == 74
+        and err[-1].startswith("train_small.py: error: no space left on the device while writing ")
+        and "continue with --resume" in err[-1]
+    ), err[-3:]
     assert torch.load(out / "checkpoint.pt", weights_only=True)["step"] == 3
     resize(64 * size + 2**24)
     train_small.main(flags + ["--out", str(out), "--explain-every", "0", "--resume"])
@@ -443,10 +592,15 @@ def test_an_incomplete_model_folder_is_named_before_any_work(tmp_path, capsys):
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = tiny.build_char_tokenizer()
-    whole = tiny.save_tiny(tiny.build_tiny_model(tokenizer, hidden_size=32, num_layers=1), tokenizer, str(tmp_path / "m"))
+    whole = tiny.save_tiny(
+        tiny.build_tiny_model(tokenizer, hidden_size=32, num_layers=1), tokenizer, str(tmp_path / "m")
+    )
     capsys.readouterr()  # save_pretrained's progress bar
-    cases = {"config.json": "has no config.json", "model.safetensors": "has no weights",
-             "tokenizer.json": "has no tokenizer"}
+    cases = {
+        "config.json": "has no config.json",
+        "model.safetensors": "has no weights",
+        "tokenizer.json": "has no tokenizer",
+    }
     for missing, fragment in cases.items():
         folder = tmp_path / missing
         shutil.copytree(whole, folder)
@@ -457,8 +611,9 @@ def test_an_incomplete_model_folder_is_named_before_any_work(tmp_path, capsys):
         assert f"--model {folder}: {fragment}" in err, err
     empty = tmp_path / "empty-tokenizer"
     shutil.copytree(whole, empty)
-    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.BPE(vocab={"<|endoftext|>": 0}, merges=[])),
-                            eos_token="<|endoftext|>").save_pretrained(empty)
+    PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.BPE(vocab={"<|endoftext|>": 0}, merges=[])), eos_token="<|endoftext|>"
+    ).save_pretrained(empty)
     err = _bad_input(tmp_path, capsys, ["--model", str(empty)])
     assert f"--model {empty}: its tokenizer encodes a prompt to no tokens" in err, err
 
@@ -475,10 +630,14 @@ def test_a_bad_checkpoint_is_one_line_naming_the_file_and_the_fix(tmp_path, caps
     damages = {
         "truncated": (lambda p: p.write_bytes(good.read_bytes()[: good.stat().st_size // 2]), "truncated or corrupt"),
         "empty": (lambda p: p.write_bytes(b""), "truncated or corrupt"),
-        "pickled object": (lambda p: torch.save({**torch.load(good, weights_only=True), "x": NotATensor()}, p),
-                           "refused: it holds a pickled Python object"),
-        "older format": (lambda p: torch.save({k: v for k, v in torch.load(good, weights_only=True).items() if k != "format"}, p),
-                         "checkpoint format 1 of an older train_small.py"),
+        "pickled object": (
+            lambda p: torch.save({**torch.load(good, weights_only=True), "x": NotATensor()}, p),
+            "refused: it holds a pickled Python object",
+        ),
+        "older format": (
+            lambda p: torch.save({k: v for k, v in torch.load(good, weights_only=True).items() if k != "format"}, p),
+            "checkpoint format 1 of an older train_small.py",
+        ),
         "a folder": (lambda p: p.mkdir(), "is a folder, not a checkpoint file"),
     }
     for name, (damage, fragment) in damages.items():
@@ -491,10 +650,12 @@ def test_a_bad_checkpoint_is_one_line_naming_the_file_and_the_fix(tmp_path, caps
         assert e.value.code == 2 and len(err.splitlines()) == 1 and fragment in err and str(path) in err, (name, err)
     finished_copy = tmp_path / "finished"
     shutil.copytree(whole, finished_copy)
-    for extra, fragment in ((["--resume"], "already finished its 6 steps"),
-                            (["--resume", "--lr", "1e-3"], "--lr 0.001: "),
-                            (["--resume", str(tmp_path / "missing.pt")], "no checkpoint at"),
-                            (["--resume", "--steps", "8"], "--steps 8: ")):
+    for extra, fragment in (
+        (["--resume"], "already finished its 6 steps"),
+        (["--resume", "--lr", "1e-3"], "--lr 0.001: "),
+        (["--resume", str(tmp_path / "missing.pt")], "no checkpoint at"),
+        (["--resume", "--steps", "8"], "--steps 8: "),
+    ):
         with pytest.raises(SystemExit) as e:
             train_small.main(flags + ["--out", str(finished_copy)] + extra)
         err = capsys.readouterr().err.strip()
@@ -511,8 +672,21 @@ def test_a_nan_loss_skips_the_update_and_is_logged(tmp_path, cache_dir, two_answ
 
     monkeypatch.setattr(train_small.d3s, "policy_loss", nan_loss)
     out = tmp_path / "nan"
-    summary = train_small.main(TINY + ["--steps", "2", "--train-file", train_file, "--eval-file", eval_file,
-                                       "--cache-dir", cache_dir, "--out", str(out)])
+    summary = train_small.main(
+        TINY
+        + [
+            "--steps",
+            "2",
+            "--train-file",
+            train_file,
+            "--eval-file",
+            eval_file,
+            "--cache-dir",
+            cache_dir,
+            "--out",
+            str(out),
+        ]
+    )
     train = [m for m in read_jsonl(out / "metrics.jsonl") if m["kind"] == "train"]
     assert [m["skipped"] for m in train] == [True, True] and summary["skipped_updates"] == 2
     assert any(m["kept_adv_var"] > 0 for m in train)  # there was a gradient to apply
@@ -526,28 +700,47 @@ def test_a_nan_loss_skips_the_update_and_is_logged(tmp_path, cache_dir, two_answ
 def _run(tmp_path, cache_dir, data, name, extra):
     train_file, eval_file = data
     out = tmp_path / name
-    train_small.main(TINY + ["--train-file", train_file, "--eval-file", eval_file, "--cache-dir", cache_dir,
-                             "--out", str(out)] + extra)
+    train_small.main(
+        TINY
+        + ["--train-file", train_file, "--eval-file", eval_file, "--cache-dir", cache_dir, "--out", str(out)]
+        + extra
+    )
     return [m for m in read_jsonl(out / "metrics.jsonl") if m["kind"] == "train"], load_state(out / "final")
 
 
 def test_the_dapo_filter_trains_on_every_rollout_of_the_groups_with_spread(tmp_path, cache_dir, two_answer_data):
     """--n-final 8 > G = 4 is no error here: the filter keeps whole groups and has no N."""
-    train, _ = _run(tmp_path, cache_dir, two_answer_data, "dapo", ["--steps", "2", "--method", "dapo-filter-k",
-                                                                   "--n-final", "8", "--schedule", "step"])
+    train, _ = _run(
+        tmp_path,
+        cache_dir,
+        two_answer_data,
+        "dapo",
+        ["--steps", "2", "--method", "dapo-filter-k", "--n-final", "8", "--schedule", "step"],
+    )
     P, G = 2, 4
     for m in train:
         assert m["kept_samples"] == round(m["groups_mixed"] * P) * G and m["n_keep"] == G
     assert [m["k_frac"] for m in train] == [0.05, 0.2]  # --schedule step: K_init for the first half, K_final after
 
 
-def test_the_switch_rule_moves_d3s_to_intra_group_samples_from_the_step_after_the_first_spike(tmp_path, cache_dir,
-                                                                                              two_answer_data, monkeypatch,
-                                                                                              capsys):
+def test_the_switch_rule_moves_d3s_to_intra_group_samples_from_the_step_after_the_first_spike(
+    tmp_path, cache_dir, two_answer_data, monkeypatch, capsys
+):
     """A synthetic spike in the logged signal: step 11's grad_norm is made 10x what it was. With --switch-on-spike 3
     the run is d3s up to step 11, number for number, and selects its samples as d3s-i from step 12 on; stopped
     after step 11 and resumed, it reads the norms back from metrics.jsonl and switches at the same step."""
-    common = ["--steps", "13", "--eval-every", "13", "--method", "d3s", "--switch-on-spike", "3", "--explain-every", "12"]
+    common = [
+        "--steps",
+        "13",
+        "--eval-every",
+        "13",
+        "--method",
+        "d3s",
+        "--switch-on-spike",
+        "3",
+        "--explain-every",
+        "12",
+    ]
     plain, _ = _run(tmp_path, cache_dir, two_answer_data, "plain", common)
     assert {m["sample_rule"] for m in plain} == {"cross"}  # the run's own norms have no spike: it never fires
     real_metrics, real_select = train_small.step_metrics, d3s.select_samples
@@ -570,15 +763,29 @@ def test_the_switch_rule_moves_d3s_to_intra_group_samples_from_the_step_after_th
     assert [i + 1 for i, r in enumerate(ratios) if r is not None and r > 3] == [11]
     same = lambda lines: [{k: v for k, v in m.items() if not k.endswith("_s") and k != "grad_norm"} for m in lines]  # noqa
     assert same(switched[:11]) == same(plain[:11])  # off until it fires
-    summary = lambda name: json.loads((tmp_path / name / "summary.json").read_text())  # noqa: E731
+    summary = lambda name: json.loads((tmp_path / name / "summary.json").read_text())
     assert summary("switched")["switched_at_step"] == 12 and summary("plain")["switched_at_step"] is None
     page = (tmp_path / "switched" / "explain" / "step_000012.html").read_text()  # the page names the row that selected
-    assert "fired: --method d3s runs as d3s-i" in page and "fired" not in (tmp_path / "plain" / "explain" /
-                                                                          "step_000012.html").read_text()
+    assert (
+        "fired: --method d3s runs as d3s-i" in page
+        and "fired" not in (tmp_path / "plain" / "explain" / "step_000012.html").read_text()
+    )
     # stop after the spike, resume: the history comes back from metrics.jsonl, and the switch with it
     train_file, eval_file = two_answer_data
-    flags = TINY + common + ["--train-file", train_file, "--eval-file", eval_file, "--cache-dir", cache_dir,
-                             "--out", str(tmp_path / "stopped")]
+    flags = (
+        TINY
+        + common
+        + [
+            "--train-file",
+            train_file,
+            "--eval-file",
+            eval_file,
+            "--cache-dir",
+            cache_dir,
+            "--out",
+            str(tmp_path / "stopped"),
+        ]
+    )
     train_small.main(flags + ["--stop-after", "11", "--save-every", "11"])
     train_small.main(flags + ["--resume"])
     resumed = [m for m in read_jsonl(tmp_path / "stopped" / "metrics.jsonl") if m["kind"] == "train"]
@@ -590,7 +797,11 @@ def test_the_switch_rule_moves_d3s_to_intra_group_samples_from_the_step_after_th
     with pytest.raises(SystemExit) as exit_info:
         train_small.main(flags + ["--resume", str(tmp_path / "old.pt")])
     err = capsys.readouterr().err
-    assert exit_info.value.code == 2 and "--switch-on-spike 3.0: " in err and "old.pt was made with --switch-on-spike 0.0" in err
+    assert (
+        exit_info.value.code == 2
+        and "--switch-on-spike 3.0: " in err
+        and "old.pt was made with --switch-on-spike 0.0" in err
+    )
 
 
 def test_realised_token_fraction_is_the_scheduled_k_within_one_token(tmp_path, cache_dir, two_answer_data):
@@ -610,7 +821,9 @@ def test_with_one_mini_batch_gspo_and_grpo_give_the_same_update(tmp_path, cache_
         torch.testing.assert_close(grpo[name], gspo[name], rtol=1e-6, atol=1e-7)
 
 
-def test_with_several_mini_batches_gspo_clips_on_the_later_ones_and_differs_from_grpo(tmp_path, cache_dir, two_answer_data):
+def test_with_several_mini_batches_gspo_clips_on_the_later_ones_and_differs_from_grpo(
+    tmp_path, cache_dir, two_answer_data
+):
     common = ["--steps", "2", "--method", "grpo", "--mini-batches", "2", "--loss-agg", "token-mean"]
     _, grpo = _run(tmp_path, cache_dir, two_answer_data, "grpo", common + ["--loss", "grpo"])
     gspo_train, gspo = _run(tmp_path, cache_dir, two_answer_data, "gspo", common + ["--loss", "gspo"])
@@ -622,20 +835,27 @@ def test_with_several_mini_batches_gspo_clips_on_the_later_ones_and_differs_from
 
 
 def test_kl_to_the_warm_start_is_zero_before_training_and_grows(tmp_path, cache_dir, two_answer_data):
-    train, _ = _run(tmp_path, cache_dir, two_answer_data, "kl", ["--steps", "3", "--method", "grpo", "--mini-batches", "1"])
+    train, _ = _run(
+        tmp_path, cache_dir, two_answer_data, "kl", ["--steps", "3", "--method", "grpo", "--mini-batches", "1"]
+    )
     assert train[0]["kl_ref"] == 0.0  # step 1, one mini-batch: the policy is still the warm start
     assert train[-1]["kl_ref"] > 0.0
 
 
 def test_kl_on_all_response_tokens_equals_the_selected_tokens_kl_for_grpo_and_is_measured_on_the_same_steps(
-        tmp_path, cache_dir, two_answer_data):
+    tmp_path, cache_dir, two_answer_data
+):
     """kl_ref_all: every response token of every rollout. grpo with one mini-batch selects all of them and its
     kl_ref is taken before the update, so the two agree; d3s selects a few, so its two differ."""
     common = ["--steps", "4", "--mini-batches", "1", "--kl-every", "2"]
     grpo, _ = _run(tmp_path, cache_dir, two_answer_data, "grpo", common + ["--method", "grpo"])
     d3s_, _ = _run(tmp_path, cache_dir, two_answer_data, "d3s", common + ["--method", "d3s"])
     for train in (grpo, d3s_):
-        assert [m["kl_ref_all"] is not None for m in train] == [m["kl_ref"] is not None for m in train] == [True, True, False, True]
+        assert (
+            [m["kl_ref_all"] is not None for m in train]
+            == [m["kl_ref"] is not None for m in train]
+            == [True, True, False, True]
+        )
         assert train[0]["kl_ref_all"] == pytest.approx(0.0, abs=1e-7) and train[-1]["kl_ref_all"] > 0.0
     for m in grpo:
         if m["kl_ref"] is not None:
@@ -664,26 +884,33 @@ def _hf_generate(model, tokenizer, prompts, group_size, max_new_tokens, greedy):
     enc = tokenizer(prompts, padding=True, return_tensors="pt", add_special_tokens=False)
     ids, mask = enc.input_ids.repeat_interleave(group_size, 0), enc.attention_mask.repeat_interleave(group_size, 0)
     sampling = dict(do_sample=False) if greedy else dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
-    config = GenerationConfig(max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                              eos_token_id=stop_token_ids(tokenizer, model.generation_config), **sampling)
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=stop_token_ids(tokenizer, model.generation_config),
+        **sampling,
+    )
     model.eval()
-    out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1]:]
+    out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1] :]
     is_eos = torch.isin(out, torch.tensor(stop_token_ids(tokenizer, model.generation_config)))
     return torch.where((is_eos.cumsum(-1) - is_eos.long()) > 0, tokenizer.pad_token_id, out)  # padding after EOS
 
 
 def test_the_sampler_gives_generates_greedy_tokens_and_with_the_same_seed_its_samples(cache_dir):
-    warm_dir = warmstart.load_warm_start(train_small.parse_args(TINY + ["--cache-dir", cache_dir]),
-                                         arithmetic_problems(200, "train"))[2]["path"]
+    warm_dir = warmstart.load_warm_start(
+        train_small.parse_args(TINY + ["--cache-dir", cache_dir]), arithmetic_problems(200, "train")
+    )[2]["path"]
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(warm_dir)  # a warm start: answers that end with EOS at different lengths
+    model = AutoModelForCausalLM.from_pretrained(
+        warm_dir
+    )  # a warm start: answers that end with EOS at different lengths
     tokenizer = AutoTokenizer.from_pretrained(warm_dir, padding_side="left")
     prompts = [warmstart.format_prompt(r["problem"], "plain") for r in arithmetic_problems(8, "eval")]
     greedy = train_small.rollout(model, tokenizer, prompts, 1, 12, greedy=True)
     expected = _hf_generate(model, tokenizer, prompts, 1, 12, greedy=True)
     assert torch.equal(greedy["response_ids"], expected[:, : greedy["response_ids"].shape[1]])
-    assert (expected[:, greedy["response_ids"].shape[1]:] == tokenizer.pad_token_id).all()
+    assert (expected[:, greedy["response_ids"].shape[1] :] == tokenizer.pad_token_id).all()
     same = 0
     for seed in range(3):  # sampling: torch.multinomial on the same logits, so the same draws up to rounding
         torch.manual_seed(seed)
@@ -701,8 +928,12 @@ def _plain_forward(model, batch, temperature):
     input_ids = torch.cat([batch["prompt_ids"], batch["response_ids"]], 1)  # [B, Lp + T]
     attention_mask = torch.cat([batch["prompt_mask"], batch["response_mask"]], 1)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                   logits_to_keep=T + 1).logits[:, :-1].float() / temperature  # position Lp-1+t predicts o_t
+    logits = (
+        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=T + 1)
+        .logits[:, :-1]
+        .float()
+        / temperature
+    )  # position Lp-1+t predicts o_t
     logp = logits.log_softmax(-1).gather(-1, batch["response_ids"].unsqueeze(-1)).squeeze(-1)
     return logp, d3s.token_entropy(logits)
 
@@ -759,8 +990,14 @@ def test_the_update_without_pass_1_for_mini_batch_1_equals_the_update_with_it(mi
         part = train_small.take_rows(kept, rows)
         logp, _ = train_small.forward_logprobs_entropy(expected, part, with_entropy=False)
         w = logp.shape[1]
-        loss, _ = d3s.policy_loss(logp, old_logp[rows, :w], kept_adv[rows], token_keep[rows, :w],
-                                  clip_low=args.clip_low, clip_high=args.clip_high)
+        loss, _ = d3s.policy_loss(
+            logp,
+            old_logp[rows, :w],
+            kept_adv[rows],
+            token_keep[rows, :w],
+            clip_low=args.clip_low,
+            clip_high=args.clip_high,
+        )
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(expected.parameters(), args.max_grad_norm)
@@ -770,7 +1007,9 @@ def test_the_update_without_pass_1_for_mini_batch_1_equals_the_update_with_it(mi
     parts = [rows for rows in torch.arange(12).tensor_split(mini_batches) if len(rows)]
     first_logp, old_logp_2, entropy_2, ref_logp, _ = train_small.forward_kept(model, None, kept, parts, 1.0)
     token_keep_2 = d3s.select_tokens(d3s.token_scores(kept_adv, entropy_2), kept["response_mask"], k_frac)
-    update = train_small.update_policy(model, opt, kept, parts, first_logp, old_logp_2, kept_adv, token_keep_2, ref_logp, args)
+    update = train_small.update_policy(
+        model, opt, kept, parts, first_logp, old_logp_2, kept_adv, token_keep_2, ref_logp, args
+    )
     # M = 1 forwards the very same batch: bit for bit. M > 1 forwards the later mini-batches on their own
     # (another batch shape, so another rounding): fp32 tolerance.
     exact = dict(rtol=0, atol=0) if mini_batches == 1 else dict(rtol=1e-5, atol=1e-6)
@@ -789,5 +1028,5 @@ def test_the_kl_measured_every_e_steps_equals_the_kl_measured_every_step(tmp_pat
     for a, b in zip(every, sched):
         if b["kl_ref"] is not None:
             assert a["kl_ref"] == b["kl_ref"]
-        strip = lambda m: {k: v for k, v in m.items() if not k.endswith("_s") and not k.startswith("kl_ref")}  # noqa: E731
+        strip = lambda m: {k: v for k, v in m.items() if not k.endswith("_s") and not k.startswith("kl_ref")}
         assert strip(a) == strip(b)  # the reference forward changes nothing else

@@ -20,8 +20,13 @@ def dynamic_schedule(step, total_steps, n_init=8, n_final=32, k_init=0.05, k_fin
 
 def method_budget(method, step, total_steps, group_size, kind="linear", history=None):
     """d3s.method_budget of a method by name, on a schedule kind."""
-    return d3s.method_budget(variants.LADDER[method], step=step, total_steps=total_steps, group_size=group_size,
-                             progress=variants.progress(kind, step, total_steps, history=history))
+    return d3s.method_budget(
+        variants.LADDER[method],
+        step=step,
+        total_steps=total_steps,
+        group_size=group_size,
+        progress=variants.progress(kind, step, total_steps, history=history),
+    )
 
 
 def token_scores(adv, entropy, rule, generator=None):
@@ -47,12 +52,15 @@ def test_the_default_schedule_is_the_old_linear_one_number_for_number():
                 assert dynamic_schedule(step, total, *ends, kind="linear") == old_linear_schedule(step, total, *ends)
 
 
-@pytest.mark.parametrize("kind, start, middle, end", [
-    ("linear", (8, 0.05), (20, 0.125), (32, 0.2)),
-    ("cosine", (8, 0.05), (20, 0.125), (32, 0.2)),  # the same ends and middle as linear ...
-    ("step", (8, 0.05), (32, 0.2), (32, 0.2)),  # the final values from the middle on
-    ("constant", (8, 0.05), (8, 0.05), (8, 0.05)),  # the init values throughout
-])
+@pytest.mark.parametrize(
+    "kind, start, middle, end",
+    [
+        ("linear", (8, 0.05), (20, 0.125), (32, 0.2)),
+        ("cosine", (8, 0.05), (20, 0.125), (32, 0.2)),  # the same ends and middle as linear ...
+        ("step", (8, 0.05), (32, 0.2), (32, 0.2)),  # the final values from the middle on
+        ("constant", (8, 0.05), (8, 0.05), (8, 0.05)),  # the init values throughout
+    ],
+)
 def test_each_schedule_kind_gives_the_stated_n_and_k_at_the_start_the_middle_and_the_end(kind, start, middle, end):
     assert dynamic_schedule(0, 100, kind=kind) == start
     assert dynamic_schedule(50, 100, kind=kind) == middle
@@ -82,8 +90,9 @@ def test_the_adaptive_rule_holds_while_the_signal_rises_and_relaxes_on_a_plateau
     # rises, then stops: relaxes only after the stop; noise of the same size as the tolerance does not move it much
     rise_then_stop = rising[:30] + [rising[29]] * 30
     assert dynamic_schedule(60, 100, kind="adaptive", history=rise_then_stop)[0] > 8
-    assert dynamic_schedule(60, 100, kind="adaptive", history=rise_then_stop) < dynamic_schedule(60, 100, kind="adaptive",
-                                                                                                 history=flat)
+    assert dynamic_schedule(60, 100, kind="adaptive", history=rise_then_stop) < dynamic_schedule(
+        60, 100, kind="adaptive", history=flat
+    )
 
 
 def test_the_adaptive_rule_is_pure_and_reads_only_the_history():
@@ -105,8 +114,9 @@ def test_schedule_kind_errors_name_the_problem():
 def test_method_budget_passes_the_kind_to_the_scheduled_rows_only():
     for method in ("d3s", "d3s-i"):
         assert method_budget(method, 25, 100, 32, kind="step") == (8, 0.05)
-        assert method_budget(method, 25, 100, 32, kind="adaptive", history=[0.5] * 30) == \
-            dynamic_schedule(25, 100, kind="adaptive", history=[0.5] * 30)
+        assert method_budget(method, 25, 100, 32, kind="adaptive", history=[0.5] * 30) == dynamic_schedule(
+            25, 100, kind="adaptive", history=[0.5] * 30
+        )
     assert method_budget("random", 60, 100, 32, kind="step") == (32, 1.0)
     for static in ("d1s", "d1s-cross", "d2s", "pods"):  # the static rows keep the linear midpoint whatever the kind
         assert method_budget(static, 0, 100, 32, kind="step") == method_budget(static, 0, 100, 32)
@@ -175,7 +185,11 @@ def test_switch_rule_errors_name_the_problem():
 # ---------------------------------------------------------------------------------------------
 def test_the_dapo_filter_rows_are_in_the_ladder_with_grpos_and_d3ss_token_levels():
     assert variants.LADDER["dapo-filter"] == (variants.dapo_filter, "all", "all")  # tokens as GRPO: every token
-    assert variants.LADDER["dapo-filter-k"] == (variants.dapo_filter, "all", "schedule")  # tokens as D3S: top K on K's schedule
+    assert variants.LADDER["dapo-filter-k"] == (
+        variants.dapo_filter,
+        "all",
+        "schedule",
+    )  # tokens as D3S: top K on K's schedule
     assert variants.rule_name("dapo-filter") == variants.rule_name("dapo-filter-k") == "mixed"
 
 
@@ -186,7 +200,9 @@ def test_the_dapo_filter_keeps_exactly_the_groups_whose_rewards_are_not_all_equa
     assert keep.tolist() == [[True] * 4, [False] * 4, [False] * 4, [True] * 4, [True] * 4]
     torch.testing.assert_close(adv, d3s.group_advantages(rewards) * keep)  # full-group A
     assert d3s.usefulness_rate(adv, keep) == 1.0  # 0/1 rewards: every kept rollout has A != 0
-    assert int(select_samples(torch.ones(3, 4), 2, variants.LADDER[method].samples)[0].sum()) == 0  # no group with spread: nothing kept
+    assert (
+        int(select_samples(torch.ones(3, 4), 2, variants.LADDER[method].samples)[0].sum()) == 0
+    )  # no group with spread: nothing kept
 
 
 def test_the_dapo_filter_keeps_the_same_rollouts_as_grpo_minus_the_groups_without_signal():
@@ -222,8 +238,13 @@ MASK = torch.ones(3, 4, dtype=torch.bool)
 
 
 def kept(rule, scope, k=0.25, seed=0):
-    return select_tokens(token_scores(ADV, ENTROPY, rule, generator=torch.Generator().manual_seed(seed)), MASK, k,
-                         scope=scope).int().tolist()
+    return (
+        select_tokens(
+            token_scores(ADV, ENTROPY, rule, generator=torch.Generator().manual_seed(seed)), MASK, k, scope=scope
+        )
+        .int()
+        .tolist()
+    )
 
 
 def test_batch_scope_adv_entropy_weighs_the_entropy_by_the_responses_advantage():

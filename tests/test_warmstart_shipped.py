@@ -79,11 +79,18 @@ def test_the_build_recipe_gives_the_recorded_first_steps(tmp_path):
     assert losses != pytest.approx(build["sft_losses"][:5], rel=1e-3, abs=1e-5)
 
 
-@pytest.mark.skipif(os.environ.get("D3S_EXACT_GOLDEN") != "1", reason="bit for bit only on the building machine's CPU "
-                    "(D3S_EXACT_GOLDEN=1)")
+@pytest.mark.skipif(
+    os.environ.get("D3S_EXACT_GOLDEN") != "1",
+    reason="bit for bit only on the building machine's CPU (D3S_EXACT_GOLDEN=1)",
+)
 def test_the_build_command_makes_the_shipped_weights(tmp_path):
     folder = shipped_folder(tmp_path)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    subprocess.run([sys.executable, "scripts/build_warmstart.py", str(tmp_path)], cwd=ROOT, env=env, check=True,
-                   capture_output=True)
+    subprocess.run(
+        [sys.executable, "scripts/build_warmstart.py", str(tmp_path)],
+        cwd=ROOT,
+        env=env,
+        check=True,
+        capture_output=True,
+    )
     assert sha256(tmp_path / folder.name / "model.safetensors") == sha256(folder / "model.safetensors")

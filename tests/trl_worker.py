@@ -54,11 +54,28 @@ def signal_then_flat_reward(completions, trainer_state, **kwargs):
 def make_config(out, config_class=D3SGRPOConfig, **overrides):
     """A small CPU config: 4 prompts x 4 rollouts per step, 8 new tokens, plain fp32 AdamW.
     config_class=trl.GRPOConfig gives the same run without the D3S fields (TRL's own trainer)."""
-    kwargs = dict(output_dir=out, max_steps=3, per_device_train_batch_size=16, num_generations=4,
-                  max_completion_length=8, learning_rate=1e-3, lr_scheduler_type="constant", warmup_steps=0,
-                  weight_decay=0.0, max_grad_norm=1.0, gradient_checkpointing=False, use_cpu=True, bf16=False,
-                  report_to="none", logging_steps=1, save_strategy="no", disable_tqdm=True, seed=0, data_seed=0,
-                  dataloader_num_workers=0)
+    kwargs = dict(
+        output_dir=out,
+        max_steps=3,
+        per_device_train_batch_size=16,
+        num_generations=4,
+        max_completion_length=8,
+        learning_rate=1e-3,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        gradient_checkpointing=False,
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        logging_steps=1,
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        data_seed=0,
+        dataloader_num_workers=0,
+    )
     if config_class is D3SGRPOConfig:
         kwargs["d3s_method"] = "d3s"
     kwargs.update(overrides)
@@ -77,14 +94,19 @@ class RecordingTrainer(D3SGRPOTrainer):
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         if not self.seeded_generation:
-            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations, has_tool_images)
+            return super()._generate_single_turn(
+                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+            )
         completions = []
         first = self.accelerator.process_index * len(prompt_ids)
         with torch.no_grad():
             for j, ids in enumerate(prompt_ids):  # one rollout at a time: no padding, its own seed
                 torch.manual_seed(1000 * self.state.global_step + first + j)
-                out = self.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                          generation_config=self.generation_config)[0, len(ids):].tolist()
+                out = self.model.generate(
+                    torch.tensor([ids]),
+                    attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                    generation_config=self.generation_config,
+                )[0, len(ids) :].tolist()
                 end = next((t + 1 for t, tok in enumerate(out) if tok in self.eos_token_ids), len(out))
                 completions.append(out[:end])
         return completions, None
@@ -102,11 +124,27 @@ class RecordingTrainer(D3SGRPOTrainer):
         output = super()._generate_and_score_completions(inputs)
         B = output["completion_ids"].shape[0]
         output["row_id"] = torch.arange(B) + self.accelerator.process_index * B  # global row, follows the shuffle
-        self.batches.append({
-            "step": self.state.global_step, "rewards": self._global_rewards(), "weights": weights, "adam": adam,
-            "k_frac": float(output["d3s_k_frac"]), "row_id": output["row_id"].clone(),
-            **{k: output[k].detach().clone() for k in ("prompt_ids", "prompt_mask", "completion_ids",
-                                                        "completion_mask", "advantages", "d3s_keep")}})
+        self.batches.append(
+            {
+                "step": self.state.global_step,
+                "rewards": self._global_rewards(),
+                "weights": weights,
+                "adam": adam,
+                "k_frac": float(output["d3s_k_frac"]),
+                "row_id": output["row_id"].clone(),
+                **{
+                    k: output[k].detach().clone()
+                    for k in (
+                        "prompt_ids",
+                        "prompt_mask",
+                        "completion_ids",
+                        "completion_mask",
+                        "advantages",
+                        "d3s_keep",
+                    )
+                },
+            }
+        )
         return output
 
     def _compute_loss(self, model, inputs):
@@ -114,7 +152,9 @@ class RecordingTrainer(D3SGRPOTrainer):
         real = d3s.policy_loss
 
         def recording_policy_loss(logp, old_logp, adv, mask, *args, **kwargs):  # the real loss, its mask kept
-            calls.append({"mask": mask.detach().clone(), "adv": adv.detach().clone(), "normalizer": kwargs["normalizer"]})
+            calls.append(
+                {"mask": mask.detach().clone(), "adv": adv.detach().clone(), "normalizer": kwargs["normalizer"]}
+            )
             return real(logp, old_logp, adv, mask, *args, **kwargs)
 
         d3s.policy_loss = recording_policy_loss
@@ -123,8 +163,14 @@ class RecordingTrainer(D3SGRPOTrainer):
         finally:
             d3s.policy_loss = real
         rows = inputs["d3s_keep"].nonzero().view(-1)
-        self.losses.append({"step": self.state.global_step, "row_id": inputs["row_id"][rows].clone(),
-                            "calls": calls, "loss": float(loss.detach())})
+        self.losses.append(
+            {
+                "step": self.state.global_step,
+                "row_id": inputs["row_id"][rows].clone(),
+                "calls": calls,
+                "loss": float(loss.detach()),
+            }
+        )
         return loss
 
 
@@ -145,8 +191,13 @@ def main(argv=None):
     p.add_argument("--method", default="d3s")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--rows-per-process", type=int, default=16, help="per_device_train_batch_size")
-    p.add_argument("--flat-rows", nargs="*", default=[], metavar="STEP:START:END",
-                   help="global rows START..END-1 of step STEP get reward 1")
+    p.add_argument(
+        "--flat-rows",
+        nargs="*",
+        default=[],
+        metavar="STEP:START:END",
+        help="global rows START..END-1 of step STEP get reward 1",
+    )
     args = p.parse_args(argv)
 
     from datasets import Dataset
@@ -155,26 +206,46 @@ def main(argv=None):
     torch.set_num_threads(1)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-    config = make_config(os.path.join(os.path.dirname(args.out), "trainer"), max_steps=args.steps,
-                         per_device_train_batch_size=args.rows_per_process, d3s_method=args.method)
+    config = make_config(
+        os.path.join(os.path.dirname(args.out), "trainer"),
+        max_steps=args.steps,
+        per_device_train_batch_size=args.rows_per_process,
+        d3s_method=args.method,
+    )
     RecordingTrainer.seeded_generation = True
-    RecordingTrainer.flat_rows = {int(step): (int(start), int(end))
-                                  for step, start, end in (spec.split(":") for spec in args.flat_rows)}
-    trainer = RecordingTrainer(model=model, processing_class=tokenizer, reward_funcs=parity_reward, args=config,
-                               train_dataset=Dataset.from_dict({"prompt": PROMPTS}))
+    RecordingTrainer.flat_rows = {
+        int(step): (int(start), int(end)) for step, start, end in (spec.split(":") for spec in args.flat_rows)
+    }
+    trainer = RecordingTrainer(
+        model=model,
+        processing_class=tokenizer,
+        reward_funcs=parity_reward,
+        args=config,
+        train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+    )
     trainer.train()
 
     from accelerate.utils import gather_object
 
-    keep = {(b["step"], r): bool(k) for b in trainer.batches for r, k in zip(b["row_id"].tolist(), b["d3s_keep"].tolist())}
-    completions = {(b["step"], r): c[m.bool()].tolist() for b in trainer.batches
-                   for r, c, m in zip(b["row_id"].tolist(), b["completion_ids"], b["completion_mask"])}
+    keep = {
+        (b["step"], r): bool(k) for b in trainer.batches for r, k in zip(b["row_id"].tolist(), b["d3s_keep"].tolist())
+    }
+    completions = {
+        (b["step"], r): c[m.bool()].tolist()
+        for b in trainer.batches
+        for r, c, m in zip(b["row_id"].tolist(), b["completion_ids"], b["completion_mask"])
+    }
     tokens = {key: m.tolist() for key, m in kept_tokens_by_row(trainer).items()}
-    mine = {"params": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
-            "adam_steps": sorted({int(st["step"]) for st in trainer.optimizer.state.values()})}  # [] if it never stepped
+    mine = {
+        "params": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
+        "adam_steps": sorted({int(st["step"]) for st in trainer.optimizer.state.values()}),
+    }  # [] if it never stepped
     gathered = gather_object([{"keep": keep, "completions": completions, "tokens": tokens, "process": mine}])
     if trainer.accelerator.is_main_process:
-        merged = {name: {k: v for part in gathered for k, v in part[name].items()} for name in ("keep", "completions", "tokens")}
+        merged = {
+            name: {k: v for part in gathered for k, v in part[name].items()}
+            for name in ("keep", "completions", "tokens")
+        }
         merged["rewards"] = [b["rewards"] for b in trainer.batches]
         merged["params"] = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
         merged["per_process"] = [part["process"] for part in gathered]  # params and AdamW's step counts of each

@@ -53,15 +53,30 @@ def build_parser(prog=PROG):
         f("--vocab", 8, n(int, 2, 256), "V: vocabulary size"),
         f("--max-decisions", 3, n(int, 1, 256), "prompt p has 1 + p %% max-decisions decision positions"),
         f("--hint", 1.0, n(float, -100, 100), "base-policy logit bonus of the right token at decisions"),
-        f("--filler-logit", 3.0, n(float, -100, 100), "base-policy logit bonus of a habitual token at filler "
-          "positions (high: low entropy, as most LLM tokens; 0: as uncertain as the decisions)"),
+        f(
+            "--filler-logit",
+            3.0,
+            n(float, -100, 100),
+            "base-policy logit bonus of a habitual token at filler "
+            "positions (high: low entropy, as most LLM tokens; 0: as uncertain as the decisions)",
+        ),
         f("--hidden", 64, n(int, 1, 4096), "policy MLP width"),
-        f("--optimizer", "adam", ["adam", "sgd"], "adam (the rungs' AdamW without weight decay) or sgd, which keeps "
-          "the gradient's scale (ablation, docs/toy.md)"),
+        f(
+            "--optimizer",
+            "adam",
+            ["adam", "sgd"],
+            "adam (the rungs' AdamW without weight decay) or sgd, which keeps "
+            "the gradient's scale (ablation, docs/toy.md)",
+        ),
         f("--lr", 1e-2, n(float, 0, 100, low_open=True), "learning rate"),
         f("--max-grad-norm", 1.0, n(float, 0, 1e6), "gradient clipping (logged before clipping); 0: none"),
-        f("--normalizer", "selected", ["selected", "all"], "the loss divides by the tokens it trains on (selected, "
-          "the paper's token-mean) or by every token of the P*G rollouts (all: GRPO's scale; docs/toy.md)"),
+        f(
+            "--normalizer",
+            "selected",
+            ["selected", "all"],
+            "the loss divides by the tokens it trains on (selected, "
+            "the paper's token-mean) or by every token of the P*G rollouts (all: GRPO's scale; docs/toy.md)",
+        ),
         f("--n-init", 8, n(int, 1, 4096), "D3S schedule: rollouts kept per prompt at step 1 [paper]"),
         f("--n-final", 32, n(int, 1, 4096), "... at the last step [paper]"),
         f("--k-init", 0.05, n(float, 0, 1, low_open=True), "D3S schedule: fraction of tokens kept at step 1 [paper]"),
@@ -72,8 +87,13 @@ def build_parser(prog=PROG):
         f("--target", [0.5, 0.8], n(float, 0, 1, low_open=True), "rewards for 'steps to target'", nargs="+"),
         f("--workers", 2, n(int, 1, 64), "runs in parallel (processes); 1 runs in this process"),
         f("--out", "runs/toy", None, "output folder for metrics.jsonl (made if missing)"),
-        f("--explain-every", 0, n(int, 0, 10**9), "step 1 and every N-th step write a page of what the step trains "
-          "on (explain.py) to OUT/explain/METHOD_seedS/; 0: off"),
+        f(
+            "--explain-every",
+            0,
+            n(int, 0, 10**9),
+            "step 1 and every N-th step write a page of what the step trains "
+            "on (explain.py) to OUT/explain/METHOD_seedS/; 0: off",
+        ),
     ]
     return cli.parser(prog, __doc__.split("\n\n")[0], flags)
 
@@ -84,8 +104,10 @@ def parse_args(argv=None, parser=None):
     args = p.parse_args(argv)
     if len(set(args.methods)) < len(args.methods):
         p.error(f"--methods {' '.join(args.methods)}: a method is named twice; name each once")
-    for flag, value, limit, what in (("--batch-prompts", args.batch_prompts, args.prompts, "prompts of the task"),
-                                     ("--max-decisions", args.max_decisions, args.length, "positions of an answer")):
+    for flag, value, limit, what in (
+        ("--batch-prompts", args.batch_prompts, args.prompts, "prompts of the task"),
+        ("--max-decisions", args.max_decisions, args.length, "positions of an answer"),
+    ):
         if value > limit:
             p.error(f"{flag} {value}: more than the {limit} {what}; lower it")
     sampling = args.batch_prompts * args.group_size * args.length * args.vocab  # the sampling logits
@@ -129,7 +151,11 @@ class Policy(nn.Module):
         n, L, V = prior.shape
         self.register_buffer("prior", prior)  # the "base model" (not trained)
         self.bos = V  # token id of the start symbol
-        self.e_prompt, self.e_pos, self.e_prev = nn.Embedding(n, hidden), nn.Embedding(L, hidden), nn.Embedding(V + 1, hidden)
+        self.e_prompt, self.e_pos, self.e_prev = (
+            nn.Embedding(n, hidden),
+            nn.Embedding(L, hidden),
+            nn.Embedding(V + 1, hidden),
+        )
         self.mlp = nn.Sequential(nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, V))
         nn.init.zeros_(self.mlp[-1].weight), nn.init.zeros_(self.mlp[-1].bias)  # step 0 = the prior
 
@@ -156,13 +182,15 @@ class Policy(nn.Module):
 @torch.no_grad()
 def expected_reward(policy, task):
     """Exact E[R | p] for every prompt [prompts], by the forward algorithm over the previous token:
-        alpha_0 = onehot(BOS),  alpha_{t+1}(v) = sum_u alpha_t(u) pi(v | p, t, u) [v = a_t if t decides]
-        E[R | p] = sum_v alpha_L(v)     (the policy sees only (p, t, previous token): a Markov chain)
+    alpha_0 = onehot(BOS),  alpha_{t+1}(v) = sum_u alpha_t(u) pi(v | p, t, u) [v = a_t if t decides]
+    E[R | p] = sum_v alpha_L(v)     (the policy sees only (p, t, previous token): a Markov chain)
     """
     n, L, V = task["prior"].shape
     grid = torch.cartesian_prod(torch.arange(n), torch.arange(L), torch.arange(V + 1))  # every (p, t, u)
     trans = policy.step_logits(*grid.unbind(1)).softmax(-1).view(n, L, V + 1, V)  # pi(v | p, t, u)
-    right = torch.where(task["decisions"].unsqueeze(-1), nn.functional.one_hot(task["answers"], V), 1).float()  # [n, L, V]
+    right = torch.where(
+        task["decisions"].unsqueeze(-1), nn.functional.one_hot(task["answers"], V), 1
+    ).float()  # [n, L, V]
     alpha = nn.functional.one_hot(torch.full((n,), policy.bos), V + 1).float()  # [n, V+1]
     for t in range(L):
         # over V + 1 previous tokens: BOS (the last) never follows, so its column is 0
@@ -213,12 +241,14 @@ def run(method, seed, args):
         # 5) select tokens: the top K of s_{i,t} = |A_i| * H_{i,t} over the whole batch
         mask = torch.ones_like(logp, dtype=torch.bool)  # every answer has exactly L tokens
         scores = d3s.token_scores(kept_adv, entropy, rule=rule, generator=score_gen)  # [B, L]
-        token_keep = d3s.select_tokens(scores, mask, k_frac, scope=args.token_scope,
-                                       min_per_seq=int(args.min_token_per_response))
+        token_keep = d3s.select_tokens(
+            scores, mask, k_frac, scope=args.token_scope, min_per_seq=int(args.min_token_per_response)
+        )
         # 6) the loss on the selected tokens (on-policy, one update: w = 1, gradient -A grad logp / #tokens), Adam
         normalizer = P * G * L if args.normalizer == "all" else None  # None: the selected tokens (token-mean)
-        loss, stats = d3s.policy_loss(logp, logp.detach(), kept_adv, token_keep, kind="grpo", ref_logp=ref_logp,
-                                      normalizer=normalizer)
+        loss, stats = d3s.policy_loss(
+            logp, logp.detach(), kept_adv, token_keep, kind="grpo", ref_logp=ref_logp, normalizer=normalizer
+        )
         opt.zero_grad()
         loss.backward()
         grad_norm = nn.utils.clip_grad_norm_(policy.parameters(), clip)  # the norm before clipping
@@ -227,12 +257,53 @@ def run(method, seed, args):
         if updated:
             opt.step()
         if args.explain_every and (s == 1 or s % args.explain_every == 0):
-            explain.toy_page(args, method, seed, s, task, prompts, tokens, rewards, keep, adv, kept, entropy, scores, token_keep,
-                             n_keep, k_frac, {"loss": loss.item(), f"loss normalizer ({args.normalizer} tokens)":
-                                              int(normalizer or token_keep.sum()), "grad norm (before clipping)": float(grad_norm)})
+            explain.toy_page(
+                args,
+                method,
+                seed,
+                s,
+                task,
+                prompts,
+                tokens,
+                rewards,
+                keep,
+                adv,
+                kept,
+                entropy,
+                scores,
+                token_keep,
+                n_keep,
+                k_frac,
+                {
+                    "loss": loss.item(),
+                    f"loss normalizer ({args.normalizer} tokens)": int(normalizer or token_keep.sum()),
+                    "grad norm (before clipping)": float(grad_norm),
+                },
+            )
         rewards_so_far.append(float(rewards.mean()))
-        lines.append(train_line(method, seed, s, args, rewards, keep, adv, kept, n_keep, k_frac, entropy, token_keep,
-                                    stats, loss, grad_norm, updated, skipped, task["decisions"][prompt_ids], sample_logits))
+        lines.append(
+            train_line(
+                method,
+                seed,
+                s,
+                args,
+                rewards,
+                keep,
+                adv,
+                kept,
+                n_keep,
+                k_frac,
+                entropy,
+                token_keep,
+                stats,
+                loss,
+                grad_norm,
+                updated,
+                skipped,
+                task["decisions"][prompt_ids],
+                sample_logits,
+            )
+        )
     return lines
 
 
@@ -245,27 +316,66 @@ def eval_line(policy, task, method, seed, step):
     return {"kind": "eval", "step": step, "method": method, "seed": seed, "eval_reward": mean, "eval_solved": solved}
 
 
-def train_line(method, seed, step, args, rewards, keep, adv, kept, n_keep, k_frac, entropy, token_keep, stats, loss,
-               grad_norm, updated, skipped, decisions, sample_logits):
+def train_line(
+    method,
+    seed,
+    step,
+    args,
+    rewards,
+    keep,
+    adv,
+    kept,
+    n_keep,
+    k_frac,
+    entropy,
+    token_keep,
+    stats,
+    loss,
+    grad_norm,
+    updated,
+    skipped,
+    decisions,
+    sample_logits,
+):
     """The step's train line of metrics.jsonl (docs/metrics.md), with the toy's own keys: the gradient norm at GRPO's
     normalizer (all P * G * L tokens), the share of decision positions among the trained tokens, the entropy of the
     decision and the filler positions."""
     P, G, L = args.batch_prompts, args.group_size, args.length
     grpo_scale = grad_norm * (P * G * L if args.normalizer == "all" else token_keep.sum()) / (P * G * L)
     sample_entropy = d3s.token_entropy(sample_logits)
-    mean0 = lambda t: float(t.mean()) if t.numel() else 0.0  # noqa: E731  (a dapo-filter step may keep nothing)
-    return {"kind": "train", "step": step, "method": method, "seed": seed,
-            "reward_mean": float(rewards.mean()), "acc_train": float(rewards.mean()),  # a 0/1 reward is correctness
-            "groups_mixed": float((rewards.amax(-1) > rewards.amin(-1)).float().mean()), "n_keep": int(n_keep),
-            "k_frac": float(k_frac), "k_real": float(token_keep.sum() / token_keep.numel()), "kept_samples": int(kept.numel()),
-            "sur": d3s.usefulness_rate(adv, keep), "kept_tokens": int(token_keep.sum()), "fwd_tokens": int(token_keep.numel()),
-            "gen_tokens": P * G * L, "kept_tokens_frac": int(token_keep.sum()) / (P * G * L),
-            "kept_adv_var": d3s.kept_variance(adv, keep), "grad_norm": float(grad_norm) if updated else None,
-            "entropy_mean": mean0(entropy), "entropy_kept": mean0(entropy[token_keep]), "kl_ref": float(stats["kl"]),
-            "clip_frac": float(stats["clip_frac"]), "loss": float(loss.detach()), "updates": int(updated),
-            "skipped": bool(skipped), "response_len": float(L), "grad_norm_grpo_scale": float(grpo_scale) if updated else None,
-            "decision_share": mean0(decisions[kept][token_keep].float()),  # of the trained tokens
-            "entropy_decision": float(sample_entropy[decisions].mean()), "entropy_filler": float(sample_entropy[~decisions].mean())}
+    mean0 = lambda t: float(t.mean()) if t.numel() else 0.0  # a dapo-filter step may keep nothing
+    return {
+        "kind": "train",
+        "step": step,
+        "method": method,
+        "seed": seed,
+        "reward_mean": float(rewards.mean()),
+        "acc_train": float(rewards.mean()),  # a 0/1 reward is correctness
+        "groups_mixed": float((rewards.amax(-1) > rewards.amin(-1)).float().mean()),
+        "n_keep": int(n_keep),
+        "k_frac": float(k_frac),
+        "k_real": float(token_keep.sum() / token_keep.numel()),
+        "kept_samples": int(kept.numel()),
+        "sur": d3s.usefulness_rate(adv, keep),
+        "kept_tokens": int(token_keep.sum()),
+        "fwd_tokens": int(token_keep.numel()),
+        "gen_tokens": P * G * L,
+        "kept_tokens_frac": int(token_keep.sum()) / (P * G * L),
+        "kept_adv_var": d3s.kept_variance(adv, keep),
+        "grad_norm": float(grad_norm) if updated else None,
+        "entropy_mean": mean0(entropy),
+        "entropy_kept": mean0(entropy[token_keep]),
+        "kl_ref": float(stats["kl"]),
+        "clip_frac": float(stats["clip_frac"]),
+        "loss": float(loss.detach()),
+        "updates": int(updated),
+        "skipped": bool(skipped),
+        "response_len": float(L),
+        "grad_norm_grpo_scale": float(grpo_scale) if updated else None,
+        "decision_share": mean0(decisions[kept][token_keep].float()),  # of the trained tokens
+        "entropy_decision": float(sample_entropy[decisions].mean()),
+        "entropy_filler": float(sample_entropy[~decisions].mean()),
+    }
 
 
 def run_job(job):  # job: (method, seed, args)
@@ -290,8 +400,10 @@ def main(argv=None, parser=None):
     for method, lines in runs.items():
         final = [seed_lines[-1]["eval_reward"] for seed_lines in lines]
         print(f"{method:14s} final expected reward {sum(final) / len(final):.3f} over {len(final)} seed(s)")
-    print(f"{len(jobs)} runs in {time.time() - start:.1f} s (static N={args.static_n}, K={args.static_k:.3f}); "
-          f"wrote {os.path.join(args.out, 'metrics.jsonl')}")
+    print(
+        f"{len(jobs)} runs in {time.time() - start:.1f} s (static N={args.static_n}, K={args.static_k:.3f}); "
+        f"wrote {os.path.join(args.out, 'metrics.jsonl')}"
+    )
     return args, runs
 
 
