@@ -8,7 +8,7 @@
 
 N and K follow dynamic_schedule (D3S: N 8 -> 32 rollouts per prompt, K 5% -> 20% of tokens). The paper's ablation
 rows and PODS are configurations of these functions (LADDER, method_budget); rows and rules beyond the papers are
-in variants.py. No I/O, no model, no mutable state. Papers: D3S (Wang et al., ICLR 2026, arXiv 2509.22115), PODS
+in support/variants.py. No I/O, no model, no mutable state. Papers: D3S (Wang et al., ICLR 2026, arXiv 2509.22115), PODS
 (Xu et al., arXiv 2504.13818), GSPO (Zheng et al., arXiv 2507.18071). Shapes: P prompts, G rollouts per prompt
 (a group), B rollouts in a batch, T response tokens (right-padded; `mask` marks the real ones), V vocabulary.
 """
@@ -110,7 +110,7 @@ def select_samples(rewards, n_keep, rule="cross", scale=True, eps=1e-6, generato
     | "intra" | d1s, d3s-i           | per group, the max-variance n_keep of G by A      | full-group A       |
     | "pods"  | pods                 | per group, the max-variance n_keep of G by R      | recomputed on kept |
     | "all"   | grpo                 | all G (n_keep is ignored)                         | full-group A       |
-    A function (rewards, n_keep, scale=, eps=, generator=) -> (keep, adv) is a rule beyond the papers (variants.py).
+    A function (rewards, n_keep, scale=, eps=, generator=) -> (keep, adv) is a rule beyond the papers (support/variants.py).
 
     D3S keeps full-group A (PODS maximises Var(R), re-standardizes on the kept). D3S's Lemma 1: a group has a subset
     with Var(A') >= 1 (a larger gradient-norm bound); ours (unbiased Var): every max-Var N has it. Within a group A
@@ -133,7 +133,10 @@ def select_samples(rewards, n_keep, rule="cross", scale=True, eps=1e-6, generato
     adv = group_advantages(rewards, scale=scale, eps=eps)  # [P, G], on all G rollouts
     P, G = rewards.shape
     _require(
-        rule in SAMPLE_RULES, "rule", rule, f"choose one of {', '.join(SAMPLE_RULES)}, or a function (variants.py)"
+        rule in SAMPLE_RULES,
+        "rule",
+        rule,
+        f"choose one of {', '.join(SAMPLE_RULES)}, or a function (support/variants.py)",
     )
     if rule == "all":
         return torch.ones(P, G, dtype=torch.bool, device=rewards.device), adv
@@ -311,7 +314,7 @@ def dynamic_schedule(step, total_steps, n_init=8, n_final=32, k_init=0.05, k_fin
 
 
 class Row(NamedTuple):  # one method: which rollouts select_samples keeps, and where its N and K come from
-    samples: object  # a select_samples rule: "cross", "intra", "pods", "all" (or a function of variants.py)
+    samples: object  # a select_samples rule: "cross", "intra", "pods", "all" (or a function of support/variants.py)
     n: str  # N, rollouts kept per prompt: "schedule" (dynamic_schedule), "static", or "all" (= G)
     k: str  # K, fraction of tokens kept: "schedule", "static", or "all" (= 1: no token selection)
 

@@ -20,8 +20,8 @@ engine (asleep while the trainer runs). A step (docs/algorithm.md section 6) is 
 Prompt order, sampling seeds (one per prompt) and both selections are functions of the global batch: the kept
 rollouts and tokens do not depend on the rank count where generation does not (CPU; GPU: VLLM_BATCH_INVARIANT=1).
 Steps count from 1 (docs/metrics.md). SIGTERM or SIGUSR1 stops every rank after a step and its checkpoint (exit
-75), a full disk before it (74). Beside this file: fsdp_vllm.py (process group, FSDP2, loss head, engines, clocks),
-full_io.py (checks, data, checkpoints, evaluation, reports, stops). Defaults: [paper] the D3S paper's, [recipe] the
+75), a full disk before it (74). Beside this file: support/fsdp_vllm.py (process group, FSDP2, loss head, engines, clocks),
+support/full_io.py (checks, data, checkpoints, evaluation, reports, stops). Defaults: [paper] the D3S paper's, [recipe] the
 Qwen2.5-Math-7B zero-RL recipe's (SimpleRL-Zoo / Dr.GRPO / verl), [inferred] from the paper, [choice] this repo's.
 """
 
@@ -36,14 +36,11 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-import cli
-import common
+from support import cli, common
 import d3s
-import fsdp_vllm
-import full_io
-import variants
-from fsdp_vllm import all_reduce, clock
-from mathtask import DataError, Grader
+from support import fsdp_vllm, full_io, variants
+from support.fsdp_vllm import all_reduce, clock
+from support.mathtask import DataError, Grader
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")  # MATH levels 3-5 and the benchmarks
 BENCHMARKS = ("aime24", "aime25", "amc23", "gsm8k", "math500", "minerva_math", "olympiadbench")
@@ -307,7 +304,7 @@ def build_parser():
         type=n(int, 0, what="an int >= 0 (0 = off)"),
         default=0,
         help="[choice] step 1 and every N-th "
-        "step, rank 0 writes OUT/explain/step_NNNNNN.html: the rollouts and tokens the step trained on (explain.py)",
+        "step, rank 0 writes OUT/explain/step_NNNNNN.html: the rollouts and tokens the step trained on (support/explain.py)",
     )
     a(
         "--stop-after",

@@ -2,7 +2,7 @@
 
 The second rung: the d3s.py functions of the toy drive a Qwen2-architecture model that answers arithmetic word
 problems in \\boxed{}, graded by math-verify. With no arguments it builds a tiny model, warm-starts it with a short
-supervised phase (both cached: warmstart.py), trains it with D3S, evaluates it on held-out problems and prints a
+supervised phase (both cached: support/warmstart.py), trains it with D3S, evaluates it on held-out problems and prints a
 summary, in minutes on a laptop CPU. One RL step (docs/algorithm.md, section 6): 1 rollout, 2 compute_rewards,
 3 d3s.select_samples, 4 forward_kept (d3s.token_entropy of the same logits), 5 d3s.token_scores + d3s.select_tokens,
 6 update_policy (d3s.policy_loss per mini-batch, AdamW). With --mini-batches 1 it is on-policy (ratio 1: no clipping,
@@ -25,13 +25,10 @@ import time
 import torch
 from tqdm import tqdm
 
-import cli
-import common
+from support import cli, common
 import d3s
-import explain
-import variants
-import warmstart
-from mathtask import Grader, held_out_pass, stop_token_ids
+from support import explain, variants, warmstart
+from support.mathtask import Grader, held_out_pass, stop_token_ids
 
 PROG = "train_small.py"
 TINY_MAX_NEW_TOKENS, HF_MAX_NEW_TOKENS = {"steps": 48, "direct": 16}, 512  # a worked answer + EOS: 34 tokens (tiny)
@@ -264,7 +261,7 @@ def build_parser(prog=PROG):
         "--explain-every",
         type=n(int, 0),
         default=25,
-        help="step 1 and every N-th step write OUT/explain/step_NNNNNN.html (explain.py); 0 = off",
+        help="step 1 and every N-th step write OUT/explain/step_NNNNNN.html (support/explain.py); 0 = off",
     )
     a(
         "--stop-after",

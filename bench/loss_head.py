@@ -22,10 +22,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import cli  # noqa: E402  (cli.py: one-line errors, the shared checks)
+from support import cli  # noqa: E402  (support/cli.py: one-line errors, the shared checks)
 import d3s  # noqa: E402
-import tiny  # noqa: E402
-import fsdp_vllm  # noqa: E402
+from support import tiny, fsdp_vllm  # noqa: E402
 
 
 def full_logits_passes(model, inputs, targets, mask, keep, adv, temperature=1.0):

@@ -6,7 +6,7 @@
     python bench/memory.py --preset 7b -- --no-activation-checkpointing   # after "--": train_full.py flags
     python bench/memory.py --preset 1.5b --ranks 1 --gpu 24gb -- --cpu-offload   # one GPU: trainer + vLLM
 
-It runs train_full.py's own code (its flags, and its plumbing's, fsdp_vllm.py) for the trainer's
+It runs train_full.py's own code (its flags, and its plumbing's, support/fsdp_vllm.py) for the trainer's
 part of a step: the model built from the config in fp32, fsdp_vllm.shard_policy (FSDP2 per decoder
 layer, the untied embedding and the root, bf16 compute, fp32 reductions, activation
 checkpointing, tiled MLP), fsdp_vllm.make_optimizer (AdamW), fsdp_vllm.pack,
@@ -89,10 +89,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import cli  # noqa: E402  (cli.py: one-line errors, the shared checks)
+from support import cli  # noqa: E402  (support/cli.py: one-line errors, the shared checks)
 import d3s  # noqa: E402
-import variants  # noqa: E402
-import fsdp_vllm  # noqa: E402
+from support import variants, fsdp_vllm  # noqa: E402
 import train_full  # noqa: E402
 
 GIB = 2**30

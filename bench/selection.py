@@ -39,9 +39,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import cli  # noqa: E402  (cli.py: one-line errors, the shared checks)
+from support import cli  # noqa: E402  (support/cli.py: one-line errors, the shared checks)
 import d3s  # noqa: E402
-import variants  # noqa: E402
+from support import variants  # noqa: E402
 
 DEFAULT_SIZES = "64x8,256x16,1024x32,4096x64"
 QUICK_SIZES = "64x8,256x16"

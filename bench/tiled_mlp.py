@@ -24,8 +24,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import cli  # noqa: E402  (cli.py: one-line errors, the shared checks)
-import fsdp_vllm  # noqa: E402
+from support import cli  # noqa: E402  (support/cli.py: one-line errors, the shared checks)
+from support import fsdp_vllm  # noqa: E402
 from memory import PRESETS  # noqa: E402  (bench/memory.py, beside this file: the Qwen2.5-Math shapes)
 
 SEVEN_B = PRESETS["7b"]

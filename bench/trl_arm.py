@@ -2,7 +2,7 @@
 
 It runs in the TRL venv (TRL is not a dependency of the project's own .venv):
 
-    python3 -m venv .venv-trl && .venv-trl/bin/pip install -r requirements-trl.txt
+    python3 -m venv .venv-trl && .venv-trl/bin/pip install -r requirements/trl.txt
     .venv-trl/bin/python bench/trl_arm.py --model WARM_START_FOLDER --train-file train.jsonl \\
         --eval-file eval.jsonl --out runs/bench_vs_trl/trl --steps 20 --prompts-per-step 16 --group-size 16
     .venv-trl/bin/python bench/trl_arm.py ... --d3s-method d3s --n-init 4 --n-final 16   # TRL + D3S
@@ -149,8 +149,8 @@ def main(argv=None):
     from trl import GRPOConfig, GRPOTrainer
 
     import train_small
-    import warmstart
-    from mathtask import Grader, load_problems
+    from support import warmstart
+    from support.mathtask import Grader, load_problems
 
     if args.d3s_method:
         from integrations.trl import D3SGRPOConfig as GRPOConfig  # noqa: F811

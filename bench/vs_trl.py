@@ -6,7 +6,7 @@
     .venv/bin/python bench/vs_trl.py --steps 40 --repeats 3 --out docs_table.md
 
 Needs the TRL venv (TRL is not a dependency of the project's own .venv; .ci/run builds it):
-    python3 -m venv .venv-trl && .venv-trl/bin/pip install -r requirements-trl.txt
+    python3 -m venv .venv-trl && .venv-trl/bin/pip install -r requirements/trl.txt
 
 What is compared. Five arms, each one subprocess, on the same tiny Qwen2 model (train_small.py's
 supervised warm start, cached in --cache-dir and loaded from that folder by every arm), the same
@@ -57,7 +57,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
-import cli  # noqa: E402  (cli.py: one-line errors, the shared checks)
+from support import cli  # noqa: E402  (support/cli.py: one-line errors, the shared checks)
 
 ARMS = ("trl", "trl-nogc", "grpo", "d3s", "trl-d3s")
 TRL_ARMS = ("trl", "trl-nogc", "trl-d3s")  # run by trl_arm.py in the TRL venv
@@ -191,7 +191,7 @@ def check_args(p, args):
             args.trl_python,
             "create the TRL venv (see this file's docstring), or run only the train_small arms: --arms grpo,d3s",
         )
-    import warmstart  # the tasks (and their lengths) are train_small's; it imports torch, so it comes last
+    from support import warmstart  # the tasks (and their lengths) are train_small's; it imports torch, so it comes last
 
     if args.task not in warmstart.TASKS:
         p.error(f"--task {args.task!r}: not a task of train_small.py; choose {' or '.join(warmstart.TASKS)}")

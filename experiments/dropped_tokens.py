@@ -77,8 +77,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
-import cli  # noqa: E402  (cli.py: one-line errors, the shared checks)
-import common  # noqa: E402
+from support import cli  # noqa: E402  (support/cli.py: one-line errors, the shared checks)
+from support import common  # noqa: E402
 
 PROG = "dropped_tokens.py"
 CLASSES = ("digit", "operator", "format", "eos", "other")
@@ -235,7 +235,7 @@ def check_args(p, args):
         p.error(f"--explain-out {args.explain_out}: the same file as --out; pass another file")
 
     import d3s  # torch: after the checks that need no import
-    import variants
+    from support import variants
 
     defaults = train_small_defaults()
     for name in (
@@ -315,7 +315,7 @@ def load_model(args, train_rows):
     """(model, tokenizer, where it came from): --model through warmstart.load_base_model, else train_small's
     default warm start through warmstart.load_warm_start (cached in --cache-dir)."""
     import train_small
-    import warmstart
+    from support import warmstart
 
     flags = [
         "--seed",
@@ -347,8 +347,7 @@ def one_batch(model, tokenizer, grader, train_rows, b, args):
 
     import d3s
     import train_small
-    import variants
-    import warmstart
+    from support import variants, warmstart
 
     seed, step, P, G = args.seed + b, args.step, args.prompts_per_step, args.group_size
     torch.manual_seed(train_small.step_seed(seed, step))
@@ -799,8 +798,8 @@ def main(argv=None):
     import torch
     from tqdm import tqdm
 
-    import warmstart
-    from mathtask import Grader, stop_token_ids
+    from support import warmstart
+    from support.mathtask import Grader, stop_token_ids
 
     if args.threads:
         torch.set_num_threads(args.threads)

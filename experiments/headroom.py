@@ -21,8 +21,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
-import cli  # noqa: E402  (cli.py: one-line errors, the shared checks)
-import common  # noqa: E402
+from support import cli  # noqa: E402  (support/cli.py: one-line errors, the shared checks)
+from support import common  # noqa: E402
 
 PROG = "headroom.py"
 
@@ -64,8 +64,8 @@ def main(argv=None):
     import torch
 
     import train_small
-    import warmstart
-    from mathtask import DataError, Grader, pass_at_k
+    from support import warmstart
+    from support.mathtask import DataError, Grader, pass_at_k
 
     args = train_small.parse_args(argv, train_small.build_parser(PROG))  # train_small.py's flags and checks
     try:

@@ -45,8 +45,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
-import cli  # noqa: E402  (cli.py: one-line errors, the shared checks)
-import common  # noqa: E402
+from support import cli  # noqa: E402  (support/cli.py: one-line errors, the shared checks)
+from support import common  # noqa: E402
 
 PROG = "questions_small.py"
 
@@ -271,7 +271,7 @@ def question4(args):
 def spikes(train, ratio):
     """(spike count, largest grad_norm / median of the 10 steps before, the first step after a spike or None) of
     one run: variants.spike_ratios, the switch rule's own measure (a step with no signal, norm 0 or none, is left out)."""
-    import variants  # here, not at the top: questions 1-4 and bad flags do not need torch
+    from support import variants  # here, not at the top: questions 1-4 and bad flags do not need torch
 
     ratios = variants.spike_ratios([t["grad_norm"] for t in train])
     found = [r for r in ratios if r is not None]
@@ -283,7 +283,7 @@ def spikes(train, ratio):
 
 
 def question5(args):
-    import variants
+    from support import variants
     from stats import paired_interval
 
     methods = [args.base] + [m for m in args.rows.split(",") if m != args.base]

@@ -25,8 +25,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
 sys.path.insert(0, os.path.join(ROOT, "toy"))
-import cli  # noqa: E402  (cli.py: one-line errors, the shared checks)
-import common  # noqa: E402
+from support import cli  # noqa: E402  (support/cli.py: one-line errors, the shared checks)
+from support import common  # noqa: E402
 
 PROG = "questions_toy.py"
 REF = "d3s"  # the paper's method at the toy's defaults: the reference row unless a row names another

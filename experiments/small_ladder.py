@@ -1,6 +1,6 @@
 """experiments/small_ladder.py: docs/small_compare.md's tables: train_small.py's methods over RL seeds, paired with GRPO.
 
-Every method of --compare runs from the same warm start (warmstart.py, cached) for --seeds RL seeds each, into
+Every method of --compare runs from the same warm start (support/warmstart.py, cached) for --seeds RL seeds each, into
 OUT/<method>/seed<S>/ (each a train_small.py run: metrics.jsonl, summary.json, final/); then OUT/compare.md and
 OUT/compare.png: held-out Pass@1 at the last step (mean ± std over seeds; each row minus GRPO seed by seed, with a
 95% t interval), the training speed-up to GRPO's final Pass@1 (in steps, update seconds and whole-step seconds),
@@ -27,12 +27,10 @@ sys.path[:0] = [ROOT, os.path.dirname(os.path.abspath(__file__))]
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-import cli  # noqa: E402
-import common  # noqa: E402
+from support import cli, common  # noqa: E402
 import train_small  # noqa: E402
-import variants  # noqa: E402
-import warmstart  # noqa: E402
-from mathtask import DataError  # noqa: E402
+from support import variants, warmstart  # noqa: E402
+from support.mathtask import DataError  # noqa: E402
 from stats import crossing, paired_interval  # noqa: E402
 
 PROG = "small_ladder.py"

@@ -23,8 +23,7 @@ sys.path[:0] = [ROOT, os.path.dirname(os.path.abspath(__file__))]
 from stats import excludes_zero, mean_std, paired_interval  # noqa: E402
 from toy import bandit  # noqa: E402
 
-import common  # noqa: E402
-import variants  # noqa: E402
+from support import common, variants  # noqa: E402
 
 
 def columns(lines):

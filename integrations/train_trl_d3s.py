@@ -3,7 +3,7 @@
     .venv-trl/bin/python integrations/train_trl_d3s.py                   # d3s, 8 steps on CPU, then its d3s/* metrics
     .venv-trl/bin/python integrations/train_trl_d3s.py --method grpo     # TRL's GRPO, through the same trainer
 
-A tiny Qwen2 (tiny.py: a transformers Qwen2Config and a byte-level tokenizer built with `tokenizers`,
+A tiny Qwen2 (support/tiny.py: a transformers Qwen2Config and a byte-level tokenizer built with `tokenizers`,
 both offline, random weights) answers "a+b=" prompts; a reward counts the digits of the answer. TRL's
 GRPOTrainer generates, rewards and logs; D3SGRPOTrainer keeps the rollouts and tokens D3S keeps.
 With your own model, pass model="Qwen/Qwen2.5-0.5B-Instruct" (its tokenizer is loaded for you) and
@@ -16,7 +16,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[0] = ROOT  # the repository root, not integrations/: its trl.py would hide the trl package
 
-import cli  # noqa: E402  (one-line errors, standard library only: --help works without TRL)
+from support import cli  # noqa: E402  (one-line errors, standard library only: --help works without TRL)
 
 METHODS = ("grpo", "d1s", "d1s-cross", "d2s", "d3s", "d3s-i", "pods", "random", "dapo-filter", "dapo-filter-k")
 
@@ -35,7 +35,7 @@ def main(argv=None):
 
     from datasets import Dataset
 
-    import tiny  # a tiny Qwen2 built offline; use your own model
+    from support import tiny  # a tiny Qwen2 built offline; use your own model
     from integrations.trl import D3SGRPOConfig, D3SGRPOTrainer  # was: from trl import GRPOConfig, GRPOTrainer
 
     tokenizer = tiny.build_char_tokenizer()

@@ -67,18 +67,18 @@ import torch
 
 try:
     import d3s
-    import variants
+    from support import variants
 except ImportError:  # run from elsewhere: d3s.py lives in the repository root, one level up
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import d3s
-    import variants
+    from support import variants
 
 import trl
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 from trl import GRPOConfig, GRPOTrainer
 
-SUPPORTED_TRL = ">=1.16.0,<1.17"  # tested: 1.16.0 (requirements-trl.txt pins the same range)
+SUPPORTED_TRL = ">=1.16.0,<1.17"  # tested: 1.16.0 (requirements/trl.txt pins the same range)
 OVERRIDDEN = (
     "_calculate_rewards",
     "_generate_and_score_completions",
@@ -101,7 +101,7 @@ def check_trl_version(version=None):
         f"integrations/trl.py supports trl{SUPPORTED_TRL} (tested with 1.16.0), found trl {version}"
         + (f" without GRPOTrainer.{', '.join(missing)}" if missing else "")
         + ": it overrides GRPOTrainer internals that change between TRL releases. "
-        "Install a supported TRL with `pip install -r requirements-trl.txt`, "
+        "Install a supported TRL with `pip install -r requirements/trl.txt`, "
         "or set D3S_TRL_ALLOW_UNTESTED=1 to try this version anyway."
     )
     if os.environ.get("D3S_TRL_ALLOW_UNTESTED") == "1" and not missing:

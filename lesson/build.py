@@ -15,7 +15,7 @@ from nbclient import NotebookClient
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
-import cli  # noqa: E402  (the repository's one-line errors: an unknown flag is refused before any work)
+from support import cli  # noqa: E402  (the repository's one-line errors: an unknown flag is refused before any work)
 
 
 def execute(source=os.path.join(HERE, "lesson.py"), timeout=1200):

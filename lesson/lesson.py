@@ -62,7 +62,7 @@ from IPython.display import Image, display  # noqa: E402
 
 import bandit  # noqa: E402  (toy/bandit.py: the first rung)
 import d3s  # noqa: E402
-import variants  # noqa: E402
+from support import variants  # noqa: E402
 
 torch.set_num_threads(2)
 started = time.time()
@@ -201,15 +201,15 @@ print(
 # ## 3. The second level: |A| × H on a real tiny transformer
 #
 # Now a real `transformers` Qwen2 (hidden 64, two layers, a byte-level tokenizer, built offline by
-# [`tiny.py`](../tiny.py)), warm-started for a few hundred supervised steps on arithmetic (`\boxed{answer}`), so that
+# [`support/tiny.py`](../support/tiny.py)), warm-started for a few hundred supervised steps on arithmetic (`\boxed{answer}`), so that
 # some of its answers are right. The functions are those of [`train_small.py`](../train_small.py): one step up to the
 # token level. (The warm start is cached in `runs/lesson/`: the second run skips it.)
 
 # %%
-import explain  # noqa: E402
+from support import explain  # noqa: E402
 import train_small  # noqa: E402  (the second rung)
-import warmstart  # noqa: E402
-from mathtask import Grader  # noqa: E402
+from support import warmstart  # noqa: E402
+from support.mathtask import Grader  # noqa: E402
 
 small_args = train_small.parse_args(
     [
@@ -260,7 +260,7 @@ print("right answers per prompt:", rewards_s.sum(-1).int().tolist(), "of 8")
 # top K = 20% over the whole batch (printed below in brackets). The scope is a reading **(choice)**: the paper does
 # not pin it down, and one summary of it reads "for each selected sample, rank tokens ... keep top K%", that is per
 # response; the alternative is one argument away, `d3s.select_tokens(..., scope="sequence")` (`--token-scope
-# sequence`). Exercise 3 shows what the two scopes keep. The page `explain.py` draws shows the choice: the P × G grid
+# sequence`). Exercise 3 shows what the two scopes keep. The page `support/explain.py` draws shows the choice: the P × G grid
 # of rollouts coloured by A (the kept ones dotted), then a few answers token by token, shaded by |A| × H, the kept
 # tokens outlined.
 

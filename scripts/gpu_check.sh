@@ -2,7 +2,7 @@
 # scripts/gpu_check.sh: the first thing to run on a GPU node, before a real train_full.py run. It writes ONE log,
 # runs/gpu_check/gpu_check.log: send it back (with a bug report, or to say what your GPU did).
 #
-#   python3 -m venv .venv-gpu && .venv-gpu/bin/pip install -r requirements-full.txt   # torch, vLLM, pytest
+#   python3 -m venv .venv-gpu && .venv-gpu/bin/pip install -r requirements/full.txt   # torch, vLLM, pytest
 #   PYTHON=.venv-gpu/bin/python bash scripts/gpu_check.sh          # ~10-20 minutes on one GPU
 #
 # No session that wrote this repo has run vLLM or --cpu-offload on a GPU (docs/gpu_check.md). This script checks
@@ -43,7 +43,7 @@ echo "== 0/4 the machine ($(date -u +%Y-%m-%dT%H:%MZ))"
 import importlib.util, os, subprocess, sys
 import torch
 sys.path.insert(0, ".")
-import fsdp_vllm
+from support import fsdp_vllm
 print(f"python {sys.version.split()[0]}, torch {torch.__version__} (CUDA build {torch.version.cuda}), "
       f"transformers {__import__('transformers').__version__}, "
       f"vllm {__import__('vllm').__version__ if importlib.util.find_spec('vllm') else 'not installed'}, "
@@ -69,7 +69,7 @@ if "$PY" -c "import vllm" 2>/dev/null; then ROLLOUT=vllm; else
 fi
 HAVE_PYTEST=1
 "$PY" -c "import pytest, hypothesis" 2>/dev/null || { HAVE_PYTEST=0; echo "gpu_check: pytest or hypothesis is missing: \
-step 3 is skipped; $PY -m pip install -r requirements-full.txt installs them"; }
+step 3 is skipped; $PY -m pip install -r requirements/full.txt installs them"; }
 
 # the one-GPU settings of docs/train_full.md (the 1.5B, micro-batch 16), by this GPU's size; responses of 1024 here
 if awk "BEGIN{exit !($GIB < 40)}"; then SIZE=24; SETTING=(--cpu-offload);
@@ -83,8 +83,8 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 sys.path.insert(0, ".")
 sys.path.insert(0, "bench")
-import tiny
-from mathtask import arithmetic_problems
+from support import tiny
+from support.mathtask import arithmetic_problems
 from memory import PRESETS  # bench/memory.py's Qwen2.5-Math shapes, the ones its simulation uses
 
 out = sys.argv[1]
@@ -159,7 +159,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 sys.path.insert(0, ".")
 sys.path.insert(0, "bench")
-import tiny
+from support import tiny
 from memory import PRESETS  # bench/memory.py's Qwen2.5-Math shapes, the ones its simulation uses
 tokenizer = tiny.build_char_tokenizer()
 shape = {k: v for k, v in PRESETS["7b"].items() if k != "model_type"}  # untied embedding, as the real 7B

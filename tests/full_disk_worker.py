@@ -15,9 +15,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import common  # noqa: E402
-import explain  # noqa: E402
-import full_io  # noqa: E402
+from support import common, explain, full_io  # noqa: E402
 import train_full  # noqa: E402
 
 

@@ -19,12 +19,11 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import common  # noqa: E402
+from support import common  # noqa: E402
 import d3s  # noqa: E402
-import fsdp_vllm  # noqa: E402
-import full_io  # noqa: E402
+from support import fsdp_vllm, full_io  # noqa: E402
 import train_full  # noqa: E402
-import variants  # noqa: E402
+from support import variants  # noqa: E402
 
 DEVICE = os.environ.get("D3S_TEST_DEVICE", "cpu")
 P, G, STEP, STEPS = 4, 4, 2, 4  # step 2 of 4 (method_budget at 1 of 4) with N 2 -> 4: N = 3 per prompt, K = 0.35

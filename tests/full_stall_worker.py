@@ -16,7 +16,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import full_io  # noqa: E402
+from support import full_io  # noqa: E402
 import train_full  # noqa: E402
 
 

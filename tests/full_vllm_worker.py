@@ -20,8 +20,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import full_fsdp_worker  # noqa: E402
-import fsdp_vllm  # noqa: E402
-import mathtask  # noqa: E402
+from support import fsdp_vllm, mathtask  # noqa: E402
 import train_full  # noqa: E402
 
 PROMPTS = ["1+1=", "The answer is", "abc"]

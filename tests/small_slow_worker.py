@@ -10,7 +10,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import common  # noqa: E402
+from support import common  # noqa: E402
 import train_small  # noqa: E402
 
 

@@ -301,7 +301,7 @@ def test_an_output_in_a_folder_that_cannot_be_written(script, flag, tmp_path):
 @pytest.mark.parametrize("check,name", [("check_out_file", "report.md"), ("check_out_dir", "run")])
 def test_an_unwritable_folder_in_process(check, name, tmp_path, monkeypatch, capsys):
     """The same refusal where the tests run as root (which may write anywhere): os.access says no."""
-    import cli
+    from support import cli
 
     monkeypatch.setattr(cli.os, "access", lambda path, mode: not mode & os.W_OK)
     with pytest.raises(SystemExit) as exit_info:

@@ -16,7 +16,7 @@ import sys
 import pytest
 import torch
 
-import tiny  # tests/conftest.py puts the repository root on sys.path
+from support import tiny  # tests/conftest.py puts the repository root on sys.path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "bench", "memory.py")

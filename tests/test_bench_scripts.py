@@ -207,7 +207,7 @@ DROPPED_SMALL = [
 
 
 def tiny_model_dir(path):
-    import tiny
+    from support import tiny
 
     tok = tiny.build_char_tokenizer()
     return tiny.save_tiny(tiny.build_tiny_model(tok, hidden_size=32, num_layers=1), tok, str(path))

@@ -1,7 +1,7 @@
 """Smoke test of bench/vs_trl.py --quick (TRL GRPOTrainer vs train_small.py and TRL + D3S; no timing assertions).
 
 Opt-in: it runs only with D3S_BENCH=1 and the TRL venv (.venv-trl, `pip install -r
-requirements-trl.txt`, which .ci/run builds); otherwise it is skipped with the reason. About a
+requirements/trl.txt`, which .ci/run builds); otherwise it is skipped with the reason. About a
 minute and a half on a 2-core CPU (five arms of 2 steps, a 20-step warm start).
 (integrations/trl.py's own tests, tests/test_integration_trl.py, run in CI.)
 """

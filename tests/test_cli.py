@@ -1,5 +1,5 @@
 """cli.flag and cli.parser: a rung's knobs, declared one line each, are argparse flags with their defaults, ranges,
-choices and one-line errors; variants.flags: the knobs beyond the paper, declared once in variants.py, that a rung
+choices and one-line errors; variants.flags: the knobs beyond the paper, declared once in support/variants.py, that a rung
 adds with one call (the toy's come from there)."""
 
 import os
@@ -7,8 +7,7 @@ import sys
 
 import pytest
 
-import cli
-import variants
+from support import cli, variants
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "toy"))
 import bandit  # noqa: E402

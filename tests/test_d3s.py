@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import d3s
-import variants
+from support import variants
 from d3s import (
     dynamic_schedule,
     group_advantages,

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from mathtask import DataError, load_problems, normalize_row
+from support.mathtask import DataError, load_problems, normalize_row
 
 
 def write(tmp_path, name, data):

@@ -1,4 +1,4 @@
-"""explain.py: the page of one step shows what the step trained on, and only that.
+"""support/explain.py: the page of one step shows what the step trained on, and only that.
 
 The pages here come from real selections (d3s.select_samples, d3s.select_tokens) on rewards
 with a zero-spread group, and from the toy's own loop (toy/bandit.py --explain-every)."""
@@ -12,8 +12,7 @@ import pytest
 import torch
 
 import d3s
-import variants
-import explain
+from support import variants, explain
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "toy"))
 import bandit  # noqa: E402

@@ -22,7 +22,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import tiny
+from support import tiny
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 ENV = {

@@ -22,7 +22,7 @@ import time
 
 import pytest
 
-import tiny
+from support import tiny
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
@@ -238,7 +238,7 @@ def test_a_full_disk_is_recognised_in_each_form_its_writers_raise_and_nothing_el
     import errno
     import shutil
 
-    import common
+    from support import common
 
     enospc = OSError(errno.ENOSPC, "No space left on device", "x.pt")
     assert common.disk_full(enospc) is enospc

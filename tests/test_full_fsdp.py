@@ -19,8 +19,7 @@ import pytest
 import torch
 
 import d3s
-import tiny
-import variants
+from support import tiny, variants
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))

@@ -16,7 +16,7 @@ import types
 import pytest
 import torch
 
-import fsdp_vllm
+from support import fsdp_vllm
 import train_full
 
 GIB = 2**30
@@ -316,7 +316,7 @@ def test_a_micro_batch_without_a_selected_token_still_gives_every_parameter_a_ze
     """Finding 2: an untied lm_head without a gradient on one rank makes its reduce-scatter differ from the
     others' (a hang or wrong gradients) unless torch >= 2.13's switch is on. The zero loss of an empty
     selection (and of a DUMMY micro-batch: fsdp_vllm.idle_loss) now uses lm_head at weight 0."""
-    import tiny
+    from support import tiny
 
     model = tiny.build_tiny_model(tiny.build_char_tokenizer(), tie_word_embeddings=tied).train()
     inputs, targets, _ = fsdp_vllm.pack([{"prompt_ids": [5, 6], "response_ids": [7, 8]}], [0], 0, torch.device("cpu"))

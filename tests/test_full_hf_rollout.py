@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-import tiny
+from support import tiny
 
 DEVICE = os.environ.get("D3S_TEST_DEVICE", "cpu")  # cuda on a GPU node: scripts/gpu_check.sh
 

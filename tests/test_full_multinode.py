@@ -16,7 +16,7 @@ The rendezvous is c10d, as the README's multi-node command has it; the launches 
 --node-rank (torchrun ignores it under c10d, with a warning: ranks follow the join order) and pass
 --local-addr 127.0.0.1, so the process group's address does not depend on the host name resolving.
 
-The model is tiny.py's, warm-started here for 100 supervised steps (a few seconds) to answer
+The model is support/tiny.py's, warm-started here for 100 supervised steps (a few seconds) to answer
 '\\boxed{1}' or '\\boxed{2}' at random, and every answer is 1 or 2, so about half the rollouts are
 right and nearly every group has a spread: a random tiny model never boxes an answer, every reward
 would be 0, no step would change the weights and the comparisons would be empty. The module's
@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))  # run as the worker script too
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-import tiny  # noqa: E402
+from support import tiny  # noqa: E402
 
 ENV = {
     **os.environ,
@@ -74,7 +74,7 @@ def problem(i):
 
 
 def warm_start(path, steps=100):
-    """tiny.py's model after `steps` AdamW steps on 'PROBLEM\\nAnswer: ' -> '\\boxed{1}' or '\\boxed{2}'
+    """support/tiny.py's model after `steps` AdamW steps on 'PROBLEM\\nAnswer: ' -> '\\boxed{1}' or '\\boxed{2}'
     (at random) + EOS: it samples either, so a group's rewards are mixed with probability ~7/8."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -326,7 +326,7 @@ def test_the_resume_note_says_when_the_rollouts_differ(files, tmp_path):
     """full_io.other_world_note (what train_full says on a resume at another rank count), for the cases the runs above do not reach: the same rank count
     (nothing to say), --unseeded-sampling, and --rollout hf calls that group the prompts differently
     (4 prompts in one generate() call on 1 rank, in two on 2 ranks: other seeds, other rollouts)."""
-    import full_io
+    from support import full_io
     import train_full
 
     ckpt = tmp_path / "step_000001"
@@ -358,8 +358,7 @@ def load_resharded(ckpt, out, argv):
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    import fsdp_vllm
-    import full_io
+    from support import fsdp_vllm, full_io
     import train_full
 
     args = train_full.parse_args(argv)

@@ -9,9 +9,7 @@ import types
 import pytest
 import torch
 
-import common
-import fsdp_vllm
-import full_io
+from support import common, fsdp_vllm, full_io
 import train_full
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -242,7 +240,7 @@ def test_vllm_sleep_levels_that_cost_memory_need_a_flag():
 
 
 def test_mfu_counts_parameters_without_the_input_embedding():
-    import tiny
+    from support import tiny
 
     tokenizer = tiny.build_char_tokenizer()
     tied = tiny.build_tiny_model(tokenizer)
@@ -260,7 +258,7 @@ def test_the_blockwise_loss_head_equals_the_full_logits_head(method, monkeypatch
     """Pass 1 (log-probs, entropy) and pass 2 (loss, gradients) of train_full's loss head (fsdp_vllm), which
     never holds [n, T, vocab] logits, against the plain full-logits computation, on CPU."""
     import d3s
-    import tiny
+    from support import tiny
 
     monkeypatch.setattr(fsdp_vllm, "HEAD_CHUNK", 7)  # several blocks, a ragged last one
     tokenizer = tiny.build_char_tokenizer()
@@ -307,7 +305,7 @@ def test_the_tiled_mlp_gives_the_whole_mlps_outputs_and_gradients():
     with and without grad, same gradients."""
     import copy
 
-    import tiny
+    from support import tiny
 
     tokenizer = tiny.build_char_tokenizer()
     whole = tiny.build_tiny_model(tokenizer).train()

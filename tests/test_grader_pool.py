@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from mathtask import Grader, default_grader_workers, load_problems
+from support.mathtask import Grader, default_grader_workers, load_problems
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "data")  # the repository's own benchmark files (data/README.md)

@@ -1,6 +1,6 @@
 """integrations/trl.py: D3SGRPOTrainer inside TRL's GRPOTrainer, on CPU with a tiny model.
 
-These tests need TRL, which lives in its own venv (.venv-trl, `pip install -r requirements-trl.txt`;
+These tests need TRL, which lives in its own venv (.venv-trl, `pip install -r requirements/trl.txt`;
 .ci/run builds it). Run them there directly:
 
     .venv-trl/bin/python -m pytest tests/test_integration_trl.py -q
@@ -54,7 +54,7 @@ needs_trl = pytest.mark.skipif(
 @pytest.mark.skipif(HAVE_TRL, reason="trl is importable here: the tests below run in this process")
 @pytest.mark.skipif(
     not os.path.exists(TRL_PYTHON),
-    reason=f"{TRL_PYTHON} not found: python3 -m venv .venv-trl && .venv-trl/bin/pip install -r requirements-trl.txt",
+    reason=f"{TRL_PYTHON} not found: python3 -m venv .venv-trl && .venv-trl/bin/pip install -r requirements/trl.txt",
 )
 def test_trl_suite_in_trl_venv():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -87,7 +87,7 @@ def test_trl_suite_in_trl_venv():
 # ---------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
-    import tiny
+    from support import tiny
 
     tokenizer = tiny.build_char_tokenizer()
     model = tiny.build_tiny_model(tokenizer, hidden_size=64, num_layers=2)
@@ -159,7 +159,7 @@ def test_grpo_method_matches_trl_grpotrainer_step_for_step(tiny_model_dir, tmp_p
 def budget(method, step, total_steps, config):
     """d3s.method_budget of the method's row at TRL's step, with the config's schedule (G = 4)."""
     import d3s
-    import variants
+    from support import variants
 
     return d3s.method_budget(
         variants.LADDER[method],
@@ -176,7 +176,7 @@ def budget(method, step, total_steps, config):
 def reference_selection(batch, method, n_keep, model_dir):
     """From d3s.py alone: the kept rollouts and, from a plain forward's logits, the kept tokens."""
     import d3s
-    import variants
+    from support import variants
 
     rewards = batch["rewards"].view(-1, 4)
     keep, adv = d3s.select_samples(rewards, n_keep, variants.LADDER[method].samples, eps=1e-4)

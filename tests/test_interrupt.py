@@ -20,7 +20,7 @@ import time
 import pytest
 import torch
 
-import common
+from support import common
 from test_full_faults import flags as full_flags, inputs, lines as full_lines, ours, torchrun  # noqa: F401 (fixture)
 from test_train_small import ROOT, assert_same_run, cache_dir, read_jsonl, two_answer_data, whole_run  # noqa: F401
 
@@ -141,7 +141,9 @@ def test_a_ctrl_c_to_torchrun_stops_both_gloo_ranks_after_the_same_step_and_resu
         f"train_full.py: stopped by SIGINT (Ctrl-C) after step {step}; checkpoint "
         f"{out / 'checkpoints' / stopped}; continue with --resume"
     ], err[-3000:]
-    assert not any(f'{name}", line' in err for name in ("train_full.py", "full_io.py", "common.py")), err[-3000:]  # no
+    assert not any(f'{name}", line' in err for name in ("train_full.py", "support/full_io.py", "support/common.py")), (
+        err[-3000:]
+    )  # no
     # traceback from a rank (torchrun's own SignalException is the launcher's)
     assert sorted(f for f in os.listdir(out / "checkpoints" / stopped) if f.startswith("rng_")) == [
         "rng_rank0.pt",

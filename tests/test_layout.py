@@ -17,14 +17,14 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 RUNGS = {"toy/bandit.py": "bandit", "train_small.py": "train_small", "train_full.py": "train_full"}
 SHARED = [
     "d3s.py",
-    "variants.py",
-    "cli.py",
-    "common.py",
-    "explain.py",
-    "mathtask.py",
-    "tiny.py",
-    "warmstart.py",
-    "fsdp_vllm.py",
+    "support/variants.py",
+    "support/cli.py",
+    "support/common.py",
+    "support/explain.py",
+    "support/mathtask.py",
+    "support/tiny.py",
+    "support/warmstart.py",
+    "support/fsdp_vllm.py",
 ] + sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("full_*.py"))
 READER_PATH = {"README.md": 200, "d3s.py": 400, "toy/bandit.py": 300, "train_small.py": 450, "train_full.py": 500}
 STDLIB = set(sys.stdlib_module_names)
@@ -72,7 +72,7 @@ def test_the_import_scan_sees_function_level_and_from_imports(tmp_path):
         probe.unlink()
 
 
-@pytest.mark.parametrize("module", ["d3s.py", "variants.py"])
+@pytest.mark.parametrize("module", ["d3s.py", "support/variants.py"])
 def test_the_doctests_pass_from_the_command_line(module):
     proc = subprocess.run(
         [sys.executable, "-m", "doctest", module], cwd=ROOT, capture_output=True, text=True, timeout=300

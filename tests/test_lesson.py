@@ -21,7 +21,7 @@ import answers  # noqa: E402
 import checks  # noqa: E402
 import d3s  # noqa: E402
 
-jupytext = pytest.importorskip("jupytext", reason="the notebook tooling: pip install -r requirements-dev.txt")
+jupytext = pytest.importorskip("jupytext", reason="the notebook tooling: pip install -r requirements/dev.txt")
 nbformat = pytest.importorskip("nbformat")
 
 

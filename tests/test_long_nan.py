@@ -18,10 +18,9 @@ import sys
 import pytest
 import torch
 
-import common
-import tiny
+from support import common, tiny
 import train_small
-import warmstart
+from support import warmstart
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}

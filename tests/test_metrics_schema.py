@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-import tiny
+from support import tiny
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "metrics.md"

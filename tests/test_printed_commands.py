@@ -527,7 +527,7 @@ def test_the_trl_example_on_its_page_is_the_script():
     shown = re.search(r"```python\n(\"\"\"integrations/train_trl_d3s\.py.*?)```", page, re.S)
     assert shown and shown.group(1) == script, "docs/trl.md's python block is not integrations/train_trl_d3s.py"
     sys.path.insert(0, str(ROOT))
-    import variants
+    from support import variants
 
     listed = re.search(r"^METHODS = \((.*?)\)$", script, re.M).group(1)
     assert tuple(re.findall(r'"([\w-]+)"', listed)) == variants.METHODS

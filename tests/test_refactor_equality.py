@@ -72,7 +72,7 @@ import pytest
 import torch
 
 import d3s
-import variants
+from support import variants
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 GOLDEN = ROOT / "tests" / "golden" / "refactor.json"
@@ -407,8 +407,7 @@ def small_batch(x, tokenizer, P=3, G=4):
 
 def small_outputs(x, folder):
     """train_small's steps 3-6 as train()'s loop calls them (step 2 of 4), then the updated policy's outputs."""
-    import common
-    import tiny
+    from support import common, tiny
     import train_small
 
     tokenizer = tiny.build_char_tokenizer()
@@ -514,9 +513,9 @@ def full_outputs(x, folder):
     group of one process, on fixed rollouts and rewards; then the updated policy's log-probs (pass 1)."""
     import torch.distributed as dist
 
-    import fsdp_vllm
+    from support import fsdp_vllm
     import full_fsdp_worker as worker
-    import tiny
+    from support import tiny
 
     tokenizer = tiny.build_char_tokenizer()
     model = set_weights(tiny.build_tiny_model(tokenizer, hidden_size=32, num_layers=1), x)
@@ -731,7 +730,7 @@ SMALL = [
 ]
 SMALL_METHODS = ("grpo", "d3s", "d3s-i")
 TOY_METHODS = ("grpo", "d3s")
-TOY_VARIANTS = {  # the other rows and rules, on the toy (a second each): what moves to variants.py must keep them
+TOY_VARIANTS = {  # the other rows and rules, on the toy (a second each): what moves to support/variants.py must keep them
     "rows": ["--methods", "d1s", "d1s-cross", "d2s", "d3s-i", "pods", "random", "dapo-filter", "dapo-filter-k"],
     "entropy-cosine": ["--methods", "d3s", "--token-rule", "entropy", "--schedule", "cosine"],
     "adv-adaptive": ["--methods", "d3s", "--token-rule", "adv", "--schedule", "adaptive", "--steps", "30"],

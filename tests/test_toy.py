@@ -17,7 +17,7 @@ sys.path[:0] = [os.path.join(ROOT, "toy"), os.path.join(ROOT, "experiments")]
 import bandit  # noqa: E402
 from toy_ladder import columns  # noqa: E402  (a run's lines as one list per key)
 
-import variants  # noqa: E402
+from support import variants  # noqa: E402
 
 
 def run(method, seed, args):

@@ -17,8 +17,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 import d3s
 import train_small
-import warmstart
-from mathtask import Grader, arithmetic_problems, load_problems, step_problems, stop_token_ids
+from support import warmstart
+from support.mathtask import Grader, arithmetic_problems, load_problems, step_problems, stop_token_ids
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "data")  # the real benchmarks, in the repo (data/README.md)
@@ -587,7 +587,7 @@ def test_an_incomplete_model_folder_is_named_before_any_work(tmp_path, capsys):
     """Weights, tokenizer or config missing, or a tokenizer that encodes a prompt to nothing: one line, exit 2."""
     import shutil
 
-    import tiny
+    from support import tiny
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
@@ -869,7 +869,7 @@ def test_kl_on_all_response_tokens_equals_the_selected_tokens_kl_for_grpo_and_is
 def _tiny_policy(seed=0):
     import copy
 
-    import tiny
+    from support import tiny
 
     tokenizer = tiny.build_char_tokenizer()
     model = tiny.build_tiny_model(tokenizer, hidden_size=32, num_layers=2, seed=seed)

@@ -1,4 +1,4 @@
-"""variants.py, the switches of issue 18 (docs/questions.md), with the documented behaviour, and the
+"""support/variants.py, the switches of issue 18 (docs/questions.md), with the documented behaviour, and the
 defaults stay the paper's method: the schedule kinds, the adaptive rule, the switch rule, DAPO's group
 filter as a ladder row, and what each token rule selects under the two scopes."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import d3s
-import variants
+from support import variants
 from d3s import select_samples, select_tokens
 
 

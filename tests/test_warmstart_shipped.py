@@ -27,7 +27,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import train_small  # noqa: E402
-import warmstart  # noqa: E402
+from support import warmstart  # noqa: E402
 
 
 def default_args(cache_dir):

@@ -4,7 +4,7 @@
     python -m torch.distributed.run --nproc_per_node=2 tests/trl_worker.py --model DIR --out result.pt   # two (gloo)
 
 The test module imports the same pieces (PROMPTS, parity_reward, make_config, RecordingTrainer)
-to run in-process. Runs in the TRL venv (.venv-trl, requirements-trl.txt).
+to run in-process. Runs in the TRL venv (.venv-trl, requirements/trl.txt).
 
 Recorded per generation batch, in global row order (row r = process i's row j with r = i * B + j):
 the rewards of all rollouts, the kept mask and advantages, the prompt/completion tensors; per

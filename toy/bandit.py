@@ -29,11 +29,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
-import cli  # noqa: E402
-import common  # noqa: E402
+from support import cli, common  # noqa: E402
 import d3s  # noqa: E402
-import explain  # noqa: E402
-import variants  # noqa: E402
+from support import explain, variants  # noqa: E402
 
 PROG = "bandit.py"  # the name in every error line, however the script is started
 DEFAULT_METHODS = ("grpo", "d1s", "d1s-cross", "d2s", "d3s", "d3s-i", "pods", "random")  # docs/toy.md's table
@@ -92,7 +90,7 @@ def build_parser(prog=PROG):
             0,
             n(int, 0, 10**9),
             "step 1 and every N-th step write a page of what the step trains "
-            "on (explain.py) to OUT/explain/METHOD_seedS/; 0: off",
+            "on (support/explain.py) to OUT/explain/METHOD_seedS/; 0: off",
         ),
     ]
     return cli.parser(prog, __doc__.split("\n\n")[0], flags)

@@ -1,6 +1,6 @@
-"""fsdp_vllm.py: the machines under train_full.py: what runs the method, not the method.
+"""support/fsdp_vllm.py: the machines under train_full.py: what runs the method, not the method.
 
-train_full.py holds the flags, the six steps of a D3S step and the loop; full_io.py the run's files (flag checks,
+train_full.py holds the flags, the six steps of a D3S step and the loop; support/full_io.py the run's files (flag checks,
 data, checkpoints, evaluation, reports). This module holds the rest, in five parts:
 
   1 process group     Dist, init_distributed (torchrun, or a world of one), collectives that
@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 import d3s
-from cli import UsageError
+from support.cli import UsageError
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1012,7 +1012,7 @@ def make_engine(model_path, args, dist_):
             engine = VLLMEngine(model_path, args, dist_)
         except ImportError as e:
             raise SystemExit(
-                f"--rollout vllm needs vLLM ({e}): pip install -r requirements-full.txt, or use --rollout hf"
+                f"--rollout vllm needs vLLM ({e}): pip install -r requirements/full.txt, or use --rollout hf"
             )
         torch.set_rng_state(rng[0]), random.setstate(rng[1]), np.random.set_state(rng[2])
         if cuda_rng is not None:
@@ -1065,7 +1065,7 @@ def cuda_diagnosis(torch_version=None, build_cuda="", driver=None, driver_cuda=N
     if not build_cuda:
         return (
             f"torch {torch_version} is a CPU-only build; install torch's CUDA build (pip install -r "
-            "requirements-full.txt: the PyPI wheel of torch on Linux is the CUDA build)"
+            "requirements/full.txt: the PyPI wheel of torch on Linux is the CUDA build)"
         )
     facts = f"torch {torch_version} is built for CUDA {build_cuda}"
     if driver is None:

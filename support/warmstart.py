@@ -1,9 +1,9 @@
-"""warmstart.py: train_small.py's model and data: the task, the tiny model (or any HF model), and the supervised
+"""support/warmstart.py: train_small.py's model and data: the task, the tiny model (or any HF model), and the supervised
 warm start that RL starts from, cached so that every run of a comparison starts from the very same weights.
 
     load_data(args)               (train rows, held-out rows): mathtask's generated task, or JSONL/JSON/Parquet files
     format_prompt(problem, template)
-    load_warm_start(args, rows)   (model, tokenizer, info): --model or the tiny Qwen2 (tiny.py), after --sft-steps of
+    load_warm_start(args, rows)   (model, tokenizer, info): --model or the tiny Qwen2 (support/tiny.py), after --sft-steps of
                                   supervised training on the answers; cached in --cache-dir/warmstart-<hash>/
 
 The default warm start ships in weights/warmstart-<hash>/ (2.5 MB), so the first run starts RL at once; any other
@@ -24,8 +24,8 @@ import zlib
 import torch
 from tqdm import tqdm
 
-from cli import UsageError
-from mathtask import PLAIN_TEMPLATE, QWEN_MATH_TEMPLATE, arithmetic_problems, load_problems, step_problems
+from support.cli import UsageError
+from support.mathtask import PLAIN_TEMPLATE, QWEN_MATH_TEMPLATE, arithmetic_problems, load_problems, step_problems
 
 TASKS = {"steps": step_problems, "direct": arithmetic_problems}  # mathtask's generated tasks
 TINY_SFT_STEPS = {
@@ -55,11 +55,11 @@ def format_prompt(problem, template):
 
 
 def load_base_model(args):
-    """(model, tokenizer): --model from a folder or the hub, else a fresh tiny Qwen2 (tiny.py)."""
+    """(model, tokenizer): --model from a folder or the hub, else a fresh tiny Qwen2 (support/tiny.py)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer  # here: the grader's child process re-imports the rung
 
     if args.model is None:
-        from tiny import build_char_tokenizer, build_tiny_model
+        from support.tiny import build_char_tokenizer, build_tiny_model
 
         tokenizer = build_char_tokenizer()
         return build_tiny_model(

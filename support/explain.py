@@ -1,4 +1,4 @@
-"""explain.py: one training step on one page: which rollouts and which tokens get the gradient.
+"""support/explain.py: one training step on one page: which rollouts and which tokens get the gradient.
 
 D3S is about a choice: which rollouts of a batch are trained on (the sample level), and which of
 their tokens (the token level). metrics.jsonl only counts them; this file draws one step so a
@@ -30,7 +30,7 @@ import os
 import torch
 
 import d3s
-import variants
+from support import variants
 
 __all__ = ["pick_rollouts", "write_step", "plot_step"]
 

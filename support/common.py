@@ -1,4 +1,4 @@
-"""common.py: the plumbing the three rungs share, so that each rung file holds its method and its loop.
+"""support/common.py: the plumbing the three rungs share, so that each rung file holds its method and its loop.
 
     budget, check_method_flags N and K of a step from the rung's flags, and those flags' checks
     measures_kl                whether a step forwards the reference model
@@ -13,7 +13,7 @@
     write_summary              train_small.py's summary.json, from its metrics.jsonl
     save_checkpoint, read_checkpoint, read_resume, load_checkpoint   a one-file checkpoint: model, optimizer, RNG, step
 
-The flag checks and their one-line errors are in cli.py; train_full.py's distributed plumbing in fsdp_vllm.py.
+The flag checks and their one-line errors are in support/cli.py; train_full.py's distributed plumbing in support/fsdp_vllm.py.
 """
 
 import contextlib
@@ -24,7 +24,7 @@ import pickle
 import random
 import sys
 
-from cli import UsageError
+from support.cli import UsageError
 
 
 def budget(args, row, step, history=None):
@@ -32,7 +32,7 @@ def budget(args, row, step, history=None):
     with the rung's --group-size, --n-init, --n-final, --k-init, --k-final, --static-n, --static-k and, where
     the rung has one, --schedule (variants.progress; `history`: the train reward of the steps before)."""
     import d3s
-    import variants
+    from support import variants
 
     f = variants.progress(getattr(args, "schedule", "linear"), step - 1, args.steps, history=history)
     return d3s.method_budget(
@@ -72,7 +72,7 @@ def check_method_flags(p, args, methods, flag="--method"):
     """The method and budget flags every rung shares, checked together (one line and exit 2 through p.error): each
     method a row of variants.LADDER; N <= G wherever a row uses N; --switch-on-spike only where a row has an
     intra-group twin. Then --static-n and --static-k filled in (the schedule's midpoint by default)."""
-    import variants
+    from support import variants
 
     for m in methods:
         if m not in variants.LADDER:
@@ -263,8 +263,8 @@ def fit_prompts(args, train_rows, eval_rows, prog="train_small.py"):
     A model whose tokenizer or config does not load is left to warmstart.load_base_model's line."""
     import inspect
 
-    from mathtask import DataError, fit_context
-    from warmstart import format_prompt
+    from support.mathtask import DataError, fit_context
+    from support.warmstart import format_prompt
 
     args.dropped_long_prompts = 0
     files = [
@@ -275,7 +275,7 @@ def fit_prompts(args, train_rows, eval_rows, prog="train_small.py"):
     if not files:
         return train_rows, eval_rows
     if args.model is None:
-        import tiny
+        from support import tiny
 
         tokenizer = tiny.build_char_tokenizer()
         window = inspect.signature(tiny.build_tiny_model).parameters["max_position_embeddings"].default
@@ -344,7 +344,7 @@ def check_finite(model, name, tokenizer=None, prompt=None):
 def finite_warm_start(warm, args, train_rows):
     """train_small.py: check_finite on the warm start (model, tokenizer, info) and the first training prompt; returns
     `warm`. The line names --model (or the tiny model) and the warm start's cache folder, where there is one."""
-    from warmstart import format_prompt
+    from support.warmstart import format_prompt
 
     model, tokenizer, info = warm
     name = f"--model {args.model}" if args.model else "the tiny model"
@@ -487,7 +487,7 @@ def export_pretrained(model, tokenizer, path):
 def write_summary(args, lines, warm_info, totals, timeouts, rl_s, wall_s):
     """train_small.py's OUT/summary.json and the lines it prints: the warm start's and the final held-out numbers, what
     the run trained on (rollouts, tokens), the paper's metrics over the run, and where the time went."""
-    import variants
+    from support import variants
 
     evals = [m for m in lines if m["kind"] == "eval"]
     train = [m for m in lines if m["kind"] == "train"]

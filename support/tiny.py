@@ -1,4 +1,4 @@
-"""tiny.py: a tiny Qwen2-architecture model and a character tokenizer, built offline.
+"""support/tiny.py: a tiny Qwen2-architecture model and a character tokenizer, built offline.
 
 The tests and the CPU rungs cannot download from a hub, so they build both from scratch:
 the tokenizer as a `tokenizers` BPE with no merges over the 256 byte symbols (one token per

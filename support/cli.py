@@ -1,4 +1,4 @@
-"""cli.py: the command lines of every entry point: argparse whose errors are one line, and the checks they share.
+"""support/cli.py: the command lines of every entry point: argparse whose errors are one line, and the checks they share.
 
 Every bad flag, path or file ends the same way on train_small.py, train_full.py, toy/bandit.py and the bench and
 experiments scripts: ONE line on stderr, `prog: error: --flag VALUE: what is wrong; what to do`, exit code 2,

@@ -1,6 +1,6 @@
-"""full_io.py: the run's files and checks under train_full.py: what a run reads and writes, not the method.
+"""support/full_io.py: the run's files and checks under train_full.py: what a run reads and writes, not the method.
 
-train_full.py holds the flags, the six steps of a D3S step and the loop; fsdp_vllm.py the machines (process group,
+train_full.py holds the flags, the six steps of a D3S step and the loop; support/fsdp_vllm.py the machines (process group,
 FSDP2, the loss head, the rollout engines, clocks). This module holds the rest, in five parts:
 
   1 flag checks       the checks that involve several flags or the file system, before any work:
@@ -34,13 +34,12 @@ import time
 import torch
 import torch.distributed as dist
 
-import cli
-import common
+from support import cli, common
 import d3s
-import explain
-from cli import UsageError
-from fsdp_vllm import all_reduce, context_length, load_generation_config, load_tokenizer, memory_peak_gb
-from mathtask import (
+from support import explain
+from support.cli import UsageError
+from support.fsdp_vllm import all_reduce, context_length, load_generation_config, load_tokenizer, memory_peak_gb
+from support.mathtask import (
     PLAIN_TEMPLATE,
     QWEN_MATH_TEMPLATE,
     DataError,
@@ -152,13 +151,13 @@ def check_machine(args, world):
     """What this machine must have for the run (main only: tests and bench/memory.py parse flags for
     other machines): CUDA for --device cuda (else why not: fsdp_vllm.cuda_diagnosis), vLLM for --rollout vllm,
     and, with both, a GPU the setting fits (fsdp_vllm.vllm_memory_plan: trainer and vLLM together)."""
-    from fsdp_vllm import cuda_diagnosis, vllm_memory_plan
+    from support.fsdp_vllm import cuda_diagnosis, vllm_memory_plan
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"--device cuda: torch sees no CUDA device ({cuda_diagnosis()}); or use --device cpu")
     if args.rollout == "vllm" and importlib.util.find_spec("vllm") is None:
         raise UsageError(
-            "--rollout vllm: vLLM is not installed; pip install -r requirements-full.txt, or use --rollout hf"
+            "--rollout vllm: vLLM is not installed; pip install -r requirements/full.txt, or use --rollout hf"
         )
     if args.device == "cuda" and args.rollout == "vllm" and not args.eval_only:
         from transformers import AutoConfig

@@ -1,4 +1,4 @@
-"""variants.py: the rows and rules beyond the D3S and PODS papers, on top of d3s.py's functions.
+"""support/variants.py: the rows and rules beyond the D3S and PODS papers, on top of d3s.py's functions.
 
 d3s.py holds the papers' method. The questions the paper leaves open (docs/questions.md) and two controls
 need a few more pieces; they live here, in d3s.py's terms, so that every rung runs them the same way:
@@ -18,7 +18,7 @@ import statistics
 
 import torch
 
-import cli
+from support import cli
 import d3s
 
 

@@ -1,4 +1,4 @@
-"""mathtask.py: the math task shared by train_small.py and train_full.py.
+"""support/mathtask.py: the math task shared by train_small.py and train_full.py.
 
 What two rungs share beyond d3s.py lives here, once:
   - load_problems: JSONL / JSON / Parquet files or hub datasets -> rows with `problem` and `answer`,
@@ -246,7 +246,7 @@ def _hub_rows(spec):
     except ImportError as e:
         raise DataError(
             f"{spec}: not a local file, and loading it from the hub needs `pip install datasets` "
-            "(requirements-full.txt)"
+            "(requirements/full.txt)"
         ) from e
     parts = spec.split(":")  # name, name:split, or name:config:split
     name, config, split = parts[0], (parts[1] if len(parts) == 3 else None), (parts[-1] if len(parts) > 1 else "train")
@@ -480,7 +480,7 @@ class _Child:
     def __init__(self, ctx):
         parent, child = ctx.Pipe()
         self.proc = ctx.Process(target=_grader_worker, args=(child,), daemon=True)
-        import common
+        from support import common
 
         with common.sigint_ignored():  # from its first instruction (while it imports): a Ctrl-C is the parent's
             self.proc.start()
@@ -690,7 +690,7 @@ def held_out_pass(rows, sample, grader, n, k, chunk):
 
 
 # ---------------------------------------------------------------------------------------------
-# Benchmark (not a test): python mathtask.py --bench-grader [--n 512] [--workers 1,2] [--slow]
+# Benchmark (not a test): python support/mathtask.py --bench-grader [--n 512] [--workers 1,2] [--slow]
 # ---------------------------------------------------------------------------------------------
 def bench_grader(n=512, workers=(1, 2), data_dir=None, timeout_s=5.0, slow=False):
     """Print the wall time of Grader(timeout_s, w).score_batch on `n` real answers for each w in `workers`.
@@ -736,7 +736,7 @@ def bench_grader(n=512, workers=(1, 2), data_dir=None, timeout_s=5.0, slow=False
 if __name__ == "__main__":
     import argparse
 
-    parser = argparse.ArgumentParser(description="mathtask.py helpers; see the module docstring")
+    parser = argparse.ArgumentParser(description="support/mathtask.py helpers; see the module docstring")
     parser.add_argument("--bench-grader", action="store_true", help="time Grader.score_batch for each --workers")
     parser.add_argument("--n", type=int, default=512, help="answers to grade (--bench-grader)")
     parser.add_argument("--workers", default="1,2", help="comma-separated grader process counts (--bench-grader)")
