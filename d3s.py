@@ -40,10 +40,8 @@ def group_advantages(rewards, scale=True, eps=1e-6):
     tensor([[-0.2500, -0.2500, -0.2500,  0.7500]])
     """
     _require(isinstance(rewards, torch.Tensor), "rewards", type(rewards).__name__, "pass a tensor of shape [P, G]")
-    _require(
-        rewards.dim() == 2 and rewards.numel() > 0, "rewards.shape", tuple(rewards.shape), "expected [P, G], P, G >= 1"
-    )
-    bad = ~torch.isfinite(rewards.double())
+    shape_ok, bad = rewards.dim() == 2 and rewards.numel() > 0, ~torch.isfinite(rewards.double())
+    _require(shape_ok, "rewards.shape", tuple(rewards.shape), "expected [P, G], P, G >= 1")
     _require(
         not bad.any(), "rewards", rewards[bad][:4].tolist(), "must be finite (no NaN/inf); check the reward function"
     )
@@ -110,7 +108,7 @@ def select_samples(rewards, n_keep, rule="cross", scale=True, eps=1e-6, generato
     | "intra" | d1s, d3s-i           | per group, the max-variance n_keep of G by A      | full-group A       |
     | "pods"  | pods                 | per group, the max-variance n_keep of G by R      | recomputed on kept |
     | "all"   | grpo                 | all G (n_keep is ignored)                         | full-group A       |
-    A function (rewards, n_keep, scale=, eps=, generator=) -> (keep, adv) is a rule beyond the papers (support/variants.py).
+    A function (rewards, n_keep, scale=, eps=, generator=) -> (keep, adv): a rule beyond the papers, support/variants.py.
 
     D3S keeps full-group A (PODS maximises Var(R), re-standardizes on the kept). D3S's Lemma 1: a group has a subset
     with Var(A') >= 1 (a larger gradient-norm bound); ours (unbiased Var): every max-Var N has it. Within a group A
@@ -132,20 +130,12 @@ def select_samples(rewards, n_keep, rule="cross", scale=True, eps=1e-6, generato
         return rule(rewards, n_keep, scale=scale, eps=eps, generator=generator)
     adv = group_advantages(rewards, scale=scale, eps=eps)  # [P, G], on all G rollouts
     P, G = rewards.shape
-    _require(
-        rule in SAMPLE_RULES,
-        "rule",
-        rule,
-        f"choose one of {', '.join(SAMPLE_RULES)}, or a function (support/variants.py)",
-    )
+    rules = ", ".join(SAMPLE_RULES)
+    _require(rule in SAMPLE_RULES, "rule", rule, f"choose one of {rules}, or a function (support/variants.py)")
     if rule == "all":
         return torch.ones(P, G, dtype=torch.bool, device=rewards.device), adv
-    _require(
-        isinstance(n_keep, int) and 1 <= n_keep <= G,
-        "n_keep",
-        n_keep,
-        f"must be an int in [1, G={G}] (rollouts kept per prompt); raise G or lower N",
-    )
+    fix = f"must be an int in [1, G={G}] (rollouts kept per prompt); raise G or lower N"
+    _require(isinstance(n_keep, int) and 1 <= n_keep <= G, "n_keep", n_keep, fix)
     keep = torch.zeros(P, G, dtype=torch.bool, device=rewards.device)
     if rule == "cross":  # one pooled choice over all P*G advantages, budget n_keep * P
         keep.view(-1)[max_variance_subset(adv.reshape(-1), n_keep * P)] = True
@@ -195,12 +185,8 @@ def token_entropy(logits, chunk_size=None):
     >>> token_entropy(torch.zeros(2, 4))  # uniform over 4 tokens: log 4
     tensor([1.3863, 1.3863])
     """
-    _require(
-        isinstance(logits, torch.Tensor) and logits.dim() >= 1,
-        "logits",
-        type(logits).__name__,
-        "pass a tensor of shape [..., V]",
-    )
+    ok = isinstance(logits, torch.Tensor) and logits.dim() >= 1
+    _require(ok, "logits", type(logits).__name__, "pass a tensor of shape [..., V]")
     V = logits.shape[-1]
     if chunk_size is None:
         chunk_size = max(1, (2**21 if logits.device.type == "cpu" else 2**26) // max(V, 1))  # fp32 elements
@@ -229,12 +215,8 @@ def token_scores(adv, entropy, rule=None, generator=None):
             [3., 0.]])
     """
     _require(rule is None or callable(rule), "rule", rule, "pass None (|A| * H) or a function (variants.TOKEN_RULES)")
-    _require(
-        isinstance(entropy, torch.Tensor) and entropy.dim() == 2,
-        "entropy.shape",
-        tuple(entropy.shape),
-        "expected [B, T]",
-    )
+    ok = isinstance(entropy, torch.Tensor) and entropy.dim() == 2
+    _require(ok, "entropy.shape", tuple(entropy.shape), "expected [B, T]")
     abs_adv = adv.abs().float().unsqueeze(-1) if adv.dim() == 1 else adv.abs().float()  # [B, 1] or [B, T]
     scores = abs_adv * entropy.float() if rule is None else rule(abs_adv, entropy, generator)
     return scores.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
@@ -259,12 +241,8 @@ def select_tokens(scores, mask, k_frac, scope="batch", min_per_seq=0):
     """
     shape = lambda t: tuple(getattr(t, "shape", ()))
     _require(isinstance(scores, torch.Tensor) and scores.dim() == 2, "scores.shape", shape(scores), "expected [B, T]")
-    _require(
-        isinstance(mask, torch.Tensor) and shape(mask) == shape(scores),
-        "mask.shape",
-        shape(mask),
-        f"must be {shape(scores)}",
-    )
+    ok = isinstance(mask, torch.Tensor) and shape(mask) == shape(scores)
+    _require(ok, "mask.shape", shape(mask), f"must be {shape(scores)}")
     _require(isinstance(k_frac, (int, float)) and 0 < k_frac <= 1, "k_frac", k_frac, "must be in (0, 1]")
     _require(scope in ("batch", "sequence"), "scope", scope, "choose 'batch' or 'sequence'")
     _require(min_per_seq in (0, 1), "min_per_seq", min_per_seq, "choose 1 (every response keeps its best token) or 0")
@@ -358,12 +336,8 @@ def method_budget(
     _require(0 < static[1] <= 1, "static_k", static[1], "must be in (0, 1]")
     n = {"schedule": scheduled[0], "static": static[0], "all": group_size}[row.n]
     k = {"schedule": scheduled[1], "static": static[1], "all": 1.0}[row.k]
-    _require(
-        isinstance(n, int) and 1 <= n <= group_size,
-        "n_keep",
-        n,
-        f"N counts rollouts kept per prompt and must be in [1, G={group_size}]; lower N or raise G",
-    )
+    fix = f"N counts rollouts kept per prompt and must be in [1, G={group_size}]; lower N or raise G"
+    _require(isinstance(n, int) and 1 <= n <= group_size, "n_keep", n, fix)
     return n, k
 
 
@@ -423,19 +397,14 @@ def policy_loss(
     _require(agg in ("token-mean", "seq-mean-token-mean"), "agg", agg, "choose 'token-mean' or 'seq-mean-token-mean'")
     _require(logp.dim() == 2, "logp.shape", tuple(logp.shape), "expected [B, T]")
     for name, t in (("old_logp", old_logp), ("mask", mask), ("ref_logp", ref_logp)):
-        _require(
-            (t is None and name == "ref_logp") or tuple(getattr(t, "shape", ())) == tuple(logp.shape),
-            f"{name}.shape",
-            tuple(getattr(t, "shape", ())),
-            f"must equal logp.shape {tuple(logp.shape)}",
-        )
+        t_shape = tuple(getattr(t, "shape", ()))
+        ok = (t is None and name == "ref_logp") or t_shape == tuple(logp.shape)
+        _require(ok, f"{name}.shape", t_shape, f"must equal logp.shape {tuple(logp.shape)}")
     _require(tuple(adv.shape) == (logp.shape[0],), "adv.shape", tuple(adv.shape), f"expected [B] = ({logp.shape[0]},)")
     _require(normalizer is None or float(normalizer) > 0, "normalizer", normalizer, "must be > 0 (tokens or responses)")
     _require(beta == 0 or ref_logp is not None, "beta", beta, "a KL penalty needs ref_logp; pass it or set beta=0")
-    eps_low, eps_high = (
-        CLIP_DEFAULTS[kind][0] if clip_low is None else clip_low,
-        CLIP_DEFAULTS[kind][1] if clip_high is None else clip_high,
-    )
+    eps_low = CLIP_DEFAULTS[kind][0] if clip_low is None else clip_low
+    eps_high = CLIP_DEFAULTS[kind][1] if clip_high is None else clip_high
     _require(eps_low >= 0 and eps_high >= 0, "clip_low/clip_high", (eps_low, eps_high), "must be >= 0")
     dtype = torch.promote_types(logp.dtype, torch.float32)  # at least fp32: bf16 counts and sums would round
     logp, old_logp, mask = logp.to(dtype), old_logp.to(dtype), mask.to(dtype)
