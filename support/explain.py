@@ -504,29 +504,18 @@ def _plot_strip(ax, item, G, prompts, max_tokens):
 # ---------------------------------------------------------------------------------------------
 # The rungs' pages: what each rung shows of a token (train_full.py's: fsdp_vllm.write_explain_page)
 # ---------------------------------------------------------------------------------------------
-def toy_page(
-    args,
-    method,
-    seed,
-    step,
-    task,
-    prompts,
-    tokens,
-    rewards,
-    keep,
-    adv,
-    kept,
-    entropy,
-    scores,
-    token_keep,
-    n_keep,
-    k_frac,
-    extra,
-):
+def toy_page(args, v):
     """toy/bandit.py's page of a step: the P x G grid, then the tokens of a few rollouts. A toy "token" is a
     position: its id, and a mark on the decision positions (the ones the reward reads). A dropped rollout was
-    never forwarded: no entropy, no score. Reads the step's tensors, draws no random number."""
-    G = args.group_size
+    never forwarded: no entropy, no score. v: the step's variables (toy/bandit.py's run). Draws no random number."""
+    G, method, seed, step, task = args.group_size, v.method, v.seed, v.s, v.task
+    prompts, tokens, rewards, keep, adv, kept = v.prompts, v.tokens, v.rewards, v.keep, v.adv, v.kept
+    entropy, scores, token_keep, n_keep, k_frac = v.entropy, v.scores, v.token_keep, v.n_keep, v.k_frac
+    extra = {
+        "loss": v.loss.item(),
+        f"loss normalizer ({args.normalizer} tokens)": int(v.normalizer or token_keep.sum()),
+        "grad norm (before clipping)": float(v.grad_norm),
+    }
     shown_adv = torch.where(keep, adv, d3s.group_advantages(rewards))  # the loss's A on kept, full-group A on dropped
     row_of = {int(i): r for r, i in enumerate(kept.tolist())}  # flat index -> row of the forwarded batch
     shown = []

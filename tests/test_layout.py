@@ -1,5 +1,6 @@
-"""The reader's path holds together: who imports whom, d3s.py's doctests from the command line, and the sizes of the
-files a reader opens first (README, d3s.py, the toy, the two trainers: the anchors' scale, issue 29).
+"""The reader's path holds together: who imports whom, d3s.py's doctests from the command line, the sizes of the
+files a reader opens first (README, d3s.py, the toy, the two trainers), counted as ruff formats them (issue 36), and a
+root that shows the design.
 
 - d3s.py imports only torch and the standard library: it is the method, not a framework.
 - No rung imports another rung (toy/bandit.py, train_small.py, train_full.py), and nothing that a rung or a shared
@@ -15,18 +16,32 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RUNGS = {"toy/bandit.py": "bandit", "train_small.py": "train_small", "train_full.py": "train_full"}
-SHARED = [
+SHARED = ["d3s.py"] + sorted(str(p.relative_to(ROOT)) for p in (ROOT / "support").glob("*.py"))
+READER_PATH = {"README.md": 200, "d3s.py": 450, "toy/bandit.py": 380, "train_small.py": 580, "train_full.py": 620}
+ROOT_FILES = {
+    "README.md",
     "d3s.py",
-    "support/variants.py",
-    "support/cli.py",
-    "support/common.py",
-    "support/explain.py",
-    "support/mathtask.py",
-    "support/tiny.py",
-    "support/warmstart.py",
-    "support/fsdp_vllm.py",
-] + sorted(str(p.relative_to(ROOT)) for p in ROOT.glob("full_*.py"))
-READER_PATH = {"README.md": 200, "d3s.py": 400, "toy/bandit.py": 300, "train_small.py": 450, "train_full.py": 500}
+    "train_small.py",
+    "train_full.py",
+    "requirements.txt",
+    "pyproject.toml",
+    ".gitignore",
+}
+ROOT_FOLDERS = {
+    "toy",
+    "tests",
+    "support",
+    "requirements",
+    "docs",
+    "data",
+    "experiments",
+    "bench",
+    "lesson",
+    "integrations",
+    "scripts",
+    "weights",
+    ".ci",
+}
 STDLIB = set(sys.stdlib_module_names)
 
 
@@ -80,15 +95,50 @@ def test_the_doctests_pass_from_the_command_line(module):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
+def lines_as_formatted(path):
+    """The file's line count as `ruff format` (pyproject.toml: line length 120) writes it; a .md file as it is."""
+    text = (ROOT / path).read_text(encoding="utf-8")
+    if path.endswith(".py"):
+        cmd = [sys.executable, "-m", "ruff", "format", "--stdin-filename", path, "-"]
+        proc = subprocess.run(cmd, cwd=ROOT, input=text, capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout == text, f"{path} is not formatted: run ruff format {path}"
+    return len(text.splitlines())
+
+
 @pytest.mark.parametrize("path, most", sorted(READER_PATH.items()))
 def test_the_files_a_reader_opens_first_stay_at_the_anchors_scale(path, most):
-    """cleanRL's ppo.py is 312 lines, nanoGPT's train.py 336: a feature that would grow these files goes beside them."""
-    lines = len((ROOT / path).read_text(encoding="utf-8").splitlines())
-    assert lines <= most, f"{path}: {lines} lines, more than {most}"
+    """cleanRL's ppo.py is 312 lines, nanoGPT's train.py 336: a feature that would grow these files goes beside them.
+    Counted as the formatter writes the file, so packing lines does not make a file shorter."""
+    lines = lines_as_formatted(path)
+    assert lines <= most, f"{path}: {lines} lines as ruff formats it, more than {most}"
+
+
+def test_a_packed_file_is_counted_as_the_formatter_unpacks_it(tmp_path):
+    """The count cannot be met by packing: a line of three statements is not the file ruff writes."""
+    probe = ROOT / "tests" / "_layout_packed.py"
+    probe.write_text("x = 1; y = 2; z = 3\n")
+    try:
+        with pytest.raises(AssertionError, match="is not formatted"):
+            lines_as_formatted("tests/_layout_packed.py")
+    finally:
+        probe.unlink()
+
+
+def test_the_root_holds_only_the_designs_files_and_folders():
+    """The root shows the reading path: d3s.py, the rungs, README, requirements.txt and folders; the modules the rungs
+    share are in support/, the other requirements in requirements/."""
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout: the tracked files are not known")
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    files = {p for p in tracked if "/" not in p}
+    folders = {p.split("/")[0] for p in tracked if "/" in p}
+    assert files <= ROOT_FILES, f"files at the root beyond the design: {sorted(files - ROOT_FILES)}"
+    assert folders <= ROOT_FOLDERS, f"folders at the root beyond the design: {sorted(folders - ROOT_FOLDERS)}"
 
 
 def test_the_readmes_reading_order_gives_each_files_true_length():
-    """The table under "Read it in this order" names each file of the path with its length: kept true here."""
+    """The table under "Read it in this order" names each file of the path with its length as formatted: kept true."""
     import re
 
     text = (ROOT / "README.md").read_text(encoding="utf-8")
@@ -96,4 +146,4 @@ def test_the_readmes_reading_order_gives_each_files_true_length():
     rows = re.findall(r"^\| \d+ \| \[?`([^`]+)`\]?(?:\([^)]*\))? \| (\d+) \|", table, re.M)
     assert [path for path, _ in rows] == list(READER_PATH)
     for path, lines in rows:
-        assert int(lines) == len((ROOT / path).read_text(encoding="utf-8").splitlines()), path
+        assert int(lines) == lines_as_formatted(path), path

@@ -23,15 +23,15 @@ import math
 import os
 import sys
 import time
+from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
-from support import cli, common  # noqa: E402
 import d3s  # noqa: E402
-from support import explain, variants  # noqa: E402
+from support import cli, common, explain, variants  # noqa: E402
 
 PROG = "bandit.py"  # the name in every error line, however the script is started
 DEFAULT_METHODS = ("grpo", "d1s", "d1s-cross", "d2s", "d3s", "d3s-i", "pods", "random")  # docs/toy.md's table
@@ -149,11 +149,8 @@ class Policy(nn.Module):
         n, L, V = prior.shape
         self.register_buffer("prior", prior)  # the "base model" (not trained)
         self.bos = V  # token id of the start symbol
-        self.e_prompt, self.e_pos, self.e_prev = (
-            nn.Embedding(n, hidden),
-            nn.Embedding(L, hidden),
-            nn.Embedding(V + 1, hidden),
-        )
+        self.e_prompt, self.e_pos = nn.Embedding(n, hidden), nn.Embedding(L, hidden)
+        self.e_prev = nn.Embedding(V + 1, hidden)
         self.mlp = nn.Sequential(nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, V))
         nn.init.zeros_(self.mlp[-1].weight), nn.init.zeros_(self.mlp[-1].bias)  # step 0 = the prior
 
@@ -254,54 +251,11 @@ def run(method, seed, args):
         updated = not skipped and bool(token_keep.any())  # dapo-filter with no mixed group: nothing to train on
         if updated:
             opt.step()
+        step_vars = SimpleNamespace(**locals())  # what the step computed, for its page and its metrics line
         if args.explain_every and (s == 1 or s % args.explain_every == 0):
-            explain.toy_page(
-                args,
-                method,
-                seed,
-                s,
-                task,
-                prompts,
-                tokens,
-                rewards,
-                keep,
-                adv,
-                kept,
-                entropy,
-                scores,
-                token_keep,
-                n_keep,
-                k_frac,
-                {
-                    "loss": loss.item(),
-                    f"loss normalizer ({args.normalizer} tokens)": int(normalizer or token_keep.sum()),
-                    "grad norm (before clipping)": float(grad_norm),
-                },
-            )
+            explain.toy_page(args, step_vars)  # a page of what the step trains on (docs/walkthrough.md)
         rewards_so_far.append(float(rewards.mean()))
-        lines.append(
-            train_line(
-                method,
-                seed,
-                s,
-                args,
-                rewards,
-                keep,
-                adv,
-                kept,
-                n_keep,
-                k_frac,
-                entropy,
-                token_keep,
-                stats,
-                loss,
-                grad_norm,
-                updated,
-                skipped,
-                task["decisions"][prompt_ids],
-                sample_logits,
-            )
-        )
+        lines.append(train_line(args, step_vars))
     return lines
 
 
@@ -314,44 +268,26 @@ def eval_line(policy, task, method, seed, step):
     return {"kind": "eval", "step": step, "method": method, "seed": seed, "eval_reward": mean, "eval_solved": solved}
 
 
-def train_line(
-    method,
-    seed,
-    step,
-    args,
-    rewards,
-    keep,
-    adv,
-    kept,
-    n_keep,
-    k_frac,
-    entropy,
-    token_keep,
-    stats,
-    loss,
-    grad_norm,
-    updated,
-    skipped,
-    decisions,
-    sample_logits,
-):
-    """The step's train line of metrics.jsonl (docs/metrics.md), with the toy's own keys: the gradient norm at GRPO's
-    normalizer (all P * G * L tokens), the share of decision positions among the trained tokens, the entropy of the
-    decision and the filler positions."""
+def train_line(args, v):
+    """The step's train line of metrics.jsonl (docs/metrics.md) from run's variables `v`, with the toy's own keys: the
+    gradient norm at GRPO's normalizer (all P * G * L tokens), the share of decision positions among the trained
+    tokens, the entropy of the decision and the filler positions."""
     P, G, L = args.batch_prompts, args.group_size, args.length
+    rewards, keep, adv, kept, token_keep = v.rewards, v.keep, v.adv, v.kept, v.token_keep
+    grad_norm, updated = v.grad_norm, v.updated
     grpo_scale = grad_norm * (P * G * L if args.normalizer == "all" else token_keep.sum()) / (P * G * L)
-    sample_entropy = d3s.token_entropy(sample_logits)
+    sample_entropy, decisions = d3s.token_entropy(v.sample_logits), v.task["decisions"][v.prompt_ids]
     mean0 = lambda t: float(t.mean()) if t.numel() else 0.0  # a dapo-filter step may keep nothing
     return {
         "kind": "train",
-        "step": step,
-        "method": method,
-        "seed": seed,
+        "step": v.s,
+        "method": v.method,
+        "seed": v.seed,
         "reward_mean": float(rewards.mean()),
         "acc_train": float(rewards.mean()),  # a 0/1 reward is correctness
         "groups_mixed": float((rewards.amax(-1) > rewards.amin(-1)).float().mean()),
-        "n_keep": int(n_keep),
-        "k_frac": float(k_frac),
+        "n_keep": int(v.n_keep),
+        "k_frac": float(v.k_frac),
         "k_real": float(token_keep.sum() / token_keep.numel()),
         "kept_samples": int(kept.numel()),
         "sur": d3s.usefulness_rate(adv, keep),
@@ -361,13 +297,13 @@ def train_line(
         "kept_tokens_frac": int(token_keep.sum()) / (P * G * L),
         "kept_adv_var": d3s.kept_variance(adv, keep),
         "grad_norm": float(grad_norm) if updated else None,
-        "entropy_mean": mean0(entropy),
-        "entropy_kept": mean0(entropy[token_keep]),
-        "kl_ref": float(stats["kl"]),
-        "clip_frac": float(stats["clip_frac"]),
-        "loss": float(loss.detach()),
+        "entropy_mean": mean0(v.entropy),
+        "entropy_kept": mean0(v.entropy[token_keep]),
+        "kl_ref": float(v.stats["kl"]),
+        "clip_frac": float(v.stats["clip_frac"]),
+        "loss": float(v.loss.detach()),
         "updates": int(updated),
-        "skipped": bool(skipped),
+        "skipped": bool(v.skipped),
         "response_len": float(L),
         "grad_norm_grpo_scale": float(grpo_scale) if updated else None,
         "decision_share": mean0(decisions[kept][token_keep].float()),  # of the trained tokens
