@@ -39,238 +39,57 @@ RUN_FLAGS = (
     "clip_low clip_high mini_batches task kl_coef temperature max_new_tokens"
 ).split()  # a resume must repeat them
 ADDED_RUN_FLAGS = {"switch_on_spike": 0.0}  # RUN_FLAGS added later, and the value older checkpoints ran with
+EPILOG = "Paper recipe (Qwen2.5-Math-7B): G >= 32, N 8 -> 32, K 5% -> 20%, lr 1e-6, clip 0.2/0.28, 3k tokens. The CPU "
+EPILOG += "defaults are scaled down; each flag says so."
 
 
 def build_parser(prog=PROG):
-    p = cli.Parser(
-        prog=prog,
-        description=__doc__.split("\n\n")[0],
-        epilog="Paper recipe (Qwen2.5-Math-7B): G >= 32, N 8 -> "
-        "32, K 5% -> 20%, lr 1e-6, clip 0.2/0.28, 3k tokens. The CPU defaults are scaled down; each flag says so.",
-    )
-    a, n, frac = p.add_argument, cli.number, "a fraction of tokens in (0, 1]"
-    a("--method", default="d3s", help=f"what to train on, a row of variants.LADDER: {', '.join(variants.METHODS)}")
-    a(
-        "--loss",
-        default="grpo",
-        choices=["grpo", "gspo"],
-        help="policy loss: token ratios (grpo) or the sequence ratio (gspo)",
-    )
-    a("--steps", type=n(int, 1), default=100, help="RL steps (one optimizer batch of P x G rollouts each)")
-    a(
-        "--resume",
-        nargs="?",
-        const="latest",
-        default=None,
-        metavar="PATH",
-        help="continue a killed run: from PATH (a "
-        "checkpoint.pt) or OUT/checkpoint.pt; with the flags it was started with",
-    )
-    a("--out", default="runs/small", help="run folder: metrics.jsonl, checkpoint.pt, summary.json, final/, explain/")
-    a(
-        "--seed",
-        type=n(int, 0, 2**31 - 1),
-        default=0,
-        help="seed of the tiny model, the generated data and the warm start",
-    )
-    a(
-        "--rl-seed",
-        type=n(int, 0, 2**31 - 1),
-        default=None,
-        help="seed of the RL run: prompt order, sampling, random selection (default: --seed)",
-    )
-    a("--threads", type=n(int, 0, 1024), default=0, help="torch CPU threads (0: torch's default)")
-    a("--model", default=None, metavar="PATH_OR_HUB_NAME", help="any HF causal LM instead of the tiny model")
-    a(
-        "--template",
-        default="auto",
-        choices=["auto", "plain", "qwen-math"],
-        help="prompt template (auto: plain for the tiny model, qwen-math with --model)",
-    )
-    a(
-        "--hidden-size",
-        type=n(int, 8, 4096, what="a multiple of 4 in [8, 4096] (4 heads)"),
-        default=128,
-        help="tiny model: hidden size",
-    )
-    a("--num-layers", type=n(int, 1, 64), default=4, help="tiny model: transformer layers")
-    a(
-        "--task",
-        default="steps",
-        choices=list(warmstart.TASKS),
-        help="the tiny model's generated task: steps (worked "
-        "solutions, every intermediate result a decision) or direct (the answer only)",
-    )
-    a("--train-file", default=None, help="JSONL/JSON/Parquet with 'problem' and 'answer' (default: the generated task)")
-    a("--eval-file", default=None, help="held-out JSONL/JSON/Parquet (default: generated, disjoint from train)")
-    a("--train-size", type=n(int, 1, 10**6), default=5000, help="training problems (or the first rows of --train-file)")
-    a("--eval-size", type=n(int, 1, 10**5), default=200, help="held-out problems (or the first rows of --eval-file)")
-    a("--cache-dir", default="runs/cache", help="where the warm-started model is cached")
-    a(
-        "--sft-steps",
-        type=n(int, 0, 10**6),
-        default=None,
-        help=f"supervised warm-start steps (default: tiny model "
-        f"{warmstart.TINY_SFT_STEPS['steps']} for --task steps, {warmstart.TINY_SFT_STEPS['direct']} for direct; 0 with --model)",
-    )
-    a(
-        "--sft-shortcut",
-        type=n(float, 0, 1, what="a share in [0, 1]"),
-        default=0.7,
-        help="share of the multi-step "
-        "demonstrations that box the first step's result: a habit RL can unlearn (0.7: held-out Pass@1 near 0.35) (choice)",
-    )
-    a(
-        "--sft-lr",
-        type=n(float, 0, 1, low_open=True),
-        default=1e-3,
-        help="supervised learning rate (linear decay to 10%%)",
-    )
-    a("--sft-batch", type=n(int, 1, 65536), default=64, help="supervised batch size")
-    a("--prompts-per-step", type=n(int, 1, 4096), default=16, help="P: prompts per step (scaled down for CPU)")
-    a(
-        "--group-size",
-        type=n(int, 2, 1024, what="an int in [2, 1024] (advantages need 2 rollouts)"),
-        default=16,
-        help="G: rollouts per prompt (paper: 32, [inferred] from N_final = 32; scaled down for CPU)",
-    )
-    a("--n-init", type=n(int, 1), default=4, help="N at the first step: rollouts kept per prompt (paper: 8 of 32)")
-    a("--n-final", type=n(int, 1), default=16, help="N at the last step (paper: 32 of 32)")
-    a("--k-init", type=n(float, 0, 1, low_open=True, what=frac), default=0.05, help="K at the first step (paper: 0.05)")
-    a("--k-final", type=n(float, 0, 1, low_open=True, what=frac), default=0.20, help="K at the last step (paper: 0.20)")
-    a(
-        "--static-n",
-        type=n(int, 1),
-        default=None,
-        help="N of the static rows d1s, d1s-cross, d2s, pods (default: the schedule's midpoint) (choice)",
-    )
-    a(
-        "--static-k",
-        type=n(float, 0, 1, low_open=True, what=frac),
-        default=None,
-        help="K of d2s (default: the midpoint) (choice)",
-    )
-    a(
-        "--schedule",
-        default="linear",
-        choices=variants.SCHEDULES,
-        help="N and K from init to final: linear (paper), cosine, step, constant, adaptive (variants.progress)",
-    )
-    a(
-        "--token-rule",
-        default="adv-entropy",
-        choices=list(variants.TOKEN_RULES),
-        help="token score: adv-entropy (|A| * H, paper), entropy, adv, random (variants.TOKEN_RULES)",
-    )
-    a(
-        "--token-scope",
-        default="batch",
-        choices=["batch", "sequence"],
-        help="top-K tokens over the batch or within each response (sequence) (choice)",
-    )
-    a(
-        "--switch-on-spike",
-        type=n(float, 1, low_open=True, what="0 (off) or a number > 1", also=(0,)),
-        default=0.0,
-        help="the switch rule (variants.switch_to_intra): a cross-group row selects within groups from the step after the "
-        "first grad-norm spike over this x the median of the 10 steps before; 0: off, the paper's method",
-    )
-    a(
-        "--min-token-per-response",
-        action="store_true",
-        help="every kept response keeps its best token (off: plain top-K%%)",
-    )
-    a("--lr", type=n(float, 0, 1, low_open=True), default=5e-5, help="AdamW learning rate (recipe, 7B: 1e-6)")
-    a(
-        "--warmup-steps",
-        type=n(int, 0, what="an int >= 0 (0: no warmup)"),
-        default=10,
-        help="the RL learning rate rises linearly over the first W steps (choice)",
-    )
-    a(
-        "--max-grad-norm",
-        type=n(float, 0, low_open=True),
-        default=1.0,
-        help="gradient clipping (logged before clipping)",
-    )
-    a(
-        "--loss-agg",
-        default=None,
-        choices=["token-mean", "seq-mean-token-mean"],
-        help="default: token-mean for grpo, seq-mean-token-mean for gspo",
-    )
-    a(
-        "--clip-low",
-        type=n(float, 0, 1, high_open=True, what="in [0, 1): the ratio is clipped at 1 - eps_low"),
-        default=None,
-        help="eps_low (default: 0.2 grpo, 3e-4 gspo (GSPO paper))",
-    )
-    a(
-        "--clip-high",
-        type=n(float, 0, 100),
-        default=None,
-        help="eps_high (default: 0.28 grpo, DAPO's clip-higher; 4e-4 gspo)",
-    )
-    a(
-        "--mini-batches",
-        type=n(int, 1, 4096),
-        default=4,
-        help="M: optimizer steps per rollout batch ([recipe]: verl's "
-        "Qwen2.5-Math GRPO runs use 1024 / 256 = 4); 1 = on-policy",
-    )
-    a("--kl-coef", type=n(float, 0), default=0.0, help="beta of the k3 KL penalty to the warm start (recipe: 0)")
-    a(
-        "--kl-every",
-        type=n(int, 0),
-        default=None,
-        help="with --kl-coef 0, measure the KL on step 1, every E steps and the last (default: --eval-every; 0: never)",
-    )
-    a("--temperature", type=n(float, 0.01, 100), default=1.0, help="sampling temperature (rollouts and eval samples)")
-    a(
-        "--max-new-tokens",
-        type=n(int, 1, 65536),
-        default=None,
-        help=f"response length limit (default: {TINY_MAX_NEW_TOKENS} "
-        f"tiny model, {HF_MAX_NEW_TOKENS} with --model; paper: 3k)",
-    )
-    a("--drop-long-prompts", action="store_true", help=cli.DROP_LONG_PROMPTS_HELP)
-    a(
-        "--grade-timeout",
-        type=n(float, 0, 3600, low_open=True),
-        default=5.0,
-        help="seconds math-verify may spend on an answer",
-    )
-    a(
-        "--eval-every",
-        type=n(int, 1),
-        default=25,
-        help="evaluate on the held-out set every E steps (and at 0 and the end)",
-    )
-    a("--eval-samples", type=n(int, 1, 1024), default=8, help="n: samples per held-out problem for Pass@1 and Pass@k")
-    a(
-        "--mid-eval-samples",
-        type=n(int, 1, 1024),
-        default=None,
-        help="n at every evaluation but the last (choice; default: "
-        "--eval-samples; the ladder: 2; at most --eval-samples): cheaper, still unbiased",
-    )
-    a("--pass-k", type=n(int, 1), default=8, help="k of Pass@k (unbiased estimator from n samples; k <= n)")
-    a("--gen-batch", type=n(int, 1), default=512, help="sequences per generate call during evaluation")
-    a("--save-every", type=n(int, 1), default=20, help="write OUT/checkpoint.pt every S steps (and at the end)")
-    a(
-        "--explain-every",
-        type=n(int, 0),
-        default=25,
-        help="step 1 and every N-th step write OUT/explain/step_NNNNNN.html (support/explain.py); 0 = off",
-    )
-    a(
-        "--stop-after",
-        type=n(int, 1),
-        default=None,
-        metavar="N",
-        help="stop cleanly after step N: write the checkpoint and exit 0 (continue with --resume)",
-    )
-    return p
+    f, n = cli.flag, cli.number  # one knob a line: f(flag, default, what it may be, help)
+    frac, seed = n(float, 0, 1, low_open=True, what="a fraction of tokens in (0, 1]"), n(int, 0, 2**31 - 1)
+    group = n(int, 2, 1024, what="an int in [2, 1024] (advantages need 2 rollouts)")
+    clip = n(float, 0, 1, high_open=True, what="in [0, 1): the ratio is clipped at 1 - eps_low")
+    flags = [
+        f("--method", "d3s", None, f"what to train on, a row of variants.LADDER: {', '.join(variants.METHODS)}"),
+        f("--loss", "grpo", ["grpo", "gspo"], "policy loss: token ratios (grpo) or the sequence ratio (gspo)"),
+        f("--steps", 100, n(int, 1), "RL steps (one optimizer batch of P x G rollouts each)"),
+        f("--resume", None, None, "continue from PATH or OUT/checkpoint.pt", nargs="?", const="latest", metavar="PATH"),
+        f("--out", "runs/small", None, "run folder: metrics.jsonl, checkpoint.pt, summary.json, final/, explain/"),
+        f("--seed", 0, seed, "seed of the tiny model, the generated data and the warm start"),
+        f("--rl-seed", None, seed, "seed of the RL run: prompt order, sampling, random selection (default: --seed)"),
+        f("--threads", 0, n(int, 0, 1024), "torch CPU threads (0: torch's default)"),
+        *warmstart.flags(),  # the model, the data and the supervised warm start: --model, --task, --sft-steps, ...
+        f("--prompts-per-step", 16, n(int, 1, 4096), "P: prompts per step (scaled down for CPU)"),
+        f("--group-size", 16, group, "G: rollouts per prompt (paper: 32, [inferred] from N_final = 32; scaled down)"),
+        f("--n-init", 4, n(int, 1), "N at the first step: rollouts kept per prompt (paper: 8 of 32)"),
+        f("--n-final", 16, n(int, 1), "N at the last step (paper: 32 of 32)"),
+        f("--k-init", 0.05, frac, "K at the first step (paper: 0.05)"),
+        f("--k-final", 0.20, frac, "K at the last step (paper: 0.20)"),
+        f("--static-n", None, n(int, 1), "N of d1s, d1s-cross, d2s, pods (default: the schedule's midpoint) (choice)"),
+        f("--static-k", None, frac, "K of d2s (default: the midpoint) (choice)"),
+        *variants.flags("--schedule", "--token-rule", "--token-scope", "--switch-on-spike", "--min-token-per-response"),
+        f("--lr", 5e-5, n(float, 0, 1, low_open=True), "AdamW learning rate (recipe, 7B: 1e-6)"),
+        f("--warmup-steps", 10, n(int, 0, what="an int >= 0 (0: no warmup)"), "the RL lr rises over W steps (choice)"),
+        f("--max-grad-norm", 1.0, n(float, 0, low_open=True), "gradient clipping (logged before clipping)"),
+        f("--loss-agg", None, ["token-mean", "seq-mean-token-mean"], "None: d3s.DEFAULT_AGG of --loss"),
+        f("--clip-low", None, clip, "eps_low (default: 0.2 grpo, 3e-4 gspo (GSPO paper))"),
+        f("--clip-high", None, n(float, 0, 100), "eps_high (default: 0.28 grpo, DAPO's clip-higher; 4e-4 gspo)"),
+        f("--mini-batches", 4, n(int, 1, 4096), "M: updates per batch ([recipe]: verl's 1024 / 256 = 4); 1: on-policy"),
+        f("--kl-coef", 0.0, n(float, 0), "beta of the k3 KL penalty to the warm start (recipe: 0)"),
+        f("--kl-every", None, n(int, 0), "the KL metric's cadence with --kl-coef 0 (None: --eval-every; 0: never)"),
+        f("--temperature", 1.0, n(float, 0.01, 100), "sampling temperature (rollouts and eval samples)"),
+        f("--max-new-tokens", None, n(int, 1, 65536), f"None: {TINY_MAX_NEW_TOKENS}, {HF_MAX_NEW_TOKENS} with --model"),
+        f("--drop-long-prompts", False, bool, cli.DROP_LONG_PROMPTS_HELP),
+        f("--grade-timeout", 5.0, n(float, 0, 3600, low_open=True), "seconds math-verify may spend on an answer"),
+        f("--eval-every", 25, n(int, 1), "evaluate on the held-out set every E steps (and at 0 and the end)"),
+        f("--eval-samples", 8, n(int, 1, 1024), "n: samples per held-out problem for Pass@1 and Pass@k"),
+        f("--mid-eval-samples", None, n(int, 1, 1024), "n before the last evaluation (choice; ladder: 2; <= n)"),
+        f("--pass-k", 8, n(int, 1), "k of Pass@k (unbiased estimator from n samples; k <= n)"),
+        f("--gen-batch", 512, n(int, 1), "sequences per generate call during evaluation"),
+        f("--save-every", 20, n(int, 1), "write OUT/checkpoint.pt every S steps (and at the end)"),
+        f("--explain-every", 25, n(int, 0), "step 1 and every N-th step write OUT/explain/step_N.html; 0: off"),
+        f("--stop-after", None, n(int, 1), "stop cleanly after step N, checkpointed (continue: --resume)", metavar="N"),
+    ]
+    return cli.parser(prog, __doc__.split("\n\n")[0], flags, epilog=EPILOG)
 
 
 def parse_args(argv=None, parser=None, methods=None):
@@ -303,12 +122,9 @@ def parse_args(argv=None, parser=None, methods=None):
         clip[0] if args.clip_low is None else args.clip_low,
         clip[1] if args.clip_high is None else args.clip_high,
     )
-    args.sft_steps = (
-        (0 if args.model else warmstart.TINY_SFT_STEPS[args.task]) if args.sft_steps is None else args.sft_steps
-    )
     if args.max_new_tokens is None:
         args.max_new_tokens = HF_MAX_NEW_TOKENS if args.model else TINY_MAX_NEW_TOKENS[args.task]
-    args.template = ("qwen-math" if args.model else "plain") if args.template == "auto" else args.template
+    warmstart.fill_defaults(args)  # --sft-steps and --template: by --model and --task
     return args
 
 

@@ -217,14 +217,24 @@ def switch_to_intra(method, grad_norms, ratio, window=10):
 # Their flags: a rung adds the ones it runs with one call, *variants.flags("--schedule", ...) (cli.flag entries)
 # ---------------------------------------------------------------------------------------------
 FLAGS = [
-    cli.flag("--schedule", "linear", SCHEDULES, "the curve of N and K (variants.progress; linear: the paper's)"),
+    cli.flag(
+        "--schedule",
+        "linear",
+        SCHEDULES,
+        "N and K from init to final: linear (paper), cosine, step, constant, adaptive (variants.progress)",
+    ),
     cli.flag(
         "--token-rule",
         "adv-entropy",
         list(TOKEN_RULES),
-        "token score (variants.TOKEN_RULES; adv-entropy = |A| * H: the paper's)",
+        "token score: adv-entropy (|A| * H, paper), entropy, adv, random (variants.TOKEN_RULES)",
     ),
-    cli.flag("--token-scope", "batch", ["batch", "sequence"], "top K over the batch or per response (choice)"),
+    cli.flag(
+        "--token-scope",
+        "batch",
+        ["batch", "sequence"],
+        "top-K tokens over the batch or within each response (sequence) (choice)",
+    ),
     cli.flag(
         "--switch-on-spike",
         0.0,

@@ -5,6 +5,8 @@ warm start that RL starts from, cached so that every run of a comparison starts 
     format_prompt(problem, template)
     load_warm_start(args, rows)   (model, tokenizer, info): --model or the tiny Qwen2 (support/tiny.py), after --sft-steps of
                                   supervised training on the answers; cached in --cache-dir/warmstart-<hash>/
+    flags(), fill_defaults(args)  the flags of the model, data and warm start (--model, --task, --sft-*, ...): declared
+                                  here, added by train_small.py with one call
 
 The default warm start ships in weights/warmstart-<hash>/ (2.5 MB), so the first run starts RL at once; any other
 flags build their own. Rebuild the shipped one (1 thread, ~5 min) with:
@@ -24,6 +26,7 @@ import zlib
 import torch
 from tqdm import tqdm
 
+from support import cli
 from support.cli import UsageError
 from support.mathtask import PLAIN_TEMPLATE, QWEN_MATH_TEMPLATE, arithmetic_problems, load_problems, step_problems
 
@@ -35,6 +38,72 @@ TINY_SFT_STEPS = {
 SHIPPED_DIR = os.path.join(
     os.path.dirname(os.path.abspath(__file__)), "weights"
 )  # the default's warm start, built once
+
+# The flags of the model, the data and the warm start (cli.flag entries): train_small.py adds them with one call,
+# *warmstart.flags(), and fills the defaults that depend on other flags with warmstart.fill_defaults(args).
+n = cli.number
+FLAGS = [
+    cli.flag("--model", None, None, "any HF causal LM instead of the tiny model", metavar="PATH_OR_HUB_NAME"),
+    cli.flag(
+        "--template",
+        "auto",
+        ["auto", "plain", "qwen-math"],
+        "prompt template (auto: plain for the tiny model, qwen-math with --model)",
+    ),
+    cli.flag(
+        "--hidden-size", 128, n(int, 8, 4096, what="a multiple of 4 in [8, 4096] (4 heads)"), "tiny model: hidden size"
+    ),
+    cli.flag("--num-layers", 4, n(int, 1, 64), "tiny model: transformer layers"),
+    cli.flag(
+        "--task",
+        "steps",
+        list(TASKS),
+        "the tiny model's generated task: steps (worked solutions, every intermediate result a decision) or direct "
+        "(the answer only)",
+    ),
+    cli.flag(
+        "--train-file", None, None, "JSONL/JSON/Parquet with 'problem' and 'answer' (default: the generated task)"
+    ),
+    cli.flag("--eval-file", None, None, "held-out JSONL/JSON/Parquet (default: generated, disjoint from train)"),
+    cli.flag("--train-size", 5000, n(int, 1, 10**6), "training problems (or the first rows of --train-file)"),
+    cli.flag("--eval-size", 200, n(int, 1, 10**5), "held-out problems (or the first rows of --eval-file)"),
+    cli.flag("--cache-dir", "runs/cache", None, "where the warm-started model is cached"),
+    cli.flag(
+        "--sft-steps",
+        None,
+        n(int, 0, 10**6),
+        f"supervised warm-start steps (default: tiny model {TINY_SFT_STEPS['steps']} for --task steps, "
+        f"{TINY_SFT_STEPS['direct']} for direct; 0 with --model)",
+    ),
+    cli.flag(
+        "--sft-shortcut",
+        0.7,
+        n(float, 0, 1, what="a share in [0, 1]"),
+        "share of the multi-step demonstrations that box the first step's result: a habit RL can unlearn (0.7: "
+        "held-out Pass@1 near 0.35) (choice)",
+    ),
+    cli.flag("--sft-lr", 1e-3, n(float, 0, 1, low_open=True), "supervised learning rate (linear decay to 10%%)"),
+    cli.flag("--sft-batch", 64, n(int, 1, 65536), "supervised batch size"),
+]
+
+
+def flags(*names):
+    """The FLAGS named, in that order; none named: all of them.
+
+    >>> [name for name, _ in flags("--sft-lr", "--task")]
+    ['--sft-lr', '--task']
+    """
+    declared = dict(FLAGS)
+    return [(name, declared[name]) for name in names] if names else list(FLAGS)
+
+
+def fill_defaults(args):
+    """The defaults that depend on other flags: --sft-steps (tiny model: TINY_SFT_STEPS[--task]; --model: 0) and
+    --template (auto: plain for the tiny model, qwen-math with --model)."""
+    if args.sft_steps is None:
+        args.sft_steps = 0 if args.model else TINY_SFT_STEPS[args.task]
+    if args.template == "auto":
+        args.template = "qwen-math" if args.model else "plain"
 
 
 def load_data(args):
