@@ -723,6 +723,54 @@ def _meta_model(config):
         return AutoModelForCausalLM.from_config(config)
 
 
+def batch_invariant_on(environ=None):
+    """Whether VLLM_BATCH_INVARIANT asks for vLLM's batch-invariant mode, read as vLLM 0.32 reads it (envs.py:636:
+    an int, on unless 0)."""
+    value = (os.environ if environ is None else environ).get("VLLM_BATCH_INVARIANT", "0")
+    try:
+        return int(value) != 0
+    except ValueError:  # vLLM's own int() refuses it
+        return False
+
+
+def batch_invariant_refusal(capability, training=True, hip=False, name="", environ=None):
+    """The one line that refuses VLLM_BATCH_INVARIANT on a GPU where vLLM 0.32 would break the trainer, or None.
+
+    capability: the GPU's (major, minor). On compute capability 8.x (A100, A10G, L4, L40S, RTX 3090/4090) and on
+    ROCm, vLLM's batch-invariant mode registers its own kernels for aten::linear, matmul, mm and addmm for the whole
+    process and never removes them (model_executor/determinism/batch_invariant.py:1318-1329, the family test in
+    platforms/interface.py:577-588, switched on as the worker starts, v1/worker/gpu_worker.py:1649-1651). Under
+    external_launcher vLLM runs in the trainer's process, and the replaced linear and matmul have no backward: the
+    trainer's loss.backward() fails (aten::linear_backward; tests/test_gpu_findings.py shows it on CPU). On 9.x
+    and above only mean, softmax, log-softmax and bmm are replaced, whose backward formulas stay torch's: allowed.
+    training=False (--eval-only): no backward, allowed everywhere."""
+    if not training or not batch_invariant_on(environ):
+        return None
+    major, minor = capability
+    if major != 8 and not hip:
+        return None
+    gpu = (f"{name}, " if name else "") + ("ROCm" if hip else f"compute capability {major}.{minor}")
+    return (
+        f"VLLM_BATCH_INVARIANT=1 on this GPU ({gpu}): vLLM 0.32 then replaces torch's linear, matmul, mm and addmm "
+        "in the whole process, the trainer's too, and the replaced linear has no backward: training would fail at "
+        "its first backward; unset VLLM_BATCH_INVARIANT (generation then depends on how requests are batched: "
+        "docs/train_full.md, Reproducibility), or use a GPU of compute capability 9.0 or more (H100, H200, B200)"
+    )
+
+
+def check_batch_invariant(args, device):
+    """batch_invariant_refusal on this GPU for --rollout vllm (a UsageError: one line, exit 2), before vLLM is built."""
+    if device.type == "cuda" and args.rollout == "vllm":
+        line = batch_invariant_refusal(
+            torch.cuda.get_device_capability(device),
+            training=not getattr(args, "eval_only", False),
+            hip=torch.version.hip is not None,
+            name=torch.cuda.get_device_name(device),
+        )
+        if line:
+            raise UsageError(line)
+
+
 class VLLMEngine:
     """A vLLM engine inside this trainer process, on this rank's GPU (external_launcher, TP=1).
 
@@ -735,6 +783,7 @@ class VLLMEngine:
     """
 
     def __init__(self, model_path, args, dist_):
+        check_batch_invariant(args, dist_.device)  # before vLLM is built: its worker replaces the kernels as it starts
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core lives in this process
         from vllm import LLM
 
@@ -762,7 +811,7 @@ class VLLMEngine:
                     f"{'beside vLLM awake' if plan['vllm_awake_in_step'] else 'while vLLM sleeps'}, gpu_memory_utilization "
                     f"{utilization}: vLLM's bf16 weights {plan['vllm_weights_gib']:.1f} GiB + workspace "
                     f"{plan['vllm_workspace_gib']:.1f} + KV cache ~{plan['kv_cache_gib']:.1f}, max_num_seqs "
-                    f"{max_num_seqs}; generation {'is' if os.environ.get('VLLM_BATCH_INVARIANT') == '1' else 'is not'} "
+                    f"{max_num_seqs}; generation {'is' if batch_invariant_on() else 'is not'} "
                     "batch-invariant (VLLM_BATCH_INVARIANT, docs/train_full.md)",
                     flush=True,
                 )

@@ -1,0 +1,79 @@
+"""Issue 37, the second review of the GPU rung against the vllm 0.32.0 and torch 2.13.0 wheels: its five findings,
+each fixed in support/fsdp_vllm.py and tested here as far as a CPU can show it.
+
+1. VLLM_BATCH_INVARIANT=1 on compute capability 8.x: vLLM replaces aten::linear/matmul/mm/addmm in the whole
+   process, without a backward. Refused in one line (the capability is an argument here); and, on CPU, a
+   replacement of the same kind does break the backward (why the refusal).
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+import types
+
+import pytest
+
+from support import fsdp_vllm
+
+INVARIANT = {"VLLM_BATCH_INVARIANT": "1"}
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. VLLM_BATCH_INVARIANT on compute capability 8.x
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("capability", [(8, 0), (8, 6), (8, 9)])  # A100; A10G, RTX 3090; L4, L40S, RTX 4090
+def test_batch_invariant_mode_is_refused_on_8_x_in_one_line_that_names_the_capability_and_the_alternative(capability):
+    line = fsdp_vllm.batch_invariant_refusal(capability, name="NVIDIA A10G", environ=INVARIANT)
+    assert line and "\n" not in line
+    assert line.startswith(f"VLLM_BATCH_INVARIANT=1 on this GPU (NVIDIA A10G, compute capability {capability[0]}.")
+    assert "unset VLLM_BATCH_INVARIANT" in line and "compute capability 9.0 or more" in line
+
+
+@pytest.mark.parametrize("capability", [(9, 0), (10, 0), (12, 0)])  # H100/H200, B200, RTX 5090
+def test_batch_invariant_mode_is_allowed_from_9_0_and_wherever_nothing_trains(capability):
+    assert fsdp_vllm.batch_invariant_refusal(capability, environ=INVARIANT) is None
+    assert fsdp_vllm.batch_invariant_refusal((8, 0), training=False, environ=INVARIANT) is None  # --eval-only
+    assert fsdp_vllm.batch_invariant_refusal((8, 0), hip=True, environ=INVARIANT)  # ROCm: replaced there too
+    for off in ({}, {"VLLM_BATCH_INVARIANT": "0"}):  # vLLM reads it as an int: only nonzero turns it on
+        assert fsdp_vllm.batch_invariant_refusal((8, 0), environ=off) is None
+    assert fsdp_vllm.batch_invariant_on({"VLLM_BATCH_INVARIANT": "2"})
+
+
+def test_the_engine_refuses_before_vllm_is_imported(monkeypatch):
+    """VLLMEngine checks first: on an 8.x GPU the UsageError comes before `from vllm import LLM` (vLLM is not in
+    this venv: an import would fail with ImportError instead)."""
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    monkeypatch.setattr(fsdp_vllm.torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(fsdp_vllm.torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    args = types.SimpleNamespace(rollout="vllm", eval_only=False)
+    dist_ = types.SimpleNamespace(device=fsdp_vllm.torch.device("cuda", 0))
+    with pytest.raises(fsdp_vllm.UsageError, match=r"\(NVIDIA A100-SXM4-80GB, compute capability 8\.0\)"):
+        fsdp_vllm.VLLMEngine("unused", args, dist_)
+    args.rollout = "hf"  # vLLM never built: nothing to refuse
+    fsdp_vllm.check_batch_invariant(args, dist_.device)
+
+
+def test_a_process_wide_linear_replacement_like_vllms_on_8_x_has_no_backward():
+    """Why the refusal: vLLM registers a kernel for aten::linear under the CUDA key on 8.x; the same registration
+    for the CPU key (torch 2.13) keeps the forward working and breaks loss.backward(). A subprocess: the
+    registration lasts as long as the process."""
+    code = textwrap.dedent(
+        """
+        import torch
+        lib = torch.library.Library("aten", "IMPL")
+        lib.impl("aten::linear", lambda x, w, b=None: torch.mm(x, w.t()) + (0 if b is None else b), "CPU")
+        layer = torch.nn.Linear(4, 3)
+        loss = layer(torch.randn(2, 4)).sum()
+        print("forward", loss.requires_grad)
+        try:
+            loss.backward()
+            print("backward ok")
+        except NotImplementedError as e:
+            print("backward fails:", str(e).splitlines()[0])
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env={**os.environ}
+    ).stdout
+    assert "forward True" in out and "backward fails: Could not run 'aten::linear_backward'" in out, out
