@@ -1086,6 +1086,26 @@ def make_engine(model_path, args, dist_):
     return HFEngine(model_path, args, dist_)
 
 
+def export_asleep(engine, model, args, export):
+    """export() (full_io.export_hf) with the rollout engine asleep; the engine is left as ready as it was found.
+
+    export_hf gathers each parameter whole, in fp32, on the GPU: torch moves the shard to its mesh's device, gathers
+    it, and only then copies it to CPU (torch/distributed/_state_dict_utils.py:267-283); 2.03 GiB for the 7B's
+    embedding and lm_head each. After a weight sync vLLM is awake, its weights and KV cache filling all of the GPU
+    but the 4 GiB margin, so that gather could run out of memory after the last checkpoint, and every --resume would
+    retry it the same way. So the engine sleeps first (vLLM: weights and KV cache off the GPU, as in the trainer's
+    step, whose peak the gather stays under; HFEngine: its copy goes to host memory). A level-2 sleep drops vLLM's
+    weights: when the engine was awake, they are synced again after the export (one more weight sync per export),
+    so a generate that follows uses the policy; when it was already asleep, the caller's next sync does it, as
+    before the call. Every rank calls it (the gathers and the sync are collectives). Returns export()'s value."""
+    awake = not (getattr(engine, "sleeping", False) or getattr(engine, "offloaded", False))
+    engine.sleep()
+    result = export()
+    if awake and getattr(engine, "sleep_level", 0) == 2:
+        engine.update_weights(full_named_tensors(model, getattr(torch, args.dtype)))
+    return result
+
+
 # ---------------------------------------------------------------------------------------------
 # 5. Clocks, memory and MFU
 # ---------------------------------------------------------------------------------------------

@@ -308,6 +308,41 @@ def test_the_wake_check_counts_what_vllm_maps_back_whatever_the_tags():
     assert fsdp_vllm.wake_shortfall(25 * GIB, pool, None) is None and fsdp_vllm.wake_shortfall(24 * GIB, pool, None)
 
 
+def test_an_export_runs_with_vllm_asleep_and_the_policy_is_synced_back_after(monkeypatch, vllm_stub):
+    """Issue 37, finding 3: export_hf gathers each parameter in fp32 on the GPU; right after a weight sync vLLM was
+    awake beside it (weights + KV cache). fsdp_vllm.export_asleep, with the real VLLMEngine's sleep and
+    update_weights over a fake vLLM: sleep, then the export, then (level 2 dropped the weights) a sync."""
+    engine, calls = fake_engine(monkeypatch, vllm_stub, 40, [("weights", 3, False), ("kv_cache", 20, False)])
+    model, args = torch.nn.Linear(2, 2), types.SimpleNamespace(dtype="bfloat16")
+    path = fsdp_vllm.export_asleep(engine, model, args, lambda: calls.append(("export",)) or "runs/x/hf_final")
+    assert path == "runs/x/hf_final"
+    assert calls == [
+        ("sleep", 2),
+        ("export",),
+        ("wake_up", ["weights"]),
+        ("rpc", "reload_weights"),
+        ("wake_up", ["kv_cache"]),
+        ("reset_prefix_cache",),
+    ]
+    assert not engine.sleeping  # ready to generate the evaluation that follows, with the policy's weights
+    calls.clear()  # already asleep (an export between the step and its sync): the caller's sync follows
+    engine.sleep()
+    fsdp_vllm.export_asleep(engine, model, args, lambda: calls.append(("export",)))
+    assert calls == [("sleep", 2), ("export",)] and engine.sleeping
+
+
+def test_an_export_with_hf_rollouts_moves_the_engines_copy_off_the_gpu_first(monkeypatch):
+    """The same call with the real HFEngine's sleep (--rollout hf on a GPU: its plain copy goes to host memory)."""
+    engine = object.__new__(fsdp_vllm.HFEngine)
+    moved = []
+    engine.device, engine.offloaded = torch.device("cuda", 0), False
+    engine.model = types.SimpleNamespace(to=lambda device: moved.append(str(device)))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    seen = []
+    fsdp_vllm.export_asleep(engine, None, types.SimpleNamespace(dtype="bfloat16"), lambda: seen.append(moved[:]))
+    assert seen == [["cpu"]] and engine.offloaded  # off the GPU before the export; generate() moves it back
+
+
 # ---------------------------------------------------------------------------------------------
 # The untied head on an empty micro-batch; the CUDA diagnosis; the labels
 # ---------------------------------------------------------------------------------------------
