@@ -802,7 +802,39 @@ def vllm_engine_args(model_path, args, cuda, utilization, max_num_seqs, seed):
     )
 
 
-class VLLMEngine:
+def offload_threads(args, device, cores=None, local_ranks=None):
+    """Torch's CPU threads for the trainer under --cpu-offload on a GPU: this rank's share of the host's cores
+    (cores / local ranks; cores: those this process may run on), or None where nothing needs changing.
+
+    With --cpu-offload AdamW's step runs on the CPU, per tensor (CPU is no foreach device), and FSDP2 adds the
+    gradients of each micro-batch on the CPU. torchrun sets OMP_NUM_THREADS=1, and without it vLLM's worker sets
+    torch to 1 thread as it starts (vllm/utils/torch_utils.py:269-300, called at v1/worker/gpu_worker.py:610): the
+    whole step would run on one core."""
+    if not getattr(args, "cpu_offload", False) or device.type != "cuda":
+        return None
+    cores = cores or len(os.sched_getaffinity(0))
+    local_ranks = local_ranks or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, cores // local_ranks)
+
+
+class _Engine:
+    """What both rollout engines share: generate() runs at the engine's thread count (`serving`: what vLLM set, 1),
+    everything else at the trainer's (`trainer`: offload_threads), when make_engine gave one. vLLM compiled its
+    model at its own count, and torch.compile's global-state guard includes torch.get_num_threads()."""
+
+    threads = None  # (serving, trainer), or None: leave torch's thread count alone
+
+    def generate(self, *args, **kwargs):
+        if not self.threads:
+            return self._generate(*args, **kwargs)
+        torch.set_num_threads(self.threads[0])
+        try:
+            return self._generate(*args, **kwargs)
+        finally:
+            torch.set_num_threads(self.threads[1])
+
+
+class VLLMEngine(_Engine):
     """A vLLM engine inside this trainer process, on this rank's GPU (external_launcher, TP=1).
 
     generate() runs this rank's prompts; sleep() frees its GPU memory for training;
@@ -853,7 +885,7 @@ class VLLMEngine:
         self.max_model_len = self.llm.llm_engine.vllm_config.model_config.max_model_len
         self.sleeping = False
 
-    def generate(self, prompts, n, temperature, top_p, max_tokens, seeds, stop_ids, logprobs=False):
+    def _generate(self, prompts, n, temperature, top_p, max_tokens, seeds, stop_ids, logprobs=False):
         """prompts: list of token-id lists -> per prompt, n dicts {token_ids, logprobs}."""
         from vllm import SamplingParams
 
@@ -977,7 +1009,7 @@ class _Drain:
             pass
 
 
-class HFEngine:
+class HFEngine(_Engine):
     """HF generate on a plain (unsharded) copy of the policy on this rank: --rollout hf."""
 
     def __init__(self, model_path, args, dist_):
@@ -994,7 +1026,7 @@ class HFEngine:
         self.offloaded = False
 
     @torch.no_grad()
-    def generate(self, prompts, n, temperature, top_p, max_tokens, seeds, stop_ids, logprobs=False):
+    def _generate(self, prompts, n, temperature, top_p, max_tokens, seeds, stop_ids, logprobs=False):
         self.wake_up()
         results = []
         for start in range(0, len(prompts), self.batch):
@@ -1066,8 +1098,18 @@ def shutdown(engine):
 
 
 def make_engine(model_path, args, dist_):
-    """The rollout engine of --rollout. vLLM's workers seed torch, Python and NumPy as they start (set_random_seed):
-    the rank's RNG (seeded with seed + rank, or restored by --resume) is put back afterwards."""
+    """The rollout engine of --rollout, and the trainer's CPU threads (offload_threads: --cpu-offload on a GPU).
+    vLLM's workers seed torch, Python and NumPy as they start (set_random_seed): the rank's RNG (seeded with seed +
+    rank, or restored by --resume) is put back afterwards."""
+    engine = _make_engine(model_path, args, dist_)
+    trainer = offload_threads(args, dist_.device)
+    if trainer:
+        engine.threads = (torch.get_num_threads(), trainer)
+        torch.set_num_threads(trainer)
+    return engine
+
+
+def _make_engine(model_path, args, dist_):
     if args.rollout == "vllm":
         import numpy as np
 

@@ -6,6 +6,10 @@ each fixed in support/fsdp_vllm.py and tested here as far as a CPU can show it.
    replacement of the same kind does break the backward (why the refusal).
 2. CUDA graphs stayed on the GPU while vLLM slept (vLLM 0.32's sleep_mode_offload_cudagraph is off by default):
    fsdp_vllm turns it on with sleep mode, and the installed vLLM takes the keyword into its ModelConfig.
+3. The export after a weight sync ran beside vLLM's weights and KV cache: fsdp_vllm.export_asleep, tested in
+   tests/test_full_gpu_rung.py beside the engine's other call-order tests.
+4. With --cpu-offload the CPU AdamW ran on 1 thread (vLLM's worker, or torchrun's OMP_NUM_THREADS=1):
+   make_engine gives the trainer the rank's share of the cores back; generate() runs at the engine's count.
 """
 
 import json
@@ -17,6 +21,7 @@ import textwrap
 import types
 
 import pytest
+import torch
 
 from support import fsdp_vllm
 import train_full
@@ -136,3 +141,58 @@ def test_vllm_0_32_takes_the_keyword_into_its_model_config(tiny_model_dir):
         [VLLM_PYTHON, "-c", code, json.dumps(kw)], capture_output=True, text=True, timeout=300, cwd=ROOT
     )
     assert "sleep_mode_offload_cudagraph True cumem" in run.stdout, run.stdout + run.stderr[-3000:]
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. The CPU's threads under --cpu-offload
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture
+def threads():
+    """Put torch's thread count back after a test that changes it."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_a_cpu_offload_rank_gets_its_share_of_the_hosts_cores():
+    cuda, offload = torch.device("cuda", 0), types.SimpleNamespace(cpu_offload=True)
+    assert fsdp_vllm.offload_threads(offload, cuda, cores=64, local_ranks=8) == 8
+    assert fsdp_vllm.offload_threads(offload, cuda, cores=16, local_ranks=1) == 16  # one GPU: every core
+    assert fsdp_vllm.offload_threads(offload, cuda, cores=4, local_ranks=8) == 1
+    assert fsdp_vllm.offload_threads(types.SimpleNamespace(cpu_offload=False), cuda, cores=64) is None
+    assert fsdp_vllm.offload_threads(offload, torch.device("cpu"), cores=64) is None  # --device cpu: OMP's count
+
+
+@pytest.fixture(scope="module")
+def hf_engine(tiny_model_dir):
+    args = train_full.parse_args(["--model", tiny_model_dir, "--rollout", "hf", "--device", "cpu"])
+    return fsdp_vllm.HFEngine(tiny_model_dir, args, types.SimpleNamespace(device=torch.device("cpu")))
+
+
+def test_make_engine_gives_the_trainer_its_threads_back_after_the_engine_took_them(monkeypatch, threads, hf_engine):
+    """vLLM's GPU worker leaves torch at 1 thread (or torchrun's OMP_NUM_THREADS=1 did): make_engine restores the
+    rank's share for the trainer. The engine's construction is the tiny HFEngine built above (no GPU here); the
+    rank is on a 'cuda' device so that the --cpu-offload rule applies."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.setattr(fsdp_vllm, "_make_engine", lambda *a: (torch.set_num_threads(1), hf_engine)[1])
+    args = types.SimpleNamespace(cpu_offload=True)
+    engine = fsdp_vllm.make_engine("unused", args, types.SimpleNamespace(device=torch.device("cuda", 0)))
+    cores = len(os.sched_getaffinity(0))
+    assert engine.threads == (1, cores) and torch.get_num_threads() == cores
+    hf_engine.threads = None
+
+
+def test_generate_runs_at_the_engines_thread_count_and_the_trainer_gets_its_own_back(threads, hf_engine):
+    """The real HFEngine's generate under threads (serving 1, trainer 2): the model's forward sees 1 thread, and
+    the trainer 2 again afterwards (also for vLLM: its compiled model's guard includes the thread count)."""
+    seen = []
+    hook = hf_engine.model.register_forward_hook(lambda *a: seen.append(torch.get_num_threads()))
+    hf_engine.threads = (1, 2)
+    torch.set_num_threads(2)
+    try:
+        out = hf_engine.generate([[5, 6, 7]], 2, 1.0, 1.0, 3, [0], [0])
+    finally:
+        hook.remove()
+        hf_engine.threads = None
+    assert len(out) == 1 and len(out[0]) == 2 and seen and set(seen) == {1}
+    assert torch.get_num_threads() == 2
