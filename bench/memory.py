@@ -113,6 +113,7 @@ PRESETS = {
         "max_position_embeddings": 4096,
         "rope_theta": 10000.0,
         "rms_norm_eps": 1e-6,
+        "dtype": "bfloat16",  # the hub checkpoints' (what export_hf writes); the simulation builds fp32 weights
     },
     "7b": {
         "model_type": "qwen2",
@@ -126,6 +127,7 @@ PRESETS = {
         "max_position_embeddings": 4096,
         "rope_theta": 10000.0,
         "rms_norm_eps": 1e-6,
+        "dtype": "bfloat16",  # the hub checkpoints' (what export_hf writes); the simulation builds fp32 weights
     },
 }
 # The tracker's categories, grouped for the table.
@@ -801,12 +803,9 @@ def report(args, result, state_bytes, n_params, k_frac, wall_s, plan=None, estim
             "",
             f"gpu_memory_utilization {plan['gpu_memory_utilization']}, max_num_seqs {plan['max_num_seqs']} "
             f"(sequences of {plan['full_length']} tokens whose KV cache fits at once); "
-            + (
-                f"the trainer's state in host memory: {plan['host_gib']:.1f} GiB per node of {args.ranks} rank(s); "
-                if offload
-                else ""
-            )
             + ("the plan accepts it." if not plan["short"] else "the plan refuses it: " + "; ".join(plan["short"])),
+            "",
+            host_line(plan, args.ranks, offload, getattr(args, "train_argv", ())),
         ]
         record.update(
             {
@@ -820,9 +819,31 @@ def report(args, result, state_bytes, n_params, k_frac, wall_s, plan=None, estim
                 "plan_accepts": not plan["short"],
                 "plan_short": plan["short"],
                 "host_gib": round(plan["host_gib"], 3),
+                "host_parts_gib": {k: round(v, 3) for k, v in plan["host_parts_gib"].items()},
+                "host_parts_bytes": {k: round(v * GIB) for k, v in plan["host_parts_gib"].items()},
+                "host_simulated_bytes": {k: v for k, v in end.items() if k in HOST} if offload else {},
             }
         )
     return "\n".join(lines), record
+
+
+def host_line(plan, ranks, offload, train_argv=()):
+    """The node's host memory by part (fsdp_vllm.host_memory: arithmetic, not simulated), one line."""
+    h = plan["host_parts_gib"]
+    state = (
+        f"per rank {h['per_rank']:.1f} (fp32 weights {h['weights']:.1f} and gradients {h['gradients']:.1f}, pinned: "
+        f"{h['rounding']:.1f} of it is the allocator's rounding to powers of two; AdamW's moments {h['moments']:.1f}; "
+        f"its temporaries {h['temporaries']:.2f}"
+        + (f"; the reference's bf16 shards {h['reference']:.1f}" if "--kl-ref" in train_argv else "")
+        + f") x {ranks} rank(s) + "
+        if offload
+        else ""
+    )
+    return (
+        f"Host memory (fsdp_vllm.host_memory, arithmetic): {plan['host_gib']:.1f} GiB on the node = {state}rank 0's "
+        f"full copy of the model at the export {h['export']:.1f} (fp32 and the checkpoint's dtype; at load: "
+        f"{h['load']:.1f}, before the gradients and moments exist)."
+    )
 
 
 def main(argv=None):

@@ -16,7 +16,7 @@
 #   3. the distributed tests on CUDA (FSDP2 step == single-process step, vLLM weight sync in bf16), on
 #      min(GPUs, 2) ranks;
 #   4. the tiled MLP's time and memory on the 7B's own layer shapes (bench/tiled_mlp.py, bf16).
-#   GPU_CHECK_7B=1 adds the 7B on one GPU of 80 GB with --cpu-offload (a random 7B: 15 GB on disk, ~150 GiB of
+#   GPU_CHECK_7B=1 adds the 7B on one GPU of 80 GB with --cpu-offload (a random 7B: 15 GB on disk, ~212 GiB of
 #   host memory).
 # Without vLLM in $PYTHON (a stock PyTorch image) the vLLM tests are skipped and the runs use --rollout hf.
 # It takes no arguments; its settings are environment variables: PYTHON (default python), OUT (the log's folder,

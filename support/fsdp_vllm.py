@@ -507,7 +507,8 @@ def vllm_memory_plan(config, args, ranks, gpu_bytes, host_bytes=None, local_rank
     (clamped to 16 .. 1024). While the trainer runs, vLLM sleeps (level 2: weights and KV cache
     freed, runtime buffers and CUDA-graph pools copied to host memory: vllm_engine_args) and the trainer's peak is
     trainer_peak_bytes (an estimate; bench/memory.py simulates it); --cpu-offload keeps the sharded
-    state in host memory instead: 20 bytes x parameters / ranks, for each rank of the node.
+    state in host memory instead: host_memory counts it, with the pinned blocks' rounding, for each rank of
+    the node, and rank 0's full copy of the model at the export.
 
     --vllm-sleep-level 0 keeps vLLM awake through the step: its share then sits beside the step's peak instead
     of the resident shards (levels 1 and 2 free vLLM's GPU memory alike; 1 keeps its weights in host memory).
@@ -515,8 +516,7 @@ def vllm_memory_plan(config, args, ranks, gpu_bytes, host_bytes=None, local_rank
     Refuses (cli.UsageError, one line naming the memory needed and the flags that would fit) a
     setting that leaves vLLM less than its weights, workspace and one full-length sequence of KV
     cache, a --vllm-gpu-memory-utilization whose share with what the trainer holds beside it and the
-    margin exceeds the GPU, whose training step does not fit the GPU, or (--cpu-offload, host_bytes given)
-    the host.
+    margin exceeds the GPU, whose training step does not fit the GPU, or (host_bytes given) the host.
     Returns a dict with the numbers (printed at start, and by bench/memory.py).
     """
     plan = _plan(config, args, ranks, gpu_bytes, host_bytes, local_ranks)
@@ -546,6 +546,76 @@ def model_shapes(config, cached=True):
     layer = sum(p.numel() for p in model.model.layers[0].parameters())
     embed = 0 if config.tie_word_embeddings else model.model.embed_tokens.weight.numel()  # its own unit: not the root's
     return params, layer, params - layer * len(model.model.layers) - embed
+
+
+@functools.lru_cache(maxsize=16)
+def _rows(config_json):
+    from transformers import AutoConfig
+    import json
+
+    fields = json.loads(config_json)
+    model = _meta_model(AutoConfig.for_model(fields.pop("model_type"), **fields))
+    return tuple((p.shape[0], p.numel() // p.shape[0]) for p in model.parameters())
+
+
+def pinned_block(nbytes, threshold=None):
+    """What torch 2.13's caching host allocator takes for a pinned block of nbytes: the next power of two, unless
+    the block is larger than pinned_max_round_threshold_mb (threshold, bytes; unset by default: every block is
+    rounded; ATen/core/CachingHostAllocator.h:302-309, c10/core/AllocatorConfig.h:228-229, 361)."""
+    if nbytes <= 0 or (threshold is not None and nbytes > threshold):
+        return max(int(nbytes), 0)
+    return 1 << (int(nbytes) - 1).bit_length()
+
+
+def pinned_round_threshold(environ=None):
+    """pinned_max_round_threshold_mb, bytes, in the allocator settings torch starts with (PYTORCH_ALLOC_CONF, else
+    PYTORCH_CUDA_ALLOC_CONF), or None where it is unset."""
+    env = os.environ if environ is None else environ
+    for field in (env.get("PYTORCH_ALLOC_CONF") or env.get("PYTORCH_CUDA_ALLOC_CONF") or "").split(","):
+        key, _, value = field.partition(":")
+        if key.strip() == "pinned_max_round_threshold_mb" and value.strip().isdigit():
+            return int(value) * 2**20
+    return None
+
+
+def host_memory(config, args, ranks, local_ranks=1, environ=None):
+    """This node's host memory for a training run, bytes, by part (the plan's host check, bench/memory.py).
+
+    --cpu-offload, per rank (FSDP2 pins each parameter's shard of ceil(rows / ranks) rows on its own, and the
+    gradient's too: its copy to the host is non_blocking, so pinned; the allocator rounds each block up to a power
+    of two unless PYTORCH_CUDA_ALLOC_CONF sets pinned_max_round_threshold_mb below it, see pinned_block()):
+      weights       fp32 shards, pinned            gradients  fp32 shards, pinned (kept between steps: the
+      moments       AdamW's two, 8 B x shard rows              allocator caches freed pinned blocks)
+      temporaries   AdamW per tensor on the CPU: two fp32 copies of the largest shard
+      reference     --kl-ref's bf16 shards, pinned
+    Rank 0, once a run (every run): export_hf's full state on the host, 4 B x parameters in fp32 and its copy in
+    the checkpoint's dtype (2 B x parameters for bf16), beside the rest (the final export; each --export-every
+    too). Loading is smaller: rank 0's fp32 full state, 4 B x parameters, beside the pinned weights alone.
+    Not counted: vLLM's host copies while it sleeps (runtime buffers, CUDA graphs; level 1: its bf16 weights),
+    the page cache of the checkpoint files."""
+    rows, threshold = _rows(config.to_json_string()), pinned_round_threshold(environ)
+    block = lambda nbytes: pinned_block(nbytes, threshold)
+    params = sum(d0 * rest for d0, rest in rows)
+    shard = [-(-d0 // ranks) * rest for d0, rest in rows]  # elements of rank 0's shard of each parameter
+    offload = getattr(args, "cpu_offload", False)
+    parts = dict.fromkeys(("weights", "gradients", "moments", "temporaries", "reference", "rounding"), 0)
+    if offload:
+        parts["weights"] = parts["gradients"] = sum(block(4 * n) for n in shard)
+        parts["moments"], parts["temporaries"] = 8 * sum(shard), 2 * 4 * max(shard)
+        parts["reference"] = sum(block(2 * n) for n in shard) if args.kl_ref else 0
+        parts["rounding"] = 2 * sum(block(4 * n) - 4 * n for n in shard) + (
+            sum(block(2 * n) - 2 * n for n in shard) if args.kl_ref else 0
+        )
+    dtype = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32")
+    export = params * (4 + (2 if dtype.endswith(("bfloat16", "float16")) else 0))
+    per_rank = sum(v for k, v in parts.items() if k != "rounding")
+    return {
+        **parts,
+        "per_rank": per_rank,
+        "export": export,
+        "load": 4 * params,
+        "total": per_rank * local_ranks + export,
+    }
 
 
 def trainer_peak_bytes(config, args, ranks):
@@ -590,7 +660,8 @@ def _plan(config, args, ranks, gpu_bytes, host_bytes=None, local_ranks=1):
     on_gpu = not getattr(args, "eval_only", False)  # --eval-only: no trainer at all
     trainer = 12 * params / ranks + reference if on_gpu and not offload else 0.0  # resident while vLLM generates
     peak = trainer_peak_bytes(config, args, ranks) if on_gpu else 0.0  # while vLLM sleeps
-    host = (20 * params / ranks + reference) * local_ranks if offload else 0.0  # this node's ranks, --cpu-offload
+    host_parts = host_memory(config, args, ranks, local_ranks) if on_gpu else None  # --eval-only: no trainer
+    host = host_parts["total"] if host_parts else 0.0
     # What vLLM's share sits beside on the GPU. Levels 1 and 2 free vLLM's GPU memory while the trainer runs (1 keeps
     # its weights in host memory, 2 drops them; both drop the KV cache), so vLLM only meets the trainer's resident
     # state. --vllm-sleep-level 0 keeps vLLM's whole share through the training step: the plan sizes that share to
@@ -635,10 +706,15 @@ def _plan(config, args, ranks, gpu_bytes, host_bytes=None, local_ranks=1):
             f"{args.max_prompt_len + args.max_response_len} tokens) + the {MARGIN_GIB:g} GiB margin"
         )
     if host_bytes is not None and host > host_bytes:
+        state = (
+            f"--cpu-offload's state: {host_parts['per_rank'] / gib:.1f} GiB for each of the {local_ranks} rank(s) of "
+            f"this node, {host_parts['rounding'] / gib:.1f} GiB of it the pinned blocks' rounding to powers of two; "
+            if offload
+            else ""
+        )
         short.append(
-            f"--cpu-offload keeps the trainer's state in host memory: {host / gib:.1f} GiB for the "
-            f"{local_ranks} rank(s) of this node (20 B x params / ranks each), {host_bytes / gib:.1f} GiB is "
-            "available"
+            f"host memory: {host / gib:.1f} GiB needed ({state}rank 0's full copy of the model at the export: "
+            f"{host_parts['export'] / gib:.1f}), {host_bytes / gib:.1f} GiB is available"
         )
     return {
         "params": params,
@@ -646,6 +722,7 @@ def _plan(config, args, ranks, gpu_bytes, host_bytes=None, local_ranks=1):
         "trainer_resident_gib": trainer / gib,
         "trainer_peak_gib": peak / gib,
         "host_gib": host / gib,
+        "host_parts_gib": {k: v / gib for k, v in (host_parts or {}).items()},
         "gpu_memory_utilization": round(utilization, 3),
         "vllm_share_gib": share / gib,
         "vllm_weights_gib": weights / gib,

@@ -192,6 +192,27 @@ def test_cpu_offload_moves_the_sharded_state_off_the_gpu_and_gpu_adds_vllms_shar
     assert offload["total_peak_gib"] == pytest.approx(max(offload["generating_gib"], offload["training_gib"]), abs=1e-3)
     assert offload["plan_accepts"] and offload["vllm_share_gib"] == pytest.approx(8 - 4.0, abs=1e-3)  # the margin: 4
     assert "One GPU of 8 GiB: trainer + vLLM" in stdout
+    # issue 37, finding 5: the host's share, by part. The simulated host-resident shards are the arithmetic's bytes;
+    # the plan's host count pins each shard on its own, rounded up to a power of two (torch's host allocator)
+    weights, n_tensors = shard_bytes(tiny_dir, RANKS)
+    host, simulated = offload["host_parts_bytes"], offload["host_simulated_bytes"]
+    assert simulated["Sharded Param"] == weights and simulated["OptState"] == 2 * weights + 4 * n_tensors
+    assert host["moments"] == 2 * weights and host["weights"] == host["gradients"] == pinned_shards(tiny_dir, RANKS)
+    assert host["weights"] > weights and host["rounding"] == 2 * (host["weights"] - weights)
+    assert host["total"] == host["per_rank"] * RANKS + host["export"] and "Host memory (fsdp_vllm.host_memory" in stdout
+
+
+def pinned_shards(model_dir, ranks):
+    """Each parameter's fp32 shard (ceil(rows / ranks) rows) as torch's host allocator pins it: a power of two."""
+    from transformers import AutoModelForCausalLM
+
+    from support import fsdp_vllm
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return sum(
+        fsdp_vllm.pinned_block(4 * math.ceil(p.shape[0] / ranks) * (p.numel() // p.shape[0]))
+        for p in model.parameters()
+    )
 
 
 @pytest.mark.parametrize("gpu", ["12gb", "0", "nan"])

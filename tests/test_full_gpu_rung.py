@@ -29,6 +29,7 @@ QWEN25_MATH_1_5B = dict(
     vocab_size=151936,
     tie_word_embeddings=True,
     max_position_embeddings=4096,
+    dtype="bfloat16",  # the hub checkpoint's: export_hf writes it (fsdp_vllm.host_memory counts its copy)
 )
 QWEN25_MATH_7B = dict(
     hidden_size=3584,
@@ -39,6 +40,7 @@ QWEN25_MATH_7B = dict(
     vocab_size=152064,
     tie_word_embeddings=False,
     max_position_embeddings=4096,
+    dtype="bfloat16",
 )
 GPUS = {"24gb": 22.0, "48gb": 44.4, "80gb": 79.1}  # bench/memory.py's --gpu sizes (GiB as torch reports them)
 
@@ -71,7 +73,8 @@ def test_the_plan_refuses_the_1_5b_on_a_24_gb_gpu_without_offload_in_one_line_th
     assert accepted["trainer_resident_gib"] == 0 and not accepted["short"]
     assert accepted["vllm_share_gib"] == pytest.approx(22.0 - fsdp_vllm.MARGIN_GIB, abs=0.01)
     assert accepted["kv_cache_gib"] > 10 and accepted["max_num_seqs"] >= 64  # 28 KiB a token: ~100 sequences of 3.5k
-    assert accepted["host_gib"] == pytest.approx(20 * accepted["params"] / GIB)  # the state, in host memory
+    parts = accepted["host_parts_gib"]  # the state in host memory (pinned and rounded), + rank 0's export copy
+    assert accepted["host_gib"] == pytest.approx(parts["per_rank"] + parts["export"]) and parts["rounding"] > 0
 
 
 @pytest.mark.parametrize("gpu", ["48gb", "80gb"])
@@ -91,10 +94,47 @@ def test_the_7b_on_one_80_gb_gpu_needs_offload_and_the_host_memory_for_it():
         plan(QWEN25_MATH_7B, ONE_GPU, gpu="80gb")
     ok = plan(QWEN25_MATH_7B, ONE_GPU + ["--cpu-offload"], gpu="80gb", host_bytes=256 * GIB)
     assert ok["vllm_weights_gib"] == pytest.approx(14.2, abs=0.05) and ok["kv_cache_gib"] > 50
-    with pytest.raises(fsdp_vllm.UsageError) as refused:  # 20 B x 7.62B = 142 GiB of host memory
-        plan(QWEN25_MATH_7B, ONE_GPU + ["--cpu-offload"], gpu="80gb", host_bytes=100 * GIB)
-    assert "--cpu-offload keeps the trainer's state in host memory: 141.9 GiB" in str(refused.value)
-    assert "100.0 GiB is available; fits with 2 GPUs over 2 nodes of 1" in str(refused.value)
+    with pytest.raises(fsdp_vllm.UsageError) as refused:  # issue 37, finding 5: 211 GiB, not 20 B x 7.62B = 142
+        plan(QWEN25_MATH_7B, ONE_GPU + ["--cpu-offload"], gpu="80gb", host_bytes=200 * GIB)
+    assert (
+        "host memory: 211.2 GiB needed (--cpu-offload's state: 168.7 GiB for each of the 1 rank(s) of this node, "
+        "51.1 GiB of it the pinned blocks' rounding to powers of two; rank 0's full copy of the model at the "
+        "export: 42.6), 200.0 GiB is available; fits with 2 GPUs over 2 nodes of 1"
+    ) in str(refused.value)
+
+
+def test_the_host_count_rounds_each_pinned_shard_to_a_power_of_two_and_adds_rank_0s_export_copy():
+    """Issue 37, finding 5: torch 2.13's caching host allocator rounds every pinned block up to a power of two
+    (FSDP2 pins each parameter's shard, and each gradient's), and export_hf holds the full model on rank 0 in fp32
+    and in bf16; the plan counted 20 B x params. Arithmetic on the 7B's shapes, one rank."""
+    args = train_full.parse_args(["--cpu-offload"])
+    h = fsdp_vllm.host_memory(config(QWEN25_MATH_7B), args, 1, environ={})
+    params = fsdp_vllm.model_shapes(config(QWEN25_MATH_7B))[0]
+    mlp, embed = 18944 * 3584 * 4, 152064 * 3584 * 4  # 272 MB -> 512 MiB; 2.18 GB -> 4 GiB (embedding, lm_head)
+    assert fsdp_vllm.pinned_block(mlp) == 2**29 and fsdp_vllm.pinned_block(embed) == 2**32
+    assert h["weights"] == h["gradients"] == sum(fsdp_vllm.pinned_block(4 * n) for n in shapes(QWEN25_MATH_7B))
+    assert h["weights"] / (4 * params) == pytest.approx(1.90, abs=0.01)  # ~1.9x for weights and gradients
+    assert h["moments"] == 8 * params and h["rounding"] == 2 * (h["weights"] - 4 * params)
+    assert h["export"] == 6 * params and h["load"] == 4 * params  # fp32 + the bf16 checkpoint copy
+    assert h["total"] == h["per_rank"] + h["export"] and h["per_rank"] / GIB == pytest.approx(168.7, abs=0.05)
+    # pinned_max_round_threshold_mb in the allocator settings: blocks above it are not rounded
+    below = fsdp_vllm.host_memory(
+        config(QWEN25_MATH_7B), args, 1, environ={"PYTORCH_CUDA_ALLOC_CONF": "pinned_max_round_threshold_mb:64"}
+    )
+    assert below["total"] / GIB == pytest.approx(161.8, abs=0.05) and below["rounding"] / GIB < 2
+    eight = fsdp_vllm.host_memory(config(QWEN25_MATH_7B), args, 8, local_ranks=8, environ={})
+    assert eight["total"] == 8 * eight["per_rank"] + eight["export"]  # every rank of the node, one export copy
+    plain = fsdp_vllm.host_memory(config(QWEN25_MATH_7B), train_full.parse_args([]), 8, local_ranks=8)
+    assert plain["total"] == plain["export"] == 6 * params  # without offload: only the export's copy
+
+
+def shapes(fields, ranks=1):
+    """Elements of rank 0's shard of each parameter (ceil(rows / ranks) rows)."""
+    with torch.device("meta"):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_config(config(fields))
+    return [-(-p.shape[0] // ranks) * (p.numel() // p.shape[0]) for p in model.parameters()]
 
 
 def test_the_plan_counts_the_kl_reference_and_refuses_a_micro_batch_that_does_not_fit():
