@@ -18,17 +18,36 @@
 #   4. the tiled MLP's time and memory on the 7B's own layer shapes (bench/tiled_mlp.py, bf16).
 #   GPU_CHECK_7B=1 adds the 7B on one GPU of 80 GB with --cpu-offload (a random 7B: 15 GB on disk, ~212 GiB of
 #   host memory).
+#   5. the rung learns, with no download: a 47M-parameter Qwen2 (character tokenizer) warm-started here on the
+#      generated steps task (cached in $OUT/learn), then train_full.py with d3s and with grpo, same seed, 50 steps,
+#      on its train problems; a table of held-out Pass@1 before and after, seconds per phase, MFU, tokens in the
+#      loss, and the trainer's peak memory next to the simulated one. Not yet run on a GPU: its time (the aim:
+#      8 minutes on one H100, the warm start cached) and whether both methods learn are unmeasured.
+#   GPU_CHECK_ONLY=learn runs step 5 alone (after step 0). GPU_CHECK_DEVICE=cpu runs it on the CPU (gloo) with
+#   GPU_CHECK_LEARN_SIZE=tiny: a 2-layer model and 2 steps, what tests/test_gpu_findings.py runs so that it
+#   cannot rot.
 # Without vLLM in $PYTHON (a stock PyTorch image) the vLLM tests are skipped and the runs use --rollout hf.
 # It takes no arguments; its settings are environment variables: PYTHON (default python), OUT (the log's folder,
-# default runs/gpu_check), GPU_CHECK_7B=1.
+# default runs/gpu_check), GPU_CHECK_7B=1, GPU_CHECK_ONLY=learn, GPU_CHECK_DEVICE=cpu, GPU_CHECK_LEARN_SIZE=tiny.
 #   bash scripts/gpu_check.sh --help                               # this header; any other argument: exit 2
 set -uo pipefail
 case "$#:${1:-}" in
     0:) ;;
     1:-h | 1:--help) sed -n '2,/^set -uo/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;;
-    *) echo "gpu_check.sh: error: $*: no arguments are taken; set PYTHON, OUT or GPU_CHECK_7B=1 in the environment" \
-            "(bash scripts/gpu_check.sh --help)" >&2; exit 2 ;;
+    *) echo "gpu_check.sh: error: $*: no arguments are taken; set PYTHON, OUT, GPU_CHECK_7B=1, GPU_CHECK_ONLY=learn," \
+            "GPU_CHECK_DEVICE=cpu or GPU_CHECK_LEARN_SIZE=tiny in the environment (bash scripts/gpu_check.sh --help)" >&2
+        exit 2 ;;
 esac
+ONLY=${GPU_CHECK_ONLY:-all}
+DEVICE=${GPU_CHECK_DEVICE:-cuda}
+LEARN_SIZE=${GPU_CHECK_LEARN_SIZE:-full}
+case "$ONLY:$DEVICE:$LEARN_SIZE" in
+    all:cuda:full | learn:cuda:full | learn:cuda:tiny | learn:cpu:tiny) ;;
+    *) echo "gpu_check.sh: error: GPU_CHECK_ONLY=$ONLY GPU_CHECK_DEVICE=$DEVICE GPU_CHECK_LEARN_SIZE=$LEARN_SIZE:" \
+            "GPU_CHECK_ONLY is all or learn; GPU_CHECK_DEVICE=cpu needs GPU_CHECK_ONLY=learn GPU_CHECK_LEARN_SIZE=tiny" >&2
+        exit 2 ;;
+esac
+export GPU_CHECK_DEVICE=$DEVICE
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
 OUT=${OUT:-runs/gpu_check}
@@ -38,7 +57,7 @@ LOG="$OUT/gpu_check.log"
 exec > >(tee -a "$LOG") 2>&1
 FAILED=()
 
-echo "== 0/4 the machine ($(date -u +%Y-%m-%dT%H:%MZ))"
+echo "== 0/5 the machine ($(date -u +%Y-%m-%dT%H:%MZ))"
 "$PY" - <<'EOF'
 import importlib.util, os, subprocess, sys
 import torch
@@ -53,6 +72,8 @@ print(f"NVIDIA driver {driver} (CUDA up to {driver_cuda}); GPUs: {gpus}")
 print(f"VLLM_BATCH_INVARIANT={os.environ.get('VLLM_BATCH_INVARIANT', '0')}, "
       f"PYTORCH_CUDA_ALLOC_CONF={os.environ.get('PYTORCH_CUDA_ALLOC_CONF', '')!r}")
 if not torch.cuda.is_available():
+    if os.environ["GPU_CHECK_DEVICE"] == "cpu":
+        sys.exit(0)  # step 5 alone, on the CPU
     print(f"gpu_check: torch sees no CUDA device: {fsdp_vllm.cuda_diagnosis()}", file=sys.stderr)
     sys.exit(2)
 for i in range(torch.cuda.device_count()):
@@ -60,13 +81,112 @@ for i in range(torch.cuda.device_count()):
     print(f"cuda:{i} {p.name}, {p.total_memory / 2**30:.1f} GiB, compute capability {p.major}.{p.minor}")
 EOF
 [ $? -eq 0 ] || { echo "gpu_check: stopped at step 0; the log is $LOG" >&2; exit 2; }
-NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())")
-GIB=$("$PY" -c "import torch; print(round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1))")
-RANKS=$(( NGPU >= 2 ? 2 : 1 ))
 if "$PY" -c "import vllm" 2>/dev/null; then ROLLOUT=vllm; else
     ROLLOUT=hf
     echo "gpu_check: vLLM is not importable by $PY: the vLLM tests are skipped and the runs use --rollout hf"
 fi
+
+# step 5: the warm start (cached), train_full.py for d3s and for grpo, the table
+learn() {
+    local dir="$OUT/learn" model method
+    local steps=50 p=32 g=8 nk=(--n-init 4 --n-final 8) evals=(--eval-samples 4 --eval-pass-k 1,4) mb=16
+    if [ "$LEARN_SIZE" = tiny ]; then
+        steps=2 p=4 g=4 nk=(--n-init 2 --n-final 4) evals=(--eval-samples 2 --eval-pass-k 1) mb=4
+    fi
+    echo "== 5/5 the rung learns ($LEARN_SIZE, $DEVICE, $ROLLOUT rollouts): a Qwen2 warm-started here on the steps task"
+    "$PY" - "$dir" "$DEVICE" "$LEARN_SIZE" <<'PYTHON' || { FAILED+=("the learning stage's warm start"); return; }
+import hashlib, json, os, random, sys, time
+import torch
+sys.path.insert(0, ".")
+from support import tiny, warmstart
+from support.mathtask import step_problems
+
+out, device, size = sys.argv[1:4]
+# the tiny rung's recipe (support/warmstart.py: the steps task, 70% shortcut demonstrations, batch 64), scaled (choice)
+S = {"full": dict(hidden=640, layers=10, heads=10, kv=2, sft_steps=1200, sft_lr=5e-4, batch=64, train=5000, heldout=200),
+     "tiny": dict(hidden=64, layers=2, heads=4, kv=2, sft_steps=30, sft_lr=1e-3, batch=16, train=64, heldout=8)}[size]
+os.makedirs(out, exist_ok=True)
+rows = {"train": step_problems(S["train"], "train", seed=0), "heldout": step_problems(S["heldout"], "eval", seed=0)}
+for name, part in rows.items():  # the problems train_full.py reads, from this repo's generator: no download
+    with open(os.path.join(out, f"{name}.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in part)
+path = os.path.join(out, "warmstart-" + hashlib.sha256(json.dumps(S, sort_keys=True).encode()).hexdigest()[:12])
+with open(os.path.join(out, "model.txt"), "w") as f:
+    f.write(path)
+if os.path.exists(os.path.join(path, "warmstart.json")):
+    sys.exit(print(f"warm start: cached in {path}"))
+tokenizer = tiny.build_char_tokenizer()
+model = tiny.build_tiny_model(tokenizer, hidden_size=S["hidden"], num_layers=S["layers"], num_heads=S["heads"],
+                              num_kv_heads=S["kv"], intermediate_size=3 * S["hidden"], max_position_embeddings=512)
+model.to(device).train()
+examples = [(tokenizer(warmstart.format_prompt(r["problem"], "plain"), add_special_tokens=False).input_ids,
+             tokenizer(warmstart.sft_target(r, 0.7), add_special_tokens=False).input_ids + [tokenizer.eos_token_id])
+            for r in rows["train"]]
+optimizer = torch.optim.AdamW(model.parameters(), lr=S["sft_lr"], weight_decay=0.01)
+decay = lambda s: min(1.0, (s + 1) / 20) * (1 - 0.9 * s / S["sft_steps"])  # noqa: E731  warm-up, linear decay
+schedule, rng, t0 = torch.optim.lr_scheduler.LambdaLR(optimizer, decay), random.Random(0), time.time()
+for step in range(S["sft_steps"]):
+    batch = warmstart.sft_batch(rng.sample(examples, S["batch"]), tokenizer.pad_token_id)
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda"):
+        loss = model(**{k: v.to(device) for k, v in batch.items()}).loss
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    schedule.step()
+    if step % 200 == 0 or step == S["sft_steps"] - 1:
+        print(f"warm start step {step + 1}/{S['sft_steps']}: loss {loss.item():.3f} ({time.time() - t0:.0f} s)")
+n = sum(p.numel() for p in model.parameters())
+tiny.save_tiny(model.cpu(), tokenizer, path + ".tmp")
+with open(os.path.join(path + ".tmp", "warmstart.json"), "w") as f:
+    json.dump({**S, "params": n, "sft_s": round(time.time() - t0, 1)}, f)
+os.replace(path + ".tmp", path)
+print(f"warm start: {n / 1e6:.1f}M parameters, {time.time() - t0:.0f} s, saved in {path}")
+PYTHON
+    model=$(cat "$dir/model.txt")
+    for method in d3s grpo; do
+        echo "-- train_full.py --method $method: $steps steps of $p x $g rollouts, held-out Pass@1 before and after"
+        rm -rf "${dir:?}/$method"
+        "$PY" train_full.py --model "$model" --template plain --train-data "$dir/train.jsonl" \
+            --eval-data "$dir/heldout.jsonl" --out "$dir/$method" --method "$method" --seed 0 --steps "$steps" \
+            --prompts-per-step "$p" --group-size "$g" "${nk[@]}" --lr 2e-5 --max-prompt-len 96 \
+            --max-response-len 64 --eval-max-tokens 64 --eval-every "$steps" "${evals[@]}" \
+            --micro-batch-size "$mb" --save-every "$steps" --device "$DEVICE" --rollout "$ROLLOUT" \
+            > "$dir/$method.log" 2>&1 || { FAILED+=("learn $method ($dir/$method.log)"); tail -5 "$dir/$method.log"; }
+    done
+    "$PY" bench/memory.py --preset "$model/config.json" --ranks 1 --micro-batch-size "$mb" --response-len 64 \
+        --prompt-len 96 --method d3s > "$dir/memory.log" 2>&1 || FAILED+=("bench of the learning stage ($dir/memory.log)")
+    "$PY" - "$dir" <<'PYTHON' || FAILED+=("the learning table")
+import json, os, sys
+out = sys.argv[1]
+sim = json.loads(open(os.path.join(out, "memory.log")).read().strip().splitlines()[-1])
+print(f"{'method':<6} {'Pass@1 before':>13} {'after':>6} {'gen s':>6} {'reward s':>8} {'pass 1 + update s':>17} "
+      f"{'sync s':>6} {'MFU':>6} {'loss tokens':>11} {'peak GiB':>8} {'simulated':>9}")
+for method in ("d3s", "grpo"):
+    lines = [json.loads(x) for x in open(os.path.join(out, method, "metrics.jsonl"))]
+    train, evals = [m for m in lines if m["kind"] == "train"], [m for m in lines if m["kind"] == "eval"]
+    p1 = [next(v for k, v in e.items() if k.startswith("heldout") and k.endswith("_pass@1")) for e in evals]
+    mean = lambda key: sum(m[key] or 0 for m in train) / len(train)  # noqa: E731
+    mfu = [m["mfu"] for m in train if m["mfu"] is not None]
+    print(f"{method:<6} {p1[0]:>13.3f} {p1[-1]:>6.3f} {mean('gen_s'):>6.2f} {mean('reward_s'):>8.2f} "
+          f"{mean('train_s'):>17.2f} {mean('sync_s'):>6.2f} {(sum(mfu) / len(mfu) if mfu else float('nan')):>6.3f} "
+          f"{sum(m['kept_tokens'] for m in train):>11} {max(m['mem_peak_gb'] for m in train):>8.2f} "
+          f"{sim['peak_gib']:>9.2f}")
+print("seconds: the mean per step; pass 1 and the update are one clock in metrics.jsonl (train_s); MFU: of the "
+      "update (nan where the GPU's peak is unknown: --peak-tflops); loss tokens: summed over the steps; peak: torch's "
+      "max allocated (on CPU the process's RSS) against bench/memory.py's simulated step")
+PYTHON
+}
+finish() {
+    echo "== gpu_check done: the log is $LOG (send it back); the runs are in $OUT"
+    if [ "${#FAILED[@]}" -gt 0 ]; then echo "gpu_check: FAILED: ${FAILED[*]}" >&2; exit 1; fi
+    exit 0
+}
+if [ "$ONLY" = learn ]; then learn; finish; fi
+
+NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())")
+GIB=$("$PY" -c "import torch; print(round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1))")
+RANKS=$(( NGPU >= 2 ? 2 : 1 ))
 HAVE_PYTEST=1
 "$PY" -c "import pytest, hypothesis" 2>/dev/null || { HAVE_PYTEST=0; echo "gpu_check: pytest or hypothesis is missing: \
 step 3 is skipped; $PY -m pip install -r requirements/full.txt installs them"; }
@@ -145,10 +265,10 @@ print("(the nvidia readings add the CUDA context and the allocator's cache, whic
 EOF
 }
 
-echo "== 1/4 the one-GPU setting of a ${SIZE} GB GPU ($GIB GiB here): --micro-batch-size 16 ${SETTING[*]}"
+echo "== 1/5 the one-GPU setting of a ${SIZE} GB GPU ($GIB GiB here): --micro-batch-size 16 ${SETTING[*]}"
 one_gpu "one_gpu_${SIZE}gb" "$OUT/model-1.5b" 16 "${SETTING[@]}"
 
-echo "== 2/4 the 24 GB setting (--cpu-offload) on this GPU"
+echo "== 2/5 the 24 GB setting (--cpu-offload) on this GPU"
 if [ "$SIZE" != 24 ]; then one_gpu one_gpu_24gb_setting "$OUT/model-1.5b" 16 --cpu-offload;
 else echo "(step 1 was it)"; fi
 if [ "${GPU_CHECK_7B:-0}" = 1 ] && [ "$SIZE" = 80 ]; then
@@ -173,7 +293,7 @@ EOF
     one_gpu one_gpu_7b "$OUT/model-7b" 16 --cpu-offload
 fi
 
-echo "== 3/4 the distributed tests on CUDA, $RANKS rank(s)"
+echo "== 3/5 the distributed tests on CUDA, $RANKS rank(s)"
 if [ "$HAVE_PYTEST" = 1 ]; then
     export D3S_TEST_DEVICE=cuda D3S_TEST_RANKS=$RANKS D3S_VLLM_PYTHON="$PY"
     TESTS=(tests/test_full_fsdp.py)
@@ -190,9 +310,9 @@ else
     echo "(skipped: no pytest)"; FAILED+=("tests (no pytest)")
 fi
 
-echo "== 4/4 the tiled MLP on the 7B's layer shapes (4 layers, [4, 3512] tokens, bf16)"
+echo "== 4/5 the tiled MLP on the 7B's layer shapes (4 layers, [4, 3512] tokens, bf16)"
 "$PY" bench/tiled_mlp.py --device cuda --dtype bfloat16 --hidden 3584 --seq-len 3512 --chunk-tokens 4096 --repeats 5 \
     2>&1 | tail -12 || FAILED+=("tiled MLP")
 
-echo "== gpu_check done: the log is $LOG (send it back); the runs are in $OUT"
-if [ "${#FAILED[@]}" -gt 0 ]; then echo "gpu_check: FAILED: ${FAILED[*]}" >&2; exit 1; fi
+learn
+finish

@@ -441,5 +441,5 @@ def test_gpu_check_on_a_machine_without_a_gpu_says_why_in_its_one_log(tmp_path):
     )
     log = (tmp_path / "check" / "gpu_check.log").read_text()
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "== 0/4 the machine" in log and f"torch {torch.__version__}" in log
+    assert "== 0/5 the machine" in log and f"torch {torch.__version__}" in log
     assert "gpu_check: torch sees no CUDA device: " in log and ("CPU-only build" in log or "driver" in log)

@@ -196,3 +196,42 @@ def test_generate_runs_at_the_engines_thread_count_and_the_trainer_gets_its_own_
         hf_engine.threads = None
     assert len(out) == 1 and len(out[0]) == 2 and seen and set(seen) == {1}
     assert torch.get_num_threads() == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# The learning stage of scripts/gpu_check.sh, at tiny sizes on the CPU (gloo): the same code path, so it cannot rot
+# ---------------------------------------------------------------------------------------------
+def test_gpu_checks_learning_stage_runs_on_cpu_at_tiny_sizes_and_prints_its_table(tmp_path):
+    out = tmp_path / "check"
+    env = {
+        **os.environ,
+        "PYTHON": sys.executable,
+        "OUT": str(out),
+        "GPU_CHECK_ONLY": "learn",
+        "GPU_CHECK_DEVICE": "cpu",
+        "GPU_CHECK_LEARN_SIZE": "tiny",
+        "CUDA_VISIBLE_DEVICES": "",
+    }
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh")], cwd=ROOT, capture_output=True, text=True, timeout=900, env=env
+    )
+    log = (out / "gpu_check.log").read_text()
+    assert proc.returncode == 0, log[-4000:]
+    assert "== 5/5 the rung learns (tiny, cpu, " in log and "warm start: " in log
+    rows = {line.split()[0]: line.split() for line in log.splitlines() if line.split()[:1] in (["d3s"], ["grpo"])}
+    assert set(rows) == {"d3s", "grpo"}, log[-3000:]
+    for method, row in rows.items():
+        before, after = float(row[1]), float(row[2])
+        assert 0 <= before <= 1 and 0 <= after <= 1 and int(row[8]) > 0  # Pass@1s; tokens in the loss
+        metrics = [json.loads(x) for x in open(out / "learn" / method / "metrics.jsonl")]
+        assert [m["step"] for m in metrics if m["kind"] == "train"] == [1, 2]
+        assert [m["step"] for m in metrics if m["kind"] == "eval"][0] == 0  # held-out Pass@1 before training
+    bad = subprocess.run(  # a CPU run of every stage is refused in one line
+        ["bash", str(ROOT / "scripts" / "gpu_check.sh")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**env, "GPU_CHECK_ONLY": "all"},
+    )
+    assert bad.returncode == 2 and "GPU_CHECK_DEVICE=cpu needs GPU_CHECK_ONLY=learn" in bad.stderr
