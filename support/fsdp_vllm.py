@@ -14,8 +14,10 @@ data, checkpoints, evaluation, reports). This module holds the rest, in five par
                       [n, T, vocab] logits: log-probs and entropy in blocks, pass 2 only at
                       the tokens in the loss
   4 rollout engines   VLLMEngine (colocated vLLM, sleep mode, reload_weights, the check before a
-                      wake) and the memory plan of trainer and vLLM on one GPU (and its refusal);
-                      HFEngine (transformers' generate), the same interface
+                      wake) and the memory plan of trainer and vLLM on one GPU, host memory too (and
+                      its refusal); HFEngine (transformers' generate), the same interface; the GPU
+                      checks before vLLM is built (VLLM_BATCH_INVARIANT), the trainer's CPU threads
+                      under --cpu-offload, an export with the engine asleep (export_asleep)
   5 clocks, memory    timers that wait for the GPU, peak memory, MFU's peak FLOP/s, why torch
                       sees no GPU (cuda_diagnosis)
 """

@@ -121,7 +121,7 @@ def test_the_host_count_rounds_each_pinned_shard_to_a_power_of_two_and_adds_rank
     below = fsdp_vllm.host_memory(
         config(QWEN25_MATH_7B), args, 1, environ={"PYTORCH_CUDA_ALLOC_CONF": "pinned_max_round_threshold_mb:64"}
     )
-    assert below["total"] / GIB == pytest.approx(161.8, abs=0.05) and below["rounding"] / GIB < 2
+    assert below["total"] / GIB == pytest.approx(161.85, abs=0.01) and below["rounding"] / GIB < 2
     eight = fsdp_vllm.host_memory(config(QWEN25_MATH_7B), args, 8, local_ranks=8, environ={})
     assert eight["total"] == 8 * eight["per_rank"] + eight["export"]  # every rank of the node, one export copy
     plain = fsdp_vllm.host_memory(config(QWEN25_MATH_7B), train_full.parse_args([]), 8, local_ranks=8)
