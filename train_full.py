@@ -18,11 +18,14 @@ engine (asleep while the trainer runs). A step (docs/algorithm.md section 6) is 
   6 update_policy         M mini-batches, one AdamW step each on d3s.policy_loss; then the weights go to vLLM
 
 Prompt order, sampling seeds (one per prompt) and both selections are functions of the global batch: the kept
-rollouts and tokens do not depend on the rank count where generation does not (CPU; GPU: VLLM_BATCH_INVARIANT=1).
-Steps count from 1 (docs/metrics.md). SIGTERM or SIGUSR1 stops every rank after a step and its checkpoint (exit
-75), a full disk before it (74). Beside this file: support/fsdp_vllm.py (process group, FSDP2, loss head, engines, clocks),
-support/full_io.py (checks, data, checkpoints, evaluation, reports, stops). Defaults: [paper] the D3S paper's, [recipe] the
-Qwen2.5-Math-7B zero-RL recipe's (SimpleRL-Zoo / Dr.GRPO / verl), [inferred] from the paper, [choice] this repo's.
+rollouts and tokens do not depend on the rank count where generation does not (CPU; GPU: VLLM_BATCH_INVARIANT=1,
+usable on compute capability 9.x and newer, refused on 8.x: docs/train_full.md). Steps count from 1
+(docs/metrics.md). SIGTERM or SIGUSR1 stops every rank after a step and its checkpoint (exit 75), a full disk before
+it (74). Beside this file: support/fsdp_vllm.py (process group, FSDP2, loss head, engines, clocks), support/full_io.py
+(checks, data, checkpoints, evaluation, reports, stops).
+
+Defaults: [paper] the D3S paper's, [recipe] the Qwen2.5-Math-7B zero-RL recipe's (SimpleRL-Zoo / Dr.GRPO / verl),
+[inferred] from the paper, [choice] this repo's. The memory flags' measured costs: docs/memory.md.
 """
 
 import math
@@ -44,6 +47,8 @@ from support.mathtask import DataError, Grader
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")  # MATH levels 3-5 and the benchmarks
 BENCHMARKS = ("aime24", "aime25", "amc23", "gsm8k", "math500", "minerva_math", "olympiadbench")
+TRAIN_DATA = os.path.join(DATA, "train_math_lvl3to5_8k.jsonl")  # [recipe] MATH levels 3-5
+EVAL_DATA = ",".join(os.path.join(DATA, f"{b}.jsonl") for b in BENCHMARKS)  # [paper] AIME24 ... OlympiadBench
 MAX = dist.ReduceOp.MAX
 
 
@@ -51,340 +56,86 @@ MAX = dist.ReduceOp.MAX
 # Flags: each declared once, with its range (cli.number) and where its default comes from
 # ---------------------------------------------------------------------------------------------
 def build_parser():
-    p = cli.Parser(
-        prog="train_full.py",
-        description=(
-            "GRPO/GSPO + D3S with vLLM rollouts and FSDP2 (one node or more, under torchrun). [paper] = stated in the D3S "
-            "paper, [recipe] = the common Qwen2.5-Math-7B zero-RL recipe (SimpleRL-Zoo / Dr.GRPO / verl), [inferred] = "
-            "follows from the paper, [choice] = this repo's. Measured costs of the memory flags: docs/memory.md."
-        ),
-    )
+    f, n, frac = cli.flag, cli.number, "a fraction of tokens in (0, 1]"  # one knob a line: f(flag, default, what, help)
+    zero = lambda meaning: n(int, 0, what=f"an int >= 0 (0 = {meaning})")  # a count whose 0 says something else
+    flags = [
+        # what to train, on what
+        f("--model", "Qwen/Qwen2.5-Math-7B", None, "[paper] hub name or local folder of the policy (or to evaluate)"),
+        f("--method", "d3s", None, f"[paper] a row of variants.LADDER: {', '.join(variants.METHODS)}"),
+        f("--loss", "grpo", ["grpo", "gspo"], "[paper] token-ratio GRPO or sequence-ratio GSPO"),
+        f("--rollout", "vllm", ["vllm", "hf"], "[choice] vLLM (colocated, asleep in training) or HF generate (slow)"),
+        f("--train-data", TRAIN_DATA, None, "[recipe] JSONL/JSON/Parquet (problem, answer), or 'name[:config]:split'"),
+        f("--eval-data", [EVAL_DATA], None, "[paper] files, globs or hub names; 'none': no evaluation", nargs="+"),
+        f("--eval-only", False, bool, "evaluate --model on --eval-data and exit (no training)"),
+        f("--out", "runs/full", None, "[choice] output folder: metrics.jsonl, checkpoints/, hf_final/, eval_*.md/json"),
+        f("--resume", None, None, "continue from the newest checkpoint in OUT (or this)", nargs="?", const="latest"),
+        f("--template", "qwen-math", list(full_io.TEMPLATES), "[recipe] prompt template (plain: for tiny test models)"),
+        # the batch and D3S
+        f("--steps", 250, n(int, 1), "[choice] optimizer steps S (~1 epoch); the D3S schedule runs over them"),
+        f("--prompts-per-step", 32, n(int, 1), "[choice] P over all ranks (x G = 1024 rollouts), divisible by them"),
+        f("--group-size", 32, n(int, 2, 1024, what="an int in [2, 1024] (rollouts per prompt)"), "[inferred] G"),
+        f("--n-init", 8, n(int, 1), "[paper] D3S schedule: rollouts kept per prompt at step 1"),
+        f("--n-final", 32, n(int, 1), "[paper] D3S schedule: rollouts kept per prompt at the end"),
+        f("--k-init", 0.05, n(float, 0, 1, low_open=True, what=frac), "[paper] tokens kept at step 1"),
+        f("--k-final", 0.20, n(float, 0, 1, low_open=True, what=frac), "[paper] tokens kept at the end"),
+        f("--static-n", None, n(int, 1), "[choice] N of d1s, d1s-cross, d2s, pods (default: the midpoint)"),
+        f("--static-k", None, n(float, 0, 1, low_open=True, what=frac), "[choice] K of d2s (default: the midpoint)"),
+        *variants.flags("--token-scope", "--switch-on-spike", "--min-token-per-response"),
+        f("--loss-agg", None, ["token-mean", "seq-mean-token-mean"], "[recipe] default: token-mean; gspo: the other"),
+        f("--normalize-by", "selected", ["selected", "all"], "[choice] token-mean over the selected or all tokens"),
+        # optimization
+        f("--lr", 1e-6, n(float, 0, 1, low_open=True, what="in (0, 1] (the recipe's: 1e-6)"), "[recipe] AdamW's"),
+        f("--weight-decay", 0.0, n(float, 0, 1, what="in [0, 1] (AdamW's decoupled decay)"), "[recipe] AdamW"),
+        f("--max-grad-norm", 1.0, n(float, 0, low_open=True), "[recipe] clipping's norm (grad_norm: before clipping)"),
+        f("--clip-low", None, n(float, 0, 1, high_open=True), "[recipe] eps_low (default: 0.2 grpo, 3e-4 gspo)"),
+        f("--clip-high", None, n(float, 0), "[choice] eps_high (default: 0.28 grpo, DAPO's; 4e-4 gspo)"),
+        f("--mini-batches", 4, n(int, 1, what="an int >= 1 (1 = on-policy)"), "[recipe] M: AdamW steps per batch"),
+        f("--no-load-balance", True, bool, "train a kept rollout on its home rank (same update)", dest="load_balance"),
+        f("--micro-batch-size", 16, n(int, 1, what="an int >= 1 (rollouts per forward)"), "[choice] memory only"),
+        f("--kl-ref", False, bool, "load --model again as a frozen reference; log the KL (k3) to it"),
+        f("--kl-coef", 0.0, n(float, 0), "[recipe] beta of the k3 KL penalty (needs --kl-ref)"),
+        f("--kl-every", None, zero("never"), "[choice] KL on step 1, every N-th, the last (default: --eval-every, 10)"),
+        f("--no-activation-checkpointing", True, bool, "no activation checkpointing", dest="activation_checkpointing"),
+        f("--mlp-chunk-tokens", 4096, zero("the whole micro-batch at once"), "[choice] tiled MLP: tokens per chunk"),
+        # sampling
+        f("--temperature", 1.0, n(float, 0.01, 100), "[recipe] rollouts' (the loss divides the logits by it)"),
+        f("--top-p", 1.0, n(float, 0, 1, low_open=True), "[recipe] rollout nucleus sampling"),
+        f("--max-prompt-len", 1024, n(int, 1), "[recipe] longer prompts are dropped (and counted)"),
+        f("--drop-long-prompts", False, bool, cli.DROP_LONG_PROMPTS_HELP),
+        f("--max-response-len", 3000, n(int, 1), "[recipe] max generated tokens per rollout"),
+        # evaluation
+        f("--eval-every", 0, zero("only after the last step"), "[choice] evaluate before training and every N steps"),
+        f("--eval-samples", 32, n(int, 1, 1024, what="an int in [1, 1024] (samples per problem)"), "[paper] k"),
+        f("--eval-pass-k", "1,8", None, "[paper] Pass@k values to report (unbiased estimator over the k samples)"),
+        f("--eval-temperature", 0.6, n(float, 0.01, 100, also=(0,), what="0 (greedy) or in [0.01, 100]"), "[choice]"),
+        f("--eval-top-p", 0.95, n(float, 0, 1, low_open=True), "[choice] evaluation nucleus sampling"),
+        f("--eval-max-tokens", 3000, n(int, 1), "[recipe] max generated tokens per evaluation sample"),
+        f("--eval-limit", 0, zero("every problem"), "[choice] the first N problems of each benchmark"),
+        # checkpoints and reports
+        f("--save-every", 50, n(int, 1), "[choice] sharded checkpoint every N steps and after the last"),
+        f("--keep-checkpoints", 2, n(int, 1), "[choice] keep the newest N sharded checkpoints"),
+        f("--export-every", 0, zero("only hf_final/"), "[choice] an HF export to OUT/hf_step_NNNNNN every N steps"),
+        f("--explain-every", 0, zero("off"), "[choice] step 1 and every N-th: OUT/explain/step_NNNNNN.html"),
+        f("--stop-after", None, n(int, 1), "stop cleanly after step N and its checkpoint (continue with --resume)"),
+        # systems
+        f("--seed", 0, n(int, 0, 2**31 - 1, what="an int in [0, 2^31)"), "[choice] data order, sampling and init"),
+        f("--unseeded-sampling", False, bool, "no per-prompt sampling seeds (depends on the ranks; resumes inexact)"),
+        f("--device", "auto", ["auto", "cuda", "cpu"], "auto: cuda if available, else cpu (gloo)"),
+        f("--dtype", "auto", ["auto", "bfloat16", "float32"], "compute dtype; auto: bfloat16 on CUDA, float32 on CPU"),
+        f("--cpu-offload", False, bool, "[choice] weights, gradients, AdamW in host memory (docs/train_full.md)"),
+        f("--vllm-gpu-memory-utilization", None, n(float, 0, 1, low_open=True), "vLLM's GPU share (default: planned)"),
+        f("--vllm-sleep-level", 2, [0, 1, 2], "[choice] 2 frees weights and KV cache, 1 offloads, 0 none", type=int),
+        f("--vllm-allow-awake", False, bool, "accept --vllm-sleep-level 0 or 1 and the memory it costs"),
+        f("--vllm-kv-cache-gb", 1.0, n(float, 0, 4096, low_open=True, what="in (0, 4096] GB"), "[choice] on CPU"),
+        f("--vllm-max-num-seqs", None, n(int, 1), "vLLM max concurrent sequences (default: planned on CUDA; CPU 256)"),
+        f("--vllm-enforce-eager", False, bool, "vLLM without CUDA graphs (slower; faster start)"),
+        f("--hf-generate-batch", 16, n(int, 1), "[choice] --rollout hf: prompts per generate() call"),
+        f("--grader-timeout", 5.0, n(float, 0, 3600, low_open=True), "[choice] seconds per answer (then: reward 0)"),
+        f("--grader-workers", None, n(int, 1, 64, what="an int in [1, 64] (processes per rank)"), "math-verify"),
+        f("--peak-tflops", 0.0, n(float, 0, what="a finite number >= 0 (0: from the GPU's name)"), "for the MFU"),
+    ]
+    p = cli.parser("train_full.py", __doc__.split("\n\n")[0] + " " + __doc__.split("\n\n")[-1], flags)
     p.say = full_io.usage_error_line  # one line per job under torchrun: rank 0's
-    a, n, frac = p.add_argument, cli.number, "a fraction of tokens in (0, 1]"
-    # what to train, on what
-    a(
-        "--model",
-        default="Qwen/Qwen2.5-Math-7B",
-        help="[paper] HF hub name or local folder of the policy (with "
-        "--eval-only: the model to evaluate, e.g. an hf_final/ export)",
-    )
-    a("--method", default="d3s", help=f"[paper] a row of variants.LADDER: {', '.join(variants.METHODS)}")
-    a("--loss", default="grpo", choices=["grpo", "gspo"], help="[paper] token-ratio GRPO or sequence-ratio GSPO")
-    a(
-        "--rollout",
-        default="vllm",
-        choices=["vllm", "hf"],
-        help="[choice] vLLM (colocated, sleep mode on CUDA) or HF generate (without vLLM; slow)",
-    )
-    a(
-        "--train-data",
-        default=os.path.join(DATA, "train_math_lvl3to5_8k.jsonl"),
-        help="[recipe] MATH levels 3-5: "
-        "JSONL/JSON/Parquet with problem/answer, or a hub dataset 'name[:config]:split' (e.g. openai/gsm8k:main:train)",
-    )
-    a(
-        "--eval-data",
-        nargs="+",
-        default=[",".join(os.path.join(DATA, f"{b}.jsonl") for b in BENCHMARKS)],
-        help="[paper] benchmark files (globs work) or hub names, space- or comma-separated; 'none' = no eval. Default: "
-        "AIME24, AIME25, AMC23, GSM8K, MATH500, Minerva, OlympiadBench from the repo's data/",
-    )
-    a("--eval-only", action="store_true", help="evaluate --model on --eval-data and exit (no training)")
-    a(
-        "--out",
-        default="runs/full",
-        help="[choice] output folder: metrics.jsonl, checkpoints/, hf_final/, eval_*.md/json",
-    )
-    a(
-        "--resume",
-        nargs="?",
-        const="latest",
-        default=None,
-        help="continue a run from the newest complete checkpoint in "
-        "OUT/checkpoints (or the folder given), with the flags it was started with (--steps included)",
-    )
-    a(
-        "--template",
-        default="qwen-math",
-        choices=list(full_io.TEMPLATES),
-        help="[recipe] prompt template (plain: for tiny test models)",
-    )
-    # the batch and D3S
-    a(
-        "--steps",
-        type=n(int, 1),
-        default=250,
-        help="[choice] optimizer steps S (~1 epoch at 32 prompts/step); the D3S schedule runs over them",
-    )
-    a(
-        "--prompts-per-step",
-        type=n(int, 1),
-        default=32,
-        help="[choice] P over all ranks (x G = 1024 rollouts, as Dr.GRPO's 128 x 8); divisible by the number of ranks",
-    )
-    a(
-        "--group-size",
-        type=n(int, 2, 1024, what="an int in [2, 1024] (rollouts per prompt)"),
-        default=32,
-        help="[inferred] G: rollouts per prompt, from N_final = 32 (the paper states no G)",
-    )
-    a("--n-init", type=n(int, 1), default=8, help="[paper] D3S schedule: rollouts kept per prompt at step 1")
-    a("--n-final", type=n(int, 1), default=32, help="[paper] D3S schedule: rollouts kept per prompt at the end")
-    a("--k-init", type=n(float, 0, 1, low_open=True, what=frac), default=0.05, help="[paper] tokens kept at step 1")
-    a("--k-final", type=n(float, 0, 1, low_open=True, what=frac), default=0.20, help="[paper] tokens kept at the end")
-    a(
-        "--static-n",
-        type=n(int, 1),
-        default=None,
-        help="[choice] N of d1s, d1s-cross, d2s, pods (default: the midpoint)",
-    )
-    a(
-        "--static-k",
-        type=n(float, 0, 1, low_open=True, what=frac),
-        default=None,
-        help="[choice] K of d2s (default: the midpoint)",
-    )
-    a(
-        "--token-scope",
-        default="batch",
-        choices=["batch", "sequence"],
-        help="[choice] top-K over the batch of all ranks, or within each response",
-    )
-    a(
-        "--switch-on-spike",
-        type=n(
-            float,
-            1,
-            low_open=True,
-            also=(0,),
-            what="0 (off) or a number > 1 (a spike is a grad "
-            "norm over this x its running median; 3 in docs/questions.md)",
-        ),
-        default=0.0,
-        help="[choice] the switch rule "
-        "(variants.switch_to_intra): d3s or d1s-cross selects within groups after the first grad norm over this x the "
-        "median of the 10 steps before; 0: off, the paper's method",
-    )
-    a("--min-token-per-response", action="store_true", help="[choice] every kept response keeps its best token")
-    a(
-        "--loss-agg",
-        default=None,
-        choices=["token-mean", "seq-mean-token-mean"],
-        help="[recipe] loss aggregation (default: token-mean for grpo, seq-mean-token-mean for gspo)",
-    )
-    a(
-        "--normalize-by",
-        default="selected",
-        choices=["selected", "all"],
-        help="[choice] token-mean divides by the "
-        "selected tokens or by all response tokens of the kept rollouts (the 80/20 paper's)",
-    )
-    # optimization
-    a(
-        "--lr",
-        type=n(float, 0, 1, low_open=True, what="in (0, 1] (the recipe's: 1e-6)"),
-        default=1e-6,
-        help="[recipe] AdamW learning rate (constant)",
-    )
-    a(
-        "--weight-decay",
-        type=n(float, 0, 1, what="in [0, 1] (AdamW's decoupled decay)"),
-        default=0.0,
-        help="[recipe] AdamW",
-    )
-    a(
-        "--max-grad-norm",
-        type=n(float, 0, low_open=True, what="a finite number > 0 (the norm the gradient is clipped to)"),
-        default=1.0,
-        help="[recipe] gradient clipping (grad_norm is logged before clipping)",
-    )
-    a(
-        "--clip-low",
-        type=n(float, 0, 1, high_open=True, what="in [0, 1): the ratio is clipped at 1 - eps_low"),
-        default=None,
-        help="[recipe] eps_low (default: 0.2 grpo, 3e-4 gspo (GSPO paper))",
-    )
-    a("--clip-high", type=n(float, 0), default=None, help="[choice] eps_high (default: 0.28 grpo, DAPO's; 4e-4 gspo)")
-    a(
-        "--mini-batches",
-        type=n(int, 1, what="an int >= 1 (1 = on-policy)"),
-        default=4,
-        help="[recipe] M: optimizer "
-        "steps per rollout batch (verl's Qwen2.5-Math GRPO: 1024 / 256); 1 = on-policy (no clipping, GSPO = GRPO)",
-    )
-    a(
-        "--no-load-balance",
-        dest="load_balance",
-        action="store_false",
-        help="train each kept rollout on the rank that "
-        "generated it (default: spread each mini-batch over the ranks by token count; the update is the same)",
-    )
-    a(
-        "--micro-batch-size",
-        type=n(int, 1, what="an int >= 1 (rollouts per forward)"),
-        default=16,
-        help="[choice] rollouts per forward/backward on one GPU (memory only: docs/memory.md)",
-    )
-    a(
-        "--kl-ref",
-        action="store_true",
-        help="load --model again as a frozen bf16 reference and log the KL (k3) to it "
-        "on the selected tokens (one more no-grad forward on the steps that measure it)",
-    )
-    a("--kl-coef", type=n(float, 0), default=0.0, help="[recipe] beta of the k3 KL penalty (needs --kl-ref)")
-    a(
-        "--kl-every",
-        type=n(int, 0, what="an int >= 0 (0 = never)"),
-        default=None,
-        help="[choice] with --kl-ref and "
-        "--kl-coef 0, measure on step 1, every N-th and the last (default: --eval-every, or 10)",
-    )
-    a(
-        "--no-activation-checkpointing",
-        dest="activation_checkpointing",
-        action="store_false",
-        help="turn off activation checkpointing of the decoder layers",
-    )
-    a(
-        "--mlp-chunk-tokens",
-        type=n(int, 0, what="an int >= 0 (0 = the whole micro-batch at once)"),
-        default=4096,
-        help="[choice] tiled MLP: each decoder MLP over this many tokens at a time, recomputed in backward",
-    )
-    # sampling
-    a(
-        "--temperature",
-        type=n(float, 0.01, 100, what="in [0.01, 100] (the loss divides the logits by it)"),
-        default=1.0,
-        help="[recipe] rollout sampling temperature",
-    )
-    a("--top-p", type=n(float, 0, 1, low_open=True), default=1.0, help="[recipe] rollout nucleus sampling")
-    a("--max-prompt-len", type=n(int, 1), default=1024, help="[recipe] longer prompts are dropped (and counted)")
-    a("--drop-long-prompts", action="store_true", help=cli.DROP_LONG_PROMPTS_HELP)
-    a("--max-response-len", type=n(int, 1), default=3000, help="[recipe] max generated tokens per rollout")
-    # evaluation
-    a(
-        "--eval-every",
-        type=n(int, 0, what="an int >= 0 (0 = only after the last step)"),
-        default=0,
-        help="[choice] evaluate before training and every N steps (0: only after the last step)",
-    )
-    a(
-        "--eval-samples",
-        type=n(int, 1, 1024, what="an int in [1, 1024] (samples per problem)"),
-        default=32,
-        help="[paper] k samples per problem: Pass@1 = mean over the k samples",
-    )
-    a("--eval-pass-k", default="1,8", help="[paper] Pass@k values to report (unbiased estimator over the k samples)")
-    a(
-        "--eval-temperature",
-        type=n(float, 0.01, 100, also=(0,), what="0 (greedy) or in [0.01, 100]"),
-        default=0.6,
-        help="[choice] evaluation sampling temperature (0: greedy)",
-    )
-    a("--eval-top-p", type=n(float, 0, 1, low_open=True), default=0.95, help="[choice] evaluation nucleus sampling")
-    a("--eval-max-tokens", type=n(int, 1), default=3000, help="[recipe] max generated tokens per evaluation sample")
-    a(
-        "--eval-limit",
-        type=n(int, 0, what="an int >= 0 (0 = every problem)"),
-        default=0,
-        help="[choice] the first N problems of each benchmark (0: all)",
-    )
-    # checkpoints and reports
-    a("--save-every", type=n(int, 1), default=50, help="[choice] sharded checkpoint every N steps and after the last")
-    a("--keep-checkpoints", type=n(int, 1), default=2, help="[choice] keep the newest N sharded checkpoints")
-    a(
-        "--export-every",
-        type=n(int, 0, what="an int >= 0 (0 = only hf_final/)"),
-        default=0,
-        help="[choice] HF export every N steps (0: only hf_final/ after the last step)",
-    )
-    a(
-        "--explain-every",
-        type=n(int, 0, what="an int >= 0 (0 = off)"),
-        default=0,
-        help="[choice] step 1 and every N-th "
-        "step, rank 0 writes OUT/explain/step_NNNNNN.html: the rollouts and tokens the step trained on (support/explain.py)",
-    )
-    a(
-        "--stop-after",
-        type=n(int, 1),
-        default=None,
-        help="stop cleanly after step N: its checkpoint, no final export "
-        "or evaluation, exit 0 (continue with --resume)",
-    )
-    # systems
-    a(
-        "--seed",
-        type=n(int, 0, 2**31 - 1, what="an int in [0, 2^31)"),
-        default=0,
-        help="[choice] seed of the data order, sampling and init",
-    )
-    a(
-        "--unseeded-sampling",
-        action="store_true",
-        help="no per-prompt sampling seeds (each engine seeded with seed + "
-        "rank): generation then depends on the number of ranks and resumes are not bit-exact",
-    )
-    a("--device", default="auto", choices=["auto", "cuda", "cpu"], help="auto: cuda if available, else cpu (gloo)")
-    a(
-        "--dtype",
-        default="auto",
-        choices=["auto", "bfloat16", "float32"],
-        help="compute dtype; auto: bfloat16 on CUDA (fp32 master weights and gradient reductions), float32 on CPU",
-    )
-    a(
-        "--cpu-offload",
-        action="store_true",
-        help="[choice] weights, gradients, AdamW in host memory (docs/train_full.md)",
-    )
-    a(
-        "--vllm-gpu-memory-utilization",
-        type=n(float, 0, 1, low_open=True),
-        default=None,
-        help="GPU share vLLM may take while awake (default on CUDA: fsdp_vllm.vllm_memory_plan, printed at start)",
-    )
-    a(
-        "--vllm-sleep-level",
-        type=int,
-        default=2,
-        choices=[0, 1, 2],
-        help="[choice] vLLM sleep during training (CUDA): "
-        "2 frees weights and KV cache, 1 offloads weights to CPU RAM, 0 = no sleep (0, 1: need --vllm-allow-awake)",
-    )
-    a("--vllm-allow-awake", action="store_true", help="accept --vllm-sleep-level 0 or 1 and the memory it costs")
-    a(
-        "--vllm-kv-cache-gb",
-        type=n(float, 0, 4096, low_open=True, what="in (0, 4096] GB"),
-        default=1.0,
-        help="[choice] vLLM KV cache size on CPU (ignored on CUDA; VLLM_CPU_KVCACHE_SPACE overrides it)",
-    )
-    a(
-        "--vllm-max-num-seqs",
-        type=n(int, 1),
-        default=None,
-        help="vLLM max concurrent sequences (default on CUDA: fsdp_vllm.vllm_memory_plan; 256 on CPU)",
-    )
-    a("--vllm-enforce-eager", action="store_true", help="vLLM without CUDA graphs (slower; faster start)")
-    a("--hf-generate-batch", type=n(int, 1), default=16, help="[choice] --rollout hf: prompts per generate() call")
-    a(
-        "--grader-timeout",
-        type=n(float, 0, 3600, low_open=True, what="in (0, 3600] seconds per answer"),
-        default=5.0,
-        help="[choice] seconds per answer before math-verify is killed (reward 0)",
-    )
-    a(
-        "--grader-workers",
-        type=n(int, 1, 64, what="an int in [1, 64] (processes per rank)"),
-        default=None,
-        help="math-verify processes per rank (default: the CPU cores / the ranks on this node, at most 8)",
-    )
-    a(
-        "--peak-tflops",
-        type=n(float, 0, what="a finite number >= 0 (0: from the GPU's name)"),
-        default=0.0,
-        help="peak dense bf16 TFLOP/s of one GPU for the logged MFU (0: from the GPU's name; none on CPUs)",
-    )
     return p
 
 
