@@ -391,76 +391,35 @@ def train(args, train_rows, eval_rows, warm):
     """Warm start -> RL with args.method -> held-out evaluations -> summary (dict). Writes into args.out."""
     t_start = time.time()
     torch.set_num_threads(args.threads or torch.get_num_threads())
-    model, tokenizer, warm_info = common.finite_warm_start(
-        warm, args, train_rows
-    )  # NaN/inf weights or logits: one line
+    model, tokenizer, warm_info = common.finite_warm_start(warm, args, train_rows)  # NaN/inf weights, logits: one line
     ref_model = copy.deepcopy(model).eval().requires_grad_(False)  # the warm start: reference of the logged KL
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    os.makedirs(args.out, exist_ok=True)
-    metrics_path, ckpt_path = os.path.join(args.out, "metrics.jsonl"), os.path.join(args.out, "checkpoint.pt")
-    totals = {"samples": 0, "tokens": 0, "fwd_tokens": 0, "gen_s": 0.0, "train_s": 0.0, "skipped": 0}
-    start_step = 0
-    if args.resume:
-        start_step, totals = common.load_checkpoint(
-            common.read_resume(args, RUN_FLAGS, PROG, ADDED_RUN_FLAGS), model, optimizer
-        )
-        common.truncate_metrics(metrics_path, start_step)  # drop what the killed run logged after it
-        print(f"resumed {ckpt_path} at step {start_step}")
-    for stale in [p for p in (metrics_path, ckpt_path) if not args.resume and os.path.exists(p)]:  # a new run
-        os.remove(stale)
-    history = common.train_history(metrics_path, args, start_step)  # what --schedule adaptive and the switch rule read
+    start_step, totals, history = common.start_run(args, model, optimizer, RUN_FLAGS, PROG, ADDED_RUN_FLAGS)  # --resume
     rl_start, G = time.time(), args.group_size
-    with (
-        Grader(timeout_s=args.grade_timeout) as grader,
-        common.Preemption(PROG) as notice,
-    ):  # SIGTERM/Ctrl-C: stop after a step
-        if start_step == 0:
-            common.append_metrics(
-                metrics_path,
-                {
-                    **evaluate(model, tokenizer, grader, eval_rows, 0, args),
-                    **totals,
-                    "warm_start": {k: v for k, v in warm_info.items() if k != "cached"},
-                },
-            )
-        bar = tqdm(
-            range(start_step + 1, args.steps + 1),
-            desc=f"{args.method} ({args.loss}, seed {args.rl_seed})",
-            dynamic_ncols=True,
-            initial=start_step,
-            total=args.steps,
-        )
+    with Grader(timeout_s=args.grade_timeout) as grader, common.Preemption(PROG) as notice:  # notice: stop after a step
+        if start_step == 0:  # the warm start's evaluation: step 0
+            info = {k: v for k, v in warm_info.items() if k != "cached"}
+            common.log_eval(args, evaluate(model, tokenizer, grader, eval_rows, 0, args), totals, warm_start=info)
+        desc, steps = f"{args.method} ({args.loss}, seed {args.rl_seed})", range(start_step + 1, args.steps + 1)
+        bar = tqdm(steps, desc=desc, dynamic_ncols=True, initial=start_step, total=args.steps)
         for step in bar:
             for group in optimizer.param_groups:  # linear warmup: lr * min(1, step / W)
                 group["lr"] = args.lr * min(1.0, step / args.warmup_steps) if args.warmup_steps else args.lr
             torch.manual_seed(step_seed(args.rl_seed, step))
-            problems = random.Random(step_seed(args.rl_seed, step)).sample(
-                train_rows, min(args.prompts_per_step, len(train_rows))
-            )
+            n_prompts = min(args.prompts_per_step, len(train_rows))
+            problems = random.Random(step_seed(args.rl_seed, step)).sample(train_rows, n_prompts)
             t0 = time.time()
             # 1) generate G rollouts per prompt, 2) reward them 0/1
-            batch = rollout(
-                model,
-                tokenizer,
-                [warmstart.format_prompt(r["problem"], args.template) for r in problems],
-                G,
-                args.max_new_tokens,
-                args.temperature,
-            )
-            gen_s = time.time() - t0
-            rewards = compute_rewards(grader, batch["texts"], [r["answer"] for r in problems for _ in range(G)]).view(
-                -1, G
-            )
+            prompts = [warmstart.format_prompt(r["problem"], args.template) for r in problems]
+            batch = rollout(model, tokenizer, prompts, G, args.max_new_tokens, args.temperature)
+            gen_s, golds = time.time() - t0, [r["answer"] for r in problems for _ in range(G)]
+            rewards = compute_rewards(grader, batch["texts"], golds).view(-1, G)  # [P, G]
             reward_s, t1 = time.time() - t0 - gen_s, time.time()
             # 3) select samples: N per prompt by max Var(A) (the row: --method, or its twin once the switch rule fired)
             row = variants.switch_to_intra(args.method, [h["grad_norm"] for h in history], args.switch_on_spike)
             n_keep, k_frac = common.budget(args, row, step, history=[h["reward_mean"] for h in history])
-            keep, adv = d3s.select_samples(
-                rewards,
-                n_keep,
-                variants.LADDER[row].samples,
-                generator=torch.Generator().manual_seed(step_seed(args.rl_seed, step, 1)),
-            )
+            gen = torch.Generator().manual_seed(step_seed(args.rl_seed, step, 1))
+            keep, adv = d3s.select_samples(rewards, n_keep, variants.LADDER[row].samples, generator=gen)
             kept_rows = keep.view(-1).nonzero().squeeze(-1)  # [B] indices of the kept rollouts
             kept, kept_adv = take_rows(batch, kept_rows), adv.view(-1)[kept_rows]  # [B, T], [B]
             with_kl = common.measures_kl(step, args)
@@ -471,19 +430,12 @@ def train(args, train_rows, eval_rows, warm):
                 model, ref_model if with_kl else None, kept, parts, args.temperature
             )
             # 5) select tokens: the top K of |A| * H over the whole batch
-            scores = d3s.token_scores(
-                kept_adv,
-                entropy,
-                rule=variants.TOKEN_RULES[args.token_rule],
-                generator=torch.Generator().manual_seed(step_seed(args.rl_seed, step, 2)),
-            )
+            gen = torch.Generator().manual_seed(step_seed(args.rl_seed, step, 2))
+            scores = d3s.token_scores(kept_adv, entropy, rule=variants.TOKEN_RULES[args.token_rule], generator=gen)
+            floor = int(args.min_token_per_response)  # each kept response's best token (off: plain top K)
             token_keep = d3s.select_tokens(
-                scores,
-                kept["response_mask"],
-                k_frac,
-                scope=args.token_scope,
-                min_per_seq=int(args.min_token_per_response),
-            )  # [B, T]
+                scores, kept["response_mask"], k_frac, scope=args.token_scope, min_per_seq=floor
+            )
             # 6) M mini-batches, one optimizer step each: d3s.policy_loss, backward, clip, AdamW
             update = update_policy(
                 model, optimizer, kept, parts, first_logp, old_logp, kept_adv, token_keep, ref_logp, args
@@ -499,57 +451,20 @@ def train(args, train_rows, eval_rows, warm):
                 "train_s": round(time.time() - t1, 3),
                 "pass1_s": round(pass1_s, 3),
             }
-            if args.explain_every and (step == 1 or step % args.explain_every == 0):
-                explain.small_page(
-                    os.path.join(args.out, "explain"),
-                    step,
-                    tokenizer,
-                    problems,
-                    batch,
-                    rewards,
-                    keep,
-                    adv,
-                    kept_rows,
-                    n_keep,
-                    k_frac,
-                    entropy,
-                    scores,
-                    token_keep,
-                    m,
-                    args,
-                    row,
-                )
-            history.append(m)
-            common.add_totals(totals, m)
-            common.append_metrics(metrics_path, m)
+            if args.explain_every and (step == 1 or step % args.explain_every == 0):  # OUT/explain/step_N.html
+                page = (tokenizer, problems, batch, rewards, keep, adv, kept_rows, n_keep, k_frac, entropy, scores)
+                explain.small_page(os.path.join(args.out, "explain"), step, *page, token_keep, m, args, row)
+            common.log_step(args, m, history, totals)  # metrics.jsonl, the run's totals
             bar.set_postfix(reward=f"{m['reward_mean']:.2f}", N=n_keep, K=f"{k_frac:.2f}", gnorm=m["grad_norm"])
             if step % args.eval_every == 0 or step == args.steps:
-                e = evaluate(model, tokenizer, grader, eval_rows, step, args)
-                common.append_metrics(metrics_path, {**e, **totals})
-                bar.write(
-                    f"step {step}: held-out greedy Pass@1 {e['eval_greedy_pass1']:.3f}, Pass@1 (mean of {e['n']}) "
-                    f"{e['eval_pass1_mean']:.3f}, Pass@{e['k']} {e['eval_passk']:.3f}"
-                )
-            if step % args.save_every == 0 or step in (args.steps, args.stop_after) or notice.signal:
-                common.save_checkpoint(
-                    ckpt_path, model, optimizer, step, {k: getattr(args, k) for k in RUN_FLAGS}, totals
-                )
-            if notice.signal and step < args.steps:  # a preemption notice: this step's checkpoint, then exit 75
-                common.stopped(PROG, notice.signal, step, ckpt_path)
-            if step == args.stop_after:  # a clean stop: the checkpoint of this step, then --resume continues
-                bar.write(f"stopped after step {step} (--stop-after); continue with --resume")
-                return None
+                common.log_eval(args, evaluate(model, tokenizer, grader, eval_rows, step, args), totals, bar.write)
+            if common.end_step(args, step, model, optimizer, RUN_FLAGS, totals, notice, PROG, bar.write):
+                return None  # --stop-after: this step's checkpoint; --resume continues
         timeouts = grader.timeouts
     common.export_pretrained(model, tokenizer, os.path.join(args.out, "final"))  # from_pretrained loads it
-    return common.write_summary(
-        args,
-        common.read_metrics(metrics_path),
-        warm_info,
-        totals,
-        timeouts,
-        rl_s=time.time() - rl_start,
-        wall_s=time.time() - t_start,
-    )
+    lines = common.read_metrics(os.path.join(args.out, "metrics.jsonl"))
+    rl_s, wall_s = time.time() - rl_start, time.time() - t_start
+    return common.write_summary(args, lines, warm_info, totals, timeouts, rl_s=rl_s, wall_s=wall_s)
 
 
 def main(argv=None):

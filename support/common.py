@@ -12,6 +12,7 @@
     run_all                    independent runs in a pool of processes, with a progress bar
     write_summary              train_small.py's summary.json, from its metrics.jsonl
     save_checkpoint, read_checkpoint, read_resume, load_checkpoint   a one-file checkpoint: model, optimizer, RNG, step
+    start_run, log_step, log_eval, end_step   train_small.py's run folder around its loop: resume, metrics, checkpoints
 
 The flag checks and their one-line errors are in support/cli.py; train_full.py's distributed plumbing in support/fsdp_vllm.py.
 """
@@ -678,6 +679,58 @@ def load_checkpoint(state, model, optimizer):
     keys, pos, has_gauss, cached = state["rng"]["numpy"]
     np.random.set_state(("MT19937", keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     return state["step"], state["totals"]
+
+
+# ---------------------------------------------------------------------------------------------
+# train_small.py's run folder around its loop: start or resume, the lines of metrics.jsonl, checkpoints and stops
+# ---------------------------------------------------------------------------------------------
+def start_run(args, model, optimizer, run_flags, prog, added=None):
+    """Before step 1: a new run removes OUT/metrics.jsonl and OUT/checkpoint.pt of an earlier one; --resume restores
+    model, optimizer and RNG states (read_resume's checks) and drops what the killed run logged after its checkpoint.
+    Returns (start_step, totals, history: the train lines so far, which --schedule adaptive and the switch rule read)."""
+    os.makedirs(args.out, exist_ok=True)
+    metrics_path, ckpt_path = os.path.join(args.out, "metrics.jsonl"), os.path.join(args.out, "checkpoint.pt")
+    totals = {"samples": 0, "tokens": 0, "fwd_tokens": 0, "gen_s": 0.0, "train_s": 0.0, "skipped": 0}
+    start_step = 0
+    if args.resume:
+        start_step, totals = load_checkpoint(read_resume(args, run_flags, prog, added), model, optimizer)
+        truncate_metrics(metrics_path, start_step)  # drop what the killed run logged after it
+        print(f"resumed {ckpt_path} at step {start_step}")
+    for stale in [p for p in (metrics_path, ckpt_path) if not args.resume and os.path.exists(p)]:  # a new run
+        os.remove(stale)
+    return start_step, totals, train_history(metrics_path, args, start_step)
+
+
+def log_step(args, m, history, totals):
+    """A step's train line `m`: onto history, into the run's totals and into OUT/metrics.jsonl."""
+    history.append(m)
+    add_totals(totals, m)
+    append_metrics(os.path.join(args.out, "metrics.jsonl"), m)
+
+
+def log_eval(args, e, totals, write=None, **more):
+    """An evaluation's line of OUT/metrics.jsonl: its numbers `e`, the run's totals so far and `more`; write (the
+    progress bar's): prints its one-line summary."""
+    append_metrics(os.path.join(args.out, "metrics.jsonl"), {**e, **totals, **more})
+    if write:
+        write(
+            f"step {e['step']}: held-out greedy Pass@1 {e['eval_greedy_pass1']:.3f}, Pass@1 (mean of {e['n']}) "
+            f"{e['eval_pass1_mean']:.3f}, Pass@{e['k']} {e['eval_passk']:.3f}"
+        )
+
+
+def end_step(args, step, model, optimizer, run_flags, totals, notice, prog, write=print):
+    """After a step: OUT/checkpoint.pt every --save-every steps, at the last step, at --stop-after and after a notice
+    (Preemption), which then stops the run (stopped: exit STOPPED). True at --stop-after: a clean stop, announced
+    with `write` (the progress bar's); --resume continues."""
+    ckpt_path = os.path.join(args.out, "checkpoint.pt")
+    if step % args.save_every == 0 or step in (args.steps, args.stop_after) or notice.signal:
+        save_checkpoint(ckpt_path, model, optimizer, step, {k: getattr(args, k) for k in run_flags}, totals)
+    if notice.signal and step < args.steps:  # a preemption notice: this step's checkpoint, then exit STOPPED
+        stopped(prog, notice.signal, step, ckpt_path)
+    if step == args.stop_after:
+        write(f"stopped after step {step} (--stop-after); continue with --resume")
+    return step == args.stop_after
 
 
 def fail(prog, error, out=None):

@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 import d3s
 import train_small
-from support import warmstart
+from support import variants, warmstart
 from support.mathtask import Grader, arithmetic_problems, load_problems, step_problems, stop_token_ids
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -287,6 +287,21 @@ def test_help_documents_every_flag_with_its_default(capsys):
     assert "[inferred] from N_final = 32" in text and "DAPO's clip-higher" in text and "[recipe]" in text
     for method in ("grpo", "d1s", "d1s-cross", "d2s", "d3s", "d3s-i", "pods", "random", "dapo-filter", "dapo-filter-k"):
         assert method in text
+
+
+def test_the_knobs_beyond_the_paper_and_the_warm_starts_are_declared_where_they_live():
+    """The warm start's knobs come from support/warmstart.py, the switch rule's, schedules' and token rules' from
+    support/variants.py: each declared once, the rung adds them with one call (the same help, default and type)."""
+    rung = {a.option_strings[0]: a for a in train_small.build_parser()._actions if a.option_strings}
+    for name, declared in [*warmstart.FLAGS, *variants.FLAGS]:
+        got = rung[name]
+        assert (got.help, got.default, got.type, got.choices) == (
+            declared["help"],
+            declared["default"],
+            declared.get("type"),
+            declared.get("choices"),
+        ), name
+    assert len(warmstart.FLAGS) == 14 and len(variants.FLAGS) == 5
 
 
 @pytest.mark.parametrize("compare", [False, True])
