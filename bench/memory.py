@@ -867,7 +867,9 @@ def main(argv=None):
     state_bytes, n_params = sharded_state_bytes(config, args.ranks)
     plan = None
     if args.gpu is not None:
-        plan = fsdp_vllm._plan(config, targs, args.ranks, args.gpu_gib * GIB, local_ranks=args.ranks)
+        # a fresh config: the simulation's from_config(dtype=float32) set this one's dtype, and the export's copy
+        # is in the checkpoint's (fsdp_vllm.host_memory)
+        plan = fsdp_vllm._plan(load_config(args.preset), targs, args.ranks, args.gpu_gib * GIB, local_ranks=args.ranks)
     table, record = report(
         args,
         result,
