@@ -35,9 +35,8 @@ TINY_SFT_STEPS = {
     "steps": 600,
     "direct": 1000,
 }  # warm-start length per task: a start with headroom (docs/small_compare.md)
-SHIPPED_DIR = os.path.join(
-    os.path.dirname(os.path.abspath(__file__)), "weights"
-)  # the default's warm start, built once
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository (this file is in support/)
+SHIPPED_DIR = os.path.join(ROOT, "weights")  # the default's warm start, built once
 
 # The flags of the model, the data and the warm start (cli.flag entries): train_small.py adds them with one call,
 # *warmstart.flags(), and fills the defaults that depend on other flags with warmstart.fill_defaults(args).
@@ -310,8 +309,7 @@ def build_shipped(args):
     torch.set_num_threads(1)
     train_rows, _ = load_data(args)
     path = warm_start_path(args, train_rows)
-    root = os.path.dirname(os.path.abspath(__file__))
-    _, _, info, losses = build_warm_start(args, train_rows, path, os.path.relpath(os.path.abspath(path), root))
+    _, _, info, losses = build_warm_start(args, train_rows, path, os.path.relpath(os.path.abspath(path), ROOT))
     with open(os.path.join(path, "model.safetensors"), "rb") as f:
         digest = hashlib.sha256(f.read()).hexdigest()
     with open("/proc/cpuinfo") as f:  # the CPU's name, as lscpu's "Model name"
