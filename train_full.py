@@ -22,7 +22,7 @@ rollouts and tokens do not depend on the rank count where generation does not (C
 usable on compute capability 9.x and newer, refused on 8.x: docs/train_full.md). Steps count from 1
 (docs/metrics.md). SIGTERM or SIGUSR1 stops every rank after a step and its checkpoint (exit 75), a full disk before
 it (74). Beside this file: support/fsdp_vllm.py (process group, FSDP2, loss head, engines, clocks), support/full_io.py
-(checks, data, checkpoints, evaluation, reports, stops).
+(checks, data, checkpoints, evaluation, reports, stops, the loop's plumbing: full_io.Run).
 
 Defaults: [paper] the D3S paper's, [recipe] the Qwen2.5-Math-7B zero-RL recipe's (SimpleRL-Zoo / Dr.GRPO / verl),
 [inferred] from the paper, [choice] this repo's. The memory flags' measured costs: docs/memory.md.
@@ -37,7 +37,6 @@ import types
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
 from support import cli, common
 import d3s
@@ -220,8 +219,8 @@ def select_samples_global(rollouts, rewards, step, row, args, dist_):
         seqs=seqs,
         mask=mask,
         kept_adv=adv_all[keep_all][mine].to(dist_.device),  # [B], full-group A (pods: recomputed)
-        parts=[[row_of[g] for g in part if g in row_of] for part in parts],
-    )  # this rank's rows of each mini-batch
+        parts=[[row_of[g] for g in part if g in row_of] for part in parts],  # this rank's rows of each mini-batch
+    )
 
 
 def forward_kept(model, ref_model, sel, args, dist_, pad_id):
@@ -352,18 +351,14 @@ def step_metrics(sel, token_keep, upd, train_s, pass1_tokens, measured_kl, dist_
         "groups_mixed": float((rewards_all.amax(-1) > rewards_all.amin(-1)).float().mean()),  # groups with signal
         "n_keep": sel.n_keep,
         "k_frac": sel.k_frac,
-        "sample_rule": variants.rule_name(
-            sel.row
-        ),  # which rollouts this step kept: "cross" turns "intra" at the switch
+        "sample_rule": variants.rule_name(sel.row),  # the rollouts' rule: "cross" turns "intra" at the switch
         "k_real": n_selected / max(n_tokens, 1.0),  # realised fraction of the forwarded tokens
         "kept_samples": sel.total,
         "sur": d3s.usefulness_rate(sel.adv_all, sel.keep_all),  # kept rollouts with A != 0
         "kept_tokens": int(n_selected),
         "fwd_tokens": int(n_tokens),  # in the loss; response tokens of the kept
         "kept_adv_var": d3s.kept_variance(sel.adv_all, sel.keep_all),
-        "grad_norm": sum(grad_norms) / len(grad_norms)
-        if grad_norms
-        else None,  # finite optimizer steps, before clipping
+        "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else None,  # finite AdamW steps, before clipping
         "entropy_mean": all_reduce((upd.entropy * sel.mask).sum(), dist_) / max(n_tokens, 1.0),
         "entropy_kept": all_reduce((upd.entropy * token_keep).sum(), dist_) / max(n_selected, 1.0),
         "kl_ref": upd.kl_tokens / max(n_selected, 1.0) if measured_kl else None,
@@ -410,50 +405,19 @@ def main(argv=None):
     # NaN or inf in the weights (each rank its shards) or in the logits of a first forward: one line naming --model,
     # exit 2, before any step
     full_io.check_finite(model, args, dist_, prompts[0]["prompt_ids"])
-    ref_model = (
-        fsdp_vllm.load_policy(args, dist_, reference=True) if args.kl_ref else None
-    )  # the initial policy, frozen
+    ref_model = fsdp_vllm.load_policy(args, dist_, reference=True) if args.kl_ref else None  # the initial policy
     optimizer = fsdp_vllm.make_optimizer(model, args)
-    step, grad_norms = (
-        0,
-        [],
-    )  # completed steps, and their grad norms (the same on every rank: --switch-on-spike's signal)
-    if ckpt:
-        step, grad_norms = full_io.resume_from(ckpt, model, optimizer, order, args, dist_)
-    n_params, flops_peak = fsdp_vllm.flop_params(model), fsdp_vllm.peak_flops(dist_.device, args.peak_tflops)  # MFU
+    # completed steps, and their grad norms (the same on every rank: --switch-on-spike's signal)
+    step, grad_norms = full_io.resume_from(ckpt, model, optimizer, order, args, dist_) if ckpt else (0, [])
     engine = fsdp_vllm.make_engine(args.model, args, dist_)
-    engine.update_weights(
-        fsdp_vllm.full_named_tensors(model, getattr(torch, args.dtype))
-    )  # the policy, also after a resume
-    metrics_path, pad_id, device = os.path.join(args.out, "metrics.jsonl"), tokenizer.pad_token_id, dist_.device
-    if dist_.is_main:
-        common.truncate_metrics(metrics_path, step if ckpt else -1)  # what the checkpoint covers (a new run: nothing)
-    bar = tqdm(total=args.steps, initial=step, disable=not dist_.is_main, desc="steps", dynamic_ncols=True)
-    stop_at = args.stop_after or args.steps
+    engine.update_weights(fsdp_vllm.full_named_tensors(model, getattr(torch, args.dtype)))  # also after a resume
+    pad_id, device = tokenizer.pad_token_id, dist_.device
     with Grader(args.grader_timeout, workers=args.grader_workers) as grader, full_io.Stops(args.out, dist_) as halt:
-        evaluate = lambda tag, name: full_io.evaluate(
-            engine,
-            tokenizer,
-            stops,
-            eval_sets,
-            args,
-            dist_,
-            grader,
-            tag,
-            name,
-            step=step,
+        run = full_io.Run(
+            args, dist_, step, ckpt, model, optimizer, order, engine, tokenizer, stops, eval_sets, grader, halt
         )
-        at_step = lambda: evaluate(
-            f"step_{step:06d}",
-            f"{args.model} after {step} steps of {args.method}, {args.loss} loss"
-            if step
-            else f"{args.model} before training",
-        )
-        if full_io.evaluation_due(
-            metrics_path, step, args, dist_
-        ):  # step 0, or one a stop cut off after its checkpoint
-            at_step()
-        while step < stop_at:
+        run.evaluate_if_due(step)  # step 0, or one a stop cut off after its checkpoint
+        while step < run.stop_at:  # --steps, or --stop-after
             s = step + 1  # this step, 1..S
             row = variants.switch_to_intra(args.method, grad_norms, args.switch_on_spike)  # --method, or its twin
             batch = full_io.rank_share([(g, prompts[g]) for g in order.take(args.prompts_per_step)], dist_)
@@ -470,61 +434,20 @@ def main(argv=None):
                 model, ref_model if measure_kl else None, sel, args, dist_, pad_id
             )
             token_keep = select_tokens_global(sel, entropy, args, dist_)  # 5) the top K of |A| * H, over all ranks
-            upd = update_policy(
+            upd = update_policy(  # 6) M mini-batches, one AdamW step each on d3s.policy_loss
                 model, optimizer, sel, token_keep, old_logp, has_old, entropy, ref_logp, args, dist_, pad_id
-            )  # 6) M mini-batches, one AdamW step each on d3s.policy_loss
-            stats = step_metrics(
-                sel, token_keep, upd, all_reduce(clock(device) - t0, dist_, MAX), pass1_tokens, measure_kl, dist_
             )
-            if args.explain_every and (s == 1 or s % args.explain_every == 0):  # the page, from the global selection
-                full_io.write_explain_page(
-                    s,
-                    rollouts,
-                    [p["problem"] for _, p in batch],
-                    sel,
-                    upd.entropy,
-                    token_keep,
-                    stats,
-                    args,
-                    tokenizer,
-                    dist_,
-                    halt,
-                )  # a full disk: noted in halt
+            train_s = all_reduce(clock(device) - t0, dist_, MAX)
+            stats = step_metrics(sel, token_keep, upd, train_s, pass1_tokens, measure_kl, dist_)
+            run.explain(s, rollouts, batch, sel, upd, token_keep, stats)  # step 1 and every --explain-every-th
             phases["gpu_used_train"] = fsdp_vllm.gpu_used_gb(device)  # trainer (+ sleeping vLLM), before the sync
             t0 = clock(device)
             engine.update_weights(fsdp_vllm.full_named_tensors(model, getattr(torch, args.dtype)))  # weights to vLLM
             phases["sync_s"] = clock(device) - t0
             step = s
             grad_norms.append(stats["grad_norm"])
-            record = full_io.train_record(step, stats, rollouts, phases, grader, n_params, flops_peak, args, dist_)
-            if dist_.is_main:
-                halt.append_metrics(metrics_path, record)  # a full disk: noted, every rank stops at agree() below
-                bar.set_postfix(reward=f"{record['reward_mean']:.3f}", N=record["n_keep"], K=f"{record['k_frac']:.2f}")
-                bar.update(1)
-            notice = halt.agree()  # any rank's full disk (DiskFull on every rank: exit 74) or notice (SIGTERM, SIGUSR1)
-            if args.export_every and step % args.export_every == 0:  # before the checkpoint: a resume redoes both
-                full_io.export_hf(model, tokenizer, os.path.join(args.out, f"hf_step_{step:06d}"), dist_, args.out)
-            if step % args.save_every == 0 or step == stop_at or notice:
-                full_io.save_checkpoint(
-                    model,
-                    optimizer,
-                    args.out,
-                    step,
-                    full_io.trainer_state(args, order, grad_norms),
-                    dist_,
-                    args.keep_checkpoints,
-                )
-            if notice and step < stop_at:
-                full_io.stopped(notice, step, args.out, dist_)  # rank 0's line; exit 75 on every rank
-            if args.eval_every and step % args.eval_every == 0 and step < args.steps:
-                at_step()
-        bar.close()
-        if args.stop_after:
-            say(f"stopped after step {step} (--stop-after): continue with --resume")
-        elif step >= args.steps:
-            path = full_io.export_hf(model, tokenizer, os.path.join(args.out, "hf_final"), dist_, args.out)
-            say(f"exported {path}")
-            evaluate("final", f"{path} ({args.model} after {step} steps of {args.method}, {args.loss} loss)")
+            run.end_step(step, stats, rollouts, phases, grad_norms)  # metrics line, notices, checkpoint, evaluation
+        run.finish(step)  # --stop-after's line, or OUT/hf_final and the final evaluation
     fsdp_vllm.shutdown(engine)
 
 

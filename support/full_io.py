@@ -1,7 +1,7 @@
 """support/full_io.py: the run's files and checks under train_full.py: what a run reads and writes, not the method.
 
 train_full.py holds the flags, the six steps of a D3S step and the loop; support/fsdp_vllm.py the machines (process group,
-FSDP2, the loss head, the rollout engines, clocks). This module holds the rest, in five parts:
+FSDP2, the loss head, the rollout engines, clocks). This module holds the rest, in seven parts:
 
   1 flag checks       the checks that involve several flags or the file system, before any work:
                       one line on stderr (once per job under torchrun: usage_error_line), exit 2
@@ -13,6 +13,8 @@ FSDP2, the loss head, the rollout engines, clocks). This module holds the rest, 
   5 reports           the step's line of metrics.jsonl (clocks, MFU, memory), the explain page
   6 stops             a preemption notice (SIGTERM, SIGUSR1) or a full disk on any rank stops every rank at
                       the same point: after the step's checkpoint (exit 75), or before it (exit 74)
+  7 the loop          Run: what train_full.main does around the six steps of a step, one call each
+                      (evaluation cadence, explain pages, metrics line, notices, exports, checkpoints)
 """
 
 import contextlib
@@ -38,7 +40,15 @@ from support import cli, common
 import d3s
 from support import explain
 from support.cli import UsageError
-from support.fsdp_vllm import all_reduce, context_length, load_generation_config, load_tokenizer, memory_peak_gb
+from support.fsdp_vllm import (
+    all_reduce,
+    context_length,
+    flop_params,
+    load_generation_config,
+    load_tokenizer,
+    memory_peak_gb,
+    peak_flops,
+)
 from support.mathtask import (
     PLAIN_TEMPLATE,
     QWEN_MATH_TEMPLATE,
@@ -1123,3 +1133,94 @@ def fail_disk(e):
     usage_error_line(common.disk_full_line("train_full.py", e.error, e.out))
     sys.stdout.flush(), sys.stderr.flush()
     os._exit(common.DISK_FULL)
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. The loop's plumbing: what main() does around the six steps, one call each
+# ---------------------------------------------------------------------------------------------
+class Run:
+    """train_full.main's loop less its six steps: the evaluations on their cadence (evaluate_if_due, at the end of
+    each step and of the run), the explain pages, the step's line of metrics.jsonl and the progress bar, the notices
+    and full disks that every rank agrees on, the HF exports and the checkpoints. Every rank makes every call (they
+    hold collectives). `step`: the steps completed (a resume's); `resumed`: whether a checkpoint was loaded."""
+
+    def __init__(
+        self, args, dist_, step, resumed, model, optimizer, order, engine, tokenizer, stops, eval_sets, grader, halt
+    ):
+        from tqdm import tqdm
+
+        self.args, self.dist_, self.halt, self.stop_at = args, dist_, halt, args.stop_after or args.steps
+        self.model, self.optimizer, self.order, self.engine, self.grader = model, optimizer, order, engine, grader
+        self.tokenizer, self.stops, self.eval_sets = tokenizer, stops, eval_sets
+        self.metrics = os.path.join(args.out, "metrics.jsonl")
+        if dist_.is_main:  # what the checkpoint covers (a new run: nothing)
+            common.truncate_metrics(self.metrics, step if resumed else -1)
+        self.n_params, self.flops_peak = flop_params(model), peak_flops(dist_.device, args.peak_tflops)  # MFU
+        self.bar = tqdm(total=args.steps, initial=step, disable=not dist_.is_main, desc="steps", dynamic_ncols=True)
+
+    def evaluate(self, step, tag=None, name=None):
+        """evaluate() of the policy after `step` steps, whose weights the engine holds; metrics.jsonl's eval line."""
+        a = self.args
+        if tag is None:
+            tag, name = f"step_{step:06d}", f"{a.model} after {step} steps of {a.method}, {a.loss} loss"
+            name = name if step else f"{a.model} before training"
+        return evaluate(
+            self.engine, self.tokenizer, self.stops, self.eval_sets, a, self.dist_, self.grader, tag, name, step=step
+        )
+
+    def evaluate_if_due(self, step):
+        """Before the first step: the evaluation of step 0, or of the step a stop cut off after its checkpoint."""
+        if evaluation_due(self.metrics, step, self.args, self.dist_):
+            self.evaluate(step)
+
+    def explain(self, step, rollouts, batch, sel, upd, token_keep, stats):
+        """Step 1 and every --explain-every-th: rank 0's page of what the step trained on (write_explain_page, from
+        the global selection; a full disk: noted in halt)."""
+        every = self.args.explain_every
+        if every and (step == 1 or step % every == 0):
+            problems = [p["problem"] for _, p in batch]
+            write_explain_page(
+                step,
+                rollouts,
+                problems,
+                sel,
+                upd.entropy,
+                token_keep,
+                stats,
+                self.args,
+                self.tokenizer,
+                self.dist_,
+                self.halt,
+            )
+
+    def end_step(self, step, stats, rollouts, phases, grad_norms):
+        """After the step's update and weight sync: its line of metrics.jsonl (train_record) and the bar on rank 0;
+        the notices every rank agrees on (a full disk anywhere: DiskFull on every rank, exit 74); the HF export and
+        the checkpoint that are due; on a notice, the stop after that checkpoint (exit 75); the evaluation due."""
+        args, dist_, halt = self.args, self.dist_, self.halt
+        record = train_record(step, stats, rollouts, phases, self.grader, self.n_params, self.flops_peak, args, dist_)
+        if dist_.is_main:
+            halt.append_metrics(self.metrics, record)  # a full disk: noted, every rank stops at agree() below
+            self.bar.set_postfix(reward=f"{record['reward_mean']:.3f}", N=record["n_keep"], K=f"{record['k_frac']:.2f}")
+            self.bar.update(1)
+        notice = halt.agree()  # any rank's full disk (DiskFull on every rank: exit 74) or notice (SIGTERM, SIGUSR1)
+        if args.export_every and step % args.export_every == 0:  # before the checkpoint: a resume redoes both
+            export_hf(self.model, self.tokenizer, os.path.join(args.out, f"hf_step_{step:06d}"), dist_, args.out)
+        if step % args.save_every == 0 or step == self.stop_at or notice:
+            state = trainer_state(args, self.order, grad_norms)
+            save_checkpoint(self.model, self.optimizer, args.out, step, state, dist_, args.keep_checkpoints)
+        if notice and step < self.stop_at:
+            stopped(notice, step, args.out, dist_)  # rank 0's line; exit 75 on every rank
+        if args.eval_every and step % args.eval_every == 0 and step < args.steps:
+            self.evaluate(step)
+
+    def finish(self, step):
+        """After the loop: --stop-after's line, or the export to OUT/hf_final and the final evaluation."""
+        args, say = self.args, print if self.dist_.is_main else (lambda *m, **kw: None)
+        self.bar.close()
+        if args.stop_after:
+            say(f"stopped after step {step} (--stop-after): continue with --resume", flush=True)
+        elif step >= args.steps:
+            path = export_hf(self.model, self.tokenizer, os.path.join(args.out, "hf_final"), self.dist_, args.out)
+            say(f"exported {path}", flush=True)
+            self.evaluate(step, "final", f"{path} ({args.model} after {step} steps of {args.method}, {args.loss} loss)")
