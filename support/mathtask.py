@@ -701,7 +701,8 @@ def bench_grader(n=512, workers=(1, 2), data_dir=None, timeout_s=5.0, slow=False
     finishes (a power tower), which costs one child timeout_s. Every w gets a fresh grader (empty
     cache), whose children are started, and timed, before the timed call. Returns {w: seconds}.
     """
-    data_dir = data_dir or os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
+    repository = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this file is in support/
+    data_dir = data_dir or os.path.join(repository, "data")
     golds = [
         r["answer"]
         for name in ("math500.jsonl", "minerva_math.jsonl", "olympiadbench.jsonl")
