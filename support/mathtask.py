@@ -690,7 +690,7 @@ def held_out_pass(rows, sample, grader, n, k, chunk):
 
 
 # ---------------------------------------------------------------------------------------------
-# Benchmark (not a test): python support/mathtask.py --bench-grader [--n 512] [--workers 1,2] [--slow]
+# Benchmark (not a test): python -m support.mathtask --bench-grader [--n 512] [--workers 1,2] [--slow]
 # ---------------------------------------------------------------------------------------------
 def bench_grader(n=512, workers=(1, 2), data_dir=None, timeout_s=5.0, slow=False):
     """Print the wall time of Grader(timeout_s, w).score_batch on `n` real answers for each w in `workers`.
