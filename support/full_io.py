@@ -43,6 +43,7 @@ from support.cli import UsageError
 from support.fsdp_vllm import (
     all_reduce,
     context_length,
+    export_asleep,
     flop_params,
     load_generation_config,
     load_tokenizer,
@@ -160,11 +161,14 @@ def check_args(p, args, world):
 def check_machine(args, world):
     """What this machine must have for the run (main only: tests and bench/memory.py parse flags for
     other machines): CUDA for --device cuda (else why not: fsdp_vllm.cuda_diagnosis), vLLM for --rollout vllm,
-    and, with both, a GPU the setting fits (fsdp_vllm.vllm_memory_plan: trainer and vLLM together)."""
-    from support.fsdp_vllm import cuda_diagnosis, vllm_memory_plan
+    and, with both, a GPU the setting fits (fsdp_vllm.vllm_memory_plan: trainer and vLLM together) and no
+    VLLM_BATCH_INVARIANT on compute capability 8.x (fsdp_vllm.check_batch_invariant)."""
+    from support.fsdp_vllm import check_batch_invariant, cuda_diagnosis, vllm_memory_plan
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"--device cuda: torch sees no CUDA device ({cuda_diagnosis()}); or use --device cpu")
+    if args.device == "cuda":  # VLLM_BATCH_INVARIANT on compute capability 8.x: refused before the model loads
+        check_batch_invariant(args, torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))))
     if args.rollout == "vllm" and importlib.util.find_spec("vllm") is None:
         raise UsageError(
             "--rollout vllm: vLLM is not installed; pip install -r requirements/full.txt, or use --rollout hf"
@@ -1205,7 +1209,10 @@ class Run:
             self.bar.update(1)
         notice = halt.agree()  # any rank's full disk (DiskFull on every rank: exit 74) or notice (SIGTERM, SIGUSR1)
         if args.export_every and step % args.export_every == 0:  # before the checkpoint: a resume redoes both
-            export_hf(self.model, self.tokenizer, os.path.join(args.out, f"hf_step_{step:06d}"), dist_, args.out)
+            path = os.path.join(args.out, f"hf_step_{step:06d}")  # with vLLM asleep: its fp32 gathers fit beside it
+            export_asleep(
+                self.engine, self.model, args, lambda: export_hf(self.model, self.tokenizer, path, dist_, args.out)
+            )
         if step % args.save_every == 0 or step == self.stop_at or notice:
             state = trainer_state(args, self.order, grad_norms)
             save_checkpoint(self.model, self.optimizer, args.out, step, state, dist_, args.keep_checkpoints)
@@ -1221,6 +1228,8 @@ class Run:
         if args.stop_after:
             say(f"stopped after step {step} (--stop-after): continue with --resume", flush=True)
         elif step >= args.steps:
-            path = export_hf(self.model, self.tokenizer, os.path.join(args.out, "hf_final"), self.dist_, args.out)
+            final = os.path.join(args.out, "hf_final")  # with vLLM asleep (fsdp_vllm.export_asleep)
+            export = lambda: export_hf(self.model, self.tokenizer, final, self.dist_, args.out)
+            path = export_asleep(self.engine, self.model, args, export)
             say(f"exported {path}", flush=True)
             self.evaluate(step, "final", f"{path} ({args.model} after {step} steps of {args.method}, {args.loss} loss)")
