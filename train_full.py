@@ -433,6 +433,7 @@ def main(argv=None):
             old_logp, has_old, entropy, ref_logp, pass1_tokens = forward_kept(  # 4) pass 1 of the kept rollouts
                 model, ref_model if measure_kl else None, sel, args, dist_, pad_id
             )
+            phases["pass1_s"] = clock(device) - t0
             token_keep = select_tokens_global(sel, entropy, args, dist_)  # 5) the top K of |A| * H, over all ranks
             upd = update_policy(  # 6) M mini-batches, one AdamW step each on d3s.policy_loss
                 model, optimizer, sel, token_keep, old_logp, has_old, entropy, ref_logp, args, dist_, pad_id

@@ -930,8 +930,8 @@ def write_args(args, dist_):
 
 def train_record(step, stats, rollouts, phases, grader, n_params, flops_peak, args, dist_):
     """The step's line of metrics.jsonl (docs/metrics.md): the step's metrics (train_full.step_metrics), then the
-    run's counts, clocks, MFU and memory. phases: this rank's gen_s, reward_s, sync_s, and the GPU memory in use
-    during generation (gpu_used_gen) and after the update, before the sync (gpu_used_train). Every rank calls it (all_reduce)."""
+    run's counts, clocks, MFU and memory. phases: this rank's gen_s, reward_s, pass1_s, sync_s, and the GPU memory in
+    use during generation (gpu_used_gen) and after the update, before the sync (gpu_used_train). Every rank calls it (all_reduce)."""
     MAX = dist.ReduceOp.MAX
     gen_tokens = all_reduce(sum(len(r["response_ids"]) for group in rollouts for r in group), dist_)
     gen_s = all_reduce(phases["gen_s"], dist_, MAX)  # the slowest rank's
@@ -945,6 +945,7 @@ def train_record(step, stats, rollouts, phases, grader, n_params, flops_peak, ar
         "grader_timeouts": int(all_reduce(grader.timeouts, dist_)),
         "gen_s": gen_s,
         "reward_s": all_reduce(phases["reward_s"], dist_, MAX),
+        "pass1_s": all_reduce(phases["pass1_s"], dist_, MAX),
         "sync_s": phases["sync_s"],
         "gen_tokens_per_s": gen_tokens / max(gen_s, 1e-9),
         # model FLOPs of the update: the no-grad forwards (2 N per token: pass 1 and the

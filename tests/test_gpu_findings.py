@@ -222,7 +222,9 @@ def test_gpu_checks_learning_stage_runs_on_cpu_at_tiny_sizes_and_prints_its_tabl
     assert set(rows) == {"d3s", "grpo"}, log[-3000:]
     for method, row in rows.items():
         before, after = float(row[1]), float(row[2])
-        assert 0 <= before <= 1 and 0 <= after <= 1 and int(row[8]) > 0  # Pass@1s; tokens in the loss
+        pass1, update = float(row[5]), float(row[6])  # seconds per step: pass 1 and the update, apart
+        assert 0 <= before <= 1 and 0 <= after <= 1 and int(row[9]) > 0  # Pass@1s; tokens in the loss
+        assert pass1 > 0 and update > 0
         metrics = [json.loads(x) for x in open(out / "learn" / method / "metrics.jsonl")]
         assert [m["step"] for m in metrics if m["kind"] == "train"] == [1, 2]
         assert [m["step"] for m in metrics if m["kind"] == "eval"][0] == 0  # held-out Pass@1 before training
