@@ -198,6 +198,14 @@ SMALL_LADDER = [  # train_small.py's flags and checks, and the compare's own
     (["--compare", "d3s", "--out", "{file}"], "is a file, not a folder"),
     (["--compare", "grpo", "--out", "{dangling}"], "links to"),
 ]
+OFFLOAD_ADAMW = [
+    (["--threads", "0"], "--threads '0': must be thread counts like 1,2"),
+    (["--threads", "1,x"], "--threads '1,x': must be thread counts"),
+    (["--ranks", "0"], "--ranks 0: must be an int in [1, 4096]"),
+    (["--preset", "3b"], "--preset '3b': not a choice; choose from '1.5b', '7b'"),
+    (["--repeats", "0"], "--repeats 0: must be"),
+    (["--repeats"], "--repeats: expected one value"),
+]
 TABLES = {
     "toy_ladder.py": TOY_LADDER,
     "small_ladder.py": SMALL_LADDER,
@@ -206,6 +214,7 @@ TABLES = {
     "selection.py": SELECTION,
     "loss_head.py": LOSS_HEAD,
     "tiled_mlp.py": TILED_MLP,
+    "offload_adamw.py": OFFLOAD_ADAMW,
     "headroom.py": HEADROOM,
     "questions_toy.py": QUESTIONS_TOY,
     "questions_small.py": QUESTIONS_SMALL,
