@@ -108,7 +108,8 @@ def select_samples(rewards, n_keep, rule="cross", scale=True, eps=1e-6, generato
     | "intra" | d1s, d3s-i           | per group, the max-variance n_keep of G by A      | full-group A       |
     | "pods"  | pods                 | per group, the max-variance n_keep of G by R      | recomputed on kept |
     | "all"   | grpo                 | all G (n_keep is ignored)                         | full-group A       |
-    A function (rewards, n_keep, scale=, eps=, generator=) -> (keep, adv): a rule beyond the papers, support/variants.py.
+    A function (rewards, n_keep, scale=, eps=, generator=) -> (keep, adv) is a rule beyond the papers
+    (support/variants.py).
 
     D3S keeps full-group A (PODS maximises Var(R), re-standardizes on the kept). D3S's Lemma 1: a group has a subset
     with Var(A') >= 1 (a larger gradient-norm bound); ours (unbiased Var): every max-Var N has it. Within a group A

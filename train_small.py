@@ -315,7 +315,8 @@ def update_policy(model, optimizer, kept, parts, first_logp, old_logp, kept_adv,
 
 @torch.no_grad()
 def kl_ref_all(model, ref_model, batch, temperature=1.0):
-    """k3 KL of the policy before the step's update to the warm start on every response token: the same for every row."""
+    """k3 KL of the policy before the step's update to the warm start on every response token (the same tokens for
+    every row)."""
     logp = forward_logprobs_entropy(model, batch, temperature, with_entropy=False)[0]  # [P*G, T]
     ref_logp = forward_logprobs_entropy(ref_model, batch, temperature, with_entropy=False)[0]
     return float(d3s.kl_k3(logp, ref_logp)[batch["response_mask"].bool()].mean())
