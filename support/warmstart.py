@@ -5,6 +5,7 @@ warm start that RL starts from, cached so that every run of a comparison starts 
     format_prompt(problem, template)
     load_warm_start(args, rows)   (model, tokenizer, info): --model or the tiny Qwen2 (support/tiny.py), after --sft-steps of
                                   supervised training on the answers; cached in --cache-dir/warmstart-<hash>/
+    shared_kv_attention(model)    the model's attention reads each key/value head in place when no gradient is needed
     flags(), fill_defaults(args)  the flags of the model, data and warm start (--model, --task, --sft-*, ...): declared
                                   here, added by train_small.py with one call
 
@@ -122,6 +123,53 @@ def format_prompt(problem, template):
     return (PLAIN_TEMPLATE if template == "plain" else QWEN_MATH_TEMPLATE).format(problem=problem)
 
 
+SHARED_KV = "sdpa_shared_kv"  # the attention every model loaded here runs (shared_kv_attention)
+
+
+def sdpa_shared_kv(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    """transformers' "sdpa" attention, except with no gradient on a CPU: query [B, H, q, d], key and value
+    [B, H_kv, kv, d]. Given a padding mask, "sdpa" copies every key/value head to its H / H_kv query heads before the
+    kernel (on CPUs and GPUs alike); here, with no gradient, the kernel reads each head in place (enable_gqa). Same
+    floats (tests/test_train_small.py), ~0.7x the decode time of train_small's tiny model on CPU. With a gradient the
+    copy stays: the in-place kernel's backward adds the query heads' gradients in another order."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    plain = getattr(module, "num_key_value_groups", 1) == 1 or kwargs.get("position_bias") is not None
+    if plain or torch.is_grad_enabled() or query.device.type != "cpu" or kwargs.get("cache") is not None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+    q_len = query.shape[2]  # what "sdpa" does before its kernel, then the kernel with enable_gqa
+    is_causal = (
+        q_len > 1
+        and attention_mask is None
+        and (getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    )
+    if is_causal and key.shape[2] > q_len:
+        key, value = key[:, :, :q_len], value[:, :, :q_len]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        attn_mask=attention_mask,
+        dropout_p=dropout,
+        scale=scaling,
+        is_causal=is_causal,
+        enable_gqa=True,
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def shared_kv_attention(model):
+    """The model (in place) with sdpa_shared_kv as its attention and "sdpa"'s masks; a model whose attention does not
+    go through transformers' AttentionInterface keeps its own (transformers logs a warning)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(SHARED_KV, sdpa_shared_kv)
+    AttentionMaskInterface.register(SHARED_KV, sdpa_mask)
+    model.set_attn_implementation(SHARED_KV)
+    return model
+
+
 def load_base_model(args):
     """(model, tokenizer): --model from a folder or the hub, else a fresh tiny Qwen2 (support/tiny.py)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer  # here: the grader's child process re-imports the rung
@@ -130,9 +178,8 @@ def load_base_model(args):
         from support.tiny import build_char_tokenizer, build_tiny_model
 
         tokenizer = build_char_tokenizer()
-        return build_tiny_model(
-            tokenizer, hidden_size=args.hidden_size, num_layers=args.num_layers, seed=args.seed
-        ), tokenizer
+        model = build_tiny_model(tokenizer, hidden_size=args.hidden_size, num_layers=args.num_layers, seed=args.seed)
+        return shared_kv_attention(model), tokenizer
     looks_like_path = (
         args.model.startswith((".", "/", "~")) or args.model.count("/") > 1 or os.sep + os.sep in args.model
     )
@@ -159,7 +206,7 @@ def load_base_model(args):
     tokenizer.padding_side = "left"  # generation appends to the right of every prompt
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return model, tokenizer
+    return shared_kv_attention(model), tokenizer
 
 
 def warm_start_key(args, train_rows):
@@ -207,7 +254,7 @@ def load_warm_start(args, train_rows, shipped=True):
             tokenizer = AutoTokenizer.from_pretrained(folder)
             tokenizer.padding_side = "left"
             return (
-                AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32),
+                shared_kv_attention(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)),
                 tokenizer,
                 {**info, "cached": True},
             )

@@ -981,6 +981,37 @@ def test_the_shared_prompt_forward_equals_the_row_by_row_forward_in_log_probs_en
         assert max(float(g.abs().max()) for g in grads) > 1e-3  # the gradients are not all ~0
 
 
+def test_the_shared_kv_attention_gives_sdpa_s_floats_and_reads_keys_in_place_only_without_gradient(monkeypatch):
+    """warmstart.shared_kv_attention (every model train_small loads runs it): the same sampled tokens, log-probs,
+    entropies and gradients as transformers' "sdpa", bit for bit. Without a gradient its kernel reads each key/value
+    head in place (repeat_kv, the copy, is never called); with one it copies as "sdpa" does."""
+    import transformers.integrations.sdpa_attention as sdpa
+
+    policy, plain, tokenizer = _tiny_policy(seed=3)
+    assert policy.config.num_attention_heads > policy.config.num_key_value_heads  # grouped-query attention
+    warmstart.shared_kv_attention(policy)
+    assert (policy.config._attn_implementation, plain.config._attn_implementation) == (warmstart.SHARED_KV, "sdpa")
+    copies, repeat_kv = [], sdpa.repeat_kv
+    monkeypatch.setattr(sdpa, "repeat_kv", lambda *a: copies.append(torch.is_grad_enabled()) or repeat_kv(*a))
+    results = {}
+    for name, model in (("sdpa", plain), ("shared", policy)):
+        copies.clear()
+        torch.manual_seed(0)
+        batch = train_small.rollout(model, tokenizer, ["1+2=", "Ann had 23 pens", "x"], 4, 10)
+        with torch.no_grad():
+            no_grad = train_small.forward_logprobs_entropy(model, batch)
+        no_grad_copies = len(copies)
+        logp, entropy = train_small.forward_logprobs_entropy(model, batch)
+        (logp * torch.linspace(-1, 1, logp.numel()).view_as(logp))[batch["response_mask"].bool()].sum().backward()
+        results[name] = [batch["response_ids"], *no_grad, logp.detach(), entropy]
+        results[name] += [p.grad for p in model.parameters()]
+        assert any(copies[no_grad_copies:])  # with a gradient both copy
+        assert (no_grad_copies == 0) == (name == "shared")  # without a gradient only "sdpa" copies
+    assert results["sdpa"][0].shape[1] > 1 and batch["response_mask"].sum(-1).unique().numel() > 1
+    for want, got in zip(results["sdpa"], results["shared"]):
+        assert torch.equal(want, got)
+
+
 @pytest.mark.parametrize("mini_batches,k_frac", [(1, 1.0), (1, 0.3), (2, 0.3), (3, 1.0)])
 def test_the_update_without_pass_1_for_mini_batch_1_equals_the_update_with_it(mini_batches, k_frac):
     """Pass 1 over every kept rollout (the old way) against forward_kept + update_policy, which forward mini-batch 1
