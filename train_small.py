@@ -224,7 +224,8 @@ def forward_logprobs_entropy(model, batch, temperature=1.0, with_entropy=True):
         use_cache=True,
         logits_to_keep=1,
     ).logits  # [U, 1, V]: predicts o_1
-    cache.batch_select_indices(row_prompt)  # each row's prompt keys and values (indexing: gradients add up)
+    for layer in cache.layers:  # each row's prompt keys and values; the backward adds the rows up in a fixed order
+        layer.keys, layer.values = layer.keys.index_select(0, row_prompt), layer.values.index_select(0, row_prompt)
     attention_mask = torch.cat([prompt_mask[row_prompt], batch["response_mask"]], 1)  # [B, Lp' + T]
     position_ids = prompt_pos[row_prompt, -1:] + batch["response_mask"].cumsum(-1)  # as cumsum(mask) - 1 above
     logits = model(

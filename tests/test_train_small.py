@@ -981,6 +981,27 @@ def test_the_shared_prompt_forward_equals_the_row_by_row_forward_in_log_probs_en
         assert max(float(g.abs().max()) for g in grads) > 1e-3  # the gradients are not all ~0
 
 
+def test_two_runs_on_two_threads_give_the_same_numbers(tmp_path):
+    """README's first command runs on torch's default threads (2 on a 2-core machine). forward_logprobs_entropy gives
+    each row its prompt's keys and values with index_select, whose backward adds the rows up in a fixed order; the
+    indexing it replaced (cache.batch_select_indices) gave other gradients from step 1 on, run to run, on 2 threads
+    (2026-11-27: four runs of the default command ended at Pass@1 0.554-0.573). Two fresh processes, the default
+    model and warm start, 2 steps: the same metrics and weights."""
+    runs = []
+    for name in ("a", "b"):
+        out = tmp_path / name
+        flags = ["--threads", "2", "--steps", "2", "--eval-every", "100", "--eval-samples", "1", "--pass-k", "1"]
+        flags += ["--explain-every", "0", "--cache-dir", str(tmp_path / "cache"), "--out", str(out)]
+        proc = subprocess.run([sys.executable, "train_small.py", *flags], cwd=ROOT, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs.append((without_timings(read_jsonl(out / "metrics.jsonl")), load_state(out / "final")))
+    (lines_a, weights_a), (lines_b, weights_b) = runs
+    assert [m["kind"] for m in lines_a] == ["eval", "train", "train", "eval"] and lines_a[1]["updates"] > 0
+    assert lines_a == lines_b
+    for name in weights_a:
+        assert torch.equal(weights_a[name], weights_b[name]), name
+
+
 def test_the_shared_kv_attention_gives_sdpa_s_floats_and_reads_keys_in_place_only_without_gradient(monkeypatch):
     """warmstart.shared_kv_attention (every model train_small loads runs it): the same sampled tokens, log-probs,
     entropies and gradients as transformers' "sdpa", bit for bit. Without a gradient its kernel reads each key/value
