@@ -127,33 +127,19 @@ SHARED_KV = "sdpa_shared_kv"  # the attention every model loaded here runs (shar
 
 
 def sdpa_shared_kv(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
-    """transformers' "sdpa" attention, except with no gradient on a CPU: query [B, H, q, d], key and value
-    [B, H_kv, kv, d]. Given a padding mask, "sdpa" copies every key/value head to its H / H_kv query heads before the
-    kernel (on CPUs and GPUs alike); here, with no gradient, the kernel reads each head in place (enable_gqa). Same
-    floats (tests/test_train_small.py), ~0.7x the decode time of train_small's tiny model on CPU. With a gradient the
-    copy stays: the in-place kernel's backward adds the query heads' gradients in another order."""
+    """transformers' "sdpa" attention, except with a padding mask and no gradient on a CPU: query [B, H, q, d], key and
+    value [B, H_kv, kv, d]. Given a mask, "sdpa" copies every key/value head to its H / H_kv query heads before the
+    kernel (on CPUs and GPUs alike); here, with no gradient, the kernel reads each head in place (enable_gqa, as "sdpa"
+    itself does when there is no mask). Same floats (tests/test_train_small.py); 0.75-0.85x the generation time
+    of train_small's tiny model on CPU (docs/small_compare.md, section 8). With a gradient the copy stays: the in-place kernel's backward adds the query
+    heads' gradients in another order."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    plain = getattr(module, "num_key_value_groups", 1) == 1 or kwargs.get("position_bias") is not None
-    if plain or torch.is_grad_enabled() or query.device.type != "cpu" or kwargs.get("cache") is not None:
+    plain = attention_mask is None or getattr(module, "num_key_value_groups", 1) == 1 or query.device.type != "cpu"
+    if plain or torch.is_grad_enabled() or kwargs.get("position_bias") is not None or kwargs.get("cache") is not None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
-    q_len = query.shape[2]  # what "sdpa" does before its kernel, then the kernel with enable_gqa
-    is_causal = (
-        q_len > 1
-        and attention_mask is None
-        and (getattr(module, "is_causal", True) if is_causal is None else is_causal)
-    )
-    if is_causal and key.shape[2] > q_len:
-        key, value = key[:, :, :q_len], value[:, :, :q_len]
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query,
-        key,
-        value,
-        attn_mask=attention_mask,
-        dropout_p=dropout,
-        scale=scaling,
-        is_causal=is_causal,
-        enable_gqa=True,
+    out = torch.nn.functional.scaled_dot_product_attention(  # with a mask "sdpa" passes is_causal=False too
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True
     )
     return out.transpose(1, 2).contiguous(), None
 
