@@ -131,8 +131,8 @@ def sdpa_shared_kv(module, query, key, value, attention_mask, dropout=0.0, scali
     value [B, H_kv, kv, d]. Given a mask, "sdpa" copies every key/value head to its H / H_kv query heads before the
     kernel (on CPUs and GPUs alike); here, with no gradient, the kernel reads each head in place (enable_gqa, as "sdpa"
     itself does when there is no mask). Same floats (tests/test_train_small.py); 0.75-0.85x the generation time
-    of train_small's tiny model on CPU (docs/small_compare.md, section 8). With a gradient the copy stays: the in-place kernel's backward adds the query
-    heads' gradients in another order."""
+    of train_small's tiny model on CPU (docs/small_compare.md, section 8). With a gradient the copy stays: the
+    in-place kernel's backward adds the query heads' gradients in another order."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     plain = attention_mask is None or getattr(module, "num_key_value_groups", 1) == 1 or query.device.type != "cpu"
