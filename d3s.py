@@ -364,7 +364,7 @@ def policy_loss(
     logp,
     old_logp,
     adv,
-    mask,
+    token_mask,
     kind="grpo",
     clip_low=None,
     clip_high=None,
@@ -379,9 +379,9 @@ def policy_loss(
     GSPO: w_i = exp(mean_t (logp_{i,t} - old_{i,t})) over the selected tokens (choice), as log w_{i,t} =
           logp - sg(logp) + sg(mean_t(logp - old)): the gradient flows per token (GSPO-token)  (3e-4 / 4e-4)
     eps_low, eps_high: clip_low, clip_high. KL: kl_k3 to ref_logp (with beta = 0: measured, not in the loss).
-    logp, old_logp, mask (and ref_logp): [B, T]; adv: [B]. Returns (loss, stats).
-    agg="token-mean" (GRPO's default): sum(l * mask) / normalizer (default mask.sum()): every selected token of the
-    optimizer batch weighs the same; "seq-mean-token-mean" (GSPO's): the mean over each response's tokens, summed,
+    logp, old_logp, token_mask (the selected tokens, d3s.select_tokens) and ref_logp: [B, T]; adv: [B]. Returns
+    (loss, stats). agg="token-mean" (GRPO's default): sum(l * token_mask) / normalizer (default token_mask.sum()):
+    every selected token of the optimizer batch weighs the same; "seq-mean-token-mean" (GSPO's): the mean over each response's tokens, summed,
     / normalizer (default: the responses with a selected token). Micro-batching: pass the normalizer of the whole
     optimizer step (all ranks), so the micro-batch losses sum to the full-batch loss.
     On-policy with one update per batch, w = 1: clipping never binds, the loss is -mean(A) over the selected tokens
@@ -397,7 +397,7 @@ def policy_loss(
     agg = agg or DEFAULT_AGG[kind]
     _require(agg in ("token-mean", "seq-mean-token-mean"), "agg", agg, "choose 'token-mean' or 'seq-mean-token-mean'")
     _require(logp.dim() == 2, "logp.shape", tuple(logp.shape), "expected [B, T]")
-    for name, t in (("old_logp", old_logp), ("mask", mask), ("ref_logp", ref_logp)):
+    for name, t in (("old_logp", old_logp), ("token_mask", token_mask), ("ref_logp", ref_logp)):
         t_shape = tuple(getattr(t, "shape", ()))
         ok = (t is None and name == "ref_logp") or t_shape == tuple(logp.shape)
         _require(ok, f"{name}.shape", t_shape, f"must equal logp.shape {tuple(logp.shape)}")
@@ -408,12 +408,12 @@ def policy_loss(
     eps_high = CLIP_DEFAULTS[kind][1] if clip_high is None else clip_high
     _require(eps_low >= 0 and eps_high >= 0, "clip_low/clip_high", (eps_low, eps_high), "must be >= 0")
     dtype = torch.promote_types(logp.dtype, torch.float32)  # at least fp32: bf16 counts and sums would round
-    logp, old_logp, mask = logp.to(dtype), old_logp.to(dtype), mask.to(dtype)
-    tokens_per_seq = mask.sum(-1)  # [B]
+    logp, old_logp, token_mask = logp.to(dtype), old_logp.to(dtype), token_mask.to(dtype)
+    tokens_per_seq = token_mask.sum(-1)  # [B]
     A = adv.to(dtype).unsqueeze(-1)  # [B, 1]: outcome reward broadcast to tokens
     log_ratio = logp - old_logp  # [B, T]
     if kind == "gspo":
-        seq_log_ratio = (log_ratio * mask).sum(-1) / tokens_per_seq.clamp(min=1)  # mean_t over selected
+        seq_log_ratio = (log_ratio * token_mask).sum(-1) / tokens_per_seq.clamp(min=1)  # mean_t over selected
         log_ratio = logp - logp.detach() + seq_log_ratio.detach().unsqueeze(-1)
     ratio = torch.exp(log_ratio)  # w
     per_token = -torch.minimum(ratio * A, ratio.clamp(1 - eps_low, 1 + eps_high) * A)  # [B, T]
@@ -421,21 +421,21 @@ def policy_loss(
     if beta > 0:
         per_token = per_token + beta * kl
     if agg == "token-mean":
-        loss = (per_token * mask).sum() / (mask.sum().clamp(min=1) if normalizer is None else normalizer)
+        loss = (per_token * token_mask).sum() / (token_mask.sum().clamp(min=1) if normalizer is None else normalizer)
     else:
-        seq_mean = (per_token * mask).sum(-1) / tokens_per_seq.clamp(min=1)  # [B]
+        seq_mean = (per_token * token_mask).sum(-1) / tokens_per_seq.clamp(min=1)  # [B]
         loss = seq_mean.sum() / ((tokens_per_seq > 0).sum().clamp(min=1) if normalizer is None else normalizer)
 
     with torch.no_grad():
-        n_tok = mask.sum().clamp(min=1)
+        n_tok = token_mask.sum().clamp(min=1)
         clipped = ((ratio < 1 - eps_low) & (A < 0)) | ((ratio > 1 + eps_high) & (A > 0))  # where the clip binds
-        r = ratio[mask > 0] if (mask > 0).any() else torch.ones(1, dtype=ratio.dtype)
+        r = ratio[token_mask > 0] if (token_mask > 0).any() else torch.ones(1, dtype=ratio.dtype)
         stats = {
-            "clip_frac": float((clipped.to(mask.dtype) * mask).sum() / n_tok),
+            "clip_frac": float((clipped.to(token_mask.dtype) * token_mask).sum() / n_tok),
             "ratio_mean": float(r.mean()),
             "ratio_min": float(r.min()),
             "ratio_max": float(r.max()),
-            "kl": float((kl * mask).sum() / n_tok) if kl is not None else 0.0,
-            "tokens": float(mask.sum()),
+            "kl": float((kl * token_mask).sum() / n_tok) if kl is not None else 0.0,
+            "tokens": float(token_mask.sum()),
         }
     return loss, stats

@@ -970,7 +970,7 @@ BAD_CALLS = {
     "select_tokens scores 1-D": (lambda: select_tokens(S[0], M[0], 0.5), r"^scores\.shape="),
     "unknown scope": (lambda: select_tokens(S, M, 0.5, scope="row"), r"^scope='row'"),
     "old_logp shape": (lambda: policy_loss(LP, LP[:, :4], A2, M), r"^old_logp\.shape="),
-    "policy_loss mask shape": (lambda: policy_loss(LP, LP, A2, M[:1]), r"^mask\.shape="),
+    "policy_loss mask shape": (lambda: policy_loss(LP, LP, A2, M[:1]), r"^token_mask\.shape="),
     "ref_logp shape": (lambda: policy_loss(LP, LP, A2, M, ref_logp=LP[:1], beta=0.1), r"^ref_logp\.shape="),
     "adv shape [B, T]": (lambda: policy_loss(LP, LP, LP, M), r"^adv\.shape="),
     "adv shape [B+1]": (lambda: policy_loss(LP, LP, torch.ones(3), M), r"^adv\.shape="),

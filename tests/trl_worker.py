@@ -151,11 +151,11 @@ class RecordingTrainer(D3SGRPOTrainer):
         calls = []
         real = d3s.policy_loss
 
-        def recording_policy_loss(logp, old_logp, adv, mask, *args, **kwargs):  # the real loss, its mask kept
+        def recording_policy_loss(logp, old_logp, adv, token_mask, *args, **kwargs):  # the real loss, its tokens kept
             calls.append(
-                {"mask": mask.detach().clone(), "adv": adv.detach().clone(), "normalizer": kwargs["normalizer"]}
+                {"mask": token_mask.detach().clone(), "adv": adv.detach().clone(), "normalizer": kwargs["normalizer"]}
             )
-            return real(logp, old_logp, adv, mask, *args, **kwargs)
+            return real(logp, old_logp, adv, token_mask, *args, **kwargs)
 
         d3s.policy_loss = recording_policy_loss
         try:
