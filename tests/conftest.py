@@ -1,5 +1,5 @@
-"""Put the repository root on sys.path so the tests can `import d3s` however pytest is run; the fixtures that
-several test files use."""
+"""Put the repository root on sys.path so the tests can `import d3s` however pytest is run; the `figures` marker;
+the fixtures that several test files use."""
 
 import pathlib
 import subprocess
@@ -8,6 +8,14 @@ import sys
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "figures: compares what a run prints or writes with a figure kept in the repository (a page, a golden file, "
+        "a doctest, a verdict); .ci/run runs these a second time on another float path (docs/tests.md, Figures)",
+    )
 
 
 @pytest.fixture

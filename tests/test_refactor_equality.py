@@ -75,6 +75,7 @@ import d3s
 from support import variants
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.figures  # golden numbers: .ci/run runs them again on another float path
 GOLDEN = ROOT / "tests" / "golden" / "refactor.json"
 FIXED = ROOT / "tests" / "golden" / "fixed_inputs.json"
 RECORD, EXACT = os.environ.get("D3S_RECORD_GOLDEN") == "1", os.environ.get("D3S_EXACT_GOLDEN") == "1"

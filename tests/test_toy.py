@@ -36,6 +36,7 @@ def short_runs():
     return {m: [run(m, seed, args) for seed in (0, 1)] for m in variants.METHODS}
 
 
+@pytest.mark.figures  # a verdict of the toy: checked again on another float path (docs/tests.md, Figures)
 @pytest.mark.parametrize("method", list(variants.METHODS))
 def test_every_method_raises_the_expected_reward(short_runs, method):
     # The reward is exact (no sampling noise) and starts at ~0.14; 30 updates of a method that
@@ -51,6 +52,7 @@ def test_every_method_starts_from_the_same_policy(short_runs):
     assert len(set(first.values())) == 1, first
 
 
+@pytest.mark.figures
 def test_methods_train_on_the_rollouts_and_tokens_they_claim(short_runs):
     args = bandit.parse_args(SHORT)
     P, G, L = args.batch_prompts, args.group_size, args.length
@@ -100,6 +102,7 @@ def test_a_floor_of_one_token_per_response_inflates_the_kept_fraction():
     assert log["k_frac"][0] == pytest.approx(0.05) and log["k_real"][0] >= 1 / args.length
 
 
+@pytest.mark.figures
 def test_the_metrics_the_paper_reads_are_logged_every_step(short_runs):
     grpo, d3s_run, d1s_cross = short_runs["grpo"][0], short_runs["d3s"][0], short_runs["d1s-cross"][0]
     for log in (grpo, d3s_run):
@@ -169,6 +172,7 @@ def test_d3s_at_the_full_budget_trains_exactly_as_grpo():
     assert full["eval_reward"] == grpo["eval_reward"] and full["grad_norm"] == grpo["grad_norm"]
 
 
+@pytest.mark.figures
 def test_ablation_switches_do_what_they_say():
     def run(method, *flags):
         return columns(bandit.run(method, 2, bandit.parse_args(["--steps", "3", "--workers", "1", *flags])))

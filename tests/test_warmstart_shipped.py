@@ -65,6 +65,7 @@ def test_the_shipped_weights_are_the_recorded_build(tmp_path):
     assert len(build["sft_losses"]) == info["sft_steps"] and build["sft_losses"][0] == info["sft_loss_first"]
 
 
+@pytest.mark.figures  # build.json's losses, within 1e-3
 def test_the_build_recipe_gives_the_recorded_first_steps(tmp_path):
     """5 supervised steps of the default recipe (same fresh model, data order and schedule) against build.json."""
     build = json.loads((shipped_folder(tmp_path) / "build.json").read_text())
@@ -83,6 +84,7 @@ def test_the_build_recipe_gives_the_recorded_first_steps(tmp_path):
     os.environ.get("D3S_EXACT_GOLDEN") != "1",
     reason="bit for bit only on the building machine's CPU (D3S_EXACT_GOLDEN=1)",
 )
+@pytest.mark.figures
 def test_the_build_command_makes_the_shipped_weights(tmp_path):
     folder = shipped_folder(tmp_path)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
