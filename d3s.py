@@ -113,8 +113,8 @@ def select_samples(rewards, n_keep, rule="cross", scale=True, eps=1e-6, generato
 
     D3S keeps full-group A (PODS maximises Var(R), re-standardizes on the kept). D3S's Lemma 1: a group has a subset
     with Var(A') >= 1 (a larger gradient-norm bound); ours (unbiased Var): every max-Var N has it. Within a group A
-    increases with R, so "intra" and "pods" keep the same rollouts. Cross-group (choice): the paper runs "a
-    further cross-group selection over the entire batch" without saying over which candidates; here it is one
+    increases with R, so "intra" and "pods" keep the same rollouts. Cross-group (choice): notes on the paper quote
+    "a further cross-group selection over the entire batch"; no source at hand says over which candidates. Here: one
     pooled choice over all P*G advantages with budget n_keep * P (docs/algorithm.md 2.4). Its pooled Var(A') is
     at least that of the per-group choices, not >= 1: for [[1,0,0,0],[1,1,1,1]] and n_keep = 3 it must take two
     zeros of group 2 (Var(A') = 0.60). In a distributed run, call it on the global batch.
@@ -164,8 +164,8 @@ def kept_variance(adv, keep):
 
 
 def usefulness_rate(adv, keep):
-    """Sample Usefulness Rate: the share of the trained rollouts whose advantage is non-zero (D3S reports ~70%
-    for GRPO, near 100% for D3S). 0.0 when nothing is kept.
+    """Sample Usefulness Rate: the share of the trained rollouts whose advantage is non-zero (notes on the D3S paper
+    quote ~70% for GRPO, near 100% for D3S). 0.0 when nothing is kept.
 
     >>> usefulness_rate(torch.tensor([[1., -1., 0., 0.]]), torch.tensor([[True, True, True, False]]))
     0.6666666666666666
@@ -343,8 +343,8 @@ def method_budget(
 
 
 # === 5. Policy losses: GRPO (token ratios) and GSPO (sequence ratio), clipped surrogate, k3 KL ========================
-# (eps_low, eps_high). GRPO: 0.2 / 0.28, DAPO's clip-higher (the D3S paper states none); GSPO: 3e-4 / 4e-4,
-# the GSPO paper's. Every rung takes its defaults from here.
+# (eps_low, eps_high). GRPO: 0.2 / 0.28, DAPO's clip-higher (no source at hand gives the D3S paper's); GSPO: 3e-4 /
+# 4e-4, the GSPO paper's. Every rung takes its defaults from here.
 CLIP_DEFAULTS = {"grpo": (0.2, 0.28), "gspo": (3e-4, 4e-4)}
 DEFAULT_AGG = {"grpo": "token-mean", "gspo": "seq-mean-token-mean"}  # GSPO weighs each response the same
 
@@ -380,13 +380,13 @@ def policy_loss(
           logp - sg(logp) + sg(mean_t(logp - old)): the gradient flows per token (GSPO-token)  (3e-4 / 4e-4)
     eps_low, eps_high: clip_low, clip_high. KL: kl_k3 to ref_logp (with beta = 0: measured, not in the loss).
     logp, old_logp, token_mask (the selected tokens, d3s.select_tokens) and ref_logp: [B, T]; adv: [B]. Returns
-    (loss, stats). agg="token-mean" (GRPO's default): sum(l * token_mask) / normalizer (default token_mask.sum()):
-    every selected token of the optimizer batch weighs the same; "seq-mean-token-mean" (GSPO's): the mean over each response's tokens, summed,
-    / normalizer (default: the responses with a selected token). Micro-batching: pass the normalizer of the whole
-    optimizer step (all ranks), so the micro-batch losses sum to the full-batch loss.
+    (loss, stats). agg="token-mean" (GRPO's here, as DAPO and verl; the GRPO paper averages per response first):
+    sum(l * token_mask) / normalizer (default token_mask.sum(), a choice): every selected token of the optimizer batch
+    weighs the same; "seq-mean-token-mean" (GSPO's): each response's token mean, summed, / normalizer (default: the
+    responses with a selected token). Micro-batching: pass the whole optimizer step's normalizer (all ranks).
     On-policy with one update per batch, w = 1: clipping never binds, the loss is -mean(A) over the selected tokens
-    and the gradient -A_i grad(logp_{i,t}) / N, GSPO's as GRPO's. Ratios, clipping and GSPO act only on reused
-    rollouts (several mini-batches per batch).
+    and the gradient -A_i grad(logp_{i,t}) / N; GSPO's equals GRPO's under the same agg. Ratios, clipping and GSPO
+    act only on reused rollouts (several mini-batches per batch).
 
     >>> logp = torch.log(torch.tensor([[0.5, 0.5], [0.25, 0.25]])).requires_grad_()
     >>> loss, stats = policy_loss(logp, logp.detach(), torch.tensor([1., -1.]), torch.ones(2, 2))

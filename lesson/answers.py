@@ -1,4 +1,4 @@
-"""The answers to the lesson's exercises (lesson.ipynb, section 7). Try them yourself first."""
+"""The answers to the lesson's exercises (lesson.ipynb, section 8, "Exercises"). Try them yourself first."""
 
 import itertools
 import math

@@ -1,5 +1,5 @@
-"""The checkers of the lesson's exercises (lesson.ipynb, section 7): each compares a student's function with d3s.py
-on many inputs, and raises AssertionError saying what differs, or prints what passed."""
+"""The checkers of the lesson's exercises (lesson.ipynb, section 8, "Exercises"): each compares a student's function
+with d3s.py on many inputs, and raises AssertionError saying what differs, or prints what passed."""
 
 import itertools
 import math
@@ -111,7 +111,8 @@ def check_cross_group_selection(fn):
             assert int(keep.sum()) == n * P, f"{where}: kept {int(keep.sum())}, expected N * P = {n * P} over the batch"
             full = d3s.group_advantages(rewards)
             assert torch.allclose(adv.float(), torch.where(keep, full, torch.zeros_like(full)), atol=1e-5), (
-                f"{where}: the advantages must be the full-group A of section 1 on the kept (0 elsewhere), not "
+                f"{where}: the advantages must be the full-group A of "
+                'section 1, "Where GRPO\'s signal goes", on the kept (0 elsewhere), not '
                 "recomputed on the kept rollouts (that is PODS)"
             )
             want_keep, want_adv = d3s.select_samples(rewards, n, "cross")

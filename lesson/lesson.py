@@ -21,12 +21,14 @@
 # implementation: nothing below re-implements the method, every piece is imported.
 #
 # It runs top to bottom on a laptop CPU in about a minute (under 5), with no download. Sections:
-# 1. where GRPO's signal goes, 2. the first level, 3. the second level (a real tiny transformer), 4. the schedule,
-# 5. the loss, 6. the experiment (GRPO against D3S over seeds), 7. stability (cross-group against intra-group),
-# 8. exercises with checkers.
+# 1. where GRPO's signal goes, 2. the first level, 3. the second level (a real tiny transformer), 4. the schedule and
+# why it exists, 5. the loss, 6. the experiment (GRPO against D3S over seeds), 7. stability (cross-group against
+# intra-group), 8. exercises with checkers, 9. what is settled and what is open.
 #
-# Where the paper leaves a detail open, the project picks a reading, marked **(choice)** below with the alternative one
-# argument or flag away ([docs/algorithm.md](../docs/algorithm.md), section 8, lists them all).
+# What the lesson says of the paper comes from its abstract and from two third-party summaries of it, credited as "a
+# summary of the paper"; none of them is the paper's text ([docs/algorithm.md](../docs/algorithm.md), introduction).
+# Where no source at hand pins a detail down, the project picks a reading, marked **(choice)** below with the
+# alternative one argument or flag away (docs/algorithm.md, section 8, lists them all).
 #
 # [![Open in Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/OWNER/d3s/blob/main/lesson/lesson.ipynb)
 # (the badge needs the repository's GitHub address in place of `OWNER/d3s`: set `REPO` in the next cell too).
@@ -146,11 +148,13 @@ display(fig)
 plt.close(fig)
 
 # %% [markdown]
-# **Lemma 1** of D3S: a group standardized to Var(A) = 1 has a subset with Var(A′) ≥ 1. That holds under either
-# variance: the group's smallest and largest advantages alone span at least 2σ. The paper draws from it that selecting
-# for maximum Var(A) "is positively correlated with the upper bound of the policy gradient norms": a claim about a
-# *bound*, not that the kept rollouts carry more signal. (On the tiny transformer the gradient norm does grow, mostly
-# because the loss divides by fewer tokens: [docs/walkthrough.md](../docs/walkthrough.md), section 5.)
+# **Lemma 1** of D3S, as a summary of the paper states it: a group standardized to Var(A) = 1 has a subset with
+# Var(A′) ≥ 1. That holds under either variance: the group's smallest and largest advantages alone span at least 2σ.
+# The abstract draws from the theory that selecting for maximum Var(A) "is positively correlated with the upper bound
+# of the policy gradient norms": a claim about a *bound*, not that the kept rollouts carry more signal. And the theory
+# covers a simplified setting: a summary of the paper lists among its limitations that it is "limited to simplified
+# single-token, deterministic-reward settings". (On the tiny transformer the gradient norm does grow, mostly because
+# the loss divides by fewer tokens: [docs/walkthrough.md](../docs/walkthrough.md), section 5.)
 #
 # The project proves a **stronger form of its own**: for every size N from 2 to G, the max-variance N-subset has
 # Var(A′) ≥ 1 with the unbiased variance (the mean over all N-subsets equals the group's; docs/algorithm.md 2.3). It
@@ -173,8 +177,9 @@ print(
 )
 
 # %% [markdown]
-# D3S chooses **across groups** ("cross", the rows `d1s-cross`, `d2s`, `d3s`). The paper says "a further cross-group
-# selection over the entire batch" without saying over which rollouts or with what budget. This project's reading
+# D3S chooses **across groups** ("cross", the rows `d1s-cross`, `d2s`, `d3s`). Notes on the paper quote "a further
+# cross-group selection over the entire batch"; no source at hand says over which rollouts or with what budget. This
+# project's reading
 # **(choice)**: one pooled choice of N × P rollouts over the whole batch; the alternative one flag away is selection
 # within groups, `d3s-i` (`--method d3s-i`, `select_samples(..., "intra")`). The pooled choice may take many rollouts
 # from one group and none from another, and it drops the groups without spread first. Lemma 1 is about one group,
@@ -257,8 +262,8 @@ print("right answers per prompt:", rewards_s.sum(-1).int().tolist(), "of 8")
 
 # %% [markdown]
 # Keep 4 of 8 answers per prompt across groups, forward only those, and score each of their tokens by |A| × H; keep the
-# top K = 20% over the whole batch (printed below in brackets). The scope is a reading **(choice)**: the paper does
-# not pin it down, and one summary of it reads "for each selected sample, rank tokens ... keep top K%", that is per
+# top K = 20% over the whole batch (printed below in brackets). The scope is a reading **(choice)**: no source at hand
+# pins it down, and a summary of the paper reads "for each selected sample, rank tokens ... keep top K%", that is per
 # response; the alternative is one argument away, `d3s.select_tokens(..., scope="sequence")` (`--token-scope
 # sequence`). Exercise 3 shows what the two scopes keep. The page `support/explain.py` draws shows the choice: the P × G grid
 # of rollouts coloured by A (the kept ones dotted), then a few answers token by token, shaded by |A| × H, the kept
@@ -317,10 +322,16 @@ display(Image(os.path.join(RUNS, "explain", "step_000001.png")))
 # ## 4. The schedule: aggressive early, mild late
 #
 # D3S keeps few rollouts and few tokens at the start (N = 8, K = 5%) and more as training goes on (N = 32, K = 20%),
-# linearly. Two readings here are the project's **(choice)**: N counts rollouts kept *per prompt*, so "8 of 32"
-# assumes G = 32 rollouts per prompt, which the paper does not state (it is inferred from N_final = 32; `--group-size`
-# sets another G); and N rounds half up, a convention (the paper gives no rounding; exercise 4 holds you to it). The
-# paper's open question is whether the shape matters: `variants.progress` gives others (`--schedule`).
+# linearly. **Why**, in the paper's abstract: "to prevent overfitting to high-signal data, D3S employs a dynamic
+# down-sampling schedule inspired by curriculum learning. This schedule starts with aggressive down-sampling to
+# accelerate early learning and gradually relaxes to promote robust generalization." Section 6 sets the toy's
+# evidence beside that reason.
+#
+# Two readings here are the project's **(choice)**: N counts rollouts kept *per prompt*, so "8 of 32" assumes G = 32
+# rollouts per prompt, which no source at hand states (it is inferred from N_final = 32; `--group-size` sets another
+# G); and N rounds half up, a convention (no source at hand gives the paper's rounding; exercise 4 holds you to it).
+# Whether the shape matters is an open question of a summary of the paper (its own inference): `variants.progress`
+# gives other shapes (`--schedule`).
 
 # %%
 steps = range(0, 101)
@@ -340,9 +351,14 @@ print("linear at steps 0, 50, 100:", [d3s.dynamic_schedule(s, 100) for s in (0, 
 # ## 5. The loss: GRPO against GSPO, and why one update never clips
 #
 # Per selected token, $\ell = -\min(w A, \text{clip}(w, 1-\epsilon_{low}, 1+\epsilon_{high}) A)$, with
-# $w = \pi/\pi_{old}$ per token (GRPO) or the geometric mean of the token ratios per response (GSPO). With one update
-# per batch the old policy *is* the current one: w = 1 exactly, nothing clips, the loss is −mean(A) over the selected
-# tokens, and the gradient with respect to each selected log-prob is −A / (number of selected tokens).
+# $w = \pi/\pi_{old}$ per token (GRPO) or, for GSPO, the geometric mean of a response's token ratios, taken over its
+# *selected* tokens **(choice)**: over all its tokens is the alternative, with no flag. The loss divides by the number
+# of selected tokens **(choice)**: the alternative divides by all tokens of the kept rollouts (`normalizer=`,
+# `train_full.py --normalize-by all`), a gradient smaller by 1/K, 5x to 20x on the paper's schedule. The project's
+# gradient-norm findings rest on this choice (docs/walkthrough.md, sections 4 and 5). With one update per batch the old
+# policy *is* the current one: w = 1 exactly, nothing clips, the loss is −mean(A) over the selected tokens, and the
+# gradient with respect to each selected log-prob is −A / (number of selected tokens). GSPO's gradient is then GRPO's
+# under the same aggregation (the cell passes `agg="token-mean"`; GSPO's own default averages each response first).
 
 # %%
 torch.manual_seed(0)
@@ -421,20 +437,32 @@ plt.close(fig)
 # the ablations). On the tiny transformer of section 3 no row of the paper's ladder differs from GRPO
 # (docs/small_compare.md).
 #
-# What the paper reports for its own ladder on Qwen2.5-Math-7B (average Pass@1, as quoted by notes on the paper that
-# could not be checked against its text: docs/algorithm.md, section 7): GRPO 29.8, D1S 31.3, D1S-Cross 34.1, D2S 31.3,
-# D3S 34.3 (29.8 + 4.5, the gain the paper's text states). Pooled selection alone
-# (D1S-Cross) gets about as far as the whole method; adding the token level without the schedule (D2S) drops back.
+# **The schedule's reason, beside the toy.** The abstract says the aggressive start is there "to accelerate early
+# learning". On the toy it does the opposite: the aggressive start costs speed and buys no final reward. D3S reaches
+# reward 0.5 about 15 steps after GRPO (docs/toy.md, section 1, 30 seeds); the cause is the small early token budget
+# (section 2 there); and starting above the paper's values is faster and ends no lower (docs/questions.md, question
+# 1). The relaxing does matter: held at its initial values, D3S ends far lower (question 2). What the toy cannot show
+# is the reason's other half, overfitting: it scores the expected reward on the very prompts it trains on, so it has
+# no held-out data to generalize to. (The tiny rung has held-out problems; there the static `d2s` and the scheduled
+# `d3s` do not differ in their train/held-out gap: question 4.) Try `K_INIT = 0.2` above: the final K from step 1.
+#
+# What notes on the paper quote for its own ladder on Qwen2.5-Math-7B (average Pass@1 / Pass@8, not checked against
+# its text: docs/algorithm.md, section 7): GRPO 29.8/53.1, D1S 31.3/54.2, D1S-Cross 34.1/54.7, D2S 31.3/54.1, D3S
+# 34.3/56.8. The D3S row's seven Pass@1 cells average 34.8, not 34.3, and nothing at hand says which is right (a
+# summary's "+4.5 in Pass@1" may be read off 34.3). Pooled selection alone (D1S-Cross) gets about as far as the whole
+# method in Pass@1, not in Pass@8 (54.7 against 56.8); adding the token level without the schedule (D2S) drops back.
 #
 # ## 7. Stability: cross-group (`d3s`) against intra-group (`d3s-i`)
 #
-# The paper found cross-group selection unstable on a model that was not aligned (Llama3.1-8B-Instruct: "unstable
-# gradients"), while D3S-I, the same method selecting within groups, stayed stable. (A plausible reason, ours and not
-# the paper's: the pooled choice can put the whole budget on a few groups, so a few prompts steer a step.) Here both run on a *less aligned* toy start: the
-# base policy's habit at the decision positions points away from the right token (`--hint -1`, where the default is
-# +1). We look at what the paper looked at: the gradient norm (before clipping), its largest jump over the median of
-# the 10 steps before (`variants.spike_ratios`; over 3 is a spike, the rule of `--switch-on-spike 3`), the KL to the
-# start, and the final reward.
+# A summary of the paper reports (from its Appendix D.1) cross-group selection unstable on a model that was not
+# aligned (Llama3.1-8B-Instruct: "unstable gradients"), while D3S-I, the same method selecting within groups, stayed
+# stable. (A plausible reason, ours and not the paper's: the pooled choice can put the whole budget on a few groups,
+# so a few prompts steer a step.) Here both run on a *less aligned* toy start: the base policy's habit at the
+# decision positions points away from the right token (`--hint -1`, where the default is +1). We look at the gradient
+# norm (before clipping), since the report is of unstable gradients; at a spike measure of this project's own, its
+# largest jump over the median of the 10 steps before (`variants.spike_ratios`; over 3 is a spike, the rule of
+# `--switch-on-spike 3`); at the KL to the start, which a summary of the paper suggests checking; and at the final
+# reward.
 
 # %%
 HINT, STAB_SEEDS = -1.0, 6  # the base policy's logit bonus for the right token at decisions (default +1); seeds
@@ -477,10 +505,10 @@ plt.close(fig)
 # running median, both drift about as far from the start (KL), and the final rewards do not differ at 6 seeds (the
 # interval contains 0, whichever row's mean is higher). The pooled choice does spend its budget differently: a
 # larger share of its kept rollouts has A ≠ 0 (SUR). The tiny transformer from weak starts says the same
-# (docs/questions.md, question 5: no difference in spikes, KL or Pass@1 over 15 pairs of runs). The instability the
-# paper saw was on an 8B model from an unaligned start, with settings the notes do not give; the toy does not
-# reproduce it, and this lesson does not claim it does. From an unaligned model, the paper's finding points to `d3s-i`
-# (or `--switch-on-spike 3`, which moves a run to intra-group selection after its first spike; off by default).
+# (docs/questions.md, question 5: no difference in spikes, KL or Pass@1 over 15 pairs of runs). The instability was
+# reported on an 8B model from an unaligned start, with settings no source at hand gives; the toy does not reproduce
+# it, and this lesson does not claim it does. From an unaligned model, that report points to `d3s-i` (or
+# `--switch-on-spike 3`, which moves a run to intra-group selection after its first spike; off by default).
 #
 # ## 8. Exercises
 #
@@ -555,7 +583,8 @@ print(
 # %%
 def my_linear_schedule(step, total_steps, n_init=8, n_final=32, k_init=0.05, k_final=0.20):
     """Exercise 4. (N, K) at `step` of `total_steps`: linear from the init to the final values, N rounded half up
-    (not Python's round, which rounds half to even: the project's convention, a choice the paper does not make), and
+    (not Python's round, which rounds half to even: the project's convention, a choice; no source at hand gives the
+    paper's rounding), and
     the final values after the end."""
     return answers.linear_schedule(step, total_steps, n_init, n_final, k_init, k_final)  # delete this line
 
@@ -587,3 +616,32 @@ def my_token_topk(adv, entropy, mask, k):
 
 checks.check_token_topk(my_token_topk)
 print(f"the whole lesson ran in {time.time() - started:.0f} s")
+
+# %% [markdown]
+# ## 9. What is settled and what is open
+#
+# One line each, with its source or the run that shows it.
+#
+# **What the papers show** (from the sources at hand, none of them the paper's text):
+# - Max-variance down-sampling "admits an O(n log n) solution" (PODS's abstract); section 2 checks it by brute force.
+# - Max-Var(A) selection "is positively correlated with the upper bound of the policy gradient norms" (D3S's abstract).
+# - Lemma 1: some subset of a standardized group has Var(A′) ≥ 1 (a summary of the paper); true under either variance.
+# - +4.5 Pass@1 and +3.7 Pass@8 over GRPO on Qwen2.5-Math-7B, on under 20% of the tokens (a summary of the paper).
+# - Cross-group D3S unstable and D3S-I stable on Llama3.1-8B-Instruct (a summary of the paper, its Appendix D.1).
+#
+# **What this project's runs show**:
+# - Lemma 1's every-N form needs the unbiased variance and fails for the pooled choice (section 2; tests/test_d3s.py).
+# - On the toy D3S ends higher than GRPO, on 9% of its loss tokens, and is slower (docs/toy.md, section 1, 30 seeds).
+# - The toy's slowness is the aggressive start, which buys no final reward (docs/toy.md, section 2; questions.md, 1).
+# - Relaxing the budget matters; the schedule's shape does not (docs/questions.md, question 2, toy and tiny rung).
+# - |A| × H needs the batch-wide top K on the toy; on the tiny rung entropy alone does as well (question 3).
+# - On the tiny transformer no row of the ladder differs from GRPO in final Pass@1 (docs/small_compare.md, section 7).
+# - D3S's larger gradient norm is mostly its loss normalizer, a choice (docs/walkthrough.md, section 5; docs/toy.md).
+# - Max-Var(A) adds nothing over dropping the groups without spread, on either rung (docs/questions.md, question 7).
+#
+# **What nobody has shown** (that this project knows of):
+# - The 7B speed-up (2.04x over GRPO, as notes quote it): no reproduction at hand, and no run here at the paper's scale.
+# - The stability finding: neither the toy (section 7) nor the tiny rung from three starts reproduces it (question 5).
+# - The theory beyond its "simplified single-token, deterministic-reward settings" (a summary of the paper).
+# - That the schedule prevents overfitting: the toy has no held-out data; the tiny rung shows none to tell (question 4).
+# - The GRPO + D3S average Pass@1 of Table 1: 34.3 as stated or 34.8 from its cells (docs/algorithm.md, section 7).
