@@ -8,7 +8,7 @@
 
 N and K follow dynamic_schedule (D3S: N 8 -> 32 rollouts per prompt, K 5% -> 20% of tokens). The paper's ablation
 rows and PODS are configurations of these functions (LADDER, method_budget); rows and rules beyond the papers are
-in support/variants.py. No I/O, no model, no mutable state. Papers: D3S (Wang et al., ICLR 2026, arXiv 2509.22115), PODS
+in support/methods.py. No I/O, no model, no mutable state. Papers: D3S (Wang et al., ICLR 2026, arXiv 2509.22115), PODS
 (Xu et al., arXiv 2504.13818), GSPO (Zheng et al., arXiv 2507.18071). Shapes: P prompts, G rollouts per prompt
 (a group), B rollouts in a batch, T response tokens (right-padded; `mask` marks the real ones), V vocabulary.
 """
@@ -109,7 +109,7 @@ def select_samples(rewards, n_keep, rule="cross", scale=True, eps=1e-6, generato
     | "pods"  | pods                 | per group, the max-variance n_keep of G by R      | recomputed on kept |
     | "all"   | grpo                 | all G (n_keep is ignored)                         | full-group A       |
     A function (rewards, n_keep, scale=, eps=, generator=) -> (keep, adv) is a rule beyond the papers
-    (support/variants.py).
+    (support/methods.py).
 
     D3S keeps full-group A (PODS maximises Var(R), re-standardizes on the kept). D3S's Lemma 1: a group has a subset
     with Var(A') >= 1 (a larger gradient-norm bound); ours (unbiased Var): every max-Var N has it. Within a group A
@@ -132,7 +132,7 @@ def select_samples(rewards, n_keep, rule="cross", scale=True, eps=1e-6, generato
     adv = group_advantages(rewards, scale=scale, eps=eps)  # [P, G], on all G rollouts
     P, G = rewards.shape
     rules = ", ".join(SAMPLE_RULES)
-    _require(rule in SAMPLE_RULES, "rule", rule, f"choose one of {rules}, or a function (support/variants.py)")
+    _require(rule in SAMPLE_RULES, "rule", rule, f"choose one of {rules}, or a function (support/methods.py)")
     if rule == "all":
         return torch.ones(P, G, dtype=torch.bool, device=rewards.device), adv
     fix = f"must be an int in [1, G={G}] (rollouts kept per prompt); raise G or lower N"
@@ -208,14 +208,14 @@ def token_scores(adv, entropy, rule=None, generator=None):
     """The score select_tokens ranks by. D3S: s_{i,t} = |A_{i,t}| * H_{i,t}.
 
     adv: [B] (one outcome advantage per response) or [B, T]; entropy: [B, T]. Returns [B, T] fp32. rule: None for
-    the paper's |A| * H, or a function (|A|, entropy, generator) -> scores (variants.TOKEN_RULES). Non-finite scores
+    the paper's |A| * H, or a function (|A|, entropy, generator) -> scores (methods.TOKEN_RULES). Non-finite scores
     (a NaN forward) become 0: that step's loss is NaN too and its update is skipped.
 
     >>> token_scores(torch.tensor([2., -1.]), torch.tensor([[0.5, 1.], [3., 0.]]))
     tensor([[1., 2.],
             [3., 0.]])
     """
-    _require(rule is None or callable(rule), "rule", rule, "pass None (|A| * H) or a function (variants.TOKEN_RULES)")
+    _require(rule is None or callable(rule), "rule", rule, "pass None (|A| * H) or a function (methods.TOKEN_RULES)")
     ok = isinstance(entropy, torch.Tensor) and entropy.dim() == 2
     _require(ok, "entropy.shape", tuple(entropy.shape), "expected [B, T]")
     abs_adv = adv.abs().float().unsqueeze(-1) if adv.dim() == 1 else adv.abs().float()  # [B, 1] or [B, T]
@@ -272,7 +272,7 @@ def dynamic_schedule(step, total_steps, n_init=8, n_final=32, k_init=0.05, k_fin
     """N and K at `step` (from 0) of `total_steps`, linear from the init to the final values (the paper's):
         N = round(N_init + (N_final - N_init) * f),   K = K_init + (K_final - K_init) * f,   f = step / total_steps
     Paper defaults: N 8 -> 32 rollouts per prompt, K 5% -> 20% of tokens; N rounds half up (choice). progress: f,
-    for other shapes of the curve (variants.progress). Returns (n: int, k: float).
+    for other shapes of the curve (methods.progress). Returns (n: int, k: float).
 
     >>> dynamic_schedule(0, 100), dynamic_schedule(50, 100), dynamic_schedule(100, 100)
     ((8, 0.05), (20, 0.125), (32, 0.2))
@@ -293,7 +293,7 @@ def dynamic_schedule(step, total_steps, n_init=8, n_final=32, k_init=0.05, k_fin
 
 
 class Row(NamedTuple):  # one method: which rollouts select_samples keeps, and where its N and K come from
-    samples: object  # a select_samples rule: "cross", "intra", "pods", "all" (or a function of support/variants.py)
+    samples: object  # a select_samples rule: "cross", "intra", "pods", "all" (or a function of support/methods.py)
     n: str  # N, rollouts kept per prompt: "schedule" (dynamic_schedule), "static", or "all" (= G)
     k: str  # K, fraction of tokens kept: "schedule", "static", or "all" (= 1: no token selection)
 
@@ -330,7 +330,7 @@ def method_budget(
     >>> [method_budget(LADDER[m], step=0, total_steps=100, group_size=32) for m in ("d3s", "d2s", "d1s", "grpo")]
     [(8, 0.05), (20, 0.125), (20, 1.0), (32, 1.0)]
     """
-    _require(isinstance(row, Row), "row", row, "pass a Row, e.g. d3s.LADDER['d3s'] (variants.LADDER: every method)")
+    _require(isinstance(row, Row), "row", row, "pass a Row, e.g. d3s.LADDER['d3s'] (methods.LADDER: every method)")
     scheduled = dynamic_schedule(step, total_steps, n_init, n_final, k_init, k_final, progress)
     mid_n, mid_k = dynamic_schedule(1, 2, n_init, n_final, k_init, k_final)  # p = 1/2, linear
     static = (mid_n if static_n is None else static_n, mid_k if static_k is None else static_k)

@@ -10,7 +10,7 @@ engine (asleep while the trainer runs). A step (docs/algorithm.md section 6) is 
 
   1 generate              G rollouts for each prompt of this rank's share of the step's P (vLLM)
   2 grade                 0/1 rewards: the last \\boxed{} against the gold answer (mathtask.Grader)
-  3 select_samples_global d3s.select_samples on the GLOBAL [P, G] rewards, N from common.budget; the kept
+  3 select_samples_global d3s.select_samples on the GLOBAL [P, G] rewards, N from methods.budget; the kept
                           rollouts are then spread over the ranks by token count
   4 forward_kept          no-grad forward of the kept rollouts, only what the step needs: old log-probs,
                           d3s.token_entropy (methods that select tokens), the --kl-ref reference
@@ -40,7 +40,7 @@ import torch.distributed as dist
 
 from support import cli, common
 import d3s
-from support import fsdp_vllm, full_io, variants
+from support import fsdp_vllm, full_io, methods
 from support.fsdp_vllm import all_reduce, clock
 from support.mathtask import DataError, Grader
 
@@ -60,7 +60,7 @@ def build_parser():
     flags = [
         # what to train, on what
         f("--model", "Qwen/Qwen2.5-Math-7B", None, "[paper] hub name or local folder of the policy (or to evaluate)"),
-        f("--method", "d3s", None, f"[paper] a row of variants.LADDER: {', '.join(variants.METHODS)}"),
+        f("--method", "d3s", None, f"[paper] a row of methods.LADDER: {', '.join(methods.NAMES)}"),
         f("--loss", "grpo", ["grpo", "gspo"], "[paper] token-ratio GRPO or sequence-ratio GSPO"),
         f("--rollout", "vllm", ["vllm", "hf"], "[choice] vLLM (colocated, asleep in training) or HF generate (slow)"),
         f("--train-data", TRAIN_DATA, None, "[recipe] JSONL/JSON/Parquet (problem, answer), or 'name[:config]:split'"),
@@ -79,7 +79,7 @@ def build_parser():
         f("--k-final", 0.20, n(float, 0, 1, low_open=True, what=frac), "[paper] tokens kept at the end"),
         f("--static-n", None, n(int, 1), "[choice] N of d1s, d1s-cross, d2s, pods (default: the midpoint)"),
         f("--static-k", None, n(float, 0, 1, low_open=True, what=frac), "[choice] K of d2s (default: the midpoint)"),
-        *variants.flags("--token-scope", "--switch-on-spike", "--min-token-per-response"),
+        *methods.flags("--token-scope", "--switch-on-spike", "--min-token-per-response"),
         f("--loss-agg", None, ["token-mean", "seq-mean-token-mean"], "[recipe] default: token-mean; gspo: the other"),
         f("--normalize-by", "selected", ["selected", "all"], "[choice] token-mean over the selected or all tokens"),
         # optimization
@@ -180,10 +180,10 @@ def select_samples_global(rollouts, rewards, step, row, args, dist_):
     rollout (fsdp_vllm.assign_rollouts) and the step's M mini-batches. Every rank gets the token ids of every
     kept rollout (a few MB per step), so that any rank can train any."""
     P_local, G = rewards.shape
-    n_keep, k_frac = common.budget(args, row, step)
+    n_keep, k_frac = methods.budget(args, row, step)
     rewards_all, counts = fsdp_vllm.gather_rows(rewards.float(), dist_)  # [P, G], CPU
     generator = torch.Generator().manual_seed(args.seed * 7919 + step)  # "random": same draw on every rank
-    keep_all, adv_all = d3s.select_samples(rewards_all, n_keep, variants.LADDER[row].samples, generator=generator)
+    keep_all, adv_all = d3s.select_samples(rewards_all, n_keep, methods.LADDER[row].samples, generator=generator)
     first = sum(counts[: dist_.rank])  # this rank's first prompt, in global order
     kept_all = keep_all.nonzero().tolist()  # [(prompt p, rollout g)] of the whole step, global order
     shares = [None] * dist_.world
@@ -230,7 +230,7 @@ def forward_kept(model, ref_model, sel, args, dist_, pad_id):
     and is on-policy: its old log-probs are pass 2's own, detached; their entropy metric comes from pass 2), none
     at M = 1. ref_model (on the steps that measure or use the KL): every kept rollout.
     Returns (old_logp [B, T], has_old [B] bool, entropy [B, T] or None, ref_logp or None, tokens forwarded)."""
-    selects = variants.selects_tokens(args.method)
+    selects = methods.selects_tokens(args.method)
     rows = [r for part in (sel.parts if selects else sel.parts[1:]) for r in part]
     T = sel.mask.shape[1]
     old_logp, entropy, tokens = fsdp_vllm.forward_no_grad(model, sel.seqs, rows, T, args, dist_, pad_id, selects)
@@ -249,7 +249,7 @@ def select_tokens_global(sel, entropy, args, dist_):
     [B, T] scores in global order (on CPU: every rank computes the identical choice); this rank's rows of it. Every
     response token for the methods without token selection. A non-finite forward (NaN entropy) scores 0: the loss
     is then non-finite as well and the step is skipped."""
-    if not variants.selects_tokens(args.method):
+    if not methods.selects_tokens(args.method):
         return sel.mask.clone()
     scores = d3s.token_scores(sel.kept_adv, entropy)  # |A_{i,t}| * H_{i,t}, [B, T]
     keep = d3s.select_tokens(
@@ -351,7 +351,7 @@ def step_metrics(sel, token_keep, upd, train_s, pass1_tokens, measured_kl, dist_
         "groups_mixed": float((rewards_all.amax(-1) > rewards_all.amin(-1)).float().mean()),  # groups with signal
         "n_keep": sel.n_keep,
         "k_frac": sel.k_frac,
-        "sample_rule": variants.rule_name(sel.row),  # the rollouts' rule: "cross" turns "intra" at the switch
+        "sample_rule": methods.rule_name(sel.row),  # the rollouts' rule: "cross" turns "intra" at the switch
         "k_real": n_selected / max(n_tokens, 1.0),  # realised fraction of the forwarded tokens
         "kept_samples": sel.total,
         "sur": d3s.usefulness_rate(sel.adv_all, sel.keep_all),  # kept rollouts with A != 0
@@ -419,7 +419,7 @@ def main(argv=None):
         run.evaluate_if_due(step)  # step 0, or one a stop cut off after its checkpoint
         while step < run.stop_at:  # --steps, or --stop-after
             s = step + 1  # this step, 1..S
-            row = variants.switch_to_intra(args.method, grad_norms, args.switch_on_spike)  # --method, or its twin
+            row = methods.switch_to_intra(args.method, grad_norms, args.switch_on_spike)  # --method, or its twin
             batch = full_io.rank_share([(g, prompts[g]) for g in order.take(args.prompts_per_step)], dist_)
             t0 = clock(device, reset_peak=True)
             rollouts = generate(engine, batch, s, args, stops)  # 1) G rollouts per prompt

@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from support import cli, common
 import d3s
-from support import explain, variants, warmstart
+from support import explain, methods, warmstart
 from support.mathtask import Grader, held_out_pass, stop_token_ids
 
 PROG = "train_small.py"
@@ -49,7 +49,7 @@ def build_parser(prog=PROG):
     group = n(int, 2, 1024, what="an int in [2, 1024] (advantages need 2 rollouts)")
     clip = n(float, 0, 1, high_open=True, what="in [0, 1): the ratio is clipped at 1 - eps_low")
     flags = [
-        f("--method", "d3s", None, f"what to train on, a row of variants.LADDER: {', '.join(variants.METHODS)}"),
+        f("--method", "d3s", None, f"what to train on, a row of methods.LADDER: {', '.join(methods.NAMES)}"),
         f("--loss", "grpo", ["grpo", "gspo"], "policy loss: token ratios (grpo) or the sequence ratio (gspo)"),
         f("--steps", 100, n(int, 1), "RL steps (one optimizer batch of P x G rollouts each)"),
         f("--resume", None, None, "continue from PATH or OUT/checkpoint.pt", nargs="?", const="latest", metavar="PATH"),
@@ -66,7 +66,7 @@ def build_parser(prog=PROG):
         f("--k-final", 0.20, frac, "K at the last step (paper: 0.20)"),
         f("--static-n", None, n(int, 1), "N of d1s, d1s-cross, d2s, pods (default: the schedule's midpoint) (choice)"),
         f("--static-k", None, frac, "K of d2s (default: the midpoint) (choice)"),
-        *variants.flags("--schedule", "--token-rule", "--token-scope", "--switch-on-spike", "--min-token-per-response"),
+        *methods.flags("--schedule", "--token-rule", "--token-scope", "--switch-on-spike", "--min-token-per-response"),
         f("--lr", 5e-5, n(float, 0, 1, low_open=True), "AdamW learning rate (recipe, 7B: 1e-6)"),
         f("--warmup-steps", 10, n(int, 0, what="an int >= 0 (0: no warmup)"), "the RL lr rises over W steps (choice)"),
         f("--max-grad-norm", 1.0, n(float, 0, low_open=True), "gradient clipping (logged before clipping)"),
@@ -92,12 +92,12 @@ def build_parser(prog=PROG):
     return cli.parser(prog, __doc__.split("\n\n")[0], flags, epilog=EPILOG)
 
 
-def parse_args(argv=None, parser=None, methods=None):
+def parse_args(argv=None, parser=None, method_names=None):
     """The flags, checked together before any work (one line, exit 2), and the defaults that depend on others.
-    methods: the rows the run will train (experiments/small_ladder.py: several); default [--method]."""
+    method_names: the rows the run will train (experiments/small_ladder.py: several); default [--method]."""
     p = parser or build_parser()
     args = p.parse_args(argv)
-    common.check_method_flags(p, args, methods or [args.method])  # LADDER rows, N <= G, the switch rule; static N, K
+    args.static_n, args.static_k = methods.check_flags(p, args, method_names or [args.method])  # rows, N <= G, ...
     if args.hidden_size % 4:
         p.error(f"--hidden-size {args.hidden_size}: must be a multiple of 4 in [8, 4096] (4 heads)")
     if args.pass_k > args.eval_samples:
@@ -418,10 +418,10 @@ def train(args, train_rows, eval_rows, warm):
             rewards = compute_rewards(grader, batch["texts"], golds).view(-1, G)  # [P, G]
             reward_s, t1 = time.time() - t0 - gen_s, time.time()
             # 3) select samples: N per prompt by max Var(A) (the row: --method, or its twin once the switch rule fired)
-            row = variants.switch_to_intra(args.method, [h["grad_norm"] for h in history], args.switch_on_spike)
-            n_keep, k_frac = common.budget(args, row, step, history=[h["reward_mean"] for h in history])
+            row = methods.switch_to_intra(args.method, [h["grad_norm"] for h in history], args.switch_on_spike)
+            n_keep, k_frac = methods.budget(args, row, step, history=[h["reward_mean"] for h in history])
             gen = torch.Generator().manual_seed(step_seed(args.rl_seed, step, 1))
-            keep, adv = d3s.select_samples(rewards, n_keep, variants.LADDER[row].samples, generator=gen)
+            keep, adv = d3s.select_samples(rewards, n_keep, methods.LADDER[row].samples, generator=gen)
             kept_rows = keep.view(-1).nonzero().squeeze(-1)  # [B] indices of the kept rollouts
             kept, kept_adv = take_rows(batch, kept_rows), adv.view(-1)[kept_rows]  # [B, T], [B]
             with_kl = common.measures_kl(step, args)
@@ -433,7 +433,7 @@ def train(args, train_rows, eval_rows, warm):
             )
             # 5) select tokens: the top K of |A| * H over the whole batch
             gen = torch.Generator().manual_seed(step_seed(args.rl_seed, step, 2))
-            scores = d3s.token_scores(kept_adv, entropy, rule=variants.TOKEN_RULES[args.token_rule], generator=gen)
+            scores = d3s.token_scores(kept_adv, entropy, rule=methods.TOKEN_RULES[args.token_rule], generator=gen)
             floor = int(args.min_token_per_response)  # each kept response's best token (off: plain top K)
             token_keep = d3s.select_tokens(
                 scores, kept["response_mask"], k_frac, scope=args.token_scope, min_per_seq=floor
@@ -447,7 +447,7 @@ def train(args, train_rows, eval_rows, warm):
                     step, batch, rewards, keep, adv, n_keep, k_frac, kept, entropy, token_keep, update, grader
                 ),
                 "kl_ref_all": kl_all,
-                "sample_rule": variants.rule_name(row),
+                "sample_rule": methods.rule_name(row),
                 "gen_s": round(gen_s, 3),
                 "reward_s": round(reward_s, 3),
                 "train_s": round(time.time() - t1, 3),

@@ -93,7 +93,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from support import cli  # noqa: E402  (support/cli.py: one-line errors, the shared checks)
 import d3s  # noqa: E402
-from support import variants, fsdp_vllm  # noqa: E402
+from support import methods, fsdp_vllm  # noqa: E402
 import train_full  # noqa: E402
 
 GIB = 2**30
@@ -169,7 +169,7 @@ def parse_args(argv=None):
     a(
         "--method",
         default="d3s",
-        help=f"one of {', '.join(variants.METHODS)}; those with token selection keep K of the tokens",
+        help=f"one of {', '.join(methods.NAMES)}; those with token selection keep K of the tokens",
     )
     a(
         "--k-frac",
@@ -209,8 +209,8 @@ def parse_args(argv=None):
             ("--k-frac", args.k_frac, lambda v: 0 < v <= 1, "a fraction of the tokens in (0, 1]"),
         ],
     )
-    if args.method not in variants.METHODS:
-        p.error(f"--method {args.method!r}: not a method; choose one of {', '.join(variants.METHODS)}")
+    if args.method not in methods.NAMES:
+        p.error(f"--method {args.method!r}: not a method; choose one of {', '.join(methods.NAMES)}")
     if args.gpu is not None:
         size = GPUS.get(args.gpu.lower())
         try:
@@ -640,7 +640,7 @@ def _train_step(model, optimizer, targs, batches, chunks, keep, positions, norma
     old_logp = torch.zeros(B, T)
     entropy = torch.zeros(B, T)
     kept_adv = torch.ones(B)
-    selects = variants.selects_tokens(targs.method)
+    selects = methods.selects_tokens(targs.method)
     # pass 1, no grad: old log-probs and entropy (token selection); without token selection, the old
     # log-probs only, as for mini-batches 2..M (at M = 1 train_full skips pass 1 for those methods)
     with torch.no_grad():
@@ -851,7 +851,7 @@ def main(argv=None):
     t0 = time.perf_counter()
     config = load_config(args.preset)
     targs = trainer_args(args.micro_batch_size, args.response_len, args.method, args.train_argv, args.prompt_len)
-    selects_tokens = variants.selects_tokens(args.method)
+    selects_tokens = methods.selects_tokens(args.method)
     k_frac = (args.k_frac if args.k_frac is not None else targs.k_final) if selects_tokens else 1.0
     result = simulate(
         config,

@@ -8,7 +8,7 @@
 Three tables, each a median over repeats (after a warm-up call) of the wall time of one call:
 
 1. Sample level, rewards [P, G] (P prompts x G rollouts), keeping m = keep_frac * G per group:
-   max_variance_subset and select_samples (one method per sample rule of variants.LADDER) against the floor of
+   max_variance_subset and select_samples (one method per sample rule of methods.LADDER) against the floor of
    one torch.sort of the same [P, G] data, and against a straightforward Python reference (the
    PODS algorithm as written in the paper: per group, sort, then try every k in 0..m and
    compute the variance of "k largest + (m-k) smallest" directly). Cross-group "d3s" is one
@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from support import cli  # noqa: E402  (support/cli.py: one-line errors, the shared checks)
 import d3s  # noqa: E402
-from support import variants  # noqa: E402
+from support import methods  # noqa: E402
 
 DEFAULT_SIZES = "64x8,256x16,1024x32,4096x64"
 QUICK_SIZES = "64x8,256x16"
@@ -182,8 +182,8 @@ def bench_samples(args, device, sync, summary):
             "pods",
             "d3s-i",
             "random",
-        ):  # one per per-group sample rule of variants.LADDER (d1s: as d3s-i)
-            t = tm(lambda: d3s.select_samples(r, m, variants.LADDER[method].samples, generator=gen))
+        ):  # one per per-group sample rule of methods.LADDER (d1s: as d3s-i)
+            t = tm(lambda: d3s.select_samples(r, m, methods.LADDER[method].samples, generator=gen))
             rows.append([size, f"select_samples {method!r}", fmt_time(t), fmt_ratio(t, floor)])
             if method != "grpo":
                 summary[f"select_samples {method!r}"].append((t / floor, t))

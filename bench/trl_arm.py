@@ -105,7 +105,7 @@ def parse_args(argv=None):
         "--d3s-method",
         default=None,
         help="train with integrations/trl.py's D3SGRPOTrainer and this "
-        "variants.LADDER row (e.g. d3s); default: TRL's own GRPOTrainer",
+        "methods.LADDER row (e.g. d3s); default: TRL's own GRPOTrainer",
     )
     p.add_argument("--n-init", type=int, default=None, help="D3SGRPOConfig.n_init (default G/4)")
     p.add_argument("--n-final", type=int, default=None, help="D3SGRPOConfig.n_final (default G)")

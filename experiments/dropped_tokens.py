@@ -112,7 +112,7 @@ def parse_args(argv):
         default="runs/cache",
         help="without --model: where train_small's warm start is cached (default: runs/cache)",
     )
-    a("--method", default="d3s", help="a row of variants.LADDER (default: d3s)")
+    a("--method", default="d3s", help="a row of methods.LADDER (default: d3s)")
     a("--steps", type=int, default=None, help="the run's length the schedule is read on (default: train_small's, 100)")
     a(
         "--step",
@@ -235,7 +235,7 @@ def check_args(p, args):
         p.error(f"--explain-out {args.explain_out}: the same file as --out; pass another file")
 
     import d3s  # torch: after the checks that need no import
-    from support import variants
+    from support import methods
 
     defaults = train_small_defaults()
     for name in (
@@ -257,18 +257,18 @@ def check_args(p, args):
         import train_small
 
         args.max_new_tokens = train_small.TINY_MAX_NEW_TOKENS[args.task]
-    if args.method not in variants.LADDER:
-        p.error(f"--method {args.method!r}: not a method; choose from {', '.join(variants.METHODS)}")
-    if args.token_rule not in variants.TOKEN_RULES:
-        p.error(f"--token-rule {args.token_rule!r}: not a rule; choose from {', '.join(variants.TOKEN_RULES)}")
+    if args.method not in methods.LADDER:
+        p.error(f"--method {args.method!r}: not a method; choose from {', '.join(methods.NAMES)}")
+    if args.token_rule not in methods.TOKEN_RULES:
+        p.error(f"--token-rule {args.token_rule!r}: not a rule; choose from {', '.join(methods.TOKEN_RULES)}")
     if args.step > args.steps:
         p.error(f"--step {args.step}: must be in [1, --steps {args.steps}]")
-    if args.k is not None and not variants.selects_tokens(args.method):
+    if args.k is not None and not methods.selects_tokens(args.method):
         p.error(
             f"--k {args.k}: --method {args.method} has no token level (it trains on every token); drop --k or pick "
-            f"a method that selects tokens ({', '.join(m for m in variants.METHODS if variants.selects_tokens(m))})"
+            f"a method that selects tokens ({', '.join(m for m in methods.NAMES if methods.selects_tokens(m))})"
         )
-    if variants.LADDER[args.method].n != "all":
+    if methods.LADDER[args.method].n != "all":
         for flag, value in (("--n-init", args.n_init), ("--n-final", args.n_final)):
             if value > args.group_size:
                 p.error(
@@ -277,7 +277,7 @@ def check_args(p, args):
                 )
     try:
         args.n_keep, args.k_frac = d3s.method_budget(
-            variants.LADDER[args.method],
+            methods.LADDER[args.method],
             step=args.step - 1,
             total_steps=args.steps,
             group_size=args.group_size,
@@ -347,7 +347,7 @@ def one_batch(model, tokenizer, grader, train_rows, b, args):
 
     import d3s
     import train_small
-    from support import variants, warmstart
+    from support import methods, warmstart
 
     seed, step, P, G = args.seed + b, args.step, args.prompts_per_step, args.group_size
     torch.manual_seed(train_small.step_seed(seed, step))
@@ -367,7 +367,7 @@ def one_batch(model, tokenizer, grader, train_rows, b, args):
     keep, adv = d3s.select_samples(
         rewards,
         args.n_keep,
-        variants.LADDER[args.method].samples,
+        methods.LADDER[args.method].samples,
         generator=torch.Generator().manual_seed(train_small.step_seed(seed, step, 1)),
     )
     kept_rows = keep.view(-1).nonzero().squeeze(-1)
@@ -396,14 +396,14 @@ def one_batch(model, tokenizer, grader, train_rows, b, args):
     score_gen = torch.Generator().manual_seed(
         train_small.step_seed(seed, step, 2)
     )  # train_small's stream for rule random/adv
-    scores = d3s.token_scores(kept_adv, entropy, rule=variants.TOKEN_RULES[args.token_rule], generator=score_gen)
+    scores = d3s.token_scores(kept_adv, entropy, rule=methods.TOKEN_RULES[args.token_rule], generator=score_gen)
     token_keep = d3s.select_tokens(scores, mask, args.k_frac, scope=args.token_scope)
     rand_keeps = []  # the reference: --random-draws random selections of as many tokens, each a stream of its own
     for d in range(args.random_draws):
         rand_gen = torch.Generator().manual_seed(train_small.step_seed(seed, step, 3 + d))
         rand_keeps.append(
             d3s.select_tokens(
-                d3s.token_scores(kept_adv, entropy, rule=variants.random_scores, generator=rand_gen),
+                d3s.token_scores(kept_adv, entropy, rule=methods.random_scores, generator=rand_gen),
                 mask,
                 args.k_frac,
                 scope=args.token_scope,

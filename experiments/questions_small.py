@@ -30,7 +30,7 @@ Question 5 (does cross-group selection destabilise?), per method, means ± std o
   max/med  the largest such ratio of the run
   KL end   kl_ref_all at the last step
   switch   the runs in which --switch-on-spike (= --spike) would have fired, and the step it would have moved
-           to the intra-group twin from: variants.switch_to_intra reads only these norms, so a run in which it does
+           to the intra-group twin from: methods.switch_to_intra reads only these norms, so a run in which it does
            not fire is, with the switch on, the same run number for number
   final    held-out Pass@1 (mean of n) at the last step; paired difference to --base with a 95% t interval
 Writes the markdown to stdout and to --out, and a figure of the curves beside it (--plot).
@@ -219,23 +219,23 @@ def q4_curves(runs, window):
 def question4(args):
     from stats import paired_interval
 
-    methods = args.rows.split(",")
-    data = {m: load_runs(args.runs, m) for m in methods}
+    names = args.rows.split(",")
+    data = {m: load_runs(args.runs, m) for m in names}
     lines = [
-        f"Question 4 from `{args.runs}` ({', '.join(f'{m}: {len(data[m])} seeds' for m in methods)}); train reward = "
+        f"Question 4 from `{args.runs}` ({', '.join(f'{m}: {len(data[m])} seeds' for m in names)}); train reward = "
         f"mean of the {args.window} train steps up to the eval step; means over seeds.",
         "",
         "| method | step | train reward | held-out Pass@1 | gap (train − held-out) | KL all tokens | KL selected tokens |",
         "|---|---|---|---|---|---|---|",
     ]
-    curves = {m: q4_curves(data[m], args.window) for m in methods}
-    for m in methods:
+    curves = {m: q4_curves(data[m], args.window) for m in names}
+    for m in names:
         for step, (tr, ho, gap, kla, kls) in curves[m].items():
             lines.append(
                 f"| {m} | {step} | {fmt(tr)} | {fmt(ho)} | {fmt(gap, '%+.3f')} | {fmt(kla, '%.5f')} | {fmt(kls, '%.5f')} |"
             )
-    if len(methods) >= 2:
-        a, b = methods[-1], methods[0]
+    if len(names) >= 2:
+        a, b = names[-1], names[0]
         gaps = {m: [q4_curves([r], args.window) for r in data[m]] for m in (a, b)}
         last = max(curves[a])
         diffs = [ga[last][2] - gb[last][2] for ga, gb in zip(gaps[a], gaps[b]) if last in ga and last in gb]
@@ -253,7 +253,7 @@ def question4(args):
             )
     if args.plot:
         fig, ax1, ax2 = two_panels()
-        for i, m in enumerate(methods):
+        for i, m in enumerate(names):
             steps = list(curves[m])
             color = f"C{i}"
             ax1.plot(steps, [curves[m][s][0] for s in steps], "-", color=color, label=f"{m} train reward")
@@ -270,10 +270,10 @@ def question4(args):
 
 def spikes(train, ratio):
     """(spike count, largest grad_norm / median of the 10 steps before, the first step after a spike or None) of
-    one run: variants.spike_ratios, the switch rule's own measure (a step with no signal, norm 0 or none, is left out)."""
-    from support import variants  # here, not at the top: questions 1-4 and bad flags do not need torch
+    one run: methods.spike_ratios, the switch rule's own measure (a step with no signal, norm 0 or none, is left out)."""
+    from support import methods  # here, not at the top: questions 1-4 and bad flags do not need torch
 
-    ratios = variants.spike_ratios([t["grad_norm"] for t in train])
+    ratios = methods.spike_ratios([t["grad_norm"] for t in train])
     found = [r for r in ratios if r is not None]
     first = next(
         (train[i]["step"] + 1 for i, r in enumerate(ratios[:-1]) if r is not None and r > ratio), None
@@ -283,12 +283,12 @@ def spikes(train, ratio):
 
 
 def question5(args):
-    from support import variants
+    from support import methods
     from stats import paired_interval
 
-    methods = [args.base] + [m for m in args.rows.split(",") if m != args.base]
-    data = {m: load_runs(args.runs, m) for m in methods}
-    final = {m: [evals[-1]["eval_pass1_mean"] for _, evals in data[m]] for m in methods}
+    names = [args.base] + [m for m in args.rows.split(",") if m != args.base]
+    data = {m: load_runs(args.runs, m) for m in names}
+    final = {m: [evals[-1]["eval_pass1_mean"] for _, evals in data[m]] for m in names}
     lines = [
         f"Question 5 from `{args.runs}`; spike: grad_norm > {args.spike:g} x the median of the 10 steps before; "
         "mean ± std over seeds.",
@@ -297,13 +297,13 @@ def question5(args):
         f"| spikes − {args.base} | KL − {args.base} | switch would fire (from step) |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    spike_counts = {m: [spikes(train, args.spike) for train, _ in data[m]] for m in methods}
+    spike_counts = {m: [spikes(train, args.spike) for train, _ in data[m]] for m in names}
     kl_ends = {
         m: [
             next((t["kl_ref_all"] for t in reversed(train) if t.get("kl_ref_all") is not None), None)
             for train, _ in data[m]
         ]
-        for m in methods
+        for m in names
     }
 
     def paired(a, b, spec):
@@ -313,7 +313,7 @@ def question5(args):
         d, lo, hi = paired_interval(pairs)
         return f"{spec % d} [{fmt(lo, spec)}, {fmt(hi, spec)}]"
 
-    for m in methods:
+    for m in names:
         sp, kl_end = spike_counts[m], kl_ends[m]
         diffs = ["(reference)"] * 3
         if m != args.base:
@@ -324,14 +324,14 @@ def question5(args):
             ]
         fired = [s[2] for s in sp if s[2] is not None]
         switch = f"{len(fired)}/{len(sp)}" + (f" ({', '.join(map(str, fired))})" if fired else "")
-        switch = switch if method_of(m) in variants.INTRA_TWIN else "— (no intra-group twin)"
+        switch = switch if method_of(m) in methods.INTRA_TWIN else "— (no intra-group twin)"
         lines.append(
             f"| {m} | {len(data[m])} | {mean_sd([s[0] for s in sp], '%.1f')} | {mean_sd([s[1] for s in sp], '%.1f')} | "
             f"{mean_sd(kl_end, '%.4f')} | {mean_sd(final[m])} | {' | '.join(diffs)} | {switch} |"
         )
     if args.plot:  # one thin line per seed: the gradient norm (spikes show as jumps) and the KL on all tokens
         fig, ax1, ax2 = two_panels()
-        for i, m in enumerate(methods):
+        for i, m in enumerate(names):
             for j, (train, _) in enumerate(data[m]):
                 label = m if j == 0 else None
                 ax1.plot(

@@ -29,7 +29,7 @@ from tqdm import tqdm  # noqa: E402
 
 from support import cli, common  # noqa: E402
 import train_small  # noqa: E402
-from support import variants, warmstart  # noqa: E402
+from support import methods, warmstart  # noqa: E402
 from support.mathtask import DataError  # noqa: E402
 from stats import crossing, paired_interval  # noqa: E402
 
@@ -55,15 +55,15 @@ def parse_args(argv=None):
         "(give each --threads 1 on a small machine: 2 workers x 1 thread on 2 cores)",
     )
     p.set_defaults(mid_eval_samples=2)  # (choice) smaller evaluations before the last: a 7 x 5 ladder in under an hour
-    methods = p.parse_args(argv).compare.split(",")
-    for m in methods:
-        if m not in variants.LADDER:
+    names = p.parse_args(argv).compare.split(",")
+    for m in names:
+        if m not in methods.LADDER:
             hint = " (d3s-static is now d2s, the paper's name)" if m == "d3s-static" else ""
-            p.error(f"--compare {m!r}: unknown method{hint}; choose from {', '.join(variants.METHODS)}")
-    args = train_small.parse_args(argv, p, methods=methods)
+            p.error(f"--compare {m!r}: unknown method{hint}; choose from {', '.join(methods.NAMES)}")
+    args = train_small.parse_args(argv, p, method_names=names)
     if args.stop_after is not None:
         p.error(f"--stop-after {args.stop_after}: stops one run; drop it with --compare")
-    for m in methods:  # a method's folder linked to the runs of another compare that were never made
+    for m in names:  # a method's folder linked to the runs of another compare that were never made
         folder = os.path.join(args.out, m)
         if os.path.islink(folder) and not os.path.exists(folder):
             p.error(
@@ -78,21 +78,21 @@ def compare(args):
     """Every method of --compare from the same warm start, for --seeds RL seeds each, into OUT/<method>/seed<S>/;
     then OUT/compare.md (mean ± std over seeds) and OUT/compare.png."""
     t0 = time.time()
-    methods = args.compare.split(",")
+    names = args.compare.split(",")
     seeds = [args.rl_seed + i for i in range(args.seeds)]
     train_rows, eval_rows = common.fit_prompts(args, *warmstart.load_data(args), prog=PROG)  # prompts that fit
     warmstart.load_warm_start(args, train_rows)  # build the cache once, outside the timed runs
     if args.workers > 1:
-        summaries = compare_in_processes(args, methods, seeds)
-        write_compare(args, methods, seeds, summaries, time.time() - t0)
+        summaries = compare_in_processes(args, names, seeds)
+        write_compare(args, names, seeds, summaries, time.time() - t0)
         return summaries
-    summaries = {m: [] for m in methods}
+    summaries = {m: [] for m in names}
     for seed in seeds:  # seed-major: an interrupted compare has every method of the first seeds
-        for method in methods:
+        for method in names:
             sub = copy.copy(args)
             sub.method, sub.rl_seed, sub.compare = method, seed, None
             sub.switch_on_spike = (
-                args.switch_on_spike if method in variants.INTRA_TWIN else 0.0
+                args.switch_on_spike if method in methods.INTRA_TWIN else 0.0
             )  # as compare_in_processes
             sub.out = os.path.join(args.out, method, f"seed{seed}")
             done = os.path.join(sub.out, "summary.json")
@@ -106,11 +106,11 @@ def compare(args):
                 summaries[method].append(
                     train_small.train(sub, train_rows, eval_rows, warmstart.load_warm_start(sub, train_rows))
                 )
-    write_compare(args, methods, seeds, summaries, time.time() - t0)
+    write_compare(args, names, seeds, summaries, time.time() - t0)
     return summaries
 
 
-def compare_in_processes(args, methods, seeds):
+def compare_in_processes(args, names, seeds):
     """--compare with --workers W: each run is `python train_small.py --method M --rl-seed S --out
     OUT/M/seedS` with the compare's other flags, W at a time, seed-major (so the methods share the
     machine's load alike); a finished run (summary.json at the last step) is not run again, a
@@ -131,15 +131,13 @@ def compare_in_processes(args, methods, seeds):
         i += 1
     jobs = []
     for seed in seeds:
-        for method in methods:
+        for method in names:
             out = os.path.join(args.out, method, f"seed{seed}")
             lines = common.read_metrics(os.path.join(out, "metrics.jsonl"))
             if os.path.exists(os.path.join(out, "summary.json")) and lines and lines[-1]["step"] == args.steps:
                 continue
             resume = ["--resume"] if os.path.exists(os.path.join(out, "checkpoint.pt")) else []
-            switch = (
-                ["--switch-on-spike", "0"] if method not in variants.INTRA_TWIN else []
-            )  # a row without a twin: off
+            switch = ["--switch-on-spike", "0"] if method not in methods.INTRA_TWIN else []  # a row without a twin: off
             jobs.append(
                 (
                     out,
@@ -177,9 +175,9 @@ def compare_in_processes(args, methods, seeds):
                 )
     finally:
         pool.shutdown(cancel_futures=True)  # after a failure, the runs not yet started are not started
-    summaries = {m: [] for m in methods}
+    summaries = {m: [] for m in names}
     for seed in seeds:
-        for method in methods:
+        for method in names:
             with open(os.path.join(args.out, method, f"seed{seed}", "summary.json")) as f:
                 summaries[method].append(json.load(f))
     return summaries
@@ -194,7 +192,7 @@ def fmt_mean_std(values, fmt="%.3f"):
     return f"{fmt % m} ± {fmt % s}"
 
 
-def ladder_rows(summaries, methods, base="grpo"):
+def ladder_rows(summaries, names, base="grpo"):
     """The numbers of compare.md, per method (summaries[m]: one summary per seed, in the same seed
     order for every method):
       final:  held-out Pass@1 (mean of n) at the last step, one per seed;
@@ -208,7 +206,7 @@ def ladder_rows(summaries, methods, base="grpo"):
     base_final = [s["final"]["pass1_mean"] for s in summaries[base]]
     target = sum(base_final) / len(base_final)
     curves = {}
-    for m in methods:
+    for m in names:
         evals = [s["evals"] for s in summaries[m]]
         n_evals = min(len(e) for e in evals)
         mean = lambda key: [sum(e[i][key] for e in evals) / len(evals) for i in range(n_evals)]
@@ -219,7 +217,7 @@ def ladder_rows(summaries, methods, base="grpo"):
             "step_s": mean("rl_s"),
         }
     rows = {}
-    for m in methods:
+    for m in names:
         final = [s["final"]["pass1_mean"] for s in summaries[m]]
         c = curves[m]
         to_target = {x: crossing(c[x], c["pass1"], target) for x in ("step", "update_s", "step_s")}
@@ -231,7 +229,7 @@ def ladder_rows(summaries, methods, base="grpo"):
                 "no interval (1 seed)" if lo is None else "better" if lo > 0 else "worse" if hi < 0 else "no difference"
             )
         rows[m] = row
-    for m in methods:
+    for m in names:
         rows[m]["speedup"] = {
             x: (
                 None
@@ -243,17 +241,17 @@ def ladder_rows(summaries, methods, base="grpo"):
     return target, rows
 
 
-def write_compare(args, methods, seeds, summaries, total_s):
+def write_compare(args, names, seeds, summaries, total_s):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    s0 = summaries[methods[0]][0]
+    s0 = summaries[names[0]][0]
     k, n = s0["final"]["k"], s0["final"]["n"]
-    base = "grpo" if "grpo" in methods else methods[0]
+    base = "grpo" if "grpo" in names else names[0]
     S = len(seeds)
-    target, lrows = ladder_rows(summaries, methods, base)
+    target, lrows = ladder_rows(summaries, names, base)
     avg = lambda values: sum(values) / len(values)
     fmt_x = lambda v, f="%.0f": "never" if v is None else f % v
     fmt_r = lambda v: "" if v is None else f" ({v:.2f}x)"
@@ -277,7 +275,7 @@ def write_compare(args, methods, seeds, summaries, total_s):
         "| method | generate s/step | grade s/step | pass 1 s/step | update s/step | whole step s |",
         "|---" * 6 + "|",
     ]
-    for m in methods:
+    for m in names:
         runs, r = summaries[m], lrows[m]
         col = lambda f, fmt="%.3f": fmt_mean_std([f(s) for s in runs], fmt)
         if m == base:
@@ -373,8 +371,8 @@ def write_compare(args, methods, seeds, summaries, total_s):
         f.write(text)
 
     fig, axes = plt.subplots(1, 4, figsize=(20, 4.2))
-    for i, m in enumerate(methods):
-        color, style = f"C{i % 10}", "-" if variants.selects_tokens(m) else "--"  # dashed: no token selection
+    for i, m in enumerate(names):
+        color, style = f"C{i % 10}", "-" if methods.selects_tokens(m) else "--"  # dashed: no token selection
         evals = [s["evals"] for s in summaries[m]]
         n_evals = min(len(e) for e in evals)
         acc = torch.tensor([[e["pass1_mean"] for e in ev[:n_evals]] for ev in evals])  # [seeds, evals]
@@ -402,8 +400,8 @@ def write_compare(args, methods, seeds, summaries, total_s):
     axes[1].set(xlabel="whole-step seconds (generate + grade + update)", ylabel=f"held-out Pass@1 (mean of {n})")
     axes[2].axvline(0, color="grey", lw=0.8)
     axes[2].set(
-        yticks=range(len(methods)),
-        yticklabels=methods,
+        yticks=range(len(names)),
+        yticklabels=names,
         xlabel=f"final Pass@1 − {base} (same seed), 95% interval",
         title="paired differences",
     )

@@ -23,7 +23,7 @@ sys.path[:0] = [ROOT, os.path.dirname(os.path.abspath(__file__))]
 from stats import excludes_zero, mean_std, paired_interval  # noqa: E402
 from toy import bandit  # noqa: E402
 
-from support import common, variants  # noqa: E402
+from support import common, methods  # noqa: E402
 
 
 def columns(lines):
@@ -147,7 +147,7 @@ def plot(logs, args, path):
 
     fig, (ax_r, ax_g) = plt.subplots(1, 2, figsize=(11, 4))
     for i, (method, runs) in enumerate(logs.items()):
-        color, style = "C%d" % (i % 10), "-" if variants.selects_tokens(method) else "--"  # dashed: no token selection
+        color, style = "C%d" % (i % 10), "-" if methods.selects_tokens(method) else "--"  # dashed: no token selection
         reward = torch.tensor([log["eval_reward"] for log in runs])  # [seeds, steps + 1]: after 0..S updates
         grad_norm = torch.tensor([[math.nan if g is None else g for g in log["grad_norm"]] for log in runs])
         smooth = min(5, grad_norm.shape[1])  # running mean over 5 steps: the raw curve is noisy

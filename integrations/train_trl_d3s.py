@@ -27,7 +27,7 @@ def reward_digits(completions, **kwargs):  # any TRL reward function works uncha
 
 def main(argv=None):
     p = cli.Parser(prog="train_trl_d3s.py", description=__doc__.split("\n\n")[0])
-    p.add_argument("--method", default="d3s", choices=METHODS, help="d3s_method: a row of variants.LADDER")
+    p.add_argument("--method", default="d3s", choices=METHODS, help="d3s_method: a row of methods.LADDER")
     p.add_argument("--steps", type=cli.number(int, 1, 1000), default=8, help="max_steps: TRL optimizer steps")
     p.add_argument("--out", default="runs/trl-d3s", help="output_dir of TRL's trainer")
     args = p.parse_args(argv)

@@ -67,11 +67,11 @@ import torch
 
 try:
     import d3s
-    from support import variants
+    from support import methods
 except ImportError:  # run from elsewhere: d3s.py lives in the repository root, one level up
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import d3s
-    from support import variants
+    from support import methods
 
 import trl
 from packaging.specifiers import SpecifierSet
@@ -117,7 +117,7 @@ def check_trl_version(version=None):
 class D3SGRPOConfig(GRPOConfig):
     """GRPOConfig plus D3S's fields. The defaults are the paper's schedule scaled to num_generations.
 
-    d3s_method   a row of variants.LADDER: grpo, d1s, d1s-cross, d2s, d3s, d3s-i, pods, random, dapo-filter(-k)
+    d3s_method   a row of methods.LADDER: grpo, d1s, d1s-cross, d2s, d3s, d3s-i, pods, random, dapo-filter(-k)
     n_init/n_final   rollouts kept per prompt at the first/last step (default G/4 -> G: the
                  paper's 8 -> 32 of G = 32); k_init/k_final the fraction of tokens kept (5% -> 20%)
     static_n/static_k   N and K of the static rows (d1s, d1s-cross, d2s, pods); default the midpoint
@@ -127,9 +127,7 @@ class D3SGRPOConfig(GRPOConfig):
                  token of the kept rollouts (1/K smaller gradients)
     """
 
-    d3s_method: str = field(
-        default="d3s", metadata={"help": "a row of variants.LADDER: " + ", ".join(variants.METHODS)}
-    )
+    d3s_method: str = field(default="d3s", metadata={"help": "a row of methods.LADDER: " + ", ".join(methods.NAMES)})
     n_init: int | None = field(
         default=None,
         metadata={"help": "N at step 0: rollouts kept per prompt (default num_generations // 4; paper: 8 of 32)"},
@@ -181,10 +179,10 @@ def check_d3s_config(args):
 
     G = args.num_generations
     require(
-        args.d3s_method in variants.LADDER,
+        args.d3s_method in methods.LADDER,
         "d3s_method",
         args.d3s_method,
-        f"choose one of {', '.join(variants.METHODS)}",
+        f"choose one of {', '.join(methods.NAMES)}",
     )
     for name in ("n_init", "n_final") + (("static_n",) if args.static_n is not None else ()):
         value = getattr(args, name)
@@ -279,7 +277,7 @@ def check_d3s_config(args):
     for step in (0, 1, 2):
         try:
             d3s.method_budget(
-                variants.LADDER[args.d3s_method],
+                methods.LADDER[args.d3s_method],
                 step=step,
                 total_steps=2,
                 group_size=G,
@@ -352,7 +350,7 @@ class D3SGRPOTrainer(GRPOTrainer):
             method, step = args.d3s_method, self.state.global_step
             total = max(int(self.state.max_steps or args.max_steps), 1)
             n_keep, k_frac = d3s.method_budget(
-                variants.LADDER[method],
+                methods.LADDER[method],
                 step=min(step, total),
                 total_steps=total,
                 group_size=G,
@@ -369,7 +367,7 @@ class D3SGRPOTrainer(GRPOTrainer):
         keep, adv = d3s.select_samples(
             rewards,
             n_keep,
-            variants.LADDER[method].samples,
+            methods.LADDER[method].samples,
             scale=self.scale_rewards == "group",
             eps=TRL_ADV_EPS,
             generator=generator,

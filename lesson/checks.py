@@ -53,7 +53,7 @@ def check_max_variance_subset(fn):
 
 
 def check_entropy_scores(fn):
-    """Exercise 3: the scores rank the tokens as entropy alone does (variants.TOKEN_RULES['entropy'])."""
+    """Exercise 3: the scores rank the tokens as entropy alone does (methods.TOKEN_RULES['entropy'])."""
     gen = torch.Generator().manual_seed(0)
     adv, entropy = torch.randn(5, generator=gen), torch.rand(5, 7, generator=gen) * 2
     mask = torch.ones(5, 7)

@@ -64,11 +64,11 @@ from IPython.display import Image, display  # noqa: E402
 
 import bandit  # noqa: E402  (toy/bandit.py: the first rung)
 import d3s  # noqa: E402
-from support import variants  # noqa: E402
+from support import methods  # noqa: E402
 
 torch.set_num_threads(2)
 started = time.time()
-print("the project is importable:", ", ".join(m.__name__ + ".py" for m in (d3s, variants, bandit)))
+print("the project is importable:", ", ".join(m.__name__ + ".py" for m in (d3s, methods, bandit)))
 
 # %% [markdown]
 # ## 1. Where GRPO's signal goes
@@ -330,14 +330,14 @@ display(Image(os.path.join(RUNS, "explain", "step_000001.png")))
 # Two readings here are the project's **(choice)**: N counts rollouts kept *per prompt*, so "8 of 32" assumes G = 32
 # rollouts per prompt, which no source at hand states (it is inferred from N_final = 32; `--group-size` sets another
 # G); and N rounds half up, a convention (no source at hand gives the paper's rounding; exercise 4 holds you to it).
-# Whether the shape matters is an open question of a summary of the paper (its own inference): `variants.progress`
+# Whether the shape matters is an open question of a summary of the paper (its own inference): `methods.progress`
 # gives other shapes (`--schedule`).
 
 # %%
 steps = range(0, 101)
 fig, ax = plt.subplots(1, 2, figsize=(10, 3))
 for kind in ("linear", "cosine", "step"):
-    nk = [d3s.dynamic_schedule(s, 100, progress=variants.progress(kind, s, 100)) for s in steps]
+    nk = [d3s.dynamic_schedule(s, 100, progress=methods.progress(kind, s, 100)) for s in steps]
     ax[0].plot(steps, [n for n, _ in nk], label=kind)
     ax[1].plot(steps, [k for _, k in nk], label=kind)
 ax[0].set(title="N: rollouts kept per prompt", xlabel="step")
@@ -460,7 +460,7 @@ plt.close(fig)
 # so a few prompts steer a step.) Here both run on a *less aligned* toy start: the base policy's habit at the
 # decision positions points away from the right token (`--hint -1`, where the default is +1). We look at the gradient
 # norm (before clipping), since the report is of unstable gradients; at a spike measure of this project's own, its
-# largest jump over the median of the 10 steps before (`variants.spike_ratios`; over 3 is a spike, the rule of
+# largest jump over the median of the 10 steps before (`methods.spike_ratios`; over 3 is a spike, the rule of
 # `--switch-on-spike 3`); at the KL to the start, which a summary of the paper suggests checking; and at the final
 # reward.
 
@@ -470,11 +470,11 @@ stab_args = bandit.parse_args(["--workers", "1", "--hint", str(HINT), "--out", o
 t0 = time.time()
 stab = {m: [columns(bandit.run(m, seed, stab_args)) for seed in range(STAB_SEEDS)] for m in ("d3s", "d3s-i")}
 for m, logs in stab.items():
-    peaks = [max(r for r in variants.spike_ratios(log["grad_norm"]) if r is not None) for log in logs]
+    peaks = [max(r for r in methods.spike_ratios(log["grad_norm"]) if r is not None) for log in logs]
     print(
         f"{m:>5}: final reward {sum(log['eval_reward'][-1] for log in logs) / STAB_SEEDS:.3f}, "
         f"largest grad norm / running median {sum(peaks) / STAB_SEEDS:.2f} (max {max(peaks):.2f}), "
-        f"spikes > 3x per run {sum(sum(r is not None and r > 3 for r in variants.spike_ratios(log['grad_norm'])) for log in logs) / STAB_SEEDS:.1f}, "
+        f"spikes > 3x per run {sum(sum(r is not None and r > 3 for r in methods.spike_ratios(log['grad_norm'])) for log in logs) / STAB_SEEDS:.1f}, "
         f"KL to the start at the end {sum(log['kl_ref'][-1] for log in logs) / STAB_SEEDS:.2f}, "
         f"SUR {sum(sum(log['sur']) / len(log['sur']) for log in logs) / STAB_SEEDS:.2f}"
     )

@@ -1,11 +1,11 @@
 """support/: what the rungs share, beside the method in d3s.py (read the rungs first; come here for a detail).
 
 cli.py        the flags: argparse whose errors are one line, and the checks the rungs share
+methods.py    which rollouts and tokens a method keeps (LADDER, rows beyond the papers) and its N and K at a step
 common.py     the loop's plumbing: checkpoints, metrics lines, Ctrl-C and preemption, prompts that fit
 mathtask.py   the math task: data files, prompts, the math-verify grader pool, Pass@k
 tiny.py       a tiny Qwen2 and a character tokenizer built offline (tests and the CPU rungs)
 warmstart.py  train_small.py's warm start: the supervised phase, its cache and the shipped weights
-variants.py   the knobs beyond the papers: the switch rule, schedule shapes, token rules and scopes
 explain.py    the explain pages: one step's selections drawn as HTML and PNG
 fsdp_vllm.py  train_full.py's engines: FSDP2 (fully_shard) training, vLLM rollouts, the memory plan
 full_io.py    train_full.py's input and output: data, evaluation, checkpoints, export

@@ -1,6 +1,5 @@
 """support/common.py: the plumbing the three rungs share, so that each rung file holds its method and its loop.
 
-    budget, check_method_flags N and K of a step from the rung's flags, and those flags' checks
     measures_kl                whether a step forwards the reference model
     mean                       the mean of the values that are there (None if none)
     append_metrics, read_metrics, truncate_metrics    metrics.jsonl (docs/metrics.md)
@@ -26,77 +25,6 @@ import random
 import sys
 
 from support.cli import UsageError
-
-
-def budget(args, row, step, history=None):
-    """(N, K) of the LADDER row `row` at step `step` (from 1) of a run: d3s.method_budget at step - 1 of --steps,
-    with the rung's --group-size, --n-init, --n-final, --k-init, --k-final, --static-n, --static-k and, where
-    the rung has one, --schedule (variants.progress; `history`: the train reward of the steps before)."""
-    import d3s
-    from support import variants
-
-    f = variants.progress(getattr(args, "schedule", "linear"), step - 1, args.steps, history=history)
-    return d3s.method_budget(
-        variants.LADDER[row],
-        step=step - 1,
-        total_steps=args.steps,
-        group_size=args.group_size,
-        n_init=args.n_init,
-        n_final=args.n_final,
-        k_init=args.k_init,
-        k_final=args.k_final,
-        static_n=args.static_n,
-        static_k=args.static_k,
-        progress=f,
-    )
-
-
-def static_budget(args):
-    """(N, K) of the static rows: --static-n and --static-k, by default the linear schedule's midpoint (choice)."""
-    import d3s
-
-    return d3s.method_budget(
-        d3s.LADDER["d2s"],
-        step=0,
-        total_steps=1,
-        group_size=max(args.group_size, args.n_init, args.n_final),
-        n_init=args.n_init,
-        n_final=args.n_final,
-        k_init=args.k_init,
-        k_final=args.k_final,
-        static_n=args.static_n,
-        static_k=args.static_k,
-    )
-
-
-def check_method_flags(p, args, methods, flag="--method"):
-    """The method and budget flags every rung shares, checked together (one line and exit 2 through p.error): each
-    method a row of variants.LADDER; N <= G wherever a row uses N; --switch-on-spike only where a row has an
-    intra-group twin. Then --static-n and --static-k filled in (the schedule's midpoint by default)."""
-    from support import variants
-
-    for m in methods:
-        if m not in variants.LADDER:
-            hint = " (d3s-static is now d2s, the paper's name)" if m == "d3s-static" else ""
-            p.error(f"{flag} {m!r}: unknown method{hint}; choose from {', '.join(variants.METHODS)}")
-    uses_n = any(variants.LADDER[m].n != "all" for m in methods)  # N counts rollouts kept per prompt: N <= G
-    for name, value in (
-        ("--n-init", args.n_init if uses_n else None),
-        ("--n-final", args.n_final if uses_n else None),
-        ("--static-n", args.static_n),
-    ):  # a --static-n given over G is refused whatever the method
-        if value is not None and value > args.group_size:
-            p.error(
-                f"{name} {value} > --group-size {args.group_size}: N counts rollouts kept per prompt and must be "
-                f"<= G; lower {name} or raise --group-size"
-            )
-    if getattr(args, "switch_on_spike", 0) and not any(m in variants.INTRA_TWIN for m in methods):
-        p.error(
-            f"--switch-on-spike {args.switch_on_spike:g}: moves a cross-group row to its intra-group twin "
-            f"({', '.join(f'{a} -> {b}' for a, b in variants.INTRA_TWIN.items())}); {', '.join(methods)} has none: "
-            "use --method d3s or d1s-cross, or drop the flag"
-        )
-    args.static_n, args.static_k = static_budget(args)
 
 
 def measures_kl(step, args):
@@ -488,12 +416,12 @@ def export_pretrained(model, tokenizer, path):
 def write_summary(args, lines, warm_info, totals, timeouts, rl_s, wall_s):
     """train_small.py's OUT/summary.json and the lines it prints: the warm start's and the final held-out numbers, what
     the run trained on (rollouts, tokens), the paper's metrics over the run, and where the time went."""
-    from support import variants
+    from support import methods
 
     evals = [m for m in lines if m["kind"] == "eval"]
     train = [m for m in lines if m["kind"] == "train"]
     first, last = evals[0], evals[-1]
-    own_rule = variants.rule_name(
+    own_rule = methods.rule_name(
         args.method
     )  # --switch-on-spike: switched_at_step is the first step run under another rule
     summary = {

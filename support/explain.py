@@ -30,14 +30,14 @@ import os
 import torch
 
 import d3s
-from support import variants
+from support import methods
 
 __all__ = ["pick_rollouts", "write_step", "plot_step"]
 
 POSITIVE, NEGATIVE, ZERO = (33, 102, 172), (217, 95, 2), (222, 222, 222)  # A > 0 blue, A < 0 orange (colour-blind safe)
 SCORE = (118, 42, 131)  # token score |A| * H: purple, a scale of its own
 MARK = (230, 171, 2)  # a mark under some positions (the toy's decision positions)
-RULES = {  # the samples rule of a LADDER row (variants.rule_name), in words (d3s.select_samples)
+RULES = {  # the samples rule of a LADDER row (methods.rule_name), in words (d3s.select_samples)
     "all": "every rollout is trained on (N = G).",
     "intra": "intra-group: in every row, the N rollouts whose advantages have the largest variance "
     "(the extremes of the row). Every row keeps N, even a row with no spread (A = 0).",
@@ -116,7 +116,7 @@ def write_step(
     """Write out_dir/step_NNNNNN.html (and .png when png=True); return the html path.
 
     step: the global step as the rung counts it; rung: "toy" | "train_small" | "train_full";
-    method: the method's name (a variants.LADDER row).
+    method: the method's name (a methods.LADDER row).
     rewards [P, G]; keep [P, G] bool (from d3s.select_samples); adv [P, G]: the advantage each
     cell shows, i.e. the one the loss uses on kept cells and the full-group one on dropped
     cells: torch.where(keep, adv_from_select_samples, d3s.group_advantages(rewards)). For
@@ -672,8 +672,8 @@ def _check_shown(item, n):
 
 
 def _samples_rule(method):
-    """The method's samples rule by name (variants.rule_name); None when unknown."""
-    return variants.rule_name(method) if method in variants.LADDER else None
+    """The method's samples rule by name (methods.rule_name); None when unknown."""
+    return methods.rule_name(method) if method in methods.LADDER else None
 
 
 def _row_order(adv_row, keep_row):

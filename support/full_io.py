@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from support import cli, common
 import d3s
-from support import explain
+from support import explain, methods
 from support.cli import UsageError
 from support.fsdp_vllm import (
     all_reduce,
@@ -105,7 +105,7 @@ def check_args(p, args, world):
             f"--prompts-per-step {args.prompts_per_step}: must be divisible by the {world} ranks; change it or the "
             "number of ranks"
         )
-    common.check_method_flags(p, args, [args.method])  # the method, N <= G, the switch rule; --static-n/-k filled in
+    args.static_n, args.static_k = methods.check_flags(p, args, [args.method])  # the method, N <= G, the switch rule
     if args.mini_batches > args.prompts_per_step * args.group_size:
         p.error(
             f"--mini-batches {args.mini_batches}: more than the {args.prompts_per_step * args.group_size} rollouts "

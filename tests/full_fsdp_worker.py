@@ -23,7 +23,7 @@ from support import common  # noqa: E402
 import d3s  # noqa: E402
 from support import fsdp_vllm, full_io  # noqa: E402
 import train_full  # noqa: E402
-from support import variants  # noqa: E402
+from support import methods  # noqa: E402
 
 DEVICE = os.environ.get("D3S_TEST_DEVICE", "cpu")
 P, G, STEP, STEPS = 4, 4, 2, 4  # step 2 of 4 (method_budget at 1 of 4) with N 2 -> 4: N = 3 per prompt, K = 0.35
@@ -60,15 +60,15 @@ def train_step(
 
         optimizer.step = step_keeping_grads
     sel = train_full.select_samples_global(rollouts, rewards, step, row or args.method, args, dist_)
-    selects_tokens = variants.selects_tokens
+    selects_tokens = methods.selects_tokens
     if full_pass1:
-        variants.selects_tokens = lambda method: True  # what forward_kept reads: the rows and the entropy it needs
+        methods.selects_tokens = lambda method: True  # what forward_kept reads: the rows and the entropy it needs
     try:
         old_logp, has_old, entropy, ref_logp, pass1_tokens = train_full.forward_kept(
             model, ref_model, sel, args, dist_, pad_id
         )
     finally:
-        variants.selects_tokens = selects_tokens
+        methods.selects_tokens = selects_tokens
     token_keep = train_full.select_tokens_global(sel, entropy, args, dist_)
     upd = train_full.update_policy(
         model, optimizer, sel, token_keep, old_logp, has_old, entropy, ref_logp, args, dist_, pad_id

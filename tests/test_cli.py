@@ -1,5 +1,5 @@
 """cli.flag and cli.parser: a rung's knobs, declared one line each, are argparse flags with their defaults, ranges,
-choices and one-line errors; variants.flags: the knobs beyond the paper, declared once in support/variants.py, that a rung
+choices and one-line errors; methods.flags: the knobs beyond the paper, declared once in support/methods.py, that a rung
 adds with one call (the toy's come from there)."""
 
 import os
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from support import cli, variants
+from support import cli, methods
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "toy"))
 import bandit  # noqa: E402
@@ -101,14 +101,14 @@ def test_a_bad_value_of_a_declared_knob_is_one_line_and_exit_2(argv, line, capsy
 
 
 def test_variants_flags_gives_the_knobs_named_in_that_order():
-    assert [name for name, _ in variants.flags("--token-scope", "--schedule")] == ["--token-scope", "--schedule"]
+    assert [name for name, _ in methods.flags("--token-scope", "--schedule")] == ["--token-scope", "--schedule"]
     with pytest.raises(KeyError):
-        variants.flags("--no-such-knob")
+        methods.flags("--no-such-knob")
 
 
 @pytest.mark.parametrize("value, ok", [("0", True), ("3", True), ("1", False), ("-2", False), ("nan", False)])
 def test_the_switch_rule_flag_takes_0_for_off_or_a_ratio_over_1(value, ok, capsys):
-    p = cli.parser("x.py", "", variants.flags("--switch-on-spike"))
+    p = cli.parser("x.py", "", methods.flags("--switch-on-spike"))
     if ok:
         assert p.parse_args(["--switch-on-spike", value]).switch_on_spike == float(value)
         return
@@ -120,7 +120,7 @@ def test_the_switch_rule_flag_takes_0_for_off_or_a_ratio_over_1(value, ok, capsy
 
 def test_the_toy_takes_its_variant_knobs_from_variants_and_only_those_its_loop_runs():
     toy = {action.option_strings[0]: action for action in bandit.build_parser()._actions if action.option_strings}
-    declared = dict(variants.FLAGS)
+    declared = dict(methods.FLAGS)
     for name in ("--schedule", "--token-rule", "--token-scope", "--min-token-per-response"):
         assert (toy[name].help, toy[name].default) == (declared[name]["help"], declared[name]["default"]), name
     assert "--switch-on-spike" not in toy  # the toy's loop has no switch rule

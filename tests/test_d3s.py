@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import d3s
-from support import variants
+from support import methods
 from d3s import (
     dynamic_schedule,
     group_advantages,
@@ -72,8 +72,8 @@ def continuous_rewards(P, G, seed):
 
 
 def budget(method, step, total_steps, group_size, **kw):
-    """d3s.method_budget of a method by name (variants.LADDER: the papers' rows and the others)."""
-    return d3s.method_budget(variants.LADDER[method], step=step, total_steps=total_steps, group_size=group_size, **kw)
+    """d3s.method_budget of a method by name (methods.LADDER: the papers' rows and the others)."""
+    return d3s.method_budget(methods.LADDER[method], step=step, total_steps=total_steps, group_size=group_size, **kw)
 
 
 def has_spread(rewards):
@@ -424,7 +424,7 @@ def test_grpo_keeps_all_rollouts_with_full_group_advantages_ignoring_n_keep(n_ke
 
 def test_random_keeps_exactly_n_keep_per_group_with_full_group_advantages():
     rewards = continuous_rewards(32, 8, seed=14)
-    keep, adv = variants.uniform_samples(rewards, 3, generator=torch.Generator().manual_seed(0))
+    keep, adv = methods.uniform_samples(rewards, 3, generator=torch.Generator().manual_seed(0))
     assert (keep.sum(-1) == 3).all()
     full = group_advantages(rewards)
     assert torch.equal(adv[keep], full[keep])
@@ -433,9 +433,9 @@ def test_random_keeps_exactly_n_keep_per_group_with_full_group_advantages():
 
 def test_random_is_reproducible_with_a_generator():
     rewards = continuous_rewards(32, 8, seed=15)
-    first, _ = select_samples(rewards, 3, variants.uniform_samples, generator=torch.Generator().manual_seed(42))
-    again, _ = select_samples(rewards, 3, variants.uniform_samples, generator=torch.Generator().manual_seed(42))
-    other, _ = select_samples(rewards, 3, variants.uniform_samples, generator=torch.Generator().manual_seed(43))
+    first, _ = select_samples(rewards, 3, methods.uniform_samples, generator=torch.Generator().manual_seed(42))
+    again, _ = select_samples(rewards, 3, methods.uniform_samples, generator=torch.Generator().manual_seed(42))
+    other, _ = select_samples(rewards, 3, methods.uniform_samples, generator=torch.Generator().manual_seed(43))
     assert torch.equal(first, again)
     assert not torch.equal(first, other)
 
@@ -789,19 +789,19 @@ def test_token_scores_rank_by_what_each_rule_says():
     adv = torch.tensor([2.0, -1.0, 0.5])
     entropy = torch.tensor([[0.5, 1.0, 0.1], [3.0, 0.0, 0.2], [4.0, 4.0, 4.0]])
     torch.testing.assert_close(d3s.token_scores(adv, entropy), adv.abs().unsqueeze(1) * entropy)  # the paper's |A| * H
-    torch.testing.assert_close(d3s.token_scores(adv, entropy, variants.TOKEN_RULES["entropy"]), entropy)
-    by_adv = d3s.token_scores(adv, entropy, variants.TOKEN_RULES["adv"], generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(d3s.token_scores(adv, entropy, methods.TOKEN_RULES["entropy"]), entropy)
+    by_adv = d3s.token_scores(adv, entropy, methods.TOKEN_RULES["adv"], generator=torch.Generator().manual_seed(0))
     assert (by_adv[0].min() > by_adv[1].max()) and (by_adv[1].min() > by_adv[2].max())  # |A| decides between responses
     orders = {
         tuple(
-            d3s.token_scores(adv, entropy, variants.TOKEN_RULES["adv"], generator=torch.Generator().manual_seed(s))[0]
+            d3s.token_scores(adv, entropy, methods.TOKEN_RULES["adv"], generator=torch.Generator().manual_seed(s))[0]
             .argsort()
             .tolist()
         )
         for s in range(20)
     }
     assert len(orders) > 1  # ties (equal |A| inside a response) are broken at random, not by position
-    r = d3s.token_scores(adv, entropy, variants.TOKEN_RULES["random"], generator=torch.Generator().manual_seed(0))
+    r = d3s.token_scores(adv, entropy, methods.TOKEN_RULES["random"], generator=torch.Generator().manual_seed(0))
     assert r.shape == entropy.shape and 0 <= r.min() and r.max() < 1
     # per-token advantages [B, T] work too, and a NaN entropy scores 0 instead of reaching select_tokens
     nan = torch.tensor([[float("nan"), 1.0, 1.0]] * 3)
@@ -1065,7 +1065,7 @@ def test_token_entropy_of_a_non_contiguous_slice_and_bf16():
 # =============================================================================================
 def test_the_ladder_names_are_the_papers():
     assert set(d3s.LADDER) == {"grpo", "pods", "d1s", "d1s-cross", "d2s", "d3s", "d3s-i"}
-    assert set(variants.METHODS) == set(d3s.LADDER) | {
+    assert set(methods.NAMES) == set(d3s.LADDER) | {
         "random",
         "dapo-filter",
         "dapo-filter-k",

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import d3s
-from support import variants, explain
+from support import methods, explain
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "toy"))
 import bandit  # noqa: E402
@@ -77,7 +77,7 @@ def make_page(tmp_path, method, n_keep=2, k_frac=0.3, png=True):
     """A step of `method` on REWARDS, with made-up entropies and the real selections; returns
     (html path, keep, shown)."""
     P, G = REWARDS.shape
-    keep, adv = d3s.select_samples(REWARDS, n_keep, variants.LADDER[method].samples)
+    keep, adv = d3s.select_samples(REWARDS, n_keep, methods.LADDER[method].samples)
     shown_adv = torch.where(keep, adv, d3s.group_advantages(REWARDS))
     kept = keep.view(-1).nonzero().squeeze(1)  # [B]
     entropy = torch.rand(len(kept), len(TOKENS), generator=torch.Generator().manual_seed(0))  # [B, T]

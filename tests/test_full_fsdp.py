@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import d3s
-from support import tiny, variants
+from support import tiny, methods
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
@@ -80,7 +80,7 @@ def reference_step(model_dir, name):
     model.train()
     rollouts = [r for group in worker.make_rollouts(model.config.vocab_size) for r in group]  # [P*G], prompt-major
     n_keep, k_frac = d3s.method_budget(
-        variants.LADDER[method],
+        methods.LADDER[method],
         step=worker.STEP - 1,
         total_steps=worker.STEPS,
         group_size=worker.G,
@@ -89,7 +89,7 @@ def reference_step(model_dir, name):
         k_init=0.3,
         k_final=0.5,
     )  # steps count from 1
-    keep, adv = d3s.select_samples(worker.REWARDS, n_keep, variants.LADDER[method].samples)
+    keep, adv = d3s.select_samples(worker.REWARDS, n_keep, methods.LADDER[method].samples)
     kept = keep.view(-1).nonzero().squeeze(1).tolist()
     seqs = [rollouts[i] for i in kept]
     kept_adv = adv.view(-1)[kept]
@@ -303,7 +303,7 @@ def test_the_dapo_filter_keeps_the_groups_with_spread_and_a_step_with_none_makes
             step = list(steps).index(name) + 1
             assert got["k_frac"] == pytest.approx(
                 d3s.method_budget(
-                    variants.LADDER[method],
+                    methods.LADDER[method],
                     step=step - 1,
                     total_steps=worker.STEPS,
                     group_size=worker.G,
@@ -323,7 +323,7 @@ def test_the_dapo_filter_keeps_the_groups_with_spread_and_a_step_with_none_makes
 
 def test_a_step_the_switch_rule_moved_selects_as_the_intra_group_twin(fsdp_result):
     """A step with row="d3s-i" under --method d3s, what main() passes once --switch-on-spike fired
-    (variants.switch_to_intra), is the d3s-i step bit for bit on 2 ranks; on these rewards (group 2 has no
+    (methods.switch_to_intra), is the d3s-i step bit for bit on 2 ranks; on these rewards (group 2 has no
     spread) the cross-group d3s step keeps another set, so the row really reached the selection."""
     got = fsdp_result["switch"]
     moved, twin, cross = got["d3s as d3s-i"], got["d3s-i"], got["d3s"]

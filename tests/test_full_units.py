@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from support import common, fsdp_vllm, full_io
+from support import common, fsdp_vllm, full_io, methods
 import train_full
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -68,9 +68,9 @@ def test_ladder_methods_mini_batches_and_gspo_aggregation_defaults():
     args = train_full.parse_args([])
     assert args.mini_batches == 4 and args.loss_agg == "token-mean" and not args.kl_ref and args.kl_coef == 0.0
     assert train_full.parse_args(["--loss", "gspo"]).loss_agg == "seq-mean-token-mean"
-    assert common.budget(args, "d3s", 1) == (8, 0.05)  # (N, K) of a row at step 1 (steps count from 1)
-    assert common.budget(train_full.parse_args(["--method", "d2s"]), "d2s", 1) == (20, 0.125)
-    assert common.budget(args, "d3s", 250) == (32, pytest.approx(0.2 - 0.15 / 250))  # step S: method_budget at S - 1
+    assert methods.budget(args, "d3s", 1) == (8, 0.05)  # (N, K) of a row at step 1 (steps count from 1)
+    assert methods.budget(train_full.parse_args(["--method", "d2s"]), "d2s", 1) == (20, 0.125)
+    assert methods.budget(args, "d3s", 250) == (32, pytest.approx(0.2 - 0.15 / 250))  # step S: method_budget at S - 1
     for bad in (["--mini-batches", "0"], ["--kl-coef", "0.1"], ["--static-n", "40"], ["--mlp-chunk-tokens", "-1"]):
         with pytest.raises(SystemExit):
             train_full.parse_args(bad)

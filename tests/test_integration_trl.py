@@ -159,10 +159,10 @@ def test_grpo_method_matches_trl_grpotrainer_step_for_step(tiny_model_dir, tmp_p
 def budget(method, step, total_steps, config):
     """d3s.method_budget of the method's row at TRL's step, with the config's schedule (G = 4)."""
     import d3s
-    from support import variants
+    from support import methods
 
     return d3s.method_budget(
-        variants.LADDER[method],
+        methods.LADDER[method],
         step=step,
         total_steps=total_steps,
         group_size=4,
@@ -176,10 +176,10 @@ def budget(method, step, total_steps, config):
 def reference_selection(batch, method, n_keep, model_dir):
     """From d3s.py alone: the kept rollouts and, from a plain forward's logits, the kept tokens."""
     import d3s
-    from support import variants
+    from support import methods
 
     rewards = batch["rewards"].view(-1, 4)
-    keep, adv = d3s.select_samples(rewards, n_keep, variants.LADDER[method].samples, eps=1e-4)
+    keep, adv = d3s.select_samples(rewards, n_keep, methods.LADDER[method].samples, eps=1e-4)
     keep, adv = keep.view(-1), adv.view(-1)
     model, _ = load(model_dir)
     model.load_state_dict(batch["weights"])

@@ -598,17 +598,17 @@ def test_cheap_printed_commands_run_as_printed(commands, repo_copy, pattern, tim
 
 
 def test_the_trl_example_on_its_page_is_the_script():
-    """docs/trl.md shows integrations/train_trl_d3s.py whole; its --method choices are variants.METHODS (the
+    """docs/trl.md shows integrations/train_trl_d3s.py whole; its --method choices are methods.NAMES (the
     script lists them itself so that its --help needs no torch)."""
     page = (ROOT / "docs/trl.md").read_text(encoding="utf-8")
     script = (ROOT / "integrations/train_trl_d3s.py").read_text(encoding="utf-8")
     shown = re.search(r"```python\n(\"\"\"integrations/train_trl_d3s\.py.*?)```", page, re.S)
     assert shown and shown.group(1) == script, "docs/trl.md's python block is not integrations/train_trl_d3s.py"
     sys.path.insert(0, str(ROOT))
-    from support import variants
+    from support import methods
 
     listed = re.search(r"^METHODS = \((.*?)\)$", script, re.M).group(1)
-    assert tuple(re.findall(r'"([\w-]+)"', listed)) == variants.METHODS
+    assert tuple(re.findall(r'"([\w-]+)"', listed)) == methods.NAMES
 
 
 def test_the_parser_and_the_checker():

@@ -5,7 +5,7 @@ tests/golden/fixed_inputs.json, recorded (2026-11-26, AMD EPYC) from the code th
   - d3s.py: group_advantages, select_samples under every rule (d3s's four and variants'), kept_variance,
     usefulness_rate, token_entropy, token_scores (every token rule), select_tokens (batch and sequence scope, with
     and without the per-response floor), dynamic_schedule, method_budget (every row, every schedule of
-    variants.progress), kl_k3, policy_loss (grpo and gspo, both aggregations, with a KL term) and its gradient;
+    methods.progress), kl_k3, policy_loss (grpo and gspo, both aggregations, with a KL term) and its gradient;
   - toy/bandit.py: bandit.run, one step of every row (eval line 0, train line 1, eval line 1), with the two
     sources of trouble replaced by fixed inputs: the rollouts (fixed tokens instead of Policy.sample) and the
     initial policy (seeded weights, last layer included: the zero last layer gives equal entropies, ties);
@@ -72,7 +72,7 @@ import pytest
 import torch
 
 import d3s
-from support import variants
+from support import methods
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.figures  # golden numbers: .ci/run runs them again on another float path
@@ -202,8 +202,8 @@ SAMPLE_RULES = {
     "intra": "intra",
     "pods": "pods",
     "all": "all",
-    "random": variants.uniform_samples,
-    "dapo-filter": variants.dapo_filter,
+    "random": methods.uniform_samples,
+    "dapo-filter": methods.dapo_filter,
 }
 
 
@@ -232,7 +232,7 @@ def d3s_outputs(x):
     mask = torch.arange(T) < lengths.unsqueeze(1)  # [B, T]
     adv = d3s.group_advantages(REWARDS_01[:, :3].reshape(2, 6)).reshape(-1)[:B]  # [B], with ties across responses
     entropy = x.uniform(B, T, low=0.0, high=2.0)
-    for rule, fn in variants.TOKEN_RULES.items():
+    for rule, fn in methods.TOKEN_RULES.items():
         scores = d3s.token_scores(adv, entropy, rule=fn, generator=torch.Generator().manual_seed(0))
         out[f"token_scores.{rule}"] = scores
         if rule in ("adv-entropy", "entropy", "random"):  # "adv" ranks |A| broken by 1e-6 noise: not a float rule
@@ -256,16 +256,16 @@ def d3s_outputs(x):
                 step=s,
                 total_steps=10,
                 group_size=32,
-                progress=variants.progress(schedule, s, 10, history=history[:s]),
+                progress=methods.progress(schedule, s, 10, history=history[:s]),
             )
             for s in range(10)
         ]
-        for method, row in variants.LADDER.items()
-        for schedule in variants.SCHEDULES
+        for method, row in methods.LADDER.items()
+        for schedule in methods.SCHEDULES
     }
     out["method_budget.static"] = [
         d3s.method_budget(row, step=3, total_steps=10, group_size=16, n_init=4, n_final=16, static_n=6, static_k=0.3)
-        for row in variants.LADDER.values()
+        for row in methods.LADDER.values()
     ]
     B, T = 5, 6
     logp = x.uniform(B, T, low=-3.0, high=-0.1)
@@ -408,7 +408,7 @@ def small_batch(x, tokenizer, P=3, G=4):
 
 def small_outputs(x, folder):
     """train_small's steps 3-6 as train()'s loop calls them (step 2 of 4), then the updated policy's outputs."""
-    from support import common, tiny
+    from support import tiny
     import train_small
 
     tokenizer = tiny.build_char_tokenizer()
@@ -448,10 +448,10 @@ def small_outputs(x, folder):
             before_logp = train_small.forward_logprobs_entropy(model, batch, args.temperature)[0].masked_fill(~valid, 0)
         optimizer = torch.optim.SGD(model.parameters(), lr=SGD_LR)  # not train()'s AdamW: see SGD_LR
         with_ref = mini_batches > 1  # the steps that measure the KL to the reference
-        n_keep, k_frac = common.budget(args, method, step, history=[])
+        n_keep, k_frac = methods.budget(args, method, step, history=[])
         seed = train_small.step_seed(args.rl_seed, step, 1)
         keep, adv = d3s.select_samples(
-            rewards, n_keep, variants.LADDER[method].samples, generator=torch.Generator().manual_seed(seed)
+            rewards, n_keep, methods.LADDER[method].samples, generator=torch.Generator().manual_seed(seed)
         )
         kept_rows = keep.view(-1).nonzero().squeeze(-1)
         kept, kept_adv = train_small.take_rows(batch, kept_rows), adv.view(-1)[kept_rows]
@@ -463,7 +463,7 @@ def small_outputs(x, folder):
         scores = d3s.token_scores(
             kept_adv,
             entropy,
-            rule=variants.TOKEN_RULES[args.token_rule],
+            rule=methods.TOKEN_RULES[args.token_rule],
             generator=torch.Generator().manual_seed(train_small.step_seed(args.rl_seed, step, 2)),
         )
         token_keep = d3s.select_tokens(
@@ -677,7 +677,7 @@ def test_a_changed_loss_or_selection_is_reported(tmp_path, fixed_golden, monkeyp
         assert any(line.startswith(f".{part}.") for line in found), f"a 1.001 loss is not seen in {part}"
     assert any(".loss" in line for line in found)
     monkeypatch.undo()
-    monkeypatch.setitem(variants.LADDER, "d3s", variants.LADDER["d3s-i"])
+    monkeypatch.setitem(methods.LADDER, "d3s", methods.LADDER["d3s-i"])
     parts = ("toy", "small")  # the rows run by name (d3s.py's functions take the rule itself)
     found = mismatches(fixed_outputs(tmp_path, parts=parts, guard=False), {k: fixed_golden[k] for k in parts})
     for where in (".toy.d3s[1].", ".small.d3s-m2.keep"):
@@ -731,7 +731,7 @@ SMALL = [
 ]
 SMALL_METHODS = ("grpo", "d3s", "d3s-i")
 TOY_METHODS = ("grpo", "d3s")
-TOY_VARIANTS = {  # the other rows and rules, on the toy (a second each): what moves to support/variants.py must keep them
+TOY_VARIANTS = {  # the other rows and rules, on the toy (a second each): what moves to support/methods.py must keep them
     "rows": ["--methods", "d1s", "d1s-cross", "d2s", "d3s-i", "pods", "random", "dapo-filter", "dapo-filter-k"],
     "entropy-cosine": ["--methods", "d3s", "--token-rule", "entropy", "--schedule", "cosine"],
     "adv-adaptive": ["--methods", "d3s", "--token-rule", "adv", "--schedule", "adaptive", "--steps", "30"],

@@ -17,7 +17,7 @@ sys.path[:0] = [os.path.join(ROOT, "toy"), os.path.join(ROOT, "experiments")]
 import bandit  # noqa: E402
 from toy_ladder import columns  # noqa: E402  (a run's lines as one list per key)
 
-from support import variants  # noqa: E402
+from support import methods  # noqa: E402
 
 
 def run(method, seed, args):
@@ -33,11 +33,11 @@ def short_runs():
     """Every method, seeds 0 and 1, 30 steps: {method: [log_seed0, log_seed1]}."""
     torch.set_num_threads(1)
     args = bandit.parse_args(SHORT)
-    return {m: [run(m, seed, args) for seed in (0, 1)] for m in variants.METHODS}
+    return {m: [run(m, seed, args) for seed in (0, 1)] for m in methods.NAMES}
 
 
 @pytest.mark.figures  # a verdict of the toy: checked again on another float path (docs/tests.md, Figures)
-@pytest.mark.parametrize("method", list(variants.METHODS))
+@pytest.mark.parametrize("method", list(methods.NAMES))
 def test_every_method_raises_the_expected_reward(short_runs, method):
     # The reward is exact (no sampling noise) and starts at ~0.14; 30 updates of a method that
     # learns add > 0.1 (observed: 0.15 to 0.3), one that does nothing or climbs the wrong way does not.

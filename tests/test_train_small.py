@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 import d3s
 import train_small
-from support import variants, warmstart
+from support import methods, warmstart
 from support.mathtask import Grader, arithmetic_problems, load_problems, step_problems, stop_token_ids
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -291,9 +291,9 @@ def test_help_documents_every_flag_with_its_default(capsys):
 
 def test_the_knobs_beyond_the_paper_and_the_warm_starts_are_declared_where_they_live():
     """The warm start's knobs come from support/warmstart.py, the switch rule's, schedules' and token rules' from
-    support/variants.py: each declared once, the rung adds them with one call (the same help, default and type)."""
+    support/methods.py: each declared once, the rung adds them with one call (the same help, default and type)."""
     rung = {a.option_strings[0]: a for a in train_small.build_parser()._actions if a.option_strings}
-    for name, declared in [*warmstart.FLAGS, *variants.FLAGS]:
+    for name, declared in [*warmstart.FLAGS, *methods.FLAGS]:
         got = rung[name]
         assert (got.help, got.default, got.type, got.choices) == (
             declared["help"],
@@ -301,7 +301,7 @@ def test_the_knobs_beyond_the_paper_and_the_warm_starts_are_declared_where_they_
             declared.get("type"),
             declared.get("choices"),
         ), name
-    assert len(warmstart.FLAGS) == 14 and len(variants.FLAGS) == 5
+    assert len(warmstart.FLAGS) == 14 and len(methods.FLAGS) == 5
 
 
 @pytest.mark.parametrize("compare", [False, True])
@@ -774,7 +774,7 @@ def test_the_switch_rule_moves_d3s_to_intra_group_samples_from_the_step_after_th
     switched, _ = _run(tmp_path, cache_dir, two_answer_data, "switched", common)
     assert selected_with == ["cross"] * 11 + ["intra"] * 2  # what the selection itself was called with
     assert [m["sample_rule"] for m in switched] == ["cross"] * 11 + ["intra"] * 2
-    ratios = train_small.variants.spike_ratios([m["grad_norm"] for m in switched])  # the rule, replayed on the log
+    ratios = train_small.methods.spike_ratios([m["grad_norm"] for m in switched])  # the rule, replayed on the log
     assert [i + 1 for i, r in enumerate(ratios) if r is not None and r > 3] == [11]
     same = lambda lines: [{k: v for k, v in m.items() if not k.endswith("_s") and k != "grad_norm"} for m in lines]  # noqa
     assert same(switched[:11]) == same(plain[:11])  # off until it fires

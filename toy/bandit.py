@@ -31,7 +31,7 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 import d3s  # noqa: E402
-from support import cli, common, explain, variants  # noqa: E402
+from support import cli, common, explain, methods  # noqa: E402
 
 PROG = "bandit.py"  # the name in every error line, however the script is started
 DEFAULT_METHODS = ("grpo", "d1s", "d1s-cross", "d2s", "d3s", "d3s-i", "pods", "random")  # docs/toy.md's table
@@ -41,7 +41,7 @@ MAX_ELEMENTS = 2**26  # the largest tensors of a step: sampling logits P*G*L*V, 
 def build_parser(prog=PROG):
     f, n = cli.flag, cli.number  # one knob a line: f(flag, default, what it may be, help)
     flags = [
-        f("--methods", list(DEFAULT_METHODS), variants.METHODS, "rows of variants.LADDER", nargs="+"),
+        f("--methods", list(DEFAULT_METHODS), methods.NAMES, "rows of methods.LADDER", nargs="+"),
         f("--seeds", 30, n(int, 1, 10_000), "seeds per method (seed s: same task, init and prompt order)"),
         f("--steps", 80, n(int, 1, 100_000), "training steps per run"),
         f("--prompts", 16, n(int, 1, 4096), "prompts in the task"),
@@ -81,7 +81,7 @@ def build_parser(prog=PROG):
         f("--k-final", 0.20, n(float, 0, 1, low_open=True), "... at the last step [paper]"),
         f("--static-n", None, n(int, 1, 4096), "N of the static rows (default: the schedule's midpoint) (choice)"),
         f("--static-k", None, n(float, 0, 1, low_open=True), "K of d2s (default: the midpoint) (choice)"),
-        *variants.flags("--schedule", "--token-rule", "--token-scope", "--min-token-per-response"),
+        *methods.flags("--schedule", "--token-rule", "--token-scope", "--min-token-per-response"),
         f("--target", [0.5, 0.8], n(float, 0, 1, low_open=True), "rewards for 'steps to target'", nargs="+"),
         f("--workers", 2, n(int, 1, 64), "runs in parallel (processes); 1 runs in this process"),
         f("--out", "runs/toy", None, "output folder for metrics.jsonl (made if missing)"),
@@ -117,7 +117,7 @@ def parse_args(argv=None, parser=None):
         if n > MAX_ELEMENTS:
             p.error(f"{flag} {value}: {what} = {n:,} tensor elements, over {MAX_ELEMENTS:,}; make one of them smaller")
     cli.check_out_dir(p, "--out", args.out)
-    common.check_method_flags(p, args, args.methods, "--methods")  # N <= G where a row uses N; static N and K
+    args.static_n, args.static_k = methods.check_flags(p, args, args.methods, "--methods")  # N <= G, static N and K
     return args
 
 
@@ -207,7 +207,7 @@ def run(method, seed, args):
     initial = copy.deepcopy(policy).requires_grad_(False)  # the reference of the logged KL
     opt = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD}[args.optimizer](policy.parameters(), lr=args.lr)
     clip = args.max_grad_norm if args.max_grad_norm > 0 else math.inf  # inf: the norm is measured, nothing is scaled
-    rule = variants.TOKEN_RULES[args.token_rule] if variants.selects_tokens(method) else None
+    rule = methods.TOKEN_RULES[args.token_rule] if methods.selects_tokens(method) else None
     gen = torch.Generator().manual_seed(seed)  # prompt order, rollouts and "random" selection
     score_gen = torch.Generator().manual_seed(seed)  # --token-rule random/adv: a stream of its own
     P, G, L = args.batch_prompts, args.group_size, args.length
@@ -223,8 +223,8 @@ def run(method, seed, args):
         tokens, sample_logits = policy.sample(prompt_ids, L, gen)  # [P*G, L], [P*G, L, V]
         rewards = reward(task, prompt_ids, tokens).view(P, G)  # [P, G]
         # 3) select samples: N per prompt from the method's budget (d3s.method_budget), max Var(A)
-        n_keep, k_frac = common.budget(args, method, s, history=rewards_so_far)
-        keep, adv = d3s.select_samples(rewards, n_keep, variants.LADDER[method].samples, generator=gen)  # [P, G] each
+        n_keep, k_frac = methods.budget(args, method, s, history=rewards_so_far)
+        keep, adv = d3s.select_samples(rewards, n_keep, methods.LADDER[method].samples, generator=gen)  # [P, G] each
         kept = keep.view(-1).nonzero().squeeze(1)  # [B] indices of the kept rollouts
         kept_adv = adv.view(-1)[kept]  # [B]
         # 4) forward only the kept rollouts; the entropy of the same logits, without grad

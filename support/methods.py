@@ -1,16 +1,17 @@
-"""support/variants.py: the rows and rules beyond the D3S and PODS papers, on top of d3s.py's functions.
+"""support/methods.py: which rollouts and tokens a method keeps, and its N and K at a step.
 
-d3s.py holds the papers' method. The questions the paper leaves open (docs/questions.md) and two controls
-need a few more pieces; they live here, in d3s.py's terms, so that every rung runs them the same way:
+d3s.py holds the papers' method. Every rung takes --method from LADDER here: d3s.LADDER's rows and a few more, for
+the questions a summary of the paper leaves open (docs/questions.md) and two controls, in d3s.py's terms:
 
-    LADDER        d3s.LADDER + random (a control) + DAPO's filter (dapo-filter, dapo-filter-k)
+    LADDER        d3s.LADDER + random (a control) + DAPO's filter (dapo-filter, dapo-filter-k); NAMES its names
     TOKEN_RULES   the token score: |A| * H (the paper's), H alone, |A| alone, random (a control)
     progress      the shape of the schedule: linear (the paper's), cosine, step, constant, adaptive
     switch_to_intra   the switch rule: a cross-group row moves to its intra-group twin at a gradient spike
+    budget        N and K of a row at a step, from a rung's flags (d3s.method_budget); check_flags, their checks
     flags         the flags of these knobs (--schedule, --token-rule, ...): a rung adds the ones it runs
 
-Every rung takes --method from LADDER and calls d3s.select_samples(rewards, N, row.samples), which runs a
-rule given as a function here; d3s.token_scores takes TOKEN_RULES' functions the same way.
+A rung calls d3s.select_samples(rewards, N, row.samples), which runs a rule given as a function here;
+d3s.token_scores takes TOKEN_RULES' functions the same way.
 """
 
 import math
@@ -65,7 +66,7 @@ LADDER = {
     "dapo-filter": d3s.Row(dapo_filter, "all", "all"),  # DAPO's filter: the groups with spread, every token
     "dapo-filter-k": d3s.Row(dapo_filter, "all", "schedule"),  # ... with D3S's token level on K's schedule
 }
-METHODS = tuple(LADDER)
+NAMES = tuple(LADDER)  # the --method choices
 RULE_NAMES = {uniform_samples: "random", dapo_filter: "mixed"}  # the samples rule's name in metrics.jsonl
 
 
@@ -115,7 +116,7 @@ SCHEDULES = ("linear", "cosine", "step", "constant", "adaptive")  # "linear" is 
 
 
 def progress(kind, step, total_steps, history=None, window=10, tol=0.02):
-    """f for d3s.dynamic_schedule(progress=f) (the paper's open question 2, docs/questions.md):
+    """f for d3s.dynamic_schedule(progress=f) (open question 2 of a summary of the paper, docs/questions.md):
       "linear"    f = p                        the paper's
       "cosine"    f = (1 - cos(pi * p)) / 2    slow at both ends, fastest at the middle
       "step"      f = 0 for p < 1/2, else 1    the init values for the first half, the final ones after
@@ -167,7 +168,7 @@ def _plateaus(history, window, tol):
 
 
 # ---------------------------------------------------------------------------------------------
-# The switch rule (the paper's open question 1, docs/questions.md question 5; off by default)
+# The switch rule (open question 1 of a summary of the paper, docs/questions.md question 5; off by default)
 # ---------------------------------------------------------------------------------------------
 # The paper found cross-group D3S unstable from an unaligned start and D3S-I stable. A run that starts
 # cross-group can move to its intra-group twin, for good, at the first gradient-norm spike.
@@ -214,20 +215,88 @@ def switch_to_intra(method, grad_norms, ratio, window=10):
 
 
 # ---------------------------------------------------------------------------------------------
-# Their flags: a rung adds the ones it runs with one call, *variants.flags("--schedule", ...) (cli.flag entries)
+# N and K at a step, from a rung's flags
+# ---------------------------------------------------------------------------------------------
+def budget(args, method_row, step, history=None):
+    """(N, K) of the LADDER row `method_row` at step `step` (from 1) of a run: d3s.method_budget at step - 1 of --steps,
+    with the rung's --group-size, --n-init, --n-final, --k-init, --k-final, --static-n, --static-k and, where
+    the rung has one, --schedule (progress; `history`: the train reward of the steps before)."""
+    f = progress(getattr(args, "schedule", "linear"), step - 1, args.steps, history=history)
+    return d3s.method_budget(
+        LADDER[method_row],
+        step=step - 1,
+        total_steps=args.steps,
+        group_size=args.group_size,
+        n_init=args.n_init,
+        n_final=args.n_final,
+        k_init=args.k_init,
+        k_final=args.k_final,
+        static_n=args.static_n,
+        static_k=args.static_k,
+        progress=f,
+    )
+
+
+def static_budget(args):
+    """(N, K) of the static rows: --static-n and --static-k, by default the linear schedule's midpoint (choice)."""
+    return d3s.method_budget(
+        d3s.LADDER["d2s"],
+        step=0,
+        total_steps=1,
+        group_size=max(args.group_size, args.n_init, args.n_final),
+        n_init=args.n_init,
+        n_final=args.n_final,
+        k_init=args.k_init,
+        k_final=args.k_final,
+        static_n=args.static_n,
+        static_k=args.static_k,
+    )
+
+
+def check_flags(p, args, methods, flag="--method"):
+    """The method and budget flags every rung shares, checked together (one line and exit 2 through p.error): each
+    method a row of LADDER; N <= G wherever a row uses N; --switch-on-spike only where a row has an intra-group
+    twin. Returns (static N, static K): --static-n and --static-k, by default the schedule's midpoint (static_budget).
+    """
+    for m in methods:
+        if m not in LADDER:
+            hint = " (d3s-static is now d2s, the paper's name)" if m == "d3s-static" else ""
+            p.error(f"{flag} {m!r}: unknown method{hint}; choose from {', '.join(NAMES)}")
+    uses_n = any(LADDER[m].n != "all" for m in methods)  # N counts rollouts kept per prompt: N <= G
+    for name, value in (
+        ("--n-init", args.n_init if uses_n else None),
+        ("--n-final", args.n_final if uses_n else None),
+        ("--static-n", args.static_n),
+    ):  # a --static-n given over G is refused whatever the method
+        if value is not None and value > args.group_size:
+            p.error(
+                f"{name} {value} > --group-size {args.group_size}: N counts rollouts kept per prompt and must be "
+                f"<= G; lower {name} or raise --group-size"
+            )
+    if getattr(args, "switch_on_spike", 0) and not any(m in INTRA_TWIN for m in methods):
+        p.error(
+            f"--switch-on-spike {args.switch_on_spike:g}: moves a cross-group row to its intra-group twin "
+            f"({', '.join(f'{a} -> {b}' for a, b in INTRA_TWIN.items())}); {', '.join(methods)} has none: "
+            "use --method d3s or d1s-cross, or drop the flag"
+        )
+    return static_budget(args)
+
+
+# ---------------------------------------------------------------------------------------------
+# Their flags: a rung adds the ones it runs with one call, *methods.flags("--schedule", ...) (cli.flag entries)
 # ---------------------------------------------------------------------------------------------
 FLAGS = [
     cli.flag(
         "--schedule",
         "linear",
         SCHEDULES,
-        "N and K from init to final: linear (paper), cosine, step, constant, adaptive (variants.progress)",
+        "N and K from init to final: linear (paper), cosine, step, constant, adaptive (methods.progress)",
     ),
     cli.flag(
         "--token-rule",
         "adv-entropy",
         list(TOKEN_RULES),
-        "token score: adv-entropy (|A| * H, paper), entropy, adv, random (variants.TOKEN_RULES)",
+        "token score: adv-entropy (|A| * H, paper), entropy, adv, random (methods.TOKEN_RULES)",
     ),
     cli.flag(
         "--token-scope",
@@ -239,7 +308,7 @@ FLAGS = [
         "--switch-on-spike",
         0.0,
         cli.number(float, 1, low_open=True, what="0 (off) or a number > 1", also=(0,)),
-        "the switch rule (variants.switch_to_intra): a cross-group row selects within groups from the step "
+        "the switch rule (methods.switch_to_intra): a cross-group row selects within groups from the step "
         "after the first grad-norm spike over this x the median of the 10 steps before; 0: off, the paper's "
         "method",
     ),

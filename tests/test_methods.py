@@ -1,4 +1,4 @@
-"""support/variants.py, the switches of issue 18 (docs/questions.md), with the documented behaviour, and the
+"""support/methods.py, the switches of issue 18 (docs/questions.md), with the documented behaviour, and the
 defaults stay the paper's method: the schedule kinds, the adaptive rule, the switch rule, DAPO's group
 filter as a ladder row, and what each token rule selects under the two scopes."""
 
@@ -8,29 +8,29 @@ import pytest
 import torch
 
 import d3s
-from support import variants
+from support import methods
 from d3s import select_samples, select_tokens
 
 
 def dynamic_schedule(step, total_steps, n_init=8, n_final=32, k_init=0.05, k_final=0.20, kind="linear", history=None):
-    """N and K of a schedule kind: d3s.dynamic_schedule at variants.progress."""
-    f = variants.progress(kind, step, total_steps, history=history)
+    """N and K of a schedule kind: d3s.dynamic_schedule at methods.progress."""
+    f = methods.progress(kind, step, total_steps, history=history)
     return d3s.dynamic_schedule(step, total_steps, n_init, n_final, k_init, k_final, progress=f)
 
 
 def method_budget(method, step, total_steps, group_size, kind="linear", history=None):
     """d3s.method_budget of a method by name, on a schedule kind."""
     return d3s.method_budget(
-        variants.LADDER[method],
+        methods.LADDER[method],
         step=step,
         total_steps=total_steps,
         group_size=group_size,
-        progress=variants.progress(kind, step, total_steps, history=history),
+        progress=methods.progress(kind, step, total_steps, history=history),
     )
 
 
 def token_scores(adv, entropy, rule, generator=None):
-    return d3s.token_scores(adv, entropy, variants.TOKEN_RULES[rule], generator=generator)
+    return d3s.token_scores(adv, entropy, methods.TOKEN_RULES[rule], generator=generator)
 
 
 def old_linear_schedule(step, total_steps, n_init=8, n_final=32, k_init=0.05, k_final=0.20):
@@ -136,10 +136,10 @@ def noisy_norms(steps, seed, sd=0.2):
 def test_the_switch_rule_fires_on_a_synthetic_spike_from_the_step_after_it():
     norms = noisy_norms(100, seed=0)
     norms[60] = 5 * norms[59]  # a spike
-    rows = [variants.switch_to_intra("d3s", norms[:s], 3.0) for s in range(101)]  # the row of step s + 1, after s steps
+    rows = [methods.switch_to_intra("d3s", norms[:s], 3.0) for s in range(101)]  # the row of step s + 1, after s steps
     assert rows[:61] == ["d3s"] * 61  # up to and including the spiking step itself
     assert rows[61:] == ["d3s-i"] * 40  # for good, though the norms are back to normal
-    assert variants.switch_to_intra("d1s-cross", norms, 3.0) == "d1s"
+    assert methods.switch_to_intra("d1s-cross", norms, 3.0) == "d1s"
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -147,68 +147,68 @@ def test_the_switch_rule_does_not_fire_on_noise(seed):
     norms = noisy_norms(100, seed)
     norms[30:40] = [0.0] * 10  # ten steps with no signal (no group with spread) then a normal one: not a spike
     norms[45] = None  # a step with no finite norm
-    assert variants.switch_to_intra("d3s", norms, 3.0) == "d3s"
+    assert methods.switch_to_intra("d3s", norms, 3.0) == "d3s"
 
 
 def test_spike_ratios_leave_out_the_steps_with_no_signal():
     norms = [1.0] * 10 + [0.0] * 3 + [2.0, None, 3.5]
-    ratios = variants.spike_ratios(norms)
+    ratios = methods.spike_ratios(norms)
     assert ratios[:13] == [None] * 13 and ratios[14] is None  # too early, or no signal
     assert ratios[13] == 2.0 and ratios[15] == pytest.approx(3.5 / 1.0)  # medians over the steps with signal only
-    assert variants.spike_ratios([0.0] * 12) == [None] * 12  # nothing to compare with: never a spike
-    assert variants.spike_ratios([1.0] * 10 + [float("nan"), 2.0]) == [None] * 11 + [2.0]  # a skipped update: no signal
+    assert methods.spike_ratios([0.0] * 12) == [None] * 12  # nothing to compare with: never a spike
+    assert methods.spike_ratios([1.0] * 10 + [float("nan"), 2.0]) == [None] * 11 + [2.0]  # a skipped update: no signal
 
 
 def test_the_switch_rule_is_off_by_default_and_only_moves_cross_group_rows():
     spiky = [1.0] * 10 + [10.0]
     for off in (None, 0, 0.0):
-        assert variants.switch_to_intra("d3s", spiky, off) == "d3s"  # off: the paper's method
+        assert methods.switch_to_intra("d3s", spiky, off) == "d3s"  # off: the paper's method
     for row in ("grpo", "d1s", "d2s", "d3s-i", "pods", "dapo-filter-k"):  # no intra-group twin, or intra already
-        assert variants.switch_to_intra(row, spiky, 3.0) == row
-    assert variants.INTRA_TWIN == {"d3s": "d3s-i", "d1s-cross": "d1s"}
-    for cross, intra in variants.INTRA_TWIN.items():  # the twin differs only in its sample rule
+        assert methods.switch_to_intra(row, spiky, 3.0) == row
+    assert methods.INTRA_TWIN == {"d3s": "d3s-i", "d1s-cross": "d1s"}
+    for cross, intra in methods.INTRA_TWIN.items():  # the twin differs only in its sample rule
         assert d3s.LADDER[cross].samples == "cross" and d3s.LADDER[intra].samples == "intra"
         assert d3s.LADDER[cross][1:] == d3s.LADDER[intra][1:]
 
 
 def test_switch_rule_errors_name_the_problem():
     with pytest.raises(ValueError, match=r"^ratio=0\.5: must be > 1"):
-        variants.switch_to_intra("d3s", [1.0] * 11, 0.5)
+        methods.switch_to_intra("d3s", [1.0] * 11, 0.5)
     with pytest.raises(ValueError, match=r"^ratio=nan"):
-        variants.switch_to_intra("d3s", [1.0] * 11, float("nan"))
+        methods.switch_to_intra("d3s", [1.0] * 11, float("nan"))
     with pytest.raises(ValueError, match=r"^window=0"):
-        variants.spike_ratios([1.0], window=0)
+        methods.spike_ratios([1.0], window=0)
 
 
 # ---------------------------------------------------------------------------------------------
 # Question 7: DAPO's filter as a sample-level row
 # ---------------------------------------------------------------------------------------------
 def test_the_dapo_filter_rows_are_in_the_ladder_with_grpos_and_d3ss_token_levels():
-    assert variants.LADDER["dapo-filter"] == (variants.dapo_filter, "all", "all")  # tokens as GRPO: every token
-    assert variants.LADDER["dapo-filter-k"] == (
-        variants.dapo_filter,
+    assert methods.LADDER["dapo-filter"] == (methods.dapo_filter, "all", "all")  # tokens as GRPO: every token
+    assert methods.LADDER["dapo-filter-k"] == (
+        methods.dapo_filter,
         "all",
         "schedule",
     )  # tokens as D3S: top K on K's schedule
-    assert variants.rule_name("dapo-filter") == variants.rule_name("dapo-filter-k") == "mixed"
+    assert methods.rule_name("dapo-filter") == methods.rule_name("dapo-filter-k") == "mixed"
 
 
 @pytest.mark.parametrize("method", ["dapo-filter", "dapo-filter-k"])
 def test_the_dapo_filter_keeps_exactly_the_groups_whose_rewards_are_not_all_equal(method):
     rewards = torch.tensor([[1.0, 0, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0], [0, 1, 1, 0], [0.5, 0.5, 0.2, 0.5]])
-    keep, adv = select_samples(rewards, 2, variants.LADDER[method].samples)  # n_keep is not used
+    keep, adv = select_samples(rewards, 2, methods.LADDER[method].samples)  # n_keep is not used
     assert keep.tolist() == [[True] * 4, [False] * 4, [False] * 4, [True] * 4, [True] * 4]
     torch.testing.assert_close(adv, d3s.group_advantages(rewards) * keep)  # full-group A
     assert d3s.usefulness_rate(adv, keep) == 1.0  # 0/1 rewards: every kept rollout has A != 0
     assert (
-        int(select_samples(torch.ones(3, 4), 2, variants.LADDER[method].samples)[0].sum()) == 0
+        int(select_samples(torch.ones(3, 4), 2, methods.LADDER[method].samples)[0].sum()) == 0
     )  # no group with spread: nothing kept
 
 
 def test_the_dapo_filter_keeps_the_same_rollouts_as_grpo_minus_the_groups_without_signal():
     gen = torch.Generator().manual_seed(3)
     rewards = (torch.rand(16, 8, generator=gen) < 0.3).float()
-    keep, adv = select_samples(rewards, 8, variants.dapo_filter)
+    keep, adv = select_samples(rewards, 8, methods.dapo_filter)
     grpo_keep, grpo_adv = select_samples(rewards, 8, "all")
     assert torch.equal(adv, grpo_adv)  # the dropped groups had A = 0 anyway: the same gradient direction
     assert torch.equal(keep, grpo_keep & (grpo_adv != 0).any(-1, keepdim=True))
@@ -223,7 +223,7 @@ def test_the_dapo_filter_budget_has_no_n_and_its_k_follows_the_schedule():
 
 def test_an_empty_kept_set_goes_through_the_token_level():
     adv, entropy, mask = torch.zeros(0), torch.zeros(0, 5), torch.zeros(0, 5, dtype=torch.bool)
-    for rule in variants.TOKEN_RULES:
+    for rule in methods.TOKEN_RULES:
         scores = token_scores(adv, entropy, rule, generator=torch.Generator().manual_seed(0))
         for scope in ("batch", "sequence"):
             assert select_tokens(scores, mask, 0.05, scope=scope).shape == (0, 5)
