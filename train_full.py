@@ -21,7 +21,7 @@ Prompt order, sampling seeds (one per prompt) and both selections are functions 
 rollouts and tokens do not depend on the rank count where generation does not (CPU; GPU: VLLM_BATCH_INVARIANT=1,
 usable on compute capability 9.x and newer, refused on 8.x: docs/train_full.md). Steps count from 1
 (docs/metrics.md). SIGTERM or SIGUSR1 stops every rank after a step and its checkpoint (exit 75), a full disk before
-it (74). Beside this file: support/fsdp_vllm.py (process group, FSDP2, loss head, engines, clocks), support/full_io.py
+it (74). Beside this file: support/fsdp.py, loss_head.py, engines.py, gpu.py (the machines), support/full_io.py
 (checks, data, checkpoints, evaluation, reports, stops, the loop's plumbing: full_io.Run).
 
 Defaults: [paper] the D3S paper's, [recipe] the Qwen2.5-Math-7B zero-RL recipe's (SimpleRL-Zoo / Dr.GRPO / verl),
@@ -40,8 +40,9 @@ import torch.distributed as dist
 
 from support import cli, common
 import d3s
-from support import fsdp_vllm, full_io, methods
-from support.fsdp_vllm import all_reduce, clock
+from support import fsdp, loss_head, engines, gpu, full_io, methods
+from support.fsdp import all_reduce
+from support.gpu import clock
 from support.mathtask import DataError, Grader
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")  # MATH levels 3-5 and the benchmarks
@@ -174,34 +175,34 @@ def grade(rollouts, batch, tokenizer, grader):
     return torch.tensor(grader.score_batch(texts, golds), dtype=torch.float32).view(len(rollouts), G)
 
 
-def select_samples_global(rollouts, rewards, step, row, args, dist_):
+def select_samples_global(rollouts, rewards, step, row, args, world):
     """Step 3 on the GLOBAL batch: d3s.select_samples on the [P, G] rewards of all ranks with the samples rule of
     `row` (args.method, or its intra-group twin once --switch-on-spike fired), then which rank forwards which kept
-    rollout (fsdp_vllm.assign_rollouts) and the step's M mini-batches. Every rank gets the token ids of every
+    rollout (fsdp.assign_rollouts) and the step's M mini-batches. Every rank gets the token ids of every
     kept rollout (a few MB per step), so that any rank can train any."""
     P_local, G = rewards.shape
     n_keep, k_frac = methods.budget(args, row, step)
-    rewards_all, counts = fsdp_vllm.gather_rows(rewards.float(), dist_)  # [P, G], CPU
+    rewards_all, counts = fsdp.gather_rows(rewards.float(), world)  # [P, G], CPU
     generator = torch.Generator().manual_seed(args.seed * 7919 + step)  # "random": same draw on every rank
     keep_all, adv_all = d3s.select_samples(rewards_all, n_keep, methods.LADDER[row].samples, generator=generator)
-    first = sum(counts[: dist_.rank])  # this rank's first prompt, in global order
+    first = sum(counts[: world.rank])  # this rank's first prompt, in global order
     kept_all = keep_all.nonzero().tolist()  # [(prompt p, rollout g)] of the whole step, global order
-    shares = [None] * dist_.world
+    shares = [None] * world.size
     dist.all_gather_object(shares, [rollouts[p - first][g] for p, g in kept_all if first <= p < first + P_local])
     seqs_all = [s for share in shares for s in share]  # global order: rank order = prompt order
     home = [r for r, share in enumerate(shares) for _ in share]
-    owner, parts = fsdp_vllm.assign_rollouts(
+    owner, parts = fsdp.assign_rollouts(
         [len(s["prompt_ids"]) + len(s["response_ids"]) for s in seqs_all],
         home,
-        dist_.world,
+        world.size,
         args.mini_batches,
         args.load_balance,
     )
-    mine = [g for g in range(len(kept_all)) if owner[g] == dist_.rank]  # the kept rollouts this rank forwards
+    mine = [g for g in range(len(kept_all)) if owner[g] == world.rank]  # the kept rollouts this rank forwards
     row_of = {g: r for r, g in enumerate(mine)}
     seqs = [seqs_all[g] for g in mine]
-    T = int(all_reduce(max([len(s["response_ids"]) for s in seqs], default=1), dist_, MAX))
-    mask = torch.zeros(len(seqs), T, dtype=torch.bool, device=dist_.device)  # the response tokens, [B, T]
+    T = int(all_reduce(max([len(s["response_ids"]) for s in seqs], default=1), world, MAX))
+    mask = torch.zeros(len(seqs), T, dtype=torch.bool, device=world.device)  # the response tokens, [B, T]
     for r, s in enumerate(seqs):
         mask[r, : len(s["response_ids"])] = True
     return types.SimpleNamespace(
@@ -218,12 +219,12 @@ def select_samples_global(rollouts, rewards, step, row, args, dist_):
         row_of=row_of,
         seqs=seqs,
         mask=mask,
-        kept_adv=adv_all[keep_all][mine].to(dist_.device),  # [B], full-group A (pods: recomputed)
+        kept_adv=adv_all[keep_all][mine].to(world.device),  # [B], full-group A (pods: recomputed)
         parts=[[row_of[g] for g in part if g in row_of] for part in parts],  # this rank's rows of each mini-batch
     )
 
 
-def forward_kept(model, ref_model, sel, args, dist_, pad_id):
+def forward_kept(model, ref_model, sel, args, world, pad_id):
     """Step 4, only what the step needs (no grad): the methods that select tokens (d2s, d3s, d3s-i) need the
     entropy of every kept token before the global top K, so the policy forwards every kept rollout (the old
     log-probs come with it); the others need the old log-probs of mini-batches 2..M only (mini-batch 1 runs first
@@ -233,18 +234,18 @@ def forward_kept(model, ref_model, sel, args, dist_, pad_id):
     selects = methods.selects_tokens(args.method)
     rows = [r for part in (sel.parts if selects else sel.parts[1:]) for r in part]
     T = sel.mask.shape[1]
-    old_logp, entropy, tokens = fsdp_vllm.forward_no_grad(model, sel.seqs, rows, T, args, dist_, pad_id, selects)
+    old_logp, entropy, tokens = loss_head.forward_no_grad(model, sel.seqs, rows, T, args, world, pad_id, selects)
     has_old = torch.zeros(len(sel.seqs), dtype=torch.bool)
     has_old[rows] = True
     ref_logp = None
     if ref_model is not None:
         every = list(range(len(sel.seqs)))
-        ref_logp, _, ref_tokens = fsdp_vllm.forward_no_grad(ref_model, sel.seqs, every, T, args, dist_, pad_id, False)
+        ref_logp, _, ref_tokens = loss_head.forward_no_grad(ref_model, sel.seqs, every, T, args, world, pad_id, False)
         tokens += ref_tokens
     return old_logp, has_old, entropy, ref_logp, tokens
 
 
-def select_tokens_global(sel, entropy, args, dist_):
+def select_tokens_global(sel, entropy, args, world):
     """Step 5: the top K of |A| * H over the kept tokens of ALL ranks, d3s.select_tokens once on the gathered
     [B, T] scores in global order (on CPU: every rank computes the identical choice); this rank's rows of it. Every
     response token for the methods without token selection. A non-finite forward (NaN entropy) scores 0: the loss
@@ -253,8 +254,8 @@ def select_tokens_global(sel, entropy, args, dist_):
         return sel.mask.clone()
     scores = d3s.token_scores(sel.kept_adv, entropy)  # |A_{i,t}| * H_{i,t}, [B, T]
     keep = d3s.select_tokens(
-        fsdp_vllm.gather_global(scores, sel.mine, sel.total, dist_),
-        fsdp_vllm.gather_global(sel.mask, sel.mine, sel.total, dist_),
+        fsdp.gather_global(scores, sel.mine, sel.total, world),
+        fsdp.gather_global(sel.mask, sel.mine, sel.total, world),
         sel.k_frac,
         scope=args.token_scope,
         min_per_seq=int(args.min_token_per_response),
@@ -262,13 +263,13 @@ def select_tokens_global(sel, entropy, args, dist_):
     return keep[sel.mine].to(scores.device)
 
 
-def update_policy(model, optimizer, sel, token_keep, old_logp, has_old, entropy, ref_logp, args, dist_, pad_id):
+def update_policy(model, optimizer, sel, token_keep, old_logp, has_old, entropy, ref_logp, args, world, pad_id):
     """Step 6: the M mini-batches (global order), one optimizer step each, then the gradients are freed. The
     normalizer of a mini-batch is its selected tokens (or responses) summed over all ranks, computed before its
     micro-batches, so neither the micro-batch size nor the rank count changes the update. Rows without pass-1
     log-probs (mini-batch 1 of the methods without token selection) are on-policy: their old log-probs are this
     forward's, detached. Without a pass-1 entropy, the entropy metric comes from this forward's logits."""
-    device, entropy_here = dist_.device, entropy is None
+    device, entropy_here = world.device, entropy is None
     if entropy_here:
         entropy = torch.zeros(sel.mask.shape, device=device)
     seqs, kept_adv = sel.seqs, sel.kept_adv
@@ -276,22 +277,22 @@ def update_policy(model, optimizer, sel, token_keep, old_logp, has_old, entropy,
     for part in sel.parts:  # this rank's rows of each mini-batch
         part_keep = token_keep[part]
         if args.loss_agg == "seq-mean-token-mean":
-            normalizer = all_reduce(part_keep.any(-1).sum(), dist_)  # responses with a selected token
+            normalizer = all_reduce(part_keep.any(-1).sum(), world)  # responses with a selected token
         else:
-            normalizer = all_reduce((part_keep if args.normalize_by == "selected" else sel.mask[part]).sum(), dist_)
-        n_selected = all_reduce(part_keep.sum(), dist_)
+            normalizer = all_reduce((part_keep if args.normalize_by == "selected" else sel.mask[part]).sum(), world)
+        n_selected = all_reduce(part_keep.sum(), world)
         if n_selected == 0:  # no selected token in this mini-batch on any rank: no optimizer step
             continue
         optimizer.zero_grad(set_to_none=True)
         loss_sum, part_clip = 0.0, 0.0
-        for rows in fsdp_vllm.micro_batch_rows(seqs, part, args.micro_batch_size, dist_, at_least=1):
+        for rows in loss_head.micro_batch_rows(seqs, part, args.micro_batch_size, world, at_least=1):
             if not rows:  # this rank has fewer micro-batches: a zero-loss pass keeps FSDP's collectives matched
-                loss = fsdp_vllm.idle_loss(model, pad_id, device, args.temperature)
+                loss = loss_head.idle_loss(model, pad_id, device, args.temperature)
             else:
-                inputs, targets, _ = fsdp_vllm.pack(seqs, rows, pad_id, device)
+                inputs, targets, _ = loss_head.pack(seqs, rows, pad_id, device)
                 width = targets.shape[1]
                 keep = token_keep[rows, :width]
-                logp = fsdp_vllm.response_logp_at(model, inputs, targets, keep, args.temperature, entropy_here)
+                logp = loss_head.response_logp_at(model, inputs, targets, keep, args.temperature, entropy_here)
                 if entropy_here:
                     logp, entropy[rows, :width] = logp
                 old = old_logp[rows, :width] if bool(has_old[rows].all()) else logp.detach()  # on-policy: ratio 1
@@ -315,14 +316,14 @@ def update_policy(model, optimizer, sel, token_keep, old_logp, has_old, entropy,
             loss_sum += float(loss.detach())
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)  # total norm before clipping
         grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-        part_loss = all_reduce(loss_sum, dist_)
+        part_loss = all_reduce(loss_sum, world)
         if math.isfinite(grad_norm) and math.isfinite(part_loss):  # the same on every rank
             optimizer.step()
             grad_norms.append(grad_norm)
         else:
             skipped = True
         losses.append(part_loss)
-        clip_fracs.append(all_reduce(part_clip, dist_) / n_selected)
+        clip_fracs.append(all_reduce(part_clip, world) / n_selected)
         clip_tokens += clip_fracs[-1] * n_selected
     optimizer.zero_grad(set_to_none=True)
     return types.SimpleNamespace(
@@ -332,17 +333,17 @@ def update_policy(model, optimizer, sel, token_keep, old_logp, has_old, entropy,
         clip_fracs=clip_fracs,
         clip_tokens=clip_tokens,
         skipped=skipped,
-        kl_tokens=all_reduce(kl_tokens, dist_),
-        trained_tokens=all_reduce(trained_tokens, dist_),
+        kl_tokens=all_reduce(kl_tokens, world),
+        trained_tokens=all_reduce(trained_tokens, world),
     )
 
 
-def step_metrics(sel, token_keep, upd, train_s, pass1_tokens, measured_kl, dist_):
+def step_metrics(sel, token_keep, upd, train_s, pass1_tokens, measured_kl, world):
     """The step's metrics (global), the ones the paper reads first. entropy_mean is over every kept response
     token, entropy_kept over the selected ones: for the methods that select tokens both come from pass 1 (the
     policy before the step's updates); for the others from pass 2's logits, so on mini-batches 2..M they are the
     entropy of the policy at their forward, after the earlier mini-batches' updates."""
-    n_tokens, n_selected = all_reduce(sel.mask.sum(), dist_), all_reduce(token_keep.sum(), dist_)
+    n_tokens, n_selected = all_reduce(sel.mask.sum(), world), all_reduce(token_keep.sum(), world)
     rank_tokens = sum(len(s["prompt_ids"]) + len(s["response_ids"]) for s in sel.seqs)  # what this rank forwarded
     rewards_all, grad_norms, losses = sel.rewards_all, upd.grad_norms, upd.losses
     return {
@@ -359,8 +360,8 @@ def step_metrics(sel, token_keep, upd, train_s, pass1_tokens, measured_kl, dist_
         "fwd_tokens": int(n_tokens),  # in the loss; response tokens of the kept
         "kept_adv_var": d3s.kept_variance(sel.adv_all, sel.keep_all),
         "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else None,  # finite AdamW steps, before clipping
-        "entropy_mean": all_reduce((upd.entropy * sel.mask).sum(), dist_) / max(n_tokens, 1.0),
-        "entropy_kept": all_reduce((upd.entropy * token_keep).sum(), dist_) / max(n_selected, 1.0),
+        "entropy_mean": all_reduce((upd.entropy * sel.mask).sum(), world) / max(n_tokens, 1.0),
+        "entropy_kept": all_reduce((upd.entropy * token_keep).sum(), world) / max(n_selected, 1.0),
         "kl_ref": upd.kl_tokens / max(n_selected, 1.0) if measured_kl else None,
         "clip_frac": upd.clip_tokens / max(n_selected, 1.0),  # over the selected tokens of every mini-batch
         "clip_frac_by_minibatch": upd.clip_fracs,
@@ -371,8 +372,8 @@ def step_metrics(sel, token_keep, upd, train_s, pass1_tokens, measured_kl, dist_
         "train_tokens": int(upd.trained_tokens),  # prompt + response tokens through pass 2
         "pass1_tokens": int(pass1_tokens),  # prompt + response tokens through the no-grad forwards (policy + reference)
         "train_tokens_per_s": upd.trained_tokens / max(train_s, 1e-9),
-        "rank_tokens_max": int(all_reduce(rank_tokens, dist_, MAX)),  # load balance: the busiest rank's tokens
-        "rank_tokens_min": int(all_reduce(rank_tokens, dist_, dist.ReduceOp.MIN)),  # ... and the idlest rank's
+        "rank_tokens_max": int(all_reduce(rank_tokens, world, MAX)),  # load balance: the busiest rank's tokens
+        "rank_tokens_min": int(all_reduce(rank_tokens, world, dist.ReduceOp.MIN)),  # ... and the idlest rank's
     }
 
 
@@ -381,75 +382,75 @@ def step_metrics(sel, token_keep, upd, train_s, pass1_tokens, measured_kl, dist_
 # ---------------------------------------------------------------------------------------------
 def main(argv=None):
     args = parse_args(argv)  # every flag and path, before any work
-    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's; the process group comes after the checks
-    full_io.check_machine(args, world)  # CUDA, vLLM, and a GPU the setting fits
-    ckpt = full_io.check_resume(args, world)  # the checkpoint to continue, or None
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's; the process group comes after the checks
+    full_io.check_machine(args, ranks)  # CUDA, vLLM, and a GPU the setting fits
+    ckpt = full_io.check_resume(args, ranks)  # the checkpoint to continue, or None
     tokenizer, stops, prompts, eval_sets, note = full_io.load_inputs(args)
-    dist_ = fsdp_vllm.init_distributed(args.device, args.cpu_offload)
-    torch.manual_seed(args.seed + dist_.rank)
-    random.seed(args.seed + dist_.rank)
-    say = (lambda *m: print(*m, flush=True)) if dist_.is_main else (lambda *m: None)
-    full_io.write_args(args, dist_)
+    world = fsdp.init_distributed(args.device, args.cpu_offload)
+    torch.manual_seed(args.seed + world.rank)
+    random.seed(args.seed + world.rank)
+    say = (lambda *m: print(*m, flush=True)) if world.is_main else (lambda *m: None)
+    full_io.write_args(args, world)
     if args.eval_only:
-        engine = fsdp_vllm.make_engine(args.model, args, dist_)
+        engine = engines.make_engine(args.model, args, world)
         with Grader(args.grader_timeout, workers=args.grader_workers) as grader:
-            full_io.evaluate(engine, tokenizer, stops, eval_sets, args, dist_, grader)
-        return fsdp_vllm.shutdown(engine)
+            full_io.evaluate(engine, tokenizer, stops, eval_sets, args, world, grader)
+        return engines.shutdown(engine)
 
     say(
-        f"train data: {note}; {dist_.world} ranks, {args.prompts_per_step // dist_.world} prompts x {args.group_size} "
+        f"train data: {note}; {world.size} ranks, {args.prompts_per_step // world.size} prompts x {args.group_size} "
         f"rollouts per rank per step, method {args.method}, loss {args.loss}"
     )
     order = full_io.PromptOrder(len(prompts), args.seed)
-    model = fsdp_vllm.load_policy(args, dist_)
+    model = fsdp.load_policy(args, world)
     # NaN or inf in the weights (each rank its shards) or in the logits of a first forward: one line naming --model,
     # exit 2, before any step
-    full_io.check_finite(model, args, dist_, prompts[0]["prompt_ids"])
-    ref_model = fsdp_vllm.load_policy(args, dist_, reference=True) if args.kl_ref else None  # the initial policy
-    optimizer = fsdp_vllm.make_optimizer(model, args)
+    full_io.check_finite(model, args, world, prompts[0]["prompt_ids"])
+    ref_model = fsdp.load_policy(args, world, reference=True) if args.kl_ref else None  # the initial policy
+    optimizer = fsdp.make_optimizer(model, args)
     # completed steps, and their grad norms (the same on every rank: --switch-on-spike's signal)
-    step, grad_norms = full_io.resume_from(ckpt, model, optimizer, order, args, dist_) if ckpt else (0, [])
-    engine = fsdp_vllm.make_engine(args.model, args, dist_)
-    engine.update_weights(fsdp_vllm.full_named_tensors(model, getattr(torch, args.dtype)))  # also after a resume
-    pad_id, device = tokenizer.pad_token_id, dist_.device
-    with Grader(args.grader_timeout, workers=args.grader_workers) as grader, full_io.Stops(args.out, dist_) as halt:
+    step, grad_norms = full_io.resume_from(ckpt, model, optimizer, order, args, world) if ckpt else (0, [])
+    engine = engines.make_engine(args.model, args, world)
+    engine.update_weights(fsdp.full_named_tensors(model, getattr(torch, args.dtype)))  # also after a resume
+    pad_id, device = tokenizer.pad_token_id, world.device
+    with Grader(args.grader_timeout, workers=args.grader_workers) as grader, full_io.Stops(args.out, world) as halt:
         run = full_io.Run(
-            args, dist_, step, ckpt, model, optimizer, order, engine, tokenizer, stops, eval_sets, grader, halt
+            args, world, step, ckpt, model, optimizer, order, engine, tokenizer, stops, eval_sets, grader, halt
         )
         run.evaluate_if_due(step)  # step 0, or one a stop cut off after its checkpoint
         while step < run.stop_at:  # --steps, or --stop-after
             s = step + 1  # this step, 1..S
             row = methods.switch_to_intra(args.method, grad_norms, args.switch_on_spike)  # --method, or its twin
-            batch = full_io.rank_share([(g, prompts[g]) for g in order.take(args.prompts_per_step)], dist_)
+            batch = full_io.rank_share([(g, prompts[g]) for g in order.take(args.prompts_per_step)], world)
             t0 = clock(device, reset_peak=True)
             rollouts = generate(engine, batch, s, args, stops)  # 1) G rollouts per prompt
-            phases = {"gen_s": clock(device) - t0, "gpu_used_gen": fsdp_vllm.gpu_used_gb(device)}  # + awake vLLM
+            phases = {"gen_s": clock(device) - t0, "gpu_used_gen": gpu.gpu_used_gb(device)}  # + awake vLLM
             engine.sleep()  # free vLLM's GPU memory for training
             t0 = time.perf_counter()
             rewards = grade(rollouts, batch, tokenizer, grader)  # 2) 0/1 rewards [P_rank, G]
             phases["reward_s"] = time.perf_counter() - t0
-            sel = select_samples_global(rollouts, rewards, s, row, args, dist_)  # 3) N per prompt, over all ranks
+            sel = select_samples_global(rollouts, rewards, s, row, args, world)  # 3) N per prompt, over all ranks
             t0, measure_kl = clock(device), common.measures_kl(s, args)
             old_logp, has_old, entropy, ref_logp, pass1_tokens = forward_kept(  # 4) pass 1 of the kept rollouts
-                model, ref_model if measure_kl else None, sel, args, dist_, pad_id
+                model, ref_model if measure_kl else None, sel, args, world, pad_id
             )
             phases["pass1_s"] = clock(device) - t0
-            token_keep = select_tokens_global(sel, entropy, args, dist_)  # 5) the top K of |A| * H, over all ranks
+            token_keep = select_tokens_global(sel, entropy, args, world)  # 5) the top K of |A| * H, over all ranks
             upd = update_policy(  # 6) M mini-batches, one AdamW step each on d3s.policy_loss
-                model, optimizer, sel, token_keep, old_logp, has_old, entropy, ref_logp, args, dist_, pad_id
+                model, optimizer, sel, token_keep, old_logp, has_old, entropy, ref_logp, args, world, pad_id
             )
-            train_s = all_reduce(clock(device) - t0, dist_, MAX)
-            stats = step_metrics(sel, token_keep, upd, train_s, pass1_tokens, measure_kl, dist_)
+            train_s = all_reduce(clock(device) - t0, world, MAX)
+            stats = step_metrics(sel, token_keep, upd, train_s, pass1_tokens, measure_kl, world)
             run.explain(s, rollouts, batch, sel, upd, token_keep, stats)  # step 1 and every --explain-every-th
-            phases["gpu_used_train"] = fsdp_vllm.gpu_used_gb(device)  # trainer (+ sleeping vLLM), before the sync
+            phases["gpu_used_train"] = gpu.gpu_used_gb(device)  # trainer (+ sleeping vLLM), before the sync
             t0 = clock(device)
-            engine.update_weights(fsdp_vllm.full_named_tensors(model, getattr(torch, args.dtype)))  # weights to vLLM
+            engine.update_weights(fsdp.full_named_tensors(model, getattr(torch, args.dtype)))  # weights to vLLM
             phases["sync_s"] = clock(device) - t0
             step = s
             grad_norms.append(stats["grad_norm"])
             run.end_step(step, stats, rollouts, phases, grad_norms)  # metrics line, notices, checkpoint, evaluation
         run.finish(step)  # --stop-after's line, or OUT/hf_final and the final evaluation
-    fsdp_vllm.shutdown(engine)
+    engines.shutdown(engine)
 
 
 def entry(argv=None):

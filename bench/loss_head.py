@@ -5,8 +5,8 @@
 
 train_full.py used to compute a micro-batch's loss from the whole [n, T, vocab] fp32 logits.
 Its head now works on the hidden states: pass 1 (no grad: log-probs + entropy) in blocks of
-fsdp_vllm.HEAD_CHUNK positions, pass 2 (loss + backward) only at the tokens in the loss, in
-checkpointed blocks (see fsdp_vllm.response_logp / response_logp_at). This script times both
+loss_head.HEAD_CHUNK positions, pass 2 (loss + backward) only at the tokens in the loss, in
+checkpointed blocks (see loss_head.response_logp / response_logp_at). This script times both
 heads on the same model and batch, pass by pass, for K = 1 (grpo: every token in the loss) and
 K = 0.2 (d3s at the end of its schedule). Memory is bench/memory.py's job; this is time.
 Prints a markdown table; the figures in docs/benchmarks.md come from it.
@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from support import cli  # noqa: E402  (support/cli.py: one-line errors, the shared checks)
 import d3s  # noqa: E402
-from support import tiny, fsdp_vllm  # noqa: E402
+from support import tiny, loss_head  # noqa: E402
 
 
 def full_logits_passes(model, inputs, targets, mask, keep, adv, temperature=1.0):
@@ -42,11 +42,11 @@ def full_logits_passes(model, inputs, targets, mask, keep, adv, temperature=1.0)
 
 
 def blockwise_passes(model, inputs, targets, mask, keep, adv, temperature=1.0):
-    """The new head: fsdp_vllm.response_logp (pass 1) and response_logp_at (pass 2)."""
+    """The new head: loss_head.response_logp (pass 1) and response_logp_at (pass 2)."""
     with torch.no_grad():
-        old, _ = fsdp_vllm.response_logp(model, inputs, targets, temperature, with_entropy=True)
+        old, _ = loss_head.response_logp(model, inputs, targets, temperature, with_entropy=True)
     t1 = time.perf_counter()
-    logp = fsdp_vllm.response_logp_at(model, inputs, targets, keep, temperature)
+    logp = loss_head.response_logp_at(model, inputs, targets, keep, temperature)
     loss, _ = d3s.policy_loss(logp, old, adv, keep)
     loss.backward()
     return t1
@@ -136,7 +136,7 @@ def main(argv=None):
             }
             for _ in range(args.rollouts)
         ]
-        inputs, targets, mask = fsdp_vllm.pack(seqs, list(range(args.rollouts)), 0, torch.device("cpu"))
+        inputs, targets, mask = loss_head.pack(seqs, list(range(args.rollouts)), 0, torch.device("cpu"))
         adv = torch.randn(args.rollouts, generator=gen)
         for k in (1.0, 0.2):
             keep = d3s.select_tokens(torch.rand(mask.shape, generator=gen), mask, k)

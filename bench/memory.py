@@ -6,11 +6,11 @@
     python bench/memory.py --preset 7b -- --no-activation-checkpointing   # after "--": train_full.py flags
     python bench/memory.py --preset 1.5b --ranks 1 --gpu 24gb -- --cpu-offload   # one GPU: trainer + vLLM
 
-It runs train_full.py's own code (its flags, and its plumbing's, support/fsdp_vllm.py) for the trainer's
-part of a step: the model built from the config in fp32, fsdp_vllm.shard_policy (FSDP2 per decoder
+It runs train_full.py's own code (its flags, and its plumbing's in support/) for the trainer's
+part of a step: the model built from the config in fp32, fsdp.shard_policy (FSDP2 per decoder
 layer, the untied embedding and the root, bf16 compute, fp32 reductions, activation
-checkpointing, tiled MLP), fsdp_vllm.make_optimizer (AdamW), fsdp_vllm.pack,
-fsdp_vllm.response_logp (log-probs, and d3s.token_entropy in pass 1), d3s.select_tokens,
+checkpointing, tiled MLP), fsdp.make_optimizer (AdamW), loss_head.pack,
+loss_head.response_logp (log-probs, and d3s.token_entropy in pass 1), d3s.select_tokens,
 d3s.policy_loss, backward, gradient clipping and the optimizer step. As steps 4-6 of train_full's loop:
 
     pass 1  no grad, per micro-batch: old log-probs + entropy of the kept rollouts (the
@@ -21,20 +21,20 @@ d3s.policy_loss, backward, gradient clipping and the optimizer step. As steps 4-
             (micro-batch 2 onwards accumulates into the gradients of micro-batch 1); the
             methods without token selection also take their entropy metric from its logits
     update  clip_grad_norm_, AdamW step, zero_grad(set_to_none=True)
-    sync    fsdp_vllm.full_named_tensors: each parameter gathered whole, cast to bf16, for vLLM
+    sync    fsdp.full_named_tensors: each parameter gathered whole, cast to bf16, for vLLM
             (the trainer's side only)
 
 for --steps steps (default 2: step 1 has no optimizer state yet, step 2 does). With --kl-ref (after
-"--") the frozen bf16 reference is built and sharded as fsdp_vllm.load_policy does and forwarded in
-pass 1, then resharded (fsdp_vllm.reshard). With --cpu-offload the sharded state lives in host memory:
+"--") the frozen bf16 reference is built and sharded as fsdp.load_policy does and forwarded in
+pass 1, then resharded (fsdp.reshard). With --cpu-offload the sharded state lives in host memory:
 the figures are the GPU's, the host's state is reported apart (below).
 
---gpu SIZE adds vLLM's share (fsdp_vllm.vllm_memory_plan on a GPU of that size: bf16 weights,
+--gpu SIZE adds vLLM's share (gpu.vllm_memory_plan on a GPU of that size: bf16 weights,
 workspace, KV cache) and reports the peak of trainer plus vLLM over a step's two phases:
 generating (the trainer's resident bytes, counted at the end of the simulated step, beside vLLM's
 share) and training (the trainer's simulated peak; vLLM asleep holds no GPU memory that torch or the
 plan sees: weights and KV cache freed, runtime buffers and CUDA-graph pools copied to host memory, the
-graphs because fsdp_vllm.vllm_engine_args turns on sleep_mode_offload_cudagraph, off by default in 0.32).
+graphs because engines.vllm_engine_args turns on sleep_mode_offload_cudagraph, off by default in 0.32).
 The plan's margin (CUDA context, NCCL, fragmentation) is left for what the simulation leaves out.
 
 How it allocates nothing: every tensor is a FakeTensor (shape, dtype and device `cpu`, no
@@ -68,7 +68,7 @@ flash / memory-efficient attention; both keep O(L) per head, not the O(L^2) scor
 Left out, so add them when you budget a GPU: the CUDA context, NCCL's buffers,
 the caching allocator's fragmentation (reserved above allocated), and what vLLM keeps while
 it sleeps (level 2 frees weights and KV cache; its runtime buffers and CUDA-graph pools go to host
-memory, the graphs with sleep_mode_offload_cudagraph, which fsdp_vllm turns on; its NCCL buffers
+memory, the graphs with sleep_mode_offload_cudagraph, which engines.vllm_engine_args turns on; its NCCL buffers
 stay). The plan's MARGIN_GIB stands for them.
 
 Output: a table of the peak by category, then one JSON line (peak_gib, ranks, micro_batch_size,
@@ -93,7 +93,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from support import cli  # noqa: E402  (support/cli.py: one-line errors, the shared checks)
 import d3s  # noqa: E402
-from support import methods, fsdp_vllm  # noqa: E402
+from support import methods, fsdp, loss_head, gpu  # noqa: E402
 import train_full  # noqa: E402
 
 GIB = 2**30
@@ -189,7 +189,7 @@ def parse_args(argv=None):
         "--gpu",
         default=None,
         help=f"a GPU size ({', '.join(f'{k}: {v} GiB' for k, v in GPUS.items())}, or GiB as a "
-        "number): adds vLLM's share by the plan (fsdp_vllm.vllm_memory_plan) and the peak of trainer plus vLLM",
+        "number): adds vLLM's share by the plan (gpu.vllm_memory_plan) and the peak of trainer plus vLLM",
     )
     args = p.parse_args(argv)
     cli.check_rules(
@@ -288,7 +288,7 @@ def load_config(preset):
         if "model_type" not in fields:
             raise SystemExit(f"--preset {path}: no 'model_type' field; is this a transformers config.json?")
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
-    config.use_cache = False  # as fsdp_vllm.load_policy
+    config.use_cache = False  # as fsdp.load_policy
     return config
 
 
@@ -533,7 +533,7 @@ def simulate(
     B, T = micro_batch_size * micro_batches, response_len  # rollouts on this rank, response width
     seqs = rollouts(B, prompt_len, T)
     chunks = [list(range(i, i + micro_batch_size)) for i in range(0, B, micro_batch_size)]
-    packed = [fsdp_vllm.pack(seqs, rows, 0, torch.device("cpu")) for rows in chunks]  # real tensors, KiB
+    packed = [loss_head.pack(seqs, rows, 0, torch.device("cpu")) for rows in chunks]  # real tensors, KiB
     # the kept tokens: K of them by d3s.select_tokens on random scores (the values do not matter here)
     scores = torch.rand(B, T, generator=torch.Generator().manual_seed(0))
     token_keep = d3s.select_tokens(scores, torch.ones(B, T, dtype=torch.bool), k_frac)
@@ -545,15 +545,15 @@ def simulate(
     as_used = (lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t) if fake else (lambda t: t)
     with fake_world(ranks) as mesh, sharding_propagation_apart(), cuda_entropy_chunks(), offload_copies(offload), mode:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # fp32 master weights
-        fsdp_vllm.shard_policy(model, targs, mesh=mesh)
+        fsdp.shard_policy(model, targs, mesh=mesh)
         model.train()
-        optimizer = fsdp_vllm.make_optimizer(model, targs)
+        optimizer = fsdp.make_optimizer(model, targs)
         for group in optimizer.param_groups:
             group["foreach"] = True  # what AdamW(foreach=None) picks on CUDA
         reference = None
-        if targs.kl_ref:  # as fsdp_vllm.load_policy(reference=True): stored in the compute dtype, frozen
+        if targs.kl_ref:  # as fsdp.load_policy(reference=True): stored in the compute dtype, frozen
             reference = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, targs.dtype))
-            fsdp_vllm.shard_policy(reference, targs, mesh=mesh)
+            fsdp.shard_policy(reference, targs, mesh=mesh)
             reference.eval().requires_grad_(False)
         batches = [
             ({k: as_used(v) for k, v in inputs.items()}, as_used(targets), as_used(mask))
@@ -574,7 +574,7 @@ def simulate(
                     model, optimizer, targs, batches, chunks, keep, positions, normalizer, tracker, step, reference
                 )
                 tracker.phase = f"step {step + 1} sync"  # the trainer's side of the weight sync to vLLM
-                for _, tensor in fsdp_vllm.full_named_tensors(model, getattr(torch, targs.dtype)):
+                for _, tensor in fsdp.full_named_tensors(model, getattr(torch, targs.dtype)):
                     del tensor  # vLLM copies it into its own weights (not simulated) and lets it go
             tracker.phase = "end"
             end = tracker.get_tracker_snapshot("current")
@@ -647,25 +647,25 @@ def _train_step(model, optimizer, targs, batches, chunks, keep, positions, norma
         for (inputs, targets, _), rows in zip(batches, chunks if selects or targs.mini_batches > 1 else []):
             tracker.phase = f"step {step + 1} pass 1"
             tracker.reset_mod_stats()  # the tracker's per-module stats allow one root forward each
-            logp, ent = fsdp_vllm.response_logp(model, inputs, targets, targs.temperature, with_entropy=selects)
+            logp, ent = loss_head.response_logp(model, inputs, targets, targs.temperature, with_entropy=selects)
             old_logp[rows] = logp
             if selects:
                 entropy[rows] = ent
             del logp, ent
-        fsdp_vllm.reshard(model)  # as fsdp_vllm.forward_no_grad ends
+        fsdp.reshard(model)  # as loss_head.forward_no_grad ends
         for inputs, targets, _ in batches if reference is not None else []:
             tracker.phase = f"step {step + 1} pass 1 (reference)"
-            ref_logp, _ = fsdp_vllm.response_logp(reference, inputs, targets, targs.temperature, with_entropy=False)
+            ref_logp, _ = loss_head.response_logp(reference, inputs, targets, targs.temperature, with_entropy=False)
             del ref_logp
         if reference is not None:
-            fsdp_vllm.reshard(reference)
+            fsdp.reshard(reference)
     # pass 2: loss and backward per micro-batch, gradients accumulate; the methods without token
     # selection take their entropy metric from this forward's logits
     optimizer.zero_grad(set_to_none=True)
     for (inputs, targets, _), rows, index in zip(batches, chunks, positions):
         tracker.phase = f"step {step + 1} pass 2"
         tracker.reset_mod_stats()
-        logp = fsdp_vllm.response_logp_at(model, inputs, targets, index, targs.temperature, with_entropy=not selects)
+        logp = loss_head.response_logp_at(model, inputs, targets, index, targs.temperature, with_entropy=not selects)
         if not selects:
             logp, ent = logp
             del ent
@@ -749,7 +749,7 @@ def report(args, result, state_bytes, n_params, k_frac, wall_s, plan=None, estim
         f"{gib(end.get('OptState', 0)):.3f} GiB (2 copies + step counts)"
         + (", in host memory (--cpu-offload)." if offload else "."),
         f"Held on the GPU between steps (while vLLM generates): {gib(result['resident']):.3f} GiB.",
-        f"The plan's estimate of this step's peak (fsdp_vllm.trainer_peak_bytes, --max-prompt-len {args.prompt_len}):"
+        f"The plan's estimate of this step's peak (gpu.trainer_peak_bytes, --max-prompt-len {args.prompt_len}):"
         f" {gib(estimate or 0):.2f} GiB.",
         "Not included: CUDA context, NCCL buffers, allocator fragmentation, vLLM's sleeping remainder.",
         f"Simulated in {wall_s:.1f} s, max RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB.",
@@ -791,7 +791,7 @@ def report(args, result, state_bytes, n_params, k_frac, wall_s, plan=None, estim
         total = max(generating, training)
         lines += [
             "",
-            f"## One GPU of {plan['gpu_gib']:g} GiB: trainer + vLLM (fsdp_vllm.vllm_memory_plan)",
+            f"## One GPU of {plan['gpu_gib']:g} GiB: trainer + vLLM (gpu.vllm_memory_plan)",
             "",
             "| phase | trainer GiB | vLLM GiB | together |",
             "|---|---|---|---|",
@@ -828,7 +828,7 @@ def report(args, result, state_bytes, n_params, k_frac, wall_s, plan=None, estim
 
 
 def host_line(plan, ranks, offload, train_argv=()):
-    """The node's host memory by part (fsdp_vllm.host_memory: arithmetic, not simulated), one line."""
+    """The node's host memory by part (gpu.host_memory: arithmetic, not simulated), one line."""
     h = plan["host_parts_gib"]
     state = (
         f"per rank {h['per_rank']:.1f} (fp32 weights {h['weights']:.1f} and gradients {h['gradients']:.1f}, pinned: "
@@ -840,7 +840,7 @@ def host_line(plan, ranks, offload, train_argv=()):
         else ""
     )
     return (
-        f"Host memory (fsdp_vllm.host_memory, arithmetic): {plan['host_gib']:.1f} GiB on the node = {state}rank 0's "
+        f"Host memory (gpu.host_memory, arithmetic): {plan['host_gib']:.1f} GiB on the node = {state}rank 0's "
         f"full copy of the model at the export {h['export']:.1f} (fp32 and the checkpoint's dtype; at load: "
         f"{h['load']:.1f}, before the gradients and moments exist)."
     )
@@ -868,8 +868,8 @@ def main(argv=None):
     plan = None
     if args.gpu is not None:
         # a fresh config: the simulation's from_config(dtype=float32) set this one's dtype, and the export's copy
-        # is in the checkpoint's (fsdp_vllm.host_memory)
-        plan = fsdp_vllm._plan(load_config(args.preset), targs, args.ranks, args.gpu_gib * GIB, local_ranks=args.ranks)
+        # is in the checkpoint's (gpu.host_memory)
+        plan = gpu._plan(load_config(args.preset), targs, args.ranks, args.gpu_gib * GIB, local_ranks=args.ranks)
     table, record = report(
         args,
         result,
@@ -878,7 +878,7 @@ def main(argv=None):
         k_frac,
         time.perf_counter() - t0,
         plan,
-        fsdp_vllm.trainer_peak_bytes(config, targs, args.ranks),
+        gpu.trainer_peak_bytes(config, targs, args.ranks),
     )
     print(table)
     print(json.dumps(record), flush=True)

@@ -3,7 +3,7 @@
 Under --cpu-offload FSDP2 keeps a rank's fp32 master weights, gradients and AdamW moments in host memory, and
 AdamW's update runs on the CPU, one tensor at a time (torch's foreach path is for GPU tensors). torchrun sets
 OMP_NUM_THREADS=1 and vLLM's worker calls torch.set_num_threads(1), so that update ran on one thread until
-fsdp_vllm.offload_threads gave the trainer the host's cores / local ranks back (issue 37). This times
+engines.offload_threads gave the trainer the host's cores / local ranks back (issue 37). This times
 torch.optim.AdamW.step on a rank's shard of a Qwen2.5-Math preset's parameters (bench/memory.py's shapes, every
 tensor split --ranks ways), random gradients, for each --threads count, and prints a markdown table.
 

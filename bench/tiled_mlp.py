@@ -4,7 +4,7 @@
     python bench/tiled_mlp.py --rows 4 --seq-len 2048 --chunk-tokens 2048 --repeats 3
     python bench/tiled_mlp.py --device cuda --dtype bfloat16 --hidden 3584 --seq-len 3512 --chunk-tokens 4096   # the 7B's layers
 
-fsdp_vllm.chunk_mlps runs each decoder MLP over slices of the sequence and checkpoints each
+fsdp.chunk_mlps runs each decoder MLP over slices of the sequence and checkpoints each
 slice, so under activation checkpointing the MLP's forward runs three times per training
 micro-batch instead of two (forward; the layer's recompute in backward; the slice's recompute
 just before its backward). Memory is bench/memory.py's job (the 7B at [4, 3000]: 24.95 ->
@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from support import cli  # noqa: E402  (support/cli.py: one-line errors, the shared checks)
-from support import fsdp_vllm  # noqa: E402
+from support import fsdp  # noqa: E402
 from memory import PRESETS  # noqa: E402  (bench/memory.py, beside this file: the Qwen2.5-Math shapes)
 
 SEVEN_B = PRESETS["7b"]
@@ -148,7 +148,7 @@ def main(argv=None):
     whole = Qwen2ForCausalLM(config).to(device=args.device, dtype=getattr(torch, args.dtype)).train()
     whole.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # as train_full
     tiled = copy.deepcopy(whole)
-    fsdp_vllm.chunk_mlps(tiled, args.chunk_tokens)
+    fsdp.chunk_mlps(tiled, args.chunk_tokens)
     ids = torch.randint(0, config.vocab_size, (args.rows, args.seq_len), generator=torch.Generator().manual_seed(0))
     ids = ids.to(args.device)
     (t_whole, m_whole), (t_tiled, m_tiled) = time_pass2(whole, ids, args.repeats), time_pass2(tiled, ids, args.repeats)

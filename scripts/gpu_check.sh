@@ -7,7 +7,7 @@
 #
 # No session that wrote this repo has run vLLM or --cpu-offload on a GPU (docs/gpu_check.md). This script checks
 # them on your hardware, the one-GPU setting first, and prints every figure next to what bench/memory.py and the
-# memory plan (fsdp_vllm.vllm_memory_plan) predict for it:
+# memory plan (gpu.vllm_memory_plan) predict for it:
 #   0. the machine: GPU, driver, CUDA, torch, vLLM, pytest; why torch sees no GPU if it does not;
 #   1. the one-GPU setting for this GPU's size (docs/train_full.md, "One GPU"): two steps of train_full.py with
 #      vLLM on a random-initialised Qwen2.5-Math-1.5B-shaped model (no download), measured against simulated:
@@ -62,19 +62,19 @@ echo "== 0/5 the machine ($(date -u +%Y-%m-%dT%H:%MZ))"
 import importlib.util, os, subprocess, sys
 import torch
 sys.path.insert(0, ".")
-from support import fsdp_vllm
+from support import gpu
 print(f"python {sys.version.split()[0]}, torch {torch.__version__} (CUDA build {torch.version.cuda}), "
       f"transformers {__import__('transformers').__version__}, "
       f"vllm {__import__('vllm').__version__ if importlib.util.find_spec('vllm') else 'not installed'}, "
       f"pytest {'yes' if importlib.util.find_spec('pytest') else 'NOT INSTALLED'}")
-driver, driver_cuda, gpus = fsdp_vllm._driver_facts()
+driver, driver_cuda, gpus = gpu._driver_facts()
 print(f"NVIDIA driver {driver} (CUDA up to {driver_cuda}); GPUs: {gpus}")
 print(f"VLLM_BATCH_INVARIANT={os.environ.get('VLLM_BATCH_INVARIANT', '0')}, "
       f"PYTORCH_CUDA_ALLOC_CONF={os.environ.get('PYTORCH_CUDA_ALLOC_CONF', '')!r}")
 if not torch.cuda.is_available():
     if os.environ["GPU_CHECK_DEVICE"] == "cpu":
         sys.exit(0)  # step 5 alone, on the CPU
-    print(f"gpu_check: torch sees no CUDA device: {fsdp_vllm.cuda_diagnosis()}", file=sys.stderr)
+    print(f"gpu_check: torch sees no CUDA device: {gpu.cuda_diagnosis()}", file=sys.stderr)
     sys.exit(2)
 for i in range(torch.cuda.device_count()):
     p = torch.cuda.get_device_properties(i)

@@ -7,6 +7,9 @@ mathtask.py   the math task: data files, prompts, the math-verify grader pool, P
 tiny.py       a tiny Qwen2 and a character tokenizer built offline (tests and the CPU rungs)
 warmstart.py  train_small.py's warm start: the supervised phase, its cache and the shipped weights
 explain.py    the explain pages: one step's selections drawn as HTML and PNG
-fsdp_vllm.py  train_full.py's engines: FSDP2 (fully_shard) training, vLLM rollouts, the memory plan
+fsdp.py       train_full.py's policy as FSDP2 shards over the ranks, and the ranks' collectives
+loss_head.py  train_full.py's forwards on the kept rollouts, the LM head only where the loss needs it
+engines.py    train_full.py's rollouts: vLLM (and HF generate), and how the trainer's weights reach vLLM
+gpu.py        what a run needs of the GPU (the memory plan) and what a step reports of it (clocks, MFU)
 full_io.py    train_full.py's input and output: data, evaluation, checkpoints, export
 """

@@ -13,7 +13,7 @@
     save_checkpoint, read_checkpoint, read_resume, load_checkpoint   a one-file checkpoint: model, optimizer, RNG, step
     start_run, log_step, log_eval, end_step   train_small.py's run folder around its loop: resume, metrics, checkpoints
 
-The flag checks and their one-line errors are in support/cli.py; train_full.py's distributed plumbing in support/fsdp_vllm.py.
+The flag checks and their one-line errors are in support/cli.py; train_full.py's distributed plumbing in support/fsdp.py.
 """
 
 import contextlib

@@ -502,7 +502,7 @@ def _plot_strip(ax, item, G, prompts, max_tokens):
 
 
 # ---------------------------------------------------------------------------------------------
-# The rungs' pages: what each rung shows of a token (train_full.py's: fsdp_vllm.write_explain_page)
+# The rungs' pages: what each rung shows of a token (train_full.py's: full_io.write_explain_page)
 # ---------------------------------------------------------------------------------------------
 def toy_page(args, v):
     """toy/bandit.py's page of a step: the P x G grid, then the tokens of a few rollouts. A toy "token" is a

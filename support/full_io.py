@@ -1,7 +1,7 @@
 """support/full_io.py: the run's files and checks under train_full.py: what a run reads and writes, not the method.
 
-train_full.py holds the flags, the six steps of a D3S step and the loop; support/fsdp_vllm.py the machines (process group,
-FSDP2, the loss head, the rollout engines, clocks). This module holds the rest, in seven parts:
+train_full.py holds the flags, the six steps of a D3S step and the loop; support/fsdp.py, loss_head.py, engines.py and
+gpu.py the machines. This module holds the rest, in seven parts:
 
   1 flag checks       the checks that involve several flags or the file system, before any work:
                       one line on stderr (once per job under torchrun: usage_error_line), exit 2
@@ -40,16 +40,9 @@ from support import cli, common
 import d3s
 from support import explain, methods
 from support.cli import UsageError
-from support.fsdp_vllm import (
-    all_reduce,
-    context_length,
-    export_asleep,
-    flop_params,
-    load_generation_config,
-    load_tokenizer,
-    memory_peak_gb,
-    peak_flops,
-)
+from support.engines import context_length, export_asleep
+from support.fsdp import all_reduce, load_generation_config, load_tokenizer
+from support.gpu import flop_params, memory_peak_gb, peak_flops
 from support.mathtask import (
     PLAIN_TEMPLATE,
     QWEN_MATH_TEMPLATE,
@@ -83,7 +76,7 @@ MAX_ROLLOUTS = 2**20  # rollouts per step (P x G) and samples per problem beyond
 HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")  # "org/name" or "name": not a local path
 
 
-def check_args(p, args, world):
+def check_args(p, args, ranks):
     """The checks of several flags together and of the paths, before any work (no model, data or process group
     yet), each a line through p.error (exit 2); each flag's own range is in its declaration. Fills in the
     defaults that depend on other flags (--static-n/-k, clip range, loss aggregation, --kl-every, dtype, ...)."""
@@ -100,9 +93,9 @@ def check_args(p, args, world):
             f"--prompts-per-step {args.prompts_per_step}: x --group-size {args.group_size} is more than "
             f"{MAX_ROLLOUTS} rollouts per step; lower one of them"
         )
-    if args.prompts_per_step % world:
+    if args.prompts_per_step % ranks:
         p.error(
-            f"--prompts-per-step {args.prompts_per_step}: must be divisible by the {world} ranks; change it or the "
+            f"--prompts-per-step {args.prompts_per_step}: must be divisible by the {ranks} ranks; change it or the "
             "number of ranks"
         )
     args.static_n, args.static_k = methods.check_flags(p, args, [args.method])  # the method, N <= G, the switch rule
@@ -158,12 +151,13 @@ def check_args(p, args, world):
     return args
 
 
-def check_machine(args, world):
+def check_machine(args, ranks):
     """What this machine must have for the run (main only: tests and bench/memory.py parse flags for
-    other machines): CUDA for --device cuda (else why not: fsdp_vllm.cuda_diagnosis), vLLM for --rollout vllm,
-    and, with both, a GPU the setting fits (fsdp_vllm.vllm_memory_plan: trainer and vLLM together) and no
-    VLLM_BATCH_INVARIANT on compute capability 8.x (fsdp_vllm.check_batch_invariant)."""
-    from support.fsdp_vllm import check_batch_invariant, cuda_diagnosis, vllm_memory_plan
+    other machines): CUDA for --device cuda (else why not: gpu.cuda_diagnosis), vLLM for --rollout vllm,
+    and, with both, a GPU the setting fits (gpu.vllm_memory_plan: trainer and vLLM together) and no
+    VLLM_BATCH_INVARIANT on compute capability 8.x (engines.check_batch_invariant)."""
+    from support.engines import check_batch_invariant
+    from support.gpu import cuda_diagnosis, vllm_memory_plan
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"--device cuda: torch sees no CUDA device ({cuda_diagnosis()}); or use --device cpu")
@@ -184,7 +178,7 @@ def check_machine(args, world):
         vllm_memory_plan(
             config,
             args,
-            world,
+            ranks,
             torch.cuda.get_device_properties(local).total_memory,
             host_bytes=host_available(),
             local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
@@ -305,7 +299,7 @@ def fit_prompts(args, rows, tokenizer):
     )
 
 
-def check_finite(model, args, dist_, prompt_ids):
+def check_finite(model, args, world, prompt_ids):
     """NaN or inf in the policy's weights (each rank its shards, one tensor at a time: no copy of the model) or in the
     logits of a first forward of one prompt (its last 64 tokens, on every rank together: FSDP's all-gathers): a
     UsageError naming --model on every rank (one all-reduce), before any work."""
@@ -315,8 +309,8 @@ def check_finite(model, args, dist_, prompt_ids):
             local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor: this rank's shard
             if local.is_floating_point() and not bool(torch.isfinite(local).all()):
                 bad = bad or f"its weights hold NaN or inf ({name})"
-        if not all_reduce(bool(bad), dist_, dist.ReduceOp.MAX):
-            ids = torch.tensor([prompt_ids[-64:]], device=dist_.device)
+        if not all_reduce(bool(bad), world, dist.ReduceOp.MAX):
+            ids = torch.tensor([prompt_ids[-64:]], device=world.device)
             if not bool(torch.isfinite(model.eval()(input_ids=ids).logits).all()):
                 bad = (
                     f"its first forward gives NaN or inf logits (weights finite: an overflow in --dtype {args.dtype}?)"
@@ -324,7 +318,7 @@ def check_finite(model, args, dist_, prompt_ids):
             model.train()
             if hasattr(model, "reshard"):  # FSDP2 keeps the root's parameters whole after a forward: shards again, so
                 model.reshard()  # that the optimizer and the checkpoints meet the sharded parameters they know
-    if all_reduce(bool(bad), dist_, dist.ReduceOp.MAX):
+    if all_reduce(bool(bad), world, dist.ReduceOp.MAX):
         raise UsageError(
             f"--model {args.model}: {bad or 'its weights hold NaN or inf (on another rank)'}; its weights "
             "are damaged or were saved from a diverged run: pass another model"
@@ -394,10 +388,10 @@ class PromptOrder:
         self.epoch, self.pos = state["epoch"], state["pos"]
 
 
-def rank_share(items, dist_):
+def rank_share(items, world):
     """This rank's contiguous share of a global list (rank order = global order)."""
-    per = len(items) // dist_.world
-    return items[dist_.rank * per : (dist_.rank + 1) * per]
+    per = len(items) // world.size
+    return items[world.rank * per : (world.rank + 1) * per]
 
 
 def sample_seeds(args, step, indices, n):
@@ -460,7 +454,7 @@ def run_flags(args):
     return {k: value(k, getattr(args, k)) for k in RUN_FLAGS}
 
 
-def check_resume(args, world):
+def check_resume(args, ranks):
     """The checkpoint folder to continue from (--resume), checked before any work: complete, readable,
     of this format, holding no pickled object, written by a run with these RUN_FLAGS. A fresh run's
     --out must hold no checkpoint (nothing is overwritten). Returns the folder or None."""
@@ -509,22 +503,22 @@ def trainer_state(args, order, grad_norms=()):
     return {"order": order.state_dict(), "run": run_flags(args), "grad_norms": list(grad_norms)}
 
 
-def resume_from(path, model, optimizer, order, args, dist_):
+def resume_from(path, model, optimizer, order, args, world):
     """Model and optimizer shards, RNG and data position from a checkpoint; says so (rank 0) and returns its
     completed steps and the grad norms of those steps."""
-    meta = load_checkpoint(path, model, optimizer, dist_)
+    meta = load_checkpoint(path, model, optimizer, world)
     order.load_state_dict(meta["order"])
-    if dist_.is_main:
-        print(f"resumed from {path} at step {meta['step']}" + other_world_note(path, dist_.world, args), flush=True)
+    if world.is_main:
+        print(f"resumed from {path} at step {meta['step']}" + other_world_note(path, world.size, args), flush=True)
     return meta["step"], meta.get("grad_norms", [])
 
 
-def other_world_note(path, world, args):
-    """'' when the checkpoint was saved on `world` ranks; else what a resume on another rank count
+def other_world_note(path, ranks, args):
+    """'' when the checkpoint was saved on `ranks` ranks; else what a resume on another rank count
     keeps and what it cannot (docs/train_full.md, "Resuming on another number of ranks")."""
     with open(os.path.join(path, "trainer_state.json")) as f:
         saved = json.load(f)["world"]
-    if saved == world:
+    if saved == ranks:
         return ""
 
     def hf_calls(ranks):  # the prompts of each generate() call of --rollout hf: one seed per call
@@ -535,7 +529,7 @@ def other_world_note(path, world, args):
 
     if args.unseeded_sampling:
         rollouts = "; with --unseeded-sampling the rollouts differ from an uninterrupted run's"
-    elif args.rollout == "hf" and hf_calls(saved) != hf_calls(world):
+    elif args.rollout == "hf" and hf_calls(saved) != hf_calls(ranks):
         rollouts = (
             f"; --rollout hf seeds each generate() call of --hf-generate-batch {args.hf_generate_batch} prompts "
             "and the calls now group the prompts differently, so the rollouts differ from an uninterrupted run's"
@@ -543,7 +537,7 @@ def other_world_note(path, world, args):
     else:
         rollouts = " (sampling is seeded per prompt, not drawn from it)"
     return (
-        f"; saved on {saved} ranks, resumed on {world}: the model and AdamW state are resharded exactly and the data "
+        f"; saved on {saved} ranks, resumed on {ranks}: the model and AdamW state are resharded exactly and the data "
         "order continues, but the per-rank RNG is not restored" + rollouts + "; losses and gradient norms equal an "
         "uninterrupted run's to rounding only, not bit for bit (the sums over ranks run in another order)"
     )
@@ -558,7 +552,7 @@ class CheckpointError(Exception):
     a pickled object. The message names the file and the fix (train_full prints it as one line, exit 2)."""
 
 
-def save_checkpoint(model, optimizer, out, step, trainer_state, dist_, keep):
+def save_checkpoint(model, optimizer, out, step, trainer_state, world, keep):
     """OUT/checkpoints/step_NNNNNN (NNNNNN: the number of completed steps): the model and AdamW's
     state as tensors (DCP shards; the optimizer's param_groups are not saved, they follow from the
     run's flags), each rank's RNG as tensors (rng_rankR.pt), and trainer_state.json (the format,
@@ -578,12 +572,12 @@ def save_checkpoint(model, optimizer, out, step, trainer_state, dist_, keep):
     final = os.path.join(root, f"step_{step:06d}")
     tmp = final + ".tmp"
     try:
-        with attempt(tmp, out, dist_):
-            if dist_.is_main:
+        with attempt(tmp, out, world):
+            if world.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
                 os.makedirs(tmp)
         model_sd, optim_sd = get_state_dict(model, optimizer)
-        with attempt(tmp, out, dist_):
+        with attempt(tmp, out, world):
             dcp.save(
                 {"model": model_sd, "optim": {"state": optim_sd["state"]}}, checkpoint_id=tmp
             )  # raises on all ranks
@@ -594,14 +588,14 @@ def save_checkpoint(model, optimizer, out, step, trainer_state, dist_, keep):
                 "python_version": torch.tensor(version),
                 "python_gauss": torch.tensor([math.nan if gauss is None else gauss]),
             }
-            if dist_.device.type == "cuda":
+            if world.device.type == "cuda":
                 rng["cuda"] = torch.cuda.get_rng_state()
-            torch.save(rng, os.path.join(tmp, f"rng_rank{dist_.rank}.pt"))
-        with attempt(tmp, out, dist_):
-            if dist_.is_main:
+            torch.save(rng, os.path.join(tmp, f"rng_rank{world.rank}.pt"))
+        with attempt(tmp, out, world):
+            if world.is_main:
                 with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
                     json.dump(
-                        {"format": CHECKPOINT_FORMAT, "step": step, "world": dist_.world, **trainer_state}, f, indent=1
+                        {"format": CHECKPOINT_FORMAT, "step": step, "world": world.size, **trainer_state}, f, indent=1
                     )
                 shutil.rmtree(final, ignore_errors=True)  # resumed from an older checkpoint: this step is redone
                 os.replace(tmp, final)  # atomic: the checkpoint exists only once it is complete
@@ -609,7 +603,7 @@ def save_checkpoint(model, optimizer, out, step, trainer_state, dist_, keep):
                 for old in done[: max(len(done) - keep, 0)]:
                     shutil.rmtree(os.path.join(root, old), ignore_errors=True)
     except DiskFull:
-        if dist_.is_main:
+        if world.is_main:
             shutil.rmtree(tmp, ignore_errors=True)  # what was written of it: the space back
         raise
     return final
@@ -727,14 +721,14 @@ def load_rng_file(rng_file, fix):
         raise CheckpointError(f"{rng_file}: truncated or corrupt ({type(e).__name__}); {fix}") from None
 
 
-def load_checkpoint(path, model, optimizer, dist_):
+def load_checkpoint(path, model, optimizer, world):
     """Restore the model and AdamW's state (any world size: DCP reshards the shards) and, when the
     world size is the one that wrote it, this rank's RNG; returns trainer_state. Every file is
     checked first (read_checkpoint): DCP then reads tensors only."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    meta = read_checkpoint(path, rank=dist_.rank)
+    meta = read_checkpoint(path, rank=world.rank)
     model_sd, optim_sd = get_state_dict(model, optimizer)  # a fresh optimizer's state is initialised (zeros)
     state = {"model": model_sd, "optim": {"state": optim_sd["state"]}}
     try:
@@ -751,20 +745,20 @@ def load_checkpoint(path, model, optimizer, dist_):
         model_state_dict=state["model"],
         optim_state_dict={"state": state["optim"]["state"], "param_groups": optim_sd["param_groups"]},
     )
-    rng_file = os.path.join(path, f"rng_rank{dist_.rank}.pt")
-    if meta["world"] == dist_.world and os.path.exists(rng_file):  # another world size: sampling is seeded per prompt
+    rng_file = os.path.join(path, f"rng_rank{world.rank}.pt")
+    if meta["world"] == world.size and os.path.exists(rng_file):  # another world size: sampling is seeded per prompt
         rng = load_rng_file(rng_file, "start a new run")
         torch.set_rng_state(rng["torch"])
         gauss = float(rng["python_gauss"][0])
         random.setstate(
             (int(rng["python_version"]), tuple(rng["python_words"].tolist()), None if math.isnan(gauss) else gauss)
         )
-        if "cuda" in rng and dist_.device.type == "cuda":
+        if "cuda" in rng and world.device.type == "cuda":
             torch.cuda.set_rng_state(rng["cuda"])
     return meta
 
 
-def export_hf(model, tokenizer, path, dist_, out):
+def export_hf(model, tokenizer, path, world, out):
     """save_pretrained of the full weights (rank 0), in the base model's dtype: loadable by
     transformers' from_pretrained and by vLLM. Written to PATH.tmp, then renamed; a full disk
     raises DiskFull on every rank (`out`: the run's folder, for its line)."""
@@ -774,8 +768,8 @@ def export_hf(model, tokenizer, path, dist_, out):
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     tmp = path.rstrip("/") + ".tmp"
     try:
-        with attempt(tmp, out, dist_):  # a full disk: DiskFull on every rank
-            if dist_.is_main:
+        with attempt(tmp, out, world):  # a full disk: DiskFull on every rank
+            if world.is_main:
                 config = model.config
                 dtype = (
                     config.dtype
@@ -794,7 +788,7 @@ def export_hf(model, tokenizer, path, dist_, out):
                 shutil.rmtree(path, ignore_errors=True)
                 os.replace(tmp, path)
     except DiskFull:
-        if dist_.is_main:
+        if world.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     return path
@@ -803,25 +797,25 @@ def export_hf(model, tokenizer, path, dist_, out):
 # ---------------------------------------------------------------------------------------------
 # 4. Evaluation: k samples per problem -> Pass@1 (mean over k) and Pass@k (unbiased)
 # ---------------------------------------------------------------------------------------------
-def evaluation_due(metrics_path, step, args, dist_):
+def evaluation_due(metrics_path, step, args, world):
     """Whether the evaluation after `step` steps (--eval-every) is due and not yet in metrics.jsonl: step 0 of a new
     run, or, on --resume, the one that a preemption notice, a full disk or a kill cut off after that step's
     checkpoint. Rank 0 reads the file; every rank gets its answer."""
     if not args.eval_every or step % args.eval_every or step >= args.steps:
         return False
-    done = dist_.is_main and any(
+    done = world.is_main and any(
         m.get("kind") == "eval" and m.get("step") == step for m in common.read_metrics(metrics_path)
     )
-    return not all_reduce(done, dist_, dist.ReduceOp.MAX)
+    return not all_reduce(done, world, dist.ReduceOp.MAX)
 
 
-def evaluate(engine, tokenizer, stops, eval_sets, args, dist_, grader, tag="", model_name=None, step=None):
+def evaluate(engine, tokenizer, stops, eval_sets, args, world, grader, tag="", model_name=None, step=None):
     """Every benchmark: this rank samples --eval-samples answers for its contiguous share of the problems; rank 0
     writes OUT/eval_TAG.md/.json and, after `step` training steps (None: --eval-only), a metrics.jsonl line."""
     results = {}
     for name, problems, dropped, too_long in eval_sets:
-        per = math.ceil(len(problems) / dist_.world)
-        mine = list(range(dist_.rank * per, min((dist_.rank + 1) * per, len(problems))))
+        per = math.ceil(len(problems) / world.size)
+        mine = list(range(world.rank * per, min((world.rank + 1) * per, len(problems))))
         outs = (
             engine.generate(
                 [problems[i]["prompt_ids"] for i in mine],
@@ -839,7 +833,7 @@ def evaluate(engine, tokenizer, stops, eval_sets, args, dist_, grader, tag="", m
         rewards = grader.score_batch(texts, [problems[i]["answer"] for i, group in zip(mine, outs) for _ in group])
         n = args.eval_samples
         correct = [int(sum(rewards[j * n : (j + 1) * n])) for j in range(len(outs))]  # correct samples per problem
-        gathered = [None] * dist_.world
+        gathered = [None] * world.size
         dist.all_gather_object(gathered, correct)
         correct = [c for part in gathered for c in part]  # rank order = problem order
         row = {"problems": len(correct), "samples": n, "dropped": dropped, "too_long": too_long}
@@ -847,11 +841,11 @@ def evaluate(engine, tokenizer, stops, eval_sets, args, dist_, grader, tag="", m
             row[f"pass@{k}"] = 100.0 * sum(pass_at_k(n, c, k) for c in correct) / max(len(correct), 1)
         row["correct"] = correct
         results[name] = row
-    with attempt(args.out, args.out, dist_):  # a full disk while rank 0 writes: DiskFull on every rank
+    with attempt(args.out, args.out, world):  # a full disk while rank 0 writes: DiskFull on every rank
         if results:
             keys = [f"pass@{k}" for k in args.eval_pass_k]
             results["average"] = {k: sum(r[k] for r in results.values()) / len(results) for k in keys}
-            if dist_.is_main:
+            if world.is_main:
                 write_eval_report(results, keys, args, tag, model_name or args.model)
                 if step is not None:
                     common.append_metrics(os.path.join(args.out, "metrics.jsonl"), eval_record(step, results))
@@ -919,22 +913,22 @@ def write_eval_report(results, keys, args, tag, model_name):
 # ---------------------------------------------------------------------------------------------
 # 5. Reports: the step's line of metrics.jsonl, the explain page
 # ---------------------------------------------------------------------------------------------
-def write_args(args, dist_):
+def write_args(args, world):
     """OUT/args.json (eval_args.json with --eval-only): the flags as parsed and checked, and the world size."""
-    with attempt(args.out, args.out, dist_):
+    with attempt(args.out, args.out, world):
         os.makedirs(args.out, exist_ok=True)
-        if dist_.is_main:
+        if world.is_main:
             with open(os.path.join(args.out, "args.json" if not args.eval_only else "eval_args.json"), "w") as f:
-                json.dump({**vars(args), "world": dist_.world}, f, indent=1)
+                json.dump({**vars(args), "world": world.size}, f, indent=1)
 
 
-def train_record(step, stats, rollouts, phases, grader, n_params, flops_peak, args, dist_):
+def train_record(step, stats, rollouts, phases, grader, n_params, flops_peak, args, world):
     """The step's line of metrics.jsonl (docs/metrics.md): the step's metrics (train_full.step_metrics), then the
     run's counts, clocks, MFU and memory. phases: this rank's gen_s, reward_s, pass1_s, sync_s, and the GPU memory in
     use during generation (gpu_used_gen) and after the update, before the sync (gpu_used_train). Every rank calls it (all_reduce)."""
     MAX = dist.ReduceOp.MAX
-    gen_tokens = all_reduce(sum(len(r["response_ids"]) for group in rollouts for r in group), dist_)
-    gen_s = all_reduce(phases["gen_s"], dist_, MAX)  # the slowest rank's
+    gen_tokens = all_reduce(sum(len(r["response_ids"]) for group in rollouts for r in group), world)
+    gen_s = all_reduce(phases["gen_s"], world, MAX)  # the slowest rank's
     return {
         "kind": "train",
         "step": step,
@@ -942,10 +936,10 @@ def train_record(step, stats, rollouts, phases, grader, n_params, flops_peak, ar
         "gen_tokens": int(gen_tokens),
         "kept_tokens_frac": stats["kept_tokens"] / max(gen_tokens, 1.0),
         "response_len": gen_tokens / (args.prompts_per_step * args.group_size),
-        "grader_timeouts": int(all_reduce(grader.timeouts, dist_)),
+        "grader_timeouts": int(all_reduce(grader.timeouts, world)),
         "gen_s": gen_s,
-        "reward_s": all_reduce(phases["reward_s"], dist_, MAX),
-        "pass1_s": all_reduce(phases["pass1_s"], dist_, MAX),
+        "reward_s": all_reduce(phases["reward_s"], world, MAX),
+        "pass1_s": all_reduce(phases["pass1_s"], world, MAX),
         "sync_s": phases["sync_s"],
         "gen_tokens_per_s": gen_tokens / max(gen_s, 1e-9),
         # model FLOPs of the update: the no-grad forwards (2 N per token: pass 1 and the
@@ -954,17 +948,17 @@ def train_record(step, stats, rollouts, phases, grader, n_params, flops_peak, ar
         "mfu": (
             (2 * stats["pass1_tokens"] + 6 * stats["train_tokens"])
             * n_params
-            / (stats["train_s"] * dist_.world * flops_peak)
+            / (stats["train_s"] * world.size * flops_peak)
             if flops_peak
             else None
         ),
-        "mem_peak_gb": all_reduce(memory_peak_gb(dist_.device), dist_, MAX),
-        "gpu_used_gen_gb": all_reduce(phases["gpu_used_gen"], dist_, MAX),
-        "gpu_used_train_gb": all_reduce(phases["gpu_used_train"], dist_, MAX),
+        "mem_peak_gb": all_reduce(memory_peak_gb(world.device), world, MAX),
+        "gpu_used_gen_gb": all_reduce(phases["gpu_used_gen"], world, MAX),
+        "gpu_used_train_gb": all_reduce(phases["gpu_used_train"], world, MAX),
     }
 
 
-def write_explain_page(step, rollouts, prompts, sel, entropy, token_keep, stats, args, tokenizer, dist_, halt=None):
+def write_explain_page(step, rollouts, prompts, sel, entropy, token_keep, stats, args, tokenizer, world, halt=None):
     """Rank 0's page of one step (explain.write_step), from the global selection (a full disk: noted in `halt`, a
     Stops, whose agree() stops every rank; without one, raised). The few rollouts it shows
     (explain.pick_rollouts on the global batch: the same choice on every rank) are gathered on rank 0 with their
@@ -996,9 +990,9 @@ def write_explain_page(step, rollouts, prompts, sel, entropy, token_keep, stats,
             rollouts
         ):  # dropped: only its home rank has it
             mine.append({"index": index, "ids": list(rollouts[p - sel.first][g]["response_ids"])})
-    parts = [None] * dist_.world if dist_.is_main else None
+    parts = [None] * world.size if world.is_main else None
     dist.gather_object((mine, prompts), parts, dst=0)
-    if not dist_.is_main:
+    if not world.is_main:
         return
     items = sorted((item for part, _ in parts for item in part), key=lambda item: picked.index(item["index"]))
     for item in items:
@@ -1026,7 +1020,7 @@ def write_explain_page(step, rollouts, prompts, sel, entropy, token_keep, stats,
                 "loss (mean over optimizer steps)": stats["loss"],
                 "tokens in the loss": stats["kept_tokens"],
                 "grad norm (before clipping)": stats["grad_norm"],
-                "ranks": dist_.world,
+                "ranks": world.size,
             },
         )
 
@@ -1048,14 +1042,14 @@ def on_another_rank(path):
 
 
 @contextlib.contextmanager
-def attempt(path, out, dist_):
+def attempt(path, out, world):
     """A write (to `path`) that every rank enters and leaves together, in place of a barrier: a full disk on ANY
     rank (common.disk_full) raises DiskFull on EVERY rank as they leave (one all-reduce), so no rank waits for one
     that stopped. Another error is raised on its own rank (train_full.entry ends the job)."""
     faults = []
     with noting(faults, path):
         yield
-    if all_reduce(bool(faults), dist_, dist.ReduceOp.MAX):
+    if all_reduce(bool(faults), world, dist.ReduceOp.MAX):
         raise DiskFull(faults[0] if faults else on_another_rank(path), out)
 
 
@@ -1079,9 +1073,9 @@ class Stops(common.Preemption):
     the full disks of the writes that only rank 0 makes (the metrics line, the explain page): noted by
     writing(), and at the step's end agree() tells every rank what any rank met."""
 
-    def __init__(self, out, dist_):
-        super().__init__("train_full.py", quiet=not dist_.is_main)  # a second Ctrl-C: rank 0's line, exit 130
-        self.out, self.dist_, self.faults = out, dist_, []
+    def __init__(self, out, world):
+        super().__init__("train_full.py", quiet=not world.is_main)  # a second Ctrl-C: rank 0's line, exit 130
+        self.out, self.world, self.faults = out, world, []
 
     def writing(self, path):
         """A write of this rank alone: a full disk is noted (agree() raises DiskFull on every rank), not raised."""
@@ -1096,16 +1090,16 @@ class Stops(common.Preemption):
         """One all-reduce at the step's end: DiskFull on every rank if a write failed on any; else the name of the
         notice any rank received (the same on every rank), or None."""
         number = signal.Signals[self.signal].value if self.signal else 0
-        code = int(all_reduce(1000 if self.faults else number, self.dist_, dist.ReduceOp.MAX))
+        code = int(all_reduce(1000 if self.faults else number, self.world, dist.ReduceOp.MAX))
         if code >= 1000:
             raise DiskFull(self.faults[0] if self.faults else on_another_rank(self.out), self.out)
         return signal.Signals(code).name if code else None
 
 
-def stopped(notice, step, out, dist_):
+def stopped(notice, step, out, world):
     """After the step's checkpoint, on a notice: rank 0's one line (common.stopped), exit common.STOPPED (75) on
     every rank."""
-    if dist_.is_main:
+    if world.is_main:
         common.stopped("train_full.py", notice, step, os.path.join(out, "checkpoints", f"step_{step:06d}"))
     sys.exit(common.STOPPED)
 
@@ -1150,18 +1144,18 @@ class Run:
     hold collectives). `step`: the steps completed (a resume's); `resumed`: whether a checkpoint was loaded."""
 
     def __init__(
-        self, args, dist_, step, resumed, model, optimizer, order, engine, tokenizer, stops, eval_sets, grader, halt
+        self, args, world, step, resumed, model, optimizer, order, engine, tokenizer, stops, eval_sets, grader, halt
     ):
         from tqdm import tqdm
 
-        self.args, self.dist_, self.halt, self.stop_at = args, dist_, halt, args.stop_after or args.steps
+        self.args, self.world, self.halt, self.stop_at = args, world, halt, args.stop_after or args.steps
         self.model, self.optimizer, self.order, self.engine, self.grader = model, optimizer, order, engine, grader
         self.tokenizer, self.stops, self.eval_sets = tokenizer, stops, eval_sets
         self.metrics = os.path.join(args.out, "metrics.jsonl")
-        if dist_.is_main:  # what the checkpoint covers (a new run: nothing)
+        if world.is_main:  # what the checkpoint covers (a new run: nothing)
             common.truncate_metrics(self.metrics, step if resumed else -1)
-        self.n_params, self.flops_peak = flop_params(model), peak_flops(dist_.device, args.peak_tflops)  # MFU
-        self.bar = tqdm(total=args.steps, initial=step, disable=not dist_.is_main, desc="steps", dynamic_ncols=True)
+        self.n_params, self.flops_peak = flop_params(model), peak_flops(world.device, args.peak_tflops)  # MFU
+        self.bar = tqdm(total=args.steps, initial=step, disable=not world.is_main, desc="steps", dynamic_ncols=True)
 
     def evaluate(self, step, tag=None, name=None):
         """evaluate() of the policy after `step` steps, whose weights the engine holds; metrics.jsonl's eval line."""
@@ -1170,12 +1164,12 @@ class Run:
             tag, name = f"step_{step:06d}", f"{a.model} after {step} steps of {a.method}, {a.loss} loss"
             name = name if step else f"{a.model} before training"
         return evaluate(
-            self.engine, self.tokenizer, self.stops, self.eval_sets, a, self.dist_, self.grader, tag, name, step=step
+            self.engine, self.tokenizer, self.stops, self.eval_sets, a, self.world, self.grader, tag, name, step=step
         )
 
     def evaluate_if_due(self, step):
         """Before the first step: the evaluation of step 0, or of the step a stop cut off after its checkpoint."""
-        if evaluation_due(self.metrics, step, self.args, self.dist_):
+        if evaluation_due(self.metrics, step, self.args, self.world):
             self.evaluate(step)
 
     def explain(self, step, rollouts, batch, sel, upd, token_keep, stats):
@@ -1194,7 +1188,7 @@ class Run:
                 stats,
                 self.args,
                 self.tokenizer,
-                self.dist_,
+                self.world,
                 self.halt,
             )
 
@@ -1202,9 +1196,9 @@ class Run:
         """After the step's update and weight sync: its line of metrics.jsonl (train_record) and the bar on rank 0;
         the notices every rank agrees on (a full disk anywhere: DiskFull on every rank, exit 74); the HF export and
         the checkpoint that are due; on a notice, the stop after that checkpoint (exit 75); the evaluation due."""
-        args, dist_, halt = self.args, self.dist_, self.halt
-        record = train_record(step, stats, rollouts, phases, self.grader, self.n_params, self.flops_peak, args, dist_)
-        if dist_.is_main:
+        args, world, halt = self.args, self.world, self.halt
+        record = train_record(step, stats, rollouts, phases, self.grader, self.n_params, self.flops_peak, args, world)
+        if world.is_main:
             halt.append_metrics(self.metrics, record)  # a full disk: noted, every rank stops at agree() below
             self.bar.set_postfix(reward=f"{record['reward_mean']:.3f}", N=record["n_keep"], K=f"{record['k_frac']:.2f}")
             self.bar.update(1)
@@ -1212,25 +1206,25 @@ class Run:
         if args.export_every and step % args.export_every == 0:  # before the checkpoint: a resume redoes both
             path = os.path.join(args.out, f"hf_step_{step:06d}")  # with vLLM asleep: its fp32 gathers fit beside it
             export_asleep(
-                self.engine, self.model, args, lambda: export_hf(self.model, self.tokenizer, path, dist_, args.out)
+                self.engine, self.model, args, lambda: export_hf(self.model, self.tokenizer, path, world, args.out)
             )
         if step % args.save_every == 0 or step == self.stop_at or notice:
             state = trainer_state(args, self.order, grad_norms)
-            save_checkpoint(self.model, self.optimizer, args.out, step, state, dist_, args.keep_checkpoints)
+            save_checkpoint(self.model, self.optimizer, args.out, step, state, world, args.keep_checkpoints)
         if notice and step < self.stop_at:
-            stopped(notice, step, args.out, dist_)  # rank 0's line; exit 75 on every rank
+            stopped(notice, step, args.out, world)  # rank 0's line; exit 75 on every rank
         if args.eval_every and step % args.eval_every == 0 and step < args.steps:
             self.evaluate(step)
 
     def finish(self, step):
         """After the loop: --stop-after's line, or the export to OUT/hf_final and the final evaluation."""
-        args, say = self.args, print if self.dist_.is_main else (lambda *m, **kw: None)
+        args, say = self.args, print if self.world.is_main else (lambda *m, **kw: None)
         self.bar.close()
         if args.stop_after:
             say(f"stopped after step {step} (--stop-after): continue with --resume", flush=True)
         elif step >= args.steps:
-            final = os.path.join(args.out, "hf_final")  # with vLLM asleep (fsdp_vllm.export_asleep)
-            export = lambda: export_hf(self.model, self.tokenizer, final, self.dist_, args.out)
+            final = os.path.join(args.out, "hf_final")  # with vLLM asleep (engines.export_asleep)
+            export = lambda: export_hf(self.model, self.tokenizer, final, self.world, args.out)
             path = export_asleep(self.engine, self.model, args, export)
             say(f"exported {path}", flush=True)
             self.evaluate(step, "final", f"{path} ({args.model} after {step} steps of {args.method}, {args.loss} loss)")

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from support import common  # noqa: E402
 import d3s  # noqa: E402
-from support import fsdp_vllm, full_io  # noqa: E402
+from support import fsdp, full_io  # noqa: E402
 import train_full  # noqa: E402
 from support import methods  # noqa: E402
 
@@ -37,7 +37,7 @@ def train_step(
     rewards,
     step,
     args,
-    dist_,
+    world,
     pad_id,
     ref_model=None,
     row=None,
@@ -59,24 +59,24 @@ def train_step(
             return real_step(*a, **kw)
 
         optimizer.step = step_keeping_grads
-    sel = train_full.select_samples_global(rollouts, rewards, step, row or args.method, args, dist_)
+    sel = train_full.select_samples_global(rollouts, rewards, step, row or args.method, args, world)
     selects_tokens = methods.selects_tokens
     if full_pass1:
         methods.selects_tokens = lambda method: True  # what forward_kept reads: the rows and the entropy it needs
     try:
         old_logp, has_old, entropy, ref_logp, pass1_tokens = train_full.forward_kept(
-            model, ref_model, sel, args, dist_, pad_id
+            model, ref_model, sel, args, world, pad_id
         )
     finally:
         methods.selects_tokens = selects_tokens
-    token_keep = train_full.select_tokens_global(sel, entropy, args, dist_)
+    token_keep = train_full.select_tokens_global(sel, entropy, args, world)
     upd = train_full.update_policy(
-        model, optimizer, sel, token_keep, old_logp, has_old, entropy, ref_logp, args, dist_, pad_id
+        model, optimizer, sel, token_keep, old_logp, has_old, entropy, ref_logp, args, world, pad_id
     )
     if keep_grads:
         del optimizer.step
-    metrics = train_full.step_metrics(sel, token_keep, upd, 1.0, pass1_tokens, ref_model is not None, dist_)
-    details = {"keep": sel.keep_all, "token_keep": fsdp_vllm.gather_global(token_keep, sel.mine, sel.total, dist_)}
+    metrics = train_full.step_metrics(sel, token_keep, upd, 1.0, pass1_tokens, ref_model is not None, world)
+    details = {"keep": sel.keep_all, "token_keep": fsdp.gather_global(token_keep, sel.mine, sel.total, world)}
     return (metrics, details, grads) if keep_grads else (metrics, details)
 
 
@@ -161,26 +161,26 @@ def trainer_args(model_dir, method, loss="grpo", mini_batches=1, lr=1e-4):
     )  # 3 rows: the tiled MLP runs 2 positions at a time
 
 
-def check_global_token_selection(dist_):
+def check_global_token_selection(world):
     """Uneven rows per rank (rank r has 3 + r rows): the gathered choice equals the one-shot choice."""
     gen = torch.Generator().manual_seed(1)
-    rows = [3 + r for r in range(dist_.world)]
+    rows = [3 + r for r in range(world.size)]
     scores = torch.rand(sum(rows), 9, generator=gen)
     mask = torch.rand(sum(rows), 9, generator=gen) > 0.3
-    first = sum(rows[: dist_.rank])
-    mine = slice(first, first + rows[dist_.rank])
+    first = sum(rows[: world.rank])
+    mine = slice(first, first + rows[world.rank])
     ok = True
     for k in (0.1, 0.35, 1.0):
         for scope in ("batch", "sequence"):
             sel = types.SimpleNamespace(
-                kept_adv=torch.ones(rows[dist_.rank]),
+                kept_adv=torch.ones(rows[world.rank]),
                 mask=mask[mine],
                 k_frac=k,
                 total=sum(rows),
                 mine=list(range(mine.start, mine.stop)),
             )  # |A| = 1: the scores are H
             args = types.SimpleNamespace(method="d3s", token_scope=scope, min_token_per_response=False)
-            local = train_full.select_tokens_global(sel, scores[mine], args, dist_)
+            local = train_full.select_tokens_global(sel, scores[mine], args, world)
             ok &= bool(torch.equal(local, d3s.select_tokens(scores, mask, k, scope=scope)[mine]))
     return ok
 
@@ -189,27 +189,27 @@ def full_params(model):
     return {name: p.full_tensor().detach().cpu().clone() for name, p in model.named_parameters()}
 
 
-def check_resume(cli, dist_, tokenizer, rollouts, mine, workdir, offload=False):
+def check_resume(cli, world, tokenizer, rollouts, mine, workdir, offload=False):
     """Two steps straight == one step, save_checkpoint, a fresh model + optimizer, load_checkpoint, one step."""
     args = trainer_args(cli.model, "d3s", mini_batches=2)
     args.out, args.cpu_offload = os.path.join(workdir, "offload" if offload else "plain"), offload
-    model = fsdp_vllm.load_policy(args, dist_)
-    optimizer = fsdp_vllm.make_optimizer(model, args)
+    model = fsdp.load_policy(args, world)
+    optimizer = fsdp.make_optimizer(model, args)
     for step in (1, 2):
-        train_step(model, optimizer, rollouts[mine], REWARDS[mine], step, args, dist_, tokenizer.pad_token_id)
+        train_step(model, optimizer, rollouts[mine], REWARDS[mine], step, args, world, tokenizer.pad_token_id)
     straight = full_params(model)
 
-    model = fsdp_vllm.load_policy(args, dist_)
-    optimizer = fsdp_vllm.make_optimizer(model, args)
+    model = fsdp.load_policy(args, world)
+    optimizer = fsdp.make_optimizer(model, args)
     order = full_io.PromptOrder(10, seed=0)
     order.take(3)
-    train_step(model, optimizer, rollouts[mine], REWARDS[mine], 1, args, dist_, tokenizer.pad_token_id)
-    path = full_io.save_checkpoint(model, optimizer, args.out, 1, full_io.trainer_state(args, order), dist_, 2)
-    model = fsdp_vllm.load_policy(args, dist_)
-    optimizer = fsdp_vllm.make_optimizer(model, args)
+    train_step(model, optimizer, rollouts[mine], REWARDS[mine], 1, args, world, tokenizer.pad_token_id)
+    path = full_io.save_checkpoint(model, optimizer, args.out, 1, full_io.trainer_state(args, order), world, 2)
+    model = fsdp.load_policy(args, world)
+    optimizer = fsdp.make_optimizer(model, args)
     order = full_io.PromptOrder(10, seed=0)
-    step, _ = full_io.resume_from(path, model, optimizer, order, args, dist_)
-    train_step(model, optimizer, rollouts[mine], REWARDS[mine], step + 1, args, dist_, tokenizer.pad_token_id)
+    step, _ = full_io.resume_from(path, model, optimizer, order, args, world)
+    train_step(model, optimizer, rollouts[mine], REWARDS[mine], step + 1, args, world, tokenizer.pad_token_id)
     resumed = full_params(model)
     return {
         "step": step,
@@ -218,13 +218,13 @@ def check_resume(cli, dist_, tokenizer, rollouts, mine, workdir, offload=False):
     }
 
 
-def check_sync_gathers_in_the_sync_dtype(cli, dist_):
-    """fsdp_vllm.full_named_tensors(model, bf16): every gather (DTensor.full_tensor) moves bf16 shards, and the full
+def check_sync_gathers_in_the_sync_dtype(cli, world):
+    """fsdp.full_named_tensors(model, bf16): every gather (DTensor.full_tensor) moves bf16 shards, and the full
     tensors are the fp32 weights cast to bf16 (issue 30: the fp32 full tensor of the 7B's embedding is 2 GiB)."""
     from torch.distributed.tensor import DTensor
 
     args = trainer_args(cli.model, "d3s")
-    model = fsdp_vllm.load_policy(args, dist_)
+    model = fsdp.load_policy(args, world)
     fp32 = full_params(model)
     gathered, full_tensor = [], DTensor.full_tensor
 
@@ -234,7 +234,7 @@ def check_sync_gathers_in_the_sync_dtype(cli, dist_):
 
     DTensor.full_tensor = spy
     try:
-        synced = {name: t.cpu() for name, t in fsdp_vllm.full_named_tensors(model, torch.bfloat16)}
+        synced = {name: t.cpu() for name, t in fsdp.full_named_tensors(model, torch.bfloat16)}
     finally:
         DTensor.full_tensor = full_tensor
     return {
@@ -244,22 +244,22 @@ def check_sync_gathers_in_the_sync_dtype(cli, dist_):
     }
 
 
-def check_nonfinite_skip(cli, dist_, tokenizer, rollouts, mine):
+def check_nonfinite_skip(cli, world, tokenizer, rollouts, mine):
     """NaN logits on rank 1 only: every rank skips the step, and no weight changes."""
     args = trainer_args(cli.model, "d3s")
-    model = fsdp_vllm.load_policy(args, dist_)
-    optimizer = fsdp_vllm.make_optimizer(model, args)
+    model = fsdp.load_policy(args, world)
+    optimizer = fsdp.make_optimizer(model, args)
     before = full_params(model)
-    if dist_.rank == 1:
+    if world.rank == 1:
         model.lm_head.register_forward_hook(lambda module, inputs, output: output * float("nan"))
-    stats, _ = train_step(model, optimizer, rollouts[mine], REWARDS[mine], STEP, args, dist_, tokenizer.pad_token_id)
+    stats, _ = train_step(model, optimizer, rollouts[mine], REWARDS[mine], STEP, args, world, tokenizer.pad_token_id)
     after = full_params(model)
-    skipped = [None] * dist_.world
+    skipped = [None] * world.size
     dist.all_gather_object(skipped, stats["skipped"])
     return {"skipped_on_ranks": skipped, "unchanged": all(torch.equal(before[n], after[n]) for n in before)}
 
 
-def check_pass1_skip(cli, dist_, tokenizer, rollouts, mine):
+def check_pass1_skip(cli, world, tokenizer, rollouts, mine):
     """The update without the skipped parts of pass 1 against the update with a full pass 1, for the
     methods without token selection: M = 1 (no pass 1 at all) and M = 2 (pass 1 over mini-batch 2
     only). SGD, so that a rounding-level difference of a near-zero gradient stays that small (Adam
@@ -269,7 +269,7 @@ def check_pass1_skip(cli, dist_, tokenizer, rollouts, mine):
         args = trainer_args(cli.model, method, mini_batches=M)
         runs = {}
         for full in (False, True):
-            model = fsdp_vllm.load_policy(args, dist_)
+            model = fsdp.load_policy(args, world)
             optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
             stats, _, grads = train_step(
                 model,
@@ -278,7 +278,7 @@ def check_pass1_skip(cli, dist_, tokenizer, rollouts, mine):
                 REWARDS[mine],
                 STEP,
                 args,
-                dist_,
+                world,
                 tokenizer.pad_token_id,
                 keep_grads=True,
                 full_pass1=full,
@@ -304,16 +304,16 @@ def check_pass1_skip(cli, dist_, tokenizer, rollouts, mine):
     return out
 
 
-def check_kl_schedule(cli, dist_, tokenizer, rollouts, mine):
+def check_kl_schedule(cli, world, tokenizer, rollouts, mine):
     """Four steps with the reference forwarded every step, and on train_full's schedule only
     (--kl-every 3 of --steps 4: steps 1, 3 and 4): the same updates, the same KL where both measure."""
     args = trainer_args(cli.model, "d3s-i", loss="gspo", mini_batches=2, lr=1e-1)
     args.kl_ref, args.kl_every = True, 3
     result = {}
     for schedule in ("every", "scheduled"):
-        model = fsdp_vllm.load_policy(args, dist_)
-        optimizer = fsdp_vllm.make_optimizer(model, args)
-        ref_model = fsdp_vllm.load_policy(args, dist_, reference=True)
+        model = fsdp.load_policy(args, world)
+        optimizer = fsdp.make_optimizer(model, args)
+        ref_model = fsdp.load_policy(args, world, reference=True)
         kls = []
         for step in range(1, STEPS + 1):
             measure = schedule == "every" or common.measures_kl(step, args)
@@ -324,7 +324,7 @@ def check_kl_schedule(cli, dist_, tokenizer, rollouts, mine):
                 REWARDS[mine],
                 step,
                 args,
-                dist_,
+                world,
                 tokenizer.pad_token_id,
                 ref_model=ref_model if measure else None,
             )
@@ -333,21 +333,21 @@ def check_kl_schedule(cli, dist_, tokenizer, rollouts, mine):
     return result
 
 
-def check_dapo_filter(cli, dist_, tokenizer, rollouts, mine):
+def check_dapo_filter(cli, world, tokenizer, rollouts, mine):
     """dapo-filter and dapo-filter-k, M = 2, over DAPO_STEPS (steps 1-3 of one run, AdamW): each step's
     metrics and whether the weights moved (after step 1, AdamW's moments are non-zero: an optimizer step
     on a zero gradient would still move them)."""
     out = {}
     for method in ("dapo-filter", "dapo-filter-k"):
         args = trainer_args(cli.model, method, mini_batches=2)
-        model = fsdp_vllm.load_policy(args, dist_)
-        optimizer = fsdp_vllm.make_optimizer(model, args)
+        model = fsdp.load_policy(args, world)
+        optimizer = fsdp.make_optimizer(model, args)
         steps = []
         for step, (name, rewards, balance) in enumerate(DAPO_STEPS, start=1):
             args.load_balance = balance
             before = full_params(model)
             stats, details = train_step(
-                model, optimizer, rollouts[mine], rewards[mine], step, args, dist_, tokenizer.pad_token_id
+                model, optimizer, rollouts[mine], rewards[mine], step, args, world, tokenizer.pad_token_id
             )
             after = full_params(model)
             steps.append(
@@ -381,16 +381,16 @@ def check_dapo_filter(cli, dist_, tokenizer, rollouts, mine):
     return out
 
 
-def check_switch(cli, dist_, tokenizer, rollouts, mine):
+def check_switch(cli, world, tokenizer, rollouts, mine):
     """--method d3s on a step the switch rule moved to its twin (row="d3s-i"), and --method d3s-i: one step each,
     M = 2, from the same weights. The twin's samples rule is what selects (the keep mask says which)."""
     out = {}
     for name, method, row in (("d3s as d3s-i", "d3s", "d3s-i"), ("d3s-i", "d3s-i", None), ("d3s", "d3s", None)):
         args = trainer_args(cli.model, method, mini_batches=2)
-        model = fsdp_vllm.load_policy(args, dist_)
-        optimizer = fsdp_vllm.make_optimizer(model, args)
+        model = fsdp.load_policy(args, world)
+        optimizer = fsdp.make_optimizer(model, args)
         stats, details = train_step(
-            model, optimizer, rollouts[mine], REWARDS[mine], STEP, args, dist_, tokenizer.pad_token_id, row=row
+            model, optimizer, rollouts[mine], REWARDS[mine], STEP, args, world, tokenizer.pad_token_id, row=row
         )
         out[name] = {
             "params": full_params(model),
@@ -408,22 +408,20 @@ def main():
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--workdir", required=True, help="checkpoints of the resume check")
     cli = parser.parse_args()
-    dist_ = fsdp_vllm.init_distributed(DEVICE)
+    world = fsdp.init_distributed(DEVICE)
     torch.manual_seed(0)
-    tokenizer = fsdp_vllm.load_tokenizer(cli.model)
+    tokenizer = fsdp.load_tokenizer(cli.model)
     rollouts = make_rollouts(len(tokenizer))
-    per = P // dist_.world
-    mine = slice(dist_.rank * per, (dist_.rank + 1) * per)
-    result = {"world": dist_.world, "token_selection_ok": check_global_token_selection(dist_)}
+    per = P // world.size
+    mine = slice(world.rank * per, (world.rank + 1) * per)
+    result = {"world": world.size, "token_selection_ok": check_global_token_selection(world)}
     for config in cli.configs.split(","):
         args = trainer_args(cli.model, *CONFIGS[config])
         args.load_balance = not config.endswith("unbalanced")
         args.cpu_offload = config.endswith("offload")
-        model = fsdp_vllm.load_policy(args, dist_)
-        optimizer = fsdp_vllm.make_optimizer(model, args)
-        ref_model = (
-            fsdp_vllm.load_policy(args, dist_, reference=True) if config.startswith("gspo") else None
-        )  # --kl-ref
+        model = fsdp.load_policy(args, world)
+        optimizer = fsdp.make_optimizer(model, args)
+        ref_model = fsdp.load_policy(args, world, reference=True) if config.startswith("gspo") else None  # --kl-ref
         stats, details, grads = train_step(
             model,
             optimizer,
@@ -431,7 +429,7 @@ def main():
             REWARDS[mine],
             STEP,
             args,
-            dist_,
+            world,
             tokenizer.pad_token_id,
             keep_grads=True,
             ref_model=ref_model,
@@ -466,15 +464,15 @@ def main():
                 for fp in g.fsdp_params
             ],
         }
-    result["resume"] = check_resume(cli, dist_, tokenizer, rollouts, mine, cli.workdir)
-    result["resume_offload"] = check_resume(cli, dist_, tokenizer, rollouts, mine, cli.workdir, offload=True)
-    result["sync"] = check_sync_gathers_in_the_sync_dtype(cli, dist_)
-    result["nonfinite"] = check_nonfinite_skip(cli, dist_, tokenizer, rollouts, mine)
-    result["pass1_skip"] = check_pass1_skip(cli, dist_, tokenizer, rollouts, mine)
-    result["kl_schedule"] = check_kl_schedule(cli, dist_, tokenizer, rollouts, mine)
-    result["dapo_filter"] = check_dapo_filter(cli, dist_, tokenizer, rollouts, mine)
-    result["switch"] = check_switch(cli, dist_, tokenizer, rollouts, mine)
-    if dist_.is_main:
+    result["resume"] = check_resume(cli, world, tokenizer, rollouts, mine, cli.workdir)
+    result["resume_offload"] = check_resume(cli, world, tokenizer, rollouts, mine, cli.workdir, offload=True)
+    result["sync"] = check_sync_gathers_in_the_sync_dtype(cli, world)
+    result["nonfinite"] = check_nonfinite_skip(cli, world, tokenizer, rollouts, mine)
+    result["pass1_skip"] = check_pass1_skip(cli, world, tokenizer, rollouts, mine)
+    result["kl_schedule"] = check_kl_schedule(cli, world, tokenizer, rollouts, mine)
+    result["dapo_filter"] = check_dapo_filter(cli, world, tokenizer, rollouts, mine)
+    result["switch"] = check_switch(cli, world, tokenizer, rollouts, mine)
+    if world.is_main:
         torch.save(result, cli.out)
     dist.barrier()
     dist.destroy_process_group()

@@ -21,8 +21,8 @@ import train_full  # noqa: E402
 
 
 def stalling(stall_step, real_save):
-    def save_checkpoint(model, optimizer, out, step, trainer_state, dist_, keep):
-        final = real_save(model, optimizer, out, step, trainer_state, dist_, keep)
+    def save_checkpoint(model, optimizer, out, step, trainer_state, world, keep):
+        final = real_save(model, optimizer, out, step, trainer_state, world, keep)
         if step != stall_step:
             return final
         shutil.rmtree(final + ".tmp", ignore_errors=True)

@@ -2,9 +2,9 @@
 
     torchrun --nproc_per_node=2 tests/full_vllm_worker.py --model TINY_DIR --out result.json
 
-Builds the FSDP policy (sharded over the ranks) and a colocated vLLM engine per rank (fsdp_vllm.make_engine),
+Builds the FSDP policy (sharded over the ranks) and a colocated vLLM engine per rank (engines.make_engine),
 generates greedily, takes one optimizer step with a large learning rate, sends the new weights to vLLM
-(fsdp_vllm.VLLMEngine.update_weights) and generates again. For both, it records vLLM's tokens
+(engines.VLLMEngine.update_weights) and generates again. For both, it records vLLM's tokens
 and log-probs and the trainer's own log-probs and greedy choices on those tokens, and, per token, how far
 the trainer's best logit is above vLLM's token's (0 where they agree): in bf16 (a GPU) two near-equal logits
 may swap. Also whether the rank's RNG came through the engine's start (vLLM seeds torch as it starts).
@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import full_fsdp_worker  # noqa: E402
-from support import fsdp_vllm, mathtask  # noqa: E402
+from support import fsdp, loss_head, engines, mathtask  # noqa: E402
 import train_full  # noqa: E402
 
 PROMPTS = ["1+1=", "The answer is", "abc"]
@@ -31,7 +31,7 @@ def trainer_view(model, tokenizer, prompt_ids, completions):
     log-prob is above vLLM's token's at each position."""
     seqs = [{"prompt_ids": p, "response_ids": c["token_ids"]} for p, c in zip(prompt_ids, completions)]
     device = next(model.parameters()).device
-    inputs, targets, mask = fsdp_vllm.pack(seqs, list(range(len(seqs))), tokenizer.pad_token_id, device)
+    inputs, targets, mask = loss_head.pack(seqs, list(range(len(seqs))), tokenizer.pad_token_id, device)
     with torch.no_grad():
         logits = model(**inputs).logits[:, :-1].float()
     logp = logits.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
@@ -93,41 +93,41 @@ def main():
             "8",
         ]
     )
-    dist_ = fsdp_vllm.init_distributed(device)
-    tokenizer = fsdp_vllm.load_tokenizer(cli.model)
-    stops = mathtask.stop_token_ids(tokenizer, fsdp_vllm.load_generation_config(cli.model))
-    model = fsdp_vllm.load_policy(args, dist_)
-    optimizer = fsdp_vllm.make_optimizer(model, args)
-    torch.manual_seed(1234 + dist_.rank)  # what train_full's main seeds (seed + rank), or a resume restores
+    world = fsdp.init_distributed(device)
+    tokenizer = fsdp.load_tokenizer(cli.model)
+    stops = mathtask.stop_token_ids(tokenizer, fsdp.load_generation_config(cli.model))
+    model = fsdp.load_policy(args, world)
+    optimizer = fsdp.make_optimizer(model, args)
+    torch.manual_seed(1234 + world.rank)  # what train_full's main seeds (seed + rank), or a resume restores
     rng = torch.get_rng_state()
-    engine = fsdp_vllm.make_engine(cli.model, args, dist_)  # vLLM's workers call set_random_seed as they start
+    engine = engines.make_engine(cli.model, args, world)  # vLLM's workers call set_random_seed as they start
     rng_kept = torch.equal(rng, torch.get_rng_state())
     prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
 
     before = snapshot(engine, model, tokenizer, prompt_ids, stops)
-    per = full_fsdp_worker.P // dist_.world
-    mine = slice(dist_.rank * per, (dist_.rank + 1) * per)
+    per = full_fsdp_worker.P // world.size
+    mine = slice(world.rank * per, (world.rank + 1) * per)
     rollouts = full_fsdp_worker.make_rollouts(len(tokenizer))[mine]
     stats, _ = full_fsdp_worker.train_step(
-        model, optimizer, rollouts, full_fsdp_worker.REWARDS[mine], 1, args, dist_, tokenizer.pad_token_id
+        model, optimizer, rollouts, full_fsdp_worker.REWARDS[mine], 1, args, world, tokenizer.pad_token_id
     )  # steps 3-6 of train_full's loop
     engine.sleep()  # no-op on CPU (vLLM has no sleep mode there); on CUDA this frees vLLM's memory
-    engine.update_weights(fsdp_vllm.full_named_tensors(model, getattr(torch, args.dtype)))
+    engine.update_weights(fsdp.full_named_tensors(model, getattr(torch, args.dtype)))
     after = snapshot(engine, model, tokenizer, prompt_ids, stops)
-    with open(f"{cli.out}.rank{dist_.rank}", "w") as f:
+    with open(f"{cli.out}.rank{world.rank}", "w") as f:
         json.dump(
             {
                 "before": before,
                 "after": after,
                 "skipped": stats["skipped"],
                 "grad_norm": stats["grad_norm"],
-                "world": dist_.world,
+                "world": world.size,
                 "dtype": args.dtype,
                 "rng_kept": rng_kept,
             },
             f,
         )
-    fsdp_vllm.shutdown(engine)
+    engines.shutdown(engine)
 
 
 if __name__ == "__main__":

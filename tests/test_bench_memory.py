@@ -170,7 +170,7 @@ def test_what_the_trainer_holds_while_vllm_generates_is_its_state_and_with_kl_re
 ):
     """The plan's trainer_resident (fp32 shards + AdamW's moments, + 2 B x params / ranks with --kl-ref), counted in
     the simulated run: the reference's root (wrapped reshard_after_forward=False, no backward) holds no gathered
-    weights after its forward (fsdp_vllm.reshard), which would add its lm_head here (issue 30)."""
+    weights after its forward (fsdp.reshard), which would add its lm_head here (issue 30)."""
     weights, n_tensors = shard_bytes(tiny_dir, RANKS)
     buffers = 2 * 16 * 4  # the rotary inv_freq and original_inv_freq of the tiny model (fp32, 16 each)
     assert fake_run[1]["resident_bytes"] == weights + (2 * weights + 4 * n_tensors) + buffers
@@ -199,19 +199,18 @@ def test_cpu_offload_moves_the_sharded_state_off_the_gpu_and_gpu_adds_vllms_shar
     assert simulated["Sharded Param"] == weights and simulated["OptState"] == 2 * weights + 4 * n_tensors
     assert host["moments"] == 2 * weights and host["weights"] == host["gradients"] == pinned_shards(tiny_dir, RANKS)
     assert host["weights"] > weights and host["rounding"] == 2 * (host["weights"] - weights)
-    assert host["total"] == host["per_rank"] * RANKS + host["export"] and "Host memory (fsdp_vllm.host_memory" in stdout
+    assert host["total"] == host["per_rank"] * RANKS + host["export"] and "Host memory (gpu.host_memory" in stdout
 
 
 def pinned_shards(model_dir, ranks):
     """Each parameter's fp32 shard (ceil(rows / ranks) rows) as torch's host allocator pins it: a power of two."""
     from transformers import AutoModelForCausalLM
 
-    from support import fsdp_vllm
+    from support import gpu
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     return sum(
-        fsdp_vllm.pinned_block(4 * math.ceil(p.shape[0] / ranks) * (p.numel() // p.shape[0]))
-        for p in model.parameters()
+        gpu.pinned_block(4 * math.ceil(p.shape[0] / ranks) * (p.numel() // p.shape[0])) for p in model.parameters()
     )
 
 

@@ -352,7 +352,7 @@ def test_cpu_offload_gives_the_plain_paths_update(fsdp_result):
 
 def test_the_references_root_holds_no_gathered_weights_after_its_forward(fsdp_result):
     """--kl-ref: the reference's root is wrapped reshard_after_forward=False and never runs a backward; without
-    fsdp_vllm.reshard its lm_head (1 GiB in bf16 for the 7B) would stay gathered beside vLLM (issue 30)."""
+    fsdp.reshard its lm_head (1 GiB in bf16 for the 7B) would stay gathered beside vLLM (issue 30)."""
     assert fsdp_result["gspo-d3s-i-m2"]["reference_resharded"]
 
 

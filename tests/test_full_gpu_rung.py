@@ -1,9 +1,9 @@
 """Issue 30, the GPU rung, on a CPU: what a review found would break on a GPU node, and one GPU of 24-80 GB.
 
-- the memory plan (fsdp_vllm.vllm_memory_plan): vLLM's weights, workspace and KV cache beside the trainer,
+- the memory plan (gpu.vllm_memory_plan): vLLM's weights, workspace and KV cache beside the trainer,
   --cpu-offload, --kl-ref's shards, --vllm-sleep-level 0 (vLLM awake beside the step), a refusal in one line that
   names the memory and the flags that fit (a given --vllm-gpu-memory-utilization too small or too large too);
-- its estimate of the trainer's step (fsdp_vllm.trainer_peak_bytes) against bench/memory.py's simulations;
+- its estimate of the trainer's step (gpu.trainer_peak_bytes) against bench/memory.py's simulations;
 - the engine: the first weight sync with vLLM asleep, the free-memory check before a wake (a fake vLLM);
 - an untied lm_head on a micro-batch without a selected token still gets a (zero) gradient;
 - the diagnosis of a torch that sees no GPU (driver and CUDA versions), the labels of the defaults.
@@ -16,7 +16,7 @@ import types
 import pytest
 import torch
 
-from support import fsdp_vllm
+from support import loss_head, engines, gpu, cli
 import train_full
 
 GIB = 2**30
@@ -29,7 +29,7 @@ QWEN25_MATH_1_5B = dict(
     vocab_size=151936,
     tie_word_embeddings=True,
     max_position_embeddings=4096,
-    dtype="bfloat16",  # the hub checkpoint's: export_hf writes it (fsdp_vllm.host_memory counts its copy)
+    dtype="bfloat16",  # the hub checkpoint's: export_hf writes it (gpu.host_memory counts its copy)
 )
 QWEN25_MATH_7B = dict(
     hidden_size=3584,
@@ -51,10 +51,10 @@ def config(shapes):
     return Qwen2Config(**shapes)
 
 
-def plan(shapes, flags=(), ranks=1, gpu="24gb", **kw):
+def plan(shapes, flags=(), ranks=1, card="24gb", **kw):
     model = ["--model", "Qwen/Qwen2.5-Math-1.5B"] if shapes is QWEN25_MATH_1_5B else []  # the name the line gives
-    return fsdp_vllm.vllm_memory_plan(
-        config(shapes), train_full.parse_args(model + list(flags)), ranks, GPUS[gpu] * GIB, **kw
+    return gpu.vllm_memory_plan(
+        config(shapes), train_full.parse_args(model + list(flags)), ranks, GPUS[card] * GIB, **kw
     )
 
 
@@ -62,7 +62,7 @@ ONE_GPU = ["--micro-batch-size", "4", "--max-prompt-len", "512"]  # the one-GPU 
 
 
 def test_the_plan_refuses_the_1_5b_on_a_24_gb_gpu_without_offload_in_one_line_that_names_the_memory_and_the_fix():
-    with pytest.raises(fsdp_vllm.UsageError) as refused:
+    with pytest.raises(cli.UsageError) as refused:
         plan(QWEN25_MATH_1_5B, ONE_GPU)
     line = str(refused.value)
     assert "\n" not in line and line.startswith("--model Qwen/Qwen2.5-Math-1.5B: does not fit this 22.0 GiB GPU: ")
@@ -71,31 +71,27 @@ def test_the_plan_refuses_the_1_5b_on_a_24_gb_gpu_without_offload_in_one_line_th
     assert "fits with --cpu-offload" in line
     accepted = plan(QWEN25_MATH_1_5B, ONE_GPU + ["--cpu-offload"])
     assert accepted["trainer_resident_gib"] == 0 and not accepted["short"]
-    assert accepted["vllm_share_gib"] == pytest.approx(22.0 - fsdp_vllm.MARGIN_GIB, abs=0.01)
+    assert accepted["vllm_share_gib"] == pytest.approx(22.0 - gpu.MARGIN_GIB, abs=0.01)
     assert accepted["kv_cache_gib"] > 10 and accepted["max_num_seqs"] >= 64  # 28 KiB a token: ~100 sequences of 3.5k
     parts = accepted["host_parts_gib"]  # the state in host memory (pinned and rounded), + rank 0's export copy
     assert accepted["host_gib"] == pytest.approx(parts["per_rank"] + parts["export"]) and parts["rounding"] > 0
 
 
-@pytest.mark.parametrize("gpu", ["48gb", "80gb"])
-def test_the_1_5b_fits_48_and_80_gb_without_offload(gpu):
-    fits = plan(QWEN25_MATH_1_5B, ONE_GPU, gpu=gpu)
+@pytest.mark.parametrize("card", ["48gb", "80gb"])
+def test_the_1_5b_fits_48_and_80_gb_without_offload(card):
+    fits = plan(QWEN25_MATH_1_5B, ONE_GPU, card=card)
     assert fits["trainer_resident_gib"] == pytest.approx(12 * fits["params"] / GIB)  # 17.25 GiB
     assert fits["trainer_peak_gib"] == pytest.approx(20 * fits["params"] / GIB)  # the AdamW step at micro-batch 4
-    assert fits["vllm_share_gib"] + fits["trainer_resident_gib"] + fsdp_vllm.MARGIN_GIB == pytest.approx(
-        GPUS[gpu], abs=0.01
-    )
+    assert fits["vllm_share_gib"] + fits["trainer_resident_gib"] + gpu.MARGIN_GIB == pytest.approx(GPUS[card], abs=0.01)
 
 
 def test_the_7b_on_one_80_gb_gpu_needs_offload_and_the_host_memory_for_it():
-    with pytest.raises(
-        fsdp_vllm.UsageError, match=r"fits with --cpu-offload; or 2 GPUs \(torchrun --nproc_per_node 2\)"
-    ):
-        plan(QWEN25_MATH_7B, ONE_GPU, gpu="80gb")
-    ok = plan(QWEN25_MATH_7B, ONE_GPU + ["--cpu-offload"], gpu="80gb", host_bytes=256 * GIB)
+    with pytest.raises(cli.UsageError, match=r"fits with --cpu-offload; or 2 GPUs \(torchrun --nproc_per_node 2\)"):
+        plan(QWEN25_MATH_7B, ONE_GPU, card="80gb")
+    ok = plan(QWEN25_MATH_7B, ONE_GPU + ["--cpu-offload"], card="80gb", host_bytes=256 * GIB)
     assert ok["vllm_weights_gib"] == pytest.approx(14.2, abs=0.05) and ok["kv_cache_gib"] > 50
-    with pytest.raises(fsdp_vllm.UsageError) as refused:  # issue 37, finding 5: 211 GiB, not 20 B x 7.62B = 142
-        plan(QWEN25_MATH_7B, ONE_GPU + ["--cpu-offload"], gpu="80gb", host_bytes=200 * GIB)
+    with pytest.raises(cli.UsageError) as refused:  # issue 37, finding 5: 211 GiB, not 20 B x 7.62B = 142
+        plan(QWEN25_MATH_7B, ONE_GPU + ["--cpu-offload"], card="80gb", host_bytes=200 * GIB)
     assert (
         "host memory: 211.2 GiB needed (--cpu-offload's state: 168.7 GiB for each of the 1 rank(s) of this node, "
         "51.1 GiB of it the pinned blocks' rounding to powers of two; rank 0's full copy of the model at the "
@@ -108,23 +104,23 @@ def test_the_host_count_rounds_each_pinned_shard_to_a_power_of_two_and_adds_rank
     (FSDP2 pins each parameter's shard, and each gradient's), and export_hf holds the full model on rank 0 in fp32
     and in bf16; the plan counted 20 B x params. Arithmetic on the 7B's shapes, one rank."""
     args = train_full.parse_args(["--cpu-offload"])
-    h = fsdp_vllm.host_memory(config(QWEN25_MATH_7B), args, 1, environ={})
-    params = fsdp_vllm.model_shapes(config(QWEN25_MATH_7B))[0]
+    h = gpu.host_memory(config(QWEN25_MATH_7B), args, 1, environ={})
+    params = gpu.model_shapes(config(QWEN25_MATH_7B))[0]
     mlp, embed = 18944 * 3584 * 4, 152064 * 3584 * 4  # 272 MB -> 512 MiB; 2.18 GB -> 4 GiB (embedding, lm_head)
-    assert fsdp_vllm.pinned_block(mlp) == 2**29 and fsdp_vllm.pinned_block(embed) == 2**32
-    assert h["weights"] == h["gradients"] == sum(fsdp_vllm.pinned_block(4 * n) for n in shapes(QWEN25_MATH_7B))
+    assert gpu.pinned_block(mlp) == 2**29 and gpu.pinned_block(embed) == 2**32
+    assert h["weights"] == h["gradients"] == sum(gpu.pinned_block(4 * n) for n in shapes(QWEN25_MATH_7B))
     assert h["weights"] / (4 * params) == pytest.approx(1.90, abs=0.01)  # ~1.9x for weights and gradients
     assert h["moments"] == 8 * params and h["rounding"] == 2 * (h["weights"] - 4 * params)
     assert h["export"] == 6 * params and h["load"] == 4 * params  # fp32 + the bf16 checkpoint copy
     assert h["total"] == h["per_rank"] + h["export"] and h["per_rank"] / GIB == pytest.approx(168.7, abs=0.05)
     # pinned_max_round_threshold_mb in the allocator settings: blocks above it are not rounded
-    below = fsdp_vllm.host_memory(
+    below = gpu.host_memory(
         config(QWEN25_MATH_7B), args, 1, environ={"PYTORCH_CUDA_ALLOC_CONF": "pinned_max_round_threshold_mb:64"}
     )
     assert below["total"] / GIB == pytest.approx(161.85, abs=0.01) and below["rounding"] / GIB < 2
-    eight = fsdp_vllm.host_memory(config(QWEN25_MATH_7B), args, 8, local_ranks=8, environ={})
+    eight = gpu.host_memory(config(QWEN25_MATH_7B), args, 8, local_ranks=8, environ={})
     assert eight["total"] == 8 * eight["per_rank"] + eight["export"]  # every rank of the node, one export copy
-    plain = fsdp_vllm.host_memory(config(QWEN25_MATH_7B), train_full.parse_args([]), 8, local_ranks=8)
+    plain = gpu.host_memory(config(QWEN25_MATH_7B), train_full.parse_args([]), 8, local_ranks=8)
     assert plain["total"] == plain["export"] == 6 * params  # without offload: only the export's copy
 
 
@@ -138,32 +134,32 @@ def shapes(fields, ranks=1):
 
 
 def test_the_plan_counts_the_kl_reference_and_refuses_a_micro_batch_that_does_not_fit():
-    base, with_ref = plan(QWEN25_MATH_7B, ranks=8, gpu="80gb"), plan(QWEN25_MATH_7B, ["--kl-ref"], ranks=8, gpu="80gb")
+    base, with_ref = plan(QWEN25_MATH_7B, ranks=8, card="80gb"), plan(QWEN25_MATH_7B, ["--kl-ref"], ranks=8, card="80gb")
     assert with_ref["trainer_resident_gib"] - base["trainer_resident_gib"] == pytest.approx(
         2 * base["params"] / 8 / GIB
     )
     assert with_ref["trainer_peak_gib"] - base["trainer_peak_gib"] == pytest.approx(2 * base["params"] / 8 / GIB)
-    with pytest.raises(fsdp_vllm.UsageError) as refused:  # 64 rollouts of 4024 tokens per forward on a 48 GB GPU
-        plan(QWEN25_MATH_1_5B, ["--micro-batch-size", "64"], gpu="48gb")
+    with pytest.raises(cli.UsageError) as refused:  # 64 rollouts of 4024 tokens per forward on a 48 GB GPU
+        plan(QWEN25_MATH_1_5B, ["--micro-batch-size", "64"], card="48gb")
     line = str(refused.value)
     assert "the trainer's step needs about" in line and "micro-batch 64 x 4024 tokens" in line
     assert "fits with --micro-batch-size " in line  # the largest that fits (offload alone is not enough here)
     largest = int(line.split("--micro-batch-size ")[-1].split(";")[0].split()[0])
-    assert not plan(QWEN25_MATH_1_5B, ["--micro-batch-size", str(largest)], gpu="48gb")["short"]
-    with pytest.raises(fsdp_vllm.UsageError):  # the largest that fits: one more does not
-        plan(QWEN25_MATH_1_5B, ["--micro-batch-size", str(largest + 1)], gpu="48gb")
+    assert not plan(QWEN25_MATH_1_5B, ["--micro-batch-size", str(largest)], card="48gb")["short"]
+    with pytest.raises(cli.UsageError):  # the largest that fits: one more does not
+        plan(QWEN25_MATH_1_5B, ["--micro-batch-size", str(largest + 1)], card="48gb")
 
 
 def test_a_given_gpu_memory_utilization_that_leaves_vllm_too_little_is_refused():
-    with pytest.raises(fsdp_vllm.UsageError, match="vLLM would get 4.0 GiB.*no --vllm-gpu-memory-utilization"):
-        plan(QWEN25_MATH_7B, ["--vllm-gpu-memory-utilization", "0.05"], ranks=8, gpu="80gb")
+    with pytest.raises(cli.UsageError, match="vLLM would get 4.0 GiB.*no --vllm-gpu-memory-utilization"):
+        plan(QWEN25_MATH_7B, ["--vllm-gpu-memory-utilization", "0.05"], ranks=8, card="80gb")
 
 
 def test_a_given_gpu_memory_utilization_that_overfills_the_gpu_beside_the_trainer_is_refused_with_one_that_fits():
     """Review: only a too-small share was refused; 0.95 beside the 7B's 10.6 GiB of shards and the margin would run
     vLLM out of memory at its start. The line names the memory and the largest value that fits."""
-    with pytest.raises(fsdp_vllm.UsageError) as refused:
-        plan(QWEN25_MATH_7B, ["--vllm-gpu-memory-utilization", "0.95"], ranks=8, gpu="80gb")
+    with pytest.raises(cli.UsageError) as refused:
+        plan(QWEN25_MATH_7B, ["--vllm-gpu-memory-utilization", "0.95"], ranks=8, card="80gb")
     line = str(refused.value)
     assert "\n" not in line and line.startswith("--model Qwen/Qwen2.5-Math-7B: does not fit this 79.1 GiB GPU: ")
     assert (
@@ -172,11 +168,11 @@ def test_a_given_gpu_memory_utilization_that_overfills_the_gpu_beside_the_traine
     ) in line
     assert "no --vllm-gpu-memory-utilization (the plan's)" in line
     largest = line.split("fits with --vllm-gpu-memory-utilization ")[1].split(";")[0]
-    ok = plan(QWEN25_MATH_7B, ["--vllm-gpu-memory-utilization", largest], ranks=8, gpu="80gb")
-    assert ok["vllm_share_gib"] + ok["trainer_resident_gib"] + fsdp_vllm.MARGIN_GIB <= GPUS["80gb"]
-    with pytest.raises(fsdp_vllm.UsageError, match="more than the GPU's 79.1"):  # the largest: 0.001 more does not fit
-        plan(QWEN25_MATH_7B, ["--vllm-gpu-memory-utilization", f"{float(largest) + 0.001:g}"], ranks=8, gpu="80gb")
-    assert not plan(QWEN25_MATH_1_5B, ONE_GPU + ["--vllm-gpu-memory-utilization", "0.5"], gpu="48gb")["short"]
+    ok = plan(QWEN25_MATH_7B, ["--vllm-gpu-memory-utilization", largest], ranks=8, card="80gb")
+    assert ok["vllm_share_gib"] + ok["trainer_resident_gib"] + gpu.MARGIN_GIB <= GPUS["80gb"]
+    with pytest.raises(cli.UsageError, match="more than the GPU's 79.1"):  # the largest: 0.001 more does not fit
+        plan(QWEN25_MATH_7B, ["--vllm-gpu-memory-utilization", f"{float(largest) + 0.001:g}"], ranks=8, card="80gb")
+    assert not plan(QWEN25_MATH_1_5B, ONE_GPU + ["--vllm-gpu-memory-utilization", "0.5"], card="48gb")["short"]
 
 
 AWAKE = ["--vllm-sleep-level", "0", "--vllm-allow-awake"]
@@ -185,32 +181,32 @@ AWAKE = ["--vllm-sleep-level", "0", "--vllm-allow-awake"]
 def test_sleep_level_0_gives_vllm_what_the_trainers_step_leaves_and_level_1_what_level_2_does():
     """Review: --vllm-sleep-level 0 keeps vLLM's whole share on the GPU through the training step, so the share is
     sized beside the step's peak (not the resident shards); levels 1 and 2 both free it while the trainer runs."""
-    asleep, awake = plan(QWEN25_MATH_1_5B, ONE_GPU, gpu="80gb"), plan(QWEN25_MATH_1_5B, ONE_GPU + AWAKE, gpu="80gb")
+    asleep, awake = plan(QWEN25_MATH_1_5B, ONE_GPU, card="80gb"), plan(QWEN25_MATH_1_5B, ONE_GPU + AWAKE, card="80gb")
     assert awake["vllm_awake_in_step"] and not asleep["vllm_awake_in_step"]
-    assert awake["vllm_share_gib"] + awake["trainer_peak_gib"] + fsdp_vllm.MARGIN_GIB == pytest.approx(79.1, abs=0.01)
+    assert awake["vllm_share_gib"] + awake["trainer_peak_gib"] + gpu.MARGIN_GIB == pytest.approx(79.1, abs=0.01)
     assert awake["vllm_share_gib"] == pytest.approx(asleep["vllm_share_gib"] - (20 - 12) * asleep["params"] / GIB)
     assert awake["max_num_seqs"] < asleep["max_num_seqs"]
-    level_1 = plan(QWEN25_MATH_1_5B, ONE_GPU + ["--vllm-sleep-level", "1", "--vllm-allow-awake"], gpu="80gb")
+    level_1 = plan(QWEN25_MATH_1_5B, ONE_GPU + ["--vllm-sleep-level", "1", "--vllm-allow-awake"], card="80gb")
     assert level_1["gpu_memory_utilization"] == asleep["gpu_memory_utilization"]
 
 
 def test_sleep_level_0_that_leaves_vllm_too_little_beside_the_step_is_refused_naming_level_2():
     flags = ["--micro-batch-size", "20", "--max-prompt-len", "512"]  # the step: ~35.5 GiB of a 44.4 GiB GPU
-    assert not plan(QWEN25_MATH_1_5B, flags, gpu="48gb")["short"]  # asleep, vLLM gets the room
-    with pytest.raises(fsdp_vllm.UsageError) as refused:
-        plan(QWEN25_MATH_1_5B, flags + AWAKE, gpu="48gb")
+    assert not plan(QWEN25_MATH_1_5B, flags, card="48gb")["short"]  # asleep, vLLM gets the room
+    with pytest.raises(cli.UsageError) as refused:
+        plan(QWEN25_MATH_1_5B, flags + AWAKE, card="48gb")
     line = str(refused.value)
     assert "\n" not in line and "vLLM would get 4.9 GiB beside the trainer's 35.5 GiB (its step" in line
     assert "--vllm-sleep-level 0 keeps vLLM awake through it" in line and "or --vllm-sleep-level 2" in line
     # a given share that fits beside the resident shards but not beside the step's peak
     util = ["--vllm-gpu-memory-utilization", "0.7"]
-    assert not plan(QWEN25_MATH_1_5B, ONE_GPU + util, gpu="80gb")["short"]
+    assert not plan(QWEN25_MATH_1_5B, ONE_GPU + util, card="80gb")["short"]
     with pytest.raises(
-        fsdp_vllm.UsageError,
+        cli.UsageError,
         match=r"gives vLLM 55.4 GiB, which beside the trainer's 28.8 GiB \(its step"
         r".*needs 88.1 GiB, more than the GPU's 79.1.*--vllm-sleep-level 2",
     ):
-        plan(QWEN25_MATH_1_5B, ONE_GPU + util + AWAKE, gpu="80gb")
+        plan(QWEN25_MATH_1_5B, ONE_GPU + util + AWAKE, card="80gb")
 
 
 # bench/memory.py's simulated peaks on the GPU (GiB; 2026-11-25, docs/memory.md; response 3000, prompt 512, d3s):
@@ -241,7 +237,7 @@ SIMULATED = {
 def test_the_plans_estimate_of_the_trainers_step_is_at_or_a_little_above_the_simulation(key):
     name, ranks, mb, flags = key
     args = train_full.parse_args(["--micro-batch-size", str(mb), "--max-prompt-len", "512", *flags])  # bench: 512
-    estimate = fsdp_vllm.trainer_peak_bytes(config(QWEN25_MATH_7B if name == "7b" else QWEN25_MATH_1_5B), args, ranks)
+    estimate = gpu.trainer_peak_bytes(config(QWEN25_MATH_7B if name == "7b" else QWEN25_MATH_1_5B), args, ranks)
     assert SIMULATED[key] <= estimate / GIB <= 1.12 * SIMULATED[key]
 
 
@@ -269,7 +265,7 @@ class FakeLLM:
 def fake_engine(monkeypatch, stub, free_gib, asleep):
     """A VLLMEngine on a 'GPU' with free_gib free, whose vLLM allocator holds `asleep` [(tag, GiB, is_asleep)]."""
     calls = []
-    engine = object.__new__(fsdp_vllm.VLLMEngine)
+    engine = object.__new__(engines.VLLMEngine)
     engine.cuda, engine.sleep_level, engine.sleeping, engine.llm = True, 2, False, FakeLLM(calls)
     allocations = [types.SimpleNamespace(tag=t, handle=(0, int(g * GIB)), is_asleep=a) for t, g, a in asleep]
 
@@ -321,7 +317,7 @@ def test_the_first_weight_sync_puts_a_fresh_engine_to_sleep_and_wakes_the_weight
 
 def test_a_kv_cache_that_the_free_memory_cannot_hold_is_one_line_before_the_wake(monkeypatch, vllm_stub):
     engine, calls = fake_engine(monkeypatch, vllm_stub, 10, [("weights", 3, False), ("kv_cache", 20, False)])
-    with pytest.raises(fsdp_vllm.UsageError) as short:
+    with pytest.raises(cli.UsageError) as short:
         engine.update_weights(iter([]))
     line = str(short.value)
     assert (
@@ -343,18 +339,18 @@ def test_the_wake_check_counts_what_vllm_maps_back_whatever_the_tags():
         alloc("cudagraph", 1),
         alloc("kv_cache", 5, False),
     ]
-    assert fsdp_vllm.wake_shortfall(5 * GIB, pool, ["weights"]) is None  # weights + runtime + CUDA graphs: 5 GiB
-    assert "need 5.00 GiB to wake, 4.99 GiB" in fsdp_vllm.wake_shortfall(5 * GIB - 2**23, pool, ["weights"])
-    assert fsdp_vllm.wake_shortfall(25 * GIB, pool, None) is None and fsdp_vllm.wake_shortfall(24 * GIB, pool, None)
+    assert engines.wake_shortfall(5 * GIB, pool, ["weights"]) is None  # weights + runtime + CUDA graphs: 5 GiB
+    assert "need 5.00 GiB to wake, 4.99 GiB" in engines.wake_shortfall(5 * GIB - 2**23, pool, ["weights"])
+    assert engines.wake_shortfall(25 * GIB, pool, None) is None and engines.wake_shortfall(24 * GIB, pool, None)
 
 
 def test_an_export_runs_with_vllm_asleep_and_the_policy_is_synced_back_after(monkeypatch, vllm_stub):
     """Issue 37, finding 3: export_hf gathers each parameter in fp32 on the GPU; right after a weight sync vLLM was
-    awake beside it (weights + KV cache). fsdp_vllm.export_asleep, with the real VLLMEngine's sleep and
+    awake beside it (weights + KV cache). engines.export_asleep, with the real VLLMEngine's sleep and
     update_weights over a fake vLLM: sleep, then the export, then (level 2 dropped the weights) a sync."""
     engine, calls = fake_engine(monkeypatch, vllm_stub, 40, [("weights", 3, False), ("kv_cache", 20, False)])
     model, args = torch.nn.Linear(2, 2), types.SimpleNamespace(dtype="bfloat16")
-    path = fsdp_vllm.export_asleep(engine, model, args, lambda: calls.append(("export",)) or "runs/x/hf_final")
+    path = engines.export_asleep(engine, model, args, lambda: calls.append(("export",)) or "runs/x/hf_final")
     assert path == "runs/x/hf_final"
     assert calls == [
         ("sleep", 2),
@@ -367,19 +363,19 @@ def test_an_export_runs_with_vllm_asleep_and_the_policy_is_synced_back_after(mon
     assert not engine.sleeping  # ready to generate the evaluation that follows, with the policy's weights
     calls.clear()  # already asleep (an export between the step and its sync): the caller's sync follows
     engine.sleep()
-    fsdp_vllm.export_asleep(engine, model, args, lambda: calls.append(("export",)))
+    engines.export_asleep(engine, model, args, lambda: calls.append(("export",)))
     assert calls == [("sleep", 2), ("export",)] and engine.sleeping
 
 
 def test_an_export_with_hf_rollouts_moves_the_engines_copy_off_the_gpu_first(monkeypatch):
     """The same call with the real HFEngine's sleep (--rollout hf on a GPU: its plain copy goes to host memory)."""
-    engine = object.__new__(fsdp_vllm.HFEngine)
+    engine = object.__new__(engines.HFEngine)
     moved = []
     engine.device, engine.offloaded = torch.device("cuda", 0), False
     engine.model = types.SimpleNamespace(to=lambda device: moved.append(str(device)))
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     seen = []
-    fsdp_vllm.export_asleep(engine, None, types.SimpleNamespace(dtype="bfloat16"), lambda: seen.append(moved[:]))
+    engines.export_asleep(engine, None, types.SimpleNamespace(dtype="bfloat16"), lambda: seen.append(moved[:]))
     assert seen == [["cpu"]] and engine.offloaded  # off the GPU before the export; generate() moves it back
 
 
@@ -390,12 +386,12 @@ def test_an_export_with_hf_rollouts_moves_the_engines_copy_off_the_gpu_first(mon
 def test_a_micro_batch_without_a_selected_token_still_gives_every_parameter_a_zero_gradient(tied):
     """Finding 2: an untied lm_head without a gradient on one rank makes its reduce-scatter differ from the
     others' (a hang or wrong gradients) unless torch >= 2.13's switch is on. The zero loss of an empty
-    selection (and of a DUMMY micro-batch: fsdp_vllm.idle_loss) now uses lm_head at weight 0."""
+    selection (and of a DUMMY micro-batch: loss_head.idle_loss) now uses lm_head at weight 0."""
     from support import tiny
 
     model = tiny.build_tiny_model(tiny.build_char_tokenizer(), tie_word_embeddings=tied).train()
-    inputs, targets, _ = fsdp_vllm.pack([{"prompt_ids": [5, 6], "response_ids": [7, 8]}], [0], 0, torch.device("cpu"))
-    logp = fsdp_vllm.response_logp_at(model, inputs, targets, torch.zeros_like(targets, dtype=torch.bool), 1.0)
+    inputs, targets, _ = loss_head.pack([{"prompt_ids": [5, 6], "response_ids": [7, 8]}], [0], 0, torch.device("cpu"))
+    logp = loss_head.response_logp_at(model, inputs, targets, torch.zeros_like(targets, dtype=torch.bool), 1.0)
     logp.sum().backward()
     for name, param in model.named_parameters():
         assert param.grad is not None and not param.grad.any(), name
@@ -403,14 +399,14 @@ def test_a_micro_batch_without_a_selected_token_still_gives_every_parameter_a_ze
 
 
 def test_a_torch_that_sees_no_gpu_is_told_why_with_the_driver_and_cuda_versions():
-    old = fsdp_vllm.cuda_diagnosis("2.13.0+cu130", "13.0", "550.54.15", "12.4", ["NVIDIA H100 80GB HBM3"])
+    old = gpu.cuda_diagnosis("2.13.0+cu130", "13.0", "550.54.15", "12.4", ["NVIDIA H100 80GB HBM3"])
     assert (
         "torch 2.13.0+cu130 is built for CUDA 13.0; the NVIDIA driver is 550.54.15 (it runs CUDA up to 12.4), "
         "older than the R580+ that CUDA 13 needs: update the driver"
     ) in old
-    assert "CPU-only build" in fsdp_vllm.cuda_diagnosis("2.13.0+cpu", None)
-    assert "no NVIDIA driver answers here" in fsdp_vllm.cuda_diagnosis("2.13.0+cu130", "13.0", None, None, [])
-    new = fsdp_vllm.cuda_diagnosis("2.13.0+cu130", "13.0", "580.65.06", "13.0", ["NVIDIA H100 80GB HBM3"])
+    assert "CPU-only build" in gpu.cuda_diagnosis("2.13.0+cpu", None)
+    assert "no NVIDIA driver answers here" in gpu.cuda_diagnosis("2.13.0+cu130", "13.0", None, None, [])
+    new = gpu.cuda_diagnosis("2.13.0+cu130", "13.0", "580.65.06", "13.0", ["NVIDIA H100 80GB HBM3"])
     assert "older than" not in new and "nvidia-smi lists 1 GPU(s)" in new
 
 

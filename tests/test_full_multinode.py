@@ -332,9 +332,9 @@ def test_the_resume_note_says_when_the_rollouts_differ(files, tmp_path):
     ckpt = tmp_path / "step_000001"
     ckpt.mkdir()
     (ckpt / "trainer_state.json").write_text(json.dumps({"world": 2}))
-    note = lambda world, *extra: full_io.other_world_note(
+    note = lambda ranks, *extra: full_io.other_world_note(
         str(ckpt),
-        world,
+        ranks,
         train_full.parse_args(flags(files, tmp_path / "out", *extra)),
     )
     assert note(2) == note(2, "--unseeded-sampling") == note(2, "--hf-generate-batch", "16") == ""
@@ -358,23 +358,23 @@ def load_resharded(ckpt, out, argv):
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    from support import fsdp_vllm, full_io
+    from support import fsdp, full_io
     import train_full
 
     args = train_full.parse_args(argv)
-    dist_ = fsdp_vllm.init_distributed(args.device)
-    model = fsdp_vllm.load_policy(args, dist_)
-    optimizer = fsdp_vllm.make_optimizer(model, args)
-    meta = full_io.load_checkpoint(ckpt, model, optimizer, dist_)
+    world = fsdp.init_distributed(args.device)
+    model = fsdp.load_policy(args, world)
+    optimizer = fsdp.make_optimizer(model, args)
+    meta = full_io.load_checkpoint(ckpt, model, optimizer, world)
     model_sd, optim_sd = get_state_dict(
         model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
     )
-    if dist_.is_main:
+    if world.is_main:
         torch.save(
             {
                 "model": model_sd,
                 "optim": optim_sd["state"],
-                "world": torch.tensor(dist_.world),
+                "world": torch.tensor(world.size),
                 "saved_world": torch.tensor(meta["world"]),
             },
             out,

