@@ -9,7 +9,7 @@ Every rank holds an FSDP2 shard of the policy (fp32 master weights, bf16 compute
 engine (asleep while the trainer runs). A step (docs/algorithm.md section 6) is six calls in main()'s loop:
 
   1 generate              G rollouts for each prompt of this rank's share of the step's P (vLLM)
-  2 grade                 0/1 rewards: the last \\boxed{} against the gold answer (mathtask.Grader)
+  2 grade                 0/1 rewards: the last \\boxed{} against the gold answer (grading.Grader)
   3 select_samples_global d3s.select_samples on the GLOBAL [P, G] rewards, N from methods.budget; the kept
                           rollouts are then spread over the ranks by token count
   4 forward_kept          no-grad forward of the kept rollouts, only what the step needs: old log-probs,
@@ -40,10 +40,11 @@ import torch.distributed as dist
 
 from support import cli, common
 import d3s
-from support import fsdp, loss_head, engines, gpu, full_io, methods
+from support import engines, fsdp, full_io, gpu, grading, loss_head, mathtask, methods
 from support.fsdp import all_reduce
 from support.gpu import clock
-from support.mathtask import DataError, Grader
+from support.mathtask import DataError
+from support.grading import Grader
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")  # MATH levels 3-5 and the benchmarks
 BENCHMARKS = ("aime24", "aime25", "amc23", "gsm8k", "math500", "minerva_math", "olympiadbench")
@@ -69,7 +70,12 @@ def build_parser():
         f("--eval-only", False, bool, "evaluate --model on --eval-data and exit (no training)"),
         f("--out", "runs/full", None, "[choice] output folder: metrics.jsonl, checkpoints/, hf_final/, eval_*.md/json"),
         f("--resume", None, None, "continue from the newest checkpoint in OUT (or this)", nargs="?", const="latest"),
-        f("--template", "qwen-math", list(full_io.TEMPLATES), "[recipe] prompt template (plain: for tiny test models)"),
+        f(
+            "--template",
+            "qwen-math",
+            list(mathtask.TEMPLATES),
+            "[recipe] prompt template (plain: for tiny test models)",
+        ),
         # the batch and D3S
         f("--steps", 250, n(int, 1), "[choice] optimizer steps S (~1 epoch); the D3S schedule runs over them"),
         f("--prompts-per-step", 32, n(int, 1), "[choice] P over all ranks (x G = 1024 rollouts), divisible by them"),
@@ -157,7 +163,7 @@ def generate(engine, batch, step, args, stops):
         args.temperature,
         args.top_p,
         args.max_response_len,
-        full_io.sample_seeds(args, step, [g for g, _ in batch], args.group_size),
+        mathtask.sample_seeds(args, step, [g for g, _ in batch], args.group_size),
         stops,
     )
     return [
@@ -385,7 +391,7 @@ def main(argv=None):
     ranks = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's; the process group comes after the checks
     full_io.check_machine(args, ranks)  # CUDA, vLLM, and a GPU the setting fits
     ckpt = full_io.check_resume(args, ranks)  # the checkpoint to continue, or None
-    tokenizer, stops, prompts, eval_sets, note = full_io.load_inputs(args)
+    tokenizer, stops, prompts, eval_sets, note = mathtask.load_inputs(args)
     world = fsdp.init_distributed(args.device, args.cpu_offload)
     torch.manual_seed(args.seed + world.rank)
     random.seed(args.seed + world.rank)
@@ -394,14 +400,14 @@ def main(argv=None):
     if args.eval_only:
         engine = engines.make_engine(args.model, args, world)
         with Grader(args.grader_timeout, workers=args.grader_workers) as grader:
-            full_io.evaluate(engine, tokenizer, stops, eval_sets, args, world, grader)
+            grading.evaluate(engine, tokenizer, stops, eval_sets, args, world, grader)
         return engines.shutdown(engine)
 
     say(
         f"train data: {note}; {world.size} ranks, {args.prompts_per_step // world.size} prompts x {args.group_size} "
         f"rollouts per rank per step, method {args.method}, loss {args.loss}"
     )
-    order = full_io.PromptOrder(len(prompts), args.seed)
+    order = mathtask.PromptOrder(len(prompts), args.seed)
     model = fsdp.load_policy(args, world)
     # NaN or inf in the weights (each rank its shards) or in the logits of a first forward: one line naming --model,
     # exit 2, before any step
@@ -421,7 +427,7 @@ def main(argv=None):
         while step < run.stop_at:  # --steps, or --stop-after
             s = step + 1  # this step, 1..S
             row = methods.switch_to_intra(args.method, grad_norms, args.switch_on_spike)  # --method, or its twin
-            batch = full_io.rank_share([(g, prompts[g]) for g in order.take(args.prompts_per_step)], world)
+            batch = mathtask.rank_share([(g, prompts[g]) for g in order.take(args.prompts_per_step)], world)
             t0 = clock(device, reset_peak=True)
             rollouts = generate(engine, batch, s, args, stops)  # 1) G rollouts per prompt
             phases = {"gen_s": clock(device) - t0, "gpu_used_gen": gpu.gpu_used_gb(device)}  # + awake vLLM
@@ -469,7 +475,7 @@ def entry(argv=None):
         full_io.usage_error_line(f"train_full.py: error: {e}")
         sys.stdout.flush(), sys.stderr.flush()
         os._exit(2)
-    except full_io.DiskFull as e:  # one line, exit 74; the last checkpoint intact
+    except common.DiskFull as e:  # one line, exit 74; the last checkpoint intact
         full_io.fail_disk(e)
     except BaseException as e:  # a Ctrl-C outside the loop: one line, exit 130; else its traceback, exit 1
         full_io.crashed(e)

@@ -27,8 +27,9 @@ from tqdm import tqdm
 
 from support import cli, common
 import d3s
-from support import explain, methods, warmstart
-from support.mathtask import Grader, held_out_pass, stop_token_ids
+from support import explain, methods, warmstart, mathtask
+from support.grading import Grader, held_out_pass
+from support.mathtask import stop_token_ids
 
 PROG = "train_small.py"
 TINY_MAX_NEW_TOKENS, HF_MAX_NEW_TOKENS = {"steps": 48, "direct": 16}, 512  # a worked answer + EOS: 34 tokens (tiny)
@@ -370,11 +371,11 @@ def step_seed(seed, step, salt=0):
 
 
 def evaluate(model, tokenizer, grader, eval_rows, step, args):
-    """Held-out greedy Pass@1, mean Pass@1 over n samples and unbiased Pass@k (mathtask.held_out_pass); n is
+    """Held-out greedy Pass@1, mean Pass@1 over n samples and unbiased Pass@k (grading.held_out_pass); n is
     --eval-samples at the last step, --mid-eval-samples before it (k <= n)."""
     t0, n = time.time(), args.eval_samples if step == args.steps else args.mid_eval_samples
     torch.manual_seed(step_seed(args.rl_seed, step, 2))
-    rows = [{**r, "prompt": warmstart.format_prompt(r["problem"], args.template)} for r in eval_rows]
+    rows = [{**r, "prompt": mathtask.format_prompt(r["problem"], args.template)} for r in eval_rows]
     sample = lambda prompts, n, greedy: rollout(
         model,
         tokenizer,
@@ -412,7 +413,7 @@ def train(args, train_rows, eval_rows, warm):
             problems = random.Random(step_seed(args.rl_seed, step)).sample(train_rows, n_prompts)
             t0 = time.time()
             # 1) generate G rollouts per prompt, 2) reward them 0/1
-            prompts = [warmstart.format_prompt(r["problem"], args.template) for r in problems]
+            prompts = [mathtask.format_prompt(r["problem"], args.template) for r in problems]
             batch = rollout(model, tokenizer, prompts, G, args.max_new_tokens, args.temperature)
             gen_s, golds = time.time() - t0, [r["answer"] for r in problems for _ in range(G)]
             rewards = compute_rewards(grader, batch["texts"], golds).view(-1, G)  # [P, G]
@@ -472,7 +473,7 @@ def train(args, train_rows, eval_rows, warm):
 def main(argv=None):
     args = parse_args(argv)
     try:  # every bad flag, file, model or checkpoint stops here, before training, with one line
-        train_rows, eval_rows = common.fit_prompts(args, *warmstart.load_data(args))  # prompts that fit the context
+        train_rows, eval_rows = common.fit_prompts(args, *mathtask.load_data(args))  # prompts that fit the context
         if args.resume:  # checked before the warm start: a bad checkpoint stops here
             common.read_resume(args, RUN_FLAGS, PROG, ADDED_RUN_FLAGS)
         with common.out_lock(args.out, PROG):

@@ -21,7 +21,7 @@ matched to `train_small.py --method grpo` as closely as TRL allows:
     generate call, as train_small.py does at the start of each step, so with the same weights
     and the same batch both draw the same rollouts (checked by vs_trl.py at step 1);
   - prompts are plain strings (mathtask templates applied here), so TRL applies no chat template;
-  - reward = mathtask.Grader (last \\boxed{} vs `answer`, math-verify, hard time limit);
+  - reward = grading.Grader (last \\boxed{} vs `answer`, math-verify, hard time limit);
   - GRPOConfig: num_generations = G, per_device_train_batch_size = P x G (one optimizer step
     and one loss micro-batch per generation batch), num_iterations = 1, beta = 0 (no reference
     model), scale_rewards = "group", loss_type = "dapo" (TRL's default: token mean over the
@@ -149,8 +149,9 @@ def main(argv=None):
     from trl import GRPOConfig, GRPOTrainer
 
     import train_small
-    from support import warmstart
-    from support.mathtask import Grader, load_problems
+    from support import mathtask
+    from support.grading import Grader
+    from support.mathtask import load_problems
 
     if args.d3s_method:
         from integrations.trl import D3SGRPOConfig as GRPOConfig  # noqa: F811
@@ -178,7 +179,7 @@ def main(argv=None):
         rows = train_rows
     dataset = Dataset.from_dict(
         {
-            "prompt": [warmstart.format_prompt(r["problem"], args.template) for r in rows],
+            "prompt": [mathtask.format_prompt(r["problem"], args.template) for r in rows],
             "answer": [r["answer"] for r in rows],
         }
     )

@@ -33,7 +33,7 @@ times slower, unevenly across arms).
 Measured per arm (means over seeds and repeats; per-step numbers are means over steps 2..S of each run,
 step 1 also pays one-off costs such as the grader's first math-verify import):
   gen      rollouts: tokenize + HF generate + decode      (TRL: GRPOTrainer._generate)
-  reward   math-verify grading (mathtask.Grader)           (TRL: GRPOTrainer._calculate_rewards)
+  reward   math-verify grading (grading.Grader)           (TRL: GRPOTrainer._calculate_rewards)
   update   everything else in the step: advantages (+ selection), loss forward/backward,
            clipping, AdamW step                            (TRL: step time - gen - reward)
   peak RSS the arm process's peak resident set (os.wait4's ru_maxrss: the largest of the
@@ -191,10 +191,10 @@ def check_args(p, args):
             args.trl_python,
             "create the TRL venv (see this file's docstring), or run only the train_small arms: --arms grpo,d3s",
         )
-    from support import warmstart  # the tasks (and their lengths) are train_small's; it imports torch, so it comes last
+    from support import mathtask  # the tasks (and their lengths) are train_small's; it imports torch, so it comes last
 
-    if args.task not in warmstart.TASKS:
-        p.error(f"--task {args.task!r}: not a task of train_small.py; choose {' or '.join(warmstart.TASKS)}")
+    if args.task not in mathtask.TASKS:
+        p.error(f"--task {args.task!r}: not a task of train_small.py; choose {' or '.join(mathtask.TASKS)}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -226,7 +226,7 @@ WARM_START_SNIPPET = """
 import json, sys
 import train_small, warmstart
 args = train_small.parse_args(sys.argv[1:])
-train_rows, eval_rows = warmstart.load_data(args)
+train_rows, eval_rows = mathtask.load_data(args)
 for name, rows in (("train", train_rows), ("eval", eval_rows)):
     with open(f"{WORK}/{name}.jsonl", "w") as f:
         f.writelines(json.dumps(r) + "\\n" for r in rows)
@@ -621,7 +621,7 @@ What differs between the arms beyond the algorithm (TRL 1.16.0 as installed, rea
   schedule, cross-group) and puts only the top-K |A| x H tokens in the loss; it still generates and grades
   all P x G rollouts, so gen and reward are the same and only update shrinks (plus the selection itself).
 - Memory: the process peaks are close (same model, same eval batch). The process-tree peak is higher for
-  train_small.py because mathtask.Grader's child is started with multiprocessing "spawn", which re-imports
+  train_small.py because grading.Grader's child is started with multiprocessing "spawn", which re-imports
   the main module: train_small.py imports torch, numpy and tqdm at the top, so its grader child holds about
   260 MB, while trl_arm.py imports them inside main() and its grader child holds about 60 MB.
 - Held-out accuracy: identical trajectories give identical accuracy; once rounding (fused head vs full

@@ -15,8 +15,8 @@ token level selects with the ones it drops.
     .venv/bin/python experiments/dropped_tokens.py --model M --method d2s --token-rule entropy     # another row or rule
 
 Batch b (0..B-1) is train_small.py's step S with --rl-seed SEED + b, up to its update (train_small.train's loop):
-train_small.rollout of P x G responses to P problems of warmstart.TASKS[--task] (the problems and the sampling
-seeded as that step's), train_small.compute_rewards (mathtask.Grader), N and K from d3s.method_budget (the
+train_small.rollout of P x G responses to P problems of mathtask.TASKS[--task] (the problems and the sampling
+seeded as that step's), train_small.compute_rewards (grading.Grader), N and K from d3s.method_budget (the
 method's budget at step S of --steps; linear schedule), d3s.select_samples, one train_small.forward_logprobs_entropy
 of the kept rollouts (its entropy is d3s.token_entropy), d3s.token_scores and d3s.select_tokens over the whole
 kept batch. The weights are never updated: every batch is scored by the same model.
@@ -347,7 +347,7 @@ def one_batch(model, tokenizer, grader, train_rows, b, args):
 
     import d3s
     import train_small
-    from support import methods, warmstart
+    from support import methods, mathtask
 
     seed, step, P, G = args.seed + b, args.step, args.prompts_per_step, args.group_size
     torch.manual_seed(train_small.step_seed(seed, step))
@@ -356,7 +356,7 @@ def one_batch(model, tokenizer, grader, train_rows, b, args):
     batch = train_small.rollout(
         model,
         tokenizer,
-        [warmstart.format_prompt(r["problem"], args.template) for r in problems],
+        [mathtask.format_prompt(r["problem"], args.template) for r in problems],
         G,
         args.max_new_tokens,
         args.temperature,
@@ -798,14 +798,15 @@ def main(argv=None):
     import torch
     from tqdm import tqdm
 
-    from support import warmstart
-    from support.mathtask import Grader, stop_token_ids
+    from support import mathtask
+    from support.grading import Grader
+    from support.mathtask import stop_token_ids
 
     if args.threads:
         torch.set_num_threads(args.threads)
     command = " ".join(["python experiments/dropped_tokens.py"] + list(argv))
     t0 = time.time()
-    train_rows = warmstart.TASKS[args.task](args.train_size, "train", seed=args.seed)
+    train_rows = mathtask.TASKS[args.task](args.train_size, "train", seed=args.seed)
     try:
         model, tokenizer, source = load_model(args, train_rows)
     except cli.UsageError as e:

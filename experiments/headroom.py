@@ -64,12 +64,13 @@ def main(argv=None):
     import torch
 
     import train_small
-    from support import warmstart
-    from support.mathtask import DataError, Grader, pass_at_k
+    from support import warmstart, mathtask
+    from support.mathtask import DataError
+    from support.grading import Grader, pass_at_k
 
     args = train_small.parse_args(argv, train_small.build_parser(PROG))  # train_small.py's flags and checks
     try:
-        train_rows, eval_rows = common.fit_prompts(args, *warmstart.load_data(args), prog=PROG)
+        train_rows, eval_rows = common.fit_prompts(args, *mathtask.load_data(args), prog=PROG)
         model, tokenizer, info = warmstart.load_warm_start(args, train_rows)
     except (cli.UsageError, DataError) as e:
         common.fail(PROG, " ".join(str(e).split()))
@@ -78,7 +79,7 @@ def main(argv=None):
     t0 = time.time()
     torch.manual_seed(args.rl_seed)
     n, k = args.eval_samples, args.pass_k
-    prompts = [warmstart.format_prompt(r["problem"], args.template) for r in eval_rows]
+    prompts = [mathtask.format_prompt(r["problem"], args.template) for r in eval_rows]
     with Grader(timeout_s=args.grade_timeout) as grader:
         greedy = train_small.rollout(model, tokenizer, prompts, 1, args.max_new_tokens, greedy=True)["texts"]
         greedy_ok = train_small.compute_rewards(grader, greedy, [r["answer"] for r in eval_rows]).tolist()

@@ -29,7 +29,7 @@ from tqdm import tqdm  # noqa: E402
 
 from support import cli, common  # noqa: E402
 import train_small  # noqa: E402
-from support import methods, warmstart  # noqa: E402
+from support import methods, warmstart, mathtask  # noqa: E402
 from support.mathtask import DataError  # noqa: E402
 from stats import crossing, paired_interval  # noqa: E402
 
@@ -80,7 +80,7 @@ def compare(args):
     t0 = time.time()
     names = args.compare.split(",")
     seeds = [args.rl_seed + i for i in range(args.seeds)]
-    train_rows, eval_rows = common.fit_prompts(args, *warmstart.load_data(args), prog=PROG)  # prompts that fit
+    train_rows, eval_rows = common.fit_prompts(args, *mathtask.load_data(args), prog=PROG)  # prompts that fit
     warmstart.load_warm_start(args, train_rows)  # build the cache once, outside the timed runs
     if args.workers > 1:
         summaries = compare_in_processes(args, names, seeds)
@@ -419,7 +419,7 @@ def write_compare(args, names, seeds, summaries, total_s):
 def main(argv=None):
     args = parse_args(argv)
     try:  # every bad flag, file or model stops here, before training, with one line
-        warmstart.load_data(args)
+        mathtask.load_data(args)
         with common.out_lock(args.out, "train_small.py"):
             return compare(args)
     except (cli.UsageError, DataError) as e:

@@ -213,8 +213,8 @@ print(
 # %%
 from support import explain  # noqa: E402
 import train_small  # noqa: E402  (the second rung)
-from support import warmstart  # noqa: E402
-from support.mathtask import Grader  # noqa: E402
+from support import warmstart, mathtask  # noqa: E402
+from support.grading import Grader  # noqa: E402
 
 small_args = train_small.parse_args(
     [
@@ -246,12 +246,12 @@ small_args = train_small.parse_args(
         "8",
     ]
 )
-train_rows, _ = warmstart.load_data(small_args)
+train_rows, _ = mathtask.load_data(small_args)
 model, tokenizer, info = warmstart.load_warm_start(small_args, train_rows)
 problems = [r for r in train_rows if r["level"] == 1][:12]  # one-digit sums: a weak model gets some right
 torch.manual_seed(1)
 batch = train_small.rollout(
-    model, tokenizer, [warmstart.format_prompt(r["problem"], "plain") for r in problems], 8, small_args.max_new_tokens
+    model, tokenizer, [mathtask.format_prompt(r["problem"], "plain") for r in problems], 8, small_args.max_new_tokens
 )  # 12 prompts x 8 answers
 with Grader(timeout_s=5.0) as grader:
     rewards_s = train_small.compute_rewards(

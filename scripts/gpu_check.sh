@@ -98,7 +98,7 @@ learn() {
 import hashlib, json, os, random, sys, time
 import torch
 sys.path.insert(0, ".")
-from support import tiny, warmstart
+from support import tiny, warmstart, mathtask
 from support.mathtask import step_problems
 
 out, device, size = sys.argv[1:4]
@@ -119,7 +119,7 @@ tokenizer = tiny.build_char_tokenizer()
 model = tiny.build_tiny_model(tokenizer, hidden_size=S["hidden"], num_layers=S["layers"], num_heads=S["heads"],
                               num_kv_heads=S["kv"], intermediate_size=3 * S["hidden"], max_position_embeddings=512)
 model.to(device).train()
-examples = [(tokenizer(warmstart.format_prompt(r["problem"], "plain"), add_special_tokens=False).input_ids,
+examples = [(tokenizer(mathtask.format_prompt(r["problem"], "plain"), add_special_tokens=False).input_ids,
              tokenizer(warmstart.sft_target(r, 0.7), add_special_tokens=False).input_ids + [tokenizer.eos_token_id])
             for r in rows["train"]]
 optimizer = torch.optim.AdamW(model.parameters(), lr=S["sft_lr"], weight_decay=0.01)

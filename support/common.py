@@ -17,6 +17,7 @@ The flag checks and their one-line errors are in support/cli.py; train_full.py's
 """
 
 import contextlib
+import errno
 import json
 import math
 import os
@@ -24,7 +25,10 @@ import pickle
 import random
 import sys
 
+import torch.distributed as dist
+
 from support.cli import UsageError
+from support.fsdp import all_reduce
 
 
 def measures_kl(step, args):
@@ -671,3 +675,42 @@ def fail(prog, error, out=None):
         fail_disk(prog, disk, out)
     print(f"{prog}: error: {error}", file=sys.stderr, flush=True)
     sys.exit(2)
+
+
+class DiskFull(Exception):
+    """A write that a full disk (or quota) failed, on this rank or another: the OSError (its errno, file) and the
+    run's --out. train_full.entry prints it as one line (fail_disk) and exits common.DISK_FULL (74)."""
+
+    def __init__(self, error, out):
+        super().__init__(str(error))
+        self.error, self.out = error, out
+
+
+def on_another_rank(path):
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC) + " (on another rank)", path)
+
+
+@contextlib.contextmanager
+def attempt(path, out, world):
+    """A write (to `path`) that every rank enters and leaves together, in place of a barrier: a full disk on ANY
+    rank (common.disk_full) raises DiskFull on EVERY rank as they leave (one all-reduce), so no rank waits for one
+    that stopped. Another error is raised on its own rank (train_full.entry ends the job)."""
+    faults = []
+    with noting(faults, path):
+        yield
+    if all_reduce(bool(faults), world, dist.ReduceOp.MAX):
+        raise DiskFull(faults[0] if faults else on_another_rank(path), out)
+
+
+@contextlib.contextmanager
+def noting(faults, path):
+    """Run the block; a full disk in it is appended to `faults`, not raised; another error is raised."""
+    try:
+        yield
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # (DCP's CheckpointException is a BaseException)
+        error = disk_full(e, path)
+        if error is None:
+            raise
+        faults.append(error)

@@ -18,7 +18,6 @@ gpu.py the machines. This module holds the rest, in seven parts:
 """
 
 import contextlib
-import errno
 import glob
 import importlib
 import importlib.util
@@ -40,21 +39,11 @@ from support import cli, common
 import d3s
 from support import explain, methods
 from support.cli import UsageError
-from support.engines import context_length, export_asleep
-from support.fsdp import all_reduce, load_generation_config, load_tokenizer
+from support.engines import export_asleep
+from support.fsdp import all_reduce
 from support.gpu import flop_params, memory_peak_gb, peak_flops
-from support.mathtask import (
-    PLAIN_TEMPLATE,
-    QWEN_MATH_TEMPLATE,
-    DataError,
-    default_grader_workers,
-    fit_context,
-    load_problems,
-    pass_at_k,
-    stop_token_ids,
-)
-
-TEMPLATES = {"qwen-math": QWEN_MATH_TEMPLATE, "plain": PLAIN_TEMPLATE}
+from support.common import DiskFull, attempt, noting, on_another_rank
+from support.grading import default_grader_workers, evaluate, evaluation_due
 
 
 # ---------------------------------------------------------------------------------------------
@@ -228,75 +217,6 @@ def expand_specs(items):
 # ---------------------------------------------------------------------------------------------
 # 2. Data: local files or hub datasets -> tokenized prompts; one global order and seeds for all ranks
 # ---------------------------------------------------------------------------------------------
-def load_inputs(args):
-    """Tokenizer, stop tokens, training prompts and eval sets: read on every rank before the process
-    group exists, so that a bad model folder or data file stops every rank with exit 2 at once.
-    Returns (tokenizer, stops, prompts (None with --eval-only), eval sets, a note on what was dropped)."""
-    import transformers
-    from huggingface_hub.utils import logging as hub_logging
-
-    transformers.utils.logging.disable_progress_bar()  # one bar per rank and model load would flood the log
-    verbosity = hub_logging.get_verbosity()
-    hub_logging.set_verbosity_error()  # offline, the hub's retries would print a line each
-    try:
-        tokenizer = load_tokenizer(args.model)
-        generation_config = load_generation_config(args.model)
-    except (OSError, ValueError) as e:  # not a model folder, not on the hub (or offline), no tokenizer
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UsageError(
-            f"--model {args.model}: cannot load its tokenizer ({first}); pass a folder with config.json "
-            "and the tokenizer files, or a hub name"
-        ) from None
-    finally:
-        hub_logging.set_verbosity(verbosity)
-    if not tokenizer(TEMPLATES[args.template].format(problem="What is 1 + 1?"), add_special_tokens=False)["input_ids"]:
-        raise UsageError(
-            f"--model {args.model}: its tokenizer encodes a prompt to no tokens; pass a folder whose "
-            "tokenizer matches its model (tokenizer.save_pretrained of the model's own tokenizer)"
-        )
-    stops = stop_token_ids(tokenizer, generation_config)
-    eval_sets = load_eval_sets(args, tokenizer, context_length(args.model, args))
-    if args.eval_only:
-        return tokenizer, stops, None, eval_sets, ""
-    rows, dropped = load_problems(args.train_data, drop_missing=True)
-    rows, args.dropped_long_prompts = fit_prompts(args, rows, tokenizer)  # the count: in args.json
-    prompts, too_long = encode_prompts(rows, tokenizer, args.template, args.max_prompt_len)
-    if not prompts:
-        raise UsageError(
-            f"--max-prompt-len {args.max_prompt_len}: no prompt of {args.train_data} is that short "
-            f"({too_long} longer); raise it"
-        )
-    note = (
-        f"{len(prompts)} prompts ({dropped} rows without an answer dropped, {too_long} longer than "
-        f"{args.max_prompt_len} tokens dropped"
-        + (
-            f", {args.dropped_long_prompts} longer than the model's context dropped (--drop-long-prompts)"
-            if args.dropped_long_prompts
-            else ""
-        )
-        + ")"
-    )
-    return tokenizer, stops, prompts, eval_sets, note
-
-
-def fit_prompts(args, rows, tokenizer):
-    """The training rows whose prompt fits the model's context (config max_position_embeddings) less
-    --max-response-len, and how many did not (mathtask.fit_context): a longer prompt stops the run before any work
-    with one line naming its file:line, its length and the limit, or with --drop-long-prompts (choice) is left out
-    and counted. Then --max-prompt-len, a budget, drops (and counts) the prompts that fit but are longer than it."""
-    from transformers import AutoConfig
-
-    window = getattr(AutoConfig.from_pretrained(args.model), "max_position_embeddings", None)
-    if not window or window <= args.max_response_len:  # no limit, or none left for a prompt: not this check's to say
-        return rows, 0
-    return fit_context(
-        rows,
-        lambda r: TEMPLATES[args.template].format(problem=r["problem"]),
-        tokenizer,
-        window - args.max_response_len,
-        f"the model's context of {window} positions less --max-response-len {args.max_response_len}",
-        drop=args.drop_long_prompts,
-    )
 
 
 def check_finite(model, args, world, prompt_ids):
@@ -323,86 +243,6 @@ def check_finite(model, args, world, prompt_ids):
             f"--model {args.model}: {bad or 'its weights hold NaN or inf (on another rank)'}; its weights "
             "are damaged or were saved from a diverged run: pass another model"
         )
-
-
-def load_eval_sets(args, tokenizer, context):
-    """Every --eval-data benchmark, read and tokenized once, before any work (a bad file stops the run
-    at its start, not after training): [(name, problems, rows without an answer, prompts too long)]."""
-    sets = []
-    for spec in args.eval_data:
-        rows, dropped = load_problems(spec, drop_missing=True, limit=args.eval_limit or None)
-        problems, too_long = encode_prompts(rows, tokenizer, args.template, max_prompt_len=context - 1)
-        sets.append(
-            (os.path.splitext(os.path.basename(spec))[0] if os.path.exists(spec) else spec, problems, dropped, too_long)
-        )
-    return sets
-
-
-def encode_prompts(rows, tokenizer, template, max_prompt_len):
-    """Apply the template and tokenize; prompts longer than max_prompt_len are dropped and counted."""
-    out, too_long = [], 0
-    for row in rows:
-        ids = tokenizer(TEMPLATES[template].format(problem=row["problem"]), add_special_tokens=False)["input_ids"]
-        if len(ids) > max_prompt_len:
-            too_long += 1
-            continue
-        out.append({"id": row["id"], "problem": row["problem"], "answer": row["answer"], "prompt_ids": ids})
-    return out, too_long
-
-
-class PromptOrder:
-    """A fresh seeded permutation of the training prompts each epoch, identical on every rank.
-
-    take(P) returns the next P prompt indices of the global batch; state_dict() is the data
-    position saved in checkpoints, so a resumed run sees exactly the prompts it would have seen.
-    """
-
-    def __init__(self, n, seed):
-        self.n, self.seed, self.epoch, self.pos = n, seed, 0, 0
-
-    def _perm(self):
-        return torch.randperm(
-            self.n, generator=torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
-        ).tolist()
-
-    def take(self, count):
-        out = []
-        while len(out) < count:
-            perm = self._perm()
-            chunk = perm[self.pos : self.pos + count - len(out)]
-            out += chunk
-            self.pos += len(chunk)
-            if self.pos >= self.n:
-                self.epoch, self.pos = self.epoch + 1, 0
-        return out
-
-    def state_dict(self):
-        return {"epoch": self.epoch, "pos": self.pos, "n": self.n, "seed": self.seed}
-
-    def load_state_dict(self, state):
-        if state["n"] != self.n:
-            raise DataError(
-                f"checkpoint was made with {state['n']} training prompts, this run has {self.n}; "
-                "resume with the same --train-data and --max-prompt-len"
-            )
-        self.epoch, self.pos = state["epoch"], state["pos"]
-
-
-def rank_share(items, world):
-    """This rank's contiguous share of a global list (rank order = global order)."""
-    per = len(items) // world.size
-    return items[world.rank * per : (world.rank + 1) * per]
-
-
-def sample_seeds(args, step, indices, n):
-    """One sampling seed per (step, global prompt index): generation does not depend on the rank count.
-
-    vLLM seeds sample j of a request with seed + j, so the seeds of one call are n apart: no two
-    samples of a step share a noise stream.
-    """
-    if args.unseeded_sampling:
-        return [None] * len(indices)
-    return [(args.seed * 1_000_003 + (step * 1_000_003 + index) * n) % (2**31 - 1) for index in indices]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -797,117 +637,6 @@ def export_hf(model, tokenizer, path, world, out):
 # ---------------------------------------------------------------------------------------------
 # 4. Evaluation: k samples per problem -> Pass@1 (mean over k) and Pass@k (unbiased)
 # ---------------------------------------------------------------------------------------------
-def evaluation_due(metrics_path, step, args, world):
-    """Whether the evaluation after `step` steps (--eval-every) is due and not yet in metrics.jsonl: step 0 of a new
-    run, or, on --resume, the one that a preemption notice, a full disk or a kill cut off after that step's
-    checkpoint. Rank 0 reads the file; every rank gets its answer."""
-    if not args.eval_every or step % args.eval_every or step >= args.steps:
-        return False
-    done = world.is_main and any(
-        m.get("kind") == "eval" and m.get("step") == step for m in common.read_metrics(metrics_path)
-    )
-    return not all_reduce(done, world, dist.ReduceOp.MAX)
-
-
-def evaluate(engine, tokenizer, stops, eval_sets, args, world, grader, tag="", model_name=None, step=None):
-    """Every benchmark: this rank samples --eval-samples answers for its contiguous share of the problems; rank 0
-    writes OUT/eval_TAG.md/.json and, after `step` training steps (None: --eval-only), a metrics.jsonl line."""
-    results = {}
-    for name, problems, dropped, too_long in eval_sets:
-        per = math.ceil(len(problems) / world.size)
-        mine = list(range(world.rank * per, min((world.rank + 1) * per, len(problems))))
-        outs = (
-            engine.generate(
-                [problems[i]["prompt_ids"] for i in mine],
-                args.eval_samples,
-                args.eval_temperature,
-                args.eval_top_p,
-                args.eval_max_tokens,
-                sample_seeds(args, 10**6, mine, args.eval_samples),
-                stops,
-            )
-            if mine
-            else []
-        )
-        texts = [tokenizer.decode(c["token_ids"], skip_special_tokens=True) for group in outs for c in group]
-        rewards = grader.score_batch(texts, [problems[i]["answer"] for i, group in zip(mine, outs) for _ in group])
-        n = args.eval_samples
-        correct = [int(sum(rewards[j * n : (j + 1) * n])) for j in range(len(outs))]  # correct samples per problem
-        gathered = [None] * world.size
-        dist.all_gather_object(gathered, correct)
-        correct = [c for part in gathered for c in part]  # rank order = problem order
-        row = {"problems": len(correct), "samples": n, "dropped": dropped, "too_long": too_long}
-        for k in args.eval_pass_k:
-            row[f"pass@{k}"] = 100.0 * sum(pass_at_k(n, c, k) for c in correct) / max(len(correct), 1)
-        row["correct"] = correct
-        results[name] = row
-    with attempt(args.out, args.out, world):  # a full disk while rank 0 writes: DiskFull on every rank
-        if results:
-            keys = [f"pass@{k}" for k in args.eval_pass_k]
-            results["average"] = {k: sum(r[k] for r in results.values()) / len(results) for k in keys}
-            if world.is_main:
-                write_eval_report(results, keys, args, tag, model_name or args.model)
-                if step is not None:
-                    common.append_metrics(os.path.join(args.out, "metrics.jsonl"), eval_record(step, results))
-    return results
-
-
-def eval_record(step, results):
-    """One metrics.jsonl line per evaluation: {benchmark}_pass@k for every benchmark and the average."""
-    return {
-        "kind": "eval",
-        "step": step,
-        **{f"{name}_{k}": v for name, row in results.items() for k, v in row.items() if k.startswith("pass@")},
-    }
-
-
-def write_eval_report(results, keys, args, tag, model_name):
-    lines = [
-        f"# Evaluation of {model_name}",
-        "",
-        f"{args.eval_samples} samples per problem, temperature {args.eval_temperature}, top-p {args.eval_top_p}, "
-        f"max {args.eval_max_tokens} tokens, template {args.template}. Pass@1 = mean accuracy over the samples; "
-        "Pass@k unbiased (Chen et al., 2021).",
-        "",
-        "| benchmark | problems | " + " | ".join(k.replace("pass", "Pass") for k in keys) + " |",
-        "|---|---|" + "---|" * len(keys),
-    ]
-    for name, row in results.items():
-        cells = [f"{row[k]:.1f}" for k in keys]
-        lines.append(f"| {name} | {row.get('problems', '')} | " + " | ".join(cells) + " |")
-    skipped = {
-        name: (row["dropped"], row["too_long"])
-        for name, row in results.items()
-        if row.get("dropped") or row.get("too_long")
-    }
-    for name, (dropped, too_long) in skipped.items():
-        lines.append(
-            f"\nNot evaluated in {name}: {dropped} rows without an answer, {too_long} prompts longer than the context."
-        )
-    stem = os.path.join(args.out, f"eval{'_' + tag if tag else ''}")
-    with open(stem + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    with open(stem + ".json", "w") as f:
-        json.dump(
-            {
-                "model": model_name,
-                "settings": {
-                    k: getattr(args, k)
-                    for k in (
-                        "eval_samples",
-                        "eval_temperature",
-                        "eval_top_p",
-                        "eval_max_tokens",
-                        "template",
-                        "eval_limit",
-                    )
-                },
-                "results": results,
-            },
-            f,
-            indent=1,
-        )
-    print("\n".join(lines), flush=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1028,43 +757,6 @@ def write_explain_page(step, rollouts, prompts, sel, entropy, token_keep, stats,
 # ---------------------------------------------------------------------------------------------
 # 6. Stops: a preemption notice or a full disk, agreed by every rank
 # ---------------------------------------------------------------------------------------------
-class DiskFull(Exception):
-    """A write that a full disk (or quota) failed, on this rank or another: the OSError (its errno, file) and the
-    run's --out. train_full.entry prints it as one line (fail_disk) and exits common.DISK_FULL (74)."""
-
-    def __init__(self, error, out):
-        super().__init__(str(error))
-        self.error, self.out = error, out
-
-
-def on_another_rank(path):
-    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC) + " (on another rank)", path)
-
-
-@contextlib.contextmanager
-def attempt(path, out, world):
-    """A write (to `path`) that every rank enters and leaves together, in place of a barrier: a full disk on ANY
-    rank (common.disk_full) raises DiskFull on EVERY rank as they leave (one all-reduce), so no rank waits for one
-    that stopped. Another error is raised on its own rank (train_full.entry ends the job)."""
-    faults = []
-    with noting(faults, path):
-        yield
-    if all_reduce(bool(faults), world, dist.ReduceOp.MAX):
-        raise DiskFull(faults[0] if faults else on_another_rank(path), out)
-
-
-@contextlib.contextmanager
-def noting(faults, path):
-    """Run the block; a full disk in it is appended to `faults`, not raised; another error is raised."""
-    try:
-        yield
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException as e:  # (DCP's CheckpointException is a BaseException)
-        error = common.disk_full(e, path)
-        if error is None:
-            raise
-        faults.append(error)
 
 
 class Stops(common.Preemption):

@@ -1,38 +1,45 @@
-"""support/mathtask.py: the math task shared by train_small.py and train_full.py.
+"""support/mathtask.py: where a run's problems come from, and how they become prompts.
 
-What two rungs share beyond d3s.py lives here, once:
-  - load_problems: JSONL / JSON / Parquet files or hub datasets -> rows with `problem` and `answer`,
-    checked row by row (errors name file:line), one loader for both trainers; fit_context: the rows
-    whose prompt fits the model's context (a longer one is named with file:line, or dropped)
-  - prompt templates (the Qwen2.5-Math chat template by default for real models)
-  - extract_boxed + Grader: the 0/1 verifiable reward with math-verify, under a hard time limit,
-    graded by a pool of child processes (default_grader_workers picks its size per rank)
-  - pass_at_k: the unbiased Pass@k estimator (Chen et al., 2021)
-  - arithmetic_problems: generated word problems with difficulty levels (tiny models, CPU tests)
-
-The grader runs math-verify in child processes; one is killed and replaced when its answer
-takes longer than `timeout_s`: math-verify's own time limit is signal.alarm, which cannot stop
-a long C-level computation (e.g. sympy expanding 9^{9^{9^9}}), and adversarial completions
-must neither hang nor crash a training run.
+load_problems        JSONL / JSON / Parquet files or hub datasets -> rows with `problem` and `answer`, checked row
+                     by row (an error names file:line); one loader for both trainers
+step_problems, arithmetic_problems   the tiny model's generated tasks (TASKS), with difficulty levels
+TEMPLATES, format_prompt, stop_token_ids   the prompt (Qwen2.5-Math's chat template, or plain for the tiny
+                     model) and the tokens that end a response, one rule for every rung and engine
+fit_context          the rows whose prompt fits the model's context (a longer one named with file:line, or dropped)
+load_data            train_small.py's rows: the generated task or --train-file / --eval-file
+load_inputs, PromptOrder, rank_share, sample_seeds   train_full.py's: tokenized prompts and benchmarks, read on
+                     every rank before any work; one global prompt order and one sampling seed per prompt
 """
 
-import collections
 import json
-import math
-import multiprocessing as mp
-import multiprocessing.connection as mp_connection
 import os
-import time
+import random
+import zlib
+
+import torch
+
+from support.cli import UsageError
+from support.engines import context_length
+from support.fsdp import load_generation_config, load_tokenizer
+
 
 # Qwen2.5-Math eval harness "qwen25-math-cot" template (also Dr.GRPO / SimpleRL-Zoo / LIMR).
 QWEN_MATH_TEMPLATE = (
     "<|im_start|>system\nPlease reason step by step, and put your final answer within \\boxed{{}}.<|im_end|>\n"
     "<|im_start|>user\n{problem}<|im_end|>\n<|im_start|>assistant\n"
 )
+
+
 # Plain template for tiny character-level models (no chat tokens in their vocabulary).
 PLAIN_TEMPLATE = "{problem}\nAnswer: "
 
-MAX_BOXED_CHARS = 400  # a final answer longer than this is not an answer: reward 0
+
+TEMPLATES = {"qwen-math": QWEN_MATH_TEMPLATE, "plain": PLAIN_TEMPLATE}
+
+
+def format_prompt(problem, template):
+    """The prompt of a problem under --template (a key of TEMPLATES)."""
+    return TEMPLATES[template].format(problem=problem)
 
 
 def stop_token_ids(tokenizer, generation_config=None):
@@ -52,14 +59,38 @@ def stop_token_ids(tokenizer, generation_config=None):
     return sorted(i for i in ids if i is not None)
 
 
+def extract_boxed(text):
+    """The content of the last \\boxed{...} in `text` (braces balanced), or None. Linear time.
+
+    One pass matches every brace with a stack, then the last "\\boxed{" whose "{" is closed
+    wins (an unclosed one falls back to the one before). Scanning forward from each
+    "\\boxed{" instead would be quadratic: 100k characters of "\\boxed{" took minutes.
+
+    >>> extract_boxed("so x = 2, and \\\\boxed{\\\\frac{1}{2}} done")
+    '\\\\frac{1}{2}'
+    """
+    closing, open_braces = {}, []  # closing[i] = index of the "}" that closes the "{" at i
+    for j, c in enumerate(text):
+        if c == "{":
+            open_braces.append(j)
+        elif c == "}" and open_braces:
+            closing[open_braces.pop()] = j
+    start = text.rfind("\\boxed{")
+    while start != -1:
+        brace = start + len("\\boxed")
+        if brace in closing:
+            return text[brace + 1 : closing[brace]]
+        start = text.rfind("\\boxed{", 0, start)  # unbalanced: try the previous one
+    return None
+
+
 class DataError(ValueError):
     """A data file or row that cannot be used; the message names the file, line and fix."""
 
 
-# ---------------------------------------------------------------------------------------------
-# Data: one loader for both trainers (local JSONL / JSON / Parquet, or a hub dataset)
-# ---------------------------------------------------------------------------------------------
 PROBLEM_KEYS = ("problem", "question", "prompt", "query", "input")
+
+
 ANSWER_KEYS = ("answer", "final_answer", "gt_answer", "ground_truth", "target", "solution")
 
 
@@ -261,16 +292,17 @@ def _hub_rows(spec):
         yield f"{spec} row {i}", f"{name}:{i}", raw
 
 
-# ---------------------------------------------------------------------------------------------
-# Generated task: short arithmetic word problems, for tiny character-level models and CPU tests
-# ---------------------------------------------------------------------------------------------
 ARITHMETIC_LEVELS = {
     1: "a + b, one digit each",
     2: "two-digit +/- one-digit",
     3: "two-digit +/- two-digit",
     4: "a + b - c, one digit each (two steps)",
 }
+
+
 _NAMES = ("Ann", "Bo", "Cy", "Dee", "Eli", "Fay", "Gus", "Hal", "Ivy", "Jo")
+
+
 _ITEMS = ("pens", "cups", "eggs", "hats", "keys", "maps", "nuts", "figs", "jars", "toys")
 
 
@@ -310,8 +342,6 @@ def arithmetic_problems(n, split="train", seed=0, levels=(1, 2, 3, 4), eval_frac
 def _generated(n, split, seed, levels, eval_fraction, level_names, draw, prefix):
     """n distinct problems from draw(rng, level) -> (text, solution or None, answer), levels cycling;
     a problem's split is fixed by a hash of its text, so train and eval are disjoint."""
-    import random
-    import zlib
 
     if split not in ("train", "eval"):
         raise ValueError(f"split={split!r}: choose 'train' or 'eval'")
@@ -374,376 +404,168 @@ def step_problems(n, split="train", seed=0, levels=(1, 2, 3, 4), eval_fraction=0
     return _generated(n, split, seed, levels, eval_fraction, STEP_LEVELS, _step_problem, "steps")
 
 
-# ---------------------------------------------------------------------------------------------
-# Reward: last \boxed{...} graded against the gold answer by math-verify, in a killable child
-# ---------------------------------------------------------------------------------------------
-def extract_boxed(text):
-    """The content of the last \\boxed{...} in `text` (braces balanced), or None. Linear time.
-
-    One pass matches every brace with a stack, then the last "\\boxed{" whose "{" is closed
-    wins (an unclosed one falls back to the one before). Scanning forward from each
-    "\\boxed{" instead would be quadratic: 100k characters of "\\boxed{" took minutes.
-
-    >>> extract_boxed("so x = 2, and \\\\boxed{\\\\frac{1}{2}} done")
-    '\\\\frac{1}{2}'
-    """
-    closing, open_braces = {}, []  # closing[i] = index of the "}" that closes the "{" at i
-    for j, c in enumerate(text):
-        if c == "{":
-            open_braces.append(j)
-        elif c == "}" and open_braces:
-            closing[open_braces.pop()] = j
-    start = text.rfind("\\boxed{")
-    while start != -1:
-        brace = start + len("\\boxed")
-        if brace in closing:
-            return text[brace + 1 : closing[brace]]
-        start = text.rfind("\\boxed{", 0, start)  # unbalanced: try the previous one
-    return None
+TASKS = {"steps": step_problems, "direct": arithmetic_problems}  # mathtask's generated tasks
 
 
-def _verify(pred, gold):
-    """1.0 if math-verify finds `pred` equal to `gold`, else 0.0 (runs in the child)."""
-    from math_verify import parse, verify
-
-    gold_parsed = parse("\\boxed{" + gold + "}", parsing_timeout=None)
-    pred_parsed = parse("\\boxed{" + pred + "}", parsing_timeout=None)
-    if not gold_parsed or not pred_parsed:
-        return 0.0
-    return 1.0 if verify(gold_parsed, pred_parsed, timeout_seconds=None) else 0.0
-
-
-def _grader_worker(conn):
-    """Child process: answer (pred, gold) requests until the pipe closes. A preemption notice (SIGTERM, SIGUSR1) or a
-    Ctrl-C (SIGINT) sent to the whole process group is the parent's to act on: the child ignores it and grades on
-    until the parent closes the pipe or ends (a parent stopped at once: the answer has no reader, the child returns)."""
-    import logging
-    import signal
-
-    for notice in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):  # a Ctrl-C too: the parent stops after its step
-        signal.signal(notice, signal.SIG_IGN)
-
-    logging.getLogger("math_verify").setLevel(logging.ERROR)  # the parent enforces the time limit
-    _verify("1", "1")  # import math-verify + sympy now, so the time limit counts grading only
-    conn.send("ready")
-    while True:
-        try:
-            pred, gold = conn.recv()
-        except (EOFError, KeyboardInterrupt):
-            return
-        try:
-            reward = _verify(pred, gold)
-        except Exception:  # a parser bug on odd input is a wrong answer, not a crash
-            reward = 0.0
-        try:
-            conn.send(reward)
-        except OSError:  # the parent is gone (BrokenPipeError)
-            return
+def load_data(args):
+    """(train_rows, eval_rows). Bad files raise DataError naming file:line."""
+    if args.train_file:
+        train_rows, _ = load_problems(args.train_file, limit=args.train_size)
+    else:
+        train_rows = TASKS[args.task](args.train_size, "train", seed=args.seed)
+    if args.eval_file:
+        eval_rows, _ = load_problems(args.eval_file, limit=args.eval_size)
+    else:
+        eval_rows = TASKS[args.task](args.eval_size, "eval", seed=args.seed)
+    return train_rows, eval_rows
 
 
-GRADER_START_TIMEOUT_S = 120.0  # a child must import math-verify + sympy within this (seconds on a loaded node)
-GRADER_WORKERS_CAP = 8  # default_grader_workers' cap; the reasoning is in its docstring
+def load_inputs(args):
+    """Tokenizer, stop tokens, training prompts and eval sets: read on every rank before the process
+    group exists, so that a bad model folder or data file stops every rank with exit 2 at once.
+    Returns (tokenizer, stops, prompts (None with --eval-only), eval sets, a note on what was dropped)."""
+    import transformers
+    from huggingface_hub.utils import logging as hub_logging
 
-
-def default_grader_workers(ranks_per_node, cores=None, cap=GRADER_WORKERS_CAP):
-    """Grader processes per rank: max(1, min(cap, cores // ranks_per_node)).
-
-    `cores` defaults to the CPUs this process may run on (its affinity, which Slurm or a cgroup
-    narrows; os.cpu_count() where affinity is unknown); the ranks of a node share them.
-    Why cap at 8: one answer takes 11-45 ms to grade on this 2-core CPU (256 math500 gold
-    answers in 2.8 s; 512 math500/minerva/olympiadbench answers in 23 s under load, see
-    bench_grader), so a rank's share of 1024 answers on 8 GPUs (128) is ~1.5-6 s on one child
-    and ~0.2-0.7 s on 8. More children would save a fraction of a second next to a step of
-    minutes and next to the per-answer time limit that bounds the slowest answer, while each
-    costs a core and memory: a spawned child re-imports the main script, ~260 MB of RSS when
-    that script imports (CPU) torch, 64 MB without, so 8 ranks x 8 children is ~17 GB of RAM.
-
-    >>> default_grader_workers(8, cores=224), default_grader_workers(8, cores=16), default_grader_workers(8, cores=4)
-    (8, 2, 1)
-    """
-    if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1:
-        raise ValueError(
-            f"ranks_per_node={ranks_per_node!r}: must be an int >= 1 "
-            "(processes per node, e.g. int(os.environ['LOCAL_WORLD_SIZE']) under torchrun)"
+    transformers.utils.logging.disable_progress_bar()  # one bar per rank and model load would flood the log
+    verbosity = hub_logging.get_verbosity()
+    hub_logging.set_verbosity_error()  # offline, the hub's retries would print a line each
+    try:
+        tokenizer = load_tokenizer(args.model)
+        generation_config = load_generation_config(args.model)
+    except (OSError, ValueError) as e:  # not a model folder, not on the hub (or offline), no tokenizer
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UsageError(
+            f"--model {args.model}: cannot load its tokenizer ({first}); pass a folder with config.json "
+            "and the tokenizer files, or a hub name"
+        ) from None
+    finally:
+        hub_logging.set_verbosity(verbosity)
+    if not tokenizer(format_prompt("What is 1 + 1?", args.template), add_special_tokens=False)["input_ids"]:
+        raise UsageError(
+            f"--model {args.model}: its tokenizer encodes a prompt to no tokens; pass a folder whose "
+            "tokenizer matches its model (tokenizer.save_pretrained of the model's own tokenizer)"
         )
-    if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(cap, cores // ranks_per_node))
-
-
-class _Child:
-    """One grader process and what it is doing: "starting" (importing), "idle", or "busy" with `key`.
-
-    `deadline` (time.monotonic()) is when a starting child must be ready, or a busy one must answer.
-    """
-
-    def __init__(self, ctx):
-        parent, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_grader_worker, args=(child,), daemon=True)
-        from support import common
-
-        with common.sigint_ignored():  # from its first instruction (while it imports): a Ctrl-C is the parent's
-            self.proc.start()
-        child.close()  # the child holds the only other end: its death reads as EOF here
-        self.conn = parent
-        self.state, self.key, self.deadline = "starting", None, time.monotonic() + GRADER_START_TIMEOUT_S
-
-    def give(self, key, timeout_s):
-        self.conn.send(key)
-        self.state, self.key, self.deadline = "busy", key, time.monotonic() + timeout_s  # the limit starts now
-
-    def kill(self):
-        self.proc.kill()
-        self.proc.join()
-        self.conn.close()
-
-
-class Grader:
-    """0/1 math reward: last \\boxed{} of the completion vs the gold answer, with a hard time limit.
-
-    grader = Grader(timeout_s=5.0, workers=4)
-    grader.score(completion, gold) -> 1.0 or 0.0;  grader.score_batch(completions, golds) -> [0/1, ...]
-    Use as a context manager or call close(); grader.start() starts the children ahead of time.
-    Pass all of a step's answers in one score_batch call: the children grade one call's answers.
-
-    Design. `workers` child processes each run math-verify on one (answer, gold) at a time.
-    score_batch drops what needs no grading (no \\boxed{}, too long, already in the cache, a
-    repeat within the batch), then loops: hand a waiting answer to every idle child, wait
-    (multiprocessing.connection.wait) for the first reply or deadline, repeat. An answer that
-    takes longer than timeout_s, counted from when its child got it, scores 0 and counts in
-    `timeouts`; its child is killed. So is a child that dies on an answer. Children start
-    when answers wait for them, all at once (each takes ~2 s to import math-verify), and a
-    killed one is replaced the same way, while the others keep grading. A child that dies
-    before it is ready raises RuntimeError (math-verify does not import, or the main script
-    lacks its `__main__` guard): restarting it would only loop. Rewards come back in input
-    order and do not depend on `workers`: each answer is graded alone, by the same code. The
-    limit is wall-clock, though: with more busy children than free cores, an answer that needs
-    nearly timeout_s of CPU can run past it (why default_grader_workers gives each child a core).
-    """
-
-    def __init__(self, timeout_s=5.0, workers=1):
-        if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
-            raise ValueError(f"timeout_s={timeout_s!r}: must be a number of seconds > 0 (per answer)")
-        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-            raise ValueError(
-                f"workers={workers!r}: must be an int >= 1 (grader processes; "
-                "mathtask.default_grader_workers(ranks_per_node) picks one)"
-            )
-        self.timeout_s, self.workers = timeout_s, workers
-        self.timeouts = 0  # how many answers hit the time limit or killed their child (logged by the trainers)
-        self._ctx = mp.get_context("spawn")  # safe beside CUDA and vLLM (no fork of their threads)
-        self._children = []  # at most `workers` _Child; a killed one is dropped and replaced when needed
-        self._cache = {}  # (pred, gold) -> reward
-
-    def start(self):
-        """Start all `workers` children now, together, and wait until they are ready (optional:
-        score_batch starts them when answers wait; this moves the ~2 s out of the first step)."""
-        while len(self._children) < self.workers:
-            self._children.append(_Child(self._ctx))
-        while any(c.state == "starting" for c in self._children):
-            self._wait({})
-        return self
-
-    def score(self, completion, gold):
-        return self.score_batch([completion], [gold])[0]
-
-    def score_batch(self, completions, golds):
-        completions, golds = list(completions), list(golds)
-        if len(completions) != len(golds):
-            raise ValueError(
-                f"score_batch: {len(completions)} completions but {len(golds)} golds; pass one gold per completion"
-            )
-        rewards = [0.0] * len(completions)
-        to_grade = {}  # (pred, gold) -> indices of the completions that need it, in input order
-        for i, (completion, gold) in enumerate(zip(completions, golds)):
-            pred = extract_boxed(completion)
-            if pred is None or not pred.strip() or len(pred) > MAX_BOXED_CHARS:
-                continue  # no final answer: 0
-            key = (pred, gold)
-            if key in self._cache:
-                rewards[i] = self._cache[key]
-            else:
-                to_grade.setdefault(key, []).append(i)
-        for key, reward in self._grade(list(to_grade)).items():
-            if len(self._cache) < 100_000:
-                self._cache[key] = reward
-            for i in to_grade.get(key, ()):  # (a key left busy by an interrupted call is not ours)
-                rewards[i] = reward
-        return rewards
-
-    def _grade(self, keys):
-        """{key: reward} for distinct (pred, gold) keys, graded concurrently by the children."""
-        waiting, rewards = collections.deque(keys), {}
-        while waiting or any(c.state == "busy" for c in self._children):
-            # Start children (together) while more answers wait than children are free or starting.
-            free = sum(c.state != "busy" for c in self._children)
-            for _ in range(min(self.workers - len(self._children), len(waiting) - free)):
-                self._children.append(_Child(self._ctx))
-            for child in list(self._children):
-                if child.state == "idle" and waiting:
-                    try:
-                        child.give(waiting[0], self.timeout_s)
-                        waiting.popleft()
-                    except OSError:  # it died between answers (killed from outside): replace it
-                        self._drop(child)
-            self._wait(rewards)
-        return rewards
-
-    def _wait(self, rewards):
-        """Wait for the first message or deadline of a starting or busy child; handle all that came."""
-        active = [c for c in self._children if c.state != "idle"]
-        if not active:
-            return
-        wait_s = max(0.0, min(c.deadline for c in active) - time.monotonic())
-        ready = mp_connection.wait([c.conn for c in active], wait_s)
-        for child in active:
-            if child.conn in ready:
-                self._receive(child, rewards)
-            elif time.monotonic() >= child.deadline:
-                self._fail(child, rewards)
-
-    def _receive(self, child, rewards):
-        try:
-            message = child.conn.recv()
-        except (EOFError, OSError):  # the child died (e.g. killed for memory)
-            message = None
-        if message is None:
-            self._fail(child, rewards)
-            return
-        if child.state == "busy":
-            rewards[child.key] = message
-        child.state = "idle"  # answered, or ready after its imports
-
-    def _fail(self, child, rewards):
-        """A child missed its deadline or died: score its answer 0 and drop it, or stop if it never started."""
-        if child.state == "starting":
-            self.close()
-            raise RuntimeError(
-                "the math-verify grader process did not start (see its error above); "
-                "check that math-verify imports, and that the main script has an "
-                "`if __name__ == '__main__':` guard (the child is spawned)"
-            )
-        self.timeouts += 1
-        rewards[child.key] = 0.0
-        self._drop(child)
-
-    def _drop(self, child):
-        child.kill()
-        self._children.remove(child)
-
-    def close(self):
-        for child in self._children:
-            child.kill()
-        self._children = []
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-
-# ---------------------------------------------------------------------------------------------
-# Evaluation
-# ---------------------------------------------------------------------------------------------
-def pass_at_k(n, c, k):
-    """Unbiased Pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k).
-
-    >>> pass_at_k(4, 1, 1), pass_at_k(4, 1, 2), pass_at_k(4, 0, 2)
-    (0.25, 0.5, 0.0)
-    """
-    if not 1 <= k <= n:
-        raise ValueError(f"k={k}: must be in [1, n={n}] (samples per problem)")
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
-
-
-def held_out_pass(rows, sample, grader, n, k, chunk):
-    """Held-out Pass@1 and Pass@k of a policy, overall and by the rows' `level`: greedy Pass@1 (one greedy answer
-    per problem), mean Pass@1 over n sampled answers, unbiased Pass@k from them. sample(prompts, n, greedy) -> the
-    answers' texts, prompt-major; `chunk` problems per call. rows: {"prompt", "answer"[, "level"]}."""
-    from tqdm import tqdm
-
-    greedy, correct = [], []  # [E], [E] (correct samples out of n)
-    for start in tqdm(range(0, len(rows), chunk), desc="eval", leave=False, dynamic_ncols=True):
-        prompts, golds = (
-            [r["prompt"] for r in rows[start : start + chunk]],
-            [r["answer"] for r in rows[start : start + chunk]],
+    stops = stop_token_ids(tokenizer, generation_config)
+    eval_sets = load_eval_sets(args, tokenizer, context_length(args.model, args))
+    if args.eval_only:
+        return tokenizer, stops, None, eval_sets, ""
+    rows, dropped = load_problems(args.train_data, drop_missing=True)
+    rows, args.dropped_long_prompts = fit_prompts(args, rows, tokenizer)  # the count: in args.json
+    prompts, too_long = encode_prompts(rows, tokenizer, args.template, args.max_prompt_len)
+    if not prompts:
+        raise UsageError(
+            f"--max-prompt-len {args.max_prompt_len}: no prompt of {args.train_data} is that short "
+            f"({too_long} longer); raise it"
         )
-        greedy += grader.score_batch(sample(prompts, 1, True), golds)
-        right = grader.score_batch(sample(prompts, n, False), [g for g in golds for _ in range(n)])
-        correct += [sum(right[i * n : (i + 1) * n]) for i in range(len(prompts))]
-    out = {
-        "eval_greedy_pass1": sum(greedy) / len(greedy),
-        "eval_pass1_mean": sum(correct) / (n * len(correct)),
-        "eval_passk": sum(pass_at_k(n, int(c), k) for c in correct) / len(correct),
-        "k": k,
-        "n": n,
-    }
-    for level in sorted({r["level"] for r in rows if "level" in r}):  # by difficulty: the spread that gives signal
-        idx = [i for i, r in enumerate(rows) if r.get("level") == level]
-        out[f"eval_pass1_mean_level{level}"] = sum(correct[i] for i in idx) / (n * len(idx))
-        out[f"eval_passk_level{level}"] = sum(pass_at_k(n, int(correct[i]), k) for i in idx) / len(idx)
-        out[f"eval_greedy_pass1_level{level}"] = sum(greedy[i] for i in idx) / len(idx)
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# Benchmark (not a test): python -m support.mathtask --bench-grader [--n 512] [--workers 1,2] [--slow]
-# ---------------------------------------------------------------------------------------------
-def bench_grader(n=512, workers=(1, 2), data_dir=None, timeout_s=5.0, slow=False):
-    """Print the wall time of Grader(timeout_s, w).score_batch on `n` real answers for each w in `workers`.
-
-    The answers are gold answers of math500, minerva_math and olympiadbench (the repo's data/),
-    evenly spaced rows, boxed: even positions get their own gold (right), odd positions the next
-    row's gold (a real answer, wrong here). slow=True puts first one answer math-verify never
-    finishes (a power tower), which costs one child timeout_s. Every w gets a fresh grader (empty
-    cache), whose children are started, and timed, before the timed call. Returns {w: seconds}.
-    """
-    repository = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this file is in support/
-    data_dir = data_dir or os.path.join(repository, "data")
-    golds = [
-        r["answer"]
-        for name in ("math500.jsonl", "minerva_math.jsonl", "olympiadbench.jsonl")
-        for r in load_problems(os.path.join(data_dir, name))[0]
-    ]
-    golds = [golds[i * len(golds) // n] for i in range(n)]
-    completions = [f"The answer is \\boxed{{{golds[i if i % 2 == 0 else (i + 1) % n]}}}." for i in range(n)]
-    if slow:
-        completions, golds = ["\\boxed{9^{9^{9^{9^{9^{9}}}}}}"] + completions[1:], ["7"] + golds[1:]
-    print(
-        f"{n} answers{' (the first one slow)' if slow else ''}, {os.cpu_count()} CPUs, "
-        f"load average {os.getloadavg()[0]:.2f} at the start, timeout {timeout_s} s"
+    note = (
+        f"{len(prompts)} prompts ({dropped} rows without an answer dropped, {too_long} longer than "
+        f"{args.max_prompt_len} tokens dropped"
+        + (
+            f", {args.dropped_long_prompts} longer than the model's context dropped (--drop-long-prompts)"
+            if args.dropped_long_prompts
+            else ""
+        )
+        + ")"
     )
-    times, first = {}, None
-    for w in workers:
-        with Grader(timeout_s, workers=w) as grader:
-            t0 = time.perf_counter()
-            grader.start()
-            start_s = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            rewards = grader.score_batch(completions, golds)
-            times[w] = time.perf_counter() - t0
-        first = first or (rewards, times[w])
-        print(
-            f"workers={w}: start {start_s:.2f} s, score_batch {times[w]:.2f} s ({n / times[w]:.0f} answers/s, "
-            f"x{first[1] / times[w]:.2f} vs workers={workers[0]}), reward sum {sum(rewards):.0f}, "
-            f"timeouts {grader.timeouts}, rewards identical to workers={workers[0]}: {rewards == first[0]}"
+    return tokenizer, stops, prompts, eval_sets, note
+
+
+def fit_prompts(args, rows, tokenizer):
+    """The training rows whose prompt fits the model's context (config max_position_embeddings) less
+    --max-response-len, and how many did not (mathtask.fit_context): a longer prompt stops the run before any work
+    with one line naming its file:line, its length and the limit, or with --drop-long-prompts (choice) is left out
+    and counted. Then --max-prompt-len, a budget, drops (and counts) the prompts that fit but are longer than it."""
+    from transformers import AutoConfig
+
+    window = getattr(AutoConfig.from_pretrained(args.model), "max_position_embeddings", None)
+    if not window or window <= args.max_response_len:  # no limit, or none left for a prompt: not this check's to say
+        return rows, 0
+    return fit_context(
+        rows,
+        lambda r: format_prompt(r["problem"], args.template),
+        tokenizer,
+        window - args.max_response_len,
+        f"the model's context of {window} positions less --max-response-len {args.max_response_len}",
+        drop=args.drop_long_prompts,
+    )
+
+
+def load_eval_sets(args, tokenizer, context):
+    """Every --eval-data benchmark, read and tokenized once, before any work (a bad file stops the run
+    at its start, not after training): [(name, problems, rows without an answer, prompts too long)]."""
+    sets = []
+    for spec in args.eval_data:
+        rows, dropped = load_problems(spec, drop_missing=True, limit=args.eval_limit or None)
+        problems, too_long = encode_prompts(rows, tokenizer, args.template, max_prompt_len=context - 1)
+        sets.append(
+            (os.path.splitext(os.path.basename(spec))[0] if os.path.exists(spec) else spec, problems, dropped, too_long)
         )
-    return times
+    return sets
 
 
-if __name__ == "__main__":
-    import argparse
+def encode_prompts(rows, tokenizer, template, max_prompt_len):
+    """Apply the template and tokenize; prompts longer than max_prompt_len are dropped and counted."""
+    out, too_long = [], 0
+    for row in rows:
+        ids = tokenizer(format_prompt(row["problem"], template), add_special_tokens=False)["input_ids"]
+        if len(ids) > max_prompt_len:
+            too_long += 1
+            continue
+        out.append({"id": row["id"], "problem": row["problem"], "answer": row["answer"], "prompt_ids": ids})
+    return out, too_long
 
-    parser = argparse.ArgumentParser(description="support/mathtask.py helpers; see the module docstring")
-    parser.add_argument("--bench-grader", action="store_true", help="time Grader.score_batch for each --workers")
-    parser.add_argument("--n", type=int, default=512, help="answers to grade (--bench-grader)")
-    parser.add_argument("--workers", default="1,2", help="comma-separated grader process counts (--bench-grader)")
-    parser.add_argument("--timeout", type=float, default=5.0, help="seconds per answer (--bench-grader)")
-    parser.add_argument("--slow", action="store_true", help="first answer hits the time limit (--bench-grader)")
-    args = parser.parse_args()
-    if not args.bench_grader:
-        parser.error("nothing to do: pass --bench-grader")
-    bench_grader(args.n, [int(w) for w in args.workers.split(",")], timeout_s=args.timeout, slow=args.slow)
+
+class PromptOrder:
+    """A fresh seeded permutation of the training prompts each epoch, identical on every rank.
+
+    take(P) returns the next P prompt indices of the global batch; state_dict() is the data
+    position saved in checkpoints, so a resumed run sees exactly the prompts it would have seen.
+    """
+
+    def __init__(self, n, seed):
+        self.n, self.seed, self.epoch, self.pos = n, seed, 0, 0
+
+    def _perm(self):
+        return torch.randperm(
+            self.n, generator=torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
+        ).tolist()
+
+    def take(self, count):
+        out = []
+        while len(out) < count:
+            perm = self._perm()
+            chunk = perm[self.pos : self.pos + count - len(out)]
+            out += chunk
+            self.pos += len(chunk)
+            if self.pos >= self.n:
+                self.epoch, self.pos = self.epoch + 1, 0
+        return out
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "pos": self.pos, "n": self.n, "seed": self.seed}
+
+    def load_state_dict(self, state):
+        if state["n"] != self.n:
+            raise DataError(
+                f"checkpoint was made with {state['n']} training prompts, this run has {self.n}; "
+                "resume with the same --train-data and --max-prompt-len"
+            )
+        self.epoch, self.pos = state["epoch"], state["pos"]
+
+
+def rank_share(items, world):
+    """This rank's contiguous share of a global list (rank order = global order)."""
+    per = len(items) // world.size
+    return items[world.rank * per : (world.rank + 1) * per]
+
+
+def sample_seeds(args, step, indices, n):
+    """One sampling seed per (step, global prompt index): generation does not depend on the rank count.
+
+    vLLM seeds sample j of a request with seed + j, so the seeds of one call are n apart: no two
+    samples of a step share a noise stream.
+    """
+    if args.unseeded_sampling:
+        return [None] * len(indices)
+    return [(args.seed * 1_000_003 + (step * 1_000_003 + index) * n) % (2**31 - 1) for index in indices]

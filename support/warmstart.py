@@ -29,9 +29,8 @@ from tqdm import tqdm
 
 from support import cli
 from support.cli import UsageError
-from support.mathtask import PLAIN_TEMPLATE, QWEN_MATH_TEMPLATE, arithmetic_problems, load_problems, step_problems
+from support.mathtask import TASKS, format_prompt, load_data
 
-TASKS = {"steps": step_problems, "direct": arithmetic_problems}  # mathtask's generated tasks
 TINY_SFT_STEPS = {
     "steps": 600,
     "direct": 1000,
@@ -104,23 +103,6 @@ def fill_defaults(args):
         args.sft_steps = 0 if args.model else TINY_SFT_STEPS[args.task]
     if args.template == "auto":
         args.template = "qwen-math" if args.model else "plain"
-
-
-def load_data(args):
-    """(train_rows, eval_rows). Bad files raise DataError naming file:line."""
-    if args.train_file:
-        train_rows, _ = load_problems(args.train_file, limit=args.train_size)
-    else:
-        train_rows = TASKS[args.task](args.train_size, "train", seed=args.seed)
-    if args.eval_file:
-        eval_rows, _ = load_problems(args.eval_file, limit=args.eval_size)
-    else:
-        eval_rows = TASKS[args.task](args.eval_size, "eval", seed=args.seed)
-    return train_rows, eval_rows
-
-
-def format_prompt(problem, template):
-    return (PLAIN_TEMPLATE if template == "plain" else QWEN_MATH_TEMPLATE).format(problem=problem)
 
 
 SHARED_KV = "sdpa_shared_kv"  # the attention every model loaded here runs (shared_kv_attention)

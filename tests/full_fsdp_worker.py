@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from support import common  # noqa: E402
 import d3s  # noqa: E402
-from support import fsdp, full_io  # noqa: E402
+from support import fsdp, full_io, mathtask  # noqa: E402
 import train_full  # noqa: E402
 from support import methods  # noqa: E402
 
@@ -201,13 +201,13 @@ def check_resume(cli, world, tokenizer, rollouts, mine, workdir, offload=False):
 
     model = fsdp.load_policy(args, world)
     optimizer = fsdp.make_optimizer(model, args)
-    order = full_io.PromptOrder(10, seed=0)
+    order = mathtask.PromptOrder(10, seed=0)
     order.take(3)
     train_step(model, optimizer, rollouts[mine], REWARDS[mine], 1, args, world, tokenizer.pad_token_id)
     path = full_io.save_checkpoint(model, optimizer, args.out, 1, full_io.trainer_state(args, order), world, 2)
     model = fsdp.load_policy(args, world)
     optimizer = fsdp.make_optimizer(model, args)
-    order = full_io.PromptOrder(10, seed=0)
+    order = mathtask.PromptOrder(10, seed=0)
     step, _ = full_io.resume_from(path, model, optimizer, order, args, world)
     train_step(model, optimizer, rollouts[mine], REWARDS[mine], step + 1, args, world, tokenizer.pad_token_id)
     resumed = full_params(model)

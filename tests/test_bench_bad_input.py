@@ -206,7 +206,16 @@ OFFLOAD_ADAMW = [
     (["--repeats", "0"], "--repeats 0: must be"),
     (["--repeats"], "--repeats: expected one value"),
 ]
+GRADER = [
+    (["--n", "0"], "--n 0: must be an int in [1, 1e+06]"),
+    (["--n"], "--n: expected one value"),
+    (["--workers", "0"], "--workers 0: each value must be >= 1"),
+    (["--workers", "x"], "--workers 'x': must be comma-separated process counts"),
+    (["--timeout", "nan"], "--timeout nan: must be in (0, 3600]"),
+    (["--bogus"], "unrecognized arguments: --bogus"),
+]
 TABLES = {
+    "grader.py": GRADER,
     "toy_ladder.py": TOY_LADDER,
     "small_ladder.py": SMALL_LADDER,
     "vs_trl.py": VS_TRL,

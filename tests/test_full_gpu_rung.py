@@ -134,7 +134,10 @@ def shapes(fields, ranks=1):
 
 
 def test_the_plan_counts_the_kl_reference_and_refuses_a_micro_batch_that_does_not_fit():
-    base, with_ref = plan(QWEN25_MATH_7B, ranks=8, card="80gb"), plan(QWEN25_MATH_7B, ["--kl-ref"], ranks=8, card="80gb")
+    base, with_ref = (
+        plan(QWEN25_MATH_7B, ranks=8, card="80gb"),
+        plan(QWEN25_MATH_7B, ["--kl-ref"], ranks=8, card="80gb"),
+    )
     assert with_ref["trainer_resident_gib"] - base["trainer_resident_gib"] == pytest.approx(
         2 * base["params"] / 8 / GIB
     )

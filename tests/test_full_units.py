@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from support import common, fsdp, loss_head, gpu, full_io, methods, cli
+from support import common, fsdp, loss_head, gpu, full_io, methods, cli, mathtask
 import train_full
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -106,11 +106,11 @@ def test_load_balance_spreads_each_mini_batch_by_token_count():
 
 
 def test_prompt_order_resumes_exactly_and_crosses_epochs():
-    whole = full_io.PromptOrder(7, seed=3)
+    whole = mathtask.PromptOrder(7, seed=3)
     uninterrupted = [whole.take(3) for _ in range(5)]
-    first = full_io.PromptOrder(7, seed=3)
+    first = mathtask.PromptOrder(7, seed=3)
     got = [first.take(3) for _ in range(2)]
-    second = full_io.PromptOrder(7, seed=3)
+    second = mathtask.PromptOrder(7, seed=3)
     second.load_state_dict(json.loads(json.dumps(first.state_dict())))
     got += [second.take(3) for _ in range(3)]
     assert got == uninterrupted
@@ -120,18 +120,18 @@ def test_prompt_order_resumes_exactly_and_crosses_epochs():
 @pytest.mark.parametrize("ranks", [1, 2, 4])
 def test_rank_shares_concatenate_to_the_global_batch_with_rank_independent_seeds(ranks):
     batch = list(range(100, 108))
-    shares = [full_io.rank_share(batch, types.SimpleNamespace(rank=r, size=ranks)) for r in range(ranks)]
+    shares = [mathtask.rank_share(batch, types.SimpleNamespace(rank=r, size=ranks)) for r in range(ranks)]
     assert [x for share in shares for x in share] == batch
     args = types.SimpleNamespace(seed=0, unseeded_sampling=False)
-    seeds = [s for share in shares for s in full_io.sample_seeds(args, 5, share, 4)]
-    assert seeds == full_io.sample_seeds(args, 5, batch, 4)
+    seeds = [s for share in shares for s in mathtask.sample_seeds(args, 5, share, 4)]
+    assert seeds == mathtask.sample_seeds(args, 5, batch, 4)
 
 
 def test_sampling_seeds_of_one_call_never_share_a_noise_stream():
     # vLLM seeds sample j of a request with seed + j: the G samples of every prompt need their own seeds
     args = types.SimpleNamespace(seed=0, unseeded_sampling=False)
     G = 32
-    streams = [s + j for s in full_io.sample_seeds(args, 7, list(range(1024)), G) for j in range(G)]
+    streams = [s + j for s in mathtask.sample_seeds(args, 7, list(range(1024)), G) for j in range(G)]
     assert len(set(streams)) == len(streams)
 
 

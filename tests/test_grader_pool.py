@@ -1,4 +1,4 @@
-"""mathtask.Grader with a pool of grader processes, as a specification.
+"""grading.Grader with a pool of grader processes, as a specification.
 
 The pool gives the rewards of one grader (hand-written answers offline, a few hundred real gold
 answers from the repo's data/); a slow answer hits the time limit in its own child while the
@@ -14,7 +14,8 @@ import time
 
 import pytest
 
-from support.mathtask import Grader, default_grader_workers, load_problems
+from support.grading import Grader, default_grader_workers
+from support.mathtask import load_problems
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "data")  # the repository's own benchmark files (data/README.md)

@@ -17,8 +17,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 import d3s
 import train_small
-from support import methods, warmstart
-from support.mathtask import Grader, arithmetic_problems, load_problems, step_problems, stop_token_ids
+from support import methods, warmstart, mathtask
+from support.grading import Grader
+from support.mathtask import arithmetic_problems, load_problems, step_problems, stop_token_ids
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DATA = os.path.join(ROOT, "data")  # the real benchmarks, in the repo (data/README.md)
@@ -921,7 +922,7 @@ def test_the_sampler_gives_generates_greedy_tokens_and_with_the_same_seed_its_sa
         warm_dir
     )  # a warm start: answers that end with EOS at different lengths
     tokenizer = AutoTokenizer.from_pretrained(warm_dir, padding_side="left")
-    prompts = [warmstart.format_prompt(r["problem"], "plain") for r in arithmetic_problems(8, "eval")]
+    prompts = [mathtask.format_prompt(r["problem"], "plain") for r in arithmetic_problems(8, "eval")]
     greedy = train_small.rollout(model, tokenizer, prompts, 1, 12, greedy=True)
     expected = _hf_generate(model, tokenizer, prompts, 1, 12, greedy=True)
     assert torch.equal(greedy["response_ids"], expected[:, : greedy["response_ids"].shape[1]])

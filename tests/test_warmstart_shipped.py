@@ -27,12 +27,12 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import train_small  # noqa: E402
-from support import warmstart  # noqa: E402
+from support import warmstart, mathtask  # noqa: E402
 
 
 def default_args(cache_dir):
     args = train_small.parse_args(["--cache-dir", str(cache_dir)])
-    return args, warmstart.load_data(args)[0]
+    return args, mathtask.load_data(args)[0]
 
 
 def shipped_folder(tmp_path):

@@ -1,0 +1,425 @@
+"""support/grading.py: how an answer is scored, and Pass@k.
+
+    extract_boxed, Grader   the 0/1 reward: the last \\boxed{} against the gold answer by math-verify, under a hard time
+                            limit, in a pool of child processes (default_grader_workers: its size per rank)
+    pass_at_k               the unbiased Pass@k estimator (Chen et al., 2021)
+    held_out_pass           train_small.py's evaluation: greedy Pass@1, mean Pass@1 and Pass@k, by level
+    evaluate                train_full.py's: every benchmark sampled on every rank, OUT/eval_TAG.md/.json
+
+The grader runs math-verify in child processes; one is killed and replaced when its answer takes longer than
+`timeout_s`: math-verify's own time limit is signal.alarm, which cannot stop a long C-level computation (e.g. sympy
+expanding 9^{9^{9^9}}), and adversarial completions must neither hang nor crash a training run.
+"""
+
+import collections
+import json
+import logging
+import math
+import multiprocessing as mp
+import multiprocessing.connection as mp_connection
+import os
+import signal
+import time
+
+import torch.distributed as dist
+from tqdm import tqdm
+
+from support import common
+from support.mathtask import extract_boxed, sample_seeds
+from support.common import attempt
+from support.fsdp import all_reduce
+
+
+MAX_BOXED_CHARS = 400  # a final answer longer than this is not an answer: reward 0
+
+
+def _verify(pred, gold):
+    """1.0 if math-verify finds `pred` equal to `gold`, else 0.0 (runs in the child)."""
+    from math_verify import parse, verify
+
+    gold_parsed = parse("\\boxed{" + gold + "}", parsing_timeout=None)
+    pred_parsed = parse("\\boxed{" + pred + "}", parsing_timeout=None)
+    if not gold_parsed or not pred_parsed:
+        return 0.0
+    return 1.0 if verify(gold_parsed, pred_parsed, timeout_seconds=None) else 0.0
+
+
+def _grader_worker(conn):
+    """Child process: answer (pred, gold) requests until the pipe closes. A preemption notice (SIGTERM, SIGUSR1) or a
+    Ctrl-C (SIGINT) sent to the whole process group is the parent's to act on: the child ignores it and grades on
+    until the parent closes the pipe or ends (a parent stopped at once: the answer has no reader, the child returns)."""
+    for notice in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):  # a Ctrl-C too: the parent stops after its step
+        signal.signal(notice, signal.SIG_IGN)
+
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # the parent enforces the time limit
+    _verify("1", "1")  # import math-verify + sympy now, so the time limit counts grading only
+    conn.send("ready")
+    while True:
+        try:
+            pred, gold = conn.recv()
+        except (EOFError, KeyboardInterrupt):
+            return
+        try:
+            reward = _verify(pred, gold)
+        except Exception:  # a parser bug on odd input is a wrong answer, not a crash
+            reward = 0.0
+        try:
+            conn.send(reward)
+        except OSError:  # the parent is gone (BrokenPipeError)
+            return
+
+
+GRADER_START_TIMEOUT_S = 120.0  # a child must import math-verify + sympy within this (seconds on a loaded node)
+
+
+GRADER_WORKERS_CAP = 8  # default_grader_workers' cap; the reasoning is in its docstring
+
+
+def default_grader_workers(ranks_per_node, cores=None, cap=GRADER_WORKERS_CAP):
+    """Grader processes per rank: max(1, min(cap, cores // ranks_per_node)).
+
+    `cores` defaults to the CPUs this process may run on (its affinity, which Slurm or a cgroup
+    narrows; os.cpu_count() where affinity is unknown); the ranks of a node share them.
+    Why cap at 8: one answer takes 11-45 ms to grade on this 2-core CPU (256 math500 gold
+    answers in 2.8 s; 512 math500/minerva/olympiadbench answers in 23 s under load, see
+    bench/grader.py), so a rank's share of 1024 answers on 8 GPUs (128) is ~1.5-6 s on one child
+    and ~0.2-0.7 s on 8. More children would save a fraction of a second next to a step of
+    minutes and next to the per-answer time limit that bounds the slowest answer, while each
+    costs a core and memory: a spawned child re-imports the main script, ~260 MB of RSS when
+    that script imports (CPU) torch, 64 MB without, so 8 ranks x 8 children is ~17 GB of RAM.
+
+    >>> default_grader_workers(8, cores=224), default_grader_workers(8, cores=16), default_grader_workers(8, cores=4)
+    (8, 2, 1)
+    """
+    if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 1:
+        raise ValueError(
+            f"ranks_per_node={ranks_per_node!r}: must be an int >= 1 "
+            "(processes per node, e.g. int(os.environ['LOCAL_WORLD_SIZE']) under torchrun)"
+        )
+    if cores is None:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(cap, cores // ranks_per_node))
+
+
+class _Child:
+    """One grader process and what it is doing: "starting" (importing), "idle", or "busy" with `key`.
+
+    `deadline` (time.monotonic()) is when a starting child must be ready, or a busy one must answer.
+    """
+
+    def __init__(self, ctx):
+        parent, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_grader_worker, args=(child,), daemon=True)
+        with common.sigint_ignored():  # from its first instruction (while it imports): a Ctrl-C is the parent's
+            self.proc.start()
+        child.close()  # the child holds the only other end: its death reads as EOF here
+        self.conn = parent
+        self.state, self.key, self.deadline = "starting", None, time.monotonic() + GRADER_START_TIMEOUT_S
+
+    def give(self, key, timeout_s):
+        self.conn.send(key)
+        self.state, self.key, self.deadline = "busy", key, time.monotonic() + timeout_s  # the limit starts now
+
+    def kill(self):
+        self.proc.kill()
+        self.proc.join()
+        self.conn.close()
+
+
+class Grader:
+    """0/1 math reward: last \\boxed{} of the completion vs the gold answer, with a hard time limit.
+
+    grader = Grader(timeout_s=5.0, workers=4)
+    grader.score(completion, gold) -> 1.0 or 0.0;  grader.score_batch(completions, golds) -> [0/1, ...]
+    Use as a context manager or call close(); grader.start() starts the children ahead of time.
+    Pass all of a step's answers in one score_batch call: the children grade one call's answers.
+
+    Design. `workers` child processes each run math-verify on one (answer, gold) at a time.
+    score_batch drops what needs no grading (no \\boxed{}, too long, already in the cache, a
+    repeat within the batch), then loops: hand a waiting answer to every idle child, wait
+    (multiprocessing.connection.wait) for the first reply or deadline, repeat. An answer that
+    takes longer than timeout_s, counted from when its child got it, scores 0 and counts in
+    `timeouts`; its child is killed. So is a child that dies on an answer. Children start
+    when answers wait for them, all at once (each takes ~2 s to import math-verify), and a
+    killed one is replaced the same way, while the others keep grading. A child that dies
+    before it is ready raises RuntimeError (math-verify does not import, or the main script
+    lacks its `__main__` guard): restarting it would only loop. Rewards come back in input
+    order and do not depend on `workers`: each answer is graded alone, by the same code. The
+    limit is wall-clock, though: with more busy children than free cores, an answer that needs
+    nearly timeout_s of CPU can run past it (why default_grader_workers gives each child a core).
+    """
+
+    def __init__(self, timeout_s=5.0, workers=1):
+        if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
+            raise ValueError(f"timeout_s={timeout_s!r}: must be a number of seconds > 0 (per answer)")
+        if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+            raise ValueError(
+                f"workers={workers!r}: must be an int >= 1 (grader processes; "
+                "grading.default_grader_workers(ranks_per_node) picks one)"
+            )
+        self.timeout_s, self.workers = timeout_s, workers
+        self.timeouts = 0  # how many answers hit the time limit or killed their child (logged by the trainers)
+        self._ctx = mp.get_context("spawn")  # safe beside CUDA and vLLM (no fork of their threads)
+        self._children = []  # at most `workers` _Child; a killed one is dropped and replaced when needed
+        self._cache = {}  # (pred, gold) -> reward
+
+    def start(self):
+        """Start all `workers` children now, together, and wait until they are ready (optional:
+        score_batch starts them when answers wait; this moves the ~2 s out of the first step)."""
+        while len(self._children) < self.workers:
+            self._children.append(_Child(self._ctx))
+        while any(c.state == "starting" for c in self._children):
+            self._wait({})
+        return self
+
+    def score(self, completion, gold):
+        return self.score_batch([completion], [gold])[0]
+
+    def score_batch(self, completions, golds):
+        completions, golds = list(completions), list(golds)
+        if len(completions) != len(golds):
+            raise ValueError(
+                f"score_batch: {len(completions)} completions but {len(golds)} golds; pass one gold per completion"
+            )
+        rewards = [0.0] * len(completions)
+        to_grade = {}  # (pred, gold) -> indices of the completions that need it, in input order
+        for i, (completion, gold) in enumerate(zip(completions, golds)):
+            pred = extract_boxed(completion)
+            if pred is None or not pred.strip() or len(pred) > MAX_BOXED_CHARS:
+                continue  # no final answer: 0
+            key = (pred, gold)
+            if key in self._cache:
+                rewards[i] = self._cache[key]
+            else:
+                to_grade.setdefault(key, []).append(i)
+        for key, reward in self._grade(list(to_grade)).items():
+            if len(self._cache) < 100_000:
+                self._cache[key] = reward
+            for i in to_grade.get(key, ()):  # (a key left busy by an interrupted call is not ours)
+                rewards[i] = reward
+        return rewards
+
+    def _grade(self, keys):
+        """{key: reward} for distinct (pred, gold) keys, graded concurrently by the children."""
+        waiting, rewards = collections.deque(keys), {}
+        while waiting or any(c.state == "busy" for c in self._children):
+            # Start children (together) while more answers wait than children are free or starting.
+            free = sum(c.state != "busy" for c in self._children)
+            for _ in range(min(self.workers - len(self._children), len(waiting) - free)):
+                self._children.append(_Child(self._ctx))
+            for child in list(self._children):
+                if child.state == "idle" and waiting:
+                    try:
+                        child.give(waiting[0], self.timeout_s)
+                        waiting.popleft()
+                    except OSError:  # it died between answers (killed from outside): replace it
+                        self._drop(child)
+            self._wait(rewards)
+        return rewards
+
+    def _wait(self, rewards):
+        """Wait for the first message or deadline of a starting or busy child; handle all that came."""
+        active = [c for c in self._children if c.state != "idle"]
+        if not active:
+            return
+        wait_s = max(0.0, min(c.deadline for c in active) - time.monotonic())
+        ready = mp_connection.wait([c.conn for c in active], wait_s)
+        for child in active:
+            if child.conn in ready:
+                self._receive(child, rewards)
+            elif time.monotonic() >= child.deadline:
+                self._fail(child, rewards)
+
+    def _receive(self, child, rewards):
+        try:
+            message = child.conn.recv()
+        except (EOFError, OSError):  # the child died (e.g. killed for memory)
+            message = None
+        if message is None:
+            self._fail(child, rewards)
+            return
+        if child.state == "busy":
+            rewards[child.key] = message
+        child.state = "idle"  # answered, or ready after its imports
+
+    def _fail(self, child, rewards):
+        """A child missed its deadline or died: score its answer 0 and drop it, or stop if it never started."""
+        if child.state == "starting":
+            self.close()
+            raise RuntimeError(
+                "the math-verify grader process did not start (see its error above); "
+                "check that math-verify imports, and that the main script has an "
+                "`if __name__ == '__main__':` guard (the child is spawned)"
+            )
+        self.timeouts += 1
+        rewards[child.key] = 0.0
+        self._drop(child)
+
+    def _drop(self, child):
+        child.kill()
+        self._children.remove(child)
+
+    def close(self):
+        for child in self._children:
+            child.kill()
+        self._children = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def pass_at_k(n, c, k):
+    """Unbiased Pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k).
+
+    >>> pass_at_k(4, 1, 1), pass_at_k(4, 1, 2), pass_at_k(4, 0, 2)
+    (0.25, 0.5, 0.0)
+    """
+    if not 1 <= k <= n:
+        raise ValueError(f"k={k}: must be in [1, n={n}] (samples per problem)")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def held_out_pass(rows, sample, grader, n, k, chunk):
+    """Held-out Pass@1 and Pass@k of a policy, overall and by the rows' `level`: greedy Pass@1 (one greedy answer
+    per problem), mean Pass@1 over n sampled answers, unbiased Pass@k from them. sample(prompts, n, greedy) -> the
+    answers' texts, prompt-major; `chunk` problems per call. rows: {"prompt", "answer"[, "level"]}."""
+    greedy, correct = [], []  # [E], [E] (correct samples out of n)
+    for start in tqdm(range(0, len(rows), chunk), desc="eval", leave=False, dynamic_ncols=True):
+        prompts, golds = (
+            [r["prompt"] for r in rows[start : start + chunk]],
+            [r["answer"] for r in rows[start : start + chunk]],
+        )
+        greedy += grader.score_batch(sample(prompts, 1, True), golds)
+        right = grader.score_batch(sample(prompts, n, False), [g for g in golds for _ in range(n)])
+        correct += [sum(right[i * n : (i + 1) * n]) for i in range(len(prompts))]
+    out = {
+        "eval_greedy_pass1": sum(greedy) / len(greedy),
+        "eval_pass1_mean": sum(correct) / (n * len(correct)),
+        "eval_passk": sum(pass_at_k(n, int(c), k) for c in correct) / len(correct),
+        "k": k,
+        "n": n,
+    }
+    for level in sorted({r["level"] for r in rows if "level" in r}):  # by difficulty: the spread that gives signal
+        idx = [i for i, r in enumerate(rows) if r.get("level") == level]
+        out[f"eval_pass1_mean_level{level}"] = sum(correct[i] for i in idx) / (n * len(idx))
+        out[f"eval_passk_level{level}"] = sum(pass_at_k(n, int(correct[i]), k) for i in idx) / len(idx)
+        out[f"eval_greedy_pass1_level{level}"] = sum(greedy[i] for i in idx) / len(idx)
+    return out
+
+
+def evaluation_due(metrics_path, step, args, world):
+    """Whether the evaluation after `step` steps (--eval-every) is due and not yet in metrics.jsonl: step 0 of a new
+    run, or, on --resume, the one that a preemption notice, a full disk or a kill cut off after that step's
+    checkpoint. Rank 0 reads the file; every rank gets its answer."""
+    if not args.eval_every or step % args.eval_every or step >= args.steps:
+        return False
+    done = world.is_main and any(
+        m.get("kind") == "eval" and m.get("step") == step for m in common.read_metrics(metrics_path)
+    )
+    return not all_reduce(done, world, dist.ReduceOp.MAX)
+
+
+def evaluate(engine, tokenizer, stops, eval_sets, args, world, grader, tag="", model_name=None, step=None):
+    """Every benchmark: this rank samples --eval-samples answers for its contiguous share of the problems; rank 0
+    writes OUT/eval_TAG.md/.json and, after `step` training steps (None: --eval-only), a metrics.jsonl line."""
+    results = {}
+    for name, problems, dropped, too_long in eval_sets:
+        per = math.ceil(len(problems) / world.size)
+        mine = list(range(world.rank * per, min((world.rank + 1) * per, len(problems))))
+        outs = (
+            engine.generate(
+                [problems[i]["prompt_ids"] for i in mine],
+                args.eval_samples,
+                args.eval_temperature,
+                args.eval_top_p,
+                args.eval_max_tokens,
+                sample_seeds(args, 10**6, mine, args.eval_samples),
+                stops,
+            )
+            if mine
+            else []
+        )
+        texts = [tokenizer.decode(c["token_ids"], skip_special_tokens=True) for group in outs for c in group]
+        rewards = grader.score_batch(texts, [problems[i]["answer"] for i, group in zip(mine, outs) for _ in group])
+        n = args.eval_samples
+        correct = [int(sum(rewards[j * n : (j + 1) * n])) for j in range(len(outs))]  # correct samples per problem
+        gathered = [None] * world.size
+        dist.all_gather_object(gathered, correct)
+        correct = [c for part in gathered for c in part]  # rank order = problem order
+        row = {"problems": len(correct), "samples": n, "dropped": dropped, "too_long": too_long}
+        for k in args.eval_pass_k:
+            row[f"pass@{k}"] = 100.0 * sum(pass_at_k(n, c, k) for c in correct) / max(len(correct), 1)
+        row["correct"] = correct
+        results[name] = row
+    with attempt(args.out, args.out, world):  # a full disk while rank 0 writes: DiskFull on every rank
+        if results:
+            keys = [f"pass@{k}" for k in args.eval_pass_k]
+            results["average"] = {k: sum(r[k] for r in results.values()) / len(results) for k in keys}
+            if world.is_main:
+                write_eval_report(results, keys, args, tag, model_name or args.model)
+                if step is not None:
+                    common.append_metrics(os.path.join(args.out, "metrics.jsonl"), eval_record(step, results))
+    return results
+
+
+def eval_record(step, results):
+    """One metrics.jsonl line per evaluation: {benchmark}_pass@k for every benchmark and the average."""
+    return {
+        "kind": "eval",
+        "step": step,
+        **{f"{name}_{k}": v for name, row in results.items() for k, v in row.items() if k.startswith("pass@")},
+    }
+
+
+def write_eval_report(results, keys, args, tag, model_name):
+    lines = [
+        f"# Evaluation of {model_name}",
+        "",
+        f"{args.eval_samples} samples per problem, temperature {args.eval_temperature}, top-p {args.eval_top_p}, "
+        f"max {args.eval_max_tokens} tokens, template {args.template}. Pass@1 = mean accuracy over the samples; "
+        "Pass@k unbiased (Chen et al., 2021).",
+        "",
+        "| benchmark | problems | " + " | ".join(k.replace("pass", "Pass") for k in keys) + " |",
+        "|---|---|" + "---|" * len(keys),
+    ]
+    for name, row in results.items():
+        cells = [f"{row[k]:.1f}" for k in keys]
+        lines.append(f"| {name} | {row.get('problems', '')} | " + " | ".join(cells) + " |")
+    skipped = {
+        name: (row["dropped"], row["too_long"])
+        for name, row in results.items()
+        if row.get("dropped") or row.get("too_long")
+    }
+    for name, (dropped, too_long) in skipped.items():
+        lines.append(
+            f"\nNot evaluated in {name}: {dropped} rows without an answer, {too_long} prompts longer than the context."
+        )
+    stem = os.path.join(args.out, f"eval{'_' + tag if tag else ''}")
+    with open(stem + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with open(stem + ".json", "w") as f:
+        json.dump(
+            {
+                "model": model_name,
+                "settings": {
+                    k: getattr(args, k)
+                    for k in (
+                        "eval_samples",
+                        "eval_temperature",
+                        "eval_top_p",
+                        "eval_max_tokens",
+                        "template",
+                        "eval_limit",
+                    )
+                },
+                "results": results,
+            },
+            f,
+            indent=1,
+        )
+    print("\n".join(lines), flush=True)
