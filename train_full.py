@@ -6,51 +6,61 @@
     python train_full.py --eval-only --model runs/full/hf_final   # Pass@1 / Pass@k table
 
 Every rank holds an FSDP2 shard of the policy (fp32 master weights, bf16 compute) and, on the same GPU, a vLLM
-engine (asleep while the trainer runs). A step (docs/algorithm.md section 6) is six calls in main()'s loop:
+engine (asleep while the trainer runs). A step (docs/algorithm.md section 6) is six calls in main()'s loop, the
+same six as train_small.py's:
 
-  1 generate              G rollouts for each prompt of this rank's share of the step's P (vLLM)
-  2 grade                 0/1 rewards: the last \\boxed{} against the gold answer (grading.Grader)
-  3 select_samples_global d3s.select_samples on the GLOBAL [P, G] rewards, N from methods.budget; the kept
-                          rollouts are then spread over the ranks by token count
-  4 forward_kept          no-grad forward of the kept rollouts, only what the step needs: old log-probs,
-                          d3s.token_entropy (methods that select tokens), the --kl-ref reference
-  5 select_tokens_global  d3s.select_tokens on the |A| * H scores of all ranks at once
-  6 update_policy         M mini-batches, one AdamW step each on d3s.policy_loss; then the weights go to vLLM
+  1 generate          G rollouts for each prompt of this rank's share of the step's P (vLLM)
+  2 grade             0/1 rewards: the last \\boxed{} against the gold answer (grading.Grader)
+  3 select_samples    d3s.select_samples on the GLOBAL [P, G] rewards, N from methods.budget; the kept rollouts are
+                      then spread over the ranks by token count
+  4 forward_kept      no-grad forward of the kept rollouts, only what the step needs: old log-probs,
+                      d3s.token_entropy (methods that select tokens), the --kl-ref reference
+  5 select_tokens     d3s.select_tokens on the |A| * H scores of all ranks at once
+  6 update_policy     M mini-batches, one AdamW step each on d3s.policy_loss; then the weights go to vLLM
 
 Prompt order, sampling seeds (one per prompt) and both selections are functions of the global batch: the kept
 rollouts and tokens do not depend on the rank count where generation does not (CPU; GPU: VLLM_BATCH_INVARIANT=1,
 usable on compute capability 9.x and newer, refused on 8.x: docs/train_full.md). Steps count from 1
 (docs/metrics.md). SIGTERM or SIGUSR1 stops every rank after a step and its checkpoint (exit 75), a full disk before
-it (74). Beside this file: support/fsdp.py, loss_head.py, engines.py, gpu.py (the machines), support/full_io.py
-(checks, data, checkpoints, evaluation, reports, stops, the loop's plumbing: full_io.Run).
+it (74). Beside this file: support/fsdp.py, loss_head.py, engines.py, gpu.py (the machines); support/run.py (the
+run's folder, metrics, checkpoints: support/checkpoint.py), support/checks.py, support/stops.py.
 
 Defaults: [paper] the D3S paper's, [recipe] the Qwen2.5-Math-7B zero-RL recipe's (SimpleRL-Zoo / Dr.GRPO / verl),
 [inferred] from the paper, [choice] this repo's. The memory flags' measured costs: docs/memory.md.
 """
 
+import dataclasses
 import math
 import os
 import random
 import sys
 import time
-import types
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
-from support import cli, common
 import d3s
-from support import engines, fsdp, full_io, gpu, grading, loss_head, mathtask, methods
+from support import checkpoint, checks, cli, engines, explain, fsdp, gpu, grading, loss_head, mathtask, methods
+from support import run, stops
+from support.cli import UsageError
 from support.fsdp import all_reduce
 from support.gpu import clock
-from support.mathtask import DataError
 from support.grading import Grader
+from support.mathtask import DataError
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")  # MATH levels 3-5 and the benchmarks
 BENCHMARKS = ("aime24", "aime25", "amc23", "gsm8k", "math500", "minerva_math", "olympiadbench")
 TRAIN_DATA = os.path.join(DATA, "train_math_lvl3to5_8k.jsonl")  # [recipe] MATH levels 3-5
 EVAL_DATA = ",".join(os.path.join(DATA, f"{b}.jsonl") for b in BENCHMARKS)  # [paper] AIME24 ... OlympiadBench
 MAX = dist.ReduceOp.MAX
+PROG = "train_full.py"
+RUN_FLAGS = (
+    "model train_data template max_prompt_len method loss loss_agg steps prompts_per_step group_size n_init n_final "
+    "k_init k_final static_n static_k token_scope switch_on_spike min_token_per_response normalize_by lr "
+    "weight_decay max_grad_norm clip_low clip_high mini_batches kl_coef temperature top_p max_response_len seed "
+    "unseeded_sampling"
+).split()  # a resume must repeat them; free to change: the rank count (DCP reshards), memory, evaluation, checkpoints
 
 
 # ---------------------------------------------------------------------------------------------
@@ -141,30 +151,69 @@ def build_parser():
         f("--peak-tflops", 0.0, n(float, 0, what="a finite number >= 0 (0: from the GPU's name)"), "for the MFU"),
     ]
     p = cli.parser("train_full.py", __doc__.split("\n\n")[0] + " " + __doc__.split("\n\n")[-1], flags)
-    p.say = full_io.usage_error_line  # one line per job under torchrun: rank 0's
+    p.say = stops.usage_error_line  # one line per job under torchrun: rank 0's
     return p
 
 
 def parse_args(argv=None):
     """Every flag, before any work: each one's range at parsing, then the checks of several flags together and of
-    the paths (full_io.check_args). A bad one is one line and exit 2."""
+    the paths (checks.check_args). A bad one is one line and exit 2."""
     p = build_parser()
-    return full_io.check_args(p, p.parse_args(argv), int(os.environ.get("WORLD_SIZE", "1")))
+    return checks.check_args(p, p.parse_args(argv), int(os.environ.get("WORLD_SIZE", "1")))
+
+
+def run_flags(args):
+    """RUN_FLAGS of this run, local paths made absolute (a resume may start from another folder)."""
+    value = lambda k, v: os.path.abspath(v) if k in ("model", "train_data") and os.path.exists(v) else v
+    return {k: value(k, getattr(args, k)) for k in RUN_FLAGS}
 
 
 # ---------------------------------------------------------------------------------------------
 # The six steps (docs/algorithm.md section 6); each rank holds its share, every choice is global
 # ---------------------------------------------------------------------------------------------
-def generate(engine, batch, step, args, stops):
+@dataclasses.dataclass
+class Selection:
+    """What a step trains on, the same choice on every rank (global order: rank order = prompt order), filled by
+    steps 3 and 5; this rank forwards and trains the rows `mine` of the kept rollouts."""
+
+    method_row: str  # the LADDER row that selects: --method, or its intra-group twin once --switch-on-spike fired
+    n_keep: int  # N, rollouts kept per prompt (cross-group: N * P in all)
+    k_frac: float  # K, the scheduled fraction of the tokens
+    rewards_all: torch.Tensor  # [P, G] of every rank
+    keep_all: torch.Tensor  # [P, G] bool: the kept rollouts (d3s.select_samples)
+    adv_all: torch.Tensor  # [P, G]: their advantages (0 where dropped)
+    kept_all: list  # [(p, g)] of every kept rollout, global order
+    first: int  # this rank's first prompt, in global order
+    mine: list  # the kept rollouts this rank forwards and trains (indices into kept_all)
+    row_of: dict  # kept_all index -> row here
+    seqs: list  # this rank's kept rollouts: {"prompt_ids", "response_ids"}
+    mask: torch.Tensor  # [B, T] bool: their response tokens
+    kept_adv: torch.Tensor  # [B]
+    parts: list  # the M mini-batches: this rank's rows of each
+    token_keep: torch.Tensor = None  # [B, T] bool: the tokens in the loss (step 5)
+
+
+@dataclasses.dataclass
+class Pass1:
+    """Step 4's no-grad forwards of the kept rollouts, before any update."""
+
+    old_logp: torch.Tensor  # [B, T] log pi_old where has_old
+    has_old: torch.Tensor  # [B] bool: rows with pass-1 log-probs (mini-batch 1 without token selection: on-policy)
+    entropy: torch.Tensor  # [B, T] H_t, or None (methods without token selection: pass 2 measures it)
+    ref_logp: torch.Tensor  # [B, T] the reference's log-probs on the steps that measure the KL, else None
+    tokens: float  # prompt + response tokens forwarded, all ranks
+
+
+def generate(engine, batch, step, args, stop_ids):
     """Step 1 for this rank's share of the batch [(global index, prompt)]: G rollouts per prompt."""
     outs = engine.generate(
         [p["prompt_ids"] for _, p in batch],
-        args.group_size,
-        args.temperature,
-        args.top_p,
-        args.max_response_len,
-        mathtask.sample_seeds(args, step, [g for g, _ in batch], args.group_size),
-        stops,
+        n=args.group_size,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_tokens=args.max_response_len,
+        seeds=mathtask.sample_seeds(args, step, [g for g, _ in batch], args.group_size),
+        stop_ids=stop_ids,
     )
     return [
         [{"prompt_ids": p["prompt_ids"], "response_ids": c["token_ids"]} for c in group]
@@ -181,29 +230,24 @@ def grade(rollouts, batch, tokenizer, grader):
     return torch.tensor(grader.score_batch(texts, golds), dtype=torch.float32).view(len(rollouts), G)
 
 
-def select_samples_global(rollouts, rewards, step, row, args, world):
+def select_samples(rollouts, rewards, step, method_row, args, world):
     """Step 3 on the GLOBAL batch: d3s.select_samples on the [P, G] rewards of all ranks with the samples rule of
-    `row` (args.method, or its intra-group twin once --switch-on-spike fired), then which rank forwards which kept
-    rollout (fsdp.assign_rollouts) and the step's M mini-batches. Every rank gets the token ids of every
-    kept rollout (a few MB per step), so that any rank can train any."""
+    `method_row`, then which rank forwards which kept rollout (fsdp.assign_rollouts) and the step's M mini-batches.
+    Every rank gets the token ids of every kept rollout (a few MB per step), so that any rank can train any."""
     P_local, G = rewards.shape
-    n_keep, k_frac = methods.budget(args, row, step)
+    n_keep, k_frac = methods.budget(args, method_row, step)
     rewards_all, counts = fsdp.gather_rows(rewards.float(), world)  # [P, G], CPU
     generator = torch.Generator().manual_seed(args.seed * 7919 + step)  # "random": same draw on every rank
-    keep_all, adv_all = d3s.select_samples(rewards_all, n_keep, methods.LADDER[row].samples, generator=generator)
+    rule = methods.LADDER[method_row].samples
+    keep_all, adv_all = d3s.select_samples(rewards_all, n_keep, rule, generator=generator)
     first = sum(counts[: world.rank])  # this rank's first prompt, in global order
     kept_all = keep_all.nonzero().tolist()  # [(prompt p, rollout g)] of the whole step, global order
     shares = [None] * world.size
     dist.all_gather_object(shares, [rollouts[p - first][g] for p, g in kept_all if first <= p < first + P_local])
     seqs_all = [s for share in shares for s in share]  # global order: rank order = prompt order
     home = [r for r, share in enumerate(shares) for _ in share]
-    owner, parts = fsdp.assign_rollouts(
-        [len(s["prompt_ids"]) + len(s["response_ids"]) for s in seqs_all],
-        home,
-        world.size,
-        args.mini_batches,
-        args.load_balance,
-    )
+    lengths = [len(s["prompt_ids"]) + len(s["response_ids"]) for s in seqs_all]
+    owner, parts = fsdp.assign_rollouts(lengths, home, world.size, args.mini_batches, args.load_balance)
     mine = [g for g in range(len(kept_all)) if owner[g] == world.rank]  # the kept rollouts this rank forwards
     row_of = {g: r for r, g in enumerate(mine)}
     seqs = [seqs_all[g] for g in mine]
@@ -211,8 +255,10 @@ def select_samples_global(rollouts, rewards, step, row, args, world):
     mask = torch.zeros(len(seqs), T, dtype=torch.bool, device=world.device)  # the response tokens, [B, T]
     for r, s in enumerate(seqs):
         mask[r, : len(s["response_ids"])] = True
-    return types.SimpleNamespace(
-        row=row,
+    kept_adv = adv_all[keep_all][mine].to(world.device)  # [B], full-group A (pods: recomputed)
+    parts = [[row_of[g] for g in part if g in row_of] for part in parts]  # this rank's rows of each mini-batch
+    return Selection(
+        method_row=method_row,
         n_keep=n_keep,
         k_frac=k_frac,
         rewards_all=rewards_all,
@@ -220,13 +266,12 @@ def select_samples_global(rollouts, rewards, step, row, args, world):
         adv_all=adv_all,
         kept_all=kept_all,
         first=first,
-        total=len(kept_all),
         mine=mine,
         row_of=row_of,
         seqs=seqs,
         mask=mask,
-        kept_adv=adv_all[keep_all][mine].to(world.device),  # [B], full-group A (pods: recomputed)
-        parts=[[row_of[g] for g in part if g in row_of] for part in parts],  # this rank's rows of each mini-batch
+        kept_adv=kept_adv,
+        parts=parts,
     )
 
 
@@ -235,23 +280,24 @@ def forward_kept(model, ref_model, sel, args, world, pad_id):
     entropy of every kept token before the global top K, so the policy forwards every kept rollout (the old
     log-probs come with it); the others need the old log-probs of mini-batches 2..M only (mini-batch 1 runs first
     and is on-policy: its old log-probs are pass 2's own, detached; their entropy metric comes from pass 2), none
-    at M = 1. ref_model (on the steps that measure or use the KL): every kept rollout.
-    Returns (old_logp [B, T], has_old [B] bool, entropy [B, T] or None, ref_logp or None, tokens forwarded)."""
+    at M = 1. ref_model (on the steps that measure or use the KL): every kept rollout."""
     selects = methods.selects_tokens(args.method)
     rows = [r for part in (sel.parts if selects else sel.parts[1:]) for r in part]
     T = sel.mask.shape[1]
-    old_logp, entropy, tokens = loss_head.forward_no_grad(model, sel.seqs, rows, T, args, world, pad_id, selects)
+    old_logp, entropy, tokens = loss_head.forward_no_grad(
+        model, sel.seqs, rows, T, args, world, pad_id=pad_id, with_entropy=selects
+    )
     has_old = torch.zeros(len(sel.seqs), dtype=torch.bool)
     has_old[rows] = True
     ref_logp = None
     if ref_model is not None:
         every = list(range(len(sel.seqs)))
-        ref_logp, _, ref_tokens = loss_head.forward_no_grad(ref_model, sel.seqs, every, T, args, world, pad_id, False)
+        ref_logp, _, ref_tokens = loss_head.forward_no_grad(ref_model, sel.seqs, every, T, args, world, pad_id=pad_id)
         tokens += ref_tokens
-    return old_logp, has_old, entropy, ref_logp, tokens
+    return Pass1(old_logp, has_old, entropy, ref_logp, tokens)
 
 
-def select_tokens_global(sel, entropy, args, world):
+def select_tokens(sel, entropy, args, world):
     """Step 5: the top K of |A| * H over the kept tokens of ALL ranks, d3s.select_tokens once on the gathered
     [B, T] scores in global order (on CPU: every rank computes the identical choice); this rank's rows of it. Every
     response token for the methods without token selection. A non-finite forward (NaN entropy) scores 0: the loss
@@ -260,8 +306,8 @@ def select_tokens_global(sel, entropy, args, world):
         return sel.mask.clone()
     scores = d3s.token_scores(sel.kept_adv, entropy)  # |A_{i,t}| * H_{i,t}, [B, T]
     keep = d3s.select_tokens(
-        fsdp.gather_global(scores, sel.mine, sel.total, world),
-        fsdp.gather_global(sel.mask, sel.mine, sel.total, world),
+        fsdp.gather_global(scores, sel.mine, len(sel.kept_all), world),
+        fsdp.gather_global(sel.mask, sel.mine, len(sel.kept_all), world),
         sel.k_frac,
         scope=args.token_scope,
         min_per_seq=int(args.min_token_per_response),
@@ -269,16 +315,17 @@ def select_tokens_global(sel, entropy, args, world):
     return keep[sel.mine].to(scores.device)
 
 
-def update_policy(model, optimizer, sel, token_keep, old_logp, has_old, entropy, ref_logp, args, world, pad_id):
+def update_policy(model, optimizer, sel, pass1, args, world, pad_id):
     """Step 6: the M mini-batches (global order), one optimizer step each, then the gradients are freed. The
     normalizer of a mini-batch is its selected tokens (or responses) summed over all ranks, computed before its
     micro-batches, so neither the micro-batch size nor the rank count changes the update. Rows without pass-1
     log-probs (mini-batch 1 of the methods without token selection) are on-policy: their old log-probs are this
     forward's, detached. Without a pass-1 entropy, the entropy metric comes from this forward's logits."""
-    device, entropy_here = world.device, entropy is None
+    device, entropy, token_keep = world.device, pass1.entropy, sel.token_keep
+    entropy_here = entropy is None
     if entropy_here:
         entropy = torch.zeros(sel.mask.shape, device=device)
-    seqs, kept_adv = sel.seqs, sel.kept_adv
+    seqs, kept_adv, ref_logp = sel.seqs, sel.kept_adv, pass1.ref_logp
     losses, grad_norms, clip_fracs, clip_tokens, kl_tokens, trained_tokens, skipped = [], [], [], 0.0, 0.0, 0.0, False
     for part in sel.parts:  # this rank's rows of each mini-batch
         part_keep = token_keep[part]
@@ -301,7 +348,8 @@ def update_policy(model, optimizer, sel, token_keep, old_logp, has_old, entropy,
                 logp = loss_head.response_logp_at(model, inputs, targets, keep, args.temperature, entropy_here)
                 if entropy_here:
                     logp, entropy[rows, :width] = logp
-                old = old_logp[rows, :width] if bool(has_old[rows].all()) else logp.detach()  # on-policy: ratio 1
+                on_policy = not bool(pass1.has_old[rows].all())  # ratio 1: this forward's own log-probs, detached
+                old = logp.detach() if on_policy else pass1.old_logp[rows, :width]
                 loss, stats = d3s.policy_loss(
                     logp,
                     old,
@@ -332,52 +380,56 @@ def update_policy(model, optimizer, sel, token_keep, old_logp, has_old, entropy,
         clip_fracs.append(all_reduce(part_clip, world) / n_selected)
         clip_tokens += clip_fracs[-1] * n_selected
     optimizer.zero_grad(set_to_none=True)
-    return types.SimpleNamespace(
-        entropy=entropy,
-        losses=losses,
-        grad_norms=grad_norms,
-        clip_fracs=clip_fracs,
-        clip_tokens=clip_tokens,
-        skipped=skipped,
-        kl_tokens=all_reduce(kl_tokens, world),
-        trained_tokens=all_reduce(trained_tokens, world),
-    )
+    return {
+        "entropy": entropy,
+        "losses": losses,
+        "grad_norms": grad_norms,
+        "clip_fracs": clip_fracs,
+        "clip_tokens": clip_tokens,
+        "skipped": skipped,
+        "kl_tokens": all_reduce(kl_tokens, world),
+        "trained_tokens": all_reduce(trained_tokens, world),
+    }
 
 
-def step_metrics(sel, token_keep, upd, train_s, pass1_tokens, measured_kl, world):
+# ---------------------------------------------------------------------------------------------
+# What a step reports
+# ---------------------------------------------------------------------------------------------
+def step_metrics(sel, pass1, update, train_s, measured_kl, world):
     """The step's metrics (global), the ones the paper reads first. entropy_mean is over every kept response
     token, entropy_kept over the selected ones: for the methods that select tokens both come from pass 1 (the
     policy before the step's updates); for the others from pass 2's logits, so on mini-batches 2..M they are the
     entropy of the policy at their forward, after the earlier mini-batches' updates."""
+    token_keep, entropy = sel.token_keep, update["entropy"]
     n_tokens, n_selected = all_reduce(sel.mask.sum(), world), all_reduce(token_keep.sum(), world)
     rank_tokens = sum(len(s["prompt_ids"]) + len(s["response_ids"]) for s in sel.seqs)  # what this rank forwarded
-    rewards_all, grad_norms, losses = sel.rewards_all, upd.grad_norms, upd.losses
+    rewards_all, grad_norms, losses = sel.rewards_all, update["grad_norms"], update["losses"]
     return {
         "reward_mean": float(rewards_all.mean()),
         "acc_train": float(rewards_all.mean()),  # 0/1 reward: the same
         "groups_mixed": float((rewards_all.amax(-1) > rewards_all.amin(-1)).float().mean()),  # groups with signal
         "n_keep": sel.n_keep,
         "k_frac": sel.k_frac,
-        "sample_rule": methods.rule_name(sel.row),  # the rollouts' rule: "cross" turns "intra" at the switch
+        "sample_rule": methods.rule_name(sel.method_row),  # the rollouts' rule: "cross" turns "intra" at the switch
         "k_real": n_selected / max(n_tokens, 1.0),  # realised fraction of the forwarded tokens
-        "kept_samples": sel.total,
+        "kept_samples": len(sel.kept_all),
         "sur": d3s.usefulness_rate(sel.adv_all, sel.keep_all),  # kept rollouts with A != 0
         "kept_tokens": int(n_selected),
         "fwd_tokens": int(n_tokens),  # in the loss; response tokens of the kept
         "kept_adv_var": d3s.kept_variance(sel.adv_all, sel.keep_all),
         "grad_norm": sum(grad_norms) / len(grad_norms) if grad_norms else None,  # finite AdamW steps, before clipping
-        "entropy_mean": all_reduce((upd.entropy * sel.mask).sum(), world) / max(n_tokens, 1.0),
-        "entropy_kept": all_reduce((upd.entropy * token_keep).sum(), world) / max(n_selected, 1.0),
-        "kl_ref": upd.kl_tokens / max(n_selected, 1.0) if measured_kl else None,
-        "clip_frac": upd.clip_tokens / max(n_selected, 1.0),  # over the selected tokens of every mini-batch
-        "clip_frac_by_minibatch": upd.clip_fracs,
+        "entropy_mean": all_reduce((entropy * sel.mask).sum(), world) / max(n_tokens, 1.0),
+        "entropy_kept": all_reduce((entropy * token_keep).sum(), world) / max(n_selected, 1.0),
+        "kl_ref": update["kl_tokens"] / max(n_selected, 1.0) if measured_kl else None,
+        "clip_frac": update["clip_tokens"] / max(n_selected, 1.0),  # over the selected tokens of every mini-batch
+        "clip_frac_by_minibatch": update["clip_fracs"],
         "loss": sum(losses) / len(losses) if losses else None,  # mean over the optimizer steps
         "updates": len(grad_norms),
-        "skipped": upd.skipped,  # skipped: an optimizer step had a non-finite loss/gradient
+        "skipped": update["skipped"],  # skipped: an optimizer step had a non-finite loss/gradient
         "train_s": train_s,
-        "train_tokens": int(upd.trained_tokens),  # prompt + response tokens through pass 2
-        "pass1_tokens": int(pass1_tokens),  # prompt + response tokens through the no-grad forwards (policy + reference)
-        "train_tokens_per_s": upd.trained_tokens / max(train_s, 1e-9),
+        "train_tokens": int(update["trained_tokens"]),  # prompt + response tokens through pass 2
+        "pass1_tokens": int(pass1.tokens),  # prompt + response tokens through the no-grad forwards (policy + reference)
+        "train_tokens_per_s": update["trained_tokens"] / max(train_s, 1e-9),
         "rank_tokens_max": int(all_reduce(rank_tokens, world, MAX)),  # load balance: the busiest rank's tokens
         "rank_tokens_min": int(all_reduce(rank_tokens, world, dist.ReduceOp.MIN)),  # ... and the idlest rank's
     }
@@ -389,18 +441,19 @@ def step_metrics(sel, token_keep, upd, train_s, pass1_tokens, measured_kl, world
 def main(argv=None):
     args = parse_args(argv)  # every flag and path, before any work
     ranks = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's; the process group comes after the checks
-    full_io.check_machine(args, ranks)  # CUDA, vLLM, and a GPU the setting fits
-    ckpt = full_io.check_resume(args, ranks)  # the checkpoint to continue, or None
-    tokenizer, stops, prompts, eval_sets, note = mathtask.load_inputs(args)
+    checks.check_machine(args, ranks)  # CUDA, vLLM, and a GPU the setting fits
+    ckpt = None if args.eval_only else checkpoint.resume_shards(args, run_flags(args))  # the checkpoint to continue
+    tokenizer, stop_ids, prompts, eval_sets, note = checks.load_inputs(args)
     world = fsdp.init_distributed(args.device, args.cpu_offload)
     torch.manual_seed(args.seed + world.rank)
     random.seed(args.seed + world.rank)
     say = (lambda *m: print(*m, flush=True)) if world.is_main else (lambda *m: None)
-    full_io.write_args(args, world)
+    run.write_args(args, world)
+    evaluation = dict(tokenizer=tokenizer, stop_ids=stop_ids, eval_sets=eval_sets, args=args, world=world)
     if args.eval_only:
         engine = engines.make_engine(args.model, args, world)
         with Grader(args.grader_timeout, workers=args.grader_workers) as grader:
-            grading.evaluate(engine, tokenizer, stops, eval_sets, args, world, grader)
+            grading.evaluate(engine, grader, **evaluation)
         return engines.shutdown(engine)
 
     say(
@@ -411,74 +464,100 @@ def main(argv=None):
     model = fsdp.load_policy(args, world)
     # NaN or inf in the weights (each rank its shards) or in the logits of a first forward: one line naming --model,
     # exit 2, before any step
-    full_io.check_finite(model, args, world, prompts[0]["prompt_ids"])
+    checks.check_finite(model, f"--model {args.model}", prompts[0]["prompt_ids"], world)
     ref_model = fsdp.load_policy(args, world, reference=True) if args.kl_ref else None  # the initial policy
     optimizer = fsdp.make_optimizer(model, args)
-    # completed steps, and their grad norms (the same on every rank: --switch-on-spike's signal)
-    step, grad_norms = full_io.resume_from(ckpt, model, optimizer, order, args, world) if ckpt else (0, [])
+    # completed steps, and the history its rules read (grad norms: --switch-on-spike's signal), the same on every rank
+    step, history = checkpoint.restore_shards(ckpt, model, optimizer, order, args, world) if ckpt else (0, None)
     engine = engines.make_engine(args.model, args, world)
     engine.update_weights(fsdp.full_named_tensors(model, getattr(torch, args.dtype)))  # also after a resume
     pad_id, device = tokenizer.pad_token_id, world.device
-    with Grader(args.grader_timeout, workers=args.grader_workers) as grader, full_io.Stops(args.out, world) as halt:
-        run = full_io.Run(
-            args, world, step, ckpt, model, optimizer, order, engine, tokenizer, stops, eval_sets, grader, halt
+    flops, out = (gpu.flop_params(model), gpu.peak_flops(device, args.peak_tflops)), args.out  # MFU's, the run's folder
+
+    def save(step):  # OUT/checkpoints/step_NNNNNN: the shards, each rank's RNG, the data position and history
+        state = checkpoint.shards_state(run_flags(args), order, r.history)
+        return checkpoint.save_shards(model, optimizer, args.out, step, state, world, keep=args.keep_checkpoints)
+
+    def export(path):  # an HF folder, with vLLM asleep: its fp32 gathers fit beside it (engines.export_asleep)
+        return engines.export_asleep(
+            engine, model, args, lambda: checkpoint.export_hf(model, tokenizer, path, world, out)
         )
-        run.evaluate_if_due(step)  # step 0, or one a stop cut off after its checkpoint
-        while step < run.stop_at:  # --steps, or --stop-after
+
+    grader = Grader(args.grader_timeout, workers=args.grader_workers)
+    with grader, stops.Notices(PROG, world, args.out) as notices:
+        r = run.Run(args, PROG, notices, step, history, world)  # metrics.jsonl: what the checkpoint covers
+        evaluate = lambda s, tag=None, name=None: grading.evaluate(
+            engine, grader, tag=tag, model_name=name, step=s, **evaluation
+        )
+        if grading.evaluation_due(r.metrics, step, args, world):  # step 0, or one a stop cut off after its checkpoint
+            evaluate(step)
+        bar = tqdm(total=args.steps, initial=step, disable=not world.is_main, desc="steps", dynamic_ncols=True)
+        while step < r.stop_at:  # --steps, or --stop-after
             s = step + 1  # this step, 1..S
-            row = methods.switch_to_intra(args.method, grad_norms, args.switch_on_spike)  # --method, or its twin
+            method_row = methods.switch_to_intra(args.method, r.history["grad_norms"], args.switch_on_spike)
             batch = mathtask.rank_share([(g, prompts[g]) for g in order.take(args.prompts_per_step)], world)
             t0 = clock(device, reset_peak=True)
-            rollouts = generate(engine, batch, s, args, stops)  # 1) G rollouts per prompt
+            rollouts = generate(engine, batch, s, args, stop_ids)  # 1) G rollouts per prompt
             phases = {"gen_s": clock(device) - t0, "gpu_used_gen": gpu.gpu_used_gb(device)}  # + awake vLLM
             engine.sleep()  # free vLLM's GPU memory for training
             t0 = time.perf_counter()
             rewards = grade(rollouts, batch, tokenizer, grader)  # 2) 0/1 rewards [P_rank, G]
             phases["reward_s"] = time.perf_counter() - t0
-            sel = select_samples_global(rollouts, rewards, s, row, args, world)  # 3) N per prompt, over all ranks
-            t0, measure_kl = clock(device), common.measures_kl(s, args)
-            old_logp, has_old, entropy, ref_logp, pass1_tokens = forward_kept(  # 4) pass 1 of the kept rollouts
-                model, ref_model if measure_kl else None, sel, args, world, pad_id
-            )
+            sel = select_samples(rollouts, rewards, s, method_row, args, world)  # 3) N per prompt, over all ranks
+            t0, measure_kl = clock(device), run.measures_kl(s, args)
+            pass1 = forward_kept(model, ref_model if measure_kl else None, sel, args, world, pad_id)  # 4) pass 1
             phases["pass1_s"] = clock(device) - t0
-            token_keep = select_tokens_global(sel, entropy, args, world)  # 5) the top K of |A| * H, over all ranks
-            upd = update_policy(  # 6) M mini-batches, one AdamW step each on d3s.policy_loss
-                model, optimizer, sel, token_keep, old_logp, has_old, entropy, ref_logp, args, world, pad_id
-            )
+            sel.token_keep = select_tokens(sel, pass1.entropy, args, world)  # 5) the top K of |A| * H, all ranks
+            update = update_policy(model, optimizer, sel, pass1, args, world, pad_id=pad_id)  # 6) M AdamW steps
             train_s = all_reduce(clock(device) - t0, world, MAX)
-            stats = step_metrics(sel, token_keep, upd, train_s, pass1_tokens, measure_kl, world)
-            run.explain(s, rollouts, batch, sel, upd, token_keep, stats)  # step 1 and every --explain-every-th
+            stats = step_metrics(sel, pass1, update, train_s, measure_kl, world)
+            if args.explain_every and (s == 1 or s % args.explain_every == 0):  # rank 0's page of the step
+                page = dict(tokenizer=tokenizer, notices=notices, world=world, args=args)
+                explain.full_page(s, rollouts, batch, sel, update["entropy"], stats, **page)
             phases["gpu_used_train"] = gpu.gpu_used_gb(device)  # trainer (+ sleeping vLLM), before the sync
             t0 = clock(device)
             engine.update_weights(fsdp.full_named_tensors(model, getattr(torch, args.dtype)))  # weights to vLLM
             phases["sync_s"] = clock(device) - t0
             step = s
-            grad_norms.append(stats["grad_norm"])
-            run.end_step(step, stats, rollouts, phases, grad_norms)  # metrics line, notices, checkpoint, evaluation
-        run.finish(step)  # --stop-after's line, or OUT/hf_final and the final evaluation
+            phases["grader_timeouts"] = grader.timeouts
+            r.log(run.train_record(step, stats, rollouts, phases, args, world, flops=flops))
+            if world.is_main:
+                bar.set_postfix(reward=f"{stats['reward_mean']:.3f}", N=stats["n_keep"], K=f"{stats['k_frac']:.2f}")
+                bar.update(1)
+            notice = (
+                notices.agree()
+            )  # any rank's full disk (DiskFull on every rank: exit 74) or notice (SIGTERM, SIGUSR1)
+            if args.export_every and step % args.export_every == 0:  # before the checkpoint: a resume redoes both
+                export(os.path.join(args.out, f"hf_step_{step:06d}"))
+            r.checkpoint(step, notice, save)  # every --save-every steps and the last; a notice stops here (exit 75)
+            if args.eval_every and step % args.eval_every == 0 and step < args.steps:
+                evaluate(step)
+        bar.close()
+        if args.stop_after:
+            say(f"stopped after step {step} (--stop-after): continue with --resume")
+        elif step >= args.steps:
+            final = export(os.path.join(args.out, "hf_final"))
+            say(f"exported {final}")
+            evaluate(step, "final", f"{final} ({args.model} after {step} steps of {args.method}, {args.loss} loss)")
     engines.shutdown(engine)
 
 
 def entry(argv=None):
-    """main() for torchrun. A bad flag, file, model or checkpoint is one line on stderr (full_io.usage_error_line)
-    and exit 2 (a full disk: 74; a Ctrl-C outside the loop: 130, full_io.crashed). A rank that fails otherwise
-    prints its traceback and exits at once (os._exit), skipping the interpreter's shutdown (vLLM's engine and the
-    process group would wait there for ranks that will never answer): torchrun then stops the other ranks within
-    seconds, instead of a 60-minute collective timeout."""
+    """main() for torchrun. A bad flag, file, model or checkpoint is one line on stderr (once per job) and exit 2
+    (a full disk: 74; a Ctrl-C outside the loop: 130, stops.crashed). A rank that fails otherwise prints its
+    traceback and exits at once (os._exit), skipping the interpreter's shutdown (vLLM's engine and the process group
+    would wait there for ranks that will never answer): torchrun then stops the other ranks within seconds, instead
+    of a 60-minute collective timeout."""
     try:
         main(argv)
     except SystemExit as e:  # the parser's errors: already printed (cli.Parser.error)
         if e.code not in (None, 0):
             sys.stdout.flush(), sys.stderr.flush()
             os._exit(e.code if isinstance(e.code, int) else 2)
-    except (cli.UsageError, DataError, full_io.CheckpointError) as e:
-        full_io.usage_error_line(f"train_full.py: error: {e}")
-        sys.stdout.flush(), sys.stderr.flush()
-        os._exit(2)
-    except common.DiskFull as e:  # one line, exit 74; the last checkpoint intact
-        full_io.fail_disk(e)
+    except (UsageError, DataError, checkpoint.CheckpointError, stops.DiskFull) as e:  # exit 2; a full disk: 74
+        stops.fail(PROG, e, at_once=True)
     except BaseException as e:  # a Ctrl-C outside the loop: one line, exit 130; else its traceback, exit 1
-        full_io.crashed(e)
+        stops.crashed(PROG, e, "the last checkpoint in --out, if any, is intact; continue with --resume")
 
 
 if __name__ == "__main__":

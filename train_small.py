@@ -3,10 +3,12 @@
 The second rung: the d3s.py functions of the toy drive a Qwen2-architecture model that answers arithmetic word
 problems in \\boxed{}, graded by math-verify. With no arguments it builds a tiny model, warm-starts it with a short
 supervised phase (both cached: support/warmstart.py), trains it with D3S, evaluates it on held-out problems and prints a
-summary, in minutes on a laptop CPU. One RL step (docs/algorithm.md, section 6): 1 rollout, 2 compute_rewards,
-3 d3s.select_samples, 4 forward_kept (d3s.token_entropy of the same logits), 5 d3s.token_scores + d3s.select_tokens,
-6 update_policy (d3s.policy_loss per mini-batch, AdamW). With --mini-batches 1 it is on-policy (ratio 1: no clipping,
-GSPO = GRPO); with M > 1 the later mini-batches are off-policy. Left out: value functions, reward models, ranks.
+summary, in minutes on a laptop CPU. One RL step (docs/algorithm.md, section 6), the same six calls as train_full.py's:
+1 generate, 2 grade, 3 select_samples (d3s.select_samples), 4 forward_kept (d3s.token_entropy of the same logits),
+5 select_tokens (d3s.token_scores, d3s.select_tokens), 6 update_policy (d3s.policy_loss per mini-batch, AdamW). With
+--mini-batches 1 it is on-policy (ratio 1: no clipping, GSPO = GRPO); with M > 1 the later mini-batches are
+off-policy. Left out: value functions, reward models, ranks. Beside this file: support/sampler.py (the KV-cache
+sampler), support/run.py (the run's folder, metrics, checkpoints: support/checkpoint.py), support/checks.py.
 
     python train_small.py                                  # D3S, tiny model, runs/small/
     python train_small.py --method grpo --loss gspo --mini-batches 4
@@ -17,6 +19,7 @@ GSPO = GRPO); with M > 1 the later mini-batches are off-policy. Left out: value 
 """
 
 import copy
+import dataclasses
 import math
 import os
 import random
@@ -25,11 +28,9 @@ import time
 import torch
 from tqdm import tqdm
 
-from support import cli, common
 import d3s
-from support import explain, methods, warmstart, mathtask
+from support import checkpoint, checks, cli, explain, mathtask, methods, run, sampler, stops, warmstart
 from support.grading import Grader, held_out_pass
-from support.mathtask import stop_token_ids
 
 PROG = "train_small.py"
 TINY_MAX_NEW_TOKENS, HF_MAX_NEW_TOKENS = {"steps": 48, "direct": 16}, 512  # a worked answer + EOS: 34 tokens (tiny)
@@ -39,7 +40,6 @@ RUN_FLAGS = (
     "schedule token_rule token_scope min_token_per_response switch_on_spike lr warmup_steps max_grad_norm loss_agg "
     "clip_low clip_high mini_batches task kl_coef temperature max_new_tokens"
 ).split()  # a resume must repeat them
-ADDED_RUN_FLAGS = {"switch_on_spike": 0.0}  # RUN_FLAGS added later, and the value older checkpoints ran with
 EPILOG = "Paper recipe (Qwen2.5-Math-7B): G >= 32, N 8 -> 32, K 5% -> 20%, lr 1e-6, clip 0.2/0.28, 3k tokens. The CPU "
 EPILOG += "defaults are scaled down; each flag says so."
 
@@ -98,15 +98,13 @@ def parse_args(argv=None, parser=None, method_names=None):
     method_names: the rows the run will train (experiments/small_ladder.py: several); default [--method]."""
     p = parser or build_parser()
     args = p.parse_args(argv)
-    args.static_n, args.static_k = methods.check_flags(p, args, method_names or [args.method])  # rows, N <= G, ...
+    checks.check_run(p, args, method_names or [args.method])  # --stop-after, rows, N <= G; static N, K, loss defaults
     if args.hidden_size % 4:
         p.error(f"--hidden-size {args.hidden_size}: must be a multiple of 4 in [8, 4096] (4 heads)")
     if args.pass_k > args.eval_samples:
         p.error(
             f"--pass-k {args.pass_k}: must be an int in [1, --eval-samples {args.eval_samples}] (Pass@k needs k <= n)"
         )
-    if args.stop_after is not None and args.stop_after > args.steps:
-        p.error(f"--stop-after {args.stop_after}: must be an int in [1, --steps {args.steps}]")
     for flag, path in (("--out", args.out), ("--cache-dir", args.cache_dir)):
         cli.check_out_dir(p, flag, path)
     for flag, path in (("--train-file", args.train_file), ("--eval-file", args.eval_file)):
@@ -117,184 +115,131 @@ def parse_args(argv=None, parser=None, method_names=None):
     args.kl_every = args.eval_every if args.kl_every is None else args.kl_every
     args.mid_eval_samples = min(args.mid_eval_samples or args.eval_samples, args.eval_samples)
     args.rl_seed = args.seed if args.rl_seed is None else args.rl_seed
-    args.loss_agg = args.loss_agg or d3s.DEFAULT_AGG[args.loss]
-    clip = d3s.CLIP_DEFAULTS[args.loss]  # grpo 0.2 / 0.28 (DAPO's clip-higher), gspo 3e-4 / 4e-4
-    args.clip_low, args.clip_high = (
-        clip[0] if args.clip_low is None else args.clip_low,
-        clip[1] if args.clip_high is None else args.clip_high,
-    )
     if args.max_new_tokens is None:
         args.max_new_tokens = HF_MAX_NEW_TOKENS if args.model else TINY_MAX_NEW_TOKENS[args.task]
     warmstart.fill_defaults(args)  # --sft-steps and --template: by --model and --task
     return args
 
 
-# === The pieces of a step =============================================================================================
-@torch.no_grad()
-def rollout(model, tokenizer, prompts, group_size, max_new_tokens, temperature=1.0, greedy=False):
-    """1) `group_size` responses per prompt (row p*G + g), o_t ~ softmax(logits / T) or greedy: HF generate's loop, with
-    each prompt encoded once and its KV cache repeated G times. Returns prompt_ids [B, Lp], prompt_mask (left-padded),
-    response_ids [B, T], response_mask (1 up to and including the first EOS) and texts."""
-    from transformers import DynamicCache
+# === The six steps of a step ==========================================================================================
+@dataclasses.dataclass
+class Selection:
+    """What a step trains on, filled by steps 3 and 5 (row b of `kept` is rollout kept_rows[b] = p * G + g)."""
 
-    enc = tokenizer(prompts, padding=True, return_tensors="pt", add_special_tokens=False)
-    prompt_mask = enc.attention_mask  # [P, Lp], left-padded
-    positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # as generate: left padding does not shift positions
-    eos = torch.tensor(stop_token_ids(tokenizer, model.generation_config))  # the one rule of every rung
-    model.eval()
-    cache = DynamicCache()
-    logits = model(
-        input_ids=enc.input_ids,
-        attention_mask=prompt_mask,
-        position_ids=positions,
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=1,
-    ).logits[:, -1]  # [P, V]: the prefill, once per prompt
-    cache.batch_repeat_interleave(group_size)  # the prompt's keys and values, shared by its G rollouts
-    logits = logits.repeat_interleave(group_size, 0)  # [B, V]: each row's last logits (an ended row's: stale)
-    attention_mask = prompt_mask.repeat_interleave(group_size, 0)  # [live, Lp + t]
-    position = positions[:, -1:].repeat_interleave(group_size, 0)  # [live, 1]
-    B = logits.shape[0]
-    response_ids = torch.full((B, max_new_tokens), tokenizer.pad_token_id)
-    ended, live = torch.zeros(B, dtype=torch.bool), torch.arange(B)  # live: the rows still in the cache
-    for t in range(max_new_tokens):
-        if greedy:
-            token = logits.float().argmax(-1)  # [B]
-        else:  # over all B rows, ended ones too: the same random draws whichever rows are still live
-            token = torch.multinomial((logits.float() / temperature).softmax(-1), 1).squeeze(1)  # o_t ~ pi
-        response_ids[:, t] = torch.where(ended, tokenizer.pad_token_id, token)
-        ended |= torch.isin(token, eos)
-        if bool(ended.all()) or t == max_new_tokens - 1:
-            break
-        go_on = (~ended[live]).nonzero().squeeze(1)  # an ended row leaves the cache: no more forwards for it
-        if len(go_on) < len(live):
-            cache.batch_select_indices(go_on)
-            live, attention_mask, position = live[go_on], attention_mask[go_on], position[go_on]
-        attention_mask = torch.cat([attention_mask, torch.ones(len(live), 1, dtype=attention_mask.dtype)], 1)
-        position = position + 1
-        logits[live] = model(
-            input_ids=token[live, None],
-            attention_mask=attention_mask,
-            position_ids=position,
-            past_key_values=cache,
-            use_cache=True,
-        ).logits[:, -1]
-    response_ids = response_ids[:, : t + 1]  # [B, T]
-    is_eos = torch.isin(response_ids, eos)
-    response_mask = (~((is_eos.cumsum(-1) - is_eos.long()) > 0)).long()  # 0 strictly after the first EOS
-    texts = [
-        tokenizer.decode(ids[:n], skip_special_tokens=True)
-        for ids, n in zip(response_ids, response_mask.sum(-1).tolist())
-    ]
-    return {
-        "prompt_ids": enc.input_ids.repeat_interleave(group_size, 0),
-        "prompt_mask": prompt_mask.repeat_interleave(group_size, 0),
-        "response_ids": response_ids,
-        "response_mask": response_mask,
-        "texts": texts,
-    }
+    method_row: str  # the LADDER row that selects: --method, or its intra-group twin once --switch-on-spike fired
+    n_keep: int  # N, rollouts kept per prompt (cross-group: N * P in all)
+    k_frac: float  # K, the scheduled fraction of the tokens
+    keep: torch.Tensor  # [P, G] bool: the kept rollouts (d3s.select_samples)
+    adv: torch.Tensor  # [P, G]: their advantages (0 where dropped)
+    kept_rows: torch.Tensor  # [B]: flat indices p * G + g of the kept rollouts
+    kept: dict  # the kept rollouts' batch ([B, T] tensors: sampler.take_rows)
+    kept_adv: torch.Tensor  # [B]
+    parts: list  # the M mini-batches: row indices of `kept`
+    token_keep: torch.Tensor = None  # [B, T] bool: the tokens in the loss (step 5)
+    scores: torch.Tensor = None  # [B, T]: their scores, |A| * H by default (step 5)
 
 
-def compute_rewards(grader, texts, golds):
-    """2) 0/1 rewards: math-verify on the last \\boxed{} of each text, killed after the time limit."""
-    return torch.tensor(grader.score_batch(texts, golds), dtype=torch.float32)
+@dataclasses.dataclass
+class Pass1:
+    """Step 4's forwards of the kept rollouts, before any update."""
+
+    first_logp: torch.Tensor  # [b, T'] log-probs of mini-batch 1, with grad (on-policy: the update reuses them)
+    old_logp: torch.Tensor  # [B, T] log pi_old, no grad
+    entropy: torch.Tensor  # [B, T] H_t of the same logits
+    ref_logp: torch.Tensor  # [B, T] the warm start's log-probs on the steps that measure the KL, else None
+    seconds: float  # of the no-grad forwards (pass1_s)
 
 
-def forward_logprobs_entropy(model, batch, temperature=1.0, with_entropy=True):
-    """log pi(o_t | prompt, o_<t) [B, T] (logits / temperature: the policy that sampled) and the entropy H_t [B, T] of
-    the same logits (d3s.token_entropy, no grad). Each distinct prompt is forwarded once, then every response on its
-    prompt's keys and values: a plain forward's log-probs and gradients (tested) for about half the positions."""
-    from transformers import DynamicCache
-
-    model.train()
-    Lp = batch["prompt_ids"].shape[1]
-    prompts, row_prompt = torch.unique(
-        torch.cat([batch["prompt_ids"], batch["prompt_mask"]], 1), dim=0, return_inverse=True
-    )  # [U, 2 Lp] distinct prompts; row b's is row_prompt[b]
-    prompt_ids, prompt_mask = prompts[:, :Lp], prompts[:, Lp:]
-    first = int(prompt_mask.any(0).int().argmax())  # drop the columns that are padding in every prompt
-    prompt_ids, prompt_mask = prompt_ids[:, first:], prompt_mask[:, first:]
-    prompt_pos = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # [U, Lp']
-    cache = DynamicCache()
-    first_logits = model(
-        input_ids=prompt_ids,
-        attention_mask=prompt_mask,
-        position_ids=prompt_pos,
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=1,
-    ).logits  # [U, 1, V]: predicts o_1
-    for layer in cache.layers:  # each row's prompt keys and values; the backward adds the rows up in a fixed order
-        layer.keys, layer.values = layer.keys.index_select(0, row_prompt), layer.values.index_select(0, row_prompt)
-    attention_mask = torch.cat([prompt_mask[row_prompt], batch["response_mask"]], 1)  # [B, Lp' + T]
-    position_ids = prompt_pos[row_prompt, -1:] + batch["response_mask"].cumsum(-1)  # as cumsum(mask) - 1 above
-    logits = model(
-        input_ids=batch["response_ids"],
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        past_key_values=cache,
-        use_cache=True,
-    ).logits  # [B, T, V]: position t predicts o_{t+1}
-    logits = torch.cat([first_logits[row_prompt], logits[:, :-1]], 1).float() / temperature  # [B, T, V]: o_1 .. o_T
-    logp = logits.log_softmax(-1).gather(-1, batch["response_ids"].unsqueeze(-1)).squeeze(-1)  # [B, T]
-    return logp, (d3s.token_entropy(logits) if with_entropy else None)
+def generate(model, tokenizer, problems, args):
+    """1) G rollouts per prompt (row p*G + g), o_t ~ softmax(logits / T): sampler.sample, each prompt's keys and
+    values shared by its G rollouts. Returns the rollout batch (prompt and response ids and masks, texts)."""
+    prompts = [mathtask.format_prompt(r["problem"], args.template) for r in problems]
+    return sampler.sample(model, tokenizer, prompts, args.group_size, args.max_new_tokens, args.temperature)
 
 
-def take_rows(batch, rows):
-    """The rollouts `rows` of a rollout batch, trimmed to their longest response (none: [0, 0])."""
-    T = int(batch["response_mask"][rows].sum(-1).max()) if len(rows) else 0
-    return {
-        "prompt_ids": batch["prompt_ids"][rows],
-        "prompt_mask": batch["prompt_mask"][rows],
-        "response_ids": batch["response_ids"][rows, :T],
-        "response_mask": batch["response_mask"][rows, :T],
-    }
+def grade(batch, problems, grader):
+    """2) 0/1 rewards [P, G]: math-verify on the last \\boxed{} of each text against its problem's gold answer, killed
+    after the time limit (grading.Grader). One score_batch call for the P x G answers: the pool grades them together."""
+    G = len(batch["texts"]) // len(problems)
+    golds = [r["answer"] for r in problems for _ in range(G)]
+    return torch.tensor(grader.score_batch(batch["texts"], golds), dtype=torch.float32).view(-1, G)
 
 
-def forward_kept(model, ref_model, kept, parts, temperature):
+def select_samples(rewards, batch, method_row, step, args, history):
+    """3) N per prompt by max Var(A) (d3s.select_samples with the row's samples rule; N and K of the step from
+    methods.budget, `history`: the train rewards so far, for --schedule adaptive), then the kept rollouts and the
+    --mini-batches M that update on them."""
+    n_keep, k_frac = methods.budget(args, method_row, step, history=history)
+    gen = torch.Generator().manual_seed(step_seed(args.rl_seed, step, 1))
+    keep, adv = d3s.select_samples(rewards, n_keep, methods.LADDER[method_row].samples, generator=gen)
+    kept_rows = keep.view(-1).nonzero().squeeze(-1)  # [B] indices of the kept rollouts
+    kept, kept_adv = sampler.take_rows(batch, kept_rows), adv.view(-1)[kept_rows]  # [B, T], [B]
+    parts = [rows for rows in torch.arange(len(kept_rows)).tensor_split(args.mini_batches) if len(rows)]
+    return Selection(
+        method_row=method_row,
+        n_keep=n_keep,
+        k_frac=k_frac,
+        keep=keep,
+        adv=adv,
+        kept_rows=kept_rows,
+        kept=kept,
+        kept_adv=kept_adv,
+        parts=parts,
+    )
+
+
+def forward_kept(model, ref_model, sel, temperature):
     """4) The kept rollouts before any update: mini-batch 1 with grad (on-policy: its forward gives its old log-probs
-    too), mini-batches 2..M without (pass 1), ref_model's log-probs when given. Returns (logp of mini-batch 1, with
-    grad; old_logp [B, T]; entropy [B, T]; ref_logp; pass-1 seconds)."""
-    B, T = kept["response_ids"].shape
+    too), mini-batches 2..M without, and ref_model's log-probs when given (the steps that measure the KL)."""
+    B, T = sel.kept["response_ids"].shape
     old_logp, entropy = torch.zeros(B, T), torch.zeros(B, T)
-    if not parts:  # nothing kept (dapo-filter on a step without a group with spread): no forward
-        return None, old_logp, entropy, None, 0.0
-    first = take_rows(kept, parts[0])
+    if not sel.parts:  # nothing kept (dapo-filter on a step without a group with spread): no forward
+        return Pass1(None, old_logp, entropy, None, 0.0)
+    first = sampler.take_rows(sel.kept, sel.parts[0])
     width = first["response_ids"].shape[1]
-    first_logp, first_entropy = forward_logprobs_entropy(model, first, temperature)  # [b, width], with grad
-    old_logp[parts[0], :width], entropy[parts[0], :width] = first_logp.detach(), first_entropy
+    first_logp, first_entropy = sampler.logprobs_entropy(model, first, temperature)  # [b, width], with grad
+    old_logp[sel.parts[0], :width], entropy[sel.parts[0], :width] = first_logp.detach(), first_entropy
     t0 = time.time()
     with torch.no_grad():
-        for rows in parts[1:]:
-            part = take_rows(kept, rows)
+        for rows in sel.parts[1:]:
+            part = sampler.take_rows(sel.kept, rows)
             width = part["response_ids"].shape[1]
-            old_logp[rows, :width], entropy[rows, :width] = forward_logprobs_entropy(model, part, temperature)
-        ref_logp = forward_logprobs_entropy(ref_model, kept, temperature, with_entropy=False)[0] if ref_model else None
-    return first_logp, old_logp, entropy, ref_logp, time.time() - t0
+            old_logp[rows, :width], entropy[rows, :width] = sampler.logprobs_entropy(model, part, temperature)
+        ref_logp = sampler.logprobs_entropy(ref_model, sel.kept, temperature, False)[0] if ref_model else None
+    return Pass1(first_logp, old_logp, entropy, ref_logp, time.time() - t0)
 
 
-def update_policy(model, optimizer, kept, parts, first_logp, old_logp, kept_adv, token_keep, ref_logp, args):
+def select_tokens(sel, entropy, step, args):
+    """5) The top K of |A| * H (or --token-rule's score) over the whole batch (--token-scope sequence: within each
+    response): d3s.token_scores, then d3s.select_tokens. Returns (token_keep [B, T] bool, scores [B, T])."""
+    gen = torch.Generator().manual_seed(step_seed(args.rl_seed, step, 2))
+    scores = d3s.token_scores(sel.kept_adv, entropy, rule=methods.TOKEN_RULES[args.token_rule], generator=gen)
+    floor = int(args.min_token_per_response)  # each kept response's best token (off: plain top K)
+    mask = sel.kept["response_mask"]
+    return d3s.select_tokens(scores, mask, sel.k_frac, scope=args.token_scope, min_per_seq=floor), scores
+
+
+def update_policy(model, optimizer, sel, pass1, args):
     """6) The M mini-batches in order, one optimizer step each: d3s.policy_loss over the mini-batch's selected tokens
     (its own normalizer), backward, clip, AdamW; a NaN/inf loss or gradient skips the step (logged)."""
     grad_norms, clip_fracs, losses, kls, skipped = [], [], [], [], 0
-    for i, rows in enumerate(parts):
-        if not bool(token_keep[rows].any()):  # no selected token in this part: nothing to learn from
+    for i, rows in enumerate(sel.parts):
+        if not bool(sel.token_keep[rows].any()):  # no selected token in this part: nothing to learn from
             continue
-        part = take_rows(kept, rows)
-        logp = first_logp if i == 0 else forward_logprobs_entropy(model, part, args.temperature, with_entropy=False)[0]
+        part = sampler.take_rows(sel.kept, rows)
+        logp = pass1.first_logp if i == 0 else sampler.logprobs_entropy(model, part, args.temperature, False)[0]
         width = logp.shape[1]
         loss, stats = d3s.policy_loss(
             logp,
-            old_logp[rows, :width],
-            kept_adv[rows],
-            token_keep[rows, :width],
+            pass1.old_logp[rows, :width],
+            sel.kept_adv[rows],
+            sel.token_keep[rows, :width],
             kind=args.loss,
             clip_low=args.clip_low,
             clip_high=args.clip_high,
             beta=args.kl_coef,
             agg=args.loss_agg,
-            ref_logp=ref_logp[rows, :width] if ref_logp is not None else None,
+            ref_logp=pass1.ref_logp[rows, :width] if pass1.ref_logp is not None else None,
         )
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
@@ -311,22 +256,24 @@ def update_policy(model, optimizer, kept, parts, first_logp, old_logp, kept_adv,
             continue
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    kl_ref = sum(k * n for k, n in kls) / max(sum(n for _, n in kls), 1.0) if ref_logp is not None else None
+    kl_ref = sum(k * n for k, n in kls) / max(sum(n for _, n in kls), 1.0) if pass1.ref_logp is not None else None
     return {"grad_norms": grad_norms, "clip_fracs": clip_fracs, "losses": losses, "skipped": skipped, "kl_ref": kl_ref}
 
 
+# === What a step reports ==============================================================================================
 @torch.no_grad()
 def kl_ref_all(model, ref_model, batch, temperature=1.0):
     """k3 KL of the policy before the step's update to the warm start on every response token (the same tokens for
     every row)."""
-    logp = forward_logprobs_entropy(model, batch, temperature, with_entropy=False)[0]  # [P*G, T]
-    ref_logp = forward_logprobs_entropy(ref_model, batch, temperature, with_entropy=False)[0]
+    logp = sampler.logprobs_entropy(model, batch, temperature, with_entropy=False)[0]  # [P*G, T]
+    ref_logp = sampler.logprobs_entropy(ref_model, batch, temperature, with_entropy=False)[0]
     return float(d3s.kl_k3(logp, ref_logp)[batch["response_mask"].bool()].mean())
 
 
-def step_metrics(step, batch, rewards, keep, adv, n_keep, k_frac, kept, entropy, token_keep, update, grader):
-    """The step's line of metrics.jsonl (docs/metrics.md)."""
-    grad_norms, response_mask = update["grad_norms"], kept["response_mask"]
+def step_metrics(step, batch, rewards, sel, pass1, update):
+    """The step's line of metrics.jsonl (docs/metrics.md), less its clocks."""
+    grad_norms, response_mask = update["grad_norms"], sel.kept["response_mask"]
+    entropy, token_keep = pass1.entropy, sel.token_keep
     gen_tokens, fwd_tokens, kept_tokens = (
         int(batch["response_mask"].sum()),
         int(response_mask.sum()),
@@ -338,17 +285,17 @@ def step_metrics(step, batch, rewards, keep, adv, n_keep, k_frac, kept, entropy,
         "reward_mean": float(rewards.mean()),
         "acc_train": float(rewards.mean()),  # the reward is correctness (0/1): the same number
         "groups_mixed": float((rewards.amax(-1) > rewards.amin(-1)).float().mean()),  # groups with signal
-        "n_keep": n_keep,
-        "k_frac": k_frac,
+        "n_keep": sel.n_keep,
+        "k_frac": sel.k_frac,
         "k_real": kept_tokens / max(fwd_tokens, 1),  # of the forwarded tokens
-        "kept_samples": int(keep.sum()),
-        "sur": d3s.usefulness_rate(adv, keep),  # kept rollouts with A != 0
+        "kept_samples": int(sel.keep.sum()),
+        "sur": d3s.usefulness_rate(sel.adv, sel.keep),  # kept rollouts with A != 0
         "kept_tokens": kept_tokens,
         "fwd_tokens": fwd_tokens,
         "gen_tokens": gen_tokens,  # in the loss, forwarded, generated
         "kept_tokens_frac": kept_tokens / max(gen_tokens, 1),
-        "kept_adv_var": d3s.kept_variance(adv, keep),
-        "grad_norm": common.mean([g for g in grad_norms if math.isfinite(g)]),  # null: no finite norm this step
+        "kept_adv_var": d3s.kept_variance(sel.adv, sel.keep),
+        "grad_norm": run.mean([g for g in grad_norms if math.isfinite(g)]),  # null: no finite norm this step
         "entropy_mean": float(
             (entropy * response_mask).sum() / response_mask.sum().clamp(min=1)
         ),  # all forwarded tokens
@@ -356,11 +303,10 @@ def step_metrics(step, batch, rewards, keep, adv, n_keep, k_frac, kept, entropy,
         "kl_ref": update["kl_ref"],  # k3 to the warm start on the selected tokens; None where not measured
         "clip_frac": sum(c * n for c, n in update["clip_fracs"]) / max(sum(n for _, n in update["clip_fracs"]), 1),
         "clip_frac_by_minibatch": [c for c, _ in update["clip_fracs"]],
-        "loss": common.mean([x for x in update["losses"] if math.isfinite(x)]),  # over optimizer steps; null: none
+        "loss": run.mean([x for x in update["losses"] if math.isfinite(x)]),  # over optimizer steps; null: none
         "updates": len(grad_norms) - sum(not math.isfinite(g) for g in grad_norms),
         "skipped": update["skipped"] > 0,
         "response_len": gen_tokens / rewards.numel(),
-        "grader_timeouts": grader.timeouts,
     }
 
 
@@ -376,33 +322,51 @@ def evaluate(model, tokenizer, grader, eval_rows, step, args):
     t0, n = time.time(), args.eval_samples if step == args.steps else args.mid_eval_samples
     torch.manual_seed(step_seed(args.rl_seed, step, 2))
     rows = [{**r, "prompt": mathtask.format_prompt(r["problem"], args.template)} for r in eval_rows]
-    sample = lambda prompts, n, greedy: rollout(
-        model,
-        tokenizer,
-        prompts,
-        n,
-        args.max_new_tokens,
-        1.0 if greedy else args.temperature,
-        greedy=greedy,
+    sample = lambda prompts, n, greedy: sampler.sample(
+        model, tokenizer, prompts, n, args.max_new_tokens, 1.0 if greedy else args.temperature, greedy=greedy
     )["texts"]
     metrics = held_out_pass(rows, sample, grader, n, min(args.pass_k, n), max(1, args.gen_batch // n))
     return {"kind": "eval", "step": step, **metrics, "eval_s": round(time.time() - t0, 3)}
 
 
+def add_totals(totals, m):
+    """The run's totals (summary.json, the eval lines) after the train line `m`."""
+    totals["samples"] += m["kept_samples"]
+    totals["tokens"] += m["kept_tokens"]
+    totals["fwd_tokens"] += m["fwd_tokens"]
+    totals["gen_s"] += m["gen_s"] + m["reward_s"]
+    totals["train_s"] += m["train_s"]
+    totals["skipped"] += int(m["skipped"])
+
+
 # === The run ==========================================================================================================
-def train(args, train_rows, eval_rows, warm):
-    """Warm start -> RL with args.method -> held-out evaluations -> summary (dict). Writes into args.out."""
+def train(args, train_rows, eval_rows, warm, resume=None):
+    """Warm start -> RL with args.method -> held-out evaluations -> summary (dict). Writes into args.out. resume: the
+    checkpoint --resume continues from (checkpoint.resume_file), else None."""
     t_start = time.time()
     torch.set_num_threads(args.threads or torch.get_num_threads())
-    model, tokenizer, warm_info = common.finite_warm_start(warm, args, train_rows)  # NaN/inf weights, logits: one line
+    model, tokenizer, warm_info = checks.finite_warm_start(warm, args, train_rows)  # NaN/inf weights, logits: one line
     ref_model = copy.deepcopy(model).eval().requires_grad_(False)  # the warm start: reference of the logged KL
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
-    start_step, totals, history = common.start_run(args, model, optimizer, RUN_FLAGS, PROG, ADDED_RUN_FLAGS)  # --resume
-    rl_start, G = time.time(), args.group_size
-    with Grader(timeout_s=args.grade_timeout) as grader, common.Preemption(PROG) as notice:  # notice: stop after a step
+    start_step, totals, history = 0, {"samples": 0, "tokens": 0, "fwd_tokens": 0, "gen_s": 0.0, "train_s": 0.0}, None
+    totals["skipped"], ckpt_path = 0, os.path.join(args.out, "checkpoint.pt")
+    if resume:  # model, AdamW, RNG, the totals and the history the rules read: as the checkpoint left them
+        start_step, totals, history = checkpoint.load_file(resume, model, optimizer)
+        print(f"resumed {ckpt_path} at step {start_step}")
+    elif os.path.exists(ckpt_path):  # a new run in an old folder: its checkpoint is not this run's
+        os.remove(ckpt_path)
+
+    def save(step):  # OUT/checkpoint.pt: model, AdamW, RNG, the run's flags, totals and history
+        flags = {k: getattr(args, k) for k in RUN_FLAGS}
+        checkpoint.save_file(ckpt_path, model, optimizer, step, flags, totals, history=r.history)
+        return ckpt_path
+
+    rl_start = time.time()
+    with Grader(timeout_s=args.grade_timeout) as grader, stops.Notices(PROG, out=args.out) as notices:
+        r = run.Run(args, PROG, notices, start_step, history)  # metrics.jsonl: what the checkpoint covers
         if start_step == 0:  # the warm start's evaluation: step 0
             info = {k: v for k, v in warm_info.items() if k != "cached"}
-            common.log_eval(args, evaluate(model, tokenizer, grader, eval_rows, 0, args), totals, warm_start=info)
+            r.log({**evaluate(model, tokenizer, grader, eval_rows, 0, args), **totals, "warm_start": info})
         desc, steps = f"{args.method} ({args.loss}, seed {args.rl_seed})", range(start_step + 1, args.steps + 1)
         bar = tqdm(steps, desc=desc, dynamic_ncols=True, initial=start_step, total=args.steps)
         for step in bar:
@@ -412,75 +376,64 @@ def train(args, train_rows, eval_rows, warm):
             n_prompts = min(args.prompts_per_step, len(train_rows))
             problems = random.Random(step_seed(args.rl_seed, step)).sample(train_rows, n_prompts)
             t0 = time.time()
-            # 1) generate G rollouts per prompt, 2) reward them 0/1
-            prompts = [mathtask.format_prompt(r["problem"], args.template) for r in problems]
-            batch = rollout(model, tokenizer, prompts, G, args.max_new_tokens, args.temperature)
-            gen_s, golds = time.time() - t0, [r["answer"] for r in problems for _ in range(G)]
-            rewards = compute_rewards(grader, batch["texts"], golds).view(-1, G)  # [P, G]
+            batch = generate(model, tokenizer, problems, args)  # 1) G rollouts per prompt
+            gen_s = time.time() - t0
+            rewards = grade(batch, problems, grader)  # 2) 0/1 rewards [P, G]
             reward_s, t1 = time.time() - t0 - gen_s, time.time()
             # 3) select samples: N per prompt by max Var(A) (the row: --method, or its twin once the switch rule fired)
-            row = methods.switch_to_intra(args.method, [h["grad_norm"] for h in history], args.switch_on_spike)
-            n_keep, k_frac = methods.budget(args, row, step, history=[h["reward_mean"] for h in history])
-            gen = torch.Generator().manual_seed(step_seed(args.rl_seed, step, 1))
-            keep, adv = d3s.select_samples(rewards, n_keep, methods.LADDER[row].samples, generator=gen)
-            kept_rows = keep.view(-1).nonzero().squeeze(-1)  # [B] indices of the kept rollouts
-            kept, kept_adv = take_rows(batch, kept_rows), adv.view(-1)[kept_rows]  # [B, T], [B]
-            with_kl = common.measures_kl(step, args)
+            method_row = methods.switch_to_intra(args.method, r.history["grad_norms"], args.switch_on_spike)
+            sel = select_samples(rewards, batch, method_row, step, args, r.history["rewards"])
+            with_kl = run.measures_kl(step, args)
             kl_all = kl_ref_all(model, ref_model, batch, args.temperature) if with_kl else None  # all tokens, a metric
             # 4) forward the kept rollouts only: old log-probs, entropy (and the reference's log-probs on KL steps)
-            parts = [rows for rows in torch.arange(len(kept_rows)).tensor_split(args.mini_batches) if len(rows)]
-            first_logp, old_logp, entropy, ref_logp, pass1_s = forward_kept(
-                model, ref_model if with_kl else None, kept, parts, args.temperature
-            )
-            # 5) select tokens: the top K of |A| * H over the whole batch
-            gen = torch.Generator().manual_seed(step_seed(args.rl_seed, step, 2))
-            scores = d3s.token_scores(kept_adv, entropy, rule=methods.TOKEN_RULES[args.token_rule], generator=gen)
-            floor = int(args.min_token_per_response)  # each kept response's best token (off: plain top K)
-            token_keep = d3s.select_tokens(
-                scores, kept["response_mask"], k_frac, scope=args.token_scope, min_per_seq=floor
-            )
-            # 6) M mini-batches, one optimizer step each: d3s.policy_loss, backward, clip, AdamW
-            update = update_policy(
-                model, optimizer, kept, parts, first_logp, old_logp, kept_adv, token_keep, ref_logp, args
-            )
+            pass1 = forward_kept(model, ref_model if with_kl else None, sel, args.temperature)
+            sel.token_keep, sel.scores = select_tokens(sel, pass1.entropy, step, args)  # 5) top K of |A| * H
+            update = update_policy(model, optimizer, sel, pass1, args)  # 6) M mini-batches, d3s.policy_loss, AdamW
             m = {
-                **step_metrics(
-                    step, batch, rewards, keep, adv, n_keep, k_frac, kept, entropy, token_keep, update, grader
-                ),
+                **step_metrics(step, batch, rewards, sel, pass1, update),
+                "grader_timeouts": grader.timeouts,
                 "kl_ref_all": kl_all,
-                "sample_rule": methods.rule_name(row),
+                "sample_rule": methods.rule_name(method_row),
                 "gen_s": round(gen_s, 3),
                 "reward_s": round(reward_s, 3),
                 "train_s": round(time.time() - t1, 3),
-                "pass1_s": round(pass1_s, 3),
+                "pass1_s": round(pass1.seconds, 3),
             }
             if args.explain_every and (step == 1 or step % args.explain_every == 0):  # OUT/explain/step_N.html
-                page = (tokenizer, problems, batch, rewards, keep, adv, kept_rows, n_keep, k_frac, entropy, scores)
-                explain.small_page(os.path.join(args.out, "explain"), step, *page, token_keep, m, args, row)
-            common.log_step(args, m, history, totals)  # metrics.jsonl, the run's totals
-            bar.set_postfix(reward=f"{m['reward_mean']:.2f}", N=n_keep, K=f"{k_frac:.2f}", gnorm=m["grad_norm"])
+                explain.small_page(
+                    step, tokenizer, problems, batch, rewards, sel, entropy=pass1.entropy, metrics=m, args=args
+                )
+            add_totals(totals, m)
+            r.log(m)  # metrics.jsonl
+            bar.set_postfix(reward=f"{m['reward_mean']:.2f}", N=sel.n_keep, K=f"{sel.k_frac:.2f}", gnorm=m["grad_norm"])
             if step % args.eval_every == 0 or step == args.steps:
-                common.log_eval(args, evaluate(model, tokenizer, grader, eval_rows, step, args), totals, bar.write)
-            if common.end_step(args, step, model, optimizer, RUN_FLAGS, totals, notice, PROG, bar.write):
-                return None  # --stop-after: this step's checkpoint; --resume continues
+                e = evaluate(model, tokenizer, grader, eval_rows, step, args)
+                r.log({**e, **totals})
+                bar.write(
+                    f"step {step}: held-out greedy Pass@1 {e['eval_greedy_pass1']:.3f}, Pass@1 (mean of {e['n']}) "
+                    f"{e['eval_pass1_mean']:.3f}, Pass@{e['k']} {e['eval_passk']:.3f}"
+                )
+            r.checkpoint(step, notices.agree(), save)  # every --save-every steps; a notice stops here (exit 75)
+            if step == args.stop_after:
+                bar.write(f"stopped after step {step} (--stop-after); continue with --resume")
+                return None
         timeouts = grader.timeouts
-    common.export_pretrained(model, tokenizer, os.path.join(args.out, "final"))  # from_pretrained loads it
-    lines = common.read_metrics(os.path.join(args.out, "metrics.jsonl"))
+    checkpoint.export_pretrained(model, tokenizer, os.path.join(args.out, "final"))  # from_pretrained loads it
+    lines = run.read_metrics(os.path.join(args.out, "metrics.jsonl"))
     rl_s, wall_s = time.time() - rl_start, time.time() - t_start
-    return common.write_summary(args, lines, warm_info, totals, timeouts, rl_s=rl_s, wall_s=wall_s)
+    return run.write_summary(args, lines, warm_info, totals, timeouts, rl_s=rl_s, wall_s=wall_s)
 
 
 def main(argv=None):
     args = parse_args(argv)
     try:  # every bad flag, file, model or checkpoint stops here, before training, with one line
-        train_rows, eval_rows = common.fit_prompts(args, *mathtask.load_data(args))  # prompts that fit the context
-        if args.resume:  # checked before the warm start: a bad checkpoint stops here
-            common.read_resume(args, RUN_FLAGS, PROG, ADDED_RUN_FLAGS)
-        with common.out_lock(args.out, PROG):
-            return train(args, train_rows, eval_rows, warmstart.load_warm_start(args, train_rows))
+        train_rows, eval_rows = checks.fit_prompts(args, *mathtask.load_data(args))  # prompts that fit the context
+        resume = checkpoint.resume_file(args, RUN_FLAGS, PROG) if args.resume else None  # before the warm start
+        with run.out_lock(args.out, PROG):
+            return train(args, train_rows, eval_rows, warmstart.load_warm_start(args, train_rows), resume)
     except Exception as e:  # bad input (exit 2) or a full disk (exit 74): one line; anything else is raised on
-        common.fail(PROG, e, args.out)
+        stops.fail(PROG, e, args.out)
 
 
 if __name__ == "__main__":
-    common.interruptible(main, PROG, "the last checkpoint in --out, if any, is intact; continue with --resume")
+    stops.interruptible(main, PROG, "the last checkpoint in --out, if any, is intact; continue with --resume")

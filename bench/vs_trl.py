@@ -592,7 +592,7 @@ What differs between the arms beyond the algorithm (TRL 1.16.0 as installed, rea
   trl_arm.py sets bf16=False, as the project trains in fp32.)
 - One prompt forward per group in train_small: its loss forward runs each distinct prompt once (keys and
   values with grad, the logits of o_1) and the G responses on those keys and values
-  (`train_small.forward_logprobs_entropy`), as its sampler does for generation. TRL forwards
+  (`sampler.logprobs_entropy`), as its sampler does for generation. TRL forwards
   prompt + completion for every row, so the prompt (~56 characters here, against ~26 completion tokens)
   is forwarded and backpropagated G times. Same log-probs and gradients up to fp32 rounding (tested).
 - No old-log-prob or reference forward: with `num_iterations=1`, `steps_per_generation =

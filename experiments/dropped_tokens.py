@@ -15,9 +15,9 @@ token level selects with the ones it drops.
     .venv/bin/python experiments/dropped_tokens.py --model M --method d2s --token-rule entropy     # another row or rule
 
 Batch b (0..B-1) is train_small.py's step S with --rl-seed SEED + b, up to its update (train_small.train's loop):
-train_small.rollout of P x G responses to P problems of mathtask.TASKS[--task] (the problems and the sampling
-seeded as that step's), train_small.compute_rewards (grading.Grader), N and K from d3s.method_budget (the
-method's budget at step S of --steps; linear schedule), d3s.select_samples, one train_small.forward_logprobs_entropy
+sampler.sample of P x G responses to P problems of mathtask.TASKS[--task] (the problems and the sampling
+seeded as that step's), train_small.grade (grading.Grader), N and K from d3s.method_budget (the
+method's budget at step S of --steps; linear schedule), d3s.select_samples, one sampler.logprobs_entropy
 of the kept rollouts (its entropy is d3s.token_entropy), d3s.token_scores and d3s.select_tokens over the whole
 kept batch. The weights are never updated: every batch is scored by the same model.
 
@@ -78,7 +78,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
 from support import cli  # noqa: E402  (support/cli.py: one-line errors, the shared checks)
-from support import common  # noqa: E402
+from support import stops  # noqa: E402
 
 PROG = "dropped_tokens.py"
 CLASSES = ("digit", "operator", "format", "eos", "other")
@@ -347,13 +347,13 @@ def one_batch(model, tokenizer, grader, train_rows, b, args):
 
     import d3s
     import train_small
-    from support import methods, mathtask
+    from support import mathtask, methods, sampler
 
     seed, step, P, G = args.seed + b, args.step, args.prompts_per_step, args.group_size
     torch.manual_seed(train_small.step_seed(seed, step))
     problems = random.Random(train_small.step_seed(seed, step)).sample(train_rows, min(P, len(train_rows)))
     P = len(problems)
-    batch = train_small.rollout(
+    batch = sampler.sample(
         model,
         tokenizer,
         [mathtask.format_prompt(r["problem"], args.template) for r in problems],
@@ -361,9 +361,7 @@ def one_batch(model, tokenizer, grader, train_rows, b, args):
         args.max_new_tokens,
         args.temperature,
     )
-    rewards = train_small.compute_rewards(
-        grader, batch["texts"], [r["answer"] for r in problems for _ in range(G)]
-    ).view(P, G)
+    rewards = train_small.grade(batch, problems, grader)  # [P, G]
     keep, adv = d3s.select_samples(
         rewards,
         args.n_keep,
@@ -371,7 +369,7 @@ def one_batch(model, tokenizer, grader, train_rows, b, args):
         generator=torch.Generator().manual_seed(train_small.step_seed(seed, step, 1)),
     )
     kept_rows = keep.view(-1).nonzero().squeeze(-1)
-    kept = train_small.take_rows(batch, kept_rows)
+    kept = sampler.take_rows(batch, kept_rows)
     kept_adv = adv.view(-1)[kept_rows]
     out = {
         "problems": problems,
@@ -391,7 +389,7 @@ def one_batch(model, tokenizer, grader, train_rows, b, args):
         )
         return out
 
-    logp, entropy = train_small.forward_logprobs_entropy(model, kept, args.temperature)  # with grad, as mini-batch 1
+    logp, entropy = sampler.logprobs_entropy(model, kept, args.temperature)  # with grad, as mini-batch 1
     mask = kept["response_mask"]
     score_gen = torch.Generator().manual_seed(
         train_small.step_seed(seed, step, 2)
@@ -833,4 +831,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    common.interruptible(main, PROG)
+    stops.interruptible(main, PROG)

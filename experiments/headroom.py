@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
 from support import cli  # noqa: E402  (support/cli.py: one-line errors, the shared checks)
-from support import common  # noqa: E402
+from support import stops, checks  # noqa: E402
 
 PROG = "headroom.py"
 
@@ -64,16 +64,17 @@ def main(argv=None):
     import torch
 
     import train_small
+    from support import sampler  # noqa: E402
     from support import warmstart, mathtask
     from support.mathtask import DataError
     from support.grading import Grader, pass_at_k
 
     args = train_small.parse_args(argv, train_small.build_parser(PROG))  # train_small.py's flags and checks
     try:
-        train_rows, eval_rows = common.fit_prompts(args, *mathtask.load_data(args), prog=PROG)
+        train_rows, eval_rows = checks.fit_prompts(args, *mathtask.load_data(args), prog=PROG)
         model, tokenizer, info = warmstart.load_warm_start(args, train_rows)
     except (cli.UsageError, DataError) as e:
-        common.fail(PROG, " ".join(str(e).split()))
+        stops.fail(PROG, " ".join(str(e).split()))
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.time()
@@ -81,12 +82,10 @@ def main(argv=None):
     n, k = args.eval_samples, args.pass_k
     prompts = [mathtask.format_prompt(r["problem"], args.template) for r in eval_rows]
     with Grader(timeout_s=args.grade_timeout) as grader:
-        greedy = train_small.rollout(model, tokenizer, prompts, 1, args.max_new_tokens, greedy=True)["texts"]
-        greedy_ok = train_small.compute_rewards(grader, greedy, [r["answer"] for r in eval_rows]).tolist()
-        batch = train_small.rollout(model, tokenizer, prompts, n, args.max_new_tokens, args.temperature)
-        ok = train_small.compute_rewards(
-            grader, batch["texts"], [r["answer"] for r in eval_rows for _ in range(n)]
-        ).view(-1, n)
+        greedy = sampler.sample(model, tokenizer, prompts, 1, args.max_new_tokens, greedy=True)
+        greedy_ok = train_small.grade(greedy, eval_rows, grader).view(-1).tolist()
+        batch = sampler.sample(model, tokenizer, prompts, n, args.max_new_tokens, args.temperature)
+        ok = train_small.grade(batch, eval_rows, grader)  # [E, n]
     lengths = batch["response_mask"].sum(-1).float().view(-1, n)
     shortcut = torch.tensor(
         [[is_shortcut(t) for t in batch["texts"][i * n : (i + 1) * n]] for i in range(len(eval_rows))],
@@ -119,4 +118,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    common.interruptible(main, PROG)
+    stops.interruptible(main, PROG)

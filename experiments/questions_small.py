@@ -46,7 +46,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
 from support import cli  # noqa: E402  (support/cli.py: one-line errors, the shared checks)
-from support import common  # noqa: E402
+from support import stops  # noqa: E402
 
 PROG = "questions_small.py"
 
@@ -464,4 +464,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    common.interruptible(main, PROG)
+    stops.interruptible(main, PROG)

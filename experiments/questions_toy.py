@@ -26,7 +26,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
 sys.path.insert(0, os.path.join(ROOT, "toy"))
 from support import cli  # noqa: E402  (support/cli.py: one-line errors, the shared checks)
-from support import common  # noqa: E402
+from support import stops  # noqa: E402
 
 PROG = "questions_toy.py"
 REF = "d3s"  # the paper's method at the toy's defaults: the reference row unless a row names another
@@ -97,7 +97,7 @@ def run_all(rows, seeds, steps, workers):
     import multiprocessing as mp
 
     jobs = sorted({(m, f, s, steps) for _, m, f, _ in rows for s in range(seeds)})
-    with common.sigint_ignored():  # the workers leave a Ctrl-C to this process (one line, no traceback each)
+    with stops.sigint_ignored():  # the workers leave a Ctrl-C to this process (one line, no traceback each)
         pool = mp.get_context("spawn").Pool(workers) if workers > 1 else None
     logs = {}
     try:
@@ -382,4 +382,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    common.interruptible(main, PROG)
+    stops.interruptible(main, PROG)

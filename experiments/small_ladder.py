@@ -27,7 +27,7 @@ sys.path[:0] = [ROOT, os.path.dirname(os.path.abspath(__file__))]
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from support import cli, common  # noqa: E402
+from support import cli, run, stops, checks  # noqa: E402
 import train_small  # noqa: E402
 from support import methods, warmstart, mathtask  # noqa: E402
 from support.mathtask import DataError  # noqa: E402
@@ -80,7 +80,7 @@ def compare(args):
     t0 = time.time()
     names = args.compare.split(",")
     seeds = [args.rl_seed + i for i in range(args.seeds)]
-    train_rows, eval_rows = common.fit_prompts(args, *mathtask.load_data(args), prog=PROG)  # prompts that fit
+    train_rows, eval_rows = checks.fit_prompts(args, *mathtask.load_data(args), prog=PROG)  # prompts that fit
     warmstart.load_warm_start(args, train_rows)  # build the cache once, outside the timed runs
     if args.workers > 1:
         summaries = compare_in_processes(args, names, seeds)
@@ -96,13 +96,13 @@ def compare(args):
             )  # as compare_in_processes
             sub.out = os.path.join(args.out, method, f"seed{seed}")
             done = os.path.join(sub.out, "summary.json")
-            lines = common.read_metrics(os.path.join(sub.out, "metrics.jsonl"))
+            lines = run.read_metrics(os.path.join(sub.out, "metrics.jsonl"))
             if args.resume and os.path.exists(done) and lines and lines[-1]["step"] == args.steps:
                 with open(done) as f:
                     summaries[method].append(json.load(f))  # finished before the kill
                 continue
             sub.resume = "latest" if args.resume and os.path.exists(os.path.join(sub.out, "checkpoint.pt")) else None
-            with common.out_lock(sub.out, "train_small.py"):
+            with run.out_lock(sub.out, "train_small.py"):
                 summaries[method].append(
                     train_small.train(sub, train_rows, eval_rows, warmstart.load_warm_start(sub, train_rows))
                 )
@@ -133,7 +133,7 @@ def compare_in_processes(args, names, seeds):
     for seed in seeds:
         for method in names:
             out = os.path.join(args.out, method, f"seed{seed}")
-            lines = common.read_metrics(os.path.join(out, "metrics.jsonl"))
+            lines = run.read_metrics(os.path.join(out, "metrics.jsonl"))
             if os.path.exists(os.path.join(out, "summary.json")) and lines and lines[-1]["step"] == args.steps:
                 continue
             resume = ["--resume"] if os.path.exists(os.path.join(out, "checkpoint.pt")) else []
@@ -387,7 +387,7 @@ def write_compare(args, names, seeds, summaries, total_s):
                 [d], [i], xerr=None if lo is None else [[d - lo], [hi - d]], fmt="o", color=color, capsize=4
             )
         train = [
-            [t for t in common.read_metrics(os.path.join(s["out"], "metrics.jsonl")) if t["kind"] == "train"]
+            [t for t in run.read_metrics(os.path.join(s["out"], "metrics.jsonl")) if t["kind"] == "train"]
             for s in summaries[m]
         ]
         gnorm = torch.tensor(
@@ -420,14 +420,14 @@ def main(argv=None):
     args = parse_args(argv)
     try:  # every bad flag, file or model stops here, before training, with one line
         mathtask.load_data(args)
-        with common.out_lock(args.out, "train_small.py"):
+        with run.out_lock(args.out, "train_small.py"):
             return compare(args)
     except (cli.UsageError, DataError) as e:
-        common.fail(PROG, e)
+        stops.fail(PROG, e)
 
 
 if __name__ == "__main__":
-    common.interruptible(
+    stops.interruptible(
         main,
         PROG,
         "the finished runs are kept and each stopped one resumes from its checkpoint: run the same command again",

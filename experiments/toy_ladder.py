@@ -23,7 +23,7 @@ sys.path[:0] = [ROOT, os.path.dirname(os.path.abspath(__file__))]
 from stats import excludes_zero, mean_std, paired_interval  # noqa: E402
 from toy import bandit  # noqa: E402
 
-from support import common, methods  # noqa: E402
+from support import stops, methods  # noqa: E402
 
 
 def columns(lines):
@@ -211,4 +211,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    common.interruptible(main, "toy_ladder.py")
+    stops.interruptible(main, "toy_ladder.py")

@@ -213,6 +213,7 @@ print(
 # %%
 from support import explain  # noqa: E402
 import train_small  # noqa: E402  (the second rung)
+from support import sampler  # noqa: E402
 from support import warmstart, mathtask  # noqa: E402
 from support.grading import Grader  # noqa: E402
 
@@ -250,13 +251,11 @@ train_rows, _ = mathtask.load_data(small_args)
 model, tokenizer, info = warmstart.load_warm_start(small_args, train_rows)
 problems = [r for r in train_rows if r["level"] == 1][:12]  # one-digit sums: a weak model gets some right
 torch.manual_seed(1)
-batch = train_small.rollout(
+batch = sampler.sample(
     model, tokenizer, [mathtask.format_prompt(r["problem"], "plain") for r in problems], 8, small_args.max_new_tokens
 )  # 12 prompts x 8 answers
 with Grader(timeout_s=5.0) as grader:
-    rewards_s = train_small.compute_rewards(
-        grader, batch["texts"], [r["answer"] for r in problems for _ in range(8)]
-    ).view(12, 8)
+    rewards_s = train_small.grade(batch, problems, grader)  # [12, 8]
 print(problems[0]["problem"], "->", [batch["texts"][i] for i in range(4)])
 print("right answers per prompt:", rewards_s.sum(-1).int().tolist(), "of 8")
 
@@ -272,9 +271,9 @@ print("right answers per prompt:", rewards_s.sum(-1).int().tolist(), "of 8")
 # %%
 keep_s, adv_s = d3s.select_samples(rewards_s, 4, "cross")
 rows = keep_s.view(-1).nonzero().squeeze(-1)
-kept_batch = train_small.take_rows(batch, rows)
+kept_batch = sampler.take_rows(batch, rows)
 with torch.no_grad():
-    logp_s, H_s = train_small.forward_logprobs_entropy(model, kept_batch)  # [B, T] each
+    logp_s, H_s = sampler.logprobs_entropy(model, kept_batch)  # [B, T] each
 scores = d3s.token_scores(adv_s.view(-1)[rows], H_s)  # |A| * H
 token_keep = d3s.select_tokens(scores, kept_batch["response_mask"], 0.2)
 metrics = {
@@ -283,24 +282,20 @@ metrics = {
     "grad_norm": None,
     "kept_tokens": int(token_keep.sum()),
 }
-explain.small_page(
-    os.path.join(RUNS, "explain"),
-    1,
-    tokenizer,
-    problems,
-    batch,
-    rewards_s,
-    keep_s,
-    adv_s,
-    rows,
-    4,
-    0.2,
-    H_s,
-    scores,
-    token_keep,
-    metrics,
-    small_args,
+sel = train_small.Selection(  # what train_small.py's step 3 and 5 record: the page reads it
+    method_row="d3s",
+    n_keep=4,
+    k_frac=0.2,
+    keep=keep_s,
+    adv=adv_s,
+    kept_rows=rows,
+    kept=kept_batch,
+    kept_adv=adv_s.view(-1)[rows],
+    parts=[rows],
+    token_keep=token_keep,
+    scores=scores,
 )
+explain.small_page(1, tokenizer, problems, batch, rewards_s, sel, entropy=H_s, metrics=metrics, args=small_args)
 for r in adv_s.view(-1)[rows].abs().argsort(descending=True)[:4].tolist():  # the kept answers with the largest |A|
     n = int(kept_batch["response_mask"][r].sum())
     pieces = [tokenizer.decode([t]) for t in kept_batch["response_ids"][r, :n].tolist()]
@@ -310,7 +305,7 @@ for r in adv_s.view(-1)[rows].abs().argsort(descending=True)[:4].tolist():  # th
     )
 
 # %%
-display(Image(os.path.join(RUNS, "explain", "step_000001.png")))
+display(Image(os.path.join(small_args.out, "explain", "step_000001.png")))
 
 # %% [markdown]
 # The kept tokens (in brackets) are where the model hesitated in the answers whose advantage is largest: here the

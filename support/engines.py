@@ -434,7 +434,7 @@ def _make_engine(model_path, args, world):
 
 
 def export_asleep(engine, model, args, export):
-    """export() (full_io.export_hf) with the rollout engine asleep; the engine is left as ready as it was found.
+    """export() (checkpoint.export_hf) with the rollout engine asleep; the engine is left as ready as it was found.
 
     export_hf gathers each parameter whole, in fp32, on the GPU: torch moves the shard to its mesh's device, gathers
     it, and only then copies it to CPU (torch/distributed/_state_dict_utils.py:267-283); 2.03 GiB for the 7B's

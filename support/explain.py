@@ -502,123 +502,143 @@ def _plot_strip(ax, item, G, prompts, max_tokens):
 
 
 # ---------------------------------------------------------------------------------------------
-# The rungs' pages: what each rung shows of a token (train_full.py's: full_io.write_explain_page)
+# The rungs' pages: what each rung shows of a token
 # ---------------------------------------------------------------------------------------------
 def toy_page(args, v):
     """toy/bandit.py's page of a step: the P x G grid, then the tokens of a few rollouts. A toy "token" is a
     position: its id, and a mark on the decision positions (the ones the reward reads). A dropped rollout was
-    never forwarded: no entropy, no score. v: the step's variables (toy/bandit.py's run). Draws no random number."""
-    G, method, seed, step, task = args.group_size, v.method, v.seed, v.s, v.task
-    prompts, tokens, rewards, keep, adv, kept = v.prompts, v.tokens, v.rewards, v.keep, v.adv, v.kept
-    entropy, scores, token_keep, n_keep, k_frac = v.entropy, v.scores, v.token_keep, v.n_keep, v.k_frac
+    never forwarded: no entropy, no score. v: the step's record (toy/bandit.py's run). Draws no random number."""
+    G, task = args.group_size, v.task
     extra = {
         "loss": v.loss.item(),
-        f"loss normalizer ({args.normalizer} tokens)": int(v.normalizer or token_keep.sum()),
+        f"loss normalizer ({args.normalizer} tokens)": int(v.normalizer or v.token_keep.sum()),
         "grad norm (before clipping)": float(v.grad_norm),
     }
-    shown_adv = torch.where(keep, adv, d3s.group_advantages(rewards))  # the loss's A on kept, full-group A on dropped
-    row_of = {int(i): r for r, i in enumerate(kept.tolist())}  # flat index -> row of the forwarded batch
+    shown_adv = torch.where(v.keep, v.adv, d3s.group_advantages(v.rewards))  # the loss's A on kept, group A elsewhere
+    row_of = {int(i): r for r, i in enumerate(v.kept.tolist())}  # flat index -> row of the forwarded batch
     shown = []
-    for i in pick_rollouts(shown_adv, keep):
-        prompt = int(prompts[i // G])
+    for i in pick_rollouts(shown_adv, v.keep):
+        prompt, r, ids = int(v.prompts[i // G]), row_of.get(i), v.tokens[i].tolist()
         decisions, answers = task["decisions"][prompt].tolist(), task["answers"][prompt].tolist()
-        r = row_of.get(i)
-        shown.append(
-            {
-                "index": i,
-                "tokens": [str(v) for v in tokens[i].tolist()],
-                "entropy": None if r is None else entropy[r].tolist(),
-                "score": None if r is None else scores[r].tolist(),
-                "selected": None if r is None else token_keep[r].tolist(),
-                "marked": decisions,
-                "mark_label": "decision position (the reward reads it)",
-                "notes": [
-                    (
-                        f"decision: the right token is {a}, this one is {'right' if v == a else 'wrong'}"
-                        if d
-                        else "filler: the reward ignores it"
-                    )
-                    for d, a, v in zip(decisions, answers, tokens[i].tolist())
-                ],
-            }
-        )
-    labels = [
-        "prompt %d: %d decision%s" % (p, task["decisions"][p].sum(), "" if task["decisions"][p].sum() == 1 else "s")
-        for p in prompts.tolist()
-    ]
+        right = lambda a, t: f"decision: the right token is {a}, this one is {'right' if t == a else 'wrong'}"
+        notes = [right(a, t) if d else "filler: the reward ignores it" for d, a, t in zip(decisions, answers, ids)]
+        item = {"index": i, "tokens": [str(t) for t in ids], "marked": decisions, "notes": notes}
+        item["mark_label"] = "decision position (the reward reads it)"
+        if r is not None:  # forwarded: its entropy, score and selection
+            item.update(entropy=v.entropy[r].tolist(), score=v.scores[r].tolist(), selected=v.token_keep[r].tolist())
+        shown.append(item)
+    n = lambda p: int(task["decisions"][p].sum())
+    labels = [f"prompt {p}: {n(p)} decision{'' if n(p) == 1 else 's'}" for p in v.prompts.tolist()]
     write_step(
-        os.path.join(args.out, "explain", f"{method}_seed{seed}"),
-        step=step,
+        os.path.join(args.out, "explain", f"{v.method}_seed{v.seed}"),
+        step=v.step,
         rung="toy",
-        method=method,
-        rewards=rewards,
+        method=v.method,
+        rewards=v.rewards,
         adv=shown_adv,
-        keep=keep,
-        n_keep=n_keep,
-        k_frac=k_frac,
-        k_real=float(token_keep.sum() / token_keep.numel()),
+        keep=v.keep,
+        n_keep=v.n_keep,
+        k_frac=v.k_frac,
+        k_real=float(v.token_keep.sum() / v.token_keep.numel()),
         shown=shown,
         prompts=labels,
         extra=extra,
     )
 
 
-def small_page(
-    explain_dir,
-    step,
-    tokenizer,
-    problems,
-    batch,
-    rewards,
-    keep,
-    adv,
-    kept_rows,
-    n_keep,
-    k_frac,
-    entropy,
-    token_scores,
-    token_keep,
-    metrics,
-    args,
-    row=None,
-):
-    """train_small.py's page of a step: reads the step's tensors, draws no random number. row: the LADDER row that
-    selected the samples (args.method, or its twin after --switch-on-spike fired)."""
-    row = row or args.method
-    shown_adv = torch.where(keep, adv, d3s.group_advantages(rewards))  # the loss's A on kept cells (pods: recomputed)
-    row_of = {int(i): r for r, i in enumerate(kept_rows.tolist())}  # p * G + g -> row of the kept batch
+def small_page(step, tokenizer, problems, batch, rewards, sel, *, entropy, metrics, args):
+    """train_small.py's page of a step (OUT/explain/step_N.html): sel, its train_small.Selection; entropy, pass 1's
+    [B, T]; metrics, its train line. Reads the step's tensors, draws no random number."""
+    shown_adv = torch.where(sel.keep, sel.adv, d3s.group_advantages(rewards))  # the loss's A on kept cells (pods)
+    row_of = {int(i): r for r, i in enumerate(sel.kept_rows.tolist())}  # p * G + g -> row of the kept batch
     shown = []
-    for i in pick_rollouts(shown_adv, keep):
+    for i in pick_rollouts(shown_adv, sel.keep):
         n = int(batch["response_mask"][i].sum())  # response tokens up to and including the first EOS
         item = {"index": i, "tokens": [tokenizer.decode([t]) for t in batch["response_ids"][i, :n].tolist()]}
         if i in row_of:  # forwarded: its entropy, score and selection
             r = row_of[i]
-            item.update(
-                entropy=entropy[r, :n].tolist(), score=token_scores[r, :n].tolist(), selected=token_keep[r, :n].tolist()
-            )
+            item.update(entropy=entropy[r, :n].tolist(), score=sel.scores[r, :n].tolist())
+            item["selected"] = sel.token_keep[r, :n].tolist()
         shown.append(item)
-    switched = {} if row == args.method else {"--switch-on-spike": f"fired: --method {args.method} runs as {row}"}
     write_step(
-        explain_dir,
+        os.path.join(args.out, "explain"),
         step=step,
         rung="train_small",
-        method=row,
+        method=sel.method_row,
         rewards=rewards,
         adv=shown_adv,
-        keep=keep,
-        n_keep=n_keep,
-        k_frac=k_frac,
+        keep=sel.keep,
+        n_keep=sel.n_keep,
+        k_frac=sel.k_frac,
         k_real=metrics["k_real"],
         shown=shown,
         prompts=[r["problem"] for r in problems],
         extra={
-            **switched,
+            **_switched(args.method, sel.method_row),
             "loss (mean over mini-batches)": metrics["loss"],
             "grad norm (before clipping)": metrics["grad_norm"],
             "tokens in the loss": metrics["kept_tokens"],
             "mini-batches": args.mini_batches,
         },
     )
+
+
+def full_page(step, rollouts, batch, sel, entropy, stats, *, tokenizer, notices, world, args):
+    """train_full.py's page of a step, rank 0's, from the global selection (sel: its train_full.Selection;
+    rollouts, batch: this rank's share). The few rollouts it shows (pick_rollouts on the global batch: the same
+    choice on every rank) are gathered on rank 0 with their token ids and, when forwarded, entropy, score and
+    selection: a few rollouts, never the batch. Every rank calls it (gather_object); a full disk is noted in
+    `notices` (every rank stops at its agree())."""
+    import torch.distributed as dist
+
+    G = sel.keep_all.shape[1]
+    local_row = {sel.kept_all[g][0] * G + sel.kept_all[g][1]: r for g, r in sel.row_of.items()}  # p * G + g -> row
+    scores = d3s.token_scores(sel.kept_adv, entropy)
+    shown_adv = torch.where(sel.keep_all, sel.adv_all, d3s.group_advantages(sel.rewards_all))  # the loss's A on kept
+    picked, mine = pick_rollouts(shown_adv, sel.keep_all), []
+    for index in picked:
+        p, g = divmod(index, G)
+        if index in local_row:  # forwarded here: its row of entropy / scores / selection
+            r = local_row[index]
+            n = len(sel.seqs[r]["response_ids"])
+            item = {"index": index, "ids": list(sel.seqs[r]["response_ids"]), "entropy": entropy[r, :n].tolist()}
+            mine.append({**item, "score": scores[r, :n].tolist(), "selected": sel.token_keep[r, :n].tolist()})
+        elif not sel.keep_all[p, g] and sel.first <= p < sel.first + len(rollouts):  # dropped: only its home rank
+            mine.append({"index": index, "ids": list(rollouts[p - sel.first][g]["response_ids"])})
+    parts = [None] * world.size if world.is_main else None
+    dist.gather_object((mine, [problem["problem"] for _, problem in batch]), parts, dst=0)
+    if not world.is_main:
+        return
+    items = sorted((item for part, _ in parts for item in part), key=lambda item: picked.index(item["index"]))
+    for item in items:
+        item["tokens"] = [tokenizer.decode([t]) for t in item.pop("ids")]
+    with notices.writing(os.path.join(args.out, "explain")):
+        write_step(
+            os.path.join(args.out, "explain"),
+            step=step,
+            rung="train_full",
+            method=sel.method_row,
+            rewards=sel.rewards_all,
+            adv=shown_adv,
+            keep=sel.keep_all,
+            n_keep=stats["n_keep"],
+            k_frac=stats["k_frac"],
+            k_real=stats["k_real"],
+            shown=items,
+            prompts=[text for _, texts in parts for text in texts],
+            extra={
+                **_switched(args.method, sel.method_row),
+                "loss (mean over optimizer steps)": stats["loss"],
+                "tokens in the loss": stats["kept_tokens"],
+                "grad norm (before clipping)": stats["grad_norm"],
+                "ranks": world.size,
+            },
+        )
+
+
+def _switched(method, method_row):
+    """The summary's line when --switch-on-spike moved --method to its twin (the row that selected)."""
+    return {} if method_row == method else {"--switch-on-spike": f"fired: --method {method} runs as {method_row}"}
 
 
 # ---------------------------------------------------------------------------------------------

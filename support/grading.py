@@ -24,9 +24,9 @@ import time
 import torch.distributed as dist
 from tqdm import tqdm
 
-from support import common
+from support import run, stops
 from support.mathtask import extract_boxed, sample_seeds
-from support.common import attempt
+from support.stops import attempt
 from support.fsdp import all_reduce
 
 
@@ -110,7 +110,7 @@ class _Child:
     def __init__(self, ctx):
         parent, child = ctx.Pipe()
         self.proc = ctx.Process(target=_grader_worker, args=(child,), daemon=True)
-        with common.sigint_ignored():  # from its first instruction (while it imports): a Ctrl-C is the parent's
+        with stops.sigint_ignored():  # from its first instruction (while it imports): a Ctrl-C is the parent's
             self.proc.start()
         child.close()  # the child holds the only other end: its death reads as EOF here
         self.conn = parent
@@ -319,14 +319,19 @@ def evaluation_due(metrics_path, step, args, world):
     if not args.eval_every or step % args.eval_every or step >= args.steps:
         return False
     done = world.is_main and any(
-        m.get("kind") == "eval" and m.get("step") == step for m in common.read_metrics(metrics_path)
+        m.get("kind") == "eval" and m.get("step") == step for m in run.read_metrics(metrics_path)
     )
     return not all_reduce(done, world, dist.ReduceOp.MAX)
 
 
-def evaluate(engine, tokenizer, stops, eval_sets, args, world, grader, tag="", model_name=None, step=None):
-    """Every benchmark: this rank samples --eval-samples answers for its contiguous share of the problems; rank 0
-    writes OUT/eval_TAG.md/.json and, after `step` training steps (None: --eval-only), a metrics.jsonl line."""
+def evaluate(engine, grader, *, tokenizer, stop_ids, eval_sets, args, world, tag=None, model_name=None, step=None):
+    """train_full.py's evaluation of every benchmark: this rank samples --eval-samples answers for its contiguous
+    share of the problems; rank 0 writes OUT/eval_TAG.md/.json (TAG: step_NNNNNN by default; --eval-only: none) and,
+    after `step` training steps (None: --eval-only), a metrics.jsonl line."""
+    if tag is None and step is not None:
+        tag = f"step_{step:06d}"
+        model_name = f"{args.model} after {step} steps of {args.method}, {args.loss} loss" if step else None
+        model_name = model_name or f"{args.model} before training"
     results = {}
     for name, problems, dropped, too_long in eval_sets:
         per = math.ceil(len(problems) / world.size)
@@ -334,12 +339,12 @@ def evaluate(engine, tokenizer, stops, eval_sets, args, world, grader, tag="", m
         outs = (
             engine.generate(
                 [problems[i]["prompt_ids"] for i in mine],
-                args.eval_samples,
-                args.eval_temperature,
-                args.eval_top_p,
-                args.eval_max_tokens,
-                sample_seeds(args, 10**6, mine, args.eval_samples),
-                stops,
+                n=args.eval_samples,
+                temperature=args.eval_temperature,
+                top_p=args.eval_top_p,
+                max_tokens=args.eval_max_tokens,
+                seeds=sample_seeds(args, 10**6, mine, args.eval_samples),
+                stop_ids=stop_ids,
             )
             if mine
             else []
@@ -363,7 +368,7 @@ def evaluate(engine, tokenizer, stops, eval_sets, args, world, grader, tag="", m
             if world.is_main:
                 write_eval_report(results, keys, args, tag, model_name or args.model)
                 if step is not None:
-                    common.append_metrics(os.path.join(args.out, "metrics.jsonl"), eval_record(step, results))
+                    run.append_metrics(os.path.join(args.out, "metrics.jsonl"), eval_record(step, results))
     return results
 
 

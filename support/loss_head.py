@@ -171,7 +171,7 @@ def idle_loss(model, pad_id, device, temperature):
     )
 
 
-def forward_no_grad(model, seqs, rows, T, args, world, pad_id, with_entropy):
+def forward_no_grad(model, seqs, rows, T, args, world, *, pad_id, with_entropy=False):
     """log pi [B, T] (and d3s.token_entropy) of `rows` of seqs, no grad, in micro-batches. Every rank
     runs the same number of forwards (FSDP's all-gathers): a rank with fewer rows forwards DUMMY;
     no rank forwards when no rank has a row. Returns (log-probs, entropy or None, tokens forwarded

@@ -7,8 +7,8 @@ TEMPLATES, format_prompt, stop_token_ids   the prompt (Qwen2.5-Math's chat templ
                      model) and the tokens that end a response, one rule for every rung and engine
 fit_context          the rows whose prompt fits the model's context (a longer one named with file:line, or dropped)
 load_data            train_small.py's rows: the generated task or --train-file / --eval-file
-load_inputs, PromptOrder, rank_share, sample_seeds   train_full.py's: tokenized prompts and benchmarks, read on
-                     every rank before any work; one global prompt order and one sampling seed per prompt
+PromptOrder, rank_share, sample_seeds   train_full.py's: one global prompt order, each rank's share of a step's
+                     prompts, and one sampling seed per prompt (checks.load_inputs reads and tokenizes them)
 """
 
 import json
@@ -17,10 +17,6 @@ import random
 import zlib
 
 import torch
-
-from support.cli import UsageError
-from support.engines import context_length
-from support.fsdp import load_generation_config, load_tokenizer
 
 
 # Qwen2.5-Math eval harness "qwen25-math-cot" template (also Dr.GRPO / SimpleRL-Zoo / LIMR).
@@ -418,102 +414,6 @@ def load_data(args):
     else:
         eval_rows = TASKS[args.task](args.eval_size, "eval", seed=args.seed)
     return train_rows, eval_rows
-
-
-def load_inputs(args):
-    """Tokenizer, stop tokens, training prompts and eval sets: read on every rank before the process
-    group exists, so that a bad model folder or data file stops every rank with exit 2 at once.
-    Returns (tokenizer, stops, prompts (None with --eval-only), eval sets, a note on what was dropped)."""
-    import transformers
-    from huggingface_hub.utils import logging as hub_logging
-
-    transformers.utils.logging.disable_progress_bar()  # one bar per rank and model load would flood the log
-    verbosity = hub_logging.get_verbosity()
-    hub_logging.set_verbosity_error()  # offline, the hub's retries would print a line each
-    try:
-        tokenizer = load_tokenizer(args.model)
-        generation_config = load_generation_config(args.model)
-    except (OSError, ValueError) as e:  # not a model folder, not on the hub (or offline), no tokenizer
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UsageError(
-            f"--model {args.model}: cannot load its tokenizer ({first}); pass a folder with config.json "
-            "and the tokenizer files, or a hub name"
-        ) from None
-    finally:
-        hub_logging.set_verbosity(verbosity)
-    if not tokenizer(format_prompt("What is 1 + 1?", args.template), add_special_tokens=False)["input_ids"]:
-        raise UsageError(
-            f"--model {args.model}: its tokenizer encodes a prompt to no tokens; pass a folder whose "
-            "tokenizer matches its model (tokenizer.save_pretrained of the model's own tokenizer)"
-        )
-    stops = stop_token_ids(tokenizer, generation_config)
-    eval_sets = load_eval_sets(args, tokenizer, context_length(args.model, args))
-    if args.eval_only:
-        return tokenizer, stops, None, eval_sets, ""
-    rows, dropped = load_problems(args.train_data, drop_missing=True)
-    rows, args.dropped_long_prompts = fit_prompts(args, rows, tokenizer)  # the count: in args.json
-    prompts, too_long = encode_prompts(rows, tokenizer, args.template, args.max_prompt_len)
-    if not prompts:
-        raise UsageError(
-            f"--max-prompt-len {args.max_prompt_len}: no prompt of {args.train_data} is that short "
-            f"({too_long} longer); raise it"
-        )
-    note = (
-        f"{len(prompts)} prompts ({dropped} rows without an answer dropped, {too_long} longer than "
-        f"{args.max_prompt_len} tokens dropped"
-        + (
-            f", {args.dropped_long_prompts} longer than the model's context dropped (--drop-long-prompts)"
-            if args.dropped_long_prompts
-            else ""
-        )
-        + ")"
-    )
-    return tokenizer, stops, prompts, eval_sets, note
-
-
-def fit_prompts(args, rows, tokenizer):
-    """The training rows whose prompt fits the model's context (config max_position_embeddings) less
-    --max-response-len, and how many did not (mathtask.fit_context): a longer prompt stops the run before any work
-    with one line naming its file:line, its length and the limit, or with --drop-long-prompts (choice) is left out
-    and counted. Then --max-prompt-len, a budget, drops (and counts) the prompts that fit but are longer than it."""
-    from transformers import AutoConfig
-
-    window = getattr(AutoConfig.from_pretrained(args.model), "max_position_embeddings", None)
-    if not window or window <= args.max_response_len:  # no limit, or none left for a prompt: not this check's to say
-        return rows, 0
-    return fit_context(
-        rows,
-        lambda r: format_prompt(r["problem"], args.template),
-        tokenizer,
-        window - args.max_response_len,
-        f"the model's context of {window} positions less --max-response-len {args.max_response_len}",
-        drop=args.drop_long_prompts,
-    )
-
-
-def load_eval_sets(args, tokenizer, context):
-    """Every --eval-data benchmark, read and tokenized once, before any work (a bad file stops the run
-    at its start, not after training): [(name, problems, rows without an answer, prompts too long)]."""
-    sets = []
-    for spec in args.eval_data:
-        rows, dropped = load_problems(spec, drop_missing=True, limit=args.eval_limit or None)
-        problems, too_long = encode_prompts(rows, tokenizer, args.template, max_prompt_len=context - 1)
-        sets.append(
-            (os.path.splitext(os.path.basename(spec))[0] if os.path.exists(spec) else spec, problems, dropped, too_long)
-        )
-    return sets
-
-
-def encode_prompts(rows, tokenizer, template, max_prompt_len):
-    """Apply the template and tokenize; prompts longer than max_prompt_len are dropped and counted."""
-    out, too_long = [], 0
-    for row in rows:
-        ids = tokenizer(format_prompt(row["problem"], template), add_special_tokens=False)["input_ids"]
-        if len(ids) > max_prompt_len:
-            too_long += 1
-            continue
-        out.append({"id": row["id"], "problem": row["problem"], "answer": row["answer"], "prompt_ids": ids})
-    return out, too_long
 
 
 class PromptOrder:

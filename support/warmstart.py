@@ -18,6 +18,7 @@ flags build their own. Rebuild the shipped one (1 thread, ~5 min) with:
 import hashlib
 import json
 import os
+import platform
 import random
 import re
 import shutil
@@ -319,8 +320,6 @@ def build_shipped(args):
     """scripts/build_warmstart.py: the warm start of `args` (train_small.py's defaults) built afresh on 1 thread (one
     float path on any core count) into args.cache_dir/warmstart-<hash>/, with build.json: the command, the machine,
     every supervised loss and the sha256 of model.safetensors (tests/test_warmstart_shipped.py)."""
-    import platform
-
     torch.set_num_threads(1)
     train_rows, _ = load_data(args)
     path = warm_start_path(args, train_rows)

@@ -2,8 +2,8 @@
 
     python tests/full_disk_worker.py WHAT STEP FILLER [train_full.py flags]      # or under torchrun
 
-WHAT is the write that meets the full disk at step STEP: checkpoint (full_io.save_checkpoint), metrics (the train
-line of metrics.jsonl), export (full_io.export_hf, with --export-every) or explain (explain.write_step, with
+WHAT is the write that meets the full disk at step STEP: checkpoint (checkpoint.save_shards), metrics (the train
+line of metrics.jsonl), export (checkpoint.export_hf, with --export-every) or explain (explain.write_step, with
 --explain-every). Right before it, rank 0 fills the file system of FILLER (a small tmpfs) with that file, so the
 write itself fails as it would on a real full disk (ENOSPC from the file system; nothing is faked in train_full).
 The test then deletes FILLER and continues the run with --resume.
@@ -15,7 +15,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from support import common, explain, full_io  # noqa: E402
+from support import run, checkpoint, explain  # noqa: E402
 import train_full  # noqa: E402
 
 
@@ -47,20 +47,20 @@ def before(step_of, stall_step, filler, real):
 if __name__ == "__main__":  # the grader's child processes re-import this file
     what, step, filler = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     if what == "checkpoint":
-        full_io.save_checkpoint = before(lambda *a, **k: a[3], step, filler, full_io.save_checkpoint)
+        checkpoint.save_shards = before(lambda *a, **k: a[3], step, filler, checkpoint.save_shards)
     elif what == "metrics":
-        common.append_metrics = before(
+        run.append_metrics = before(
             lambda path, record: record["step"] if record["kind"] == "train" else None,
             step,
             filler,
-            common.append_metrics,
+            run.append_metrics,
         )
     elif what == "export":
-        full_io.export_hf = before(
+        checkpoint.export_hf = before(
             lambda model, tok, path, *a: int(path.rsplit("_", 1)[-1]) if "hf_step_" in path else None,
             step,
             filler,
-            full_io.export_hf,
+            checkpoint.export_hf,
         )
     elif what == "explain":
         explain.write_step = before(lambda *a, **k: k["step"], step, filler, explain.write_step)

@@ -19,9 +19,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from support import common  # noqa: E402
+from support import run, checkpoint  # noqa: E402
 import d3s  # noqa: E402
-from support import fsdp, full_io, mathtask  # noqa: E402
+from support import fsdp, run, checkpoint, mathtask  # noqa: E402
 import train_full  # noqa: E402
 from support import methods  # noqa: E402
 
@@ -59,24 +59,21 @@ def train_step(
             return real_step(*a, **kw)
 
         optimizer.step = step_keeping_grads
-    sel = train_full.select_samples_global(rollouts, rewards, step, row or args.method, args, world)
+    sel = train_full.select_samples(rollouts, rewards, step, row or args.method, args, world)
     selects_tokens = methods.selects_tokens
     if full_pass1:
         methods.selects_tokens = lambda method: True  # what forward_kept reads: the rows and the entropy it needs
     try:
-        old_logp, has_old, entropy, ref_logp, pass1_tokens = train_full.forward_kept(
-            model, ref_model, sel, args, world, pad_id
-        )
+        pass1 = train_full.forward_kept(model, ref_model, sel, args, world, pad_id)
     finally:
         methods.selects_tokens = selects_tokens
-    token_keep = train_full.select_tokens_global(sel, entropy, args, world)
-    upd = train_full.update_policy(
-        model, optimizer, sel, token_keep, old_logp, has_old, entropy, ref_logp, args, world, pad_id
-    )
+    sel.token_keep = train_full.select_tokens(sel, pass1.entropy, args, world)
+    update = train_full.update_policy(model, optimizer, sel, pass1, args, world, pad_id)
     if keep_grads:
         del optimizer.step
-    metrics = train_full.step_metrics(sel, token_keep, upd, 1.0, pass1_tokens, ref_model is not None, world)
-    details = {"keep": sel.keep_all, "token_keep": fsdp.gather_global(token_keep, sel.mine, sel.total, world)}
+    metrics = train_full.step_metrics(sel, pass1, update, 1.0, ref_model is not None, world)
+    token_keep = fsdp.gather_global(sel.token_keep, sel.mine, len(sel.kept_all), world)
+    details = {"keep": sel.keep_all, "token_keep": token_keep}
     return (metrics, details, grads) if keep_grads else (metrics, details)
 
 
@@ -176,11 +173,11 @@ def check_global_token_selection(world):
                 kept_adv=torch.ones(rows[world.rank]),
                 mask=mask[mine],
                 k_frac=k,
-                total=sum(rows),
+                kept_all=[None] * sum(rows),
                 mine=list(range(mine.start, mine.stop)),
             )  # |A| = 1: the scores are H
             args = types.SimpleNamespace(method="d3s", token_scope=scope, min_token_per_response=False)
-            local = train_full.select_tokens_global(sel, scores[mine], args, world)
+            local = train_full.select_tokens(sel, scores[mine], args, world)
             ok &= bool(torch.equal(local, d3s.select_tokens(scores, mask, k, scope=scope)[mine]))
     return ok
 
@@ -190,7 +187,7 @@ def full_params(model):
 
 
 def check_resume(cli, world, tokenizer, rollouts, mine, workdir, offload=False):
-    """Two steps straight == one step, save_checkpoint, a fresh model + optimizer, load_checkpoint, one step."""
+    """Two steps straight == one step, save_shards, a fresh model + optimizer, restore_shards, one step."""
     args = trainer_args(cli.model, "d3s", mini_batches=2)
     args.out, args.cpu_offload = os.path.join(workdir, "offload" if offload else "plain"), offload
     model = fsdp.load_policy(args, world)
@@ -204,11 +201,13 @@ def check_resume(cli, world, tokenizer, rollouts, mine, workdir, offload=False):
     order = mathtask.PromptOrder(10, seed=0)
     order.take(3)
     train_step(model, optimizer, rollouts[mine], REWARDS[mine], 1, args, world, tokenizer.pad_token_id)
-    path = full_io.save_checkpoint(model, optimizer, args.out, 1, full_io.trainer_state(args, order), world, 2)
+    path = checkpoint.save_shards(
+        model, optimizer, args.out, 1, checkpoint.shards_state(train_full.run_flags(args), order, {}), world, 2
+    )
     model = fsdp.load_policy(args, world)
     optimizer = fsdp.make_optimizer(model, args)
     order = mathtask.PromptOrder(10, seed=0)
-    step, _ = full_io.resume_from(path, model, optimizer, order, args, world)
+    step, _ = checkpoint.restore_shards(path, model, optimizer, order, args, world)
     train_step(model, optimizer, rollouts[mine], REWARDS[mine], step + 1, args, world, tokenizer.pad_token_id)
     resumed = full_params(model)
     return {
@@ -316,7 +315,7 @@ def check_kl_schedule(cli, world, tokenizer, rollouts, mine):
         ref_model = fsdp.load_policy(args, world, reference=True)
         kls = []
         for step in range(1, STEPS + 1):
-            measure = schedule == "every" or common.measures_kl(step, args)
+            measure = schedule == "every" or run.measures_kl(step, args)
             stats, _ = train_step(
                 model,
                 optimizer,

@@ -2,7 +2,7 @@
 
     python tests/full_stall_worker.py N [train_full.py flags]
 
-The stall is this test's, not the product's: full_io.save_checkpoint is wrapped here. The real one writes the
+The stall is this test's, not the product's: checkpoint.save_shards is wrapped here. The real one writes the
 shards and RNG files into OUT/checkpoints/step_NNNNNN.tmp, then trainer_state.json, then renames the folder: a
 kill before the rename leaves a .tmp folder that --resume ignores. For step N this wrapper leaves the folder as
 such a kill would find it (shards and RNG written, no trainer_state.json, not renamed), says so on stderr and
@@ -16,7 +16,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from support import full_io  # noqa: E402
+from support import checkpoint  # noqa: E402
 import train_full  # noqa: E402
 
 
@@ -35,5 +35,5 @@ def stalling(stall_step, real_save):
 
 
 if __name__ == "__main__":  # the grader's child processes re-import this file
-    full_io.save_checkpoint = stalling(int(sys.argv[1]), full_io.save_checkpoint)
+    checkpoint.save_shards = stalling(int(sys.argv[1]), checkpoint.save_shards)
     train_full.entry(sys.argv[2:])

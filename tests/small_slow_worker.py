@@ -10,7 +10,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from support import common  # noqa: E402
+from support import run, stops  # noqa: E402
 import train_small  # noqa: E402
 
 
@@ -24,5 +24,5 @@ def slowed(pause, real_append):
 
 
 if __name__ == "__main__":  # the grader's child processes re-import this file
-    common.append_metrics = slowed(float(sys.argv[1]), common.append_metrics)
-    common.interruptible(lambda: train_small.main(sys.argv[2:]), train_small.PROG)
+    run.append_metrics = slowed(float(sys.argv[1]), run.append_metrics)
+    stops.interruptible(lambda: train_small.main(sys.argv[2:]), train_small.PROG)

@@ -2,7 +2,7 @@
 
     python tests/small_stall_worker.py N [train_small.py flags]
 
-The stall is this test's, not the product's: common.save_checkpoint is wrapped here (the real one writes to a
+The stall is this test's, not the product's: checkpoint.save_file is wrapped here (the real one writes to a
 temporary file and renames it, so a kill mid-write leaves the previous checkpoint intact).
 """
 
@@ -12,15 +12,15 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from support import common  # noqa: E402
+from support import checkpoint  # noqa: E402
 import train_small  # noqa: E402
 
 
 def stalling(stall_step, real_save):
-    def save_checkpoint(path, model, optimizer, step, flags, totals):
+    def save_file(path, model, optimizer, step, flags, totals, history):
         if step != stall_step:
-            return real_save(path, model, optimizer, step, flags, totals)
-        real_save(path + ".whole", model, optimizer, step, flags, totals)
+            return real_save(path, model, optimizer, step, flags, totals, history)
+        real_save(path + ".whole", model, optimizer, step, flags, totals, history)
         with open(path + ".whole", "rb") as f:
             data = f.read()
         os.remove(path + ".whole")
@@ -29,9 +29,9 @@ def stalling(stall_step, real_save):
         print(f"checkpoint of step {step}: half written, stalled", file=sys.stderr, flush=True)
         time.sleep(600)
 
-    return save_checkpoint
+    return save_file
 
 
 if __name__ == "__main__":  # the grader's child processes re-import this file
-    common.save_checkpoint = stalling(int(sys.argv[1]), common.save_checkpoint)
+    checkpoint.save_file = stalling(int(sys.argv[1]), checkpoint.save_file)
     train_small.main(sys.argv[2:])

@@ -259,8 +259,10 @@ def test_dropped_tokens_shares_counts_and_the_gradient_of_every_token(tmp_path, 
     # 0/1 rewards alternating within each group: every group has spread, so A != 0 and the gradients are not zero
     monkeypatch.setattr(
         train_small,
-        "compute_rewards",
-        lambda grader, texts, golds: torch.tensor([float(i % 2) for i in range(len(texts))]),
+        "grade",
+        lambda batch, problems, grader: torch.tensor([float(i % 2) for i in range(len(batch["texts"]))]).view(
+            len(problems), -1
+        ),
     )
     try:
         dropped_tokens.main(

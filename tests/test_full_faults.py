@@ -2,10 +2,10 @@
 
 - SIGTERM or SIGUSR1 (what SLURM and Kubernetes send before they stop a job) to ONE rank of two: every rank
   finishes the step, the checkpoint of that step is written, rank 0 prints one line, every rank exits 75
-  (common.STOPPED); --resume then gives the metrics of the run that was never stopped, the evaluation that the
+  (stops.STOPPED); --resume then gives the metrics of the run that was never stopped, the evaluation that the
   stop skipped included.
 - A disk that fills up right before a write (the checkpoint, the metrics line, an HF export, an explain page):
-  one line, exit 74 (common.DISK_FULL), the checkpoint before it intact; once the space is free, --resume
+  one line, exit 74 (stops.DISK_FULL), the checkpoint before it intact; once the space is free, --resume
   continues to the metrics of the uninterrupted run. The disk is a small tmpfs (mounting one needs root, as in
   CI; skipped where refused) that tests/full_disk_worker.py fills just before the write, so the write meets a
   real ENOSPC.
@@ -232,36 +232,34 @@ def test_a_full_disk_at_rank_0s_metrics_line_stops_both_ranks_with_one_line(inpu
 
 
 # ---------------------------------------------------------------------------------------------
-# What counts as a full disk (common.disk_full, shared by both trainers)
+# What counts as a full disk (stops.disk_full, shared by both trainers)
 # ---------------------------------------------------------------------------------------------
 def test_a_full_disk_is_recognised_in_each_form_its_writers_raise_and_nothing_else_is(tmp_path, monkeypatch):
     import errno
     import shutil
 
-    from support import common
+    from support import stops
 
     enospc = OSError(errno.ENOSPC, "No space left on device", "x.pt")
-    assert common.disk_full(enospc) is enospc
-    assert common.disk_full(OSError(errno.EDQUOT, "Disk quota exceeded")).errno == errno.EDQUOT
+    assert stops.disk_full(enospc) is enospc
+    assert stops.disk_full(OSError(errno.EDQUOT, "Disk quota exceeded")).errno == errno.EDQUOT
     assert (
-        common.disk_full(Exception("I/O error: No space left on device (os error 28)"), "m").filename == "m"
+        stops.disk_full(Exception("I/O error: No space left on device (os error 28)"), "m").filename == "m"
     )  # safetensors
     wrapped = RuntimeError("save failed")
     wrapped.__cause__ = enospc
-    assert common.disk_full(wrapped) is enospc
+    assert stops.disk_full(wrapped) is enospc
     dcp = BaseException("CheckpointException ranks:dict_keys([1])")
     dcp.failures = {1: (enospc, "traceback")}  # DCP: each rank's (exception, traceback)
-    assert common.disk_full(dcp) is enospc
+    assert stops.disk_full(dcp) is enospc
     for other in (
         OSError(errno.EACCES, "Permission denied"),
         ValueError("No space"),
         RuntimeError("unexpected pos 64"),
     ):
-        assert common.disk_full(other, str(tmp_path)) is None  # not a full disk: raised on as it is
+        assert stops.disk_full(other, str(tmp_path)) is None  # not a full disk: raised on as it is
     usage = shutil.disk_usage(tmp_path)
-    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=common.NEARLY_FULL - 1))
-    full = common.disk_full(
-        RuntimeError("[enforce fail at inline_container.cc] unexpected pos 64"), str(tmp_path / "c")
-    )
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=stops.NEARLY_FULL - 1))
+    full = stops.disk_full(RuntimeError("[enforce fail at inline_container.cc] unexpected pos 64"), str(tmp_path / "c"))
     assert full.errno == errno.ENOSPC and full.filename == str(tmp_path / "c")  # torch.save's zip writer on a full disk
-    assert common.disk_full(KeyError("step"), str(tmp_path)) is None  # a nearly full disk does not make every error one
+    assert stops.disk_full(KeyError("step"), str(tmp_path)) is None  # a nearly full disk does not make every error one

@@ -1,7 +1,7 @@
 """train_full.py's FSDP2 step on 2 gloo ranks equals a plain single-process step.
 
-tests/full_fsdp_worker.py runs steps 3-6 of train_full's loop once (its train_step: select_samples_global,
-forward_kept, select_tokens_global, update_policy; micro-batch size 3, so micro-batching and uneven per-rank
+tests/full_fsdp_worker.py runs steps 3-6 of train_full's loop once (its train_step: select_samples,
+forward_kept, select_tokens, update_policy; micro-batch size 3, so micro-batching and uneven per-rank
 micro-batch counts are on) under `torchrun --nproc_per_node=2`; the reference
 here is written from d3s.py alone: one unsharded model, the whole batch in one forward
 (right-padded, full logits), d3s.select_samples / select_tokens / policy_loss, clip, AdamW.

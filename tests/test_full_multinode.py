@@ -323,16 +323,16 @@ def test_resume_on_another_rank_count(files, runs, tmp_path, saved, resumed):
 
 
 def test_the_resume_note_says_when_the_rollouts_differ(files, tmp_path):
-    """full_io.other_world_note (what train_full says on a resume at another rank count), for the cases the runs above do not reach: the same rank count
+    """checkpoint.other_ranks_note (what train_full says on a resume at another rank count), for the cases the runs above do not reach: the same rank count
     (nothing to say), --unseeded-sampling, and --rollout hf calls that group the prompts differently
     (4 prompts in one generate() call on 1 rank, in two on 2 ranks: other seeds, other rollouts)."""
-    from support import full_io
+    from support import checkpoint
     import train_full
 
     ckpt = tmp_path / "step_000001"
     ckpt.mkdir()
     (ckpt / "trainer_state.json").write_text(json.dumps({"world": 2}))
-    note = lambda ranks, *extra: full_io.other_world_note(
+    note = lambda ranks, *extra: checkpoint.other_ranks_note(
         str(ckpt),
         ranks,
         train_full.parse_args(flags(files, tmp_path / "out", *extra)),
@@ -358,14 +358,14 @@ def load_resharded(ckpt, out, argv):
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    from support import fsdp, full_io
+    from support import fsdp, checkpoint
     import train_full
 
     args = train_full.parse_args(argv)
     world = fsdp.init_distributed(args.device)
     model = fsdp.load_policy(args, world)
     optimizer = fsdp.make_optimizer(model, args)
-    meta = full_io.load_checkpoint(ckpt, model, optimizer, world)
+    meta = checkpoint.load_shards(ckpt, model, optimizer, world)
     model_sd, optim_sd = get_state_dict(
         model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
     )

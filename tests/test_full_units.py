@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from support import common, fsdp, loss_head, gpu, full_io, methods, cli, mathtask
+from support import run, checks, fsdp, loss_head, gpu, methods, cli, mathtask
 import train_full
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -77,7 +77,7 @@ def test_ladder_methods_mini_batches_and_gspo_aggregation_defaults():
 
 
 def test_the_kl_to_the_reference_is_measured_on_step_1_every_kl_every_steps_and_the_last():
-    measured = lambda argv: [s for s in range(1, 26) if common.measures_kl(s, train_full.parse_args(argv))]
+    measured = lambda argv: [s for s in range(1, 26) if run.measures_kl(s, train_full.parse_args(argv))]
     assert train_full.parse_args(["--kl-ref"]).kl_every == 10  # --eval-every 0: 10
     assert measured(["--kl-ref", "--steps", "25"]) == [1, 10, 20, 25]
     assert measured(["--kl-ref", "--steps", "25", "--eval-every", "12"]) == [1, 12, 24, 25]  # default: --eval-every
@@ -146,7 +146,7 @@ def test_resume_keeps_the_metrics_the_checkpoint_covers(tmp_path):
         {"kind": "eval", "step": 3},
     ]
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
-    common.truncate_metrics(str(path), 2)  # checkpoint after 2 steps (steps count from 1; eval 0 before training)
+    run.truncate_metrics(str(path), 2)  # checkpoint after 2 steps (steps count from 1; eval 0 before training)
     assert [json.loads(x) for x in path.read_text().splitlines()] == lines[:4]
 
 
@@ -189,7 +189,7 @@ def test_micro_batches_cover_every_row_once_and_pad_to_the_common_count():
 def test_eval_data_takes_lists_commas_globs_and_none(tmp_path):
     for name in ("b.jsonl", "a.jsonl"):
         (tmp_path / name).write_text("")
-    specs = full_io.expand_specs([f"{tmp_path}/*.jsonl", "x.jsonl,org/hub-set:test", "none"])
+    specs = checks.expand_specs([f"{tmp_path}/*.jsonl", "x.jsonl,org/hub-set:test", "none"])
     assert specs == [f"{tmp_path}/a.jsonl", f"{tmp_path}/b.jsonl", "x.jsonl", "org/hub-set:test"]
     assert train_full.parse_args(["--eval-data", "none"]).eval_data == []
     assert len(train_full.parse_args([]).eval_data) == 7  # the seven benchmarks of the paper

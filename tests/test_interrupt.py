@@ -1,8 +1,8 @@
 """Ctrl-C (issue 35): real SIGINTs to real processes, delivered as a terminal does, to the whole process group.
 
 - train_small.py: a first Ctrl-C finishes the step, writes its checkpoint, prints one line and exits 75
-  (common.STOPPED); --resume then equals the run that was never stopped. A second Ctrl-C during a checkpoint write
-  stops at once: one line, exit 130 (common.INTERRUPTED), no traceback, and the checkpoint before it loads.
+  (stops.STOPPED); --resume then equals the run that was never stopped. A second Ctrl-C during a checkpoint write
+  stops at once: one line, exit 130 (stops.INTERRUPTED), no traceback, and the checkpoint before it loads.
 - train_full.py on 2 gloo ranks: a Ctrl-C to torchrun (which forwards one SIGINT to each rank: its workers run in
   their own session) stops every rank after the same step, with that step's checkpoint; --resume equals the
   uninterrupted run.
@@ -20,7 +20,7 @@ import time
 import pytest
 import torch
 
-from support import common
+from support import stops, checkpoint
 from test_full_faults import flags as full_flags, inputs, lines as full_lines, ours, torchrun  # noqa: F401 (fixture)
 from test_train_small import ROOT, assert_same_run, cache_dir, read_jsonl, two_answer_data, whole_run  # noqa: F401
 
@@ -64,7 +64,7 @@ def test_a_ctrl_c_mid_run_stops_after_its_step_with_a_checkpoint_and_resume_equa
     err = proc.communicate(timeout=300)[1]
     step = torch.load(out / "checkpoint.pt", weights_only=True)["step"]  # no --save-every step before 6: Ctrl-C's
     lines = [line for line in err.splitlines() if line.startswith("train_small.py:")]
-    assert proc.returncode == common.STOPPED and lines == [
+    assert proc.returncode == stops.STOPPED and lines == [
         f"train_small.py: stopped by SIGINT (Ctrl-C) after step {step}; checkpoint {out / 'checkpoint.pt'}; continue "
         "with --resume"
     ], (proc.returncode, err[-3000:])
@@ -99,12 +99,12 @@ def test_a_second_ctrl_c_during_the_checkpoint_write_stops_at_once_and_the_previ
     err = proc.stderr.read()
     proc.wait(timeout=60)
     lines = [line for line in err.splitlines() if line.startswith("train_small.py:")]
-    assert proc.returncode == common.INTERRUPTED and lines == [
+    assert proc.returncode == stops.INTERRUPTED and lines == [
         "train_small.py: stopped at once by a second Ctrl-C (SIGINT); the last checkpoint written is intact; continue "
         "with --resume"
     ], (proc.returncode, err[-3000:])
     assert "Traceback" not in err and (out / "checkpoint.pt.tmp").exists()
-    assert common.read_checkpoint(str(out / "checkpoint.pt"), {}, "train_small.py")["step"] == 3  # complete, loadable
+    assert checkpoint.read_file(str(out / "checkpoint.pt"), {}, "train_small.py")["step"] == 3  # complete, loadable
     subprocess.run(
         [sys.executable, os.path.join(ROOT, "train_small.py")] + flags + ["--out", str(out), "--resume"],
         cwd=ROOT,
@@ -141,9 +141,9 @@ def test_a_ctrl_c_to_torchrun_stops_both_gloo_ranks_after_the_same_step_and_resu
         f"train_full.py: stopped by SIGINT (Ctrl-C) after step {step}; checkpoint "
         f"{out / 'checkpoints' / stopped}; continue with --resume"
     ], err[-3000:]
-    assert not any(f'{name}", line' in err for name in ("train_full.py", "support/full_io.py", "support/common.py")), (
-        err[-3000:]
-    )  # no
+    assert not any(f'{name}", line' in err for name in ("train_full.py", "support/run.py", "support/stops.py")), err[
+        -3000:
+    ]  # no
     # traceback from a rank (torchrun's own SignalException is the launcher's)
     assert sorted(f for f in os.listdir(out / "checkpoints" / stopped) if f.startswith("rng_")) == [
         "rng_rank0.pt",
@@ -188,7 +188,7 @@ def test_a_ctrl_c_stops_the_toy_and_an_experiment_with_one_line_and_no_traceback
     time.sleep(1.0)
     ctrl_c(proc)
     err = "".join(seen) + proc.communicate(timeout=120)[1]
-    assert proc.returncode == common.INTERRUPTED, (proc.returncode, err[-3000:])
+    assert proc.returncode == stops.INTERRUPTED, (proc.returncode, err[-3000:])
     assert [line for line in err.splitlines() if line.startswith(prog)] == [
         f"{prog}: stopped by Ctrl-C (SIGINT); run the same command again"
     ], err[-3000:]

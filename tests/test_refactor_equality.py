@@ -13,7 +13,7 @@ tests/golden/fixed_inputs.json, recorded (2026-11-26, AMD EPYC) from the code th
     -> update_policy -> step_metrics, as train()'s loop calls them, on a seeded tiny Qwen2 and a fixed token
     batch, then the updated policy's log-probs and entropies of every rollout (grpo; d3s and d3s-i with 2
     mini-batches and the reference's KL; d3s-i with GSPO);
-  - train_full.py: steps 3-6 (select_samples_global, forward_kept, select_tokens_global, update_policy,
+  - train_full.py: steps 3-6 (select_samples, forward_kept, select_tokens, update_policy,
     step_metrics: tests/full_fsdp_worker.train_step) on FSDP2 in a gloo group of one process, fixed rollouts,
     then the updated policy's pass-1 log-probs; and the settings of its AdamW.
 Why it gives the same numbers on every CPU (the trajectories do not: a sampled token or a top-K tie already
@@ -66,7 +66,6 @@ import platform
 import socket
 import subprocess
 import sys
-import types
 
 import pytest
 import torch
@@ -382,7 +381,7 @@ SMALL_CONFIGS = {
 
 
 def small_batch(x, tokenizer, P=3, G=4):
-    """A rollout batch as train_small.rollout returns it, from fixed token ids: left-padded prompts, responses that
+    """A rollout batch as sampler.sample returns it, from fixed token ids: left-padded prompts, responses that
     end at their first EOS (some at the length limit), and 0/1 rewards with every group mixed."""
     pad, eos, V = tokenizer.pad_token_id, tokenizer.eos_token_id, len(tokenizer)
     Lp, T = 7, 8
@@ -408,7 +407,7 @@ def small_batch(x, tokenizer, P=3, G=4):
 
 def small_outputs(x, folder):
     """train_small's steps 3-6 as train()'s loop calls them (step 2 of 4), then the updated policy's outputs."""
-    from support import tiny
+    from support import sampler, tiny
     import train_small
 
     tokenizer = tiny.build_char_tokenizer()
@@ -445,49 +444,20 @@ def small_outputs(x, folder):
         model, ref_model = copy.deepcopy(base), copy.deepcopy(base).eval().requires_grad_(False)
         valid = batch["response_mask"].bool()
         with torch.no_grad():
-            before_logp = train_small.forward_logprobs_entropy(model, batch, args.temperature)[0].masked_fill(~valid, 0)
+            before_logp = sampler.logprobs_entropy(model, batch, args.temperature)[0].masked_fill(~valid, 0)
         optimizer = torch.optim.SGD(model.parameters(), lr=SGD_LR)  # not train()'s AdamW: see SGD_LR
         with_ref = mini_batches > 1  # the steps that measure the KL to the reference
-        n_keep, k_frac = methods.budget(args, method, step, history=[])
-        seed = train_small.step_seed(args.rl_seed, step, 1)
-        keep, adv = d3s.select_samples(
-            rewards, n_keep, methods.LADDER[method].samples, generator=torch.Generator().manual_seed(seed)
-        )
-        kept_rows = keep.view(-1).nonzero().squeeze(-1)
-        kept, kept_adv = train_small.take_rows(batch, kept_rows), adv.view(-1)[kept_rows]
+        sel = train_small.select_samples(rewards, batch, method, step, args, [])
+        keep, adv = sel.keep, sel.adv
         kl_all = train_small.kl_ref_all(model, ref_model, batch, args.temperature) if with_ref else None
-        parts = [rows for rows in torch.arange(len(kept_rows)).tensor_split(args.mini_batches) if len(rows)]
-        first_logp, old_logp, entropy, ref_logp, _ = train_small.forward_kept(
-            model, ref_model if with_ref else None, kept, parts, args.temperature
-        )
-        scores = d3s.token_scores(
-            kept_adv,
-            entropy,
-            rule=methods.TOKEN_RULES[args.token_rule],
-            generator=torch.Generator().manual_seed(train_small.step_seed(args.rl_seed, step, 2)),
-        )
-        token_keep = d3s.select_tokens(
-            scores, kept["response_mask"], k_frac, scope=args.token_scope, min_per_seq=int(args.min_token_per_response)
-        )
-        update = train_small.update_policy(
-            model, optimizer, kept, parts, first_logp, old_logp, kept_adv, token_keep, ref_logp, args
-        )
-        metrics = train_small.step_metrics(
-            step,
-            batch,
-            rewards,
-            keep,
-            adv,
-            n_keep,
-            k_frac,
-            kept,
-            entropy,
-            token_keep,
-            update,
-            types.SimpleNamespace(timeouts=0),
-        )
+        pass1 = train_small.forward_kept(model, ref_model if with_ref else None, sel, args.temperature)
+        old_logp, entropy, ref_logp = pass1.old_logp, pass1.entropy, pass1.ref_logp
+        sel.token_keep, sel.scores = train_small.select_tokens(sel, entropy, step, args)
+        token_keep = sel.token_keep
+        update = train_small.update_policy(model, optimizer, sel, pass1, args)
+        metrics = {**train_small.step_metrics(step, batch, rewards, sel, pass1, update), "grader_timeouts": 0}
         with torch.no_grad():
-            after_logp, after_entropy = train_small.forward_logprobs_entropy(model, batch, args.temperature)
+            after_logp, after_entropy = sampler.logprobs_entropy(model, batch, args.temperature)
         out[name] = {
             "before_logp": before_logp,
             "keep": keep,
@@ -537,11 +507,13 @@ def full_outputs(x, folder):
             adamw = fsdp.make_optimizer(model, args).defaults  # its settings are compared; SGD steps (SGD_LR)
             optimizer = torch.optim.SGD(model.parameters(), lr=SGD_LR)
             ref_model = fsdp.load_policy(args, world, reference=True) if mini_batches > 1 else None
-            before = loss_head.forward_no_grad(model, seqs, every, T, args, world, pad_id, False)[0]
+            before = loss_head.forward_no_grad(model, seqs, every, T, args, world, pad_id=pad_id)[0]
             metrics, details = worker.train_step(
                 model, optimizer, rollouts, worker.REWARDS, worker.STEP, args, world, pad_id, ref_model=ref_model
             )
-            logp, entropy, _ = loss_head.forward_no_grad(model, seqs, every, T, args, world, pad_id, True)
+            logp, entropy, _ = loss_head.forward_no_grad(
+                model, seqs, every, T, args, world, pad_id=pad_id, with_entropy=True
+            )
             out[name] = {
                 "before_logp": before,
                 "metrics": metrics,

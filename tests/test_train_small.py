@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 import d3s
 import train_small
+from support import sampler  # noqa: E402
 from support import methods, warmstart, mathtask
 from support.grading import Grader
 from support.mathtask import arithmetic_problems, load_problems, step_problems, stop_token_ids
@@ -132,10 +133,8 @@ def test_reward_is_1_for_the_boxed_gold_answer_and_0_for_a_wrong_one(name):
     rows, _ = load_problems(path)
     golds = [r["answer"] for r in rows]
     with Grader(timeout_s=10.0) as grader:
-        right = train_small.compute_rewards(grader, [f"So the answer is \\boxed{{{g}}}." for g in golds], golds)
-        wrong = train_small.compute_rewards(
-            grader, [f"So the answer is \\boxed{{{_wrong_answer(g)}}}." for g in golds], golds
-        )
+        right = grader.score_batch([f"So the answer is \\boxed{{{g}}}." for g in golds], golds)
+        wrong = grader.score_batch([f"So the answer is \\boxed{{{_wrong_answer(g)}}}." for g in golds], golds)
     assert [g for g, r in zip(golds, right) if r != 1.0] == []
     assert [g for g, r in zip(golds, wrong) if r != 0.0] == []
 
@@ -156,9 +155,9 @@ def test_adversarial_completion_scores_0_within_the_time_limit(case):
     with Grader(timeout_s=timeout) as grader:
         grader.score("\\boxed{1}", "1")  # start the grader child outside the timed part
         t0 = time.time()
-        reward = train_small.compute_rewards(grader, [ADVERSARIAL[case]], ["7"])
+        reward = grader.score_batch([ADVERSARIAL[case]], ["7"])
         elapsed = time.time() - t0
-        assert reward.tolist() == [0.0]
+        assert reward == [0.0]
         assert elapsed < timeout + 3.0, f"{case}: {elapsed:.1f} s"
         assert grader.score("\\boxed{8}", "8") == 1.0  # and the grader still works afterwards
 
@@ -786,7 +785,7 @@ def test_the_switch_rule_moves_d3s_to_intra_group_samples_from_the_step_after_th
         "fired: --method d3s runs as d3s-i" in page
         and "fired" not in (tmp_path / "plain" / "explain" / "step_000012.html").read_text()
     )
-    # stop after the spike, resume: the history comes back from metrics.jsonl, and the switch with it
+    # stop after the spike, resume: the history comes back from the checkpoint, and the switch with it
     train_file, eval_file = two_answer_data
     flags = (
         TINY
@@ -923,14 +922,14 @@ def test_the_sampler_gives_generates_greedy_tokens_and_with_the_same_seed_its_sa
     )  # a warm start: answers that end with EOS at different lengths
     tokenizer = AutoTokenizer.from_pretrained(warm_dir, padding_side="left")
     prompts = [mathtask.format_prompt(r["problem"], "plain") for r in arithmetic_problems(8, "eval")]
-    greedy = train_small.rollout(model, tokenizer, prompts, 1, 12, greedy=True)
+    greedy = sampler.sample(model, tokenizer, prompts, 1, 12, greedy=True)
     expected = _hf_generate(model, tokenizer, prompts, 1, 12, greedy=True)
     assert torch.equal(greedy["response_ids"], expected[:, : greedy["response_ids"].shape[1]])
     assert (expected[:, greedy["response_ids"].shape[1] :] == tokenizer.pad_token_id).all()
     same = 0
     for seed in range(3):  # sampling: torch.multinomial on the same logits, so the same draws up to rounding
         torch.manual_seed(seed)
-        mine = train_small.rollout(model, tokenizer, prompts, 8, 12)["response_ids"]
+        mine = sampler.sample(model, tokenizer, prompts, 8, 12)["response_ids"]
         torch.manual_seed(seed)
         theirs = _hf_generate(model, tokenizer, prompts, 8, 12, greedy=False)[:, : mine.shape[1]]
         same += int((mine == theirs).all(-1).sum())
@@ -956,21 +955,21 @@ def _plain_forward(model, batch, temperature):
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_the_shared_prompt_forward_equals_the_row_by_row_forward_in_log_probs_entropy_and_gradients(temperature):
-    """forward_logprobs_entropy forwards each distinct prompt once and every response on its prompt's keys
+    """sampler.logprobs_entropy forwards each distinct prompt once and every response on its prompt's keys
     and values; the plain forward runs prompt + response per row. Same log-probs, entropies and gradients
     (fp32 rounding), on prompts of three lengths (left padding), whole groups and a subset of rows
     (d3s's N of G: prompts with 1, 2 and 4 rollouts), responses that end at different lengths."""
     model, _, tokenizer = _tiny_policy(seed=3)
     torch.manual_seed(0)
-    batch = train_small.rollout(model, tokenizer, ["1+2=", "Ann had 23 pens", "x"], 4, 10)
+    batch = sampler.sample(model, tokenizer, ["1+2=", "Ann had 23 pens", "x"], 4, 10)
     assert batch["response_mask"].sum(-1).unique().numel() > 1  # responses of several lengths
     for rows in (torch.arange(12), torch.tensor([0, 4, 5, 8, 9, 10, 11])):
-        part = train_small.take_rows(batch, rows)
+        part = sampler.take_rows(batch, rows)
         mask = part["response_mask"].bool()
         results = []
         for share in (False, True):
             model.zero_grad(set_to_none=True)
-            forward = train_small.forward_logprobs_entropy if share else _plain_forward
+            forward = sampler.logprobs_entropy if share else _plain_forward
             logp, entropy = forward(model, part, temperature)
             (logp * torch.linspace(-1, 1, logp.numel()).view_as(logp))[mask].sum().backward()  # every row weighs in
             results.append((logp.detach(), entropy, [p.grad.clone() for p in model.parameters()]))
@@ -983,7 +982,7 @@ def test_the_shared_prompt_forward_equals_the_row_by_row_forward_in_log_probs_en
 
 
 def test_two_runs_on_two_threads_give_the_same_numbers(tmp_path):
-    """README's first command runs on torch's default threads (2 on a 2-core machine). forward_logprobs_entropy gives
+    """README's first command runs on torch's default threads (2 on a 2-core machine). sampler.logprobs_entropy gives
     each row its prompt's keys and values with index_select, whose backward adds the rows up in a fixed order; the
     indexing it replaced (cache.batch_select_indices) gave other gradients from step 1 on, run to run, on 2 threads
     (2026-11-27: four runs of the default command ended at Pass@1 0.554-0.573). Two fresh processes, the default
@@ -1019,11 +1018,11 @@ def test_the_shared_kv_attention_gives_sdpa_s_floats_and_reads_keys_in_place_onl
     for name, model in (("sdpa", plain), ("shared", policy)):
         copies.clear()
         torch.manual_seed(0)
-        batch = train_small.rollout(model, tokenizer, ["1+2=", "Ann had 23 pens", "x"], 4, 10)
+        batch = sampler.sample(model, tokenizer, ["1+2=", "Ann had 23 pens", "x"], 4, 10)
         with torch.no_grad():
-            no_grad = train_small.forward_logprobs_entropy(model, batch)
+            no_grad = sampler.logprobs_entropy(model, batch)
         no_grad_copies = len(copies)
-        logp, entropy = train_small.forward_logprobs_entropy(model, batch)
+        logp, entropy = sampler.logprobs_entropy(model, batch)
         (logp * torch.linspace(-1, 1, logp.numel()).view_as(logp))[batch["response_mask"].bool()].sum().backward()
         results[name] = [batch["response_ids"], *no_grad, logp.detach(), entropy]
         results[name] += [p.grad for p in model.parameters()]
@@ -1043,8 +1042,8 @@ def test_the_update_without_pass_1_for_mini_batch_1_equals_the_update_with_it(mi
     model, ref_model, tokenizer = _tiny_policy()
     args = train_small.parse_args(["--mini-batches", str(mini_batches)])
     torch.manual_seed(0)
-    kept = train_small.rollout(model, tokenizer, ["1+2=", "Ann had 23 pens", "x"], 4, 8)
-    kept = train_small.take_rows(kept, torch.arange(12))
+    kept = sampler.sample(model, tokenizer, ["1+2=", "Ann had 23 pens", "x"], 4, 8)
+    kept = sampler.take_rows(kept, torch.arange(12))
     kept_adv = torch.randn(12)
 
     # SGD, so that a parameter moves by lr x its gradient: Adam would turn a 1e-7 rounding difference in a
@@ -1052,11 +1051,11 @@ def test_the_update_without_pass_1_for_mini_batch_1_equals_the_update_with_it(mi
     expected = copy.deepcopy(model)
     opt = torch.optim.SGD(expected.parameters(), lr=1.0)
     with torch.no_grad():
-        old_logp, entropy = train_small.forward_logprobs_entropy(expected, kept)
+        old_logp, entropy = sampler.logprobs_entropy(expected, kept)
     token_keep = d3s.select_tokens(d3s.token_scores(kept_adv, entropy), kept["response_mask"], k_frac)
     for rows in torch.arange(12).tensor_split(mini_batches):
-        part = train_small.take_rows(kept, rows)
-        logp, _ = train_small.forward_logprobs_entropy(expected, part, with_entropy=False)
+        part = sampler.take_rows(kept, rows)
+        logp, _ = sampler.logprobs_entropy(expected, part, with_entropy=False)
         w = logp.shape[1]
         loss, _ = d3s.policy_loss(
             logp,
@@ -1073,11 +1072,23 @@ def test_the_update_without_pass_1_for_mini_batch_1_equals_the_update_with_it(mi
 
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     parts = [rows for rows in torch.arange(12).tensor_split(mini_batches) if len(rows)]
-    first_logp, old_logp_2, entropy_2, ref_logp, _ = train_small.forward_kept(model, None, kept, parts, 1.0)
-    token_keep_2 = d3s.select_tokens(d3s.token_scores(kept_adv, entropy_2), kept["response_mask"], k_frac)
-    update = train_small.update_policy(
-        model, opt, kept, parts, first_logp, old_logp_2, kept_adv, token_keep_2, ref_logp, args
+    sel = train_small.Selection(
+        method_row="d3s",
+        n_keep=12,
+        k_frac=k_frac,
+        keep=torch.ones(3, 4, dtype=torch.bool),
+        adv=kept_adv.view(3, 4),
+        kept_rows=torch.arange(12),
+        kept=kept,
+        kept_adv=kept_adv,
+        parts=parts,
     )
+    pass1 = train_small.forward_kept(model, None, sel, 1.0)
+    entropy_2, ref_logp = pass1.entropy, pass1.ref_logp
+    sel.token_keep = token_keep_2 = d3s.select_tokens(
+        d3s.token_scores(kept_adv, entropy_2), kept["response_mask"], k_frac
+    )
+    update = train_small.update_policy(model, opt, sel, pass1, args)
     # M = 1 forwards the very same batch: bit for bit. M > 1 forwards the later mini-batches on their own
     # (another batch shape, so another rounding): fp32 tolerance.
     exact = dict(rtol=0, atol=0) if mini_batches == 1 else dict(rtol=1e-5, atol=1e-6)

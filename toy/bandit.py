@@ -31,7 +31,8 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 import d3s  # noqa: E402
-from support import cli, common, explain, methods  # noqa: E402
+from support import cli, explain, methods, stops  # noqa: E402
+from support.run import run_all  # noqa: E402
 
 PROG = "bandit.py"  # the name in every error line, however the script is started
 DEFAULT_METHODS = ("grpo", "d1s", "d1s-cross", "d2s", "d3s", "d3s-i", "pods", "random")  # docs/toy.md's table
@@ -251,11 +252,35 @@ def run(method, seed, args):
         updated = not skipped and bool(token_keep.any())  # dapo-filter with no mixed group: nothing to train on
         if updated:
             opt.step()
-        step_vars = SimpleNamespace(**locals())  # what the step computed, for its page and its metrics line
+        record = SimpleNamespace(  # what the step computed, by name: its page and its metrics line read it
+            step=s,
+            method=method,
+            seed=seed,
+            task=task,
+            prompts=prompts,
+            prompt_ids=prompt_ids,
+            tokens=tokens,
+            sample_logits=sample_logits,
+            rewards=rewards,
+            n_keep=n_keep,
+            k_frac=k_frac,
+            keep=keep,
+            adv=adv,
+            kept=kept,
+            entropy=entropy,
+            scores=scores,
+            token_keep=token_keep,
+            normalizer=normalizer,
+            loss=loss,
+            stats=stats,
+            grad_norm=grad_norm,
+            skipped=skipped,
+            updated=updated,
+        )
         if args.explain_every and (s == 1 or s % args.explain_every == 0):
-            explain.toy_page(args, step_vars)  # a page of what the step trains on (docs/walkthrough.md)
+            explain.toy_page(args, record)  # a page of what the step trains on (docs/walkthrough.md)
         rewards_so_far.append(float(rewards.mean()))
-        lines.append(train_line(args, step_vars))
+        lines.append(train_line(args, record))
     return lines
 
 
@@ -280,7 +305,7 @@ def train_line(args, v):
     mean0 = lambda t: float(t.mean()) if t.numel() else 0.0  # a dapo-filter step may keep nothing
     return {
         "kind": "train",
-        "step": v.s,
+        "step": v.step,
         "method": v.method,
         "seed": v.seed,
         "reward_mean": float(rewards.mean()),
@@ -324,10 +349,10 @@ def main(argv=None, parser=None):
     start, runs = time.time(), {m: {} for m in args.methods}
     jobs = [(m, s, args) for m in args.methods for s in range(args.seeds)]
     try:
-        for (method, seed, _), lines in common.run_all(run_job, jobs, args.workers):
+        for (method, seed, _), lines in run_all(run_job, jobs, args.workers):
             runs[method][seed] = lines
     except Diverged as e:  # one line, as for a bad flag: the setting (a learning rate) is the cause
-        common.fail(PROG, f"--lr {args.lr:g}: {e}; lower --lr (or keep --max-grad-norm above 0)")
+        stops.fail(PROG, f"--lr {args.lr:g}: {e}; lower --lr (or keep --max-grad-norm above 0)")
     runs = {m: [by_seed[s] for s in sorted(by_seed)] for m, by_seed in runs.items()}  # in seed order
     with open(os.path.join(args.out, "metrics.jsonl"), "w") as f:
         f.writelines(json.dumps(line) + "\n" for lines in runs.values() for seed_lines in lines for line in seed_lines)
@@ -342,4 +367,4 @@ def main(argv=None, parser=None):
 
 
 if __name__ == "__main__":
-    common.interruptible(main, PROG)
+    stops.interruptible(main, PROG)

@@ -1,0 +1,311 @@
+"""support/run.py: a run's life around its steps, in both trainers: its folder, metrics.jsonl, what a resume restores,
+the cadences of checkpoints and evaluations, the stop after a step.
+
+    Run               what both loops call around the six steps: the metrics lines (rank 0), the history the rules
+                      read (grad norms, train rewards), the checkpoint when due and the stop a notice asks for
+    out_lock          one writer per run folder: a second run into it stops with one line
+    append_metrics, read_metrics, truncate_metrics   metrics.jsonl (docs/metrics.md): a line per step and evaluation
+    measures_kl, mean    whether a step forwards the reference model; the mean of the values that are there
+    write_summary     train_small.py's summary.json and the lines it prints
+    write_args, train_record   train_full.py's args.json and the clocks, MFU and memory of its train lines
+    run_all           independent runs in a pool of processes, with a progress bar (experiments/, the toy)
+"""
+
+import contextlib
+import json
+import math
+import multiprocessing as mp
+import os
+from concurrent.futures import ProcessPoolExecutor, as_completed
+
+import torch.distributed as dist
+from tqdm import tqdm
+
+from support import methods, stops
+from support.cli import UsageError
+from support.fsdp import all_reduce
+from support.gpu import memory_peak_gb
+
+try:
+    import fcntl  # the run folder's lock (out_lock)
+except ImportError:  # Windows: no lock
+    fcntl = None
+
+
+class Run:
+    """What both trainers do around the six steps of a step. Every rank makes every call (agree() and the
+    checkpoints hold collectives); rank 0 writes metrics.jsonl.
+
+        run = Run(args, prog, notices, start, history, world)   # after the resume (start: its steps, 0 if none)
+        run.log(line)                 a line of metrics.jsonl; a train line's grad norm and reward join run.history
+        run.checkpoint(step, notice, save)   save(step) when due (--save-every, the last step, --stop-after, a
+                                      notice), then on a notice the stop after it: one line, exit STOPPED
+
+    A new run (start 0) empties metrics.jsonl; a resumed one keeps what its checkpoint covers (a killed run may have
+    logged past it). history: {"grad_norms": [...], "rewards": [...]}, one value per step so far, as the
+    checkpoint stored them: --switch-on-spike reads the norms, --schedule adaptive the rewards."""
+
+    def __init__(self, args, prog, notices, start, history=None, world=None):
+        self.args, self.prog, self.notices, self.world = args, prog, notices, world
+        self.is_main, self.stop_at = world is None or world.is_main, args.stop_after or args.steps
+        self.metrics = os.path.join(args.out, "metrics.jsonl")
+        self.history = {"grad_norms": [], "rewards": [], **(history or {})}
+        if self.is_main:
+            os.makedirs(args.out, exist_ok=True)
+            truncate_metrics(self.metrics, start if start else -1)
+
+    def log(self, line):
+        """metrics.jsonl's next line (rank 0; under torchrun a full disk is noted: every rank stops at agree())."""
+        if line["kind"] == "train":
+            self.history["grad_norms"].append(line["grad_norm"])
+            self.history["rewards"].append(line["reward_mean"])
+        if self.is_main:
+            with self.notices.writing(self.metrics) if self.world else contextlib.nullcontext():
+                append_metrics(self.metrics, line)
+
+    def checkpoint(self, step, notice, save):
+        """After `step`: save(step) (the trainer's checkpoint; returns where) every --save-every steps, at the last
+        step and --stop-after, and on a notice (from notices.agree()), which then stops the run after it."""
+        a = self.args
+        if step % a.save_every == 0 or step in (a.steps, self.stop_at) or notice:
+            path = save(step)
+            if notice and step < self.stop_at:  # a preemption notice: this step's checkpoint, then exit STOPPED
+                stops.stopped(self.prog, notice, step, path, quiet=not self.is_main)
+
+
+def measures_kl(step, args):
+    """Whether step `step` (from 1) forwards the reference model: every step when the KL is in the loss
+    (--kl-coef > 0); else, the KL being only a metric, step 1, every --kl-every steps and the last (0: never)."""
+    if args.kl_coef > 0:
+        return True
+    return args.kl_every > 0 and (step == 1 or step % args.kl_every == 0 or step == args.steps)
+
+
+def mean(values):
+    """The mean of the values that are not None; None if there are none (a step with no update logs None)."""
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def append_metrics(path, record):
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def read_metrics(path, up_to_step=None):
+    """The lines of metrics.jsonl (those of steps <= up_to_step); a last line cut short by a full disk is dropped."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        raw = [line for line in f if line.strip()]
+    lines = [json.loads(line) for line in raw[:-1]]
+    try:
+        lines += [json.loads(line) for line in raw[-1:]]
+    except json.JSONDecodeError:
+        pass  # half written when the disk filled up: the run stopped there
+    return [m for m in lines if up_to_step is None or m.get("step", math.inf) <= up_to_step]
+
+
+def add_totals(totals, m):
+    """The run's totals (summary.json, the eval lines) after the train line `m`."""
+    for key, value in (
+        ("samples", m["kept_samples"]),
+        ("tokens", m["kept_tokens"]),
+        ("fwd_tokens", m["fwd_tokens"]),
+        ("gen_s", m["gen_s"] + m["reward_s"]),
+        ("train_s", m["train_s"]),
+        ("skipped", int(m["skipped"])),
+    ):
+        totals[key] += value
+
+
+def truncate_metrics(path, step):
+    """Keep what the checkpoint after `step` steps covers (a killed run may have logged past it): the train lines
+    of steps 1..step and the evaluations after at most `step` steps."""
+    if not os.path.exists(path):
+        return
+    kept = read_metrics(path, up_to_step=step)
+    with open(path + ".tmp", "w") as f:
+        f.writelines(json.dumps(m) + "\n" for m in kept)
+    os.replace(path + ".tmp", path)
+
+
+@contextlib.contextmanager
+def out_lock(out, prog):
+    """Hold an exclusive lock on OUT/.lock while the block runs; the OS drops it when the process ends, killed or
+    not. A second run writing to the same folder stops with one line instead of interleaving its lines with the
+    first's. No lock where fcntl is missing (Windows)."""
+    if fcntl is None:
+        yield
+        return
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, ".lock"), "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UsageError(
+                f"--out {out}: another {prog} is writing there now ({os.path.join(out, '.lock')}); "
+                "wait for it to end, or use another --out"
+            ) from None
+        yield
+
+
+def run_all(fn, jobs, workers, desc="runs"):
+    """fn(job) for every job, `workers` processes at a time (spawned; 1: in this process), with a progress bar.
+    Yields (job, result) as they finish."""
+    if workers <= 1:
+        for job in tqdm(jobs, desc=desc, leave=False):
+            yield job, fn(job)
+        return
+    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
+        with (
+            stops.sigint_ignored()
+        ):  # the workers start here (spawn: all at the first submit); a Ctrl-C is the parent's
+            futures = {pool.submit(fn, job): job for job in jobs}
+        try:
+            for future in tqdm(as_completed(futures), total=len(jobs), desc=desc, leave=False):
+                yield futures[future], future.result()
+        except KeyboardInterrupt:  # a Ctrl-C: the running runs stop now, instead of the pool's exit waiting for them
+            for process in list((getattr(pool, "_processes", None) or {}).values()):
+                process.kill()  # (the futures are not cancelled first: Python 3.11's pool would then print a traceback)
+            raise
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
+
+
+def write_summary(args, lines, warm_info, totals, timeouts, rl_s, wall_s):
+    """train_small.py's OUT/summary.json and the lines it prints: the warm start's and the final held-out numbers, what
+    the run trained on (rollouts, tokens), the paper's metrics over the run, and where the time went."""
+    evals = [m for m in lines if m["kind"] == "eval"]
+    train = [m for m in lines if m["kind"] == "train"]
+    first, last = evals[0], evals[-1]
+    own_rule = methods.rule_name(
+        args.method
+    )  # --switch-on-spike: switched_at_step is the first step run under another rule
+    summary = {
+        "method": args.method,
+        "loss": args.loss,
+        "steps": args.steps,
+        "out": args.out,
+        "evals": [
+            {
+                "step": m["step"],
+                "pass1_mean": m["eval_pass1_mean"],
+                "greedy_pass1": m["eval_greedy_pass1"],
+                "rl_s": m["gen_s"] + m["train_s"],
+                "update_s": m["train_s"],
+                "tokens": m["tokens"],
+            }
+            for m in evals
+        ],
+        "warm_start": {
+            "greedy_pass1": first["eval_greedy_pass1"],
+            "pass1_mean": first["eval_pass1_mean"],
+            "passk": first["eval_passk"],
+            "k": first["k"],
+            "n": first["n"],
+            "train_reward_step1": train[0]["reward_mean"] if train else None,
+            **{k.replace("eval_pass1_mean_", ""): v for k, v in first.items() if k.startswith("eval_pass1_mean_level")},
+            "cached": warm_info.get("cached"),
+            "sft_steps": warm_info.get("sft_steps"),
+            "path": warm_info.get("path"),
+        },
+        "final": {
+            "greedy_pass1": last["eval_greedy_pass1"],
+            "pass1_mean": last["eval_pass1_mean"],
+            "passk": last["eval_passk"],
+            "k": last["k"],
+            "n": last["n"],
+            **{k.replace("eval_pass1_mean_", ""): v for k, v in last.items() if k.startswith("eval_pass1_mean_level")},
+        },
+        "best_greedy_pass1": max(m["eval_greedy_pass1"] for m in evals),
+        "samples_trained": totals["samples"],
+        "tokens_trained": totals["tokens"],
+        "tokens_forwarded": totals["fwd_tokens"],
+        "mean_grad_norm": mean([m["grad_norm"] for m in train if m["grad_norm"] is not None]),
+        "mean_kept_adv_var": sum(m["kept_adv_var"] for m in train) / max(len(train), 1),
+        "mean_sur": sum(m["sur"] for m in train) / max(len(train), 1),
+        "mean_k_frac": sum(m["k_frac"] for m in train) / max(len(train), 1),
+        "mean_k_real": sum(m["k_real"] for m in train) / max(len(train), 1),
+        "final_kl_ref": next((m["kl_ref"] for m in reversed(train) if m.get("kl_ref") is not None), None),
+        "mean_entropy": sum(m["entropy_mean"] for m in train) / max(len(train), 1),
+        "mean_entropy_kept": mean([m["entropy_kept"] for m in train if m["kept_tokens"]]),  # steps that kept tokens
+        "time_per_step": {
+            key: sum(m.get(f"{key}_s", 0.0) for m in train) / max(len(train), 1)
+            for key in ("gen", "reward", "pass1", "train")
+        },
+        "rl_seed": args.rl_seed,
+        "switched_at_step": next((m["step"] for m in train if m.get("sample_rule", own_rule) != own_rule), None),
+        "skipped_updates": totals["skipped"],
+        "grader_timeouts": timeouts,
+        "dropped_long_prompts": getattr(args, "dropped_long_prompts", 0),  # --drop-long-prompts (checks.fit_prompts)
+        "gen_s": round(totals["gen_s"], 1),
+        "train_s": round(totals["train_s"], 1),
+        "rl_s": round(rl_s, 1),
+        "wall_s": round(wall_s, 1),
+    }
+    with open(os.path.join(args.out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    w, fin = summary["warm_start"], summary["final"]
+    print(
+        f"\n== {args.method} ({args.loss}), {args.steps} steps, {args.out}\n"
+        f"warm start  held-out greedy Pass@1 {w['greedy_pass1']:.3f}  Pass@1 mean@{w['n']} {w['pass1_mean']:.3f}  "
+        f"Pass@{w['k']} {w['passk']:.3f}  (train reward at step 1: {w['train_reward_step1']})\n"
+        f"final       held-out greedy Pass@1 {fin['greedy_pass1']:.3f}  Pass@1 mean@{fin['n']} {fin['pass1_mean']:.3f}  "
+        f"Pass@{fin['k']} {fin['passk']:.3f}\n"
+        f"trained on {summary['samples_trained']} rollouts, {summary['tokens_trained']} tokens in the loss "
+        f"({summary['tokens_forwarded']} forwarded); {summary['skipped_updates']} skipped updates, "
+        f"{timeouts} grader timeouts\n"
+        f"time: {summary['gen_s']} s generating + grading, {summary['train_s']} s training, {summary['rl_s']} s RL "
+        f"incl. eval, {summary['wall_s']} s in all"
+    )
+    return summary
+
+
+def write_args(args, world):
+    """OUT/args.json (eval_args.json with --eval-only): the flags as parsed and checked, and the world size."""
+    with stops.attempt(args.out, args.out, world):
+        os.makedirs(args.out, exist_ok=True)
+        if world.is_main:
+            with open(os.path.join(args.out, "args.json" if not args.eval_only else "eval_args.json"), "w") as f:
+                json.dump({**vars(args), "world": world.size}, f, indent=1)
+
+
+def train_record(step, stats, rollouts, phases, args, world, flops):
+    """train_full.py's line of metrics.jsonl for a step (docs/metrics.md): its metrics (train_full.step_metrics),
+    then the run's counts, clocks, MFU and memory. phases: this rank's gen_s, reward_s, pass1_s, sync_s, its grader's
+    timeouts, and the GPU memory in use during generation (gpu_used_gen) and after the update, before the sync
+    (gpu_used_train); flops: (parameters that cost 2 FLOPs a token, the GPU's peak FLOP/s or None). Every rank calls
+    it (all_reduce)."""
+    MAX, (n_params, flops_peak) = dist.ReduceOp.MAX, flops
+    gen_tokens = all_reduce(sum(len(r["response_ids"]) for group in rollouts for r in group), world)
+    gen_s = all_reduce(phases["gen_s"], world, MAX)  # the slowest rank's
+    return {
+        "kind": "train",
+        "step": step,
+        **stats,
+        "gen_tokens": int(gen_tokens),
+        "kept_tokens_frac": stats["kept_tokens"] / max(gen_tokens, 1.0),
+        "response_len": gen_tokens / (args.prompts_per_step * args.group_size),
+        "grader_timeouts": int(all_reduce(phases["grader_timeouts"], world)),
+        "gen_s": gen_s,
+        "reward_s": all_reduce(phases["reward_s"], world, MAX),
+        "pass1_s": all_reduce(phases["pass1_s"], world, MAX),
+        "sync_s": phases["sync_s"],
+        "gen_tokens_per_s": gen_tokens / max(gen_s, 1e-9),
+        # model FLOPs of the update: the no-grad forwards (2 N per token: pass 1 and the
+        # reference) + pass 2 forward and backward (6 N per token), N without the embedding;
+        # activation recomputation and attention not counted
+        "mfu": (
+            (2 * stats["pass1_tokens"] + 6 * stats["train_tokens"])
+            * n_params
+            / (stats["train_s"] * world.size * flops_peak)
+            if flops_peak
+            else None
+        ),
+        "mem_peak_gb": all_reduce(memory_peak_gb(world.device), world, MAX),
+        "gpu_used_gen_gb": all_reduce(phases["gpu_used_gen"], world, MAX),
+        "gpu_used_train_gb": all_reduce(phases["gpu_used_train"], world, MAX),
+    }

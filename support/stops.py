@@ -1,0 +1,265 @@
+"""support/stops.py: how a run stops, in both trainers: a preemption notice, Ctrl-C, a full disk, a bad input.
+
+Notices         SIGTERM, SIGUSR1 and a first Ctrl-C set a flag while the loop runs: the loop finishes its step,
+                writes its checkpoint and exits STOPPED (75), and --resume continues to the numbers of an
+                uninterrupted run; a second Ctrl-C stops at once (INTERRUPTED, 130). Under torchrun every rank
+                agrees on the notice, and on a full disk that one rank's own write met (agree)
+disk_full, DiskFull, attempt   a full disk or quota: one line, exit DISK_FULL (74), the last checkpoint intact
+fail, usage_error_line, crashed, interruptible   how a script ends on an error: one line and its exit code
+"""
+
+import contextlib
+import errno
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+import traceback
+
+from tqdm import tqdm  # tqdm.write: a line starts clear of a progress bar
+
+STOPPED, DISK_FULL, INTERRUPTED = 75, 74, 130  # exit codes: stopped on a notice or a first Ctrl-C with a checkpoint,
+# run again with --resume (sysexits' TEMPFAIL); a write failed (IOERR); a Ctrl-C that stopped at once (128 + SIGINT)
+NOTICES = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+NEARLY_FULL = 16 * 2**20  # bytes free below which a write's RuntimeError is taken for a full disk
+
+
+class Notices:
+    """While in its `with` block, SIGTERM and SIGUSR1 (a cluster's notice before it preempts a job: SLURM,
+    Kubernetes) and a first SIGINT (Ctrl-C; torchrun forwards it to every rank) do not kill the process: they set
+    `.signal` (the signal's name), so that the loop finishes its step, writes its checkpoint and exits STOPPED. A
+    SIGINT after that (a second Ctrl-C) stops at once: `prog`'s one line (rank 0's under torchrun) and exit
+    INTERRUPTED, with os._exit, so that nothing after it runs; every checkpoint is written to a temporary file and
+    renamed, so a write it cuts leaves the last checkpoint intact.
+
+    world (train_full.py: fsdp.World): the notice of any rank stops every rank after the same step, and a full disk
+    of a write that only this rank makes (writing(): rank 0's metrics line, its explain page) stops them all too:
+    agree() at the step's end tells every rank what any rank met. Without one, agree() is this process's notice."""
+
+    def __init__(self, prog, world=None, out="."):
+        self.prog, self.world, self.out = prog, world, out
+        self.quiet = world is not None and not world.is_main  # a second Ctrl-C: rank 0's line
+        self.signal, self.previous, self.faults = None, {}, []
+
+    def __enter__(self):
+        for notice in NOTICES:
+            self.previous[notice] = signal.signal(notice, self.note)
+        return self
+
+    def note(self, number, frame):
+        if number == signal.SIGINT and self.signal:  # a second Ctrl-C (or one after a notice): stop now
+            interrupted(
+                self.prog,
+                "stopped at once by a second Ctrl-C (SIGINT); the last checkpoint written is intact; "
+                "continue with --resume",
+                quiet=self.quiet,
+                at_once=True,
+            )
+        self.signal = signal.Signals(number).name
+
+    def __exit__(self, *exc):
+        for notice, handler in self.previous.items():
+            signal.signal(notice, handler)
+
+    def writing(self, path):
+        """A write of this rank alone: a full disk is noted (agree() raises DiskFull on every rank), not raised."""
+        return noting(self.faults, path)
+
+    def agree(self):
+        """At the step's end: DiskFull (on every rank) if a noted write failed (on any); else the name of the notice
+        received (by any rank: one all-reduce), or None."""
+        if self.world is None:
+            if self.faults:
+                raise DiskFull(self.faults[0], self.out)
+            return self.signal
+        import torch.distributed as dist
+
+        from support.fsdp import all_reduce
+
+        number = signal.Signals[self.signal].value if self.signal else 0
+        code = int(all_reduce(1000 if self.faults else number, self.world, dist.ReduceOp.MAX))
+        if code >= 1000:
+            raise DiskFull(self.faults[0] if self.faults else _on_another_rank(self.out), self.out)
+        return signal.Signals(code).name if code else None
+
+
+def stopped(prog, notice, step, checkpoint, quiet=False):
+    """The one line of a run that a notice (or a first Ctrl-C) stopped after `step` and its checkpoint (none if
+    `quiet`: the other ranks of a job); exit STOPPED."""
+    notice += " (Ctrl-C)" if notice == "SIGINT" else ""
+    if not quiet:
+        tqdm.write(
+            f"{prog}: stopped by {notice} after step {step}; checkpoint {checkpoint}; continue with --resume",
+            file=sys.stderr,
+        )
+    sys.exit(STOPPED)
+
+
+def interrupted(prog, line, quiet=False, at_once=False):
+    """`prog: line` (none if `quiet`), then exit INTERRUPTED: at once (os._exit: no cleanup, no atexit) or by
+    SystemExit (the `with` blocks close: child processes, locks)."""
+    if not quiet:
+        tqdm.write(f"{prog}: {line}", file=sys.stderr)
+    sys.stdout.flush(), sys.stderr.flush()
+    if at_once:
+        os._exit(INTERRUPTED)
+    sys.exit(INTERRUPTED)
+
+
+def interruptible(main, prog, fix="run the same command again"):
+    """main() for a script's `__main__`: a Ctrl-C outside a Notices block (KeyboardInterrupt) ends in one line and
+    exit INTERRUPTED, no traceback; under torchrun only rank 0 prints it. A shell that started the script with SIGINT
+    ignored (a background job) has it handled again, as Notices does."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return main()
+    except KeyboardInterrupt:
+        interrupted(prog, f"stopped by Ctrl-C (SIGINT); {fix}", quiet=os.environ.get("RANK", "0") != "0")
+
+
+@contextlib.contextmanager
+def sigint_ignored():
+    """Child processes started in the block ignore SIGINT from their first instruction (the setting is inherited,
+    and Python leaves an ignored SIGINT ignored): a Ctrl-C at a terminal reaches the whole process group, and it is
+    the parent's to act on, so no worker or grader child prints a KeyboardInterrupt traceback of its own. A Ctrl-C
+    in the block itself (the few milliseconds of a process start) is lost. Main thread only (elsewhere: no-op)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+# ---------------------------------------------------------------------------------------------
+# A full disk: one line, exit DISK_FULL, whichever writer met it and on whichever rank
+# ---------------------------------------------------------------------------------------------
+def disk_full(error, path="."):
+    """The OSError of a full disk or quota (ENOSPC, EDQUOT) behind `error`, or None; the run stops with one line
+    (DISK_FULL). Writers say it in several ways: an OSError (open, write, close), safetensors' "No space left on
+    device (os error 28)", DCP's CheckpointException holding each rank's error; torch.save's zip writer only raises a
+    RuntimeError ("unexpected pos"): there the file system of `path` answers (less than NEARLY_FULL bytes free)."""
+    codes, todo, seen, runtime = (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)), [error], [], False
+    while todo:
+        e = todo.pop()
+        if e is None or any(e is x for x in seen):
+            continue
+        seen.append(e)
+        if isinstance(e, OSError) and e.errno in codes:
+            return e
+        if any(words in str(e) for words in ("No space left on device", "os error 28", "Disk quota exceeded")):
+            return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        runtime |= isinstance(e, RuntimeError)
+        failures = getattr(e, "failures", None) or {}  # DCP: {rank: (exception, traceback)}
+        todo += [e.__cause__, e.__context__] + [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+    folder = os.path.abspath(path)
+    while not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    if runtime and shutil.disk_usage(folder).free < NEARLY_FULL:
+        return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+    return None
+
+
+class DiskFull(Exception):
+    """A write that a full disk (or quota) failed, on this rank or another: the OSError (its errno, file) and the
+    run's --out. It ends the run in one line (fail) and exit DISK_FULL."""
+
+    def __init__(self, error, out):
+        super().__init__(str(error))
+        self.error, self.out = error, out
+
+
+def _on_another_rank(path):
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC) + " (on another rank)", path)
+
+
+@contextlib.contextmanager
+def attempt(path, out, world):
+    """A write (to `path`) that every rank enters and leaves together, in place of a barrier: a full disk on ANY
+    rank (disk_full) raises DiskFull on EVERY rank as they leave (one all-reduce), so no rank waits for one
+    that stopped. Another error is raised on its own rank (train_full.entry ends the job)."""
+    import torch.distributed as dist
+
+    from support.fsdp import all_reduce
+
+    faults = []
+    with noting(faults, path):
+        yield
+    if all_reduce(bool(faults), world, dist.ReduceOp.MAX):
+        raise DiskFull(faults[0] if faults else _on_another_rank(path), out)
+
+
+@contextlib.contextmanager
+def noting(faults, path):
+    """Run the block; a full disk in it is appended to `faults`, not raised; another error is raised."""
+    try:
+        yield
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # (DCP's CheckpointException is a BaseException)
+        error = disk_full(e, path)
+        if error is None:
+            raise
+        faults.append(error)
+
+
+def disk_full_line(prog, error, out):
+    """The one line of a full disk (`error` from disk_full) while the run wrote a file. Every write is a temporary
+    file renamed into place (checkpoints, exports) or an appended line that a resume drops, so the last checkpoint is
+    intact."""
+    return (
+        f"{prog}: error: no space left on the device while writing {error.filename or out} ({error.strerror}); "
+        f"the last checkpoint in {out} is intact: free space, then continue with --resume"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# How a script ends on an error: one line and its exit code
+# ---------------------------------------------------------------------------------------------
+def fail(prog, error, out=None, at_once=False):
+    """The one line of a bad flag, file, model or checkpoint (a str or ValueError: UsageError, DataError,
+    CheckpointError; exit 2) or of a full disk (DiskFull or an error disk_full recognises; exit DISK_FULL); any
+    other error is raised on. Under torchrun the line is printed once per job (usage_error_line) and, `at_once`,
+    the rank exits with os._exit: vLLM's engine and the process group would wait at the interpreter's shutdown
+    for ranks that will never answer."""
+    if isinstance(error, DiskFull):
+        line, code = disk_full_line(prog, error.error, error.out), DISK_FULL
+    elif isinstance(error, (str, ValueError)):
+        line, code = f"{prog}: error: {error}", 2
+    else:
+        disk = disk_full(error, out or ".")
+        if disk is None:
+            raise error
+        line, code = disk_full_line(prog, disk, out), DISK_FULL
+    usage_error_line(line)
+    sys.stdout.flush(), sys.stderr.flush()
+    if at_once:
+        os._exit(code)
+    sys.exit(code)
+
+
+def usage_error_line(line, wait_s=10.0):
+    """Print a bad-input line once per job. Every rank finds the same bad flag, so rank 0 prints at once and the
+    others wait: torchrun stops them when rank 0 exits. A rank that alone finds a fault (a file missing on its
+    node only) prints it after wait_s, so the line is never lost. Outside torchrun: at once."""
+    if os.environ.get("RANK", "0") != "0":
+        time.sleep(wait_s)
+    tqdm.write(line, file=sys.stderr)
+    sys.stderr.flush()
+
+
+def crashed(prog, error, fix):
+    """The end of any other error under torchrun: a Ctrl-C outside the loop (KeyboardInterrupt) is rank 0's one line
+    and exit INTERRUPTED on every rank; anything else prints its traceback and exits 1 at once (torchrun then stops
+    the other ranks within seconds, instead of a 60-minute collective timeout)."""
+    rank = os.environ.get("RANK", "0")
+    if isinstance(error, KeyboardInterrupt):
+        interrupted(prog, f"stopped by Ctrl-C (SIGINT); {fix}", quiet=rank != "0", at_once=True)
+    print(f"{prog}: rank {rank} failed; ending the job (the other ranks are stopped by torchrun)", file=sys.stderr)
+    traceback.print_exception(error)
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(1)
