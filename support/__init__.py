@@ -9,7 +9,8 @@ Both trainers
   stops.py       how a run stops: a preemption notice, Ctrl-C, a full disk, a bad input (one line, an exit code)
   mathtask.py    the math task: its problems (files, generated tasks), prompts, train_full's prompt order and seeds
   grading.py     how an answer is scored (the math-verify grader pool), Pass@k, the held-out evaluations
-  explain.py     the explain pages: one step's selections drawn as HTML and PNG, for every rung
+  explain.py     the explain pages: which rollouts and tokens each rung's page of a step shows
+  page.py        how such a page is drawn: the P x G grid and the shown rollouts' tokens, as HTML and PNG
   cli.py         the flags: argparse whose errors are one line, a knob a line
 train_small.py
   sampler.py     the KV-cache sampler and the forward that shares each prompt's keys and values (its fast path)
