@@ -36,13 +36,18 @@ import random
 import sys
 import time
 
+from support import stops  # before torch: from here on a Ctrl-C is one line and exit 130, not a traceback
+
+if __name__ == "__main__":
+    stops.ctrl_c_at_once("train_full.py", "the last checkpoint in --out, if any, is intact; continue with --resume")
+
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
 import d3s
 from support import checkpoint, checks, cli, engines, explain, fsdp, gpu, grading, loss_head, mathtask, methods
-from support import run, stops
+from support import run
 from support.cli import UsageError
 from support.fsdp import all_reduce
 from support.gpu import clock
@@ -442,20 +447,36 @@ def main(argv=None):
     args = parse_args(argv)  # every flag and path, before any work
     ranks = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's; the process group comes after the checks
     checks.check_machine(args, ranks)  # CUDA, vLLM, and a GPU the setting fits
-    ckpt = None if args.eval_only else checkpoint.resume_shards(args, run_flags(args))  # the checkpoint to continue
-    tokenizer, stop_ids, prompts, eval_sets, note = checks.load_inputs(args)
+    inputs = checks.load_inputs(args)  # tokenizer, stop ids, prompts, benchmarks: a bad one stops every rank at once
     world = fsdp.init_distributed(args.device, args.cpu_offload)
     torch.manual_seed(args.seed + world.rank)
     random.seed(args.seed + world.rank)
-    say = (lambda *m: print(*m, flush=True)) if world.is_main else (lambda *m: None)
-    run.write_args(args, world)
-    evaluation = dict(tokenizer=tokenizer, stop_ids=stop_ids, eval_sets=eval_sets, args=args, world=world)
-    if args.eval_only:
-        engine = engines.make_engine(args.model, args, world)
-        with Grader(args.grader_timeout, workers=args.grader_workers) as grader:
-            grading.evaluate(engine, grader, **evaluation)
-        return engines.shutdown(engine)
+    with run.out_lock(args.out, PROG, world):  # one writer per run folder, from before anything in it is read
+        ckpt = None if args.eval_only else checkpoint.resume_shards(args, run_flags(args))  # the checkpoint to continue
+        run.write_args(args, world)
+        if args.eval_only:
+            return evaluate_only(args, world, inputs)
+        train(args, world, inputs, ckpt)
 
+
+def evaluate_only(args, world, inputs):
+    """--eval-only: every benchmark, after a check of --model's weights (checks.check_finite_files: one line, exit 2)."""
+    tokenizer, stop_ids, _, eval_sets, _ = inputs
+    checks.check_finite_files(args.model, world)
+    engine = engines.make_engine(args.model, args, world)
+    with Grader(args.grader_timeout, workers=args.grader_workers) as grader:
+        grading.evaluate(
+            engine, grader, tokenizer=tokenizer, stop_ids=stop_ids, eval_sets=eval_sets, args=args, world=world
+        )
+    engines.shutdown(engine)
+
+
+def train(args, world, inputs, ckpt):
+    """The policy (FSDP2), its optimizer and the rollout engine, then the loop: RL with args.method from step 0 or
+    from the checkpoint `ckpt`, to OUT/hf_final and the final evaluation."""
+    tokenizer, stop_ids, prompts, eval_sets, note = inputs
+    say = (lambda *m: print(*m, flush=True)) if world.is_main else (lambda *m: None)
+    evaluation = dict(tokenizer=tokenizer, stop_ids=stop_ids, eval_sets=eval_sets, args=args, world=world)
     say(
         f"train data: {note}; {world.size} ranks, {args.prompts_per_step // world.size} prompts x {args.group_size} "
         f"rollouts per rank per step, method {args.method}, loss {args.loss}"
@@ -524,9 +545,7 @@ def main(argv=None):
             if world.is_main:
                 bar.set_postfix(reward=f"{stats['reward_mean']:.3f}", N=stats["n_keep"], K=f"{stats['k_frac']:.2f}")
                 bar.update(1)
-            notice = (
-                notices.agree()
-            )  # any rank's full disk (DiskFull on every rank: exit 74) or notice (SIGTERM, SIGUSR1)
+            notice = notices.agree()  # any rank's full disk (DiskFull everywhere: exit 74) or notice (SIGTERM, ...)
             if args.export_every and step % args.export_every == 0:  # before the checkpoint: a resume redoes both
                 export(os.path.join(args.out, f"hf_step_{step:06d}"))
             r.checkpoint(step, notice, save)  # every --save-every steps and the last; a notice stops here (exit 75)

@@ -210,7 +210,22 @@ def resume_shards(args, run_flags):
             f"--stop-after {args.stop_after}: the checkpoint {path} is already at step {meta['step']}; "
             "raise --stop-after or drop it"
         )
+    if meta["step"] >= args.steps and _finished(args):  # a run killed before its end's export or evaluation: on
+        raise UsageError(  # --resume finishes them, once
+            f"--resume {path}: the run already finished its {args.steps} steps (OUT/hf_final and its final "
+            "evaluation are written); run without --resume and a new --out to start again"
+        )
     return path
+
+
+def _finished(args):
+    """Whether train_full's run in --out wrote its end: OUT/hf_final (renamed into place once complete) and, with
+    --eval-data, the final evaluation's line of metrics.jsonl."""
+    from support.run import read_metrics
+
+    lines = read_metrics(os.path.join(args.out, "metrics.jsonl"))
+    evaluated = not args.eval_data or any(m["kind"] == "eval" and m["step"] == args.steps for m in lines)
+    return os.path.isdir(os.path.join(args.out, "hf_final")) and evaluated
 
 
 def shards_state(run_flags, order, history):

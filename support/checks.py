@@ -6,6 +6,7 @@
     fit_prompts         train_small.py's --train-file / --eval-file prompts that fit the model's context (and
                         load_inputs', for train_full.py): mathtask.fit_context, a longer one named with file:line
     check_finite        NaN or inf in a model's weights or in the logits of its first forward, both trainers
+    check_finite_files  the same in a saved model's files (train_full.py --eval-only), each rank its share
     load_inputs         train_full.py's tokenizer, prompts and benchmarks, read on every rank before the process group
                         exists, so that a bad model folder or data file stops every rank at once
 
@@ -65,6 +66,29 @@ def check_finite(model, name, prompt_ids, world=None):
                 bad = "its first forward gives NaN or inf logits (weights finite: an overflow in its dtype?)"
     if _on_any_rank(bad, world):
         raise UsageError(f"{name}: {bad or 'its weights hold NaN or inf (on another rank)'}; {fix}")
+
+
+def check_finite_files(model, world):
+    """NaN or inf in the weights of --model's local folder (--eval-only, which loads no policy of its own), read from
+    its safetensors files one tensor at a time, each rank a share of the tensors: UsageError on every rank, naming
+    the tensor, before any evaluation. A hub name, or a folder without safetensors files, is not checked here."""
+    from safetensors import safe_open
+
+    bad, k = "", 0
+    for path in sorted(glob.glob(os.path.join(model, "*.safetensors"))) if os.path.isdir(model) else []:
+        with safe_open(path, "pt") as f:
+            for name in f.keys():
+                k += 1
+                if bad or (k - 1) % world.size != world.rank:  # this rank's share: every size-th tensor
+                    continue
+                tensor = f.get_tensor(name)
+                if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                    bad = f"its weights hold NaN or inf ({name})"
+    if _on_any_rank(bad, world):
+        raise UsageError(
+            f"--model {model}: {bad or 'its weights hold NaN or inf (found by another rank)'}; its weights are "
+            "damaged or were saved from a diverged run: pass another model"
+        )
 
 
 def _on_any_rank(bad, world):

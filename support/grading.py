@@ -336,10 +336,11 @@ def evaluate(engine, grader, *, tokenizer, stop_ids, eval_sets, args, world, tag
     for name, problems, dropped, too_long in eval_sets:
         per = math.ceil(len(problems) / world.size)
         mine = list(range(world.rank * per, min((world.rank + 1) * per, len(problems))))
+        greedy = args.eval_temperature == 0  # one answer per problem, counted n times: one rule for every engine
         outs = (
             engine.generate(
                 [problems[i]["prompt_ids"] for i in mine],
-                n=args.eval_samples,
+                n=1 if greedy else args.eval_samples,
                 temperature=args.eval_temperature,
                 top_p=args.eval_top_p,
                 max_tokens=args.eval_max_tokens,
@@ -349,6 +350,7 @@ def evaluate(engine, grader, *, tokenizer, stop_ids, eval_sets, args, world, tag
             if mine
             else []
         )
+        outs = [group * args.eval_samples for group in outs] if greedy else outs
         texts = [tokenizer.decode(c["token_ids"], skip_special_tokens=True) for group in outs for c in group]
         rewards = grader.score_batch(texts, [problems[i]["answer"] for i, group in zip(mine, outs) for _ in group])
         n = args.eval_samples
@@ -385,8 +387,12 @@ def write_eval_report(results, keys, args, tag, model_name):
     lines = [
         f"# Evaluation of {model_name}",
         "",
-        f"{args.eval_samples} samples per problem, temperature {args.eval_temperature}, top-p {args.eval_top_p}, "
-        f"max {args.eval_max_tokens} tokens, template {args.template}. Pass@1 = mean accuracy over the samples; "
+        (
+            f"One greedy answer per problem (--eval-temperature 0), counted as all {args.eval_samples} samples"
+            if args.eval_temperature == 0
+            else f"{args.eval_samples} samples per problem, temperature {args.eval_temperature}, top-p {args.eval_top_p}"
+        )
+        + f", max {args.eval_max_tokens} tokens, template {args.template}. Pass@1 = mean accuracy over the samples; "
         "Pass@k unbiased (Chen et al., 2021).",
         "",
         "| benchmark | problems | " + " | ".join(k.replace("pass", "Pass") for k in keys) + " |",

@@ -131,22 +131,27 @@ def truncate_metrics(path, step):
 
 
 @contextlib.contextmanager
-def out_lock(out, prog):
-    """Hold an exclusive lock on OUT/.lock while the block runs; the OS drops it when the process ends, killed or
-    not. A second run writing to the same folder stops with one line instead of interleaving its lines with the
-    first's. No lock where fcntl is missing (Windows)."""
-    if fcntl is None:
-        yield
-        return
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, ".lock"), "a") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+def out_lock(out, prog, world=None):
+    """Hold an exclusive lock on OUT/.lock while the block runs (under torchrun: rank 0 holds it, every rank learns
+    whether it could); the OS drops it when the process ends, killed or not. A second run writing to the same folder,
+    fresh or --resume, stops with one line (exit 2, every rank) instead of interleaving its lines and checkpoints
+    with the first's. No lock where fcntl is missing (Windows)."""
+    busy = None
+    with contextlib.ExitStack() as stack:
+        if fcntl is not None and (world is None or world.is_main):
+            os.makedirs(out, exist_ok=True)
+            f = stack.enter_context(open(os.path.join(out, ".lock"), "a"))
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                busy = True
+        if world is not None:  # rank 0's answer, on every rank
+            busy = bool(all_reduce(bool(busy), world, dist.ReduceOp.MAX))
+        if busy:
             raise UsageError(
                 f"--out {out}: another {prog} is writing there now ({os.path.join(out, '.lock')}); "
                 "wait for it to end, or use another --out"
-            ) from None
+            )
         yield
 
 

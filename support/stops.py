@@ -22,14 +22,17 @@ from tqdm import tqdm  # tqdm.write: a line starts clear of a progress bar
 
 STOPPED, DISK_FULL, INTERRUPTED = 75, 74, 130  # exit codes: stopped on a notice or a first Ctrl-C with a checkpoint,
 # run again with --resume (sysexits' TEMPFAIL); a write failed (IOERR); a Ctrl-C that stopped at once (128 + SIGINT)
-NOTICES = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+NOTICES = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)  # SIGHUP: a closed terminal, some schedulers
+LAUNCHER_GONE = 999  # agree()'s code for a rank whose launcher (torchrun) died: the same stop as a notice
 NEARLY_FULL = 16 * 2**20  # bytes free below which a write's RuntimeError is taken for a full disk
 
 
 class Notices:
     """While in its `with` block, SIGTERM and SIGUSR1 (a cluster's notice before it preempts a job: SLURM,
-    Kubernetes) and a first SIGINT (Ctrl-C; torchrun forwards it to every rank) do not kill the process: they set
-    `.signal` (the signal's name), so that the loop finishes its step, writes its checkpoint and exits STOPPED. A
+    Kubernetes), SIGHUP (a closed terminal) and a first SIGINT (Ctrl-C; torchrun forwards it to every rank) do not
+    kill the process: they set `.signal` (the signal's name), so that the loop finishes its step, writes its
+    checkpoint and exits STOPPED. So does the end of the launcher: a rank whose torchrun died (its parent process is
+    another) stops after the step it is in, with the others, instead of running on as an orphan. A
     SIGINT after that (a second Ctrl-C) stops at once: `prog`'s one line (rank 0's under torchrun) and exit
     INTERRUPTED, with os._exit, so that nothing after it runs; every checkpoint is written to a temporary file and
     renamed, so a write it cuts leaves the last checkpoint intact.
@@ -42,8 +45,12 @@ class Notices:
         self.prog, self.world, self.out = prog, world, out
         self.quiet = world is not None and not world.is_main  # a second Ctrl-C: rank 0's line
         self.signal, self.previous, self.faults = None, {}, []
+        self.parent = os.getppid() if os.environ.get("TORCHELASTIC_RUN_ID") else None  # torchrun's agent
 
     def __enter__(self):
+        if _EARLY["watching"]:  # the loop's own handling from here on (ctrl_c_at_once)
+            _EARLY["watching"] = False
+            signal.set_wakeup_fd(-1)
         for notice in NOTICES:
             self.previous[notice] = signal.signal(notice, self.note)
         return self
@@ -70,6 +77,8 @@ class Notices:
     def agree(self):
         """At the step's end: DiskFull (on every rank) if a noted write failed (on any); else the name of the notice
         received (by any rank: one all-reduce), or None."""
+        if self.parent is not None and os.getppid() != self.parent and not self.signal:
+            self.signal = "the end of its launcher (torchrun's process is gone)"
         if self.world is None:
             if self.faults:
                 raise DiskFull(self.faults[0], self.out)
@@ -78,11 +87,42 @@ class Notices:
 
         from support.fsdp import all_reduce
 
-        number = signal.Signals[self.signal].value if self.signal else 0
+        number = signal.Signals[self.signal].value if self.signal in signal.Signals.__members__ else 0
+        number = LAUNCHER_GONE if self.signal and not number else number
         code = int(all_reduce(1000 if self.faults else number, self.world, dist.ReduceOp.MAX))
         if code >= 1000:
             raise DiskFull(self.faults[0] if self.faults else _on_another_rank(self.out), self.out)
+        if code == LAUNCHER_GONE:
+            return "the end of its launcher (torchrun's process is gone)"
         return signal.Signals(code).name if code else None
+
+
+def ctrl_c_at_once(prog, fix):
+    """Until the loop's Notices take over: a Ctrl-C (torchrun forwards one SIGINT to each rank) ends this process at
+    once, with one line (rank 0's) and exit INTERRUPTED, at any moment: while torch imports, or while the main thread
+    waits inside C++ (the rendezvous of the process group), where no Python signal handler can run: the signal then
+    wakes a thread (signal.set_wakeup_fd), which ends the process itself. Call it first thing, before the imports."""
+
+    def stop(*_):
+        interrupted(prog, f"stopped by Ctrl-C (SIGINT); {fix}", quiet=os.environ.get("RANK", "0") != "0", at_once=True)
+
+    signal.signal(signal.SIGINT, stop)
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    signal.set_wakeup_fd(write)  # C level: written at once, whatever the main thread is doing
+
+    def watch():  # blocked on the pipe for the life of the process (a daemon): it acts only before the loop
+        while True:
+            if os.read(read, 1) == bytes([signal.SIGINT]) and _EARLY["watching"]:
+                time.sleep(1.0)  # the main thread's own handler, where it can run, goes first: the same line and exit
+                if _EARLY["watching"]:
+                    stop()
+
+    _EARLY["watching"] = True
+    threading.Thread(target=watch, daemon=True).start()
+
+
+_EARLY = {"watching": False}
 
 
 def stopped(prog, notice, step, checkpoint, quiet=False):
@@ -259,7 +299,9 @@ def crashed(prog, error, fix):
     rank = os.environ.get("RANK", "0")
     if isinstance(error, KeyboardInterrupt):
         interrupted(prog, f"stopped by Ctrl-C (SIGINT); {fix}", quiet=rank != "0", at_once=True)
-    print(f"{prog}: rank {rank} failed; ending the job (the other ranks are stopped by torchrun)", file=sys.stderr)
+    line = f"{prog}: rank {rank} failed; ending the job (the other ranks are stopped by torchrun)"
+    # rank 0's own bar: tqdm.write clears it; another rank's line may land after rank 0's bar: a newline first
+    tqdm.write(line if rank == "0" else "\n" + line, file=sys.stderr)
     traceback.print_exception(error)
     sys.stdout.flush(), sys.stderr.flush()
     os._exit(1)

@@ -3,6 +3,7 @@ end to end in the main test venv: train, checkpoint, export, and the distributed
 
 import json
 import os
+import re
 import pathlib
 import socket
 import subprocess
@@ -167,6 +168,7 @@ def test_a_failing_rank_ends_the_whole_job_within_a_minute(tmp_path):
     elapsed = time.time() - start
     assert proc.returncode != 0
     assert "injected failure on rank 1" in proc.stderr and "rank 1 failed" in proc.stderr
+    assert re.search(r"(^|\n)train_full\.py: rank 1 failed; ending the job", proc.stderr)  # its own line (issue 46)
     assert elapsed < 120, elapsed  # start-up included; rank 0 waited in a collective that rank 1 never joined
 
 
