@@ -23,11 +23,7 @@ import d3s
 from support import methods
 
 POSITIVE, NEGATIVE, ZERO = (33, 102, 172), (217, 95, 2), (222, 222, 222)  # A > 0 blue, A < 0 orange (colour-blind safe)
-
-
 SCORE = (118, 42, 131)  # token score |A| * H: purple, a scale of its own
-
-
 MARK = (230, 171, 2)  # a mark under some positions (the toy's decision positions)
 
 
@@ -81,10 +77,6 @@ def write_step(
       e.g. the toy's decision positions), "notes": [str] (per token, appended to the hover).
     prompts: P strings (a row's label; full text on hover); extra: {label: number or str},
     printed in the summary (the loss, its normalizer, the grad norm...).
-
-    Var(A) of the kept set is d3s.kept_variance(adv, keep); that of the full batch is
-    d3s.kept_variance(d3s.group_advantages(rewards), all): every rollout with its group's A,
-    what GRPO trains on. Both are unbiased.
     """
     check_grid(rewards=rewards, adv=adv, keep=keep)
     P, G = rewards.shape
@@ -100,6 +92,7 @@ def write_step(
     rewards, adv, keep = rewards.detach().float().cpu(), adv.detach().float().cpu(), keep.detach().bool().cpu()
     numbers = {
         "var_kept": d3s.kept_variance(adv, keep),
+        # the full batch: every rollout with its group's A, what GRPO trains on
         "var_all": d3s.kept_variance(d3s.group_advantages(rewards), torch.ones_like(keep)),
         "sur": d3s.usefulness_rate(adv, keep),
     }
@@ -190,13 +183,8 @@ def _summary(step, rung, method, rewards, keep, n_keep, k_frac, k_real, numbers,
         (f"{numbers['sur']:.2f}", "usefulness: kept rollouts with A &ne; 0"),
     ]
     cards = "".join(f'<div class="stat"><b>{value}</b><span>{label}</span></div>' for value, label in stats)
-    rows = ""
-    if extra:
-        rows = (
-            '<p class="note">'
-            + " &middot; ".join(f"{html.escape(str(k))}: <b>{html.escape(_fmt(v))}</b>" for k, v in extra.items())
-            + "</p>"
-        )
+    notes = " &middot; ".join(f"{html.escape(str(k))}: <b>{html.escape(_fmt(v))}</b>" for k, v in (extra or {}).items())
+    rows = f'<p class="note">{notes}</p>' if extra else ""
     return (
         f"<h1>Step {int(step)} &middot; {html.escape(str(method))} &middot; {html.escape(str(rung))}</h1>"
         f'<p class="sub">What this step trains on: first the rollouts (sample level), then their tokens '
@@ -307,9 +295,7 @@ def _token_level(shown, rewards, adv, keep, prompts, k_frac, k_real):
 
 def _tokens_html(item, top):
     spans = []
-    n = len(item["tokens"])
-    for t in range(n):
-        piece = item["tokens"][t]
+    for t, piece in enumerate(item["tokens"]):
         tip = [f"position {t}", f"token {piece!r}"]
         classes, style = ["tok"], ""
         if item["entropy"] is not None:
@@ -406,16 +392,9 @@ def _plot_strip(ax, item, G, prompts, max_tokens):
     wide = width <= 32  # room for 3 characters per box, else 1 (plus … when cut)
     for x, t in enumerate(range(start, start + width)):
         shade = 0.85 * max(scores[t], 0) / top if math.isfinite(scores[t]) else 0.0
-        ax.add_patch(
-            Rectangle(
-                (x + 0.06, 0.12),
-                0.88,
-                0.76,
-                facecolor=[(255 + (c - 255) * shade) / 255 for c in SCORE],
-                edgecolor="black" if selected[t] else "#ccc",
-                linewidth=2.4 if selected[t] else 0.5,
-            )
-        )
+        face = [(255 + (c - 255) * shade) / 255 for c in SCORE]
+        edge, line_width = ("black", 2.4) if selected[t] else ("#ccc", 0.5)  # selected: a thick black outline
+        ax.add_patch(Rectangle((x + 0.06, 0.12), 0.88, 0.76, facecolor=face, edgecolor=edge, linewidth=line_width))
         text = _visible_plain(tokens[t])
         keep_chars = 3 if wide else 1
         ax.text(
@@ -453,21 +432,14 @@ def _require(ok, name, value, fix):
 
 
 def check_grid(**tensors):
+    """Each a [P, G] tensor, all of one shape."""
     shape = None
     for name, t in tensors.items():
-        _require(
-            isinstance(t, torch.Tensor) and t.dim() == 2,
-            name,
-            type(t).__name__ if not isinstance(t, torch.Tensor) else tuple(t.shape),
-            "pass a [P, G] tensor (prompts x rollouts per prompt)",
-        )
-        _require(
-            shape is None or tuple(t.shape) == shape,
-            f"{name}.shape",
-            tuple(t.shape),
-            f"must equal {shape}, as the other grids",
-        )
-        shape = tuple(t.shape)
+        got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+        ok = isinstance(t, torch.Tensor) and t.dim() == 2
+        _require(ok, name, got, "pass a [P, G] tensor (prompts x rollouts per prompt)")
+        _require(shape is None or got == shape, f"{name}.shape", got, f"must equal {shape}, as the other grids")
+        shape = got
 
 
 def _check_shown(item, n):
@@ -534,13 +506,11 @@ def _score_css(fraction):
 
 
 def _fmt(value, short=False):
-    if isinstance(value, float) and not math.isfinite(value):
+    if not isinstance(value, float) or not math.isfinite(value):
         return str(value)
-    if isinstance(value, float) and value == int(value) and abs(value) < 1e6:
+    if value == int(value) and abs(value) < 1e6:
         return str(int(value))
-    if isinstance(value, float):
-        return f"{value:.2g}" if short else f"{value:.4g}"
-    return str(value)
+    return f"{value:.2g}" if short else f"{value:.4g}"
 
 
 def _fmt_adv(a):
