@@ -24,12 +24,8 @@ QWEN_MATH_TEMPLATE = (
     "<|im_start|>system\nPlease reason step by step, and put your final answer within \\boxed{{}}.<|im_end|>\n"
     "<|im_start|>user\n{problem}<|im_end|>\n<|im_start|>assistant\n"
 )
-
-
 # Plain template for tiny character-level models (no chat tokens in their vocabulary).
 PLAIN_TEMPLATE = "{problem}\nAnswer: "
-
-
 TEMPLATES = {"qwen-math": QWEN_MATH_TEMPLATE, "plain": PLAIN_TEMPLATE}
 
 
@@ -85,8 +81,6 @@ class DataError(ValueError):
 
 
 PROBLEM_KEYS = ("problem", "question", "prompt", "query", "input")
-
-
 ANSWER_KEYS = ("answer", "final_answer", "gt_answer", "ground_truth", "target", "solution")
 
 
@@ -189,11 +183,11 @@ def load_problems(spec, drop_missing=False, limit=None):
     """Rows {problem, answer, id, ...} from a local JSONL / JSON / Parquet file, or a hub dataset
     `name`, `name:split` or `name:config:split` (needs `pip install datasets`).
 
-    Returns (rows, n_dropped). Column names are mapped by normalize_row; a row's other fields
-    (e.g. `level`) are kept, and `where` (file:line) is added. drop_missing=False: a row without a problem or an answer raises
-    DataError naming file:line; drop_missing=True: such rows are skipped and counted (hub
-    datasets and train_full.py's large files). A row whose problem or answer is a list, dict or
-    boolean always raises DataError (see _text_field). No usable row at all raises DataError.
+    Returns (rows, n_dropped). Column names are mapped by normalize_row; a row's other fields (e.g. `level`) are
+    kept, and `where` (file:line) is added. drop_missing=False: a row without a problem or an answer raises
+    DataError naming file:line; drop_missing=True: such rows are skipped and counted (hub datasets and
+    train_full.py's large files). A row whose problem or answer is a list, dict or boolean always raises DataError
+    (see _text_field). No usable row at all raises DataError.
     """
     if os.path.isdir(spec):
         raise DataError(f"{spec}: is a folder; pass a JSONL/JSON/Parquet file with 'problem' and 'answer'")
@@ -249,10 +243,8 @@ def fit_context(rows, prompt, tokenizer, limit, why, drop=False):
     for row in rows:
         text = prompt(row)
         n = len(text.encode("utf-8"))
-        if n > limit - SHORT_BYTES:
-            n = len(
-                tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
-            )  # no warning: this line says it
+        if n > limit - SHORT_BYTES:  # verbose=False: no tokenizer warning, the DataError below says it
+            n = len(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
         if n <= limit:
             kept.append(row)
         elif drop:
@@ -297,8 +289,6 @@ ARITHMETIC_LEVELS = {
 
 
 _NAMES = ("Ann", "Bo", "Cy", "Dee", "Eli", "Fay", "Gus", "Hal", "Ivy", "Jo")
-
-
 _ITEMS = ("pens", "cups", "eggs", "hats", "keys", "maps", "nuts", "figs", "jars", "toys")
 
 
@@ -338,7 +328,6 @@ def arithmetic_problems(n, split="train", seed=0, levels=(1, 2, 3, 4), eval_frac
 def _generated(n, split, seed, levels, eval_fraction, level_names, draw, prefix):
     """n distinct problems from draw(rng, level) -> (text, solution or None, answer), levels cycling;
     a problem's split is fixed by a hash of its text, so train and eval are disjoint."""
-
     if split not in ("train", "eval"):
         raise ValueError(f"split={split!r}: choose 'train' or 'eval'")
     if not levels or any(level not in level_names for level in levels):
@@ -404,16 +393,13 @@ TASKS = {"steps": step_problems, "direct": arithmetic_problems}  # mathtask's ge
 
 
 def load_data(args):
-    """(train_rows, eval_rows). Bad files raise DataError naming file:line."""
-    if args.train_file:
-        train_rows, _ = load_problems(args.train_file, limit=args.train_size)
-    else:
-        train_rows = TASKS[args.task](args.train_size, "train", seed=args.seed)
-    if args.eval_file:
-        eval_rows, _ = load_problems(args.eval_file, limit=args.eval_size)
-    else:
-        eval_rows = TASKS[args.task](args.eval_size, "eval", seed=args.seed)
-    return train_rows, eval_rows
+    """(train_rows, eval_rows): --train-file / --eval-file, else the --task's generated split. Bad files raise
+    DataError naming file:line."""
+
+    def rows(path, size, split):
+        return load_problems(path, limit=size)[0] if path else TASKS[args.task](size, split, seed=args.seed)
+
+    return rows(args.train_file, args.train_size, "train"), rows(args.eval_file, args.eval_size, "eval")
 
 
 class PromptOrder:
@@ -426,15 +412,11 @@ class PromptOrder:
     def __init__(self, n, seed):
         self.n, self.seed, self.epoch, self.pos = n, seed, 0, 0
 
-    def _perm(self):
-        return torch.randperm(
-            self.n, generator=torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
-        ).tolist()
-
     def take(self, count):
         out = []
         while len(out) < count:
-            perm = self._perm()
+            generator = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)  # the epoch's permutation
+            perm = torch.randperm(self.n, generator=generator).tolist()
             chunk = perm[self.pos : self.pos + count - len(out)]
             out += chunk
             self.pos += len(chunk)
