@@ -23,9 +23,7 @@ from support import cli
 import d3s
 
 
-# ---------------------------------------------------------------------------------------------
-# Sample rules: a uniform N per group (a control), and DAPO's group filter
-# ---------------------------------------------------------------------------------------------
+# === Sample rules: a uniform N per group (a control), and DAPO's group filter =========================================
 def uniform_samples(rewards, n_keep, scale=True, eps=1e-6, generator=None):
     """Per group, n_keep of G drawn uniformly (a control, not in the paper); full-group A on the kept.
 
@@ -85,9 +83,7 @@ def selects_tokens(method):
     return LADDER[method].k != "all"
 
 
-# ---------------------------------------------------------------------------------------------
-# Token rules: what select_tokens ranks by, besides the paper's |A| * H (d3s.token_scores' rule=None)
-# ---------------------------------------------------------------------------------------------
+# === Token rules: what select_tokens ranks by, besides the paper's |A| * H (d3s.token_scores' rule=None) ==============
 def entropy_only(abs_adv, entropy, generator=None):
     """H alone: the high-entropy "minority tokens" rule of Wang et al. 2025 (80/20)."""
     return entropy.float().clone()
@@ -109,9 +105,7 @@ def random_scores(abs_adv, entropy, generator=None):
 TOKEN_RULES = {"adv-entropy": None, "entropy": entropy_only, "adv": advantage_only, "random": random_scores}
 
 
-# ---------------------------------------------------------------------------------------------
-# Schedules: the curve N and K follow from init (f = 0) to final (f = 1), p = step / total_steps
-# ---------------------------------------------------------------------------------------------
+# === Schedules: the curve N and K follow from init (f = 0) to final (f = 1), p = step / total_steps ===================
 SCHEDULES = ("linear", "cosine", "step", "constant", "adaptive")  # "linear" is the paper's
 
 
@@ -167,9 +161,7 @@ def _plateaus(history, window, tol):
     return sum(mean(j - window, j) - mean(j - 2 * window, j - window) < tol for j in range(2 * window, len(values) + 1))
 
 
-# ---------------------------------------------------------------------------------------------
-# The switch rule (open question 1 of a summary of the paper, docs/questions.md question 5; off by default)
-# ---------------------------------------------------------------------------------------------
+# === The switch rule (open question 1 of a summary of the paper, docs/questions.md question 5; off by default) ========
 # The paper found cross-group D3S unstable from an unaligned start and D3S-I stable. A run that starts
 # cross-group can move to its intra-group twin, for good, at the first gradient-norm spike.
 INTRA_TWIN = {"d3s": "d3s-i", "d1s-cross": "d1s"}  # cross-group row -> the same row with samples "intra"
@@ -214,43 +206,26 @@ def switch_to_intra(method, grad_norms, ratio, window=10):
     return INTRA_TWIN[method] if spiked else method
 
 
-# ---------------------------------------------------------------------------------------------
-# N and K at a step, from a rung's flags
-# ---------------------------------------------------------------------------------------------
+# === N and K at a step, from a rung's flags ===========================================================================
 def budget(args, method_row, step, history=None):
     """(N, K) of the LADDER row `method_row` at step `step` (from 1) of a run: d3s.method_budget at step - 1 of --steps,
     with the rung's --group-size, --n-init, --n-final, --k-init, --k-final, --static-n, --static-k and, where
     the rung has one, --schedule (progress; `history`: the train reward of the steps before)."""
     f = progress(getattr(args, "schedule", "linear"), step - 1, args.steps, history=history)
     return d3s.method_budget(
-        LADDER[method_row],
-        step=step - 1,
-        total_steps=args.steps,
-        group_size=args.group_size,
-        n_init=args.n_init,
-        n_final=args.n_final,
-        k_init=args.k_init,
-        k_final=args.k_final,
-        static_n=args.static_n,
-        static_k=args.static_k,
-        progress=f,
+        LADDER[method_row], step=step - 1, total_steps=args.steps, group_size=args.group_size, progress=f, **_nk(args)
     )
 
 
 def static_budget(args):
     """(N, K) of the static rows: --static-n and --static-k, by default the linear schedule's midpoint (choice)."""
-    return d3s.method_budget(
-        d3s.LADDER["d2s"],
-        step=0,
-        total_steps=1,
-        group_size=max(args.group_size, args.n_init, args.n_final),
-        n_init=args.n_init,
-        n_final=args.n_final,
-        k_init=args.k_init,
-        k_final=args.k_final,
-        static_n=args.static_n,
-        static_k=args.static_k,
-    )
+    G = max(args.group_size, args.n_init, args.n_final)
+    return d3s.method_budget(d3s.LADDER["d2s"], step=0, total_steps=1, group_size=G, **_nk(args))
+
+
+def _nk(args):
+    """The rung's N and K flags, as d3s.method_budget's keywords."""
+    return {name: getattr(args, name) for name in ("n_init", "n_final", "k_init", "k_final", "static_n", "static_k")}
 
 
 def check_flags(p, args, methods, flag="--method"):
@@ -282,9 +257,7 @@ def check_flags(p, args, methods, flag="--method"):
     return static_budget(args)
 
 
-# ---------------------------------------------------------------------------------------------
-# Their flags: a rung adds the ones it runs with one call, *methods.flags("--schedule", ...) (cli.flag entries)
-# ---------------------------------------------------------------------------------------------
+# === Their flags: a rung adds the ones it runs with one call, *methods.flags("--schedule", ...) (cli.flag entries) ====
 FLAGS = [
     cli.flag(
         "--schedule",
