@@ -86,12 +86,10 @@ def logprobs_entropy(model, batch, temperature=1.0, with_entropy=True):
     prompt's keys and values: a plain forward's log-probs and gradients (tested) for about half the positions."""
     model.train()
     Lp = batch["prompt_ids"].shape[1]
-    prompts, row_prompt = torch.unique(
-        torch.cat([batch["prompt_ids"], batch["prompt_mask"]], 1), dim=0, return_inverse=True
-    )  # [U, 2 Lp] distinct prompts; row b's is row_prompt[b]
-    prompt_ids, prompt_mask = prompts[:, :Lp], prompts[:, Lp:]
-    first = int(prompt_mask.any(0).int().argmax())  # drop the columns that are padding in every prompt
-    prompt_ids, prompt_mask = prompt_ids[:, first:], prompt_mask[:, first:]
+    rows = torch.cat([batch["prompt_ids"], batch["prompt_mask"]], 1)  # [B, 2 Lp]
+    prompts, row_prompt = torch.unique(rows, dim=0, return_inverse=True)  # [U, 2 Lp] distinct; row b's: row_prompt[b]
+    first = int(prompts[:, Lp:].any(0).int().argmax())  # drop the columns that are padding in every prompt
+    prompt_ids, prompt_mask = prompts[:, first:Lp], prompts[:, Lp + first :]
     prompt_pos = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # [U, Lp']
     cache = DynamicCache()
     first_logits = _forward(model, cache, prompt_ids, prompt_mask, prompt_pos, logits_to_keep=1)  # [U, 1, V]: o_1
