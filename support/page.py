@@ -350,12 +350,9 @@ def plot_step(path, *, step, rung, method, adv, keep, shown, var_kept, var_all, 
         f"Var(A) kept {var_kept:.2f} vs full batch {var_all:.2f}",
         fontsize=10,
     )
-    handles = [
-        Patch(color=[c / 255 for c in _adv_rgb(1.5)], label="A > 0"),
-        Patch(color=[c / 255 for c in _adv_rgb(-1.5)], label="A < 0"),
-        Patch(color=[c / 255 for c in ZERO], label="A = 0"),
-        plt.Line2D([], [], color="black", marker="o", ls="", markersize=4, label="kept (faded: dropped)"),
-    ]
+    signs = [(1.5, "A > 0"), (-1.5, "A < 0"), (0.0, "A = 0")]  # _adv_rgb(0.0) is ZERO
+    handles = [Patch(color=[c / 255 for c in _adv_rgb(a)], label=label) for a, label in signs]
+    handles.append(plt.Line2D([], [], color="black", marker="o", ls="", markersize=4, label="kept (faded: dropped)"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.06, 1), fontsize=8, frameon=False)
     if strip:
         _plot_strip(axes[1], strip, G, prompts, max_tokens)
