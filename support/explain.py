@@ -10,8 +10,7 @@ its page with its step's record (every --explain-every steps and step 1):
 
 Each picks a few rollouts to show token by token (pick_rollouts) and hands them to page.write_step, which draws the
 P x G grid and their tokens as HTML and PNG (support/page.py). Draws no random number; changes no number of the run.
-Left out on purpose: scripts (hover is a `title`), and the whole batch at token level (a few rollouts bound the cost
-at any scale).
+Left out on purpose: the whole batch at token level (a few rollouts bound the cost at any scale).
 """
 
 import os
