@@ -36,25 +36,13 @@ class Parser(argparse.ArgumentParser):
     def parse_args(self, args=None, namespace=None):
         argv = list(sys.argv[1:] if args is None else args)
         options = {o for action in self._actions for o in action.option_strings}
-        one_value = {
-            o
-            for action in self._actions
-            if action.nargs is None and action.option_strings and action.const is None
-            for o in action.option_strings
-        }
-        glued, i = [], 0
-        while i < len(argv):  # ["--lr", "-inf"] -> ["--lr=-inf"]: argparse would take "-inf" for a flag
-            if (
-                argv[i] in one_value
-                and i + 1 < len(argv)
-                and argv[i + 1].startswith("-")
-                and argv[i + 1] not in options
-            ):
-                glued.append(f"{argv[i]}={argv[i + 1]}")
-                i += 2
+        one_value = {o for a in self._actions if a.nargs is None and a.const is None for o in a.option_strings}
+        glued = []
+        for arg in argv:  # ["--lr", "-inf"] -> ["--lr=-inf"]: argparse would take "-inf" for a flag
+            if glued and glued[-1] in one_value and arg.startswith("-") and arg not in options:
+                glued[-1] += "=" + arg
             else:
-                glued.append(argv[i])
-                i += 1
+                glued.append(arg)
         return super().parse_args(glued, namespace)
 
     def error(self, message):
@@ -225,13 +213,6 @@ def size_list(p, flag, text, names, lows=(1, 1)):
     return out
 
 
-def _nearest_existing(path):
-    parent = os.path.abspath(path)
-    while not os.path.exists(parent):  # the nearest ancestor that exists: the one makedirs would write into
-        parent = os.path.dirname(parent)
-    return parent
-
-
 def check_out_dir(p, flag, path):
     """A folder to write into (made if missing): not empty, not a file, and its nearest existing ancestor a
     folder this process can write."""
@@ -239,7 +220,9 @@ def check_out_dir(p, flag, path):
         p.error(f"{flag} '': empty; pass a folder")
     if os.path.exists(path) and not os.path.isdir(path):
         p.error(f"{flag} {path}: is a file, not a folder; pass a folder (it is made if missing)")
-    parent = _nearest_existing(path)
+    parent = os.path.abspath(path)
+    while not os.path.exists(parent):  # the nearest ancestor that exists: the one makedirs would write into
+        parent = os.path.dirname(parent)
     if not os.path.isdir(parent):
         p.error(f"{flag} {path}: {parent} is a file, so the folder cannot be made; pass another folder")
     if not os.access(parent, os.W_OK | os.X_OK):
@@ -258,19 +241,12 @@ def check_out_file(p, flag, path):
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.exists(parent):
         p.error(f"{flag} {path}: the folder {parent} does not exist; create it or pass a file in a folder that exists")
-    if not os.path.isdir(parent):
-        p.error(f"{flag} {path}: {_nearest_file(parent)} is a file, not a folder; pass a file in a folder")
+    if not os.path.isdir(parent):  # it exists, so it is the file in the way
+        p.error(f"{flag} {path}: {parent} is a file, not a folder; pass a file in a folder")
     if not os.access(parent, os.W_OK | os.X_OK):
         p.error(f"{flag} {path}: the folder {parent} is not writable; pass a file in a folder you can write to")
     if os.path.exists(path) and not os.access(path, os.W_OK):
         p.error(f"{flag} {path}: the file is not writable; pass another file or make it writable")
-
-
-def _nearest_file(path):
-    """The first path component that is a file (why `path` cannot be a folder)."""
-    while path and not os.path.isfile(path):
-        path = os.path.dirname(path)
-    return path
 
 
 def check_in_file(p, flag, path, what="a file"):

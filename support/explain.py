@@ -10,8 +10,7 @@ its page with its step's record (every --explain-every steps and step 1):
 
 Each picks a few rollouts to show token by token (pick_rollouts) and hands them to page.write_step, which draws the
 P x G grid and their tokens as HTML and PNG (support/page.py). Draws no random number; changes no number of the run.
-Left out on purpose: scripts (hover is a `title`), and the whole batch at token level (a few rollouts bound the cost
-at any scale).
+Left out on purpose: the whole batch at token level (a few rollouts bound the cost at any scale).
 """
 
 import os
@@ -23,14 +22,12 @@ from support.page import check_grid, write_step
 
 
 def pick_rollouts(adv, keep, n_high=2, n_low=2, n_dropped=1):
-    """Flat indices p * G + g of the rollouts worth showing token by token, deterministic:
-    the n_high highest-advantage kept rollouts (descending), the n_low lowest-advantage kept
-    ones (ascending), then n_dropped dropped ones: the first rollout of each group that lost
-    all its rollouts when some did, else the dropped rollouts with the largest |A|.
-    Ties go to a prompt not shown yet, then to the lower index, so equal advantages (0/1
-    rewards) spread over prompts. Fewer come back when there are fewer to show.
-
-    adv, keep: [P, G] (the advantages to display and the kept mask).
+    """Flat indices p * G + g of the rollouts worth showing token by token, deterministic: the n_high
+    highest-advantage kept rollouts (descending), the n_low lowest-advantage kept ones (ascending), then n_dropped
+    dropped ones: the first rollout of each group that lost all its rollouts when some did, else the dropped rollouts
+    with the largest |A|. Ties go to a prompt not shown yet, then to the lower index, so equal advantages (0/1
+    rewards) spread over prompts. Fewer come back when there are fewer to show. adv, keep: [P, G] (the advantages to
+    display and the kept mask).
 
     >>> adv = torch.tensor([[1., -1., 0., 0.], [2., -.5, -.5, -1.], [0., 0., 0., 0.]])
     >>> keep = torch.tensor([[1, 1, 0, 0], [1, 1, 0, 1], [0, 0, 0, 0]]).bool()
@@ -64,7 +61,7 @@ def pick_rollouts(adv, keep, n_high=2, n_low=2, n_dropped=1):
 def toy_page(args, v):
     """toy/bandit.py's page of a step: the P x G grid, then the tokens of a few rollouts. A toy "token" is a
     position: its id, and a mark on the decision positions (the ones the reward reads). A dropped rollout was
-    never forwarded: no entropy, no score. v: the step's record (toy/bandit.py's run). Draws no random number."""
+    never forwarded: no entropy, no score. v: the step's record (toy/bandit.py's run)."""
     G, task = args.group_size, v.task
     extra = {
         "loss": v.loss.item(),
@@ -105,15 +102,14 @@ def toy_page(args, v):
 
 def small_page(step, tokenizer, problems, batch, rewards, sel, *, entropy, metrics, args):
     """train_small.py's page of a step (OUT/explain/step_N.html): sel, its train_small.Selection; entropy, pass 1's
-    [B, T]; metrics, its train line. Reads the step's tensors, draws no random number."""
+    [B, T]; metrics, its train line."""
     shown_adv = torch.where(sel.keep, sel.adv, d3s.group_advantages(rewards))  # the loss's A on kept cells (pods)
     row_of = {int(i): r for r, i in enumerate(sel.kept_rows.tolist())}  # p * G + g -> row of the kept batch
     shown = []
     for i in pick_rollouts(shown_adv, sel.keep):
         n = int(batch["response_mask"][i].sum())  # response tokens up to and including the first EOS
         item = {"index": i, "tokens": [tokenizer.decode([t]) for t in batch["response_ids"][i, :n].tolist()]}
-        if i in row_of:  # forwarded: its entropy, score and selection
-            r = row_of[i]
+        if (r := row_of.get(i)) is not None:  # forwarded: its entropy, score and selection
             item.update(entropy=entropy[r, :n].tolist(), score=sel.scores[r, :n].tolist())
             item["selected"] = sel.token_keep[r, :n].tolist()
         shown.append(item)
@@ -155,8 +151,7 @@ def full_page(step, rollouts, batch, sel, entropy, stats, *, tokenizer, notices,
     picked, mine = pick_rollouts(shown_adv, sel.keep_all), []
     for index in picked:
         p, g = divmod(index, G)
-        if index in local_row:  # forwarded here: its row of entropy / scores / selection
-            r = local_row[index]
+        if (r := local_row.get(index)) is not None:  # forwarded here: its row of entropy / scores / selection
             n = len(sel.seqs[r]["response_ids"])
             item = {"index": index, "ids": list(sel.seqs[r]["response_ids"]), "entropy": entropy[r, :n].tolist()}
             mine.append({**item, "score": scores[r, :n].tolist(), "selected": sel.token_keep[r, :n].tolist()})

@@ -35,9 +35,9 @@ def format_prompt(problem, template):
 
 
 def stop_token_ids(tokenizer, generation_config=None):
-    """The token ids that end a response, one rule for every rung and engine: the tokenizer's EOS,
-    the model's generation_config.eos_token_id (an int or a list), and Qwen's <|im_end|> when the
-    vocabulary has it (the chat template ends the assistant turn with it).
+    """The token ids that end a response, one rule for every rung and engine: the tokenizer's EOS, the model's
+    generation_config.eos_token_id (an int or a list), and Qwen's <|im_end|> when the vocabulary has it (the chat
+    template ends the assistant turn with it).
 
     >>> import tiny; tok = tiny.build_char_tokenizer(); stop_token_ids(tok) == [tok.eos_token_id, 2]
     True
@@ -54,9 +54,9 @@ def stop_token_ids(tokenizer, generation_config=None):
 def extract_boxed(text):
     """The content of the last \\boxed{...} in `text` (braces balanced), or None. Linear time.
 
-    One pass matches every brace with a stack, then the last "\\boxed{" whose "{" is closed
-    wins (an unclosed one falls back to the one before). Scanning forward from each
-    "\\boxed{" instead would be quadratic: 100k characters of "\\boxed{" took minutes.
+    One pass matches every brace with a stack, then the last "\\boxed{" whose "{" is closed wins (an unclosed one
+    falls back to the one before). Scanning forward from each "\\boxed{" instead would be quadratic: 100k
+    characters of "\\boxed{" took minutes.
 
     >>> extract_boxed("so x = 2, and \\\\boxed{\\\\frac{1}{2}} done")
     '\\\\frac{1}{2}'
@@ -85,8 +85,8 @@ ANSWER_KEYS = ("answer", "final_answer", "gt_answer", "ground_truth", "target", 
 
 
 def _read_rows(path):
-    """Yield (line_no, row) from .jsonl, .json (a list) or .parquet. UTF-8, with or without a byte-order
-    mark; CRLF line ends are fine. A byte that is not UTF-8 raises DataError naming its line."""
+    """Yield (line_no, row) from .jsonl, .json (a list) or .parquet. UTF-8, with or without a byte-order mark; CRLF
+    line ends are fine. A byte that is not UTF-8 raises DataError naming its line."""
     if path.endswith(".parquet"):
         try:
             import pyarrow.parquet as pq
@@ -100,15 +100,14 @@ def _read_rows(path):
         return
     with open(path, "rb") as f:
         raw = f.read()
-    lines = raw.split(b"\n")
-    for i, line in enumerate(lines, start=1):
-        try:
-            line.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise DataError(
-                f"{path}:{i}: byte 0x{line[e.start]:02x} at column {e.start + 1} is not UTF-8; "
-                f"save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
-            ) from e
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as e:  # its line and column: count the line ends before it
+        i, column = raw.count(b"\n", 0, e.start) + 1, e.start - raw.rfind(b"\n", 0, e.start)
+        raise DataError(
+            f"{path}:{i}: byte 0x{raw[e.start]:02x} at column {column} is not UTF-8; "
+            f"save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+        ) from e
     text = raw.decode("utf-8-sig")  # a leading byte-order mark is dropped
     if path.endswith(".json"):
         try:
@@ -133,10 +132,9 @@ def _read_rows(path):
 
 
 def _text_field(value, where, name):
-    """A problem or answer as a string: numbers are written as text; a one-element list is its element;
-    a chat list ([{"role": "user", "content": ...}], problems only) is its last user turn. Other lists,
-    dicts and booleans raise DataError: a row has one problem and one answer (the grader compares the
-    last \\boxed{} with one gold answer)."""
+    """A problem or answer as a string: numbers are written as text; a one-element list is its element; a chat list
+    ([{"role": "user", "content": ...}], problems only) is its last user turn. Other lists, dicts and booleans raise
+    DataError: a row has one problem and one answer (the grader compares the last \\boxed{} with one gold answer)."""
     if isinstance(value, list) and name == "problem" and value and all(isinstance(m, dict) for m in value):
         value = next((m.get("content") for m in reversed(value) if m.get("role") == "user"), None)
     elif isinstance(value, list) and len(value) == 1:
@@ -154,9 +152,8 @@ def _text_field(value, where, name):
 def normalize_row(row, where="row"):
     """{problem, answer} from a row's common column names, or None if it has no problem or no answer.
 
-    Problem: the first of PROBLEM_KEYS present. Answer: the first of ANSWER_KEYS, or
-    reward_model.ground_truth (verl's format); a `solution` gives its last \\boxed{}; a GSM8K
-    answer ("... #### 72") gives what follows ####.
+    Problem: the first of PROBLEM_KEYS present. Answer: the first of ANSWER_KEYS, or reward_model.ground_truth
+    (verl's format); a `solution` gives its last \\boxed{}; a GSM8K answer ("... #### 72") gives what follows ####.
     >>> normalize_row({"question": "1+1?", "solution": "so \\\\boxed{2}."})
     {'problem': '1+1?', 'answer': '2'}
     >>> normalize_row({"question": "1+1?", "answer": "1 + 1 = 2\\n#### 2"})
@@ -180,8 +177,8 @@ def normalize_row(row, where="row"):
 
 
 def load_problems(spec, drop_missing=False, limit=None):
-    """Rows {problem, answer, id, ...} from a local JSONL / JSON / Parquet file, or a hub dataset
-    `name`, `name:split` or `name:config:split` (needs `pip install datasets`).
+    """Rows {problem, answer, id, ...} from a local JSONL / JSON / Parquet file, or a hub dataset `name`,
+    `name:split` or `name:config:split` (needs `pip install datasets`).
 
     Returns (rows, n_dropped). Column names are mapped by normalize_row; a row's other fields (e.g. `level`) are
     kept, and `where` (file:line) is added. drop_missing=False: a row without a problem or an answer raises
@@ -286,8 +283,6 @@ ARITHMETIC_LEVELS = {
     3: "two-digit +/- two-digit",
     4: "a + b - c, one digit each (two steps)",
 }
-
-
 _NAMES = ("Ann", "Bo", "Cy", "Dee", "Eli", "Fay", "Gus", "Hal", "Ivy", "Jo")
 _ITEMS = ("pens", "cups", "eggs", "hats", "keys", "maps", "nuts", "figs", "jars", "toys")
 
@@ -309,11 +304,10 @@ def _arithmetic_problem(rng, level):
 def arithmetic_problems(n, split="train", seed=0, levels=(1, 2, 3, 4), eval_fraction=0.2):
     """`n` distinct short arithmetic word problems, rows like load_problems' (+ `level`).
 
-    Levels (ARITHMETIC_LEVELS) cycle 1, 2, 3, 4, 1, ... so every level has n / len(levels)
-    rows. A problem's split is fixed by a hash of its text (`eval_fraction` of all texts are
-    "eval"), so the "train" and "eval" sets are disjoint whatever n and seed. They share
-    arithmetic facts (there are only 81 one-digit sums), not problems: a held-out problem is
-    a new (name, item, numbers) combination. Answers are short for a one-token-per-character
+    Levels (ARITHMETIC_LEVELS) cycle 1, 2, 3, 4, 1, ... so every level has n / len(levels) rows. A problem's split
+    is fixed by a hash of its text (`eval_fraction` of all texts are "eval"), so the "train" and "eval" sets are
+    disjoint whatever n and seed. They share arithmetic facts (there are only 81 one-digit sums), not problems: a
+    held-out problem is a new (name, item, numbers) combination. Answers are short for a one-token-per-character
     tokenizer: "\\boxed{42}" is 10 characters.
 
     >>> arithmetic_problems(2, seed=0)[1]["level"], arithmetic_problems(2, "eval")[0]["id"]
@@ -326,8 +320,7 @@ def arithmetic_problems(n, split="train", seed=0, levels=(1, 2, 3, 4), eval_frac
 
 
 def _generated(n, split, seed, levels, eval_fraction, level_names, draw, prefix):
-    """n distinct problems from draw(rng, level) -> (text, solution or None, answer), levels cycling;
-    a problem's split is fixed by a hash of its text, so train and eval are disjoint."""
+    """n distinct problems from draw(rng, level) -> (text, solution or None, answer), levels cycling, split by hash."""
     if split not in ("train", "eval"):
         raise ValueError(f"split={split!r}: choose 'train' or 'eval'")
     if not levels or any(level not in level_names for level in levels):
@@ -350,8 +343,8 @@ def _generated(n, split, seed, levels, eval_fraction, level_names, draw, prefix)
     return rows
 
 
-# Worked solutions: multi-step word problems whose answers write every intermediate result
-# (the default task of train_small.py; arithmetic_problems above is --task direct)
+# Worked solutions: word problems whose answers write every intermediate result (the default task of train_small.py;
+# arithmetic_problems above is --task direct)
 STEP_LEVELS = {
     1: "a + b, one digit each (one step)",
     2: "a + b - c, one digit each (two steps)",
@@ -374,14 +367,14 @@ def _step_problem(rng, level):
 
 
 def step_problems(n, split="train", seed=0, levels=(1, 2, 3, 4), eval_fraction=0.2):
-    """`n` distinct word problems whose `solution` works every step out before the answer, rows like
-    load_problems' (+ `level` and `solution`). A response is the solution then \\boxed{answer}:
+    """`n` distinct word problems whose `solution` works every step out before the answer, rows like load_problems'
+    (+ `level` and `solution`). A response is the solution then \\boxed{answer}:
 
         Ann had 47 pens, got 8, lost 13. How many left?   ->   47+8=55. 55-13=42. \\boxed{42}
 
-    so every intermediate result is a decision the policy can get wrong (and the grader, which
-    reads the last \\boxed{}, scores only the end). Levels (STEP_LEVELS) cycle as in
-    arithmetic_problems, and train / eval are disjoint by a hash of the problem text.
+    so every intermediate result is a decision the policy can get wrong (and the grader, which reads the last
+    \\boxed{}, scores only the end). Levels (STEP_LEVELS) cycle as in arithmetic_problems, and train / eval are
+    disjoint by a hash of the problem text.
 
     >>> r = step_problems(4, seed=0)[3]; r["level"], r["solution"].count("="), r["answer"] == r["solution"].split("=")[-1][:-1]
     (4, 2, True)
@@ -405,8 +398,8 @@ def load_data(args):
 class PromptOrder:
     """A fresh seeded permutation of the training prompts each epoch, identical on every rank.
 
-    take(P) returns the next P prompt indices of the global batch; state_dict() is the data
-    position saved in checkpoints, so a resumed run sees exactly the prompts it would have seen.
+    take(P) returns the next P prompt indices of the global batch; state_dict() is the data position saved in
+    checkpoints, so a resumed run sees exactly the prompts it would have seen.
     """
 
     def __init__(self, n, seed):
@@ -445,8 +438,8 @@ def rank_share(items, world):
 def sample_seeds(args, step, indices, n):
     """One sampling seed per (step, global prompt index): generation does not depend on the rank count.
 
-    vLLM seeds sample j of a request with seed + j, so the seeds of one call are n apart: no two
-    samples of a step share a noise stream.
+    vLLM seeds sample j of a request with seed + j, so the seeds of one call are n apart: no two samples of a step
+    share a noise stream.
     """
     if args.unseeded_sampling:
         return [None] * len(indices)

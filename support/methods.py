@@ -14,6 +14,7 @@ A rung calls d3s.select_samples(rewards, N, row.samples), which runs a rule give
 d3s.token_scores takes TOKEN_RULES' functions the same way.
 """
 
+import itertools
 import math
 import statistics
 
@@ -32,12 +33,8 @@ def uniform_samples(rewards, n_keep, scale=True, eps=1e-6, generator=None):
     """
     adv = d3s.group_advantages(rewards, scale=scale, eps=eps)
     P, G = rewards.shape
-    d3s._require(
-        isinstance(n_keep, int) and 1 <= n_keep <= G,
-        "n_keep",
-        n_keep,
-        f"must be an int in [1, G={G}] (rollouts kept per prompt); raise G or lower N",
-    )
+    ok = isinstance(n_keep, int) and 1 <= n_keep <= G
+    d3s._require(ok, "n_keep", n_keep, f"must be an int in [1, G={G}] (rollouts kept per prompt); raise G or lower N")
     noise = torch.rand(P, G, generator=generator).to(rewards.device)  # CPU generator, any device
     keep = torch.zeros(P, G, dtype=torch.bool, device=rewards.device).scatter_(1, noise.argsort(-1)[:, :n_keep], True)
     return keep, adv * keep
@@ -127,14 +124,9 @@ def progress(kind, step, total_steps, history=None, window=10, tol=0.02):
     """
     d3s._require(kind in SCHEDULES, "kind", kind, f"choose one of {', '.join(SCHEDULES)}")
     p = min(step / total_steps, 1.0)
-    if kind == "linear":
-        return p
-    if kind == "cosine":
-        return (1 - math.cos(math.pi * p)) / 2
-    if kind == "step":
-        return 0.0 if p < 0.5 else 1.0
-    if kind == "constant":
-        return 0.0
+    curves = {"linear": p, "cosine": (1 - math.cos(math.pi * p)) / 2, "step": 0.0 if p < 0.5 else 1.0, "constant": 0.0}
+    if kind in curves:
+        return curves[kind]
     d3s._require(history is not None, "history", history, "kind='adaptive' needs the signal's past values (a list)")
     d3s._require(isinstance(window, int) and window >= 1, "window", window, "must be an int >= 1")
     return min(1.0, 2 * _plateaus(history, window, tol) / total_steps)
@@ -148,15 +140,9 @@ def _plateaus(history, window, tol):
     (3, 0)
     """
     values = [float(v) for v in history]
-    d3s._require(
-        all(math.isfinite(v) for v in values),
-        "history",
-        [v for v in values if not math.isfinite(v)][:4],
-        "must be finite (the signal of each past step)",
-    )
-    prefix = [0.0]
-    for v in values:
-        prefix.append(prefix[-1] + v)
+    bad = [v for v in values if not math.isfinite(v)]
+    d3s._require(not bad, "history", bad[:4], "must be finite (the signal of each past step)")
+    prefix = list(itertools.accumulate(values, initial=0.0))
     mean = lambda a, b: (prefix[b] - prefix[a]) / window  # the mean of values[a:b]
     return sum(mean(j - window, j) - mean(j - 2 * window, j - window) < tol for j in range(2 * window, len(values) + 1))
 
@@ -196,11 +182,9 @@ def switch_to_intra(method, grad_norms, ratio, window=10):
     """
     if not ratio or method not in INTRA_TWIN:
         return method
+    ok = math.isfinite(ratio) and ratio > 1
     d3s._require(
-        math.isfinite(ratio) and ratio > 1,
-        "ratio",
-        ratio,
-        "must be > 1 (a spike is a norm over ratio x its median); 0 or None turns the rule off",
+        ok, "ratio", ratio, "must be > 1 (a spike is a norm over ratio x its median); 0 or None turns the rule off"
     )
     spiked = any(r is not None and r > ratio for r in spike_ratios(list(grad_norms), window))
     return INTRA_TWIN[method] if spiked else method

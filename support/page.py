@@ -25,8 +25,6 @@ from support import methods
 POSITIVE, NEGATIVE, ZERO = (33, 102, 172), (217, 95, 2), (222, 222, 222)  # A > 0 blue, A < 0 orange (colour-blind safe)
 SCORE = (118, 42, 131)  # token score |A| * H: purple, a scale of its own
 MARK = (230, 171, 2)  # a mark under some positions (the toy's decision positions)
-
-
 RULES = {  # the samples rule of a LADDER row (methods.rule_name), in words (d3s.select_samples)
     "all": "every rollout is trained on (N = G).",
     "intra": "intra-group: in every row, the N rollouts whose advantages have the largest variance "
@@ -60,32 +58,26 @@ def write_step(
 ):
     """Write out_dir/step_NNNNNN.html (and .png when png=True); return the html path.
 
-    step: the global step as the rung counts it; rung: "toy" | "train_small" | "train_full";
-    method: the method's name (a methods.LADDER row).
-    rewards [P, G]; keep [P, G] bool (from d3s.select_samples); adv [P, G]: the advantage each
-    cell shows, i.e. the one the loss uses on kept cells and the full-group one on dropped
-    cells: torch.where(keep, adv_from_select_samples, d3s.group_advantages(rewards)). For
-    every method but pods that is d3s.group_advantages(rewards); for pods the kept cells show
-    A recomputed on the kept N.
-    n_keep: N, rollouts per prompt (the cross-group budget is N * P); k_frac: the scheduled K;
-    k_real: the realised fraction (kept tokens / forwarded tokens).
+    step: the global step as the rung counts it; rung: "toy" | "train_small" | "train_full"; method: the method's
+    name (a methods.LADDER row). rewards [P, G]; keep [P, G] bool (from d3s.select_samples); adv [P, G]: the
+    advantage each cell shows, i.e. the one the loss uses on kept cells and the full-group one on dropped cells:
+    torch.where(keep, adv_from_select_samples, d3s.group_advantages(rewards)). For every method but pods that is
+    d3s.group_advantages(rewards); for pods the kept cells show A recomputed on the kept N.
+    n_keep: N, rollouts per prompt (the cross-group budget is N * P); k_frac: the scheduled K; k_real: the realised
+    fraction (kept tokens / forwarded tokens).
     shown: one dict per rollout to draw token by token (pick_rollouts chooses them):
         {"index": p * G + g, "tokens": [str] (one decoded piece per response token),
          "entropy": [float] | None, "score": [float] | None, "selected": [bool] | None}
-      None for a rollout that was dropped and never forwarded (its text is shown unshaded).
-      Optional keys: "marked": [bool] and "mark_label": str (a mark under some positions,
-      e.g. the toy's decision positions), "notes": [str] (per token, appended to the hover).
-    prompts: P strings (a row's label; full text on hover); extra: {label: number or str},
-    printed in the summary (the loss, its normalizer, the grad norm...).
+      None for a rollout that was dropped and never forwarded (its text is shown unshaded). Optional keys: "marked":
+      [bool] and "mark_label": str (a mark under some positions, e.g. the toy's decision positions), "notes": [str]
+      (per token, appended to the hover).
+    prompts: P strings (a row's label; full text on hover); extra: {label: number or str}, printed in the summary
+    (the loss, its normalizer, the grad norm...).
     """
     check_grid(rewards=rewards, adv=adv, keep=keep)
     P, G = rewards.shape
-    _require(
-        prompts is None or len(prompts) == P,
-        "prompts",
-        f"{len(prompts)} strings" if prompts else prompts,
-        f"pass one string per prompt (P={P}) or None",
-    )
+    got = f"{len(prompts)} strings" if prompts else prompts
+    _require(prompts is None or len(prompts) == P, "prompts", got, f"pass one string per prompt (P={P}) or None")
     for name, value in (("n_keep", n_keep), ("k_frac", k_frac), ("k_real", k_real), ("step", step)):
         _require(isinstance(value, (int, float)) and math.isfinite(value), name, value, "must be a finite number")
     shown = [_check_shown(item, P * G) for item in shown]
@@ -98,18 +90,16 @@ def write_step(
     }
     os.makedirs(out_dir, exist_ok=True)
     base = os.path.join(out_dir, "step_%06d" % int(step))
-    page = "\n".join(
-        [
-            _HEAD % {"title": html.escape(f"{rung} step {int(step)}: {method}")},
-            _summary(step, rung, method, rewards, keep, n_keep, k_frac, k_real, numbers, extra),
-            _legend(shown),
-            _grid(rewards, adv, keep, prompts, n_keep, method),
-            _token_level(shown, rewards, adv, keep, prompts, k_frac, k_real),
-            "</body></html>\n",
-        ]
-    )
+    parts = [
+        _HEAD % {"title": html.escape(f"{rung} step {int(step)}: {method}")},
+        _summary(step, rung, method, rewards, keep, n_keep, k_frac, k_real, numbers, extra),
+        _legend(shown),
+        _grid(rewards, adv, keep, prompts, n_keep, method),
+        _token_level(shown, rewards, adv, keep, prompts, k_frac, k_real),
+        "</body></html>\n",
+    ]
     with open(base + ".html", "w", encoding="utf-8") as f:
-        f.write(page)
+        f.write("\n".join(parts))
     if png:
         plot_step(
             base + ".png",
@@ -321,11 +311,10 @@ def _tokens_html(item, top):
 
 
 def plot_step(path, *, step, rung, method, adv, keep, shown, var_kept, var_all, prompts=None, max_tokens=48):
-    """PNG: prompts x rollouts in the page's colours (sorted by A per row; dots = kept, faded =
-    dropped), and one response strip (the first shown rollout with some but not all of its tokens
-    selected, else the first with any) with its tokens shaded by |A| * H and the selected ones
-    outlined (at most max_tokens: the window with the most selected tokens). Quantized to 256
-    colours (no dithering) to stay small."""
+    """PNG: prompts x rollouts in the page's colours (sorted by A per row; dots = kept, faded = dropped), and one
+    response strip (the first shown rollout with some but not all of its tokens selected, else the first with any)
+    with its tokens shaded by |A| * H and the selected ones outlined (at most max_tokens: the window with the most
+    selected tokens). Quantized to 256 colours (no dithering) to stay small."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -361,12 +350,9 @@ def plot_step(path, *, step, rung, method, adv, keep, shown, var_kept, var_all, 
         f"Var(A) kept {var_kept:.2f} vs full batch {var_all:.2f}",
         fontsize=10,
     )
-    handles = [
-        Patch(color=[c / 255 for c in _adv_rgb(1.5)], label="A > 0"),
-        Patch(color=[c / 255 for c in _adv_rgb(-1.5)], label="A < 0"),
-        Patch(color=[c / 255 for c in ZERO], label="A = 0"),
-        plt.Line2D([], [], color="black", marker="o", ls="", markersize=4, label="kept (faded: dropped)"),
-    ]
+    signs = [(1.5, "A > 0"), (-1.5, "A < 0"), (0.0, "A = 0")]  # _adv_rgb(0.0) is ZERO
+    handles = [Patch(color=[c / 255 for c in _adv_rgb(a)], label=label) for a, label in signs]
+    handles.append(plt.Line2D([], [], color="black", marker="o", ls="", markersize=4, label="kept (faded: dropped)"))
     ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.06, 1), fontsize=8, frameon=False)
     if strip:
         _plot_strip(axes[1], strip, G, prompts, max_tokens)
@@ -395,18 +381,10 @@ def _plot_strip(ax, item, G, prompts, max_tokens):
         face = [(255 + (c - 255) * shade) / 255 for c in SCORE]
         edge, line_width = ("black", 2.4) if selected[t] else ("#ccc", 0.5)  # selected: a thick black outline
         ax.add_patch(Rectangle((x + 0.06, 0.12), 0.88, 0.76, facecolor=face, edgecolor=edge, linewidth=line_width))
-        text = _visible_plain(tokens[t])
-        keep_chars = 3 if wide else 1
-        ax.text(
-            x + 0.5,
-            0.5,
-            text if len(text) <= keep_chars else text[: max(keep_chars - 1, 1)] + "…",
-            ha="center",
-            va="center",
-            fontsize=9 if wide else 6,
-            family="monospace",
-            color="white" if shade > 0.5 else "black",
-        )
+        text, room = _visible_plain(tokens[t]), 3 if wide else 1
+        text = text if len(text) <= room else text[: max(room - 1, 1)] + "…"
+        ink = "white" if shade > 0.5 else "black"
+        ax.text(x + 0.5, 0.5, text, ha="center", va="center", fontsize=9 if wide else 6, family="monospace", color=ink)
         if marked and marked[t]:
             ax.plot(
                 [x + 0.15, x + 0.85], [0.03, 0.03], color=[c / 255 for c in MARK], linewidth=3, solid_capstyle="butt"
@@ -443,25 +421,19 @@ def check_grid(**tensors):
 
 
 def _check_shown(item, n):
-    _require(
-        isinstance(item, dict) and "index" in item and "tokens" in item,
-        "shown[...]",
-        type(item).__name__,
-        'pass dicts {"index": p * G + g, "tokens": [...], "entropy", "score", "selected"}',
-    )
+    ok = isinstance(item, dict) and "index" in item and "tokens" in item
+    fix = 'pass dicts {"index": p * G + g, "tokens": [...], "entropy", "score", "selected"}'
+    _require(ok, "shown[...]", type(item).__name__, fix)
     i = item["index"]
     _require(isinstance(i, int) and 0 <= i < n, "shown index", i, f"must be an int p * G + g in [0, {n})")
     item = {"entropy": None, "score": None, "selected": None, **item, "tokens": [str(t) for t in item["tokens"]]}
+    n_tok = len(item["tokens"])
     for key in ("entropy", "score", "selected", "marked", "notes"):
         value = item.get(key)
         if value is not None:
             value = value.tolist() if isinstance(value, torch.Tensor) else list(value)
-            _require(
-                len(value) == len(item["tokens"]),
-                f"shown[index={i}].{key}",
-                f"{len(value)} values",
-                f"must have one value per token ({len(item['tokens'])})",
-            )
+            fix = f"must have one value per token ({n_tok})"
+            _require(len(value) == n_tok, f"shown[index={i}].{key}", f"{len(value)} values", fix)
             item[key] = value
     return item
 
@@ -472,8 +444,8 @@ def _samples_rule(method):
 
 
 def _row_order(adv_row, keep_row):
-    """Display order of one row: A descending; among equal A the kept ones toward the nearer end
-    (first if A > 0, last otherwise), so max-variance picks read as "the extremes"."""
+    """Display order of one row: A descending; among equal A the kept ones toward the nearer end (first if A > 0,
+    last otherwise), so max-variance picks read as "the extremes"."""
     side = lambda g: -1 if (float(adv_row[g]) > 0) == bool(keep_row[g]) else 1
     return sorted(range(len(adv_row)), key=lambda g: (-round(float(adv_row[g]), 6), side(g), g))
 
@@ -535,12 +507,5 @@ def _visible(piece):
     """HTML of a token: spaces kept as spaces (the shading shows them), other whitespace as a grey sign."""
     if piece == "":
         return '<span class="ws">∅</span>'
-    out = []
-    for c in piece:
-        if c == " ":
-            out.append(" ")
-        elif c in "\n\t\r" or not c.isprintable():
-            out.append(f'<span class="ws">{html.escape(_visible_plain(c))}</span>')
-        else:
-            out.append(html.escape(c))
-    return "".join(out)
+    sign = lambda c: f'<span class="ws">{html.escape(_visible_plain(c))}</span>'
+    return "".join(sign(c) if c in "\n\t\r" or not c.isprintable() else html.escape(c) for c in piece)

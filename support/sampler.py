@@ -17,26 +17,30 @@ import d3s
 from support.mathtask import stop_token_ids
 
 
+def _forward(model, cache, input_ids, attention_mask, position_ids, **kwargs):
+    """The model's logits on input_ids, which read and extend the keys and values in `cache`."""
+    return model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        past_key_values=cache,
+        use_cache=True,
+        **kwargs,
+    ).logits
+
+
 @torch.no_grad()
 def sample(model, tokenizer, prompts, group_size, max_new_tokens, temperature=1.0, greedy=False):
     """`group_size` responses per prompt (row p*G + g), o_t ~ softmax(logits / T) or greedy: HF generate's loop, with
     each prompt encoded once and its KV cache repeated G times. Returns the rollout batch: prompt_ids [B, Lp],
     prompt_mask (left-padded), response_ids [B, T], response_mask (1 up to and including the first EOS) and texts."""
-
     enc = tokenizer(prompts, padding=True, return_tensors="pt", add_special_tokens=False)
     prompt_mask = enc.attention_mask  # [P, Lp], left-padded
     positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # as generate: left padding does not shift positions
     eos = torch.tensor(stop_token_ids(tokenizer, model.generation_config))  # the one rule of every rung
     model.eval()
     cache = DynamicCache()
-    logits = model(
-        input_ids=enc.input_ids,
-        attention_mask=prompt_mask,
-        position_ids=positions,
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=1,
-    ).logits[:, -1]  # [P, V]: the prefill, once per prompt
+    logits = _forward(model, cache, enc.input_ids, prompt_mask, positions, logits_to_keep=1)[:, -1]  # [P, V]: prefill
     cache.batch_repeat_interleave(group_size)  # the prompt's keys and values, shared by its G rollouts
     logits = logits.repeat_interleave(group_size, 0)  # [B, V]: each row's last logits (an ended row's: stale)
     attention_mask = prompt_mask.repeat_interleave(group_size, 0)  # [live, Lp + t]
@@ -59,13 +63,7 @@ def sample(model, tokenizer, prompts, group_size, max_new_tokens, temperature=1.
             live, attention_mask, position = live[go_on], attention_mask[go_on], position[go_on]
         attention_mask = torch.cat([attention_mask, torch.ones(len(live), 1, dtype=attention_mask.dtype)], 1)
         position = position + 1
-        logits[live] = model(
-            input_ids=token[live, None],
-            attention_mask=attention_mask,
-            position_ids=position,
-            past_key_values=cache,
-            use_cache=True,
-        ).logits[:, -1]
+        logits[live] = _forward(model, cache, token[live, None], attention_mask, position)[:, -1]
     response_ids = response_ids[:, : t + 1]  # [B, T]
     is_eos = torch.isin(response_ids, eos)
     response_mask = (~((is_eos.cumsum(-1) - is_eos.long()) > 0)).long()  # 0 strictly after the first EOS
@@ -86,36 +84,22 @@ def logprobs_entropy(model, batch, temperature=1.0, with_entropy=True):
     """log pi(o_t | prompt, o_<t) [B, T] (logits / temperature: the policy that sampled) and the entropy H_t [B, T] of
     the same logits (d3s.token_entropy, no grad). Each distinct prompt is forwarded once, then every response on its
     prompt's keys and values: a plain forward's log-probs and gradients (tested) for about half the positions."""
-
     model.train()
     Lp = batch["prompt_ids"].shape[1]
-    prompts, row_prompt = torch.unique(
-        torch.cat([batch["prompt_ids"], batch["prompt_mask"]], 1), dim=0, return_inverse=True
-    )  # [U, 2 Lp] distinct prompts; row b's is row_prompt[b]
-    prompt_ids, prompt_mask = prompts[:, :Lp], prompts[:, Lp:]
-    first = int(prompt_mask.any(0).int().argmax())  # drop the columns that are padding in every prompt
-    prompt_ids, prompt_mask = prompt_ids[:, first:], prompt_mask[:, first:]
+    rows = torch.cat([batch["prompt_ids"], batch["prompt_mask"]], 1)  # [B, 2 Lp]
+    prompts, row_prompt = torch.unique(rows, dim=0, return_inverse=True)  # [U, 2 Lp] distinct; row b's: row_prompt[b]
+    first = int(prompts[:, Lp:].any(0).int().argmax())  # drop the columns that are padding in every prompt
+    prompt_ids, prompt_mask = prompts[:, first:Lp], prompts[:, Lp + first :]
     prompt_pos = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # [U, Lp']
     cache = DynamicCache()
-    first_logits = model(
-        input_ids=prompt_ids,
-        attention_mask=prompt_mask,
-        position_ids=prompt_pos,
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=1,
-    ).logits  # [U, 1, V]: predicts o_1
+    first_logits = _forward(model, cache, prompt_ids, prompt_mask, prompt_pos, logits_to_keep=1)  # [U, 1, V]: o_1
     for layer in cache.layers:  # each row's prompt keys and values; the backward adds the rows up in a fixed order
         layer.keys, layer.values = layer.keys.index_select(0, row_prompt), layer.values.index_select(0, row_prompt)
     attention_mask = torch.cat([prompt_mask[row_prompt], batch["response_mask"]], 1)  # [B, Lp' + T]
     position_ids = prompt_pos[row_prompt, -1:] + batch["response_mask"].cumsum(-1)  # as cumsum(mask) - 1 above
-    logits = model(
-        input_ids=batch["response_ids"],
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        past_key_values=cache,
-        use_cache=True,
-    ).logits  # [B, T, V]: position t predicts o_{t+1}
+    logits = _forward(
+        model, cache, batch["response_ids"], attention_mask, position_ids
+    )  # [B, T, V]: t predicts o_{t+1}
     logits = torch.cat([first_logits[row_prompt], logits[:, :-1]], 1).float() / temperature  # [B, T, V]: o_1 .. o_T
     logp = logits.log_softmax(-1).gather(-1, batch["response_ids"].unsqueeze(-1)).squeeze(-1)  # [B, T]
     return logp, (d3s.token_entropy(logits) if with_entropy else None)

@@ -1,10 +1,9 @@
 """support/tiny.py: a tiny Qwen2-architecture model and a character tokenizer, built offline.
 
-The tests and the CPU rungs cannot download from a hub, so they build both from scratch:
-the tokenizer as a `tokenizers` BPE with no merges over the 256 byte symbols (one token per
-character for ASCII), the model
-from a `transformers.Qwen2Config`. Both are saved with `save_pretrained`, so anything that
-loads a hub model (AutoModelForCausalLM, AutoTokenizer, vLLM) loads them from the folder.
+The tests and the CPU rungs cannot download from a hub, so they build both from scratch: the tokenizer as a
+`tokenizers` BPE with no merges over the 256 byte symbols (one token per character for ASCII), the model from a
+`transformers.Qwen2Config`. Both are saved with `save_pretrained`, so anything that loads a hub model
+(AutoModelForCausalLM, AutoTokenizer, vLLM) loads them from the folder.
 
     tok = build_char_tokenizer()
     model = build_tiny_model(tok, hidden_size=128, num_layers=2)
@@ -21,18 +20,15 @@ SPECIAL_TOKENS = [EOS, "<|im_start|>", "<|im_end|>"]
 def build_char_tokenizer():
     """A byte-level Qwen2Tokenizer with no merges: one token per byte (+ Qwen's special tokens).
 
-    Built as the very class AutoTokenizer picks for a Qwen2 config, so the saved folder loads
-    back token for token. The 256 byte symbols cover any text (ASCII is one token a character).
-    eos = pad = <|endoftext|>; left padding for generation.
+    Built as the very class AutoTokenizer picks for a Qwen2 config, so the saved folder loads back token for token.
+    The 256 byte symbols cover any text (ASCII is one token a character). eos = pad = <|endoftext|>; left padding.
     """
     from tokenizers.pre_tokenizers import ByteLevel
     from transformers import Qwen2Tokenizer
 
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
-    for symbol in sorted(ByteLevel.alphabet()):  # byte-level symbols: " " is "\u0120", "\n" is "\u010a"
-        vocab[symbol] = len(vocab)
-    tokenizer = Qwen2Tokenizer(
-        vocab=vocab,
+    symbols = sorted(ByteLevel.alphabet())  # byte-level symbols: " " is "\u0120", "\n" is "\u010a"
+    return Qwen2Tokenizer(
+        vocab={tok: i for i, tok in enumerate(SPECIAL_TOKENS + symbols)},
         merges=[],
         eos_token=EOS,
         pad_token=EOS,
@@ -41,7 +37,6 @@ def build_char_tokenizer():
         model_max_length=4096,
         padding_side="left",
     )
-    return tokenizer
 
 
 def build_tiny_model(

@@ -1,8 +1,6 @@
 """support/warmstart.py: train_small.py's model and data: the task, the tiny model (or any HF model), and the supervised
 warm start that RL starts from, cached so that every run of a comparison starts from the very same weights.
 
-    load_data(args)               (train rows, held-out rows): mathtask's generated task, or JSONL/JSON/Parquet files
-    format_prompt(problem, template)
     load_warm_start(args, rows)   (model, tokenizer, info): --model or the tiny Qwen2 (support/tiny.py), after --sft-steps of
                                   supervised training on the answers; cached in --cache-dir/warmstart-<hash>/
     shared_kv_attention(model)    the model's attention reads each key/value head in place when no gradient is needed
@@ -32,16 +30,12 @@ from support import cli
 from support.cli import UsageError
 from support.mathtask import TASKS, format_prompt, load_data
 
-TINY_SFT_STEPS = {
-    "steps": 600,
-    "direct": 1000,
-}  # warm-start length per task: a start with headroom (docs/small_compare.md)
+# warm-start length per task: a start with headroom (docs/small_compare.md)
+TINY_SFT_STEPS = {"steps": 600, "direct": 1000}
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository (this file is in support/)
 SHIPPED_DIR = os.path.join(ROOT, "weights")  # the default's warm start, built once
 
-# The flags of the model, the data and the warm start (cli.flag entries): train_small.py adds them with one call,
-# *warmstart.flags(), and fills the defaults that depend on other flags with warmstart.fill_defaults(args).
-n = cli.number
+n = cli.number  # FLAGS: cli.flag entries, which train_small.py adds with *warmstart.flags()
 FLAGS = [
     cli.flag("--model", None, None, "any HF causal LM instead of the tiny model", metavar="PATH_OR_HUB_NAME"),
     cli.flag(
@@ -112,10 +106,9 @@ SHARED_KV = "sdpa_shared_kv"  # the attention every model loaded here runs (shar
 def sdpa_shared_kv(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
     """transformers' "sdpa" attention, except with a padding mask and no gradient on a CPU: query [B, H, q, d], key and
     value [B, H_kv, kv, d]. Given a mask, "sdpa" copies every key/value head to its H / H_kv query heads before the
-    kernel (on CPUs and GPUs alike); here, with no gradient, the kernel reads each head in place (enable_gqa, as "sdpa"
-    itself does when there is no mask). Same floats (tests/test_train_small.py); 0.75-0.85x the generation time
-    of train_small's tiny model on CPU (docs/small_compare.md, section 8). With a gradient the copy stays: the
-    in-place kernel's backward adds the query heads' gradients in another order."""
+    kernel; here the kernel reads each head in place (enable_gqa, as "sdpa" does with no mask). Same floats
+    (tests/test_train_small.py); 0.75-0.85x the tiny model's generation time on CPU (docs/small_compare.md, section
+    8). With a gradient the copy stays: the in-place kernel's backward adds the heads' gradients in another order."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     plain = attention_mask is None or getattr(module, "num_key_value_groups", 1) == 1 or query.device.type != "cpu"
@@ -149,29 +142,27 @@ def load_base_model(args):
         tokenizer = build_char_tokenizer()
         model = build_tiny_model(tokenizer, hidden_size=args.hidden_size, num_layers=args.num_layers, seed=args.seed)
         return shared_kv_attention(model), tokenizer
-    looks_like_path = (
-        args.model.startswith((".", "/", "~")) or args.model.count("/") > 1 or os.sep + os.sep in args.model
-    )
-    if looks_like_path and not os.path.isdir(os.path.expanduser(args.model)):
+    path = os.path.expanduser(args.model)
+    looks_like_path = args.model.startswith((".", "/", "~")) or args.model.count("/") > 1 or 2 * os.sep in args.model
+    if looks_like_path and not os.path.isdir(path):
         raise UsageError(
             f"--model {args.model}: no such folder; pass a folder with config.json (save_pretrained) or a hub name"
         )
     try:
-        tokenizer = AutoTokenizer.from_pretrained(os.path.expanduser(args.model))
-        if not tokenizer(format_prompt("What is 1 + 1?", args.template), add_special_tokens=False).input_ids:
-            raise UsageError(
-                f"--model {args.model}: its tokenizer encodes a prompt to no tokens; pass a folder whose "
-                "tokenizer matches its model (tokenizer.save_pretrained of the model's own tokenizer)"
-            )
-        model = AutoModelForCausalLM.from_pretrained(os.path.expanduser(args.model), dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        empty = not tokenizer(format_prompt("What is 1 + 1?", args.template), add_special_tokens=False).input_ids
+        model = None if empty else AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     except (OSError, ValueError) as e:
-        if isinstance(e, UsageError):
-            raise
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise UsageError(
             f"--model {args.model}: cannot load it ({first_line}); pass a local folder with config.json, "
             f"or a hub name with internet access"
         ) from e
+    if empty:
+        raise UsageError(
+            f"--model {args.model}: its tokenizer encodes a prompt to no tokens; pass a folder whose "
+            "tokenizer matches its model (tokenizer.save_pretrained of the model's own tokenizer)"
+        )
     tokenizer.padding_side = "left"  # generation appends to the right of every prompt
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -197,19 +188,14 @@ def warm_start_key(args, train_rows):
 
 def warm_start_path(args, train_rows):
     """The cache folder of this warm start: --cache-dir/warmstart-<12 hex digits of its key's hash>."""
-    key = warm_start_key(args, train_rows)
-    return os.path.join(
-        args.cache_dir, "warmstart-" + hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
-    )
+    key = json.dumps(warm_start_key(args, train_rows), sort_keys=True).encode()
+    return os.path.join(args.cache_dir, "warmstart-" + hashlib.sha256(key).hexdigest()[:12])
 
 
 def load_warm_start(args, train_rows, shipped=True):
-    """(model, tokenizer, info): the base model after --sft-steps of supervised training.
-
-    Cached in CACHE_DIR/warmstart-<hash>/ with save_pretrained (AutoModelForCausalLM loads it), so repeated runs
-    and every method of a comparison start from the very same weights. A warm start of the same hash in weights/
-    (shipped=True) is loaded from there instead of being built.
-    """
+    """(model, tokenizer, info): the base model after --sft-steps of supervised training, cached in
+    CACHE_DIR/warmstart-<hash>/ with save_pretrained; one of the same hash in weights/ (shipped=True) is loaded from
+    there instead of being built."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if args.sft_steps == 0:
@@ -222,11 +208,8 @@ def load_warm_start(args, train_rows, shipped=True):
                 info = json.load(f)
             tokenizer = AutoTokenizer.from_pretrained(folder)
             tokenizer.padding_side = "left"
-            return (
-                shared_kv_attention(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)),
-                tokenizer,
-                {**info, "cached": True},
-            )
+            model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+            return shared_kv_attention(model), tokenizer, {**info, "cached": True}
     model, tokenizer, info, _ = build_warm_start(args, train_rows, path)
     return model, tokenizer, {**info, "cached": False}
 
@@ -260,13 +243,12 @@ def supervised_warm_start(model, tokenizer, train_rows, args, max_steps=None):
     """Teacher-forced cross-entropy on sft_target(row) + <eos> after each prompt (prompt tokens masked); the losses.
     max_steps: stop after the first steps of the --sft-steps schedule (tests/test_warmstart_shipped.py)."""
     rng = random.Random(args.seed)
-    examples = []  # (prompt token ids, target token ids)
-    for row in train_rows:
-        prompt = tokenizer(format_prompt(row["problem"], args.template), add_special_tokens=False).input_ids
-        target = tokenizer(sft_target(row, args.sft_shortcut), add_special_tokens=False).input_ids + [
-            tokenizer.eos_token_id
-        ]
-        examples.append((prompt, target))
+    encode = lambda text: tokenizer(text, add_special_tokens=False).input_ids
+    eos = [tokenizer.eos_token_id]
+    examples = [  # (prompt token ids, target token ids)
+        (encode(format_prompt(row["problem"], args.template)), encode(sft_target(row, args.sft_shortcut)) + eos)
+        for row in train_rows
+    ]
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.sft_lr, weight_decay=0.01)
     warmup_then_decay = lambda s: min(1.0, (s + 1) / 20) * (1 - 0.9 * s / args.sft_steps)
     lr_schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_then_decay)
