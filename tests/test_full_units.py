@@ -11,6 +11,7 @@ import torch
 
 from support import run, checks, fsdp, loss_head, gpu, methods, cli, mathtask
 import train_full
+from test_full_faults import flags, inputs  # noqa: F401 (inputs: a fixture)
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -150,13 +151,14 @@ def test_resume_keeps_the_metrics_the_checkpoint_covers(tmp_path):
     assert [json.loads(x) for x in path.read_text().splitlines()] == lines[:4]
 
 
-def test_a_fresh_run_into_a_folder_with_checkpoints_stops_and_overwrites_nothing(tmp_path):
+def test_a_fresh_run_into_a_folder_with_checkpoints_stops_and_overwrites_nothing(inputs, tmp_path):
     ckpt = tmp_path / "checkpoints" / "step_000002"
     ckpt.mkdir(parents=True)
     (ckpt / "trainer_state.json").write_text("{}")
     (tmp_path / "metrics.jsonl").write_text('{"kind": "train", "step": 0}\n')
+    # a tiny model here: the folder is read after the tokenizer and data (checks.load_inputs), under the run's lock
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "train_full.py"), "--out", str(tmp_path), "--device", "cpu", "--rollout", "hf"],
+        [sys.executable, str(ROOT / "train_full.py"), *flags(inputs, tmp_path)],
         capture_output=True,
         text=True,
         timeout=120,
