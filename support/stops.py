@@ -1,9 +1,8 @@
 """support/stops.py: how a run stops, in both trainers: a preemption notice, Ctrl-C, a full disk, a bad input.
 
-Notices         SIGTERM, SIGUSR1 and a first Ctrl-C set a flag while the loop runs: the loop finishes its step,
-                writes its checkpoint and exits STOPPED (75), and --resume continues to the numbers of an
-                uninterrupted run; a second Ctrl-C stops at once (INTERRUPTED, 130). Under torchrun every rank
-                agrees on the notice, and on a full disk that one rank's own write met (agree)
+Notices         SIGTERM, SIGUSR1 or a first Ctrl-C: the loop finishes its step, writes its checkpoint and exits STOPPED
+                (75), --resume continues as if uninterrupted; a second Ctrl-C stops at once (INTERRUPTED, 130). Under
+                torchrun every rank agrees on the notice and on a full disk one rank's own write met (agree)
 disk_full, DiskFull, attempt   a full disk or quota: one line, exit DISK_FULL (74), the last checkpoint intact
 fail, usage_error_line, crashed, interruptible   how a script ends on an error: one line and its exit code
 """
