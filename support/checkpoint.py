@@ -2,11 +2,10 @@
 
     save_file, read_file, load_file     train_small.py's: one file of tensors and plain values (model, AdamW, RNG,
                                         step, totals, the run's flags, the history its rules read)
-    save_shards, read_shards, load_shards   train_full.py's: OUT/checkpoints/step_NNNNNN: the model and AdamW as
-                                        DCP shards, each rank's RNG, trainer_state.json; read without unpickling
-                                        anything but DCP's allow-listed metadata; resharded at another rank count
-    check_run_flags                     a resume repeats the flags that define the run's trajectory (one line names
-                                        the first that differs), in both
+    save_shards, read_shards, load_shards   train_full.py's: OUT/checkpoints/step_NNNNNN: model and AdamW as DCP
+                                        shards, each rank's RNG, trainer_state.json; nothing unpickled but DCP's
+                                        allow-listed metadata; resharded at another rank count
+    check_run_flags                     a resume repeats the flags that define the run's trajectory, in both
     resume_file, resume_shards          the checkpoint a --resume continues from, checked before any work
     export_pretrained, export_hf        a model folder that transformers' from_pretrained (and vLLM) loads
 
@@ -51,29 +50,21 @@ def check_run_flags(path, saved, now, midpoint=None):
 
 
 def check_steps_left(path, step, args):
-    """A checkpoint after `step` steps leaves steps to run: before --stop-after and before --steps."""
+    """A checkpoint after `step` steps leaves steps to run before --stop-after (both trainers)."""
     if args.stop_after is not None and args.stop_after <= step:
         raise UsageError(
             f"--stop-after {args.stop_after}: the checkpoint {path} is already at step {step}; raise --stop-after "
             "or drop it"
         )
-    if step >= args.steps:
-        raise UsageError(
-            f"--resume {path}: the run already finished its {args.steps} steps; run without --resume to "
-            "start again, or use a new --out"
-        )
 
 
-# ---------------------------------------------------------------------------------------------
-# train_small.py: one file
-# ---------------------------------------------------------------------------------------------
+# === train_small.py: one file =========================================================================================
 FILE_FORMAT = 3  # 3: with the history (grad norms, train rewards); 2: without; 1 (before 2026-11): pickled RNG state
 
 
 def save_file(path, model, optimizer, step, flags, totals, history):
     """Model, optimizer, RNG states, step, the run's totals and flags, and history ({"grad_norms": [...], "rewards":
-    [...]}, one value per step so far) in one file of tensors and plain values (it loads with
-    torch.load(weights_only=True): no pickled objects), written to a temp file then renamed."""
+    [...]}, one value per step so far) in one file of tensors and plain values (torch.load(weights_only=True))."""
     import numpy as np
 
     version, words, gauss = random.getstate()
@@ -102,43 +93,52 @@ def save_file(path, model, optimizer, step, flags, totals, history):
 
 def read_file(path, flags, prog):
     """The checkpoint --resume continues from, checked before any work: it exists, is complete, holds no pickled
-    object (torch.load(weights_only=True)), and was written by a run with these `flags` ({name: value}:
-    check_run_flags). Raises UsageError naming the fix."""
-
+    object, and was written by a run with these `flags` ({name: value}). Raises UsageError naming the fix."""
     fix = "run without --resume to start again, or use a new --out"
+    corrupt = f"--resume {path}: truncated or corrupt (not a checkpoint {prog} wrote); {fix}"
     if not os.path.isfile(path):
         where = "no checkpoint at" if not os.path.isdir(path) else "is a folder, not a checkpoint file:"
         raise UsageError(f"--resume: {where} {path}; {fix} (a run writes OUT/checkpoint.pt every --save-every steps)")
     try:
         state = torch.load(path, weights_only=True)
         assert isinstance(state, dict)
-    except pickle.UnpicklingError as e:
-        if "weights_only" in str(e) or "Unsupported global" in str(e):
-            raise UsageError(
-                f"--resume {path}: refused: it holds a pickled Python object, not tensors (loading it "
-                f"could run code); {fix}"
-            ) from None
-        raise UsageError(f"--resume {path}: truncated or corrupt (not a checkpoint {prog} wrote); {fix}") from None
-    except Exception:  # EOFError, RuntimeError (a truncated zip), AssertionError, ...
-        raise UsageError(f"--resume {path}: truncated or corrupt (not a checkpoint {prog} wrote); {fix}") from None
-    if isinstance(state, dict) and state.get("format") != FILE_FORMAT:
+    except Exception as e:  # UnpicklingError, EOFError, RuntimeError (a truncated zip), AssertionError, ...
+        if _pickled(e):
+            raise UsageError(f"--resume {path}: {_REFUSED}; {fix}") from None
+        raise UsageError(corrupt) from None
+    if state.get("format") != FILE_FORMAT:
         raise UsageError(
             f"--resume {path}: checkpoint format {state.get('format', 1)} of an older {prog}; "
             f"finish that run with the version that wrote it, or {fix}"
         )
     if not {"step", "model", "optimizer", "totals", "args", "rng", "history"} <= set(state):
-        raise UsageError(f"--resume {path}: truncated or corrupt (not a checkpoint {prog} wrote); {fix}")
+        raise UsageError(corrupt)
     check_run_flags(path, state["args"], flags)
     return state
 
 
 def resume_file(args, run_flags, prog):
-    """The checkpoint --resume continues from (OUT/checkpoint.pt, or the one named), read_file's checks, and it
-    must leave steps to run (check_steps_left)."""
+    """The checkpoint --resume continues from (OUT/checkpoint.pt, or the one named), read_file's checks; it leaves
+    steps to run."""
     path = os.path.join(args.out, "checkpoint.pt") if args.resume == "latest" else args.resume
     state = read_file(path, {k: getattr(args, k) for k in run_flags}, prog)
     check_steps_left(path, state["step"], args)
+    if state["step"] >= args.steps:
+        raise UsageError(
+            f"--resume {path}: the run already finished its {args.steps} steps; run without --resume to "
+            "start again, or use a new --out"
+        )
     return state
+
+
+def _pickled(error):
+    """Whether torch.load(weights_only=True) refused a pickled object (not a damaged file)."""
+    return isinstance(error, pickle.UnpicklingError) and (
+        "weights_only" in str(error) or "Unsupported global" in str(error)
+    )
+
+
+_REFUSED = "refused: it holds a pickled Python object, not tensors (loading it could run code)"
 
 
 def load_file(state, model, optimizer):
@@ -156,8 +156,7 @@ def load_file(state, model, optimizer):
 
 
 def export_pretrained(model, tokenizer, path):
-    """model.save_pretrained and tokenizer.save_pretrained into `path` (AutoModelForCausalLM.from_pretrained loads it),
-    written into a temporary folder then renamed: a kill leaves the old folder or the new one, never half of one."""
+    """model.save_pretrained and tokenizer.save_pretrained into `path` (PATH.tmp renamed), for from_pretrained."""
     shutil.rmtree(path + ".tmp", ignore_errors=True)
     model.save_pretrained(path + ".tmp")
     tokenizer.save_pretrained(path + ".tmp")
@@ -166,25 +165,19 @@ def export_pretrained(model, tokenizer, path):
     return path
 
 
-# ---------------------------------------------------------------------------------------------
-# train_full.py: DCP shards, one folder per checkpoint
-# ---------------------------------------------------------------------------------------------
+# === train_full.py: DCP shards, one folder per checkpoint =============================================================
 SHARDS_FORMAT = 2  # 2: tensors (DCP) + RNG as tensors + JSON; 1 (before): pickled RNG state, optimizer param_groups
 STEP_DIR = re.compile(r"^step_(\d+)$")
 MIDPOINT_FLAGS = ("static_n", "static_k")  # null in a checkpoint of a train_full.py before 2026-11: the midpoint
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be resumed: missing, truncated, corrupt, of an older format, or holding
-    a pickled object. The message names the file and the fix (one line, exit 2)."""
+    """A checkpoint that cannot be resumed; the message names the file and the fix (one line, exit 2)."""
 
 
 def resume_shards(args, run_flags):
-    """The checkpoint folder to continue from (--resume), checked before any work: complete, readable,
-    of this format, holding no pickled object, written by a run with these `run_flags` ({flag: value}). A fresh
-    run's --out must hold no checkpoint (nothing is overwritten). Returns the folder or None."""
-    if args.eval_only:
-        return None
+    """The checkpoint folder --resume continues from, checked before any work (read_shards, check_run_flags); a
+    fresh run's --out must hold no checkpoint (nothing is overwritten). Returns the folder or None."""
     if not args.resume:
         if find_shards("latest", args.out):
             raise UsageError(
@@ -205,11 +198,7 @@ def resume_shards(args, run_flags):
 
     midpoint = d3s.dynamic_schedule(1, 2, args.n_init, args.n_final, args.k_init, args.k_final)
     check_run_flags(path, meta["run"], run_flags, midpoint=dict(zip(MIDPOINT_FLAGS, midpoint)))
-    if args.stop_after is not None and args.stop_after <= meta["step"]:
-        raise UsageError(
-            f"--stop-after {args.stop_after}: the checkpoint {path} is already at step {meta['step']}; "
-            "raise --stop-after or drop it"
-        )
+    check_steps_left(path, meta["step"], args)
     if meta["step"] >= args.steps and _finished(args):  # a run killed before its end's export or evaluation: on
         raise UsageError(  # --resume finishes them, once
             f"--resume {path}: the run already finished its {args.steps} steps (OUT/hf_final and its final "
@@ -236,8 +225,8 @@ def shards_state(run_flags, order, history):
 
 
 def restore_shards(path, model, optimizer, order, args, world):
-    """Model and optimizer shards, RNG and data position from a checkpoint; says so (rank 0) and returns its
-    completed steps and their history (a checkpoint of before 2026-11-27 has the grad norms only)."""
+    """Model and optimizer shards, RNG and data position from a checkpoint; says so (rank 0); returns its completed
+    steps and their history (a checkpoint of before 2026-11-27 has the grad norms only)."""
     meta = load_shards(path, model, optimizer, world)
     order.load_state_dict(meta["order"])
     if world.is_main:
@@ -276,18 +265,12 @@ def other_ranks_note(path, ranks, args):
 
 
 def save_shards(model, optimizer, out, step, trainer_state, world, keep):
-    """OUT/checkpoints/step_NNNNNN (NNNNNN: the number of completed steps): the model and AdamW's
-    state as tensors (DCP shards; the optimizer's param_groups are not saved, they follow from the
-    run's flags), each rank's RNG as tensors (rng_rankR.pt), and trainer_state.json (the format,
-    the step, the world size, and train_full's JSON: data position, the run's flags). Nothing in it
-    needs pickle to load beyond DCP's .metadata, which load_shards reads with an allow-list.
+    """OUT/checkpoints/step_NNNNNN (NNNNNN: the completed steps): the model and AdamW's state as DCP shards (no
+    param_groups: they follow from the flags), each rank's RNG as tensors (rng_rankR.pt), and trainer_state.json
+    (format, step, world size, `trainer_state`). Only DCP's .metadata needs pickle: read_shards allow-lists it.
 
-    Written to step_NNNNNN.tmp and renamed when complete: a run killed at any moment leaves
-    either a complete checkpoint or a .tmp folder that --resume ignores. The newest `keep` stay,
-    the older ones removed only once the new one is complete. A full disk on any rank raises
-    DiskFull on every rank (attempt, where the barriers were), the .tmp folder removed: the last
-    checkpoint stays as it was.
-    """
+    Written to step_NNNNNN.tmp (--resume ignores one) and renamed; the older ones beyond the newest `keep` are removed
+    after. A full disk on any rank raises DiskFull on every rank (attempt), the .tmp folder removed."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -301,9 +284,7 @@ def save_shards(model, optimizer, out, step, trainer_state, world, keep):
                 os.makedirs(tmp)
         model_sd, optim_sd = get_state_dict(model, optimizer)
         with attempt(tmp, out, world):
-            dcp.save(
-                {"model": model_sd, "optim": {"state": optim_sd["state"]}}, checkpoint_id=tmp
-            )  # raises on all ranks
+            dcp.save({"model": model_sd, "optim": {"state": optim_sd["state"]}}, checkpoint_id=tmp)  # on all ranks
             version, words, gauss = random.getstate()
             rng = {
                 "torch": torch.get_rng_state(),
@@ -317,9 +298,8 @@ def save_shards(model, optimizer, out, step, trainer_state, world, keep):
         with attempt(tmp, out, world):
             if world.is_main:
                 with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-                    json.dump(
-                        {"format": SHARDS_FORMAT, "step": step, "world": world.size, **trainer_state}, f, indent=1
-                    )
+                    state = {"format": SHARDS_FORMAT, "step": step, "world": world.size, **trainer_state}
+                    json.dump(state, f, indent=1)
                 shutil.rmtree(final, ignore_errors=True)  # resumed from an older checkpoint: this step is redone
                 os.replace(tmp, final)  # atomic: the checkpoint exists only once it is complete
                 done = sorted(d for d in os.listdir(root) if STEP_DIR.match(d))
@@ -343,28 +323,19 @@ def find_shards(spec, out):
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """DCP's .metadata is a pickle: allow the classes DCP writes there (its metadata dataclasses, torch
-    sizes, dtypes and layouts, paths), refuse anything else before it runs."""
+    """DCP's .metadata is a pickle: the classes DCP writes there (its dataclasses, torch sizes, dtypes and layouts,
+    paths) allowed, anything else refused before it runs."""
 
-    ALLOWED = {
-        ("torch", "Size"),
-        ("torch.serialization", "_get_layout"),
-        ("pathlib", "PosixPath"),
-        ("pathlib", "PurePosixPath"),
-        ("pathlib", "WindowsPath"),
-        ("pathlib", "PureWindowsPath"),
-    }
+    ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout")}
+    ALLOWED |= {("pathlib", path) for path in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")}
 
     def find_class(self, module, name):
         obj = getattr(sys.modules.get(module), name, None) if module in sys.modules else None
+        dcp = module in ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
         if (
             (module, name) in self.ALLOWED
             or (module == "torch" and isinstance(obj, torch.dtype))
-            or (
-                module in ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
-                and isinstance(obj, type)
-                and name != "BytesStorageMetadata"
-            )
+            or (dcp and isinstance(obj, type) and name != "BytesStorageMetadata")
         ):
             return super().find_class(module, name)
         raise _Refused(f"{module}.{name}")
@@ -375,9 +346,8 @@ class _Refused(pickle.UnpicklingError):
 
 
 def read_shards(path, rank=None):
-    """Check a checkpoint folder without loading it into a model (cheap: before any model is built) and
-    return its trainer_state. Raises CheckpointError for a missing, truncated, corrupt or older
-    checkpoint, or one that holds a pickled object (in .metadata or an RNG file)."""
+    """Check a checkpoint folder before any model is built and return its trainer_state. CheckpointError: missing,
+    truncated, corrupt, older, or holding a pickled object (in .metadata or an RNG file)."""
     importlib.import_module("torch.distributed.checkpoint.filesystem")  # the classes .metadata names
 
     fix = "resume from an older checkpoint (--resume OUT/checkpoints/step_NNNNNN) or start a new run with a new --out"
@@ -405,17 +375,13 @@ def read_shards(path, rank=None):
         for info in metadata.storage_data.values():  # every shard file holds the bytes .metadata points to
             shard = os.path.join(path, info.relative_path)
             if not os.path.isfile(shard) or os.path.getsize(shard) < info.offset + info.length:
-                raise CheckpointError(
-                    f"{shard}: {'truncated' if os.path.isfile(shard) else 'missing'} (the write did "
-                    f"not complete); {fix}"
-                )
+                what = "truncated" if os.path.isfile(shard) else "missing"
+                raise CheckpointError(f"{shard}: {what} (the write did not complete); {fix}")
     except FileNotFoundError:
         raise CheckpointError(f"{path}/.metadata: missing (the shards were not written completely); {fix}") from None
     except _Refused as e:  # (non-tensor entries, BytesStorageMetadata, would be unpickled by DCP: refused too)
-        raise CheckpointError(
-            f"{path}/.metadata: refused: it holds a pickled object ({e}) that train_full never "
-            f"writes there (loading it could run code); {fix}"
-        ) from None
+        why = f"it holds a pickled object ({e}) that train_full never writes there (loading it could run code)"
+        raise CheckpointError(f"{path}/.metadata: refused: {why}; {fix}") from None
     except CheckpointError:
         raise
     except Exception as e:  # UnpicklingError, EOFError, ...: a damaged file
@@ -433,21 +399,17 @@ def _load_rng_file(rng_file, fix):
         rng = torch.load(rng_file, weights_only=True)
         assert isinstance(rng, dict) and all(isinstance(v, torch.Tensor) for v in rng.values())
         return rng
-    except pickle.UnpicklingError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        if "weights_only" in str(e) or "Unsupported global" in str(e):
-            raise CheckpointError(
-                f"{rng_file}: refused: it holds a pickled Python object, not tensors (loading it could run code); {fix}"
-            ) from None
-        raise CheckpointError(f"{rng_file}: truncated or corrupt ({first}); {fix}") from None
     except Exception as e:
-        raise CheckpointError(f"{rng_file}: truncated or corrupt ({type(e).__name__}); {fix}") from None
+        if _pickled(e):
+            raise CheckpointError(f"{rng_file}: {_REFUSED}; {fix}") from None
+        unpickling = isinstance(e, pickle.UnpicklingError)
+        detail = (str(e).strip().splitlines() or [""])[0] if unpickling else type(e).__name__
+        raise CheckpointError(f"{rng_file}: truncated or corrupt ({detail}); {fix}") from None
 
 
 def load_shards(path, model, optimizer, world):
-    """Restore the model and AdamW's state (any world size: DCP reshards the shards) and, when the
-    world size is the one that wrote it, this rank's RNG; returns trainer_state. Every file is
-    checked first (read_shards): DCP then reads tensors only."""
+    """Restore the model and AdamW's state (DCP reshards them to any world size) and, at the world size that wrote
+    it, this rank's RNG; returns trainer_state. Checked first (read_shards): DCP then reads tensors only."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -462,29 +424,22 @@ def load_shards(path, model, optimizer, world):
             f"{path}: its shards cannot be read ({first}): truncated or corrupt, or from another "
             "model; resume from an older checkpoint or start a new run with a new --out"
         ) from None
-    set_state_dict(
-        model,
-        optimizer,
-        model_state_dict=state["model"],
-        optim_state_dict={"state": state["optim"]["state"], "param_groups": optim_sd["param_groups"]},
-    )
+    optim_state = {"state": state["optim"]["state"], "param_groups": optim_sd["param_groups"]}
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=optim_state)
     rng_file = os.path.join(path, f"rng_rank{world.rank}.pt")
     if meta["world"] == world.size and os.path.exists(rng_file):  # another world size: sampling is seeded per prompt
         rng = _load_rng_file(rng_file, "start a new run")
         torch.set_rng_state(rng["torch"])
-        gauss = float(rng["python_gauss"][0])
-        random.setstate(
-            (int(rng["python_version"]), tuple(rng["python_words"].tolist()), None if math.isnan(gauss) else gauss)
-        )
+        gauss, words = float(rng["python_gauss"][0]), tuple(rng["python_words"].tolist())
+        random.setstate((int(rng["python_version"]), words, None if math.isnan(gauss) else gauss))
         if "cuda" in rng and world.device.type == "cuda":
             torch.cuda.set_rng_state(rng["cuda"])
     return meta
 
 
 def export_hf(model, tokenizer, path, world, out):
-    """save_pretrained of the full weights (rank 0), in the base model's dtype: loadable by
-    transformers' from_pretrained and by vLLM. Written to PATH.tmp, then renamed; a full disk
-    raises DiskFull on every rank (`out`: the run's folder, for its line)."""
+    """save_pretrained of the full weights (rank 0) in the base model's dtype, for from_pretrained and vLLM; PATH.tmp
+    renamed. A full disk raises DiskFull on every rank (`out`: the run's folder, for its line)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from transformers import AutoModelForCausalLM
 
@@ -494,11 +449,8 @@ def export_hf(model, tokenizer, path, world, out):
         with attempt(tmp, out, world):  # a full disk: DiskFull on every rank
             if world.is_main:
                 config = model.config
-                dtype = (
-                    config.dtype
-                    if isinstance(config.dtype, torch.dtype)
-                    else getattr(torch, str(config.dtype or "float32"))
-                )
+                dtype = config.dtype
+                dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype or "float32"))
                 config.use_cache = True
                 with torch.device("meta"):
                     shell = AutoModelForCausalLM.from_config(config)  # a plain class for save_pretrained (not FSDP's)

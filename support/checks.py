@@ -101,9 +101,7 @@ def _on_any_rank(bad, world):
     return bool(all_reduce(bool(bad), world, dist.ReduceOp.MAX))
 
 
-# ---------------------------------------------------------------------------------------------
-# train_small.py
-# ---------------------------------------------------------------------------------------------
+# === train_small.py ===================================================================================================
 def finite_warm_start(warm, args, train_rows):
     """check_finite on train_small.py's warm start (model, tokenizer, info) and its first training prompt; returns
     `warm`. The line names --model (or the tiny model) and the warm start's cache folder, where there is one."""
@@ -117,16 +115,12 @@ def finite_warm_start(warm, args, train_rows):
 
 def fit_prompts(args, train_rows, eval_rows, prog="train_small.py"):
     """train_small.py's --train-file and --eval-file rows whose prompt fits the model's context less --max-new-tokens
-    (mathtask.fit_context), checked before any work: a longer one stops the run with one line naming its file:line,
-    its length and the limit (exit 2), or with --drop-long-prompts (choice) is left out, counted in one line and in
-    args.dropped_long_prompts (summary.json). The generated task's prompts are short by construction: not checked.
-    A model whose tokenizer or config does not load is left to warmstart.load_base_model's line."""
+    (mathtask.fit_context, before any work): a longer one stops the run with one line (file:line, length, limit; exit
+    2) or, with --drop-long-prompts (choice), is left out and counted (args.dropped_long_prompts: summary.json). The
+    generated task's prompts are short by construction; a model that does not load is warmstart.load_base_model's."""
     args.dropped_long_prompts = 0
-    files = [
-        (f, path, rows)
-        for f, path, rows in (("--train-file", args.train_file, train_rows), ("--eval-file", args.eval_file, eval_rows))
-        if path
-    ]
+    given = (("--train-file", args.train_file, train_rows), ("--eval-file", args.eval_file, eval_rows))
+    files = [(flag, path, rows) for flag, path, rows in given if path]
     if not files:
         return train_rows, eval_rows
     if args.model is None:
@@ -139,9 +133,8 @@ def fit_prompts(args, train_rows, eval_rows, prog="train_small.py"):
 
         try:
             tokenizer = AutoTokenizer.from_pretrained(os.path.expanduser(args.model))
-            window = getattr(
-                AutoConfig.from_pretrained(os.path.expanduser(args.model)), "max_position_embeddings", None
-            )
+            config = AutoConfig.from_pretrained(os.path.expanduser(args.model))
+            window = getattr(config, "max_position_embeddings", None)
         except (OSError, ValueError):
             return train_rows, eval_rows
     if not window:  # a model without a position limit: nothing to check
@@ -153,28 +146,20 @@ def fit_prompts(args, train_rows, eval_rows, prog="train_small.py"):
         )
     limit = window - args.max_new_tokens
     why = f"the model's context of {window} positions less --max-new-tokens {args.max_new_tokens}"
-    fitted = {}
+    fitted, drop = {}, getattr(args, "drop_long_prompts", False)
+    prompt = lambda r: format_prompt(r["problem"], args.template)
     for flag, path, rows in files:
-        prompt = lambda r: format_prompt(r["problem"], args.template)
-        fitted[flag], dropped = fit_context(
-            rows, prompt, tokenizer, limit, why, drop=getattr(args, "drop_long_prompts", False)
-        )
+        fitted[flag], dropped = fit_context(rows, prompt, tokenizer, limit, why, drop=drop)
         if not fitted[flag]:
             raise DataError(f"{flag} {path}: no prompt fits in {limit} tokens ({why}); shorten them or raise the limit")
         if dropped:
-            print(
-                f"{prog}: --drop-long-prompts: left out {dropped} of the {len(rows)} rows of {path} (prompts longer "
-                f"than {limit} tokens)",
-                file=sys.stderr,
-                flush=True,
-            )
+            left = f"left out {dropped} of the {len(rows)} rows of {path} (prompts longer than {limit} tokens)"
+            print(f"{prog}: --drop-long-prompts: {left}", file=sys.stderr, flush=True)
         args.dropped_long_prompts += dropped
     return fitted.get("--train-file", train_rows), fitted.get("--eval-file", eval_rows)
 
 
-# ---------------------------------------------------------------------------------------------
-# train_full.py
-# ---------------------------------------------------------------------------------------------
+# === train_full.py ====================================================================================================
 def check_args(p, args, ranks):
     """The checks of several flags together and of the paths, before any work (no model, data or process group
     yet), each a line through p.error (exit 2); each flag's own range is in its declaration. Fills in the
@@ -235,9 +220,8 @@ def check_args(p, args, ranks):
         p.error(
             f"--model {args.model}: no such folder; pass a model folder (config.json, weights, tokenizer) or a hub name"
         )
-    for flag, spec in [("--train-data", args.train_data)] * (not args.eval_only) + [
-        ("--eval-data", s) for s in args.eval_data
-    ]:
+    specs = [("--train-data", args.train_data)] * (not args.eval_only) + [("--eval-data", s) for s in args.eval_data]
+    for flag, spec in specs:
         check_data_spec(p, flag, spec)
     args.eval_data = expand_specs(args.eval_data)
     cli.check_out_dir(p, "--out", args.out)
@@ -245,10 +229,9 @@ def check_args(p, args, ranks):
 
 
 def check_machine(args, ranks):
-    """What this machine must have for the run (main only: tests and bench/memory.py parse flags for
-    other machines): CUDA for --device cuda (else why not: gpu.cuda_diagnosis), vLLM for --rollout vllm,
-    and, with both, a GPU the setting fits (gpu.vllm_memory_plan: trainer and vLLM together) and no
-    VLLM_BATCH_INVARIANT on compute capability 8.x (engines.check_batch_invariant)."""
+    """What this machine must have for the run (main only: tests and bench/memory.py parse flags for other machines):
+    CUDA for --device cuda (else gpu.cuda_diagnosis), vLLM for --rollout vllm, and, with both, a GPU the setting fits
+    (gpu.vllm_memory_plan) and no VLLM_BATCH_INVARIANT on compute capability 8.x (engines.check_batch_invariant)."""
     from support.engines import check_batch_invariant
     from support.gpu import cuda_diagnosis, vllm_memory_plan
 
@@ -267,15 +250,9 @@ def check_machine(args, ranks):
             config = AutoConfig.from_pretrained(args.model)
         except (OSError, ValueError):  # no config to read: load_inputs names the model's fault in its line
             return
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        vllm_memory_plan(
-            config,
-            args,
-            ranks,
-            torch.cuda.get_device_properties(local).total_memory,
-            host_bytes=host_available(),
-            local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-        )
+        gpu_bytes = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0"))).total_memory
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        vllm_memory_plan(config, args, ranks, gpu_bytes, host_bytes=host_available(), local_ranks=local_ranks)
 
 
 def host_available():
@@ -319,12 +296,10 @@ def expand_specs(items):
 
 
 def load_inputs(args):
-    """Tokenizer, stop tokens, training prompts and eval sets: read on every rank before the process
-    group exists, so that a bad model folder or data file stops every rank with exit 2 at once.
-    Returns (tokenizer, stop_ids, prompts (None with --eval-only), eval sets, a note on what was dropped). The
-    training prompts: those that fit the model's context less --max-response-len (mathtask.fit_context: a longer
-    one named with file:line, or left out and counted with --drop-long-prompts); then --max-prompt-len, a budget,
-    drops (and counts) those that fit but are longer than it."""
+    """Tokenizer, stop tokens, training prompts and eval sets, read on every rank before the process group exists:
+    a bad model folder or data file stops every rank with exit 2 at once. Returns (tokenizer, stop_ids, prompts (None
+    with --eval-only), eval sets, a note on what was dropped). The prompts fit the context less --max-response-len
+    (mathtask.fit_context); --max-prompt-len, a budget, drops (and counts) those that fit but are longer."""
     import transformers
     from huggingface_hub.utils import logging as hub_logging
     from transformers import AutoConfig
@@ -368,29 +343,24 @@ def load_inputs(args):
             f"--max-prompt-len {args.max_prompt_len}: no prompt of {args.train_data} is that short "
             f"({too_long} longer); raise it"
         )
+    n_long = args.dropped_long_prompts
+    over_context = f", {n_long} longer than the model's context dropped (--drop-long-prompts)" if n_long else ""
     note = (
         f"{len(prompts)} prompts ({dropped} rows without an answer dropped, {too_long} longer than "
-        f"{args.max_prompt_len} tokens dropped"
-        + (
-            f", {args.dropped_long_prompts} longer than the model's context dropped (--drop-long-prompts)"
-            if args.dropped_long_prompts
-            else ""
-        )
-        + ")"
+        f"{args.max_prompt_len} tokens dropped{over_context})"
     )
     return tokenizer, stop_ids, prompts, eval_sets, note
 
 
 def _load_eval_sets(args, tokenizer, context):
-    """Every --eval-data benchmark, read and tokenized once, before any work (a bad file stops the run
-    at its start, not after training): [(name, problems, rows without an answer, prompts too long)]."""
+    """Every --eval-data benchmark, read and tokenized once before any work (a bad file stops the run at its start):
+    [(name, problems, rows without an answer, prompts too long)]."""
     sets = []
     for spec in args.eval_data:
         rows, dropped = load_problems(spec, drop_missing=True, limit=args.eval_limit or None)
         problems, too_long = _encode_prompts(rows, tokenizer, args.template, max_prompt_len=context - 1)
-        sets.append(
-            (os.path.splitext(os.path.basename(spec))[0] if os.path.exists(spec) else spec, problems, dropped, too_long)
-        )
+        name = os.path.splitext(os.path.basename(spec))[0] if os.path.exists(spec) else spec
+        sets.append((name, problems, dropped, too_long))
     return sets
 
 

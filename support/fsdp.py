@@ -27,31 +27,20 @@ class World:
 
 
 def init_distributed(device_type, cpu_offload=False):
-    """Join the torchrun process group (or make a world of one): nccl on CUDA, gloo on CPU; with
-    --cpu-offload on CUDA both (cpu:gloo,cuda:nccl), for the collectives on the host-resident shards
-    (the gradient norm of clip_grad_norm_, the broadcast of the initial weights).
-
-    vLLM's external_launcher reads the same RANK / LOCAL_RANK / MASTER_ADDR / MASTER_PORT, so a
-    plain `python train_full.py` sets them for a world of one.
-    """
+    """Join the torchrun process group (or make a world of one): nccl on CUDA, gloo on CPU; with --cpu-offload on
+    CUDA both (cpu:gloo,cuda:nccl), for the collectives on the host-resident shards (clip_grad_norm_'s norm, the
+    initial weights' broadcast). vLLM's external_launcher reads the same RANK / LOCAL_RANK / MASTER_ADDR /
+    MASTER_PORT, so a plain `python train_full.py` sets them for a world of one."""
     if "RANK" not in os.environ:  # not under torchrun: a world of one
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        os.environ.update(
-            RANK="0",
-            WORLD_SIZE="1",
-            LOCAL_RANK="0",
-            LOCAL_WORLD_SIZE="1",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-        )
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     local_rank = int(os.environ["LOCAL_RANK"])
+    device = torch.device("cuda", local_rank) if device_type == "cuda" else torch.device("cpu")
     if device_type == "cuda":
-        device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
     if not dist.is_initialized():
         backend = ("cpu:gloo,cuda:nccl" if cpu_offload else "nccl") if device_type == "cuda" else "gloo"
         dist.init_process_group(
@@ -61,10 +50,8 @@ def init_distributed(device_type, cpu_offload=False):
 
 
 def gather_rows(local, world):
-    """Concatenate a [rows, ...] tensor over all ranks in rank order; rows may differ per rank.
-
-    Returns (global tensor on CPU, rows per rank). Pads to the largest rank for all_gather.
-    """
+    """Concatenate a [rows, ...] tensor over all ranks in rank order; rows may differ per rank (padded to the largest
+    for all_gather). Returns (global tensor on CPU, rows per rank)."""
     dtype = local.dtype
     send = local.to(world.device, torch.uint8 if dtype == torch.bool else dtype)
     rows = torch.tensor([send.shape[0]], device=world.device)
@@ -99,16 +86,12 @@ def gather_global(local, mine, total, world):
 def assign_rollouts(lengths, home, ranks, m, balance):
     """Which rank trains each kept rollout of the step, and the step's m mini-batches.
 
-    lengths: prompt + response tokens of each kept rollout, in global order (rank order =
-    prompt order); home: the rank that generated it. The kept list is split into m contiguous
-    mini-batches (torch.tensor_split, as verl splits its batch), the same whatever the number of
-    ranks. With balance, each mini-batch's rollouts go longest first to the least-loaded rank
-    (LPT), so a rank whose prompts were all solved (cross-group selection kept none of them)
-    still gets its share of the work; without it each rollout stays on its home rank. Which
-    rank computes a rollout changes neither the kept set nor any normalizer.
-    Returns (owner: rank of each kept rollout, parts: m lists of global indices). Pure: the same
-    on every rank.
-    """
+    lengths: prompt + response tokens of each kept rollout, in global order (rank order = prompt order); home: the
+    rank that generated it. The kept list is split into m contiguous mini-batches (torch.tensor_split, as verl splits
+    its batch), whatever the number of ranks. With balance, each mini-batch's rollouts go longest first to the
+    least-loaded rank (LPT), so a rank whose prompts were all solved still gets its share; without it each rollout
+    stays home. Which rank computes a rollout changes neither the kept set nor any normalizer.
+    Returns (owner: rank of each kept rollout, parts: m lists of global indices); the same on every rank."""
     owner = list(home)
     parts = [part.tolist() for part in torch.arange(len(lengths)).tensor_split(m)]
     if balance:
@@ -142,21 +125,16 @@ def load_generation_config(path):
 def load_policy(args, world, reference=False):
     """The trainable policy: fp32 master weights sharded with FSDP2, compute in args.dtype.
 
-    reference=True: the same model, frozen, stored in args.dtype (bf16 on GPU: 2 bytes per
-    parameter, sharded), for the KL of --kl-ref.
-    Memory: rank 0 reads the checkpoint on CPU, every other rank builds the model on the meta
-    device; after fully_shard the full weights are broadcast from rank 0 and each rank keeps
-    only its shard, so a 7B model never sits 8 times in host memory. With --cpu-offload the
-    shards stay in host memory (FSDP2's CPUOffloadPolicy) and only the buffers go to the GPU.
-    """
+    reference=True: the same model, frozen, stored in args.dtype (bf16 on GPU, sharded), for the KL of --kl-ref.
+    Memory: rank 0 reads the checkpoint on CPU, the others build the model on the meta device; after fully_shard
+    rank 0 broadcasts the full weights and each rank keeps its shard, so a 7B model never sits 8 times in host
+    memory. With --cpu-offload the shards stay in host memory (CPUOffloadPolicy), only the buffers go to the GPU."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from transformers import AutoConfig, AutoModelForCausalLM
 
     storage = getattr(torch, args.dtype) if reference else torch.float32
     config = AutoConfig.from_pretrained(args.model)
-    full_state = None
-    if world.is_main:
-        full_state = AutoModelForCausalLM.from_pretrained(args.model, dtype=storage).state_dict()
+    full_state = AutoModelForCausalLM.from_pretrained(args.model, dtype=storage).state_dict() if world.is_main else None
     checkpoint_dtype = config.dtype  # e.g. bfloat16: what export_hf writes
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=storage)
@@ -167,23 +145,15 @@ def load_policy(args, world, reference=False):
         model, full_state or {}, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     )
     _init_rotary_buffers(model, world.device)  # non-persistent: not in the checkpoint, garbage after to_empty
-    if reference:
-        return model.eval().requires_grad_(False)
-    model.train()
-    return model
+    return model.eval().requires_grad_(False) if reference else model.train()
 
 
 def shard_policy(model, args, mesh=None):
-    """FSDP2 in place: activation checkpointing, tiled MLPs, fully_shard per decoder layer and the
-    untied embedding, then the root.
-
-    fp32 master weights, compute in args.dtype, fp32 gradient reduction; gradients are SUMMED
-    over ranks (the loss already divides by the global token count). --cpu-offload (choice):
-    FSDP2's CPUOffloadPolicy keeps the sharded fp32 weights, their gradients and so AdamW's
-    moments and step in host memory; each unit's weights are copied to the GPU for its forward
-    and backward, and its gradients back (docs/train_full.md, "One GPU"). bench/memory.py calls
-    this too, so the memory plan simulates the very wrapping that trains.
-    """
+    """FSDP2 in place: activation checkpointing, tiled MLPs, fully_shard per decoder layer and the untied embedding,
+    then the root. fp32 master weights, compute in args.dtype, fp32 gradient reduction, SUMMED over ranks (the loss
+    already divides by the global token count). --cpu-offload (choice): CPUOffloadPolicy keeps the sharded weights,
+    their gradients and so AdamW's state in host memory, each unit's weights copied to the GPU for its forward and
+    backward (docs/train_full.md, "One GPU"). bench/memory.py calls this too: the plan simulates the real wrapping."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     if args.activation_checkpointing:
@@ -192,19 +162,13 @@ def shard_policy(model, args, mesh=None):
         chunk_mlps(model, args.mlp_chunk_tokens)
     compute = getattr(torch, args.dtype)
     mp = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)  # fp32 master weights + reductions
-    # pinned host memory where there is a GPU to copy to (pin_memory needs one)
-    kw = {
-        "mesh": mesh,
-        "mp_policy": mp,
-        "offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
-        if getattr(args, "cpu_offload", False)
-        else OffloadPolicy(),
-    }
+    offload = OffloadPolicy()
+    if getattr(args, "cpu_offload", False):  # pinned host memory where there is a GPU to copy to (pin_memory needs one)
+        offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    kw = {"mesh": mesh, "mp_policy": mp, "offload_policy": offload}
     for layer in model.model.layers:
         fully_shard(layer, **kw)
-    if (
-        not model.config.tie_word_embeddings
-    ):  # an untied embedding (the 7B) is needed in forward only: 1 GiB freed after it
+    if not model.config.tie_word_embeddings:  # an untied embedding (the 7B) is needed in forward only: 1 GiB freed
         fully_shard(model.model.embed_tokens, **kw)
     # root (final norm, lm_head; the tied embedding): stays gathered after forward for the loss head, which calls
     # lm_head block by block; backward starts there (a no-grad forward, which has no backward, reshards it: reshard)
@@ -228,12 +192,9 @@ def reshard(model):
 
 
 def chunk_mlps(model, chunk_tokens):
-    """Tiled MLP: each decoder layer's MLP runs over slices of about chunk_tokens tokens along
-    the sequence, and with grad each slice is checkpointed (recomputed in backward). The
-    [n, L, intermediate] activations of the MLP (gate, up, their product: 5.3x the hidden size
-    for Qwen2.5) then exist for one slice at a time, in forward and in backward. Per-token,
-    so the output is the same as the whole MLP's.
-    """
+    """Tiled MLP: each decoder layer's MLP runs over slices of about chunk_tokens tokens along the sequence, each
+    checkpointed with grad. Its [n, L, intermediate] activations (gate, up, their product: 5.3x the hidden size for
+    Qwen2.5) exist for one slice at a time, in forward and backward. Per-token: the output equals the whole MLP's."""
     from torch.utils.checkpoint import checkpoint
 
     def tiled(whole, x):  # x [n, L, H]
@@ -249,8 +210,8 @@ def chunk_mlps(model, chunk_tokens):
 
 @torch.no_grad()
 def _init_rotary_buffers(model, device):
-    """The rotary buffers, computed afresh on the compute device (with --cpu-offload the model was
-    made on the CPU: FSDP2 moves weights, never buffers)."""
+    """The rotary buffers, computed afresh on the compute device (--cpu-offload made the model on the CPU: FSDP2 moves
+    weights, never buffers)."""
     for module in model.modules():
         if hasattr(module, "inv_freq") and hasattr(module, "config"):
             fresh = type(module)(module.config)

@@ -31,6 +31,8 @@ from support.fsdp import all_reduce
 
 
 MAX_BOXED_CHARS = 400  # a final answer longer than this is not an answer: reward 0
+GRADER_START_TIMEOUT_S = 120.0  # a child must import math-verify + sympy within this (seconds on a loaded node)
+GRADER_WORKERS_CAP = 8  # default_grader_workers' cap; the reasoning is in its docstring
 
 
 def _verify(pred, gold):
@@ -69,24 +71,15 @@ def _grader_worker(conn):
             return
 
 
-GRADER_START_TIMEOUT_S = 120.0  # a child must import math-verify + sympy within this (seconds on a loaded node)
-
-
-GRADER_WORKERS_CAP = 8  # default_grader_workers' cap; the reasoning is in its docstring
-
-
 def default_grader_workers(ranks_per_node, cores=None, cap=GRADER_WORKERS_CAP):
     """Grader processes per rank: max(1, min(cap, cores // ranks_per_node)).
 
-    `cores` defaults to the CPUs this process may run on (its affinity, which Slurm or a cgroup
-    narrows; os.cpu_count() where affinity is unknown); the ranks of a node share them.
-    Why cap at 8: one answer takes 11-45 ms to grade on this 2-core CPU (256 math500 gold
-    answers in 2.8 s; 512 math500/minerva/olympiadbench answers in 23 s under load, see
-    bench/grader.py), so a rank's share of 1024 answers on 8 GPUs (128) is ~1.5-6 s on one child
-    and ~0.2-0.7 s on 8. More children would save a fraction of a second next to a step of
-    minutes and next to the per-answer time limit that bounds the slowest answer, while each
-    costs a core and memory: a spawned child re-imports the main script, ~260 MB of RSS when
-    that script imports (CPU) torch, 64 MB without, so 8 ranks x 8 children is ~17 GB of RAM.
+    `cores` defaults to the CPUs this process may run on (its affinity, which Slurm or a cgroup narrows;
+    os.cpu_count() where unknown), shared by the ranks of a node. Why cap at 8: one answer takes 11-45 ms to grade on
+    this 2-core CPU (256 math500 gold answers in 2.8 s; 512 math500/minerva/olympiadbench answers in 23 s under load,
+    bench/grader.py), so a rank's share of 1024 answers on 8 GPUs (128) is ~1.5-6 s on one child and ~0.2-0.7 s on 8.
+    More would save a fraction of a second next to a step of minutes, while each costs a core and memory: a spawned
+    child re-imports the main script, ~260 MB of RSS with (CPU) torch, 64 MB without: 8 ranks x 8 children ~17 GB.
 
     >>> default_grader_workers(8, cores=224), default_grader_workers(8, cores=16), default_grader_workers(8, cores=4)
     (8, 2, 1)
@@ -102,10 +95,8 @@ def default_grader_workers(ranks_per_node, cores=None, cap=GRADER_WORKERS_CAP):
 
 
 class _Child:
-    """One grader process and what it is doing: "starting" (importing), "idle", or "busy" with `key`.
-
-    `deadline` (time.monotonic()) is when a starting child must be ready, or a busy one must answer.
-    """
+    """One grader process and what it is doing: "starting" (importing), "idle", or "busy" with `key`; `deadline`
+    (time.monotonic()): when a starting child must be ready, or a busy one must answer."""
 
     def __init__(self, ctx):
         parent, child = ctx.Pipe()
@@ -134,20 +125,15 @@ class Grader:
     Use as a context manager or call close(); grader.start() starts the children ahead of time.
     Pass all of a step's answers in one score_batch call: the children grade one call's answers.
 
-    Design. `workers` child processes each run math-verify on one (answer, gold) at a time.
-    score_batch drops what needs no grading (no \\boxed{}, too long, already in the cache, a
-    repeat within the batch), then loops: hand a waiting answer to every idle child, wait
-    (multiprocessing.connection.wait) for the first reply or deadline, repeat. An answer that
-    takes longer than timeout_s, counted from when its child got it, scores 0 and counts in
-    `timeouts`; its child is killed. So is a child that dies on an answer. Children start
-    when answers wait for them, all at once (each takes ~2 s to import math-verify), and a
-    killed one is replaced the same way, while the others keep grading. A child that dies
-    before it is ready raises RuntimeError (math-verify does not import, or the main script
-    lacks its `__main__` guard): restarting it would only loop. Rewards come back in input
-    order and do not depend on `workers`: each answer is graded alone, by the same code. The
-    limit is wall-clock, though: with more busy children than free cores, an answer that needs
-    nearly timeout_s of CPU can run past it (why default_grader_workers gives each child a core).
-    """
+    Design. `workers` child processes each run math-verify on one (answer, gold) at a time. score_batch drops what
+    needs no grading (no \\boxed{}, too long, cached, a repeat within the batch), then loops: hand a waiting answer
+    to every idle child, wait (multiprocessing.connection.wait) for the first reply or deadline, repeat. An answer
+    that takes longer than timeout_s from when its child got it scores 0 and counts in `timeouts`; its child is
+    killed, as is one that dies on an answer. Children start when answers wait, all at once (~2 s to import
+    math-verify); a killed one is replaced the same way. A child that dies before it is ready raises RuntimeError
+    (math-verify does not import, or the main script lacks its `__main__` guard): restarting would only loop.
+    Rewards come back in input order, independent of `workers`. The limit is wall-clock: with more busy children
+    than free cores, an answer needing nearly timeout_s of CPU can run past it (so each child gets a core)."""
 
     def __init__(self, timeout_s=5.0, workers=1):
         if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
@@ -166,8 +152,7 @@ class Grader:
     def start(self):
         """Start all `workers` children now, together, and wait until they are ready (optional:
         score_batch starts them when answers wait; this moves the ~2 s out of the first step)."""
-        while len(self._children) < self.workers:
-            self._children.append(_Child(self._ctx))
+        self._children += [_Child(self._ctx) for _ in range(self.workers - len(self._children))]
         while any(c.state == "starting" for c in self._children):
             self._wait({})
         return self
@@ -234,10 +219,7 @@ class Grader:
         try:
             message = child.conn.recv()
         except (EOFError, OSError):  # the child died (e.g. killed for memory)
-            message = None
-        if message is None:
-            self._fail(child, rewards)
-            return
+            return self._fail(child, rewards)
         if child.state == "busy":
             rewards[child.key] = message
         child.state = "idle"  # answered, or ready after its imports
@@ -290,10 +272,8 @@ def held_out_pass(rows, sample, grader, n, k, chunk):
     answers' texts, prompt-major; `chunk` problems per call. rows: {"prompt", "answer"[, "level"]}."""
     greedy, correct = [], []  # [E], [E] (correct samples out of n)
     for start in tqdm(range(0, len(rows), chunk), desc="eval", leave=False, dynamic_ncols=True):
-        prompts, golds = (
-            [r["prompt"] for r in rows[start : start + chunk]],
-            [r["answer"] for r in rows[start : start + chunk]],
-        )
+        part = rows[start : start + chunk]
+        prompts, golds = [r["prompt"] for r in part], [r["answer"] for r in part]
         greedy += grader.score_batch(sample(prompts, 1, True), golds)
         right = grader.score_batch(sample(prompts, n, False), [g for g in golds for _ in range(n)])
         correct += [sum(right[i * n : (i + 1) * n]) for i in range(len(prompts))]
@@ -337,8 +317,9 @@ def evaluate(engine, grader, *, tokenizer, stop_ids, eval_sets, args, world, tag
         per = math.ceil(len(problems) / world.size)
         mine = list(range(world.rank * per, min((world.rank + 1) * per, len(problems))))
         greedy = args.eval_temperature == 0  # one answer per problem, counted n times: one rule for every engine
-        outs = (
-            engine.generate(
+        outs = []
+        if mine:
+            outs = engine.generate(
                 [problems[i]["prompt_ids"] for i in mine],
                 n=1 if greedy else args.eval_samples,
                 temperature=args.eval_temperature,
@@ -347,9 +328,6 @@ def evaluate(engine, grader, *, tokenizer, stop_ids, eval_sets, args, world, tag
                 seeds=sample_seeds(args, 10**6, mine, args.eval_samples),
                 stop_ids=stop_ids,
             )
-            if mine
-            else []
-        )
         outs = [group * args.eval_samples for group in outs] if greedy else outs
         texts = [tokenizer.decode(c["token_ids"], skip_special_tokens=True) for group in outs for c in group]
         rewards = grader.score_batch(texts, [problems[i]["answer"] for i, group in zip(mine, outs) for _ in group])
@@ -384,16 +362,17 @@ def eval_record(step, results):
 
 
 def write_eval_report(results, keys, args, tag, model_name):
+    if args.eval_temperature == 0:
+        sampled = f"One greedy answer per problem (--eval-temperature 0), counted as all {args.eval_samples} samples"
+    else:
+        sampled = (
+            f"{args.eval_samples} samples per problem, temperature {args.eval_temperature}, top-p {args.eval_top_p}"
+        )
     lines = [
         f"# Evaluation of {model_name}",
         "",
-        (
-            f"One greedy answer per problem (--eval-temperature 0), counted as all {args.eval_samples} samples"
-            if args.eval_temperature == 0
-            else f"{args.eval_samples} samples per problem, temperature {args.eval_temperature}, top-p {args.eval_top_p}"
-        )
-        + f", max {args.eval_max_tokens} tokens, template {args.template}. Pass@1 = mean accuracy over the samples; "
-        "Pass@k unbiased (Chen et al., 2021).",
+        f"{sampled}, max {args.eval_max_tokens} tokens, template {args.template}. Pass@1 = mean accuracy over the "
+        "samples; Pass@k unbiased (Chen et al., 2021).",
         "",
         "| benchmark | problems | " + " | ".join(k.replace("pass", "Pass") for k in keys) + " |",
         "|---|---|" + "---|" * len(keys),
@@ -401,36 +380,15 @@ def write_eval_report(results, keys, args, tag, model_name):
     for name, row in results.items():
         cells = [f"{row[k]:.1f}" for k in keys]
         lines.append(f"| {name} | {row.get('problems', '')} | " + " | ".join(cells) + " |")
-    skipped = {
-        name: (row["dropped"], row["too_long"])
-        for name, row in results.items()
-        if row.get("dropped") or row.get("too_long")
-    }
-    for name, (dropped, too_long) in skipped.items():
-        lines.append(
-            f"\nNot evaluated in {name}: {dropped} rows without an answer, {too_long} prompts longer than the context."
-        )
+    for name, row in results.items():
+        if row.get("dropped") or row.get("too_long"):
+            why = f"{row['dropped']} rows without an answer, {row['too_long']} prompts longer than the context."
+            lines.append(f"\nNot evaluated in {name}: {why}")
     stem = os.path.join(args.out, f"eval{'_' + tag if tag else ''}")
     with open(stem + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
+    settings = ("eval_samples", "eval_temperature", "eval_top_p", "eval_max_tokens", "template", "eval_limit")
+    report = {"model": model_name, "settings": {k: getattr(args, k) for k in settings}, "results": results}
     with open(stem + ".json", "w") as f:
-        json.dump(
-            {
-                "model": model_name,
-                "settings": {
-                    k: getattr(args, k)
-                    for k in (
-                        "eval_samples",
-                        "eval_temperature",
-                        "eval_top_p",
-                        "eval_max_tokens",
-                        "template",
-                        "eval_limit",
-                    )
-                },
-                "results": results,
-            },
-            f,
-            indent=1,
-        )
+        json.dump(report, f, indent=1)
     print("\n".join(lines), flush=True)

@@ -17,9 +17,8 @@ from support.fsdp import all_reduce, reshard
 
 
 def pack(seqs, rows, pad_id, device):
-    """[pad.. prompt | response ..pad]: left-padded prompts, right-padded responses, so every
-    response starts at the same column and logits_to_keep keeps only the response positions.
-    Returns (model inputs, response targets [n, T], response mask [n, T])."""
+    """[pad.. prompt | response ..pad]: every response starts at the same column, so logits_to_keep keeps only the
+    response positions. Returns (model inputs, response targets [n, T], response mask [n, T])."""
     width_p = max(len(seqs[r]["prompt_ids"]) for r in rows)
     width_r = max(len(seqs[r]["response_ids"]) for r in rows)
     ids = torch.full((len(rows), width_p + width_r), pad_id, dtype=torch.long)
@@ -45,11 +44,8 @@ HEAD_CHUNK = 1024  # response positions per LM-head block: [1024, vocab] fp32 lo
 def response_hidden(model, inputs):
     """The final (normed) hidden states of the positions that predict the response tokens, [n, T, H].
 
-    The policy runs as usual (through the FSDP root, which gathers its parameters), but with
-    logits_to_keep=1 its LM head sees one position only; a forward hook on the decoder keeps
-    its output. So the [n, T, vocab] logits are never made: the loss head below makes them in
-    blocks, or only at the selected tokens.
-    """
+    The policy runs through the FSDP root (which gathers its parameters) with logits_to_keep=1, and a forward hook
+    on the decoder keeps its output: the [n, T, vocab] logits are never made, only blocks or the selected tokens'."""
     T = inputs["logits_to_keep"] - 1
     captured = []
     hook = model.model.register_forward_hook(lambda module, args, output: captured.append(output.last_hidden_state))
@@ -61,8 +57,8 @@ def response_hidden(model, inputs):
 
 
 def _head_logp(head, hidden, targets, temperature):
-    """log pi(target) for [m, H] hidden states: fp32 logits of one block, divided by the sampling
-    temperature (the distribution the rollouts came from); returns ([m] log-probs, [m, V] logits)."""
+    """log pi(target) for [m, H] hidden states: fp32 logits of one block over the sampling temperature (the
+    distribution the rollouts came from); returns ([m] log-probs, [m, V] logits)."""
     logits = head(hidden).float()
     if temperature != 1.0:
         logits = logits / temperature
@@ -70,11 +66,8 @@ def _head_logp(head, hidden, targets, temperature):
 
 
 def response_logp(model, inputs, targets, temperature, with_entropy):
-    """Pass 1 (no grad): log pi(o_t | ...) [n, T] of every response token, and the entropy H_t.
-
-    The LM head runs over blocks of HEAD_CHUNK positions of the hidden states, so at most one
-    [HEAD_CHUNK, vocab] fp32 block of logits exists at a time (never [n, T, vocab]).
-    """
+    """Pass 1 (no grad): log pi(o_t | ...) [n, T] of every response token, and the entropy H_t; the LM head runs in
+    blocks of HEAD_CHUNK positions: one [HEAD_CHUNK, vocab] fp32 block of logits at a time, never [n, T, vocab]."""
     hidden = response_hidden(model, inputs)  # [n, T, H]
     n, T, H = hidden.shape
     flat, flat_targets = hidden.reshape(n * T, H), targets.reshape(n * T)
@@ -92,18 +85,14 @@ def response_logp(model, inputs, targets, temperature, with_entropy):
 def response_logp_at(model, inputs, targets, positions, temperature, with_entropy=False):
     """Pass 2 (with grad): log pi of the response tokens at `positions` only, [n, T] (0 elsewhere).
 
-    positions: the tokens in the loss, a bool [n, T] mask or its (rows, cols) index. For a
-    token-selecting method (d2s, d3s, d3s-i) that is the top K (5-20%), so the LM head costs 1/K
-    less memory and FLOPs: D3S's own saving, which a full-logits loss throws away. Every other
-    method passes all valid tokens. Either way the head runs in blocks of HEAD_CHUNK positions
-    whose logits are recomputed in backward (torch.utils.checkpoint): one [HEAD_CHUNK, vocab]
-    fp32 block at a time. The loss and its gradients equal those of the full-logits head:
-    tokens outside `positions` have weight 0 in d3s.policy_loss.
+    positions: the tokens in the loss, a bool [n, T] mask or its (rows, cols) index: the top K (5-20%) of a
+    token-selecting method (d2s, d3s, d3s-i), so the LM head costs 1/K the memory and FLOPs (D3S's own saving, which
+    a full-logits loss throws away); all valid tokens for the others. Blocks of HEAD_CHUNK positions, recomputed in
+    backward (torch.utils.checkpoint). Loss and gradients equal the full-logits head's: tokens outside `positions`
+    have weight 0 in d3s.policy_loss.
 
-    with_entropy: also return d3s.token_entropy of the same logits at `positions` ([n, T], no
-    grad, 0 elsewhere), computed once in the forward (not again when backward recomputes a block):
-    the entropy metric of the methods without token selection, which need no pass 1 for it.
-    """
+    with_entropy: also d3s.token_entropy at `positions` ([n, T], no grad, 0 elsewhere), once in the forward: the
+    entropy metric of the methods without token selection, which need no pass 1 for it."""
     from torch.utils.checkpoint import checkpoint
 
     hidden = response_hidden(model, inputs)  # [n, T, H]
@@ -125,18 +114,11 @@ def response_logp_at(model, inputs, targets, positions, temperature, with_entrop
         return lp
 
     blocks = [
-        checkpoint(
-            functools.partial(block_logp, i),
-            picked[s : s + HEAD_CHUNK],
-            picked_targets[s : s + HEAD_CHUNK],
-            use_reentrant=False,
-        )
-        for i, s in enumerate(starts)
+        checkpoint(functools.partial(block_logp, i), picked[b], picked_targets[b], use_reentrant=False)
+        for i, b in enumerate(slice(s, s + HEAD_CHUNK) for s in starts)
     ]
     logp = logp.index_put(index, torch.cat(blocks))
-    if not with_entropy:
-        return logp
-    return logp, entropy.index_put(index, torch.cat(block_entropy))
+    return (logp, entropy.index_put(index, torch.cat(block_entropy))) if with_entropy else logp
 
 
 def micro_batches(lengths, size, n_micro):
@@ -147,16 +129,16 @@ def micro_batches(lengths, size, n_micro):
 
 
 def micro_batch_rows(seqs, rows, size, world, at_least=0):
-    """`rows` of seqs in micro-batches of `size` rows (longest first), as many on every rank (at least
-    `at_least`): a rank with fewer rows gets empty ones, on which it forwards DUMMY, so that FSDP's
-    all-gathers and reduce-scatters match over the ranks."""
+    """`rows` of seqs in micro-batches of `size` rows (longest first), as many on every rank (at least `at_least`):
+    a rank with fewer rows gets empty ones, on which it forwards DUMMY, so that FSDP's collectives match."""
     n_micro = max(int(all_reduce(math.ceil(len(rows) / size), world, dist.ReduceOp.MAX)), at_least)
-    return [
-        [rows[i] for i in chunk]
-        for chunk in micro_batches(
-            [len(seqs[r]["prompt_ids"]) + len(seqs[r]["response_ids"]) for r in rows], size, n_micro
-        )
-    ]
+    chunks = micro_batches([_tokens(seqs, [r]) for r in rows], size, n_micro)
+    return [[rows[i] for i in chunk] for chunk in chunks]
+
+
+def _tokens(seqs, rows):
+    """Prompt and response tokens of `rows` of seqs."""
+    return sum(len(seqs[r]["prompt_ids"]) + len(seqs[r]["response_ids"]) for r in rows)
 
 
 DUMMY = {"prompt_ids": [0], "response_ids": [0]}  # a rank with no rows left still runs FSDP's collectives
@@ -166,16 +148,13 @@ def idle_loss(model, pad_id, device, temperature):
     """A zero loss through the whole model (on DUMMY, no token selected): the backward of a rank with fewer
     micro-batches than the others, which keeps FSDP's collectives matched."""
     inputs, targets, _ = pack([DUMMY], [0], pad_id, device)
-    return (
-        response_logp_at(model, inputs, targets, torch.zeros_like(targets, dtype=torch.bool), temperature).sum() * 0.0
-    )
+    none = torch.zeros_like(targets, dtype=torch.bool)
+    return response_logp_at(model, inputs, targets, none, temperature).sum() * 0.0
 
 
 def forward_no_grad(model, seqs, rows, T, args, world, *, pad_id, with_entropy=False):
-    """log pi [B, T] (and d3s.token_entropy) of `rows` of seqs, no grad, in micro-batches. Every rank
-    runs the same number of forwards (FSDP's all-gathers): a rank with fewer rows forwards DUMMY;
-    no rank forwards when no rank has a row. Returns (log-probs, entropy or None, tokens forwarded
-    over all ranks)."""
+    """log pi [B, T] (and d3s.token_entropy) of `rows` of seqs, no grad, in micro-batches, as many on every rank
+    (micro_batch_rows); none when no rank has a row. Returns (log-probs, entropy or None, tokens over all ranks)."""
     device = world.device
     logp_out = torch.zeros(len(seqs), T, device=device)
     entropy_out = torch.zeros(len(seqs), T, device=device) if with_entropy else None
@@ -188,8 +167,4 @@ def forward_no_grad(model, seqs, rows, T, args, world, *, pad_id, with_entropy=F
                 if with_entropy:
                     entropy_out[chunk, : targets.shape[1]] = entropy
     reshard(model)  # the root's weights, gathered for the loss head: no backward follows to free them
-    return (
-        logp_out,
-        entropy_out,
-        all_reduce(sum(len(seqs[r]["prompt_ids"]) + len(seqs[r]["response_ids"]) for r in rows), world),
-    )
+    return logp_out, entropy_out, all_reduce(_tokens(seqs, rows), world)

@@ -1,9 +1,8 @@
 """support/stops.py: how a run stops, in both trainers: a preemption notice, Ctrl-C, a full disk, a bad input.
 
-Notices         SIGTERM, SIGUSR1 and a first Ctrl-C set a flag while the loop runs: the loop finishes its step,
-                writes its checkpoint and exits STOPPED (75), and --resume continues to the numbers of an
-                uninterrupted run; a second Ctrl-C stops at once (INTERRUPTED, 130). Under torchrun every rank
-                agrees on the notice, and on a full disk that one rank's own write met (agree)
+Notices         SIGTERM, SIGUSR1 or a first Ctrl-C: the loop finishes its step, writes its checkpoint and exits STOPPED
+                (75), --resume continues as if uninterrupted; a second Ctrl-C stops at once (INTERRUPTED, 130). Under
+                torchrun every rank agrees on the notice and on a full disk one rank's own write met (agree)
 disk_full, DiskFull, attempt   a full disk or quota: one line, exit DISK_FULL (74), the last checkpoint intact
 fail, usage_error_line, crashed, interruptible   how a script ends on an error: one line and its exit code
 """
@@ -29,17 +28,15 @@ NEARLY_FULL = 16 * 2**20  # bytes free below which a write's RuntimeError is tak
 
 class Notices:
     """While in its `with` block, SIGTERM and SIGUSR1 (a cluster's notice before it preempts a job: SLURM,
-    Kubernetes), SIGHUP (a closed terminal) and a first SIGINT (Ctrl-C; torchrun forwards it to every rank) do not
-    kill the process: they set `.signal` (the signal's name), so that the loop finishes its step, writes its
-    checkpoint and exits STOPPED. So does the end of the launcher: a rank whose torchrun died (its parent process is
-    another) stops after the step it is in, with the others, instead of running on as an orphan. A
-    SIGINT after that (a second Ctrl-C) stops at once: `prog`'s one line (rank 0's under torchrun) and exit
-    INTERRUPTED, with os._exit, so that nothing after it runs; every checkpoint is written to a temporary file and
-    renamed, so a write it cuts leaves the last checkpoint intact.
+    Kubernetes), SIGHUP (a closed terminal) and a first SIGINT (Ctrl-C; torchrun forwards it to every rank) set
+    `.signal` (the signal's name): the loop finishes its step, writes its checkpoint and exits STOPPED. So does the
+    end of the launcher: a rank whose torchrun died (its parent is another) stops after its step, not an orphan. A
+    second SIGINT stops at once: `prog`'s one line (rank 0's) and exit INTERRUPTED (os._exit); every checkpoint is a
+    temporary file renamed, so a write it cuts leaves the last one intact.
 
-    world (train_full.py: fsdp.World): the notice of any rank stops every rank after the same step, and a full disk
-    of a write that only this rank makes (writing(): rank 0's metrics line, its explain page) stops them all too:
-    agree() at the step's end tells every rank what any rank met. Without one, agree() is this process's notice."""
+    world (train_full.py: fsdp.World): agree() at the step's end tells every rank what any rank met: a notice, or a
+    full disk of a write that only this rank makes (writing(): rank 0's metrics line, its explain page). Without one,
+    agree() is this process's notice."""
 
     def __init__(self, prog, world=None, out="."):
         self.prog, self.world, self.out = prog, world, out
@@ -57,13 +54,8 @@ class Notices:
 
     def note(self, number, frame):
         if number == signal.SIGINT and self.signal:  # a second Ctrl-C (or one after a notice): stop now
-            interrupted(
-                self.prog,
-                "stopped at once by a second Ctrl-C (SIGINT); the last checkpoint written is intact; "
-                "continue with --resume",
-                quiet=self.quiet,
-                at_once=True,
-            )
+            line = "stopped at once by a second Ctrl-C (SIGINT); the last checkpoint written is intact; "
+            interrupted(self.prog, line + "continue with --resume", quiet=self.quiet, at_once=True)
         self.signal = signal.Signals(number).name
 
     def __exit__(self, *exc):
@@ -98,10 +90,10 @@ class Notices:
 
 
 def ctrl_c_at_once(prog, fix):
-    """Until the loop's Notices take over: a Ctrl-C (torchrun forwards one SIGINT to each rank) ends this process at
-    once, with one line (rank 0's) and exit INTERRUPTED, at any moment: while torch imports, or while the main thread
-    waits inside C++ (the rendezvous of the process group), where no Python signal handler can run: the signal then
-    wakes a thread (signal.set_wakeup_fd), which ends the process itself. Call it first thing, before the imports."""
+    """Called first, before the imports: until the loop's Notices take over, a Ctrl-C (torchrun forwards one SIGINT to
+    each rank) ends this process at once with one line (rank 0's) and exit INTERRUPTED, even while torch imports or
+    the main thread waits in C++ (the rendezvous), where no Python handler runs: the signal wakes a thread
+    (signal.set_wakeup_fd) that ends it."""
 
     def stop(*_):
         interrupted(prog, f"stopped by Ctrl-C (SIGINT); {fix}", quiet=os.environ.get("RANK", "0") != "0", at_once=True)
@@ -130,10 +122,8 @@ def stopped(prog, notice, step, checkpoint, quiet=False):
     `quiet`: the other ranks of a job); exit STOPPED."""
     notice += " (Ctrl-C)" if notice == "SIGINT" else ""
     if not quiet:
-        tqdm.write(
-            f"{prog}: stopped by {notice} after step {step}; checkpoint {checkpoint}; continue with --resume",
-            file=sys.stderr,
-        )
+        line = f"{prog}: stopped by {notice} after step {step}; checkpoint {checkpoint}; continue with --resume"
+        tqdm.write(line, file=sys.stderr)
     sys.exit(STOPPED)
 
 
@@ -161,10 +151,9 @@ def interruptible(main, prog, fix="run the same command again"):
 
 @contextlib.contextmanager
 def sigint_ignored():
-    """Child processes started in the block ignore SIGINT from their first instruction (the setting is inherited,
-    and Python leaves an ignored SIGINT ignored): a Ctrl-C at a terminal reaches the whole process group, and it is
-    the parent's to act on, so no worker or grader child prints a KeyboardInterrupt traceback of its own. A Ctrl-C
-    in the block itself (the few milliseconds of a process start) is lost. Main thread only (elsewhere: no-op)."""
+    """Child processes started in the block ignore SIGINT from their first instruction (inherited): a terminal's Ctrl-C
+    reaches the whole process group and is the parent's to act on, so no child prints a KeyboardInterrupt traceback.
+    A Ctrl-C in the block itself (milliseconds) is lost. Main thread only (elsewhere: no-op)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -175,9 +164,7 @@ def sigint_ignored():
         signal.signal(signal.SIGINT, previous)
 
 
-# ---------------------------------------------------------------------------------------------
-# A full disk: one line, exit DISK_FULL, whichever writer met it and on whichever rank
-# ---------------------------------------------------------------------------------------------
+# === A full disk: one line, exit DISK_FULL, whichever writer met it and on whichever rank =============================
 def disk_full(error, path="."):
     """The OSError of a full disk or quota (ENOSPC, EDQUOT) behind `error`, or None; the run stops with one line
     (DISK_FULL). Writers say it in several ways: an OSError (open, write, close), safetensors' "No space left on
@@ -219,9 +206,8 @@ def _on_another_rank(path):
 
 @contextlib.contextmanager
 def attempt(path, out, world):
-    """A write (to `path`) that every rank enters and leaves together, in place of a barrier: a full disk on ANY
-    rank (disk_full) raises DiskFull on EVERY rank as they leave (one all-reduce), so no rank waits for one
-    that stopped. Another error is raised on its own rank (train_full.entry ends the job)."""
+    """A write (to `path`) that every rank enters and leaves together, in place of a barrier: a full disk on ANY rank
+    raises DiskFull on EVERY rank as they leave (one all-reduce). Another error is raised on its own rank."""
     import torch.distributed as dist
 
     from support.fsdp import all_reduce
@@ -248,24 +234,19 @@ def noting(faults, path):
 
 
 def disk_full_line(prog, error, out):
-    """The one line of a full disk (`error` from disk_full) while the run wrote a file. Every write is a temporary
-    file renamed into place (checkpoints, exports) or an appended line that a resume drops, so the last checkpoint is
-    intact."""
+    """The one line of a full disk (`error` from disk_full); every write is a temporary file renamed into place or an
+    appended line that a resume drops, so the last checkpoint is intact."""
     return (
         f"{prog}: error: no space left on the device while writing {error.filename or out} ({error.strerror}); "
         f"the last checkpoint in {out} is intact: free space, then continue with --resume"
     )
 
 
-# ---------------------------------------------------------------------------------------------
-# How a script ends on an error: one line and its exit code
-# ---------------------------------------------------------------------------------------------
+# === How a script ends on an error: one line and its exit code =======================================================
 def fail(prog, error, out=None, at_once=False):
-    """The one line of a bad flag, file, model or checkpoint (a str or ValueError: UsageError, DataError,
-    CheckpointError; exit 2) or of a full disk (DiskFull or an error disk_full recognises; exit DISK_FULL); any
-    other error is raised on. Under torchrun the line is printed once per job (usage_error_line) and, `at_once`,
-    the rank exits with os._exit: vLLM's engine and the process group would wait at the interpreter's shutdown
-    for ranks that will never answer."""
+    """The one line of a bad flag, file, model or checkpoint (a str or ValueError; exit 2) or of a full disk (DiskFull
+    or what disk_full recognises; exit DISK_FULL); any other error is raised on. Printed once per job under torchrun
+    (usage_error_line); `at_once`: os._exit, as vLLM's engine and the process group would wait at shutdown."""
     if isinstance(error, DiskFull):
         line, code = disk_full_line(prog, error.error, error.out), DISK_FULL
     elif isinstance(error, (str, ValueError)):
@@ -283,9 +264,8 @@ def fail(prog, error, out=None, at_once=False):
 
 
 def usage_error_line(line, wait_s=10.0):
-    """Print a bad-input line once per job. Every rank finds the same bad flag, so rank 0 prints at once and the
-    others wait: torchrun stops them when rank 0 exits. A rank that alone finds a fault (a file missing on its
-    node only) prints it after wait_s, so the line is never lost. Outside torchrun: at once."""
+    """Print a bad-input line once per job: rank 0 at once, the others after wait_s (torchrun stops them when rank 0
+    exits; a fault only one rank finds, a file missing on its node, still gets its line). Outside torchrun: at once."""
     if os.environ.get("RANK", "0") != "0":
         time.sleep(wait_s)
     tqdm.write(line, file=sys.stderr)
