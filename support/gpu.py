@@ -3,7 +3,9 @@
 vllm_memory_plan     trainer and vLLM on one GPU (and the host with --cpu-offload): gpu_memory_utilization and
                      max_num_seqs, or one line naming what does not fit and the flags that would
 host_memory, trainer_peak_bytes, model_shapes   its parts (bench/memory.py simulates them)
-clock, memory_peak_gb, gpu_used_gb, peak_flops, flop_params   a step's clocks, memory and MFU
+clock, memory_peak_gb, gpu_used_gb, peak_flops, flop_params, head_params, mfu_counts   a step's clocks, memory, MFU
+vllm_pool_bytes      what torch counts inside vLLM's sleep-mode pools (left out of the trainer's figures)
+fsdp_param_groups    what FSDP2 manages in a module, on torch 2.11 and 2.13
 cuda_diagnosis       why torch sees no GPU, in words
 """
 
@@ -15,6 +17,7 @@ import math
 import os
 import resource
 import subprocess
+import sys
 import time
 
 import torch
@@ -339,11 +342,38 @@ def clock(device, reset_peak=False):
     return time.perf_counter()
 
 
-def memory_peak_gb(device):
-    """Peak of PyTorch's allocator this step on CUDA (max over ranks); peak RSS of the process on CPU."""
+def memory_peak_gb(device, pool_bytes=None):
+    """The trainer's peak in PyTorch's allocator since clock(reset_peak=True) on CUDA, less what torch counts inside
+    vLLM's sleep-mode pools (vllm_pool_bytes: its weights and KV cache, counted awake or asleep); peak RSS of the
+    process on CPU."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
+        pool = vllm_pool_bytes() if pool_bytes is None else pool_bytes
+        return (torch.cuda.max_memory_allocated(device) - pool) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # CPU: peak RSS of this process
+
+
+def vllm_pool_bytes(allocator=None):
+    """Bytes torch counts as allocated inside vLLM's CuMemAllocator pools (MemPools of torch's caching allocator
+    backed by cuMem: vLLM's weights and KV cache). Sleep unmaps their pages behind torch's back, so
+    memory_allocated and max_memory_allocated count them awake or asleep (vllm/device_allocator/cumem.py); the
+    trainer's own bytes are those less these. 0 where vLLM made no such allocator (HF rollouts, no sleep mode)."""
+    if allocator is None:
+        cumem = sys.modules.get("vllm.device_allocator.cumem")  # never imports vLLM
+        allocator = getattr(getattr(cumem, "CuMemAllocator", None), "instance", None)
+    pools = [entry[0] for entries in getattr(allocator, "allocator_and_pools", {}).values() for entry in entries]
+    return sum(segment["allocated_size"] for pool in pools for segment in pool.snapshot())
+
+
+def fsdp_param_groups(module):
+    """The FSDPParamGroups of a module that fully_shard wrapped ([] for any other): torch 2.13's list
+    (FSDPState._fsdp_param_groups), torch 2.11's single group or None (_fsdp_param_group). A torch with neither
+    raises AttributeError rather than reading as a module that holds nothing."""
+    state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
+    if state is None:
+        return []
+    if hasattr(state, "_fsdp_param_groups"):
+        return list(state._fsdp_param_groups)
+    return [group] if (group := state._fsdp_param_group) is not None else []
 
 
 def gpu_used_gb(device):
@@ -432,6 +462,17 @@ def peak_flops(device, peak_tflops):
         return None
     name = torch.cuda.get_device_name(device)
     return next((tf * 1e12 for key, tf in PEAK_TFLOPS if key in name), None)
+
+
+def mfu_counts(model, device, peak_tflops):
+    """What run.train_record's MFU needs: (flop_params, head_params, peak_flops)."""
+    return flop_params(model), head_params(model), peak_flops(device, peak_tflops)
+
+
+def head_params(model):
+    """The LM head's parameters (vocabulary x hidden; the embedding's where they are tied): flop_params counts them,
+    run.update_flops charges them only at the tokens where the head runs."""
+    return model.get_output_embeddings().weight.numel()
 
 
 def flop_params(model):
