@@ -34,9 +34,10 @@ def vllm_memory_plan(config, args, ranks, gpu_bytes, host_bytes=None, local_rank
     AdamW's two moments, 12 bytes x parameters / ranks (gradients are freed after each step;
     bench/memory.py checks these bytes), plus 2 bytes x parameters / ranks for --kl-ref's bf16
     reference; none of it with --cpu-offload (host memory). vLLM may take the rest, less MARGIN_GIB
-    for the CUDA context, NCCL's buffers and fragmentation. Inside vLLM's share its bf16 weights take
-    2 bytes x parameters and its forward's workspace about VLLM_WORKSPACE_GIB; the KV cache gets the
-    rest, 2 (K and V) x layers x KV heads x head dim x 2 bytes per token. max_num_seqs is the number
+    for the CUDA context, NCCL's buffers and fragmentation, but no more than the run uses: its bf16 weights, 2 bytes
+    x parameters, its forward's workspace, about VLLM_WORKSPACE_GIB, and a KV cache of KV_HEADROOM x a rank's
+    rollouts at once (ceil(P / ranks) x G, 16..1024) at full length, 2 (K and V) x layers x KV heads x head dim x 2
+    bytes per token (a given --vllm-gpu-memory-utilization sets the share instead). max_num_seqs is the number
     of sequences whose KV cache fits at full length (prompt + response), so vLLM need not preempt
     (clamped to 16 .. 1024). While the trainer runs, vLLM sleeps (level 2: weights and KV cache
     freed, runtime buffers and CUDA-graph pools copied to host memory: vllm_engine_args) and the trainer's peak is
@@ -60,6 +61,7 @@ def vllm_memory_plan(config, args, ranks, gpu_bytes, host_bytes=None, local_rank
 
 
 MARGIN_GIB, VLLM_WORKSPACE_GIB = 4.0, 3.0  # CUDA context + NCCL + fragmentation; vLLM's forward workspace (+ graphs)
+KV_HEADROOM = 2.0  # [choice] KV cache over what a rank's rollouts at once need at full length (evaluation, blocks)
 
 
 @functools.lru_cache(maxsize=16)
@@ -207,8 +209,13 @@ def _plan(config, args, ranks, gpu_bytes, host_bytes=None, local_ranks=1):
     kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 2  # bf16 K and V
     full_length = args.max_prompt_len + max(args.max_response_len, args.eval_max_tokens)
     least = weights + workspace + kv_per_token * full_length  # vLLM's least: one full-length sequence at a time
+    # the KV cache the run can use (issue 47): a rank's rollouts at once (at least an evaluation's samples of one
+    # problem; 16..1024) at full length, x KV_HEADROOM; never more than the room beside the trainer. A given
+    # --vllm-gpu-memory-utilization sets vLLM's share instead (a larger KV cache, if wanted)
+    seqs = min(1024, max(16, -(-args.prompts_per_step // ranks) * args.group_size, args.eval_samples))
+    wanted = weights + workspace + KV_HEADROOM * seqs * kv_per_token * full_length
     given = args.vllm_gpu_memory_utilization
-    utilization = given or min(max(gpu_bytes - beside - margin, 0.0) / gpu_bytes, 0.95)
+    utilization = given or min(max(min(gpu_bytes - beside - margin, wanted), 0.0) / gpu_bytes, 0.95)
     share = utilization * gpu_bytes
     kv_bytes = share - weights - workspace
     what = (

@@ -221,3 +221,59 @@ def test_the_wake_check_names_the_trainers_own_bytes_not_vllms_pools(monkeypatch
     engine = object.__new__(engines.VLLMEngine)
     with pytest.raises(cli.UsageError, match=r"need 21\.00 GiB to wake, 10\.00 GiB is free \(the trainer holds 3\.00"):
         engine._wake(["kv_cache"])
+
+
+# ---------------------------------------------------------------------------------------------
+# S1: the plan gives vLLM no more KV cache than the run can use
+# ---------------------------------------------------------------------------------------------
+def plan_of(shapes, flags, ranks=1, card_gib=79.1):
+    import train_full
+    from transformers import Qwen2Config
+
+    return gpu.vllm_memory_plan(Qwen2Config(**shapes), train_full.parse_args(flags), ranks, card_gib * GIB)
+
+
+LEARN = dict(  # scripts/gpu_check.sh's learning stage: the 47M Qwen2 with a character tokenizer
+    vocab_size=259, hidden_size=640, intermediate_size=1920, num_hidden_layers=10, num_attention_heads=10,
+    num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=512,
+)  # fmt: skip
+LEARN_FLAGS = ["--prompts-per-step", "32", "--group-size", "8", "--n-init", "4", "--n-final", "8"]
+LEARN_FLAGS += ["--max-prompt-len", "96", "--max-response-len", "64", "--eval-max-tokens", "64"]
+LEARN_FLAGS += ["--eval-samples", "4", "--eval-pass-k", "1,4", "--micro-batch-size", "16"]
+Q15B = dict(
+    hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+    vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=4096,
+)  # fmt: skip
+Q7B = dict(
+    hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+    vocab_size=152064, tie_word_embeddings=False, max_position_embeddings=4096,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("card_gib", [79.1, 139.8])  # H100 80GB, H200
+def test_the_learning_stage_gets_the_kv_cache_of_its_256_rollouts_not_the_whole_card(card_gib):
+    plan = plan_of(LEARN, LEARN_FLAGS, card_gib=card_gib)
+    assert plan["kv_bytes_per_token"] == 2 * 10 * 2 * 64 * 2 == 5120
+    need = 32 * 8 * (96 + 64) * 5120  # 256 rollouts at once, 160 tokens each: 0.20 GiB
+    assert plan["kv_cache_gib"] * GIB == pytest.approx(gpu.KV_HEADROOM * need, rel=1e-3)
+    assert plan["vllm_share_gib"] == pytest.approx(plan["vllm_weights_gib"] + 3.0 + plan["kv_cache_gib"], abs=1e-3)
+    assert plan["gpu_memory_utilization"] < 0.05 and 256 <= plan["max_num_seqs"] <= gpu.KV_HEADROOM * 256  # not 0.943
+    raised = plan_of(LEARN, LEARN_FLAGS + ["--vllm-gpu-memory-utilization", "0.5"], card_gib=card_gib)
+    assert raised["vllm_share_gib"] == pytest.approx(0.5 * card_gib) and raised["kv_cache_gib"] > 30  # the flag
+
+
+def test_the_1_5b_and_7b_kv_cache_is_the_runs_where_it_is_less_than_the_room_and_the_room_where_it_is_not():
+    one_gpu = ["--micro-batch-size", "4", "--max-prompt-len", "512"]
+    full = plan_of(Q15B, one_gpu)  # 1024 rollouts of 3512 tokens a step: 192 GiB wanted, the room is less
+    assert full["vllm_share_gib"] == pytest.approx(79.1 - 17.25 - gpu.MARGIN_GIB, abs=0.01)
+    check = plan_of(Q15B, ["--prompts-per-step", "1", "--group-size", "32", "--max-prompt-len", "64"]
+                    + ["--max-response-len", "1024", "--eval-max-tokens", "1024", "--micro-batch-size", "16"])  # fmt: skip
+    per_token = 2 * 28 * 2 * 128 * 2
+    assert check["kv_cache_gib"] * GIB == pytest.approx(gpu.KV_HEADROOM * 32 * 1088 * per_token, rel=1e-3)  # 3.7 GiB
+    eight = plan_of(Q7B, [], ranks=8)  # 128 rollouts of 4024 tokens a rank: 55 GiB wanted, 47.3 of room
+    assert eight["vllm_share_gib"] == pytest.approx(79.1 - eight["vllm_beside_gib"] - gpu.MARGIN_GIB, abs=1e-3)
+    assert eight["kv_cache_gib"] == pytest.approx(47.28, abs=0.01)  # docs/memory.md's 8 x 80 GB row, unchanged
+    small = plan_of(Q7B, ["--prompts-per-step", "8"], ranks=8)  # 32 rollouts a rank: sized by the run
+    assert small["kv_cache_gib"] * GIB == pytest.approx(gpu.KV_HEADROOM * 32 * 4024 * 2 * 28 * 4 * 128 * 2, rel=1e-3)
+    for plan in (full, check, eight, small):  # within the card, beside what the trainer holds and the margin
+        assert plan["vllm_share_gib"] + plan["vllm_beside_gib"] + gpu.MARGIN_GIB <= 79.1 + 1e-6
