@@ -207,6 +207,7 @@ class Pass1:
     entropy: torch.Tensor  # [B, T] H_t, or None (methods without token selection: pass 2 measures it)
     ref_logp: torch.Tensor  # [B, T] the reference's log-probs on the steps that measure the KL, else None
     tokens: float  # prompt + response tokens forwarded, all ranks
+    head_tokens: float  # response tokens the LM head ran at, all ranks (MFU's: run.update_flops)
 
 
 def generate(engine, batch, step, args, stop_ids):
@@ -294,12 +295,12 @@ def forward_kept(model, ref_model, sel, args, world, pad_id):
     )
     has_old = torch.zeros(len(sel.seqs), dtype=torch.bool)
     has_old[rows] = True
-    ref_logp = None
+    ref_logp, head = None, sum(len(sel.seqs[r]["response_ids"]) for r in rows)  # where the LM head runs (MFU)
     if ref_model is not None:
         every = list(range(len(sel.seqs)))
         ref_logp, _, ref_tokens = loss_head.forward_no_grad(ref_model, sel.seqs, every, T, args, world, pad_id=pad_id)
-        tokens += ref_tokens
-    return Pass1(old_logp, has_old, entropy, ref_logp, tokens)
+        tokens, head = tokens + ref_tokens, head + sum(len(s["response_ids"]) for s in sel.seqs)
+    return Pass1(old_logp, has_old, entropy, ref_logp, tokens, all_reduce(head, world))
 
 
 def select_tokens(sel, entropy, args, world):
@@ -493,7 +494,7 @@ def train(args, world, inputs, ckpt):
     engine = engines.make_engine(args.model, args, world)
     engine.update_weights(fsdp.full_named_tensors(model, getattr(torch, args.dtype)))  # also after a resume
     pad_id, device = tokenizer.pad_token_id, world.device
-    flops, out = (gpu.flop_params(model), gpu.peak_flops(device, args.peak_tflops)), args.out  # MFU's, the run's folder
+    flops, out = gpu.mfu_counts(model, device, args.peak_tflops), args.out  # MFU's, the run's folder
 
     def save(step):  # OUT/checkpoints/step_NNNNNN: the shards, each rank's RNG, the data position and history
         state = checkpoint.shards_state(run_flags(args), order, r.history)
@@ -517,17 +518,17 @@ def train(args, world, inputs, ckpt):
             s = step + 1  # this step, 1..S
             method_row = methods.switch_to_intra(args.method, r.history["grad_norms"], args.switch_on_spike)
             batch = mathtask.rank_share([(g, prompts[g]) for g in order.take(args.prompts_per_step)], world)
-            t0 = clock(device, reset_peak=True)
+            t0 = clock(device)
             rollouts = generate(engine, batch, s, args, stop_ids)  # 1) G rollouts per prompt
             phases = {"gen_s": clock(device) - t0, "gpu_used_gen": gpu.gpu_used_gb(device)}  # + awake vLLM
             engine.sleep()  # free vLLM's GPU memory for training
-            t0 = time.perf_counter()
+            t0 = clock(device, reset_peak=True)  # the trainer's own peak from here (gpu.memory_peak_gb)
             rewards = grade(rollouts, batch, tokenizer, grader)  # 2) 0/1 rewards [P_rank, G]
             phases["reward_s"] = time.perf_counter() - t0
             sel = select_samples(rollouts, rewards, s, method_row, args, world)  # 3) N per prompt, over all ranks
             t0, measure_kl = clock(device), run.measures_kl(s, args)
             pass1 = forward_kept(model, ref_model if measure_kl else None, sel, args, world, pad_id)  # 4) pass 1
-            phases["pass1_s"] = clock(device) - t0
+            phases.update(pass1_s=clock(device) - t0, pass1_head_tokens=pass1.head_tokens)  # the latter: MFU's
             sel.token_keep = select_tokens(sel, pass1.entropy, args, world)  # 5) the top K of |A| * H, all ranks
             update = update_policy(model, optimizer, sel, pass1, args, world, pad_id=pad_id)  # 6) M AdamW steps
             train_s = all_reduce(clock(device) - t0, world, MAX)
@@ -539,8 +540,7 @@ def train(args, world, inputs, ckpt):
             t0 = clock(device)
             engine.update_weights(fsdp.full_named_tensors(model, getattr(torch, args.dtype)))  # weights to vLLM
             phases["sync_s"] = clock(device) - t0
-            step = s
-            phases["grader_timeouts"] = grader.timeouts
+            step, phases["grader_timeouts"] = s, grader.timeouts
             r.log(run.train_record(step, stats, rollouts, phases, args, world, flops=flops))
             if world.is_main:
                 bar.set_postfix(reward=f"{stats['reward_mean']:.3f}", N=stats["n_keep"], K=f"{stats['k_frac']:.2f}")

@@ -614,8 +614,7 @@ def held_bytes(models, optimizer, offload):
 
     for model in models:
         for module in model.modules():
-            state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
-            for group in getattr(state, "_fsdp_param_groups", []) if state is not None else []:
+            for group in gpu.fsdp_param_groups(module):
                 for fsdp_param in group.fsdp_params:  # what a unit keeps gathered (nothing, once resharded)
                     for tensor in getattr(fsdp_param, "all_gather_outputs", []):
                         count(tensor)

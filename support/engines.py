@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from support.cli import UsageError
 from support.fsdp import full_named_tensors
-from support.gpu import vllm_memory_plan
+from support.gpu import vllm_memory_plan, vllm_pool_bytes
 
 
 def context_length(model_path, args):
@@ -239,7 +239,7 @@ class VLLMEngine(_Engine):
             torch.cuda.mem_get_info()[0],
             get_mem_allocator_instance().pointer_to_data.values(),
             tags,
-            torch.cuda.memory_allocated(),
+            torch.cuda.memory_allocated() - vllm_pool_bytes(get_mem_allocator_instance()),  # the trainer's own
         )
         if line:
             raise UsageError(line)

@@ -3,7 +3,9 @@
 vllm_memory_plan     trainer and vLLM on one GPU (and the host with --cpu-offload): gpu_memory_utilization and
                      max_num_seqs, or one line naming what does not fit and the flags that would
 host_memory, trainer_peak_bytes, model_shapes   its parts (bench/memory.py simulates them)
-clock, memory_peak_gb, gpu_used_gb, peak_flops, flop_params   a step's clocks, memory and MFU
+clock, memory_peak_gb, gpu_used_gb, peak_flops, flop_params, head_params, mfu_counts   a step's clocks, memory, MFU
+vllm_pool_bytes      what torch counts inside vLLM's sleep-mode pools (left out of the trainer's figures)
+fsdp_param_groups    what FSDP2 manages in a module, on torch 2.11 and 2.13
 cuda_diagnosis       why torch sees no GPU, in words
 """
 
@@ -15,6 +17,7 @@ import math
 import os
 import resource
 import subprocess
+import sys
 import time
 
 import torch
@@ -31,9 +34,10 @@ def vllm_memory_plan(config, args, ranks, gpu_bytes, host_bytes=None, local_rank
     AdamW's two moments, 12 bytes x parameters / ranks (gradients are freed after each step;
     bench/memory.py checks these bytes), plus 2 bytes x parameters / ranks for --kl-ref's bf16
     reference; none of it with --cpu-offload (host memory). vLLM may take the rest, less MARGIN_GIB
-    for the CUDA context, NCCL's buffers and fragmentation. Inside vLLM's share its bf16 weights take
-    2 bytes x parameters and its forward's workspace about VLLM_WORKSPACE_GIB; the KV cache gets the
-    rest, 2 (K and V) x layers x KV heads x head dim x 2 bytes per token. max_num_seqs is the number
+    for the CUDA context, NCCL's buffers and fragmentation, but no more than the run uses: its bf16 weights, 2 bytes
+    x parameters, its forward's workspace, about VLLM_WORKSPACE_GIB, and a KV cache of KV_HEADROOM x a rank's
+    rollouts at once (ceil(P / ranks) x G, 16..1024) at full length, 2 (K and V) x layers x KV heads x head dim x 2
+    bytes per token (a given --vllm-gpu-memory-utilization sets the share instead). max_num_seqs is the number
     of sequences whose KV cache fits at full length (prompt + response), so vLLM need not preempt
     (clamped to 16 .. 1024). While the trainer runs, vLLM sleeps (level 2: weights and KV cache
     freed, runtime buffers and CUDA-graph pools copied to host memory: vllm_engine_args) and the trainer's peak is
@@ -57,6 +61,7 @@ def vllm_memory_plan(config, args, ranks, gpu_bytes, host_bytes=None, local_rank
 
 
 MARGIN_GIB, VLLM_WORKSPACE_GIB = 4.0, 3.0  # CUDA context + NCCL + fragmentation; vLLM's forward workspace (+ graphs)
+KV_HEADROOM = 2.0  # [choice] KV cache over what a rank's rollouts at once need at full length (evaluation, blocks)
 
 
 @functools.lru_cache(maxsize=16)
@@ -204,8 +209,13 @@ def _plan(config, args, ranks, gpu_bytes, host_bytes=None, local_ranks=1):
     kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 2  # bf16 K and V
     full_length = args.max_prompt_len + max(args.max_response_len, args.eval_max_tokens)
     least = weights + workspace + kv_per_token * full_length  # vLLM's least: one full-length sequence at a time
+    # the KV cache the run can use (issue 47): a rank's rollouts at once (at least an evaluation's samples of one
+    # problem; 16..1024) at full length, x KV_HEADROOM; never more than the room beside the trainer. A given
+    # --vllm-gpu-memory-utilization sets vLLM's share instead (a larger KV cache, if wanted)
+    seqs = min(1024, max(16, -(-args.prompts_per_step // ranks) * args.group_size, args.eval_samples))
+    wanted = weights + workspace + KV_HEADROOM * seqs * kv_per_token * full_length
     given = args.vllm_gpu_memory_utilization
-    utilization = given or min(max(gpu_bytes - beside - margin, 0.0) / gpu_bytes, 0.95)
+    utilization = given or min(max(min(gpu_bytes - beside - margin, wanted), 0.0) / gpu_bytes, 0.95)
     share = utilization * gpu_bytes
     kv_bytes = share - weights - workspace
     what = (
@@ -339,11 +349,38 @@ def clock(device, reset_peak=False):
     return time.perf_counter()
 
 
-def memory_peak_gb(device):
-    """Peak of PyTorch's allocator this step on CUDA (max over ranks); peak RSS of the process on CPU."""
+def memory_peak_gb(device, pool_bytes=None):
+    """The trainer's peak in PyTorch's allocator since clock(reset_peak=True) on CUDA, less what torch counts inside
+    vLLM's sleep-mode pools (vllm_pool_bytes: its weights and KV cache, counted awake or asleep); peak RSS of the
+    process on CPU."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
+        pool = vllm_pool_bytes() if pool_bytes is None else pool_bytes
+        return (torch.cuda.max_memory_allocated(device) - pool) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # CPU: peak RSS of this process
+
+
+def vllm_pool_bytes(allocator=None):
+    """Bytes torch counts as allocated inside vLLM's CuMemAllocator pools (MemPools of torch's caching allocator
+    backed by cuMem: vLLM's weights and KV cache). Sleep unmaps their pages behind torch's back, so
+    memory_allocated and max_memory_allocated count them awake or asleep (vllm/device_allocator/cumem.py); the
+    trainer's own bytes are those less these. 0 where vLLM made no such allocator (HF rollouts, no sleep mode)."""
+    if allocator is None:
+        cumem = sys.modules.get("vllm.device_allocator.cumem")  # never imports vLLM
+        allocator = getattr(getattr(cumem, "CuMemAllocator", None), "instance", None)
+    pools = [entry[0] for entries in getattr(allocator, "allocator_and_pools", {}).values() for entry in entries]
+    return sum(segment["allocated_size"] for pool in pools for segment in pool.snapshot())
+
+
+def fsdp_param_groups(module):
+    """The FSDPParamGroups of a module that fully_shard wrapped ([] for any other): torch 2.13's list
+    (FSDPState._fsdp_param_groups), torch 2.11's single group or None (_fsdp_param_group). A torch with neither
+    raises AttributeError rather than reading as a module that holds nothing."""
+    state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
+    if state is None:
+        return []
+    if hasattr(state, "_fsdp_param_groups"):
+        return list(state._fsdp_param_groups)
+    return [group] if (group := state._fsdp_param_group) is not None else []
 
 
 def gpu_used_gb(device):
@@ -432,6 +469,17 @@ def peak_flops(device, peak_tflops):
         return None
     name = torch.cuda.get_device_name(device)
     return next((tf * 1e12 for key, tf in PEAK_TFLOPS if key in name), None)
+
+
+def mfu_counts(model, device, peak_tflops):
+    """What run.train_record's MFU needs: (flop_params, head_params, peak_flops)."""
+    return flop_params(model), head_params(model), peak_flops(device, peak_tflops)
+
+
+def head_params(model):
+    """The LM head's parameters (vocabulary x hidden; the embedding's where they are tied): flop_params counts them,
+    run.update_flops charges them only at the tokens where the head runs."""
+    return model.get_output_embeddings().weight.numel()
 
 
 def flop_params(model):

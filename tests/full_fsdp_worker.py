@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from support import run, checkpoint  # noqa: E402
 import d3s  # noqa: E402
-from support import fsdp, run, checkpoint, mathtask  # noqa: E402
+from support import fsdp, gpu, run, checkpoint, mathtask  # noqa: E402
 import train_full  # noqa: E402
 from support import methods  # noqa: E402
 
@@ -456,11 +456,7 @@ def main():
             "rank_tokens_min": stats["rank_tokens_min"],
             "reference_resharded": resharded,
             "offloaded": [
-                fp.offload_to_cpu
-                for m in model.modules()
-                if hasattr(m, "_get_fsdp_state")
-                for g in m._get_fsdp_state()._fsdp_param_groups
-                for fp in g.fsdp_params
+                fp.offload_to_cpu for m in model.modules() for g in gpu.fsdp_param_groups(m) for fp in g.fsdp_params
             ],
         }
     result["resume"] = check_resume(cli, world, tokenizer, rollouts, mine, cli.workdir)

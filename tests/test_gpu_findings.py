@@ -223,10 +223,17 @@ def test_gpu_checks_learning_stage_runs_on_cpu_at_tiny_sizes_and_prints_its_tabl
     for method, row in rows.items():
         before, after = float(row[1]), float(row[2])
         pass1, update = float(row[5]), float(row[6])  # seconds per step: pass 1 and the update, apart
-        assert 0 <= before <= 1 and 0 <= after <= 1 and int(row[9]) > 0  # Pass@1s; tokens in the loss
+        assert 0 <= before <= 100 and 0 <= after <= 100 and int(row[9]) > 0  # Pass@1s (%); tokens in the loss
         assert pass1 > 0 and update > 0
+        assert (out / "learn" / f"memory-{method}.log").exists()  # its own simulated step (issue 47, W3)
         metrics = [json.loads(x) for x in open(out / "learn" / method / "metrics.jsonl")]
-        assert [m["step"] for m in metrics if m["kind"] == "train"] == [1, 2]
+        train = [m for m in metrics if m["kind"] == "train"]
+        assert [m["step"] for m in train] == [1, 2]
+        # real updates (issue 47): the warm start boxes 1 or 2, so some rewards are 1, groups are mixed, and the
+        # loss and the gradient are not 0
+        assert any(m["reward_mean"] > 0 and m["groups_mixed"] > 0 for m in train), train
+        assert not any(m["skipped"] for m in train), train
+        assert any(m["updates"] > 0 and m["loss"] and (m["grad_norm"] or 0) > 0 for m in train), train
         assert [m["step"] for m in metrics if m["kind"] == "eval"][0] == 0  # held-out Pass@1 before training
     bad = subprocess.run(  # a CPU run of every stage is refused in one line
         ["bash", str(ROOT / "scripts" / "gpu_check.sh")],
