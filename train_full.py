@@ -295,11 +295,13 @@ def forward_kept(model, ref_model, sel, args, world, pad_id):
     )
     has_old = torch.zeros(len(sel.seqs), dtype=torch.bool)
     has_old[rows] = True
-    ref_logp, head = None, sum(len(sel.seqs[r]["response_ids"]) for r in rows)  # where the LM head runs (MFU)
+    ref_logp = None
+    head = sum(len(sel.seqs[r]["response_ids"]) for r in rows)  # the tokens the LM head runs at (MFU)
     if ref_model is not None:
         every = list(range(len(sel.seqs)))
         ref_logp, _, ref_tokens = loss_head.forward_no_grad(ref_model, sel.seqs, every, T, args, world, pad_id=pad_id)
-        tokens, head = tokens + ref_tokens, head + sum(len(s["response_ids"]) for s in sel.seqs)
+        tokens += ref_tokens
+        head += sum(len(s["response_ids"]) for s in sel.seqs)
     return Pass1(old_logp, has_old, entropy, ref_logp, tokens, all_reduce(head, world))
 
 
@@ -540,7 +542,8 @@ def train(args, world, inputs, ckpt):
             t0 = clock(device)
             engine.update_weights(fsdp.full_named_tensors(model, getattr(torch, args.dtype)))  # weights to vLLM
             phases["sync_s"] = clock(device) - t0
-            step, phases["grader_timeouts"] = s, grader.timeouts
+            step = s
+            phases["grader_timeouts"] = grader.timeouts
             r.log(run.train_record(step, stats, rollouts, phases, args, world, flops=flops))
             if world.is_main:
                 bar.set_postfix(reward=f"{stats['reward_mean']:.3f}", N=stats["n_keep"], K=f"{stats['k_frac']:.2f}")

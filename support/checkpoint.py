@@ -430,7 +430,8 @@ def load_shards(path, model, optimizer, world):
     if meta["world"] == world.size and os.path.exists(rng_file):  # another world size: sampling is seeded per prompt
         rng = _load_rng_file(rng_file, "start a new run")
         torch.set_rng_state(rng["torch"])
-        gauss, words = float(rng["python_gauss"][0]), tuple(rng["python_words"].tolist())
+        gauss = float(rng["python_gauss"][0])
+        words = tuple(rng["python_words"].tolist())
         random.setstate((int(rng["python_version"]), words, None if math.isnan(gauss) else gauss))
         if "cuda" in rng and world.device.type == "cuda":
             torch.cuda.set_rng_state(rng["cuda"])

@@ -146,7 +146,8 @@ def fit_prompts(args, train_rows, eval_rows, prog="train_small.py"):
         )
     limit = window - args.max_new_tokens
     why = f"the model's context of {window} positions less --max-new-tokens {args.max_new_tokens}"
-    fitted, drop = {}, getattr(args, "drop_long_prompts", False)
+    fitted = {}
+    drop = getattr(args, "drop_long_prompts", False)
     prompt = lambda r: format_prompt(r["problem"], args.template)
     for flag, path, rows in files:
         fitted[flag], dropped = fit_context(rows, prompt, tokenizer, limit, why, drop=drop)

@@ -273,7 +273,8 @@ def held_out_pass(rows, sample, grader, n, k, chunk):
     greedy, correct = [], []  # [E], [E] (correct samples out of n)
     for start in tqdm(range(0, len(rows), chunk), desc="eval", leave=False, dynamic_ncols=True):
         part = rows[start : start + chunk]
-        prompts, golds = [r["prompt"] for r in part], [r["answer"] for r in part]
+        prompts = [r["prompt"] for r in part]
+        golds = [r["answer"] for r in part]
         greedy += grader.score_batch(sample(prompts, 1, True), golds)
         right = grader.score_batch(sample(prompts, n, False), [g for g in golds for _ in range(n)])
         correct += [sum(right[i * n : (i + 1) * n]) for i in range(len(prompts))]

@@ -103,7 +103,8 @@ def _read_rows(path):
     try:
         raw.decode("utf-8")
     except UnicodeDecodeError as e:  # its line and column: count the line ends before it
-        i, column = raw.count(b"\n", 0, e.start) + 1, e.start - raw.rfind(b"\n", 0, e.start)
+        i = raw.count(b"\n", 0, e.start) + 1
+        column = e.start - raw.rfind(b"\n", 0, e.start)
         raise DataError(
             f"{path}:{i}: byte 0x{raw[e.start]:02x} at column {column} is not UTF-8; "
             f"save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)"

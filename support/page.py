@@ -381,7 +381,8 @@ def _plot_strip(ax, item, G, prompts, max_tokens):
         face = [(255 + (c - 255) * shade) / 255 for c in SCORE]
         edge, line_width = ("black", 2.4) if selected[t] else ("#ccc", 0.5)  # selected: a thick black outline
         ax.add_patch(Rectangle((x + 0.06, 0.12), 0.88, 0.76, facecolor=face, edgecolor=edge, linewidth=line_width))
-        text, room = _visible_plain(tokens[t]), 3 if wide else 1
+        text = _visible_plain(tokens[t])
+        room = 3 if wide else 1
         text = text if len(text) <= room else text[: max(room - 1, 1)] + "…"
         ink = "white" if shade > 0.5 else "black"
         ax.text(x + 0.5, 0.5, text, ha="center", va="center", fontsize=9 if wide else 6, family="monospace", color=ink)

@@ -61,8 +61,9 @@ def gone(pids, timeout):
 
 
 def test_a_second_launch_into_a_running_runs_out_stops_with_one_line_and_the_first_finishes_whole(inputs, tmp_path):
-    out, steps = tmp_path / "run", ["--steps", "6", "--save-every", "2"]
-    first = start(torchrun() + [WORKER, "slow", "3", *flags(inputs, out, *steps)])
+    out, steps, hold = tmp_path / "run", ["--steps", "6", "--save-every", "2"], tmp_path / "hold"
+    hold.touch()  # the first run waits after its step 1 until the second launches are done
+    first = start(torchrun() + [WORKER, "held", str(hold), *flags(inputs, out, *steps)])
     wait_for_step(first, out)
     for extra in ([], ["--resume"]):  # fresh, and --resume (the first's step-2 checkpoint may be there or not)
         second = run(torchrun() + [TRAIN_FULL, *flags(inputs, out, *steps, *extra)])
@@ -72,6 +73,7 @@ def test_a_second_launch_into_a_running_runs_out_stops_with_one_line_and_the_fir
             f"train_full.py: error: --out {out}: another train_full.py is writing there now ({out / '.lock'}); "
             "wait for it to end, or use another --out"
         ), line
+    hold.unlink()
     assert first.wait(timeout=300) == 0, first.stderr.read()[-3000:]
     assert kinds(out) == [("train", s) for s in range(1, 7)], kinds(out)  # each once: no second writer (no eval data)
     assert (out / "hf_final").is_dir() and sorted(os.listdir(out / "checkpoints")) == ["step_000004", "step_000006"]
