@@ -224,7 +224,8 @@ def small_flags(args):
 
 WARM_START_SNIPPET = """
 import json, sys
-import train_small, warmstart
+import train_small
+from support import mathtask, warmstart
 args = train_small.parse_args(sys.argv[1:])
 train_rows, eval_rows = mathtask.load_data(args)
 for name, rows in (("train", train_rows), ("eval", eval_rows)):
