@@ -463,7 +463,7 @@ def main(argv=None):
 
 
 def evaluate_only(args, world, inputs):
-    """--eval-only: every benchmark, after a check of --model's weights (checks.check_finite_files: one line, exit 2)."""
+    """--eval-only: every benchmark, after a check of --model's weights (checks.check_finite_files: a line, exit 2)."""
     tokenizer, stop_ids, _, eval_sets, _ = inputs
     checks.check_finite_files(args.model, world)
     engine = engines.make_engine(args.model, args, world)

@@ -17,15 +17,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from support import checkpoint, run  # noqa: E402
 import train_full  # noqa: E402
-
-
-def slowed(pause, real_append):
-    def append_metrics(path, record):
-        real_append(path, record)
-        if record.get("kind") == "train":
-            time.sleep(pause)
-
-    return append_metrics
+from small_slow_worker import slowed  # noqa: E402  (train_small's slow hook: the same pause)
 
 
 def held(path, real_append):
