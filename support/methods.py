@@ -201,12 +201,6 @@ def budget(args, method_row, step, history=None):
     )
 
 
-def static_budget(args):
-    """(N, K) of the static rows: --static-n and --static-k, by default the linear schedule's midpoint (choice)."""
-    G = max(args.group_size, args.n_init, args.n_final)
-    return d3s.method_budget(d3s.LADDER["d2s"], step=0, total_steps=1, group_size=G, **_nk(args))
-
-
 def _nk(args):
     """The rung's N and K flags, as d3s.method_budget's keywords."""
     return {name: getattr(args, name) for name in ("n_init", "n_final", "k_init", "k_final", "static_n", "static_k")}
@@ -215,7 +209,7 @@ def _nk(args):
 def check_flags(p, args, methods, flag="--method"):
     """The method and budget flags every rung shares, checked together (one line and exit 2 through p.error): each
     method a row of LADDER; N <= G wherever a row uses N; --switch-on-spike only where a row has an intra-group
-    twin. Returns (static N, static K): --static-n and --static-k, by default the schedule's midpoint (static_budget).
+    twin. Returns (static N, static K): --static-n and --static-k, by default the linear schedule's midpoint (choice).
     """
     for m in methods:
         if m not in LADDER:
@@ -238,7 +232,8 @@ def check_flags(p, args, methods, flag="--method"):
             f"({', '.join(f'{a} -> {b}' for a, b in INTRA_TWIN.items())}); {', '.join(methods)} has none: "
             "use --method d3s or d1s-cross, or drop the flag"
         )
-    return static_budget(args)
+    G = max(args.group_size, args.n_init, args.n_final)
+    return d3s.method_budget(d3s.LADDER["d2s"], step=0, total_steps=1, group_size=G, **_nk(args))
 
 
 # === Their flags: a rung adds the ones it runs with one call, *methods.flags("--schedule", ...) (cli.flag entries) ====
