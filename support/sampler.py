@@ -97,9 +97,8 @@ def logprobs_entropy(model, batch, temperature=1.0, with_entropy=True):
         layer.keys, layer.values = layer.keys.index_select(0, row_prompt), layer.values.index_select(0, row_prompt)
     attention_mask = torch.cat([prompt_mask[row_prompt], batch["response_mask"]], 1)  # [B, Lp' + T]
     position_ids = prompt_pos[row_prompt, -1:] + batch["response_mask"].cumsum(-1)  # as cumsum(mask) - 1 above
-    logits = _forward(
-        model, cache, batch["response_ids"], attention_mask, position_ids
-    )  # [B, T, V]: t predicts o_{t+1}
+    # [B, T, V]: t predicts o_{t+1}
+    logits = _forward(model, cache, batch["response_ids"], attention_mask, position_ids)
     logits = torch.cat([first_logits[row_prompt], logits[:, :-1]], 1).float() / temperature  # [B, T, V]: o_1 .. o_T
     logp = logits.log_softmax(-1).gather(-1, batch["response_ids"].unsqueeze(-1)).squeeze(-1)  # [B, T]
     return logp, (d3s.token_entropy(logits) if with_entropy else None)
