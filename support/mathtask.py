@@ -379,8 +379,7 @@ TASKS = {"steps": step_problems, "direct": arithmetic_problems}  # mathtask's ge
 
 
 def load_data(args):
-    """(train_rows, eval_rows): --train-file / --eval-file, else the --task's generated split. Bad files raise
-    DataError naming file:line."""
+    """(train_rows, eval_rows): --train-file / --eval-file, else the --task's generated split."""
 
     def rows(path, size, split):
         return load_problems(path, limit=size)[0] if path else TASKS[args.task](size, split, seed=args.seed)

@@ -60,9 +60,8 @@ def write_step(
 
     step: the global step as the rung counts it; rung: "toy" | "train_small" | "train_full"; method: the method's
     name (a methods.LADDER row). rewards [P, G]; keep [P, G] bool (from d3s.select_samples); adv [P, G]: the
-    advantage each cell shows, i.e. the one the loss uses on kept cells and the full-group one on dropped cells:
-    torch.where(keep, adv_from_select_samples, d3s.group_advantages(rewards)). For every method but pods that is
-    d3s.group_advantages(rewards); for pods the kept cells show A recomputed on the kept N.
+    advantage each cell shows, torch.where(keep, adv_from_select_samples, d3s.group_advantages(rewards)) (pods:
+    the kept cells show A recomputed on the kept N).
     n_keep: N, rollouts per prompt (the cross-group budget is N * P); k_frac: the scheduled K; k_real: the realised
     fraction (kept tokens / forwarded tokens).
     shown: one dict per rollout to draw token by token (pick_rollouts chooses them):

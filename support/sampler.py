@@ -31,9 +31,9 @@ def _forward(model, cache, input_ids, attention_mask, position_ids, **kwargs):
 
 @torch.no_grad()
 def sample(model, tokenizer, prompts, group_size, max_new_tokens, temperature=1.0, greedy=False):
-    """`group_size` responses per prompt (row p*G + g), o_t ~ softmax(logits / T) or greedy: HF generate's loop, with
-    each prompt encoded once and its KV cache repeated G times. Returns the rollout batch: prompt_ids [B, Lp],
-    prompt_mask (left-padded), response_ids [B, T], response_mask (1 up to and including the first EOS) and texts."""
+    """`group_size` responses per prompt (row p*G + g), o_t ~ softmax(logits / T) or greedy. Returns the rollout
+    batch: prompt_ids [B, Lp], prompt_mask (left-padded), response_ids [B, T], response_mask (1 up to and including
+    the first EOS) and texts."""
     enc = tokenizer(prompts, padding=True, return_tensors="pt", add_special_tokens=False)
     prompt_mask = enc.attention_mask  # [P, Lp], left-padded
     positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # as generate: left padding does not shift positions
@@ -82,8 +82,7 @@ def sample(model, tokenizer, prompts, group_size, max_new_tokens, temperature=1.
 
 def logprobs_entropy(model, batch, temperature=1.0, with_entropy=True):
     """log pi(o_t | prompt, o_<t) [B, T] (logits / temperature: the policy that sampled) and the entropy H_t [B, T] of
-    the same logits (d3s.token_entropy, no grad). Each distinct prompt is forwarded once, then every response on its
-    prompt's keys and values: a plain forward's log-probs and gradients (tested) for about half the positions."""
+    the same logits (d3s.token_entropy, no grad); every response reads its prompt's keys and values."""
     model.train()
     Lp = batch["prompt_ids"].shape[1]
     rows = torch.cat([batch["prompt_ids"], batch["prompt_mask"]], 1)  # [B, 2 Lp]

@@ -21,7 +21,6 @@ def build_char_tokenizer():
     """A byte-level Qwen2Tokenizer with no merges: one token per byte (+ Qwen's special tokens).
 
     Built as the very class AutoTokenizer picks for a Qwen2 config, so the saved folder loads back token for token.
-    The 256 byte symbols cover any text (ASCII is one token a character). eos = pad = <|endoftext|>; left padding.
     """
     from tokenizers.pre_tokenizers import ByteLevel
     from transformers import Qwen2Tokenizer
