@@ -106,14 +106,14 @@ TOKEN_RULES = {"adv-entropy": None, "entropy": entropy_only, "adv": advantage_on
 SCHEDULES = ("linear", "cosine", "step", "constant", "adaptive")  # "linear" is the paper's
 
 
-def progress(kind, step, total_steps, history=None, window=10, tol=0.02):
+def progress(kind, step, total_steps, history=None):
     """f for d3s.dynamic_schedule(progress=f) (open question 2 of a summary of the paper, docs/questions.md):
       "linear"    f = p                        the paper's
       "cosine"    f = (1 - cos(pi * p)) / 2    slow at both ends, fastest at the middle
       "step"      f = 0 for p < 1/2, else 1    the init values for the first half, the final ones after
       "constant"  f = 0                        the init values throughout (the aggressive end)
       "adaptive"  f = min(1, 2 * plateaus / total_steps): hold N and K while the signal rises; each step on
-                  which it has plateaued (mean of its last `window` values - mean of the `window` before < tol)
+                  which it has plateaued (mean of its last 10 values - mean of the 10 before < 0.02)
                   relaxes them by two linear steps. history: the signal of the steps so far (the rungs pass
                   the train reward of steps 1..s-1); `step` is not read.
 
@@ -128,8 +128,7 @@ def progress(kind, step, total_steps, history=None, window=10, tol=0.02):
     if kind in curves:
         return curves[kind]
     d3s._require(history is not None, "history", history, "kind='adaptive' needs the signal's past values (a list)")
-    d3s._require(isinstance(window, int) and window >= 1, "window", window, "must be an int >= 1")
-    return min(1.0, 2 * _plateaus(history, window, tol) / total_steps)
+    return min(1.0, 2 * _plateaus(history, 10, 0.02) / total_steps)
 
 
 def _plateaus(history, window, tol):
