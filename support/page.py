@@ -434,7 +434,6 @@ def _check_shown(item, n):
 
 
 def _samples_rule(method):
-    """The method's samples rule by name (methods.rule_name); None when unknown."""
     return methods.rule_name(method) if method in methods.LADDER else None
 
 

@@ -83,8 +83,7 @@ FLAGS = [
 
 
 def fill_defaults(args):
-    """The defaults that depend on other flags: --sft-steps (tiny model: TINY_SFT_STEPS[--task]; --model: 0) and
-    --template (auto: plain for the tiny model, qwen-math with --model)."""
+    """The defaults that depend on other flags: --sft-steps and --template."""
     if args.sft_steps is None:
         args.sft_steps = 0 if args.model else TINY_SFT_STEPS[args.task]
     if args.template == "auto":
