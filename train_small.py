@@ -58,7 +58,7 @@ def build_parser(prog=PROG):
         f("--seed", 0, seed, "seed of the tiny model, the generated data and the warm start"),
         f("--rl-seed", None, seed, "seed of the RL run: prompt order, sampling, random selection (default: --seed)"),
         f("--threads", 0, n(int, 0, 1024), "torch CPU threads (0: torch's default)"),
-        *warmstart.flags(),  # the model, the data and the supervised warm start: --model, --task, --sft-steps, ...
+        *warmstart.FLAGS,  # the model, the data and the supervised warm start: --model, --task, --sft-steps, ...
         f("--prompts-per-step", 16, n(int, 1, 4096), "P: prompts per step (scaled down for CPU)"),
         f("--group-size", 16, group, "G: rollouts per prompt (paper: 32, [inferred] from N_final = 32; scaled down)"),
         f("--n-init", 4, n(int, 1), "N at the first step: rollouts kept per prompt (paper: 8 of 32)"),

@@ -59,9 +59,8 @@ def pick_rollouts(adv, keep, n_high=2, n_low=2, n_dropped=1):
 
 
 def toy_page(args, v):
-    """toy/bandit.py's page of a step: the P x G grid, then the tokens of a few rollouts. A toy "token" is a
-    position: its id, and a mark on the decision positions (the ones the reward reads). A dropped rollout was
-    never forwarded: no entropy, no score. v: the step's record (toy/bandit.py's run)."""
+    """toy/bandit.py's page of a step; v: the step's record (toy/bandit.py's run). A toy token shows its id, and
+    a mark on the decision positions (the ones the reward reads)."""
     G, task = args.group_size, v.task
     extra = {
         "loss": v.loss.item(),

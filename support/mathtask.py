@@ -19,14 +19,13 @@ import zlib
 import torch
 
 
-# Qwen2.5-Math eval harness "qwen25-math-cot" template (also Dr.GRPO / SimpleRL-Zoo / LIMR).
-QWEN_MATH_TEMPLATE = (
-    "<|im_start|>system\nPlease reason step by step, and put your final answer within \\boxed{{}}.<|im_end|>\n"
-    "<|im_start|>user\n{problem}<|im_end|>\n<|im_start|>assistant\n"
-)
-# Plain template for tiny character-level models (no chat tokens in their vocabulary).
-PLAIN_TEMPLATE = "{problem}\nAnswer: "
-TEMPLATES = {"qwen-math": QWEN_MATH_TEMPLATE, "plain": PLAIN_TEMPLATE}
+TEMPLATES = {
+    # Qwen2.5-Math eval harness "qwen25-math-cot" template (also Dr.GRPO / SimpleRL-Zoo / LIMR).
+    "qwen-math": "<|im_start|>system\nPlease reason step by step, and put your final answer within \\boxed{{}}."
+    "<|im_end|>\n<|im_start|>user\n{problem}<|im_end|>\n<|im_start|>assistant\n",
+    # Plain template for tiny character-level models (no chat tokens in their vocabulary).
+    "plain": "{problem}\nAnswer: ",
+}
 
 
 def format_prompt(problem, template):
@@ -52,11 +51,8 @@ def stop_token_ids(tokenizer, generation_config=None):
 
 
 def extract_boxed(text):
-    """The content of the last \\boxed{...} in `text` (braces balanced), or None. Linear time.
-
-    One pass matches every brace with a stack, then the last "\\boxed{" whose "{" is closed wins (an unclosed one
-    falls back to the one before). Scanning forward from each "\\boxed{" instead would be quadratic: 100k
-    characters of "\\boxed{" took minutes.
+    """The content of the last \\boxed{...} in `text` whose "{" is closed (braces balanced), or None. Linear time: one
+    pass pairs the braces with a stack.
 
     >>> extract_boxed("so x = 2, and \\\\boxed{\\\\frac{1}{2}} done")
     '\\\\frac{1}{2}'
@@ -184,8 +180,7 @@ def load_problems(spec, drop_missing=False, limit=None):
     Returns (rows, n_dropped). Column names are mapped by normalize_row; a row's other fields (e.g. `level`) are
     kept, and `where` (file:line) is added. drop_missing=False: a row without a problem or an answer raises
     DataError naming file:line; drop_missing=True: such rows are skipped and counted (hub datasets and
-    train_full.py's large files). A row whose problem or answer is a list, dict or boolean always raises DataError
-    (see _text_field). No usable row at all raises DataError.
+    train_full.py's large files). No usable row at all raises DataError.
     """
     if os.path.isdir(spec):
         raise DataError(f"{spec}: is a folder; pass a JSONL/JSON/Parquet file with 'problem' and 'answer'")
@@ -286,6 +281,7 @@ ARITHMETIC_LEVELS = {
 }
 _NAMES = ("Ann", "Bo", "Cy", "Dee", "Eli", "Fay", "Gus", "Hal", "Ivy", "Jo")
 _ITEMS = ("pens", "cups", "eggs", "hats", "keys", "maps", "nuts", "figs", "jars", "toys")
+EVAL_FRACTION = 0.2  # the share of all generated problem texts that are held out ("eval")
 
 
 def _arithmetic_problem(rng, level):
@@ -302,14 +298,13 @@ def _arithmetic_problem(rng, level):
     return f"{who} had {a} {items}, got {b} more. How many now?", None, a + b
 
 
-def arithmetic_problems(n, split="train", seed=0, levels=(1, 2, 3, 4), eval_fraction=0.2):
+def arithmetic_problems(n, split="train", seed=0):
     """`n` distinct short arithmetic word problems, rows like load_problems' (+ `level`).
 
     Levels (ARITHMETIC_LEVELS) cycle 1, 2, 3, 4, 1, ... so every level has n / len(levels) rows. A problem's split
-    is fixed by a hash of its text (`eval_fraction` of all texts are "eval"), so the "train" and "eval" sets are
+    is fixed by a hash of its text (EVAL_FRACTION of all texts are "eval"), so the "train" and "eval" sets are
     disjoint whatever n and seed. They share arithmetic facts (there are only 81 one-digit sums), not problems: a
-    held-out problem is a new (name, item, numbers) combination. Answers are short for a one-token-per-character
-    tokenizer: "\\boxed{42}" is 10 characters.
+    held-out problem is a new (name, item, numbers) combination.
 
     >>> arithmetic_problems(2, seed=0)[1]["level"], arithmetic_problems(2, "eval")[0]["id"]
     (2, 'arith-eval-0-0')
@@ -317,15 +312,14 @@ def arithmetic_problems(n, split="train", seed=0, levels=(1, 2, 3, 4), eval_frac
     >>> any(r["problem"] in train for r in arithmetic_problems(500, "eval"))
     False
     """
-    return _generated(n, split, seed, levels, eval_fraction, ARITHMETIC_LEVELS, _arithmetic_problem, "arith")
+    return _generated(n, split, seed, ARITHMETIC_LEVELS, _arithmetic_problem, "arith")
 
 
-def _generated(n, split, seed, levels, eval_fraction, level_names, draw, prefix):
+def _generated(n, split, seed, level_names, draw, prefix):
     """n distinct problems from draw(rng, level) -> (text, solution or None, answer), levels cycling, split by hash."""
     if split not in ("train", "eval"):
         raise ValueError(f"split={split!r}: choose 'train' or 'eval'")
-    if not levels or any(level not in level_names for level in levels):
-        raise ValueError(f"levels={levels!r}: choose from {sorted(level_names)}")
+    levels = tuple(level_names)
     rng = random.Random(f"{'arithmetic' if prefix == 'arith' else prefix}-{seed}-{split}")
     rows, seen = [], set()
     for attempt in range(200 * n + 1000):
@@ -333,7 +327,7 @@ def _generated(n, split, seed, levels, eval_fraction, level_names, draw, prefix)
             break
         level = levels[len(rows) % len(levels)]
         problem, solution, answer = draw(rng, level)
-        is_eval = zlib.crc32(problem.encode()) % 1000 < 1000 * eval_fraction
+        is_eval = zlib.crc32(problem.encode()) % 1000 < 1000 * EVAL_FRACTION
         if problem in seen or is_eval != (split == "eval"):
             continue
         seen.add(problem)
@@ -344,8 +338,6 @@ def _generated(n, split, seed, levels, eval_fraction, level_names, draw, prefix)
     return rows
 
 
-# Worked solutions: word problems whose answers write every intermediate result (the default task of train_small.py;
-# arithmetic_problems above is --task direct)
 STEP_LEVELS = {
     1: "a + b, one digit each (one step)",
     2: "a + b - c, one digit each (two steps)",
@@ -367,7 +359,7 @@ def _step_problem(rng, level):
     return text, f"{a}+{b}={a + b}. {a + b}-{c}={a + b - c}.", a + b - c
 
 
-def step_problems(n, split="train", seed=0, levels=(1, 2, 3, 4), eval_fraction=0.2):
+def step_problems(n, split="train", seed=0):
     """`n` distinct word problems whose `solution` works every step out before the answer, rows like load_problems'
     (+ `level` and `solution`). A response is the solution then \\boxed{answer}:
 
@@ -380,15 +372,14 @@ def step_problems(n, split="train", seed=0, levels=(1, 2, 3, 4), eval_fraction=0
     >>> r = step_problems(4, seed=0)[3]; r["level"], r["solution"].count("="), r["answer"] == r["solution"].split("=")[-1][:-1]
     (4, 2, True)
     """
-    return _generated(n, split, seed, levels, eval_fraction, STEP_LEVELS, _step_problem, "steps")
+    return _generated(n, split, seed, STEP_LEVELS, _step_problem, "steps")
 
 
 TASKS = {"steps": step_problems, "direct": arithmetic_problems}  # mathtask's generated tasks
 
 
 def load_data(args):
-    """(train_rows, eval_rows): --train-file / --eval-file, else the --task's generated split. Bad files raise
-    DataError naming file:line."""
+    """(train_rows, eval_rows): --train-file / --eval-file, else the --task's generated split."""
 
     def rows(path, size, split):
         return load_problems(path, limit=size)[0] if path else TASKS[args.task](size, split, seed=args.seed)

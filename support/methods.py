@@ -106,14 +106,14 @@ TOKEN_RULES = {"adv-entropy": None, "entropy": entropy_only, "adv": advantage_on
 SCHEDULES = ("linear", "cosine", "step", "constant", "adaptive")  # "linear" is the paper's
 
 
-def progress(kind, step, total_steps, history=None, window=10, tol=0.02):
+def progress(kind, step, total_steps, history=None):
     """f for d3s.dynamic_schedule(progress=f) (open question 2 of a summary of the paper, docs/questions.md):
       "linear"    f = p                        the paper's
       "cosine"    f = (1 - cos(pi * p)) / 2    slow at both ends, fastest at the middle
       "step"      f = 0 for p < 1/2, else 1    the init values for the first half, the final ones after
       "constant"  f = 0                        the init values throughout (the aggressive end)
       "adaptive"  f = min(1, 2 * plateaus / total_steps): hold N and K while the signal rises; each step on
-                  which it has plateaued (mean of its last `window` values - mean of the `window` before < tol)
+                  which it has plateaued (mean of its last 10 values - mean of the 10 before < 0.02)
                   relaxes them by two linear steps. history: the signal of the steps so far (the rungs pass
                   the train reward of steps 1..s-1); `step` is not read.
 
@@ -128,8 +128,7 @@ def progress(kind, step, total_steps, history=None, window=10, tol=0.02):
     if kind in curves:
         return curves[kind]
     d3s._require(history is not None, "history", history, "kind='adaptive' needs the signal's past values (a list)")
-    d3s._require(isinstance(window, int) and window >= 1, "window", window, "must be an int >= 1")
-    return min(1.0, 2 * _plateaus(history, window, tol) / total_steps)
+    return min(1.0, 2 * _plateaus(history, 10, 0.02) / total_steps)
 
 
 def _plateaus(history, window, tol):
@@ -201,12 +200,6 @@ def budget(args, method_row, step, history=None):
     )
 
 
-def static_budget(args):
-    """(N, K) of the static rows: --static-n and --static-k, by default the linear schedule's midpoint (choice)."""
-    G = max(args.group_size, args.n_init, args.n_final)
-    return d3s.method_budget(d3s.LADDER["d2s"], step=0, total_steps=1, group_size=G, **_nk(args))
-
-
 def _nk(args):
     """The rung's N and K flags, as d3s.method_budget's keywords."""
     return {name: getattr(args, name) for name in ("n_init", "n_final", "k_init", "k_final", "static_n", "static_k")}
@@ -215,7 +208,7 @@ def _nk(args):
 def check_flags(p, args, methods, flag="--method"):
     """The method and budget flags every rung shares, checked together (one line and exit 2 through p.error): each
     method a row of LADDER; N <= G wherever a row uses N; --switch-on-spike only where a row has an intra-group
-    twin. Returns (static N, static K): --static-n and --static-k, by default the schedule's midpoint (static_budget).
+    twin. Returns (static N, static K): --static-n and --static-k, by default the linear schedule's midpoint (choice).
     """
     for m in methods:
         if m not in LADDER:
@@ -238,7 +231,8 @@ def check_flags(p, args, methods, flag="--method"):
             f"({', '.join(f'{a} -> {b}' for a, b in INTRA_TWIN.items())}); {', '.join(methods)} has none: "
             "use --method d3s or d1s-cross, or drop the flag"
         )
-    return static_budget(args)
+    G = max(args.group_size, args.n_init, args.n_final)
+    return d3s.method_budget(d3s.LADDER["d2s"], step=0, total_steps=1, group_size=G, **_nk(args))
 
 
 # === Their flags: a rung adds the ones it runs with one call, *methods.flags("--schedule", ...) (cli.flag entries) ====

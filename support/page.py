@@ -60,9 +60,8 @@ def write_step(
 
     step: the global step as the rung counts it; rung: "toy" | "train_small" | "train_full"; method: the method's
     name (a methods.LADDER row). rewards [P, G]; keep [P, G] bool (from d3s.select_samples); adv [P, G]: the
-    advantage each cell shows, i.e. the one the loss uses on kept cells and the full-group one on dropped cells:
-    torch.where(keep, adv_from_select_samples, d3s.group_advantages(rewards)). For every method but pods that is
-    d3s.group_advantages(rewards); for pods the kept cells show A recomputed on the kept N.
+    advantage each cell shows, torch.where(keep, adv_from_select_samples, d3s.group_advantages(rewards)) (pods:
+    the kept cells show A recomputed on the kept N).
     n_keep: N, rollouts per prompt (the cross-group budget is N * P); k_frac: the scheduled K; k_real: the realised
     fraction (kept tokens / forwarded tokens).
     shown: one dict per rollout to draw token by token (pick_rollouts chooses them):
@@ -77,9 +76,9 @@ def write_step(
     check_grid(rewards=rewards, adv=adv, keep=keep)
     P, G = rewards.shape
     got = f"{len(prompts)} strings" if prompts else prompts
-    _require(prompts is None or len(prompts) == P, "prompts", got, f"pass one string per prompt (P={P}) or None")
+    d3s._require(prompts is None or len(prompts) == P, "prompts", got, f"pass one string per prompt (P={P}) or None")
     for name, value in (("n_keep", n_keep), ("k_frac", k_frac), ("k_real", k_real), ("step", step)):
-        _require(isinstance(value, (int, float)) and math.isfinite(value), name, value, "must be a finite number")
+        d3s._require(isinstance(value, (int, float)) and math.isfinite(value), name, value, "must be a finite number")
     shown = [_check_shown(item, P * G) for item in shown]
     rewards, adv, keep = rewards.detach().float().cpu(), adv.detach().float().cpu(), keep.detach().bool().cpu()
     numbers = {
@@ -405,28 +404,23 @@ def _plot_strip(ax, item, G, prompts, max_tokens):
         side.set_visible(False)
 
 
-def _require(ok, name, value, fix):
-    if not ok:
-        raise ValueError(f"{name}={value!r}: {fix}")
-
-
 def check_grid(**tensors):
     """Each a [P, G] tensor, all of one shape."""
     shape = None
     for name, t in tensors.items():
         got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
         ok = isinstance(t, torch.Tensor) and t.dim() == 2
-        _require(ok, name, got, "pass a [P, G] tensor (prompts x rollouts per prompt)")
-        _require(shape is None or got == shape, f"{name}.shape", got, f"must equal {shape}, as the other grids")
+        d3s._require(ok, name, got, "pass a [P, G] tensor (prompts x rollouts per prompt)")
+        d3s._require(shape is None or got == shape, f"{name}.shape", got, f"must equal {shape}, as the other grids")
         shape = got
 
 
 def _check_shown(item, n):
     ok = isinstance(item, dict) and "index" in item and "tokens" in item
     fix = 'pass dicts {"index": p * G + g, "tokens": [...], "entropy", "score", "selected"}'
-    _require(ok, "shown[...]", type(item).__name__, fix)
+    d3s._require(ok, "shown[...]", type(item).__name__, fix)
     i = item["index"]
-    _require(isinstance(i, int) and 0 <= i < n, "shown index", i, f"must be an int p * G + g in [0, {n})")
+    d3s._require(isinstance(i, int) and 0 <= i < n, "shown index", i, f"must be an int p * G + g in [0, {n})")
     item = {"entropy": None, "score": None, "selected": None, **item, "tokens": [str(t) for t in item["tokens"]]}
     n_tok = len(item["tokens"])
     for key in ("entropy", "score", "selected", "marked", "notes"):
@@ -434,13 +428,12 @@ def _check_shown(item, n):
         if value is not None:
             value = value.tolist() if isinstance(value, torch.Tensor) else list(value)
             fix = f"must have one value per token ({n_tok})"
-            _require(len(value) == n_tok, f"shown[index={i}].{key}", f"{len(value)} values", fix)
+            d3s._require(len(value) == n_tok, f"shown[index={i}].{key}", f"{len(value)} values", fix)
             item[key] = value
     return item
 
 
 def _samples_rule(method):
-    """The method's samples rule by name (methods.rule_name); None when unknown."""
     return methods.rule_name(method) if method in methods.LADDER else None
 
 

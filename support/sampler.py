@@ -31,9 +31,9 @@ def _forward(model, cache, input_ids, attention_mask, position_ids, **kwargs):
 
 @torch.no_grad()
 def sample(model, tokenizer, prompts, group_size, max_new_tokens, temperature=1.0, greedy=False):
-    """`group_size` responses per prompt (row p*G + g), o_t ~ softmax(logits / T) or greedy: HF generate's loop, with
-    each prompt encoded once and its KV cache repeated G times. Returns the rollout batch: prompt_ids [B, Lp],
-    prompt_mask (left-padded), response_ids [B, T], response_mask (1 up to and including the first EOS) and texts."""
+    """`group_size` responses per prompt (row p*G + g), o_t ~ softmax(logits / T) or greedy. Returns the rollout
+    batch: prompt_ids [B, Lp], prompt_mask (left-padded), response_ids [B, T], response_mask (1 up to and including
+    the first EOS) and texts."""
     enc = tokenizer(prompts, padding=True, return_tensors="pt", add_special_tokens=False)
     prompt_mask = enc.attention_mask  # [P, Lp], left-padded
     positions = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # as generate: left padding does not shift positions
@@ -82,8 +82,7 @@ def sample(model, tokenizer, prompts, group_size, max_new_tokens, temperature=1.
 
 def logprobs_entropy(model, batch, temperature=1.0, with_entropy=True):
     """log pi(o_t | prompt, o_<t) [B, T] (logits / temperature: the policy that sampled) and the entropy H_t [B, T] of
-    the same logits (d3s.token_entropy, no grad). Each distinct prompt is forwarded once, then every response on its
-    prompt's keys and values: a plain forward's log-probs and gradients (tested) for about half the positions."""
+    the same logits (d3s.token_entropy, no grad); every response reads its prompt's keys and values."""
     model.train()
     Lp = batch["prompt_ids"].shape[1]
     rows = torch.cat([batch["prompt_ids"], batch["prompt_mask"]], 1)  # [B, 2 Lp]
@@ -97,9 +96,8 @@ def logprobs_entropy(model, batch, temperature=1.0, with_entropy=True):
         layer.keys, layer.values = layer.keys.index_select(0, row_prompt), layer.values.index_select(0, row_prompt)
     attention_mask = torch.cat([prompt_mask[row_prompt], batch["response_mask"]], 1)  # [B, Lp' + T]
     position_ids = prompt_pos[row_prompt, -1:] + batch["response_mask"].cumsum(-1)  # as cumsum(mask) - 1 above
-    logits = _forward(
-        model, cache, batch["response_ids"], attention_mask, position_ids
-    )  # [B, T, V]: t predicts o_{t+1}
+    # [B, T, V]: t predicts o_{t+1}
+    logits = _forward(model, cache, batch["response_ids"], attention_mask, position_ids)
     logits = torch.cat([first_logits[row_prompt], logits[:, :-1]], 1).float() / temperature  # [B, T, V]: o_1 .. o_T
     logp = logits.log_softmax(-1).gather(-1, batch["response_ids"].unsqueeze(-1)).squeeze(-1)  # [B, T]
     return logp, (d3s.token_entropy(logits) if with_entropy else None)

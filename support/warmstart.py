@@ -4,7 +4,7 @@ warm start that RL starts from, cached so that every run of a comparison starts 
     load_warm_start(args, rows)   (model, tokenizer, info): --model or the tiny Qwen2 (support/tiny.py), after --sft-steps of
                                   supervised training on the answers; cached in --cache-dir/warmstart-<hash>/
     shared_kv_attention(model)    the model's attention reads each key/value head in place when no gradient is needed
-    flags(), fill_defaults(args)  the flags of the model, data and warm start (--model, --task, --sft-*, ...): declared
+    FLAGS, fill_defaults(args)    the flags of the model, data and warm start (--model, --task, --sft-*, ...): declared
                                   here, added by train_small.py with one call
 
 The default warm start ships in weights/warmstart-<hash>/ (2.5 MB), so the first run starts RL at once; any other
@@ -22,6 +22,7 @@ import re
 import shutil
 import time
 import zlib
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -35,7 +36,7 @@ TINY_SFT_STEPS = {"steps": 600, "direct": 1000}
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository (this file is in support/)
 SHIPPED_DIR = os.path.join(ROOT, "weights")  # the default's warm start, built once
 
-n = cli.number  # FLAGS: cli.flag entries, which train_small.py adds with *warmstart.flags()
+n = cli.number  # FLAGS: cli.flag entries, which train_small.py adds with *warmstart.FLAGS
 FLAGS = [
     cli.flag("--model", None, None, "any HF causal LM instead of the tiny model", metavar="PATH_OR_HUB_NAME"),
     cli.flag(
@@ -81,19 +82,8 @@ FLAGS = [
 ]
 
 
-def flags(*names):
-    """The FLAGS named, in that order; none named: all of them.
-
-    >>> [name for name, _ in flags("--sft-lr", "--task")]
-    ['--sft-lr', '--task']
-    """
-    declared = dict(FLAGS)
-    return [(name, declared[name]) for name in names] if names else list(FLAGS)
-
-
 def fill_defaults(args):
-    """The defaults that depend on other flags: --sft-steps (tiny model: TINY_SFT_STEPS[--task]; --model: 0) and
-    --template (auto: plain for the tiny model, qwen-math with --model)."""
+    """The defaults that depend on other flags: --sft-steps and --template."""
     if args.sft_steps is None:
         args.sft_steps = 0 if args.model else TINY_SFT_STEPS[args.task]
     if args.template == "auto":
@@ -192,9 +182,9 @@ def warm_start_path(args, train_rows):
     return os.path.join(args.cache_dir, "warmstart-" + hashlib.sha256(key).hexdigest()[:12])
 
 
-def load_warm_start(args, train_rows, shipped=True):
+def load_warm_start(args, train_rows):
     """(model, tokenizer, info): the base model after --sft-steps of supervised training, cached in
-    CACHE_DIR/warmstart-<hash>/ with save_pretrained; one of the same hash in weights/ (shipped=True) is loaded from
+    CACHE_DIR/warmstart-<hash>/ with save_pretrained; one of the same hash in weights/ is loaded from
     there instead of being built."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -202,10 +192,10 @@ def load_warm_start(args, train_rows, shipped=True):
         model, tokenizer = load_base_model(args)
         return model, tokenizer, {"sft_steps": 0, "path": args.model or "tiny (fresh)"}
     path = warm_start_path(args, train_rows)
-    for folder in [path, os.path.join(SHIPPED_DIR, os.path.basename(path))] if shipped else [path]:
-        if os.path.exists(os.path.join(folder, "warmstart.json")):
-            with open(os.path.join(folder, "warmstart.json")) as f:
-                info = json.load(f)
+    for folder in (path, os.path.join(SHIPPED_DIR, os.path.basename(path))):
+        record = Path(folder, "warmstart.json")
+        if record.exists():
+            info = json.loads(record.read_text())
             tokenizer = AutoTokenizer.from_pretrained(folder)
             tokenizer.padding_side = "left"
             model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
@@ -232,8 +222,7 @@ def build_warm_start(args, train_rows, path, record_path=None):
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    with open(os.path.join(tmp, "warmstart.json"), "w") as f:
-        json.dump(info, f, indent=1)
+    Path(tmp, "warmstart.json").write_text(json.dumps(info, indent=1))
     shutil.rmtree(path, ignore_errors=True)
     os.replace(tmp, path)  # atomic: a half-written cache folder is never picked up
     return model, tokenizer, info, losses
@@ -306,10 +295,9 @@ def build_shipped(args):
     train_rows, _ = load_data(args)
     path = warm_start_path(args, train_rows)
     _, _, info, losses = build_warm_start(args, train_rows, path, os.path.relpath(os.path.abspath(path), ROOT))
-    with open(os.path.join(path, "model.safetensors"), "rb") as f:
-        digest = hashlib.sha256(f.read()).hexdigest()
-    with open("/proc/cpuinfo") as f:  # the CPU's name, as lscpu's "Model name"
-        cpu = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")][:1]
+    digest = hashlib.sha256(Path(path, "model.safetensors").read_bytes()).hexdigest()
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()  # the CPU's name, as lscpu's "Model name"
+    cpu = [line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")][:1]
     build = {
         "command": "python scripts/build_warmstart.py",
         "machine": (cpu or [platform.machine()])[0],
@@ -319,7 +307,6 @@ def build_shipped(args):
         "sft_losses": losses,
         "model_sha256": digest,
     }
-    with open(os.path.join(path, "build.json"), "w") as f:
-        json.dump(build, f, indent=1)
+    Path(path, "build.json").write_text(json.dumps(build, indent=1))
     print(f"{path}: sha256 {digest}, supervised loss {info['sft_loss_first']:.3f} -> {info['sft_loss_last']:.4f}")
     return path
