@@ -9,6 +9,7 @@ fsdp_param_groups    what FSDP2 manages in a module, on torch 2.11 and 2.13
 cuda_diagnosis       why torch sees no GPU, in words
 """
 
+import contextlib
 import copy
 import ctypes
 import functools
@@ -121,9 +122,8 @@ def host_memory(config, args, ranks, local_ranks=1, environ=None):
         parts["weights"] = parts["gradients"] = sum(block(4 * n) for n in shard)
         parts["moments"], parts["temporaries"] = 8 * sum(shard), 2 * 4 * max(shard)
         parts["reference"] = sum(block(2 * n) for n in shard) if args.kl_ref else 0
-        parts["rounding"] = 2 * sum(block(4 * n) - 4 * n for n in shard) + (
-            sum(block(2 * n) - 2 * n for n in shard) if args.kl_ref else 0
-        )
+        pinned = parts["weights"] + parts["gradients"] + parts["reference"]
+        parts["rounding"] = pinned - (4 + 4 + (2 if args.kl_ref else 0)) * sum(shard)  # less their unrounded bytes
     dtype = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32")
     export = params * (4 + (2 if dtype.endswith(("bfloat16", "float16")) else 0))
     per_rank = sum(v for k, v in parts.items() if k != "rounding")
@@ -156,10 +156,8 @@ def trainer_peak_bytes(config, args, ranks):
     memory with --cpu-offload)."""
     params, layer, root = model_shapes(config)
     offload, H, L = getattr(args, "cpu_offload", False), config.hidden_size, config.num_hidden_layers
-    tokens, block = (
-        args.micro_batch_size * (args.max_prompt_len + args.max_response_len),
-        HEAD_CHUNK * config.vocab_size * 4,
-    )
+    tokens = args.micro_batch_size * (args.max_prompt_len + args.max_response_len)  # the widest micro-batch
+    block = HEAD_CHUNK * config.vocab_size * 4  # one fp32 block of the loss head
     per_token = (2 * L * H + 50 * H) if args.activation_checkpointing else L * 52 * H
     if not args.mlp_chunk_tokens:
         per_token += 7 * config.intermediate_size
@@ -280,16 +278,14 @@ def _refusal(plan, config, args, ranks, gpu_bytes, host_bytes, local_ranks):
             fits.append(f"--vllm-gpu-memory-utilization {room:g}")
         if fits_with({"vllm_gpu_memory_utilization": None}):
             fits.append("no --vllm-gpu-memory-utilization (the plan's)")
-    more = None  # the fewest GPUs that fit: on this node (its host memory shared by more ranks), or over more nodes
+    # the fewest GPUs that fit: on this node (its host memory shared by more ranks), or over more nodes
     for r in (r for r in (2, 4, 8, 16, 32, 64, 128) if ranks < r <= 8 * ranks):
         if not _plan(config, args, r, gpu_bytes, host_bytes, local_ranks * r // ranks)["short"]:
-            more = f"{r} GPUs (torchrun --nproc_per_node {r})" if ranks == local_ranks else f"{r} GPUs"
-        elif not _plan(config, args, r, gpu_bytes, host_bytes, local_ranks)["short"]:
-            more = f"{r} GPUs over {-(-r // local_ranks)} nodes of {local_ranks}"
-        if more:
+            fits.append(f"{r} GPUs (torchrun --nproc_per_node {r})" if ranks == local_ranks else f"{r} GPUs")
             break
-    if more:
-        fits.append(more)
+        if not _plan(config, args, r, gpu_bytes, host_bytes, local_ranks)["short"]:
+            fits.append(f"{r} GPUs over {-(-r // local_ranks)} nodes of {local_ranks}")
+            break
     gib = 2**30
     left = (plan["vllm_share_gib"] - plan["vllm_weights_gib"] - plan["vllm_workspace_gib"]) * gib
     tokens = int(left // plan["kv_bytes_per_token"]) - args.max_prompt_len
@@ -397,7 +393,7 @@ def _driver_facts():
     """(driver version, the newest CUDA the driver runs as 'X.Y', [GPU names]) from nvidia-smi and libcuda; Nones
     where neither answers."""
     driver, driver_cuda, gpus = None, None, []
-    try:
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
         out = subprocess.run(
             ["nvidia-smi", "--query-gpu=driver_version,name", "--format=csv,noheader"],
             capture_output=True,
@@ -406,15 +402,11 @@ def _driver_facts():
         ).stdout
         rows = [line.split(", ", 1) for line in out.strip().splitlines() if ", " in line]
         driver, gpus = (rows[0][0], [name for _, name in rows]) if rows else (None, [])
-    except (OSError, subprocess.SubprocessError):
-        pass
-    try:
+    with contextlib.suppress(OSError):
         version = ctypes.c_int()
         if ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(version)) == 0:
             driver_cuda = f"{version.value // 1000}.{version.value % 1000 // 10}"
             driver = driver or "present (version unknown: no nvidia-smi)"
-    except OSError:
-        pass
     return driver, driver_cuda, gpus
 
 
@@ -430,8 +422,8 @@ PEAK_TFLOPS = (
 
 
 def peak_flops(device, peak_tflops):
-    """Peak dense bf16 FLOP/s of one GPU (for MFU), or None if unknown. The first name in
-    PEAK_TFLOPS that the GPU's name contains wins: H100 PCIe 756 TFLOP/s, NVL 835, SXM 989."""
+    """Peak dense bf16 FLOP/s of one GPU (for MFU), or None if unknown: the first name in PEAK_TFLOPS that the GPU's
+    name contains."""
     if peak_tflops:
         return peak_tflops * 1e12
     if device.type != "cuda":
