@@ -178,7 +178,8 @@ def _plan(config, args, ranks, gpu_bytes, host_bytes=None, local_ranks=1):
     peak = trainer_peak_bytes(config, args, ranks) if on_gpu else 0.0  # while vLLM sleeps
     host_parts = host_memory(config, args, ranks, local_ranks) if on_gpu else None  # --eval-only: no trainer
     host = host_parts["total"] if host_parts else 0.0
-    # what vLLM's share sits beside on the GPU: the resident shards, or (--vllm-sleep-level 0) the step's peak
+    # what vLLM's share sits beside on the GPU: the resident shards (levels 1 and 2 free vLLM's GPU memory alike; 1
+    # keeps its weights in host memory), or the step's peak (--vllm-sleep-level 0)
     awake = on_gpu and getattr(args, "vllm_sleep_level", 2) == 0
     beside = max(peak, trainer) if awake else trainer
     margin, weights, workspace = MARGIN_GIB * gib, 2 * params, VLLM_WORKSPACE_GIB * gib
