@@ -297,11 +297,7 @@ def _refusal(plan, config, args, ranks, gpu_bytes, host_bytes, local_ranks):
         if fits
         else ("no flag of train_full.py fits it on this GPU: use a GPU with more memory")
     )
-    return (
-        f"--model {args.model}: does not fit this {gpu_bytes / gib:.1f} GiB GPU: "
-        + "; ".join(plan["short"])
-        + f"; {fix}"
-    )
+    return f"--model {args.model}: does not fit this {gpu_bytes / gib:.1f} GiB GPU: {'; '.join(plan['short'])}; {fix}"
 
 
 def clock(device, reset_peak=False):
