@@ -376,8 +376,7 @@ class HFEngine(_Engine):
 def shutdown(engine):
     """Wait for every rank, stop the engine, leave the process group."""
     dist.barrier()
-    if engine is not None:
-        engine.close()  # vLLM's shutdown also destroys the default process group
+    engine.close()  # vLLM's shutdown also destroys the default process group
     if dist.is_initialized():
         dist.destroy_process_group()
 
