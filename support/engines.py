@@ -342,14 +342,12 @@ class HFEngine(_Engine):
             )
             new = out.sequences[:, width:].cpu()  # [len(chunk) * n, new]
             steps = torch.stack(out.scores, 1).float().log_softmax(-1).cpu() if logprobs else None  # [.., new, V]
-            for i in range(len(chunk)):
-                group = []
-                for j in range(n):
-                    row = new[i * n + j].tolist()
-                    end = next((t + 1 for t, tok in enumerate(row) if tok in stop_ids), len(row))
-                    lps = steps[i * n + j, torch.arange(end), new[i * n + j, :end]].tolist() if logprobs else None
-                    group.append({"token_ids": row[:end], "logprobs": lps})
-                results.append(group)
+            samples = []
+            for k, row in enumerate(new.tolist()):  # prompt k // n of the chunk, its sample k % n
+                end = next((t + 1 for t, tok in enumerate(row) if tok in stop_ids), len(row))
+                lps = steps[k, torch.arange(end), new[k, :end]].tolist() if logprobs else None
+                samples.append({"token_ids": row[:end], "logprobs": lps})
+            results += [samples[i : i + n] for i in range(0, len(samples), n)]
         return results
 
     def sleep(self):
