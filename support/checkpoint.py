@@ -162,7 +162,6 @@ def export_pretrained(model, tokenizer, path):
     tokenizer.save_pretrained(path + ".tmp")
     shutil.rmtree(path, ignore_errors=True)
     os.replace(path + ".tmp", path)
-    return path
 
 
 # === train_full.py: DCP shards, one folder per checkpoint =============================================================
@@ -449,18 +448,17 @@ def export_hf(model, tokenizer, path, world, out):
     try:
         with attempt(tmp, out, world):  # a full disk: DiskFull on every rank
             if world.is_main:
-                config = model.config
-                dtype = config.dtype
+                dtype = model.config.dtype
                 dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype or "float32"))
-                config.use_cache = True
-                with torch.device("meta"):
-                    shell = AutoModelForCausalLM.from_config(config)  # a plain class for save_pretrained (not FSDP's)
+                model.config.use_cache = True
+                with torch.device("meta"):  # a plain class for save_pretrained (not FSDP's)
+                    shell = AutoModelForCausalLM.from_config(model.config)
                 shutil.rmtree(tmp, ignore_errors=True)
                 try:
                     shell.save_pretrained(tmp, state_dict={k: v.to(dtype) for k, v in full.items()})
                     tokenizer.save_pretrained(tmp)
                 finally:
-                    config.use_cache = False
+                    model.config.use_cache = False
                 shutil.rmtree(path, ignore_errors=True)
                 os.replace(tmp, path)
     except DiskFull:

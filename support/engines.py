@@ -8,6 +8,7 @@ export_asleep     an HF export with the engine asleep, so that its fp32 gathers 
 batch_invariant_refusal, vllm_engine_args, wake_shortfall   the checks before vLLM is built or woken
 """
 
+import collections
 import os
 import random
 
@@ -83,8 +84,7 @@ def vllm_engine_args(model_path, args, cuda, utilization, max_num_seqs, seed):
     is off: config/model.py:380): the CUDA graphs are then captured into vLLM's sleep-mode pool (the "cudagraph"
     tag: config/vllm.py:687-700, compilation/cudagraph_pool.py:33-45), which sleep copies to host memory and unmaps
     at every level, beside the "runtime" tag (device_allocator/sleep_mode_backend.py:127-137), and every wake maps
-    back in place. Without it the graph pools stayed on the GPU beside the trainer's step, counted nowhere. With
-    it vLLM sets NCCL_GRAPH_REGISTER=0 for the process (config/vllm.py:2243-2250): graph capture only, which the
+    back in place. With it vLLM sets NCCL_GRAPH_REGISTER=0 for the process (config/vllm.py:2243-2250): graph capture only, which the
     trainer never does. On CPU vLLM has no sleep mode and no graphs (enforce_eager), and takes its KV cache size
     in bytes (--vllm-kv-cache-gb)."""
     sleep = cuda and args.vllm_sleep_level > 0
@@ -142,13 +142,10 @@ class _Engine:
 class VLLMEngine(_Engine):
     """A vLLM engine inside this trainer process, on this rank's GPU (external_launcher, TP=1).
 
-    generate() runs this rank's prompts; sleep() frees its GPU memory for training;
-    update_weights() streams the new weights in through vLLM 0.32's reload_weights (in place,
-    checkpoint format) and resets the prefix cache, whose KV entries belong to the old weights.
-    Asleep (level 2), vLLM 0.32 keeps no weights and no KV cache on the GPU, and its runtime buffers
-    and CUDA-graph pools wait in host memory (the graphs because vllm_engine_args turns on
-    sleep_mode_offload_cudagraph); a wake maps them back, after a check that the GPU
-    has the memory for them (wake_shortfall): one line instead of an out-of-memory error inside vLLM.
+    update_weights() resets the prefix cache too: its KV entries belong to the old weights. Asleep (level 2), vLLM
+    0.32 keeps no weights and no KV cache on the GPU, and its runtime buffers and CUDA-graph pools wait in host
+    memory (vllm_engine_args); a wake maps them back after wake_shortfall's check: one line instead of an
+    out-of-memory error inside vLLM.
     """
 
     def __init__(self, model_path, args, world):
@@ -252,9 +249,9 @@ class VLLMEngine(_Engine):
         self.sleep()
         if self.sleeping:
             self._wake(["weights"])  # weights first: the KV cache is not needed to load them
-        stream = _Drain(named_tensors)
+        stream = iter(named_tensors)
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream})
-        stream.drain()  # every rank must gather every tensor, even ones vLLM skipped
+        collections.deque(stream, maxlen=0)  # run to its end: every rank gathers every tensor, even ones vLLM skipped
         if not self.cuda:
             self.llm.collective_rpc(_repack_tied_lm_head)
         if self.sleeping:
@@ -295,23 +292,6 @@ def _repack_tied_lm_head(worker):
     head = getattr(model, "lm_head", None)
     if getattr(getattr(model, "config", None), "tie_word_embeddings", False) and hasattr(head, "quant_method"):
         head.quant_method.process_weights_after_loading(head)
-
-
-class _Drain:
-    """An iterator that can be run to its end afterwards (keeps FSDP all-gathers matched across ranks)."""
-
-    def __init__(self, iterable):
-        self.it = iter(iterable)
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        return next(self.it)
-
-    def drain(self):
-        for _ in self.it:
-            pass
 
 
 class HFEngine(_Engine):
@@ -362,14 +342,12 @@ class HFEngine(_Engine):
             )
             new = out.sequences[:, width:].cpu()  # [len(chunk) * n, new]
             steps = torch.stack(out.scores, 1).float().log_softmax(-1).cpu() if logprobs else None  # [.., new, V]
-            for i in range(len(chunk)):
-                group = []
-                for j in range(n):
-                    row = new[i * n + j].tolist()
-                    end = next((t + 1 for t, tok in enumerate(row) if tok in stop_ids), len(row))
-                    lps = steps[i * n + j, torch.arange(end), new[i * n + j, :end]].tolist() if logprobs else None
-                    group.append({"token_ids": row[:end], "logprobs": lps})
-                results.append(group)
+            samples = []
+            for k, row in enumerate(new.tolist()):  # prompt k // n of the chunk, its sample k % n
+                end = next((t + 1 for t, tok in enumerate(row) if tok in stop_ids), len(row))
+                lps = steps[k, torch.arange(end), new[k, :end]].tolist() if logprobs else None
+                samples.append({"token_ids": row[:end], "logprobs": lps})
+            results += [samples[i : i + n] for i in range(0, len(samples), n)]
         return results
 
     def sleep(self):
@@ -396,8 +374,7 @@ class HFEngine(_Engine):
 def shutdown(engine):
     """Wait for every rank, stop the engine, leave the process group."""
     dist.barrier()
-    if engine is not None:
-        engine.close()  # vLLM's shutdown also destroys the default process group
+    engine.close()  # vLLM's shutdown also destroys the default process group
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -406,15 +383,6 @@ def make_engine(model_path, args, world):
     """The rollout engine of --rollout, and the trainer's CPU threads (offload_threads: --cpu-offload on a GPU).
     vLLM's workers seed torch, Python and NumPy as they start (set_random_seed): the rank's RNG (seeded with seed +
     rank, or restored by --resume) is put back afterwards."""
-    engine = _make_engine(model_path, args, world)
-    trainer = offload_threads(args, world.device)
-    if trainer:
-        engine.threads = (torch.get_num_threads(), trainer)
-        torch.set_num_threads(trainer)
-    return engine
-
-
-def _make_engine(model_path, args, world):
     if args.rollout == "vllm":
         import numpy as np
 
@@ -429,22 +397,23 @@ def _make_engine(model_path, args, world):
         torch.set_rng_state(rng[0]), random.setstate(rng[1]), np.random.set_state(rng[2])
         if cuda_rng is not None:
             torch.cuda.set_rng_state(cuda_rng, world.device)
-        return engine
-    return HFEngine(model_path, args, world)
+    else:
+        engine = HFEngine(model_path, args, world)
+    trainer = offload_threads(args, world.device)
+    if trainer:
+        engine.threads = (torch.get_num_threads(), trainer)
+        torch.set_num_threads(trainer)
+    return engine
 
 
 def export_asleep(engine, model, args, export):
     """export() (checkpoint.export_hf) with the rollout engine asleep; the engine is left as ready as it was found.
 
-    export_hf gathers each parameter whole, in fp32, on the GPU: torch moves the shard to its mesh's device, gathers
-    it, and only then copies it to CPU (torch/distributed/_state_dict_utils.py:267-283); 2.03 GiB for the 7B's
-    embedding and lm_head each. After a weight sync vLLM is awake, its weights and KV cache filling all of the GPU
-    but the 4 GiB margin, so that gather could run out of memory after the last checkpoint, and every --resume would
-    retry it the same way. So the engine sleeps first (vLLM: weights and KV cache off the GPU, as in the trainer's
-    step, whose peak the gather stays under; HFEngine: its copy goes to host memory). A level-2 sleep drops vLLM's
-    weights: when the engine was awake, they are synced again after the export (one more weight sync per export),
-    so a generate that follows uses the policy; when it was already asleep, the caller's next sync does it, as
-    before the call. Every rank calls it (the gathers and the sync are collectives). Returns export()'s value."""
+    export_hf gathers each parameter whole, in fp32, on the GPU (torch/distributed/_state_dict_utils.py:267-283;
+    2.03 GiB for the 7B's embedding and lm_head each): beside an awake vLLM, which fills all of the GPU but the
+    margin, that gather could run out of memory. A level-2 sleep drops vLLM's weights: when the engine was awake,
+    they are synced again after the export, so a generate that follows uses the policy. Every rank calls it (the
+    gathers and the sync are collectives). Returns export()'s value."""
     awake = not (getattr(engine, "sleeping", False) or getattr(engine, "offloaded", False))
     engine.sleep()
     result = export()

@@ -149,11 +149,9 @@ def load_policy(args, world, reference=False):
 
 
 def shard_policy(model, args, mesh=None):
-    """FSDP2 in place: activation checkpointing, tiled MLPs, fully_shard per decoder layer and the untied embedding,
-    then the root. fp32 master weights, compute in args.dtype, fp32 gradient reduction, SUMMED over ranks (the loss
-    already divides by the global token count). --cpu-offload (choice): CPUOffloadPolicy keeps the sharded weights,
-    their gradients and so AdamW's state in host memory, each unit's weights copied to the GPU for its forward and
-    backward (docs/train_full.md, "One GPU"). bench/memory.py calls this too: the plan simulates the real wrapping."""
+    """FSDP2 in place. --cpu-offload (choice): CPUOffloadPolicy keeps the sharded weights, their gradients and so
+    AdamW's state in host memory, each unit's weights copied to the GPU for its forward and backward
+    (docs/train_full.md, "One GPU"). bench/memory.py calls this too: the plan simulates the real wrapping."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     if args.activation_checkpointing:
@@ -177,9 +175,8 @@ def shard_policy(model, args, mesh=None):
         if hasattr(module, "set_gradient_divide_factor"):  # an FSDPModule
             module.set_gradient_divide_factor(1.0)  # SUM over ranks: the loss already divides by the global count
             module.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
-    # Every rank reduce-scatters the gradients of every parameter, whatever its micro-batch: a micro-batch without a
-    # selected token still uses an untied lm_head, at weight 0 (response_logp_at), so that no torch switch
-    # (set_reduce_scatter_unused_params, torch >= 2.13 only) is needed for the ranks' collectives to match.
+    # every rank reduce-scatters every parameter's gradient (loss_head.response_logp_at), so that no torch switch
+    # (set_reduce_scatter_unused_params, torch >= 2.13 only) is needed for the ranks' collectives to match
     return model
 
 

@@ -9,6 +9,7 @@ fsdp_param_groups    what FSDP2 manages in a module, on torch 2.11 and 2.13
 cuda_diagnosis       why torch sees no GPU, in words
 """
 
+import contextlib
 import copy
 import ctypes
 import functools
@@ -30,29 +31,21 @@ def vllm_memory_plan(config, args, ranks, gpu_bytes, host_bytes=None, local_rank
     """gpu_memory_utilization and max_num_seqs of the colocated vLLM engine on one GPU, and the check that the
     setting fits at all (train_full calls it before any work, checks.check_machine).
 
-    While vLLM generates, the trainer keeps its shards on the same GPU: fp32 weights and
-    AdamW's two moments, 12 bytes x parameters / ranks (gradients are freed after each step;
-    bench/memory.py checks these bytes), plus 2 bytes x parameters / ranks for --kl-ref's bf16
-    reference; none of it with --cpu-offload (host memory). vLLM may take the rest, less MARGIN_GIB
-    for the CUDA context, NCCL's buffers and fragmentation, but no more than the run uses: its bf16 weights, 2 bytes
-    x parameters, its forward's workspace, about VLLM_WORKSPACE_GIB, and a KV cache of KV_HEADROOM x a rank's
-    rollouts at once (ceil(P / ranks) x G, 16..1024) at full length, 2 (K and V) x layers x KV heads x head dim x 2
-    bytes per token (a given --vllm-gpu-memory-utilization sets the share instead). max_num_seqs is the number
-    of sequences whose KV cache fits at full length (prompt + response), so vLLM need not preempt
-    (clamped to 16 .. 1024). While the trainer runs, vLLM sleeps (level 2: weights and KV cache
-    freed, runtime buffers and CUDA-graph pools copied to host memory: vllm_engine_args) and the trainer's peak is
-    trainer_peak_bytes (an estimate; bench/memory.py simulates it); --cpu-offload keeps the sharded
-    state in host memory instead: host_memory counts it, with the pinned blocks' rounding, for each rank of
-    the node, and rank 0's full copy of the model at the export.
+    While vLLM generates, the trainer keeps its shards on the same GPU: fp32 weights and AdamW's two moments,
+    12 bytes x parameters / ranks (gradients are freed after each step; bench/memory.py checks these bytes), plus
+    2 bytes x parameters / ranks for --kl-ref's bf16 reference; none of it with --cpu-offload (host memory:
+    host_memory). vLLM may take the rest, less MARGIN_GIB, but no more than the run uses: its bf16 weights, 2 bytes
+    x parameters, VLLM_WORKSPACE_GIB, and a KV cache of KV_HEADROOM x a rank's rollouts at once (ceil(P / ranks) x G,
+    16..1024) at full length, 2 (K and V) x layers x KV heads x head dim x 2 bytes per token (a given
+    --vllm-gpu-memory-utilization sets the share instead). max_num_seqs: the sequences whose KV cache fits at full
+    length (prompt + response), so vLLM need not preempt (16..1024). While the trainer runs vLLM sleeps, and the
+    trainer's peak is trainer_peak_bytes; --vllm-sleep-level 0 keeps vLLM awake through the step: its share then
+    sits beside that peak instead of the resident shards.
 
-    --vllm-sleep-level 0 keeps vLLM awake through the step: its share then sits beside the step's peak instead
-    of the resident shards (levels 1 and 2 free vLLM's GPU memory alike; 1 keeps its weights in host memory).
-
-    Refuses (cli.UsageError, one line naming the memory needed and the flags that would fit) a
-    setting that leaves vLLM less than its weights, workspace and one full-length sequence of KV
-    cache, a --vllm-gpu-memory-utilization whose share with what the trainer holds beside it and the
-    margin exceeds the GPU, whose training step does not fit the GPU, or (host_bytes given) the host.
-    Returns a dict with the numbers (printed at start, and by bench/memory.py).
+    Refuses (cli.UsageError, one line naming the memory needed and the flags that would fit) a setting that leaves
+    vLLM less than its weights, workspace and one full-length sequence of KV cache, a --vllm-gpu-memory-utilization
+    whose share beside what the trainer holds and the margin exceeds the GPU, a training step that does not fit the
+    GPU, or (host_bytes given) the host. Returns a dict with the numbers (printed at start, and by bench/memory.py).
     """
     plan = _plan(config, args, ranks, gpu_bytes, host_bytes, local_ranks)
     if plan["short"]:
@@ -65,31 +58,22 @@ KV_HEADROOM = 2.0  # [choice] KV cache over what a rank's rollouts at once need 
 
 
 @functools.lru_cache(maxsize=16)
-def _shapes(config_json):
-    from transformers import AutoConfig
+def _meta_model(config_json):
+    """The model of a config (its JSON: a hashable cache key) on the meta device: shapes, no memory."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     fields = json.loads(config_json)
-    return model_shapes(AutoConfig.for_model(fields.pop("model_type"), **fields), cached=False)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.for_model(fields.pop("model_type"), **fields))
 
 
-def model_shapes(config, cached=True):
+def model_shapes(config):
     """(parameters, parameters of one decoder layer, of the FSDP root: final norm and lm_head, or the tied embedding)."""
-    if cached:
-        return _shapes(config.to_json_string())
-    model = _meta_model(config)
+    model = _meta_model(config.to_json_string())
     params = sum(p.numel() for p in model.parameters())
     layer = sum(p.numel() for p in model.model.layers[0].parameters())
     embed = 0 if config.tie_word_embeddings else model.model.embed_tokens.weight.numel()  # its own unit: not the root's
     return params, layer, params - layer * len(model.model.layers) - embed
-
-
-@functools.lru_cache(maxsize=16)
-def _rows(config_json):
-    from transformers import AutoConfig
-
-    fields = json.loads(config_json)
-    model = _meta_model(AutoConfig.for_model(fields.pop("model_type"), **fields))
-    return tuple((p.shape[0], p.numel() // p.shape[0]) for p in model.parameters())
 
 
 def pinned_block(nbytes, threshold=None):
@@ -127,19 +111,19 @@ def host_memory(config, args, ranks, local_ranks=1, environ=None):
     too). Loading is smaller: rank 0's fp32 full state, 4 B x parameters, beside the pinned weights alone.
     Not counted: vLLM's host copies while it sleeps (runtime buffers, CUDA graphs; level 1: its bf16 weights),
     the page cache of the checkpoint files."""
-    rows, threshold = _rows(config.to_json_string()), pinned_round_threshold(environ)
+    threshold = pinned_round_threshold(environ)
     block = lambda nbytes: pinned_block(nbytes, threshold)
-    params = sum(d0 * rest for d0, rest in rows)
-    shard = [-(-d0 // ranks) * rest for d0, rest in rows]  # elements of rank 0's shard of each parameter
+    tensors = list(_meta_model(config.to_json_string()).parameters())
+    params = sum(p.numel() for p in tensors)
+    shard = [-(-p.shape[0] // ranks) * (p.numel() // p.shape[0]) for p in tensors]  # rank 0's shard of each, elements
     offload = getattr(args, "cpu_offload", False)
     parts = dict.fromkeys(("weights", "gradients", "moments", "temporaries", "reference", "rounding"), 0)
     if offload:
         parts["weights"] = parts["gradients"] = sum(block(4 * n) for n in shard)
         parts["moments"], parts["temporaries"] = 8 * sum(shard), 2 * 4 * max(shard)
         parts["reference"] = sum(block(2 * n) for n in shard) if args.kl_ref else 0
-        parts["rounding"] = 2 * sum(block(4 * n) - 4 * n for n in shard) + (
-            sum(block(2 * n) - 2 * n for n in shard) if args.kl_ref else 0
-        )
+        pinned = parts["weights"] + parts["gradients"] + parts["reference"]
+        parts["rounding"] = pinned - (4 + 4 + (2 if args.kl_ref else 0)) * sum(shard)  # less their unrounded bytes
     dtype = str(getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32")
     export = params * (4 + (2 if dtype.endswith(("bfloat16", "float16")) else 0))
     per_rank = sum(v for k, v in parts.items() if k != "rounding")
@@ -172,10 +156,8 @@ def trainer_peak_bytes(config, args, ranks):
     memory with --cpu-offload)."""
     params, layer, root = model_shapes(config)
     offload, H, L = getattr(args, "cpu_offload", False), config.hidden_size, config.num_hidden_layers
-    tokens, block = (
-        args.micro_batch_size * (args.max_prompt_len + args.max_response_len),
-        HEAD_CHUNK * config.vocab_size * 4,
-    )
+    tokens = args.micro_batch_size * (args.max_prompt_len + args.max_response_len)  # the widest micro-batch
+    block = HEAD_CHUNK * config.vocab_size * 4  # one fp32 block of the loss head
     per_token = (2 * L * H + 50 * H) if args.activation_checkpointing else L * 52 * H
     if not args.mlp_chunk_tokens:
         per_token += 7 * config.intermediate_size
@@ -196,12 +178,8 @@ def _plan(config, args, ranks, gpu_bytes, host_bytes=None, local_ranks=1):
     peak = trainer_peak_bytes(config, args, ranks) if on_gpu else 0.0  # while vLLM sleeps
     host_parts = host_memory(config, args, ranks, local_ranks) if on_gpu else None  # --eval-only: no trainer
     host = host_parts["total"] if host_parts else 0.0
-    # What vLLM's share sits beside on the GPU. Levels 1 and 2 free vLLM's GPU memory while the trainer runs (1 keeps
-    # its weights in host memory, 2 drops them; both drop the KV cache), so vLLM only meets the trainer's resident
-    # state. --vllm-sleep-level 0 keeps vLLM's whole share through the training step: the plan sizes that share to
-    # fit beside the step's peak rather than refusing the level outright (the user asked for it with
-    # --vllm-allow-awake, and a share that fits is as honest as a refusal; one that does not is refused below,
-    # naming --vllm-sleep-level 2).
+    # what vLLM's share sits beside on the GPU: the resident shards (levels 1 and 2 free vLLM's GPU memory alike; 1
+    # keeps its weights in host memory), or the step's peak (--vllm-sleep-level 0)
     awake = on_gpu and getattr(args, "vllm_sleep_level", 2) == 0
     beside = max(peak, trainer) if awake else trainer
     margin, weights, workspace = MARGIN_GIB * gib, 2 * params, VLLM_WORKSPACE_GIB * gib
@@ -209,9 +187,7 @@ def _plan(config, args, ranks, gpu_bytes, host_bytes=None, local_ranks=1):
     kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 2  # bf16 K and V
     full_length = args.max_prompt_len + max(args.max_response_len, args.eval_max_tokens)
     least = weights + workspace + kv_per_token * full_length  # vLLM's least: one full-length sequence at a time
-    # the KV cache the run can use (issue 47): a rank's rollouts at once (at least an evaluation's samples of one
-    # problem; 16..1024) at full length, x KV_HEADROOM; never more than the room beside the trainer. A given
-    # --vllm-gpu-memory-utilization sets vLLM's share instead (a larger KV cache, if wanted)
+    # a rank's rollouts at once, at least an evaluation's samples of one problem
     seqs = min(1024, max(16, -(-args.prompts_per_step // ranks) * args.group_size, args.eval_samples))
     wanted = weights + workspace + KV_HEADROOM * seqs * kv_per_token * full_length
     given = args.vllm_gpu_memory_utilization
@@ -269,7 +245,6 @@ def _plan(config, args, ranks, gpu_bytes, host_bytes=None, local_ranks=1):
         "kv_cache_gib": kv_bytes / gib,
         "kv_bytes_per_token": kv_per_token,
         "full_length": full_length,
-        "vllm_least_gib": least / gib,
         "margin_gib": MARGIN_GIB,
         "vllm_beside_gib": beside / gib,
         "vllm_awake_in_step": awake,
@@ -304,16 +279,14 @@ def _refusal(plan, config, args, ranks, gpu_bytes, host_bytes, local_ranks):
             fits.append(f"--vllm-gpu-memory-utilization {room:g}")
         if fits_with({"vllm_gpu_memory_utilization": None}):
             fits.append("no --vllm-gpu-memory-utilization (the plan's)")
-    more = None  # the fewest GPUs that fit: on this node (its host memory shared by more ranks), or over more nodes
+    # the fewest GPUs that fit: on this node (its host memory shared by more ranks), or over more nodes
     for r in (r for r in (2, 4, 8, 16, 32, 64, 128) if ranks < r <= 8 * ranks):
         if not _plan(config, args, r, gpu_bytes, host_bytes, local_ranks * r // ranks)["short"]:
-            more = f"{r} GPUs (torchrun --nproc_per_node {r})" if ranks == local_ranks else f"{r} GPUs"
-        elif not _plan(config, args, r, gpu_bytes, host_bytes, local_ranks)["short"]:
-            more = f"{r} GPUs over {-(-r // local_ranks)} nodes of {local_ranks}"
-        if more:
+            fits.append(f"{r} GPUs (torchrun --nproc_per_node {r})" if ranks == local_ranks else f"{r} GPUs")
             break
-    if more:
-        fits.append(more)
+        if not _plan(config, args, r, gpu_bytes, host_bytes, local_ranks)["short"]:
+            fits.append(f"{r} GPUs over {-(-r // local_ranks)} nodes of {local_ranks}")
+            break
     gib = 2**30
     left = (plan["vllm_share_gib"] - plan["vllm_weights_gib"] - plan["vllm_workspace_gib"]) * gib
     tokens = int(left // plan["kv_bytes_per_token"]) - args.max_prompt_len
@@ -324,18 +297,7 @@ def _refusal(plan, config, args, ranks, gpu_bytes, host_bytes, local_ranks):
         if fits
         else ("no flag of train_full.py fits it on this GPU: use a GPU with more memory")
     )
-    return (
-        f"--model {args.model}: does not fit this {gpu_bytes / gib:.1f} GiB GPU: "
-        + "; ".join(plan["short"])
-        + f"; {fix}"
-    )
-
-
-def _meta_model(config):
-    from transformers import AutoModelForCausalLM
-
-    with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config)
+    return f"--model {args.model}: does not fit this {gpu_bytes / gib:.1f} GiB GPU: {'; '.join(plan['short'])}; {fix}"
 
 
 def clock(device, reset_peak=False):
@@ -428,7 +390,7 @@ def _driver_facts():
     """(driver version, the newest CUDA the driver runs as 'X.Y', [GPU names]) from nvidia-smi and libcuda; Nones
     where neither answers."""
     driver, driver_cuda, gpus = None, None, []
-    try:
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
         out = subprocess.run(
             ["nvidia-smi", "--query-gpu=driver_version,name", "--format=csv,noheader"],
             capture_output=True,
@@ -437,15 +399,11 @@ def _driver_facts():
         ).stdout
         rows = [line.split(", ", 1) for line in out.strip().splitlines() if ", " in line]
         driver, gpus = (rows[0][0], [name for _, name in rows]) if rows else (None, [])
-    except (OSError, subprocess.SubprocessError):
-        pass
-    try:
+    with contextlib.suppress(OSError):
         version = ctypes.c_int()
         if ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(version)) == 0:
             driver_cuda = f"{version.value // 1000}.{version.value % 1000 // 10}"
             driver = driver or "present (version unknown: no nvidia-smi)"
-    except OSError:
-        pass
     return driver, driver_cuda, gpus
 
 
@@ -461,8 +419,8 @@ PEAK_TFLOPS = (
 
 
 def peak_flops(device, peak_tflops):
-    """Peak dense bf16 FLOP/s of one GPU (for MFU), or None if unknown. The first name in
-    PEAK_TFLOPS that the GPU's name contains wins: H100 PCIe 756 TFLOP/s, NVL 835, SXM 989."""
+    """Peak dense bf16 FLOP/s of one GPU (for MFU), or None if unknown: the first name in PEAK_TFLOPS that the GPU's
+    name contains."""
     if peak_tflops:
         return peak_tflops * 1e12
     if device.type != "cuda":

@@ -45,7 +45,7 @@ def response_hidden(model, inputs):
     """The final (normed) hidden states of the positions that predict the response tokens, [n, T, H].
 
     The policy runs through the FSDP root (which gathers its parameters) with logits_to_keep=1, and a forward hook
-    on the decoder keeps its output: the [n, T, vocab] logits are never made, only blocks or the selected tokens'."""
+    on the decoder keeps its output."""
     T = inputs["logits_to_keep"] - 1
     captured = []
     hook = model.model.register_forward_hook(lambda module, args, output: captured.append(output.last_hidden_state))
@@ -66,8 +66,8 @@ def _head_logp(head, hidden, targets, temperature):
 
 
 def response_logp(model, inputs, targets, temperature, with_entropy):
-    """Pass 1 (no grad): log pi(o_t | ...) [n, T] of every response token, and the entropy H_t; the LM head runs in
-    blocks of HEAD_CHUNK positions: one [HEAD_CHUNK, vocab] fp32 block of logits at a time, never [n, T, vocab]."""
+    """Pass 1 (no grad): log pi(o_t | ...) [n, T] of every response token, and the entropy H_t, the LM head in
+    [HEAD_CHUNK, vocab] fp32 blocks."""
     hidden = response_hidden(model, inputs)  # [n, T, H]
     n, T, H = hidden.shape
     flat, flat_targets = hidden.reshape(n * T, H), targets.reshape(n * T)

@@ -174,8 +174,8 @@ def test_make_engine_gives_the_trainer_its_threads_back_after_the_engine_took_th
     rank's share for the trainer. The engine's construction is the tiny HFEngine built above (no GPU here); the
     rank is on a 'cuda' device so that the --cpu-offload rule applies."""
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    monkeypatch.setattr(engines, "_make_engine", lambda *a: (torch.set_num_threads(1), hf_engine)[1])
-    args = types.SimpleNamespace(cpu_offload=True)
+    monkeypatch.setattr(engines, "HFEngine", lambda *a: (torch.set_num_threads(1), hf_engine)[1])
+    args = types.SimpleNamespace(cpu_offload=True, rollout="hf")
     engine = engines.make_engine("unused", args, types.SimpleNamespace(device=torch.device("cuda", 0)))
     cores = len(os.sched_getaffinity(0))
     assert engine.threads == (1, cores) and torch.get_num_threads() == cores
