@@ -47,8 +47,7 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message):
         message = " ".join(str(message).split())  # one line, whatever argparse put in it
-        m = re.match(FLAG + r"(.*)$", message)
-        if m:
+        if m := re.match(FLAG + r"(.*)$", message):
             flag, rest = m.groups()
             number = re.fullmatch(r"invalid (int|float) value: (.*)", rest)
             choice = re.fullmatch(r"invalid choice: (.*?) \(choose from (.*)\)", rest)
@@ -131,7 +130,7 @@ def flag(name, default=None, what=None, help="", **more):
 
 
 def parser(prog, description, flags, **more):
-    """A Parser (one-line errors) with the flags of a list of flag(...) entries, in order; `more`: Parser's keywords.
+    """A Parser (one-line errors) with the flags of a list of flag(...) entries, in order.
 
     >>> p = parser("toy", "a toy", [flag("--steps", 80, number(int, 1), "steps"), flag("--quick", False, bool, "fewer")])
     >>> vars(p.parse_args(["--steps", "3"]))
@@ -230,8 +229,7 @@ def check_out_dir(p, flag, path):
 
 
 def check_out_file(p, flag, path):
-    """A file to write: not empty, not a folder, in a folder that exists and is writable, and writable itself if
-    it exists."""
+    """A file to write (None: not given): not a folder, in a writable folder that exists, writable if it exists."""
     if path is None:
         return
     if not path.strip():
@@ -247,18 +245,6 @@ def check_out_file(p, flag, path):
         p.error(f"{flag} {path}: the folder {parent} is not writable; pass a file in a folder you can write to")
     if os.path.exists(path) and not os.access(path, os.W_OK):
         p.error(f"{flag} {path}: the file is not writable; pass another file or make it writable")
-
-
-def check_in_file(p, flag, path, what="a file"):
-    """A file to read: exists, is a file (not a folder), readable."""
-    if not path or not path.strip():
-        p.error(f"{flag} '': empty; pass {what}")
-    if not os.path.exists(path):
-        p.error(f"{flag} {path}: no such file; pass {what}")
-    if os.path.isdir(path):
-        p.error(f"{flag} {path}: is a folder, not a file; pass {what}")
-    if not os.access(path, os.R_OK):
-        p.error(f"{flag} {path}: not readable; pass {what} you can read")
 
 
 def check_program(p, flag, path, fix):
