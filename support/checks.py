@@ -24,7 +24,7 @@ import sys
 import torch
 
 import d3s
-from support import cli, grading, methods
+from support import cli, grading, methods, stops
 from support.cli import UsageError
 from support.mathtask import DataError, fit_context, format_prompt, load_problems, stop_token_ids
 
@@ -56,7 +56,7 @@ def check_finite(model, name, prompt_ids, world=None):
             local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor: this rank's shard
             if not bad and local.is_floating_point() and not bool(torch.isfinite(local).all()):
                 bad = f"its weights hold NaN or inf ({where})"
-        if not _on_any_rank(bad, world):
+        if not stops.any_rank(bad, world):
             training, device = model.training, world.device if world else next(model.parameters()).device
             logits = model.eval()(input_ids=torch.tensor([list(prompt_ids)[-64:]], device=device)).logits
             model.train(training)
@@ -64,7 +64,7 @@ def check_finite(model, name, prompt_ids, world=None):
                 model.reshard()  # that the optimizer and the checkpoints meet the sharded parameters they know
             if not bool(torch.isfinite(logits).all()):
                 bad = "its first forward gives NaN or inf logits (weights finite: an overflow in its dtype?)"
-    if _on_any_rank(bad, world):
+    if stops.any_rank(bad, world):
         raise UsageError(f"{name}: {bad or 'its weights hold NaN or inf (on another rank)'}; {fix}")
 
 
@@ -84,21 +84,11 @@ def check_finite_files(model, world):
                 tensor = f.get_tensor(name)
                 if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
                     bad = f"its weights hold NaN or inf ({name})"
-    if _on_any_rank(bad, world):
+    if stops.any_rank(bad, world):
         raise UsageError(
             f"--model {model}: {bad or 'its weights hold NaN or inf (found by another rank)'}; its weights are "
             "damaged or were saved from a diverged run: pass another model"
         )
-
-
-def _on_any_rank(bad, world):
-    if world is None:
-        return bool(bad)
-    import torch.distributed as dist
-
-    from support.fsdp import all_reduce
-
-    return bool(all_reduce(bool(bad), world, dist.ReduceOp.MAX))
 
 
 # === train_small.py ===================================================================================================

@@ -26,8 +26,6 @@ from tqdm import tqdm
 
 from support import run, stops
 from support.mathtask import extract_boxed, sample_seeds
-from support.stops import attempt
-from support.fsdp import all_reduce
 
 
 MAX_BOXED_CHARS = 400  # a final answer longer than this is not an answer: reward 0
@@ -302,7 +300,7 @@ def evaluation_due(metrics_path, step, args, world):
     done = world.is_main and any(
         m.get("kind") == "eval" and m.get("step") == step for m in run.read_metrics(metrics_path)
     )
-    return not all_reduce(done, world, dist.ReduceOp.MAX)
+    return not stops.any_rank(done, world)
 
 
 def evaluate(engine, grader, *, tokenizer, stop_ids, eval_sets, args, world, tag=None, model_name=None, step=None):
@@ -342,7 +340,7 @@ def evaluate(engine, grader, *, tokenizer, stop_ids, eval_sets, args, world, tag
             row[f"pass@{k}"] = 100.0 * sum(pass_at_k(n, c, k) for c in correct) / max(len(correct), 1)
         row["correct"] = correct
         results[name] = row
-    with attempt(args.out, args.out, world):  # a full disk while rank 0 writes: DiskFull on every rank
+    with stops.attempt(args.out, args.out, world):  # a full disk while rank 0 writes: DiskFull on every rank
         if results:
             keys = [f"pass@{k}" for k in args.eval_pass_k]
             results["average"] = {k: sum(r[k] for r in results.values()) / len(results) for k in keys}

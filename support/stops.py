@@ -204,18 +204,25 @@ def _on_another_rank(path):
     return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC) + " (on another rank)", path)
 
 
-@contextlib.contextmanager
-def attempt(path, out, world):
-    """A write (to `path`) that every rank enters and leaves together, in place of a barrier: a full disk on ANY rank
-    raises DiskFull on EVERY rank as they leave (one all-reduce). Another error is raised on its own rank."""
+def any_rank(flag, world):
+    """Whether `flag` holds on any rank (one all-reduce); without a world (None), on this process."""
+    if world is None:
+        return bool(flag)
     import torch.distributed as dist
 
     from support.fsdp import all_reduce
 
+    return bool(all_reduce(bool(flag), world, dist.ReduceOp.MAX))
+
+
+@contextlib.contextmanager
+def attempt(path, out, world):
+    """A write (to `path`) that every rank enters and leaves together, in place of a barrier: a full disk on ANY rank
+    raises DiskFull on EVERY rank as they leave (one all-reduce). Another error is raised on its own rank."""
     faults = []
     with noting(faults, path):
         yield
-    if all_reduce(bool(faults), world, dist.ReduceOp.MAX):
+    if any_rank(faults, world):
         raise DiskFull(faults[0] if faults else _on_another_rank(path), out)
 
 
