@@ -34,11 +34,10 @@ class Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def parse_args(self, args=None, namespace=None):
-        argv = list(sys.argv[1:] if args is None else args)
         options = {o for action in self._actions for o in action.option_strings}
         one_value = {o for a in self._actions if a.nargs is None and a.const is None for o in a.option_strings}
-        glued = []
-        for arg in argv:  # ["--lr", "-inf"] -> ["--lr=-inf"]: argparse would take "-inf" for a flag
+        glued = []  # ["--lr", "-inf"] -> ["--lr=-inf"]: argparse would take "-inf" for a flag
+        for arg in sys.argv[1:] if args is None else args:
             if glued and glued[-1] in one_value and arg.startswith("-") and arg not in options:
                 glued[-1] += "=" + arg
             else:
@@ -49,17 +48,15 @@ class Parser(argparse.ArgumentParser):
         message = " ".join(str(message).split())  # one line, whatever argparse put in it
         if m := re.match(FLAG + r"(.*)$", message):
             flag, rest = m.groups()
-            number = re.fullmatch(r"invalid (int|float) value: (.*)", rest)
-            choice = re.fullmatch(r"invalid choice: (.*?) \(choose from (.*)\)", rest)
             if re.fullmatch(r"expected (one|at least one|\d+) arguments?", rest):  # a flag without its value
                 message = (
                     f"{flag}: {rest.replace('argument', 'value')}; pass it after the flag (a value that starts "
                     f"with '-' as {flag}=VALUE)"
                 )
-            elif number:
+            elif number := re.fullmatch(r"invalid (int|float) value: (.*)", rest):
                 kind = "an integer" if number[1] == "int" else "a number"
                 message = f"{flag} {number[2]}: not {kind}; pass {kind}"
-            elif choice:
+            elif choice := re.fullmatch(r"invalid choice: (.*?) \(choose from (.*)\)", rest):
                 message = f"{flag} {choice[1]}: not a choice; choose from {choice[2]}"
             elif re.match(r"(not allowed|ignored explicit)", rest):
                 message = f"{flag}: {rest}"
@@ -197,19 +194,15 @@ def int_list(p, flag, text, low=None, what="comma-separated integers", allow_emp
 
 
 def size_list(p, flag, text, names, lows=(1, 1)):
-    """'64x8,256x16' -> [(64, 8), (256, 16)], each part >= its low; names e.g. ('P', 'G')."""
-    out = []
+    """'64x8,256x16': comma-separated sizes, each part >= its low; names e.g. ('P', 'G')."""
     for part in (x.strip() for x in text.split(",")):
         m = re.fullmatch(r"(\d+)[xX](\d+)", part)
         if not m:
             p.error(
                 f"{flag} {text!r}: {part!r} is not {names[0]}x{names[1]}; pass comma-separated sizes, e.g. 64x8,256x16"
             )
-        a, b = int(m[1]), int(m[2])
-        if a < lows[0] or b < lows[1]:
+        if int(m[1]) < lows[0] or int(m[2]) < lows[1]:
             p.error(f"{flag} {text}: {part} needs {names[0]} >= {lows[0]} and {names[1]} >= {lows[1]}")
-        out.append((a, b))
-    return out
 
 
 def check_out_dir(p, flag, path):
