@@ -69,17 +69,15 @@ def check_finite(model, name, prompt_ids, world=None):
 
 
 def check_finite_files(model, world):
-    """NaN or inf in the weights of --model's local folder (--eval-only, which loads no policy of its own), read from
-    its safetensors files one tensor at a time, each rank a share of the tensors: UsageError on every rank, naming
-    the tensor, before any evaluation. A hub name, or a folder without safetensors files, is not checked here."""
+    """check_finite for --eval-only (no policy of its own): --model's local safetensors files, one tensor at a time,
+    each rank a share. A hub name, or a folder without safetensors files, is not checked here."""
     from safetensors import safe_open
 
-    bad, k = "", 0
+    bad, index = "", itertools.count()
     for path in sorted(glob.glob(os.path.join(model, "*.safetensors"))) if os.path.isdir(model) else []:
         with safe_open(path, "pt") as f:
             for name in f.keys():
-                k += 1
-                if bad or (k - 1) % world.size != world.rank:  # this rank's share: every size-th tensor
+                if bad or next(index) % world.size != world.rank:  # this rank's share: every size-th tensor
                     continue
                 tensor = f.get_tensor(name)
                 if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
@@ -152,9 +150,8 @@ def fit_prompts(args, train_rows, eval_rows, prog="train_small.py"):
 
 # === train_full.py ====================================================================================================
 def check_args(p, args, ranks):
-    """The checks of several flags together and of the paths, before any work (no model, data or process group
-    yet), each a line through p.error (exit 2); each flag's own range is in its declaration. Fills in the
-    defaults that depend on other flags (check_run's, --kl-every, the grader's workers, device and dtype)."""
+    """The checks of several flags together and of the paths, before any work (no model, data or process group yet);
+    fills in the defaults that depend on other flags (check_run's, --kl-every, the grader's workers, device, dtype)."""
     check_run(p, args, [args.method])  # --stop-after, the method, N <= G, the switch rule; loss and clip defaults
     args.eval_pass_k = sorted(set(cli.int_list(p, "--eval-pass-k", args.eval_pass_k, what="comma-separated ints")))
     if not all(1 <= k <= args.eval_samples for k in args.eval_pass_k):
@@ -287,10 +284,9 @@ def expand_specs(items):
 
 
 def load_inputs(args):
-    """Tokenizer, stop tokens, training prompts and eval sets, read on every rank before the process group exists:
-    a bad model folder or data file stops every rank with exit 2 at once. Returns (tokenizer, stop_ids, prompts (None
-    with --eval-only), eval sets, a note on what was dropped). The prompts fit the context less --max-response-len
-    (mathtask.fit_context); --max-prompt-len, a budget, drops (and counts) those that fit but are longer."""
+    """(tokenizer, stop_ids, prompts (None with --eval-only), eval sets, a note on what was dropped); exit 2 on every
+    rank for a bad one. The prompts fit the context less --max-response-len (mathtask.fit_context); --max-prompt-len,
+    a budget, drops (and counts) those that fit but are longer."""
     import transformers
     from huggingface_hub.utils import logging as hub_logging
     from transformers import AutoConfig
