@@ -12,6 +12,7 @@ expanding 9^{9^{9^9}}), and adversarial completions must neither hang nor crash 
 """
 
 import collections
+import contextlib
 import json
 import logging
 import math
@@ -39,9 +40,7 @@ def _verify(pred, gold):
 
     gold_parsed = parse("\\boxed{" + gold + "}", parsing_timeout=None)
     pred_parsed = parse("\\boxed{" + pred + "}", parsing_timeout=None)
-    if not gold_parsed or not pred_parsed:
-        return 0.0
-    return 1.0 if verify(gold_parsed, pred_parsed, timeout_seconds=None) else 0.0
+    return 1.0 if gold_parsed and pred_parsed and verify(gold_parsed, pred_parsed, timeout_seconds=None) else 0.0
 
 
 def _grader_worker(conn):
@@ -97,12 +96,11 @@ class _Child:
     (time.monotonic()): when a starting child must be ready, or a busy one must answer."""
 
     def __init__(self, ctx):
-        parent, child = ctx.Pipe()
+        self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_grader_worker, args=(child,), daemon=True)
         with stops.sigint_ignored():  # from its first instruction (while it imports): a Ctrl-C is the parent's
             self.proc.start()
         child.close()  # the child holds the only other end: its death reads as EOF here
-        self.conn = parent
         self.state, self.key, self.deadline = "starting", None, time.monotonic() + GRADER_START_TIMEOUT_S
 
     def give(self, key, timeout_s):
@@ -115,13 +113,13 @@ class _Child:
         self.conn.close()
 
 
-class Grader:
+class Grader(contextlib.AbstractContextManager):
     """0/1 math reward: last \\boxed{} of the completion vs the gold answer, with a hard time limit.
 
     grader = Grader(timeout_s=5.0, workers=4)
     grader.score(completion, gold) -> 1.0 or 0.0;  grader.score_batch(completions, golds) -> [0/1, ...]
-    Use as a context manager or call close(); grader.start() starts the children ahead of time.
-    Pass all of a step's answers in one score_batch call: the children grade one call's answers.
+    Use as a context manager or call close(). Pass all of a step's answers in one score_batch call: the children
+    grade one call's answers.
 
     Design. `workers` child processes each run math-verify on one (answer, gold) at a time. score_batch drops what
     needs no grading (no \\boxed{}, too long, cached, a repeat within the batch), then loops: hand a waiting answer
@@ -148,12 +146,10 @@ class Grader:
         self._cache = {}  # (pred, gold) -> reward
 
     def start(self):
-        """Start all `workers` children now, together, and wait until they are ready (optional:
-        score_batch starts them when answers wait; this moves the ~2 s out of the first step)."""
+        """Start all `workers` children now and wait until they are ready: their ~2 s out of the first step."""
         self._children += [_Child(self._ctx) for _ in range(self.workers - len(self._children))]
         while any(c.state == "starting" for c in self._children):
             self._wait({})
-        return self
 
     def score(self, completion, gold):
         return self.score_batch([completion], [gold])[0]
@@ -243,9 +239,6 @@ class Grader:
         for child in self._children:
             child.kill()
         self._children = []
-
-    def __enter__(self):
-        return self
 
     def __exit__(self, *exc):
         self.close()
