@@ -29,14 +29,10 @@ NEARLY_FULL = 16 * 2**20  # bytes free below which a write's RuntimeError is tak
 class Notices:
     """While in its `with` block, SIGTERM and SIGUSR1 (a cluster's notice before it preempts a job: SLURM,
     Kubernetes), SIGHUP (a closed terminal) and a first SIGINT (Ctrl-C; torchrun forwards it to every rank) set
-    `.signal` (the signal's name): the loop finishes its step, writes its checkpoint and exits STOPPED. So does the
-    end of the launcher: a rank whose torchrun died (its parent is another) stops after its step, not an orphan. A
-    second SIGINT stops at once: `prog`'s one line (rank 0's) and exit INTERRUPTED (os._exit); every checkpoint is a
-    temporary file renamed, so a write it cuts leaves the last one intact.
-
-    world (train_full.py: fsdp.World): agree() at the step's end tells every rank what any rank met: a notice, or a
-    full disk of a write that only this rank makes (writing(): rank 0's metrics line, its explain page). Without one,
-    agree() is this process's notice."""
+    `.signal` (the signal's name), as does the end of the launcher (a rank whose torchrun died, its parent another,
+    stops after its step, not an orphan). A second SIGINT stops at once: `prog`'s one line (rank 0's) and exit
+    INTERRUPTED (os._exit); every checkpoint is a temporary file renamed, so a write it cuts leaves the last one
+    intact. world (train_full.py: fsdp.World): agree() answers for every rank; without one, for this process."""
 
     def __init__(self, prog, world=None, out="."):
         self.prog, self.world, self.out = prog, world, out
@@ -63,7 +59,8 @@ class Notices:
             signal.signal(notice, handler)
 
     def writing(self, path):
-        """A write of this rank alone: a full disk is noted (agree() raises DiskFull on every rank), not raised."""
+        """A write of this rank alone (rank 0's metrics line, its explain page): a full disk is noted (agree() raises
+        DiskFull on every rank), not raised."""
         return noting(self.faults, path)
 
     def agree(self):
