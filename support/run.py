@@ -12,6 +12,7 @@ the cadences of checkpoints and evaluations, the stop after a step.
 """
 
 import contextlib
+import fcntl  # the run folder's lock (out_lock)
 import json
 import math
 import multiprocessing as mp
@@ -25,11 +26,6 @@ from support import methods, stops
 from support.cli import UsageError
 from support.fsdp import all_reduce
 from support.gpu import memory_peak_gb
-
-try:
-    import fcntl  # the run folder's lock (out_lock)
-except ImportError:  # Windows: no lock
-    fcntl = None
 
 
 class Run:
@@ -50,8 +46,7 @@ class Run:
             truncate_metrics(self.metrics, start if start else -1)
 
     def log(self, line):
-        """metrics.jsonl's next line (rank 0; under torchrun a full disk is noted: every rank stops at agree()); a train
-        line's grad norm and reward join run.history."""
+        """metrics.jsonl's next line (rank 0; under torchrun a full disk is noted: every rank stops at agree())."""
         if line["kind"] == "train":
             self.history["grad_norms"].append(line["grad_norm"])
             self.history["rewards"].append(line["reward_mean"])
@@ -60,9 +55,8 @@ class Run:
                 append_metrics(self.metrics, line)
 
     def checkpoint(self, step, notice, save):
-        """After `step`: save(step) (the trainer's checkpoint; returns where) every --save-every steps, at the last
-        step and --stop-after, and on a notice (from notices.agree()), which then stops the run after it: one line,
-        exit STOPPED."""
+        """After `step`: save(step) (the trainer's checkpoint; returns where) when due, and on a notice (from
+        notices.agree()), which then stops the run after it: one line, exit STOPPED."""
         a = self.args
         if step % a.save_every == 0 or step in (a.steps, self.stop_at) or notice:
             path = save(step)
@@ -112,13 +106,12 @@ def truncate_metrics(path, step):
 
 @contextlib.contextmanager
 def out_lock(out, prog, world=None):
-    """Hold an exclusive lock on OUT/.lock while the block runs (under torchrun: rank 0 holds it, every rank learns
-    whether it could); the OS drops it when the process ends, killed or not. A second run writing to the same folder,
-    fresh or --resume, stops with one line (exit 2, every rank) instead of interleaving its lines and checkpoints
-    with the first's. No lock where fcntl is missing (Windows)."""
+    """Hold an exclusive lock on OUT/.lock while the block runs (under torchrun: rank 0 holds it); the OS drops it
+    when the process ends, killed or not. A second run into the same folder, fresh or --resume, stops with one line
+    (exit 2, every rank) instead of interleaving its lines and checkpoints with the first's."""
     busy = None
     with contextlib.ExitStack() as stack:
-        if fcntl is not None and (world is None or world.is_main):
+        if world is None or world.is_main:
             os.makedirs(out, exist_ok=True)
             f = stack.enter_context(open(os.path.join(out, ".lock"), "a"))
             try:
