@@ -15,6 +15,9 @@ import re
 import sys
 
 FLAG = r"argument (--[\w-]+)(?:/\S+)?: "  # argparse's "argument --x: ..." (or "argument --x/-x: ...")
+DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+TOKENIZER = ("tokenizer.json", "tokenizer.model", "vocab.json")
 DROP_LONG_PROMPTS_HELP = (
     "(choice) leave out the rows whose prompt does not fit the model's context less the response "
     "length, and count them; default: stop before any work, naming the row's file:line"
@@ -94,12 +97,11 @@ def number(kind, low=None, high=None, low_open=False, high_open=False, what=None
             value = kind(text)
         except (TypeError, ValueError, OverflowError):
             raise argparse.ArgumentTypeError(f"{text!r}: must be {what}") from None
-        ok = value in also or (
+        if value not in also and not (
             math.isfinite(value)
             and (low is None or (low < value if low_open else low <= value))
             and (high is None or (value < high if high_open else value <= high))
-        )
-        if not ok:
+        ):
             raise argparse.ArgumentTypeError(f"{text}: must be {what}")
         return value
 
@@ -137,10 +139,6 @@ def parser(prog, description, flags, **more):
     for name, kw in flags:
         p.add_argument(name, **kw)
     return p
-
-
-WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
-TOKENIZER = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
 def check_model(p, model):
@@ -252,9 +250,6 @@ def check_program(p, flag, path, fix):
         )
     if not os.access(path, os.X_OK):
         p.error(f"{flag} {path}: not executable; pass a python executable")
-
-
-DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
 
 def check_device(p, flag, device, cuda_count):
