@@ -24,6 +24,7 @@ STOPPED, DISK_FULL, INTERRUPTED = 75, 74, 130  # exit codes: stopped on a notice
 NOTICES = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)  # SIGHUP: a closed terminal, some schedulers
 LAUNCHER_GONE = 999  # agree()'s code for a rank whose launcher (torchrun) died: the same stop as a notice
 NEARLY_FULL = 16 * 2**20  # bytes free below which a write's RuntimeError is taken for a full disk
+_EARLY = {"watching": False}  # ctrl_c_at_once's thread acts until the loop's Notices take over
 
 
 class Notices:
@@ -111,9 +112,6 @@ def ctrl_c_at_once(prog, fix):
     threading.Thread(target=watch, daemon=True).start()
 
 
-_EARLY = {"watching": False}
-
-
 def stopped(prog, notice, step, checkpoint, quiet=False):
     """The one line of a run that a notice (or a first Ctrl-C) stopped after `step` and its checkpoint (none if
     `quiet`: the other ranks of a job); exit STOPPED."""
@@ -185,7 +183,6 @@ def disk_full(error, path="."):
         folder = os.path.dirname(folder)
     if runtime and shutil.disk_usage(folder).free < NEARLY_FULL:
         return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
-    return None
 
 
 class DiskFull(Exception):
