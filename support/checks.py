@@ -33,10 +33,9 @@ HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")  # "org/name" or "name":
 
 
 def check_run(p, args, method_names):
-    """The checks and defaults both trainers share, each a line through p.error: --stop-after within --steps; the
-    method rows (methods.check_flags: LADDER rows, N <= G, the switch rule) and the static N and K they fill in; the
-    loss's aggregation (d3s.DEFAULT_AGG) and clip range (d3s.CLIP_DEFAULTS: grpo 0.2 / 0.28, DAPO's clip-higher;
-    gspo 3e-4 / 4e-4) where not given."""
+    """The checks and defaults both trainers share: the method rows (methods.check_flags: LADDER rows, N <= G, the
+    switch rule) and the static N and K they fill in; the loss's aggregation and clip range where not given
+    (d3s.CLIP_DEFAULTS: grpo 0.2 / 0.28, DAPO's clip-higher; gspo 3e-4 / 4e-4)."""
     if args.stop_after is not None and args.stop_after > args.steps:
         p.error(f"--stop-after {args.stop_after}: must be an int in [1, --steps {args.steps}]")
     args.static_n, args.static_k = methods.check_flags(p, args, method_names)
@@ -218,8 +217,7 @@ def check_args(p, args, ranks):
 
 def check_machine(args, ranks):
     """What this machine must have for the run (main only: tests and bench/memory.py parse flags for other machines):
-    CUDA for --device cuda (else gpu.cuda_diagnosis), vLLM for --rollout vllm, and, with both, a GPU the setting fits
-    (gpu.vllm_memory_plan) and no VLLM_BATCH_INVARIANT on compute capability 8.x (engines.check_batch_invariant)."""
+    CUDA, vLLM, and with both a GPU the setting fits."""
     from support.engines import check_batch_invariant
     from support.gpu import cuda_diagnosis, vllm_memory_plan
 
@@ -340,8 +338,7 @@ def load_inputs(args):
 
 
 def _load_eval_sets(args, tokenizer, context):
-    """Every --eval-data benchmark, read and tokenized once before any work (a bad file stops the run at its start):
-    [(name, problems, rows without an answer, prompts too long)]."""
+    """Every --eval-data benchmark, read and tokenized: [(name, problems, rows without an answer, prompts too long)]."""
     sets = []
     for spec in args.eval_data:
         rows, dropped = load_problems(spec, drop_missing=True, limit=args.eval_limit or None)
