@@ -370,8 +370,7 @@ def write_eval_report(results, keys, args, tag, model_name):
         "|---|---|" + "---|" * len(keys),
     ]
     for name, row in results.items():
-        cells = [f"{row[k]:.1f}" for k in keys]
-        lines.append(f"| {name} | {row.get('problems', '')} | " + " | ".join(cells) + " |")
+        lines.append(f"| {name} | {row.get('problems', '')} | " + " | ".join(f"{row[k]:.1f}" for k in keys) + " |")
     for name, row in results.items():
         if row.get("dropped") or row.get("too_long"):
             why = f"{row['dropped']} rows without an answer, {row['too_long']} prompts longer than the context."
