@@ -69,17 +69,9 @@ class Notices:
         received (by any rank: one all-reduce), or None."""
         if self.parent is not None and os.getppid() != self.parent and not self.signal:
             self.signal = "the end of its launcher (torchrun's process is gone)"
-        if self.world is None:
-            if self.faults:
-                raise DiskFull(self.faults[0], self.out)
-            return self.signal
-        import torch.distributed as dist
-
-        from support.fsdp import all_reduce
-
         number = signal.Signals[self.signal].value if self.signal in signal.Signals.__members__ else 0
         number = LAUNCHER_GONE if self.signal and not number else number
-        code = int(all_reduce(1000 if self.faults else number, self.world, dist.ReduceOp.MAX))
+        code = int(most(1000 if self.faults else number, self.world))
         if code >= 1000:
             raise DiskFull(self.faults[0] if self.faults else _on_another_rank(self.out), self.out)
         if code == LAUNCHER_GONE:
@@ -198,15 +190,20 @@ def _on_another_rank(path):
     return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC) + " (on another rank)", path)
 
 
-def any_rank(flag, world):
-    """Whether `flag` holds on any rank (one all-reduce); without a world (None), on this process."""
+def most(value, world):
+    """The largest `value` over all ranks (one all-reduce); without a world (None), `value` itself."""
     if world is None:
-        return bool(flag)
+        return value
     import torch.distributed as dist
 
     from support.fsdp import all_reduce
 
-    return bool(all_reduce(bool(flag), world, dist.ReduceOp.MAX))
+    return all_reduce(value, world, dist.ReduceOp.MAX)
+
+
+def any_rank(flag, world):
+    """Whether `flag` holds on any rank; without a world (None), on this process."""
+    return bool(most(bool(flag), world))
 
 
 @contextlib.contextmanager
