@@ -24,7 +24,7 @@ import sys
 import torch
 
 import d3s
-from support import cli, grading, methods
+from support import cli, grading, methods, stops
 from support.cli import UsageError
 from support.mathtask import DataError, fit_context, format_prompt, load_problems, stop_token_ids
 
@@ -33,10 +33,9 @@ HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")  # "org/name" or "name":
 
 
 def check_run(p, args, method_names):
-    """The checks and defaults both trainers share, each a line through p.error: --stop-after within --steps; the
-    method rows (methods.check_flags: LADDER rows, N <= G, the switch rule) and the static N and K they fill in; the
-    loss's aggregation (d3s.DEFAULT_AGG) and clip range (d3s.CLIP_DEFAULTS: grpo 0.2 / 0.28, DAPO's clip-higher;
-    gspo 3e-4 / 4e-4) where not given."""
+    """The checks and defaults both trainers share: the method rows (methods.check_flags: LADDER rows, N <= G, the
+    switch rule) and the static N and K they fill in; the loss's aggregation and clip range where not given
+    (d3s.CLIP_DEFAULTS: grpo 0.2 / 0.28, DAPO's clip-higher; gspo 3e-4 / 4e-4)."""
     if args.stop_after is not None and args.stop_after > args.steps:
         p.error(f"--stop-after {args.stop_after}: must be an int in [1, --steps {args.steps}]")
     args.static_n, args.static_k = methods.check_flags(p, args, method_names)
@@ -56,7 +55,7 @@ def check_finite(model, name, prompt_ids, world=None):
             local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor: this rank's shard
             if not bad and local.is_floating_point() and not bool(torch.isfinite(local).all()):
                 bad = f"its weights hold NaN or inf ({where})"
-        if not _on_any_rank(bad, world):
+        if not stops.any_rank(bad, world):
             training, device = model.training, world.device if world else next(model.parameters()).device
             logits = model.eval()(input_ids=torch.tensor([list(prompt_ids)[-64:]], device=device)).logits
             model.train(training)
@@ -64,41 +63,29 @@ def check_finite(model, name, prompt_ids, world=None):
                 model.reshard()  # that the optimizer and the checkpoints meet the sharded parameters they know
             if not bool(torch.isfinite(logits).all()):
                 bad = "its first forward gives NaN or inf logits (weights finite: an overflow in its dtype?)"
-    if _on_any_rank(bad, world):
+    if stops.any_rank(bad, world):
         raise UsageError(f"{name}: {bad or 'its weights hold NaN or inf (on another rank)'}; {fix}")
 
 
 def check_finite_files(model, world):
-    """NaN or inf in the weights of --model's local folder (--eval-only, which loads no policy of its own), read from
-    its safetensors files one tensor at a time, each rank a share of the tensors: UsageError on every rank, naming
-    the tensor, before any evaluation. A hub name, or a folder without safetensors files, is not checked here."""
+    """check_finite for --eval-only (no policy of its own): --model's local safetensors files, one tensor at a time,
+    each rank a share. A hub name, or a folder without safetensors files, is not checked here."""
     from safetensors import safe_open
 
-    bad, k = "", 0
+    bad, index = "", itertools.count()
     for path in sorted(glob.glob(os.path.join(model, "*.safetensors"))) if os.path.isdir(model) else []:
         with safe_open(path, "pt") as f:
             for name in f.keys():
-                k += 1
-                if bad or (k - 1) % world.size != world.rank:  # this rank's share: every size-th tensor
+                if bad or next(index) % world.size != world.rank:  # this rank's share: every size-th tensor
                     continue
                 tensor = f.get_tensor(name)
                 if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
                     bad = f"its weights hold NaN or inf ({name})"
-    if _on_any_rank(bad, world):
+    if stops.any_rank(bad, world):
         raise UsageError(
             f"--model {model}: {bad or 'its weights hold NaN or inf (found by another rank)'}; its weights are "
             "damaged or were saved from a diverged run: pass another model"
         )
-
-
-def _on_any_rank(bad, world):
-    if world is None:
-        return bool(bad)
-    import torch.distributed as dist
-
-    from support.fsdp import all_reduce
-
-    return bool(all_reduce(bool(bad), world, dist.ReduceOp.MAX))
 
 
 # === train_small.py ===================================================================================================
@@ -162,9 +149,8 @@ def fit_prompts(args, train_rows, eval_rows, prog="train_small.py"):
 
 # === train_full.py ====================================================================================================
 def check_args(p, args, ranks):
-    """The checks of several flags together and of the paths, before any work (no model, data or process group
-    yet), each a line through p.error (exit 2); each flag's own range is in its declaration. Fills in the
-    defaults that depend on other flags (check_run's, --kl-every, the grader's workers, device and dtype)."""
+    """The checks of several flags together and of the paths, before any work (no model, data or process group yet);
+    fills in the defaults that depend on other flags (check_run's, --kl-every, the grader's workers, device, dtype)."""
     check_run(p, args, [args.method])  # --stop-after, the method, N <= G, the switch rule; loss and clip defaults
     args.eval_pass_k = sorted(set(cli.int_list(p, "--eval-pass-k", args.eval_pass_k, what="comma-separated ints")))
     if not all(1 <= k <= args.eval_samples for k in args.eval_pass_k):
@@ -231,8 +217,7 @@ def check_args(p, args, ranks):
 
 def check_machine(args, ranks):
     """What this machine must have for the run (main only: tests and bench/memory.py parse flags for other machines):
-    CUDA for --device cuda (else gpu.cuda_diagnosis), vLLM for --rollout vllm, and, with both, a GPU the setting fits
-    (gpu.vllm_memory_plan) and no VLLM_BATCH_INVARIANT on compute capability 8.x (engines.check_batch_invariant)."""
+    CUDA, vLLM, and with both a GPU the setting fits."""
     from support.engines import check_batch_invariant
     from support.gpu import cuda_diagnosis, vllm_memory_plan
 
@@ -297,10 +282,9 @@ def expand_specs(items):
 
 
 def load_inputs(args):
-    """Tokenizer, stop tokens, training prompts and eval sets, read on every rank before the process group exists:
-    a bad model folder or data file stops every rank with exit 2 at once. Returns (tokenizer, stop_ids, prompts (None
-    with --eval-only), eval sets, a note on what was dropped). The prompts fit the context less --max-response-len
-    (mathtask.fit_context); --max-prompt-len, a budget, drops (and counts) those that fit but are longer."""
+    """(tokenizer, stop_ids, prompts (None with --eval-only), eval sets, a note on what was dropped); exit 2 on every
+    rank for a bad one. The prompts fit the context less --max-response-len (mathtask.fit_context); --max-prompt-len,
+    a budget, drops (and counts) those that fit but are longer."""
     import transformers
     from huggingface_hub.utils import logging as hub_logging
     from transformers import AutoConfig
@@ -354,8 +338,7 @@ def load_inputs(args):
 
 
 def _load_eval_sets(args, tokenizer, context):
-    """Every --eval-data benchmark, read and tokenized once before any work (a bad file stops the run at its start):
-    [(name, problems, rows without an answer, prompts too long)]."""
+    """Every --eval-data benchmark, read and tokenized: [(name, problems, rows without an answer, prompts too long)]."""
     sets = []
     for spec in args.eval_data:
         rows, dropped = load_problems(spec, drop_missing=True, limit=args.eval_limit or None)

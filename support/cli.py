@@ -15,6 +15,9 @@ import re
 import sys
 
 FLAG = r"argument (--[\w-]+)(?:/\S+)?: "  # argparse's "argument --x: ..." (or "argument --x/-x: ...")
+DEVICE = re.compile(r"cpu|cuda(:\d+)?")
+WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+TOKENIZER = ("tokenizer.json", "tokenizer.model", "vocab.json")
 DROP_LONG_PROMPTS_HELP = (
     "(choice) leave out the rows whose prompt does not fit the model's context less the response "
     "length, and count them; default: stop before any work, naming the row's file:line"
@@ -34,11 +37,10 @@ class Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def parse_args(self, args=None, namespace=None):
-        argv = list(sys.argv[1:] if args is None else args)
         options = {o for action in self._actions for o in action.option_strings}
         one_value = {o for a in self._actions if a.nargs is None and a.const is None for o in a.option_strings}
-        glued = []
-        for arg in argv:  # ["--lr", "-inf"] -> ["--lr=-inf"]: argparse would take "-inf" for a flag
+        glued = []  # ["--lr", "-inf"] -> ["--lr=-inf"]: argparse would take "-inf" for a flag
+        for arg in sys.argv[1:] if args is None else args:
             if glued and glued[-1] in one_value and arg.startswith("-") and arg not in options:
                 glued[-1] += "=" + arg
             else:
@@ -47,20 +49,17 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message):
         message = " ".join(str(message).split())  # one line, whatever argparse put in it
-        m = re.match(FLAG + r"(.*)$", message)
-        if m:
+        if m := re.match(FLAG + r"(.*)$", message):
             flag, rest = m.groups()
-            number = re.fullmatch(r"invalid (int|float) value: (.*)", rest)
-            choice = re.fullmatch(r"invalid choice: (.*?) \(choose from (.*)\)", rest)
             if re.fullmatch(r"expected (one|at least one|\d+) arguments?", rest):  # a flag without its value
                 message = (
                     f"{flag}: {rest.replace('argument', 'value')}; pass it after the flag (a value that starts "
                     f"with '-' as {flag}=VALUE)"
                 )
-            elif number:
+            elif number := re.fullmatch(r"invalid (int|float) value: (.*)", rest):
                 kind = "an integer" if number[1] == "int" else "a number"
                 message = f"{flag} {number[2]}: not {kind}; pass {kind}"
-            elif choice:
+            elif choice := re.fullmatch(r"invalid choice: (.*?) \(choose from (.*)\)", rest):
                 message = f"{flag} {choice[1]}: not a choice; choose from {choice[2]}"
             elif re.match(r"(not allowed|ignored explicit)", rest):
                 message = f"{flag}: {rest}"
@@ -98,12 +97,11 @@ def number(kind, low=None, high=None, low_open=False, high_open=False, what=None
             value = kind(text)
         except (TypeError, ValueError, OverflowError):
             raise argparse.ArgumentTypeError(f"{text!r}: must be {what}") from None
-        ok = value in also or (
+        if value not in also and not (
             math.isfinite(value)
             and (low is None or (low < value if low_open else low <= value))
             and (high is None or (value < high if high_open else value <= high))
-        )
-        if not ok:
+        ):
             raise argparse.ArgumentTypeError(f"{text}: must be {what}")
         return value
 
@@ -131,7 +129,7 @@ def flag(name, default=None, what=None, help="", **more):
 
 
 def parser(prog, description, flags, **more):
-    """A Parser (one-line errors) with the flags of a list of flag(...) entries, in order; `more`: Parser's keywords.
+    """A Parser (one-line errors) with the flags of a list of flag(...) entries, in order.
 
     >>> p = parser("toy", "a toy", [flag("--steps", 80, number(int, 1), "steps"), flag("--quick", False, bool, "fewer")])
     >>> vars(p.parse_args(["--steps", "3"]))
@@ -141,10 +139,6 @@ def parser(prog, description, flags, **more):
     for name, kw in flags:
         p.add_argument(name, **kw)
     return p
-
-
-WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
-TOKENIZER = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
 def check_model(p, model):
@@ -198,19 +192,15 @@ def int_list(p, flag, text, low=None, what="comma-separated integers", allow_emp
 
 
 def size_list(p, flag, text, names, lows=(1, 1)):
-    """'64x8,256x16' -> [(64, 8), (256, 16)], each part >= its low; names e.g. ('P', 'G')."""
-    out = []
+    """'64x8,256x16': comma-separated sizes, each part >= its low; names e.g. ('P', 'G')."""
     for part in (x.strip() for x in text.split(",")):
         m = re.fullmatch(r"(\d+)[xX](\d+)", part)
         if not m:
             p.error(
                 f"{flag} {text!r}: {part!r} is not {names[0]}x{names[1]}; pass comma-separated sizes, e.g. 64x8,256x16"
             )
-        a, b = int(m[1]), int(m[2])
-        if a < lows[0] or b < lows[1]:
+        if int(m[1]) < lows[0] or int(m[2]) < lows[1]:
             p.error(f"{flag} {text}: {part} needs {names[0]} >= {lows[0]} and {names[1]} >= {lows[1]}")
-        out.append((a, b))
-    return out
 
 
 def check_out_dir(p, flag, path):
@@ -230,8 +220,7 @@ def check_out_dir(p, flag, path):
 
 
 def check_out_file(p, flag, path):
-    """A file to write: not empty, not a folder, in a folder that exists and is writable, and writable itself if
-    it exists."""
+    """A file to write (None: not given): not a folder, in a writable folder that exists, writable if it exists."""
     if path is None:
         return
     if not path.strip():
@@ -249,18 +238,6 @@ def check_out_file(p, flag, path):
         p.error(f"{flag} {path}: the file is not writable; pass another file or make it writable")
 
 
-def check_in_file(p, flag, path, what="a file"):
-    """A file to read: exists, is a file (not a folder), readable."""
-    if not path or not path.strip():
-        p.error(f"{flag} '': empty; pass {what}")
-    if not os.path.exists(path):
-        p.error(f"{flag} {path}: no such file; pass {what}")
-    if os.path.isdir(path):
-        p.error(f"{flag} {path}: is a folder, not a file; pass {what}")
-    if not os.access(path, os.R_OK):
-        p.error(f"{flag} {path}: not readable; pass {what} you can read")
-
-
 def check_program(p, flag, path, fix):
     """An executable to run (a python): exists, is a file, can be executed."""
     if not path or not path.strip():
@@ -273,9 +250,6 @@ def check_program(p, flag, path, fix):
         )
     if not os.access(path, os.X_OK):
         p.error(f"{flag} {path}: not executable; pass a python executable")
-
-
-DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
 
 def check_device(p, flag, device, cuda_count):

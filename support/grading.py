@@ -12,6 +12,7 @@ expanding 9^{9^{9^9}}), and adversarial completions must neither hang nor crash 
 """
 
 import collections
+import contextlib
 import json
 import logging
 import math
@@ -26,8 +27,6 @@ from tqdm import tqdm
 
 from support import run, stops
 from support.mathtask import extract_boxed, sample_seeds
-from support.stops import attempt
-from support.fsdp import all_reduce
 
 
 MAX_BOXED_CHARS = 400  # a final answer longer than this is not an answer: reward 0
@@ -41,9 +40,7 @@ def _verify(pred, gold):
 
     gold_parsed = parse("\\boxed{" + gold + "}", parsing_timeout=None)
     pred_parsed = parse("\\boxed{" + pred + "}", parsing_timeout=None)
-    if not gold_parsed or not pred_parsed:
-        return 0.0
-    return 1.0 if verify(gold_parsed, pred_parsed, timeout_seconds=None) else 0.0
+    return 1.0 if gold_parsed and pred_parsed and verify(gold_parsed, pred_parsed, timeout_seconds=None) else 0.0
 
 
 def _grader_worker(conn):
@@ -99,12 +96,11 @@ class _Child:
     (time.monotonic()): when a starting child must be ready, or a busy one must answer."""
 
     def __init__(self, ctx):
-        parent, child = ctx.Pipe()
+        self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_grader_worker, args=(child,), daemon=True)
         with stops.sigint_ignored():  # from its first instruction (while it imports): a Ctrl-C is the parent's
             self.proc.start()
         child.close()  # the child holds the only other end: its death reads as EOF here
-        self.conn = parent
         self.state, self.key, self.deadline = "starting", None, time.monotonic() + GRADER_START_TIMEOUT_S
 
     def give(self, key, timeout_s):
@@ -117,13 +113,13 @@ class _Child:
         self.conn.close()
 
 
-class Grader:
+class Grader(contextlib.AbstractContextManager):
     """0/1 math reward: last \\boxed{} of the completion vs the gold answer, with a hard time limit.
 
     grader = Grader(timeout_s=5.0, workers=4)
     grader.score(completion, gold) -> 1.0 or 0.0;  grader.score_batch(completions, golds) -> [0/1, ...]
-    Use as a context manager or call close(); grader.start() starts the children ahead of time.
-    Pass all of a step's answers in one score_batch call: the children grade one call's answers.
+    Use as a context manager or call close(). Pass all of a step's answers in one score_batch call: the children
+    grade one call's answers.
 
     Design. `workers` child processes each run math-verify on one (answer, gold) at a time. score_batch drops what
     needs no grading (no \\boxed{}, too long, cached, a repeat within the batch), then loops: hand a waiting answer
@@ -150,12 +146,10 @@ class Grader:
         self._cache = {}  # (pred, gold) -> reward
 
     def start(self):
-        """Start all `workers` children now, together, and wait until they are ready (optional:
-        score_batch starts them when answers wait; this moves the ~2 s out of the first step)."""
+        """Start all `workers` children now and wait until they are ready: their ~2 s out of the first step."""
         self._children += [_Child(self._ctx) for _ in range(self.workers - len(self._children))]
         while any(c.state == "starting" for c in self._children):
             self._wait({})
-        return self
 
     def score(self, completion, gold):
         return self.score_batch([completion], [gold])[0]
@@ -246,9 +240,6 @@ class Grader:
             child.kill()
         self._children = []
 
-    def __enter__(self):
-        return self
-
     def __exit__(self, *exc):
         self.close()
 
@@ -302,7 +293,7 @@ def evaluation_due(metrics_path, step, args, world):
     done = world.is_main and any(
         m.get("kind") == "eval" and m.get("step") == step for m in run.read_metrics(metrics_path)
     )
-    return not all_reduce(done, world, dist.ReduceOp.MAX)
+    return not stops.any_rank(done, world)
 
 
 def evaluate(engine, grader, *, tokenizer, stop_ids, eval_sets, args, world, tag=None, model_name=None, step=None):
@@ -342,7 +333,7 @@ def evaluate(engine, grader, *, tokenizer, stop_ids, eval_sets, args, world, tag
             row[f"pass@{k}"] = 100.0 * sum(pass_at_k(n, c, k) for c in correct) / max(len(correct), 1)
         row["correct"] = correct
         results[name] = row
-    with attempt(args.out, args.out, world):  # a full disk while rank 0 writes: DiskFull on every rank
+    with stops.attempt(args.out, args.out, world):  # a full disk while rank 0 writes: DiskFull on every rank
         if results:
             keys = [f"pass@{k}" for k in args.eval_pass_k]
             results["average"] = {k: sum(r[k] for r in results.values()) / len(results) for k in keys}
@@ -379,8 +370,7 @@ def write_eval_report(results, keys, args, tag, model_name):
         "|---|---|" + "---|" * len(keys),
     ]
     for name, row in results.items():
-        cells = [f"{row[k]:.1f}" for k in keys]
-        lines.append(f"| {name} | {row.get('problems', '')} | " + " | ".join(cells) + " |")
+        lines.append(f"| {name} | {row.get('problems', '')} | " + " | ".join(f"{row[k]:.1f}" for k in keys) + " |")
     for name, row in results.items():
         if row.get("dropped") or row.get("too_long"):
             why = f"{row['dropped']} rows without an answer, {row['too_long']} prompts longer than the context."

@@ -12,6 +12,7 @@ the cadences of checkpoints and evaluations, the stop after a step.
 """
 
 import contextlib
+import fcntl  # the run folder's lock (out_lock)
 import json
 import math
 import multiprocessing as mp
@@ -26,20 +27,10 @@ from support.cli import UsageError
 from support.fsdp import all_reduce
 from support.gpu import memory_peak_gb
 
-try:
-    import fcntl  # the run folder's lock (out_lock)
-except ImportError:  # Windows: no lock
-    fcntl = None
-
 
 class Run:
     """What both trainers do around the six steps of a step. Every rank makes every call (agree() and the
-    checkpoints hold collectives); rank 0 writes metrics.jsonl.
-
-        run = Run(args, prog, notices, start, history, world)   # after the resume (start: its steps, 0 if none)
-        run.log(line)                 a line of metrics.jsonl; a train line's grad norm and reward join run.history
-        run.checkpoint(step, notice, save)   save(step) when due (--save-every, the last step, --stop-after, a
-                                      notice), then on a notice the stop after it: one line, exit STOPPED
+    checkpoints hold collectives); rank 0 writes metrics.jsonl. Made after the resume (start: its steps, 0 if none).
 
     A new run (start 0) empties metrics.jsonl; a resumed one keeps what its checkpoint covers (a killed run may have
     logged past it). history: {"grad_norms": [...], "rewards": [...]}, one value per step so far, as the
@@ -64,8 +55,8 @@ class Run:
                 append_metrics(self.metrics, line)
 
     def checkpoint(self, step, notice, save):
-        """After `step`: save(step) (the trainer's checkpoint; returns where) every --save-every steps, at the last
-        step and --stop-after, and on a notice (from notices.agree()), which then stops the run after it."""
+        """After `step`: save(step) (the trainer's checkpoint; returns where) when due, and on a notice (from
+        notices.agree()), which then stops the run after it: one line, exit STOPPED."""
         a = self.args
         if step % a.save_every == 0 or step in (a.steps, self.stop_at) or notice:
             path = save(step)
@@ -76,9 +67,7 @@ class Run:
 def measures_kl(step, args):
     """Whether step `step` (from 1) forwards the reference model: every step when the KL is in the loss
     (--kl-coef > 0); else, the KL being only a metric, step 1, every --kl-every steps and the last (0: never)."""
-    if args.kl_coef > 0:
-        return True
-    return args.kl_every > 0 and (step == 1 or step % args.kl_every == 0 or step == args.steps)
+    return args.kl_coef > 0 or (args.kl_every > 0 and (step == 1 or step % args.kl_every == 0 or step == args.steps))
 
 
 def mean(values):
@@ -99,24 +88,9 @@ def read_metrics(path, up_to_step=None):
     with open(path) as f:
         raw = [line for line in f if line.strip()]
     lines = [json.loads(line) for line in raw[:-1]]
-    try:
+    with contextlib.suppress(json.JSONDecodeError):  # half written when the disk filled up: the run stopped there
         lines += [json.loads(line) for line in raw[-1:]]
-    except json.JSONDecodeError:
-        pass  # half written when the disk filled up: the run stopped there
     return [m for m in lines if up_to_step is None or m.get("step", math.inf) <= up_to_step]
-
-
-def add_totals(totals, m):
-    """The run's totals (summary.json, the eval lines) after the train line `m`."""
-    for key, value in (
-        ("samples", m["kept_samples"]),
-        ("tokens", m["kept_tokens"]),
-        ("fwd_tokens", m["fwd_tokens"]),
-        ("gen_s", m["gen_s"] + m["reward_s"]),
-        ("train_s", m["train_s"]),
-        ("skipped", int(m["skipped"])),
-    ):
-        totals[key] += value
 
 
 def truncate_metrics(path, step):
@@ -132,22 +106,19 @@ def truncate_metrics(path, step):
 
 @contextlib.contextmanager
 def out_lock(out, prog, world=None):
-    """Hold an exclusive lock on OUT/.lock while the block runs (under torchrun: rank 0 holds it, every rank learns
-    whether it could); the OS drops it when the process ends, killed or not. A second run writing to the same folder,
-    fresh or --resume, stops with one line (exit 2, every rank) instead of interleaving its lines and checkpoints
-    with the first's. No lock where fcntl is missing (Windows)."""
+    """Hold an exclusive lock on OUT/.lock while the block runs (under torchrun: rank 0 holds it); the OS drops it
+    when the process ends, killed or not. A second run into the same folder, fresh or --resume, stops with one line
+    (exit 2, every rank) instead of interleaving its lines and checkpoints with the first's."""
     busy = None
     with contextlib.ExitStack() as stack:
-        if fcntl is not None and (world is None or world.is_main):
+        if world is None or world.is_main:
             os.makedirs(out, exist_ok=True)
             f = stack.enter_context(open(os.path.join(out, ".lock"), "a"))
             try:
                 fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 busy = True
-        if world is not None:  # rank 0's answer, on every rank
-            busy = bool(all_reduce(bool(busy), world, dist.ReduceOp.MAX))
-        if busy:
+        if stops.any_rank(busy, world):  # rank 0's answer, on every rank
             raise UsageError(
                 f"--out {out}: another {prog} is writing there now ({os.path.join(out, '.lock')}); "
                 "wait for it to end, or use another --out"
@@ -163,9 +134,8 @@ def run_all(fn, jobs, workers, desc="runs"):
             yield job, fn(job)
         return
     with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
-        with (
-            stops.sigint_ignored()
-        ):  # the workers start here (spawn: all at the first submit); a Ctrl-C is the parent's
+        # the workers start here (spawn: all at the first submit); a Ctrl-C is the parent's
+        with stops.sigint_ignored():
             futures = {pool.submit(fn, job): job for job in jobs}
         try:
             for future in tqdm(as_completed(futures), total=len(jobs), desc=desc, leave=False):
@@ -186,9 +156,7 @@ def write_summary(args, lines, warm_info, totals, timeouts, rl_s, wall_s):
     evals = [m for m in lines if m["kind"] == "eval"]
     train = [m for m in lines if m["kind"] == "train"]
     first, last = evals[0], evals[-1]
-    own_rule = methods.rule_name(
-        args.method
-    )  # --switch-on-spike: switched_at_step is the first step run under another rule
+    own_rule = methods.rule_name(args.method)  # --switch-on-spike: switched_at_step, the first step under another rule
     summary = {
         "method": args.method,
         "loss": args.loss,
@@ -213,9 +181,7 @@ def write_summary(args, lines, warm_info, totals, timeouts, rl_s, wall_s):
             "n": first["n"],
             "train_reward_step1": train[0]["reward_mean"] if train else None,
             **{k.replace("eval_pass1_mean_", ""): v for k, v in first.items() if k.startswith("eval_pass1_mean_level")},
-            "cached": warm_info.get("cached"),
-            "sft_steps": warm_info.get("sft_steps"),
-            "path": warm_info.get("path"),
+            **{key: warm_info.get(key) for key in ("cached", "sft_steps", "path")},
         },
         "final": {
             "greedy_pass1": last["eval_greedy_pass1"],

@@ -24,19 +24,16 @@ STOPPED, DISK_FULL, INTERRUPTED = 75, 74, 130  # exit codes: stopped on a notice
 NOTICES = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)  # SIGHUP: a closed terminal, some schedulers
 LAUNCHER_GONE = 999  # agree()'s code for a rank whose launcher (torchrun) died: the same stop as a notice
 NEARLY_FULL = 16 * 2**20  # bytes free below which a write's RuntimeError is taken for a full disk
+_EARLY = {"watching": False}  # ctrl_c_at_once's thread acts until the loop's Notices take over
 
 
 class Notices:
     """While in its `with` block, SIGTERM and SIGUSR1 (a cluster's notice before it preempts a job: SLURM,
     Kubernetes), SIGHUP (a closed terminal) and a first SIGINT (Ctrl-C; torchrun forwards it to every rank) set
-    `.signal` (the signal's name): the loop finishes its step, writes its checkpoint and exits STOPPED. So does the
-    end of the launcher: a rank whose torchrun died (its parent is another) stops after its step, not an orphan. A
-    second SIGINT stops at once: `prog`'s one line (rank 0's) and exit INTERRUPTED (os._exit); every checkpoint is a
-    temporary file renamed, so a write it cuts leaves the last one intact.
-
-    world (train_full.py: fsdp.World): agree() at the step's end tells every rank what any rank met: a notice, or a
-    full disk of a write that only this rank makes (writing(): rank 0's metrics line, its explain page). Without one,
-    agree() is this process's notice."""
+    `.signal` (the signal's name), as does the end of the launcher (a rank whose torchrun died, its parent another,
+    stops after its step, not an orphan). A second SIGINT stops at once: `prog`'s one line (rank 0's) and exit
+    INTERRUPTED (os._exit); every checkpoint is a temporary file renamed, so a write it cuts leaves the last one
+    intact. world (train_full.py: fsdp.World): agree() answers for every rank; without one, for this process."""
 
     def __init__(self, prog, world=None, out="."):
         self.prog, self.world, self.out = prog, world, out
@@ -63,7 +60,8 @@ class Notices:
             signal.signal(notice, handler)
 
     def writing(self, path):
-        """A write of this rank alone: a full disk is noted (agree() raises DiskFull on every rank), not raised."""
+        """A write of this rank alone (rank 0's metrics line, its explain page): a full disk is noted (agree() raises
+        DiskFull on every rank), not raised."""
         return noting(self.faults, path)
 
     def agree(self):
@@ -71,17 +69,9 @@ class Notices:
         received (by any rank: one all-reduce), or None."""
         if self.parent is not None and os.getppid() != self.parent and not self.signal:
             self.signal = "the end of its launcher (torchrun's process is gone)"
-        if self.world is None:
-            if self.faults:
-                raise DiskFull(self.faults[0], self.out)
-            return self.signal
-        import torch.distributed as dist
-
-        from support.fsdp import all_reduce
-
         number = signal.Signals[self.signal].value if self.signal in signal.Signals.__members__ else 0
         number = LAUNCHER_GONE if self.signal and not number else number
-        code = int(all_reduce(1000 if self.faults else number, self.world, dist.ReduceOp.MAX))
+        code = int(most(1000 if self.faults else number, self.world))
         if code >= 1000:
             raise DiskFull(self.faults[0] if self.faults else _on_another_rank(self.out), self.out)
         if code == LAUNCHER_GONE:
@@ -112,9 +102,6 @@ def ctrl_c_at_once(prog, fix):
 
     _EARLY["watching"] = True
     threading.Thread(target=watch, daemon=True).start()
-
-
-_EARLY = {"watching": False}
 
 
 def stopped(prog, notice, step, checkpoint, quiet=False):
@@ -188,7 +175,6 @@ def disk_full(error, path="."):
         folder = os.path.dirname(folder)
     if runtime and shutil.disk_usage(folder).free < NEARLY_FULL:
         return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
-    return None
 
 
 class DiskFull(Exception):
@@ -204,18 +190,30 @@ def _on_another_rank(path):
     return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC) + " (on another rank)", path)
 
 
-@contextlib.contextmanager
-def attempt(path, out, world):
-    """A write (to `path`) that every rank enters and leaves together, in place of a barrier: a full disk on ANY rank
-    raises DiskFull on EVERY rank as they leave (one all-reduce). Another error is raised on its own rank."""
+def most(value, world):
+    """The largest `value` over all ranks (one all-reduce); without a world (None), `value` itself."""
+    if world is None:
+        return value
     import torch.distributed as dist
 
     from support.fsdp import all_reduce
 
+    return all_reduce(value, world, dist.ReduceOp.MAX)
+
+
+def any_rank(flag, world):
+    """Whether `flag` holds on any rank; without a world (None), on this process."""
+    return bool(most(bool(flag), world))
+
+
+@contextlib.contextmanager
+def attempt(path, out, world):
+    """A write (to `path`) that every rank enters and leaves together, in place of a barrier: a full disk on ANY rank
+    raises DiskFull on EVERY rank as they leave (one all-reduce). Another error is raised on its own rank."""
     faults = []
     with noting(faults, path):
         yield
-    if all_reduce(bool(faults), world, dist.ReduceOp.MAX):
+    if any_rank(faults, world):
         raise DiskFull(faults[0] if faults else _on_another_rank(path), out)
 
 
