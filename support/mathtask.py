@@ -38,7 +38,7 @@ def stop_token_ids(tokenizer, generation_config=None):
     generation_config.eos_token_id (an int or a list), and Qwen's <|im_end|> when the vocabulary has it (the chat
     template ends the assistant turn with it).
 
-    >>> import tiny; tok = tiny.build_char_tokenizer(); stop_token_ids(tok) == [tok.eos_token_id, 2]
+    >>> from support import tiny; tok = tiny.build_char_tokenizer(); stop_token_ids(tok) == [tok.eos_token_id, 2]
     True
     """
     ids = {tokenizer.eos_token_id}

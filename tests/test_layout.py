@@ -106,7 +106,10 @@ def test_the_import_scan_sees_function_level_and_from_imports(tmp_path):
 
 
 @pytest.mark.figures  # the worked examples' outputs
-@pytest.mark.parametrize("module", ["d3s.py", "support/methods.py"])
+@pytest.mark.parametrize(
+    "module",
+    ["d3s.py"] + sorted(str(p.relative_to(ROOT)) for p in (ROOT / "support").glob("*.py") if ">>>" in p.read_text()),
+)
 def test_the_doctests_pass_from_the_command_line(module):
     proc = subprocess.run(
         [sys.executable, "-m", "doctest", module], cwd=ROOT, capture_output=True, text=True, timeout=300
