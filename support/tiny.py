@@ -42,13 +42,16 @@ def build_tiny_model(
     tokenizer,
     hidden_size=128,
     num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=None,
     max_position_embeddings=1024,
     seed=0,
     tie_word_embeddings=True,
 ):
     """A randomly initialized Qwen2ForCausalLM sized for a CPU (about 0.33M params by default).
 
-    4 heads and 2 key/value heads: head_dim = hidden_size / 4 (32 by default) is one that vLLM's CPU attention accepts.
+    head_dim = hidden_size / num_heads (32 by default) is one that vLLM's CPU attention accepts.
     tie_word_embeddings=False gives the LM-head layout of Qwen2.5-Math-7B (a separate lm_head).
     """
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -56,10 +59,10 @@ def build_tiny_model(
     config = Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
+        intermediate_size=intermediate_size or 2 * hidden_size,
         num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
         max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=tie_word_embeddings,
         bos_token_id=tokenizer.eos_token_id,
