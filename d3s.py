@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 
 
-def _require(ok, name, value, fix):
+def require(ok, name, value, fix):
     """Raise ValueError naming the argument, its value and what to do instead."""
     if not ok:
         raise ValueError(f"{name}={value!r}: {fix}")
@@ -39,10 +39,10 @@ def group_advantages(rewards, scale=True, eps=1e-6):
     >>> group_advantages(torch.tensor([[0., 0., 0., 1.]]), scale=False)
     tensor([[-0.2500, -0.2500, -0.2500,  0.7500]])
     """
-    _require(isinstance(rewards, torch.Tensor), "rewards", type(rewards).__name__, "pass a tensor of shape [P, G]")
+    require(isinstance(rewards, torch.Tensor), "rewards", type(rewards).__name__, "pass a tensor of shape [P, G]")
     shape_ok, bad = rewards.dim() == 2 and rewards.numel() > 0, ~torch.isfinite(rewards.double())
-    _require(shape_ok, "rewards.shape", tuple(rewards.shape), "expected [P, G], P, G >= 1")
-    _require(
+    require(shape_ok, "rewards.shape", tuple(rewards.shape), "expected [P, G], P, G >= 1")
+    require(
         not bad.any(), "rewards", rewards[bad][:4].tolist(), "must be finite (no NaN/inf); check the reward function"
     )
     rewards = rewards.float()
@@ -72,11 +72,11 @@ def max_variance_subset(values, m):
     >>> max_variance_subset(torch.tensor([0.1, 0.9, 0.5, 0.7, 0.3]), 3)  # {.1,.3,.9} and {.1,.7,.9} tie: more high
     tensor([0, 1, 3])
     """
-    _require(isinstance(values, torch.Tensor) and values.dim() >= 1, "values", type(values).__name__, "pass [..., n]")
+    require(isinstance(values, torch.Tensor) and values.dim() >= 1, "values", type(values).__name__, "pass [..., n]")
     n = values.shape[-1]
-    _require(isinstance(m, int) and 1 <= m <= n, "m", m, f"must be an int in [1, n={n}]")
+    require(isinstance(m, int) and 1 <= m <= n, "m", m, f"must be an int in [1, n={n}]")
     values64 = values.double()
-    _require(
+    require(
         bool(torch.isfinite(values64.sum())), "values", values[~torch.isfinite(values)][:4].tolist(), "must be finite"
     )
     order = values.sort(dim=-1, stable=True).indices  # ascending, [..., n]
@@ -132,11 +132,11 @@ def select_samples(rewards, n_keep, rule="cross", scale=True, eps=1e-6, generato
     adv = group_advantages(rewards, scale=scale, eps=eps)  # [P, G], on all G rollouts
     P, G = rewards.shape
     rules = ", ".join(SAMPLE_RULES)
-    _require(rule in SAMPLE_RULES, "rule", rule, f"choose one of {rules}, or a function (support/methods.py)")
+    require(rule in SAMPLE_RULES, "rule", rule, f"choose one of {rules}, or a function (support/methods.py)")
     if rule == "all":
         return torch.ones(P, G, dtype=torch.bool, device=rewards.device), adv
     fix = f"must be an int in [1, G={G}] (rollouts kept per prompt); raise G or lower N"
-    _require(isinstance(n_keep, int) and 1 <= n_keep <= G, "n_keep", n_keep, fix)
+    require(isinstance(n_keep, int) and 1 <= n_keep <= G, "n_keep", n_keep, fix)
     keep = torch.zeros(P, G, dtype=torch.bool, device=rewards.device)
     if rule == "cross":  # one pooled choice over all P*G advantages, budget n_keep * P
         keep.view(-1)[max_variance_subset(adv.reshape(-1), n_keep * P)] = True
@@ -187,11 +187,11 @@ def token_entropy(logits, chunk_size=None):
     tensor([1.3863, 1.3863])
     """
     ok = isinstance(logits, torch.Tensor) and logits.dim() >= 1
-    _require(ok, "logits", type(logits).__name__, "pass a tensor of shape [..., V]")
+    require(ok, "logits", type(logits).__name__, "pass a tensor of shape [..., V]")
     V = logits.shape[-1]
     if chunk_size is None:
         chunk_size = max(1, (2**21 if logits.device.type == "cpu" else 2**26) // max(V, 1))  # fp32 elements
-    _require(isinstance(chunk_size, int) and chunk_size >= 1, "chunk_size", chunk_size, "must be an int >= 1")
+    require(isinstance(chunk_size, int) and chunk_size >= 1, "chunk_size", chunk_size, "must be an int >= 1")
     flat = logits.reshape(-1, V)
     out = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
     for start in range(0, flat.shape[0], chunk_size):
@@ -215,9 +215,9 @@ def token_scores(adv, entropy, rule=None, generator=None):
     tensor([[1., 2.],
             [3., 0.]])
     """
-    _require(rule is None or callable(rule), "rule", rule, "pass None (|A| * H) or a function (methods.TOKEN_RULES)")
+    require(rule is None or callable(rule), "rule", rule, "pass None (|A| * H) or a function (methods.TOKEN_RULES)")
     ok = isinstance(entropy, torch.Tensor) and entropy.dim() == 2
-    _require(ok, "entropy.shape", tuple(entropy.shape), "expected [B, T]")
+    require(ok, "entropy.shape", tuple(entropy.shape), "expected [B, T]")
     abs_adv = adv.abs().float().unsqueeze(-1) if adv.dim() == 1 else adv.abs().float()  # [B, 1] or [B, T]
     scores = abs_adv * entropy.float() if rule is None else rule(abs_adv, entropy, generator)
     return scores.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
@@ -241,15 +241,15 @@ def select_tokens(scores, mask, k_frac, scope="batch", min_per_seq=0):
             [1, 0, 0, 0]], dtype=torch.int32)
     """
     shape = lambda t: tuple(getattr(t, "shape", ()))
-    _require(isinstance(scores, torch.Tensor) and scores.dim() == 2, "scores.shape", shape(scores), "expected [B, T]")
+    require(isinstance(scores, torch.Tensor) and scores.dim() == 2, "scores.shape", shape(scores), "expected [B, T]")
     ok = isinstance(mask, torch.Tensor) and shape(mask) == shape(scores)
-    _require(ok, "mask.shape", shape(mask), f"must be {shape(scores)}")
-    _require(isinstance(k_frac, (int, float)) and 0 < k_frac <= 1, "k_frac", k_frac, "must be in (0, 1]")
-    _require(scope in ("batch", "sequence"), "scope", scope, "choose 'batch' or 'sequence'")
-    _require(min_per_seq in (0, 1), "min_per_seq", min_per_seq, "choose 1 (every response keeps its best token) or 0")
+    require(ok, "mask.shape", shape(mask), f"must be {shape(scores)}")
+    require(isinstance(k_frac, (int, float)) and 0 < k_frac <= 1, "k_frac", k_frac, "must be in (0, 1]")
+    require(scope in ("batch", "sequence"), "scope", scope, "choose 'batch' or 'sequence'")
+    require(min_per_seq in (0, 1), "min_per_seq", min_per_seq, "choose 1 (every response keeps its best token) or 0")
     valid = mask.bool()
     bad = scores[valid][~torch.isfinite(scores[valid])]
-    _require(not bool(bad.numel()), "scores", bad[:4].tolist(), "must be finite on valid tokens (check entropy and A)")
+    require(not bool(bad.numel()), "scores", bad[:4].tolist(), "must be finite on valid tokens (check entropy and A)")
     masked = torch.where(valid, scores.float(), torch.full_like(scores, -math.inf, dtype=torch.float))
     if scope == "batch":
         k = math.ceil(k_frac * int(valid.sum()) - 1e-9)  # |kept| = ceil(K * valid tokens)
@@ -277,15 +277,15 @@ def dynamic_schedule(step, total_steps, n_init=8, n_final=32, k_init=0.05, k_fin
     >>> dynamic_schedule(0, 100), dynamic_schedule(50, 100), dynamic_schedule(100, 100)
     ((8, 0.05), (20, 0.125), (32, 0.2))
     """
-    _require(isinstance(total_steps, int) and total_steps >= 1, "total_steps", total_steps, "must be an int >= 1")
-    _require(isinstance(step, int) and step >= 0, "step", step, "must be an int >= 0")
+    require(isinstance(total_steps, int) and total_steps >= 1, "total_steps", total_steps, "must be an int >= 1")
+    require(isinstance(step, int) and step >= 0, "step", step, "must be an int >= 0")
     for name, val, ok in (
         ("n_init", n_init, isinstance(n_init, int) and n_init >= 1),
         ("k_init", k_init, 0 < k_init <= 1),
         ("n_final", n_final, isinstance(n_final, int) and n_final >= 1),
         ("k_final", k_final, 0 < k_final <= 1),
     ):
-        _require(ok, name, val, "must be an int >= 1" if name[0] == "n" else "must be in (0, 1]")
+        require(ok, name, val, "must be an int >= 1" if name[0] == "n" else "must be in (0, 1]")
     f = min(step / total_steps, 1.0) if progress is None else progress
     n = int(math.floor(n_init + (n_final - n_init) * f + 0.5))  # round half up
     k = k_init + (k_final - k_init) * f
@@ -330,15 +330,15 @@ def method_budget(
     >>> [method_budget(LADDER[m], step=0, total_steps=100, group_size=32) for m in ("d3s", "d2s", "d1s", "grpo")]
     [(8, 0.05), (20, 0.125), (20, 1.0), (32, 1.0)]
     """
-    _require(isinstance(row, Row), "row", row, "pass a Row, e.g. d3s.LADDER['d3s'] (methods.LADDER: every method)")
+    require(isinstance(row, Row), "row", row, "pass a Row, e.g. d3s.LADDER['d3s'] (methods.LADDER: every method)")
     scheduled = dynamic_schedule(step, total_steps, n_init, n_final, k_init, k_final, progress)
     mid_n, mid_k = dynamic_schedule(1, 2, n_init, n_final, k_init, k_final)  # p = 1/2, linear
     static = (mid_n if static_n is None else static_n, mid_k if static_k is None else static_k)
-    _require(0 < static[1] <= 1, "static_k", static[1], "must be in (0, 1]")
+    require(0 < static[1] <= 1, "static_k", static[1], "must be in (0, 1]")
     n = {"schedule": scheduled[0], "static": static[0], "all": group_size}[row.n]
     k = {"schedule": scheduled[1], "static": static[1], "all": 1.0}[row.k]
     fix = f"N counts rollouts kept per prompt and must be in [1, G={group_size}]; lower N or raise G"
-    _require(isinstance(n, int) and 1 <= n <= group_size, "n_keep", n, fix)
+    require(isinstance(n, int) and 1 <= n <= group_size, "n_keep", n, fix)
     return n, k
 
 
@@ -393,20 +393,20 @@ def policy_loss(
     >>> loss.item(), stats["clip_frac"]  # -mean(A) = 0, nothing clipped
     (0.0, 0.0)
     """
-    _require(kind in CLIP_DEFAULTS, "kind", kind, "choose 'grpo' or 'gspo'")
+    require(kind in CLIP_DEFAULTS, "kind", kind, "choose 'grpo' or 'gspo'")
     agg = agg or DEFAULT_AGG[kind]
-    _require(agg in ("token-mean", "seq-mean-token-mean"), "agg", agg, "choose 'token-mean' or 'seq-mean-token-mean'")
-    _require(logp.dim() == 2, "logp.shape", tuple(logp.shape), "expected [B, T]")
+    require(agg in ("token-mean", "seq-mean-token-mean"), "agg", agg, "choose 'token-mean' or 'seq-mean-token-mean'")
+    require(logp.dim() == 2, "logp.shape", tuple(logp.shape), "expected [B, T]")
     for name, t in (("old_logp", old_logp), ("token_mask", token_mask), ("ref_logp", ref_logp)):
         t_shape = tuple(getattr(t, "shape", ()))
         ok = (t is None and name == "ref_logp") or t_shape == tuple(logp.shape)
-        _require(ok, f"{name}.shape", t_shape, f"must equal logp.shape {tuple(logp.shape)}")
-    _require(tuple(adv.shape) == (logp.shape[0],), "adv.shape", tuple(adv.shape), f"expected [B] = ({logp.shape[0]},)")
-    _require(normalizer is None or float(normalizer) > 0, "normalizer", normalizer, "must be > 0 (tokens or responses)")
-    _require(beta == 0 or ref_logp is not None, "beta", beta, "a KL penalty needs ref_logp; pass it or set beta=0")
+        require(ok, f"{name}.shape", t_shape, f"must equal logp.shape {tuple(logp.shape)}")
+    require(tuple(adv.shape) == (logp.shape[0],), "adv.shape", tuple(adv.shape), f"expected [B] = ({logp.shape[0]},)")
+    require(normalizer is None or float(normalizer) > 0, "normalizer", normalizer, "must be > 0 (tokens or responses)")
+    require(beta == 0 or ref_logp is not None, "beta", beta, "a KL penalty needs ref_logp; pass it or set beta=0")
     eps_low = CLIP_DEFAULTS[kind][0] if clip_low is None else clip_low
     eps_high = CLIP_DEFAULTS[kind][1] if clip_high is None else clip_high
-    _require(eps_low >= 0 and eps_high >= 0, "clip_low/clip_high", (eps_low, eps_high), "must be >= 0")
+    require(eps_low >= 0 and eps_high >= 0, "clip_low/clip_high", (eps_low, eps_high), "must be >= 0")
     dtype = torch.promote_types(logp.dtype, torch.float32)  # at least fp32: bf16 counts and sums would round
     logp, old_logp, token_mask = logp.to(dtype), old_logp.to(dtype), token_mask.to(dtype)
     tokens_per_seq = token_mask.sum(-1)  # [B]

@@ -34,7 +34,7 @@ def uniform_samples(rewards, n_keep, scale=True, eps=1e-6, generator=None):
     adv = d3s.group_advantages(rewards, scale=scale, eps=eps)
     P, G = rewards.shape
     ok = isinstance(n_keep, int) and 1 <= n_keep <= G
-    d3s._require(ok, "n_keep", n_keep, f"must be an int in [1, G={G}] (rollouts kept per prompt); raise G or lower N")
+    d3s.require(ok, "n_keep", n_keep, f"must be an int in [1, G={G}] (rollouts kept per prompt); raise G or lower N")
     noise = torch.rand(P, G, generator=generator).to(rewards.device)  # CPU generator, any device
     keep = torch.zeros(P, G, dtype=torch.bool, device=rewards.device).scatter_(1, noise.argsort(-1)[:, :n_keep], True)
     return keep, adv * keep
@@ -122,12 +122,12 @@ def progress(kind, step, total_steps, history=None):
     >>> d3s.dynamic_schedule(0, 100, progress=progress("adaptive", 0, 100, history=[0.5] * 30))  # 11 plateaus: f = 0.22
     (13, 0.083)
     """
-    d3s._require(kind in SCHEDULES, "kind", kind, f"choose one of {', '.join(SCHEDULES)}")
+    d3s.require(kind in SCHEDULES, "kind", kind, f"choose one of {', '.join(SCHEDULES)}")
     p = min(step / total_steps, 1.0)
     curves = {"linear": p, "cosine": (1 - math.cos(math.pi * p)) / 2, "step": 0.0 if p < 0.5 else 1.0, "constant": 0.0}
     if kind in curves:
         return curves[kind]
-    d3s._require(history is not None, "history", history, "kind='adaptive' needs the signal's past values (a list)")
+    d3s.require(history is not None, "history", history, "kind='adaptive' needs the signal's past values (a list)")
     return min(1.0, 2 * _plateaus(history, 10, 0.02) / total_steps)
 
 
@@ -140,7 +140,7 @@ def _plateaus(history, window, tol):
     """
     values = [float(v) for v in history]
     bad = [v for v in values if not math.isfinite(v)]
-    d3s._require(not bad, "history", bad[:4], "must be finite (the signal of each past step)")
+    d3s.require(not bad, "history", bad[:4], "must be finite (the signal of each past step)")
     prefix = list(itertools.accumulate(values, initial=0.0))
     mean = lambda a, b: (prefix[b] - prefix[a]) / window  # the mean of values[a:b]
     return sum(mean(j - window, j) - mean(j - 2 * window, j - window) < tol for j in range(2 * window, len(values) + 1))
@@ -160,7 +160,7 @@ def spike_ratios(grad_norms, window=10):
     >>> spike_ratios([1.0, 2.0, 0.0, 1.0, 9.0], window=2)
     [None, None, None, 0.5, 9.0]
     """
-    d3s._require(isinstance(window, int) and window >= 1, "window", window, "must be an int >= 1")
+    d3s.require(isinstance(window, int) and window >= 1, "window", window, "must be an int >= 1")
     signal = lambda x: x is not None and x != 0 and math.isfinite(x)
     ratios = []
     for i, g in enumerate(grad_norms):
@@ -182,7 +182,7 @@ def switch_to_intra(method, grad_norms, ratio, window=10):
     if not ratio or method not in INTRA_TWIN:
         return method
     ok = math.isfinite(ratio) and ratio > 1
-    d3s._require(
+    d3s.require(
         ok, "ratio", ratio, "must be > 1 (a spike is a norm over ratio x its median); 0 or None turns the rule off"
     )
     spiked = any(r is not None and r > ratio for r in spike_ratios(list(grad_norms), window))

@@ -76,9 +76,9 @@ def write_step(
     check_grid(rewards=rewards, adv=adv, keep=keep)
     P, G = rewards.shape
     got = f"{len(prompts)} strings" if prompts else prompts
-    d3s._require(prompts is None or len(prompts) == P, "prompts", got, f"pass one string per prompt (P={P}) or None")
+    d3s.require(prompts is None or len(prompts) == P, "prompts", got, f"pass one string per prompt (P={P}) or None")
     for name, value in (("n_keep", n_keep), ("k_frac", k_frac), ("k_real", k_real), ("step", step)):
-        d3s._require(isinstance(value, (int, float)) and math.isfinite(value), name, value, "must be a finite number")
+        d3s.require(isinstance(value, (int, float)) and math.isfinite(value), name, value, "must be a finite number")
     shown = [_check_shown(item, P * G) for item in shown]
     rewards, adv, keep = rewards.detach().float().cpu(), adv.detach().float().cpu(), keep.detach().bool().cpu()
     numbers = {
@@ -410,17 +410,17 @@ def check_grid(**tensors):
     for name, t in tensors.items():
         got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
         ok = isinstance(t, torch.Tensor) and t.dim() == 2
-        d3s._require(ok, name, got, "pass a [P, G] tensor (prompts x rollouts per prompt)")
-        d3s._require(shape is None or got == shape, f"{name}.shape", got, f"must equal {shape}, as the other grids")
+        d3s.require(ok, name, got, "pass a [P, G] tensor (prompts x rollouts per prompt)")
+        d3s.require(shape is None or got == shape, f"{name}.shape", got, f"must equal {shape}, as the other grids")
         shape = got
 
 
 def _check_shown(item, n):
     ok = isinstance(item, dict) and "index" in item and "tokens" in item
     fix = 'pass dicts {"index": p * G + g, "tokens": [...], "entropy", "score", "selected"}'
-    d3s._require(ok, "shown[...]", type(item).__name__, fix)
+    d3s.require(ok, "shown[...]", type(item).__name__, fix)
     i = item["index"]
-    d3s._require(isinstance(i, int) and 0 <= i < n, "shown index", i, f"must be an int p * G + g in [0, {n})")
+    d3s.require(isinstance(i, int) and 0 <= i < n, "shown index", i, f"must be an int p * G + g in [0, {n})")
     item = {"entropy": None, "score": None, "selected": None, **item, "tokens": [str(t) for t in item["tokens"]]}
     n_tok = len(item["tokens"])
     for key in ("entropy", "score", "selected", "marked", "notes"):
@@ -428,7 +428,7 @@ def _check_shown(item, n):
         if value is not None:
             value = value.tolist() if isinstance(value, torch.Tensor) else list(value)
             fix = f"must have one value per token ({n_tok})"
-            d3s._require(len(value) == n_tok, f"shown[index={i}].{key}", f"{len(value)} values", fix)
+            d3s.require(len(value) == n_tok, f"shown[index={i}].{key}", f"{len(value)} values", fix)
             item[key] = value
     return item
 
