@@ -449,7 +449,7 @@ def step_metrics(sel, pass1, update, train_s, measured_kl, world):
 def main(argv=None):
     args = parse_args(argv)  # every flag and path, before any work
     ranks = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's; the process group comes after the checks
-    checks.check_machine(args, ranks)  # CUDA, vLLM, and a GPU the setting fits
+    engines.check_machine(args, ranks)  # CUDA, vLLM, and a GPU the setting fits
     inputs = checks.load_inputs(args)  # tokenizer, stop ids, prompts, benchmarks: a bad one stops every rank at once
     world = fsdp.init_distributed(args.device, args.cpu_offload)
     torch.manual_seed(args.seed + world.rank)

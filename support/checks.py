@@ -2,7 +2,7 @@
 
     check_run           the flags both trainers share, checked together: --stop-after, the method (methods.check_flags),
                         the loss's aggregation and clip range where not given
-    check_args, check_machine   train_full.py's flags together and its paths; CUDA, vLLM and a GPU the setting fits
+    check_args          train_full.py's flags together and its paths (its machine: engines.check_machine)
     fit_prompts         train_small.py's --train-file / --eval-file prompts that fit the model's context (and
                         load_inputs', for train_full.py): mathtask.fit_context, a longer one named with file:line
     check_finite        NaN or inf in a model's weights or in the logits of its first forward, both trainers
@@ -14,7 +14,6 @@ The checks of one flag (its range, its choices) are in its declaration (support/
 """
 
 import glob
-import importlib.util
 import inspect
 import itertools
 import os
@@ -213,41 +212,6 @@ def check_args(p, args, ranks):
     args.eval_data = expand_specs(args.eval_data)
     cli.check_out_dir(p, "--out", args.out)
     return args
-
-
-def check_machine(args, ranks):
-    """What this machine must have for the run (main only: tests and bench/memory.py parse flags for other machines):
-    CUDA, vLLM, and with both a GPU the setting fits."""
-    from support.engines import check_batch_invariant
-    from support.gpu import cuda_diagnosis, vllm_memory_plan
-
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise UsageError(f"--device cuda: torch sees no CUDA device ({cuda_diagnosis()}); or use --device cpu")
-    if args.device == "cuda":  # VLLM_BATCH_INVARIANT on compute capability 8.x: refused before the model loads
-        check_batch_invariant(args, torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))))
-    if args.rollout == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise UsageError(
-            "--rollout vllm: vLLM is not installed; pip install -r requirements/full.txt, or use --rollout hf"
-        )
-    if args.device == "cuda" and args.rollout == "vllm" and not args.eval_only:
-        from transformers import AutoConfig
-
-        try:
-            config = AutoConfig.from_pretrained(args.model)
-        except (OSError, ValueError):  # no config to read: load_inputs names the model's fault in its line
-            return
-        gpu_bytes = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0"))).total_memory
-        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        vllm_memory_plan(config, args, ranks, gpu_bytes, host_bytes=host_available(), local_ranks=local_ranks)
-
-
-def host_available():
-    """Host memory available to new allocations (MemAvailable of /proc/meminfo), bytes; None where unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration, ValueError):
-        return None
 
 
 def check_data_spec(p, flag, spec):

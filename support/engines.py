@@ -5,10 +5,12 @@ VLLMEngine        vLLM in each rank's own process (external_launcher, TP=1): gen
 HFEngine          transformers' generate on a plain copy of the policy (--rollout hf), the same interface
 make_engine       the engine of --rollout, the RNG put back after vLLM seeds it, the trainer's CPU threads
 export_asleep     an HF export with the engine asleep, so that its fp32 gathers fit beside it
+check_machine     what this machine must have for the run: CUDA, vLLM, a GPU the setting fits (before any work)
 batch_invariant_refusal, vllm_engine_args, wake_shortfall   the checks before vLLM is built or woken
 """
 
 import collections
+import importlib.util
 import os
 import random
 
@@ -17,7 +19,7 @@ import torch.distributed as dist
 
 from support.cli import UsageError
 from support.fsdp import full_named_tensors
-from support.gpu import vllm_memory_plan, vllm_pool_bytes
+from support.gpu import cuda_diagnosis, vllm_memory_plan, vllm_pool_bytes
 
 
 def context_length(model_path, args):
@@ -75,6 +77,38 @@ def check_batch_invariant(args, device):
         )
         if line:
             raise UsageError(line)
+
+
+def check_machine(args, ranks):
+    """What this machine must have for the run (main only: tests and bench/memory.py parse flags for other machines):
+    CUDA, vLLM, and with both a GPU the setting fits."""
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device cuda: torch sees no CUDA device ({cuda_diagnosis()}); or use --device cpu")
+    if args.device == "cuda":  # VLLM_BATCH_INVARIANT on compute capability 8.x: refused before the model loads
+        check_batch_invariant(args, torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))))
+    if args.rollout == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise UsageError(
+            "--rollout vllm: vLLM is not installed; pip install -r requirements/full.txt, or use --rollout hf"
+        )
+    if args.device == "cuda" and args.rollout == "vllm" and not args.eval_only:
+        from transformers import AutoConfig
+
+        try:
+            config = AutoConfig.from_pretrained(args.model)
+        except (OSError, ValueError):  # no config to read: load_inputs names the model's fault in its line
+            return
+        gpu_bytes = torch.cuda.get_device_properties(int(os.environ.get("LOCAL_RANK", "0"))).total_memory
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        vllm_memory_plan(config, args, ranks, gpu_bytes, host_bytes=host_available(), local_ranks=local_ranks)
+
+
+def host_available():
+    """Host memory available to new allocations (MemAvailable of /proc/meminfo), bytes; None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
 
 
 def vllm_engine_args(model_path, args, cuda, utilization, max_num_seqs, seed):

@@ -29,7 +29,7 @@ from support.loss_head import HEAD_CHUNK
 
 def vllm_memory_plan(config, args, ranks, gpu_bytes, host_bytes=None, local_ranks=1):
     """gpu_memory_utilization and max_num_seqs of the colocated vLLM engine on one GPU, and the check that the
-    setting fits at all (train_full calls it before any work, checks.check_machine).
+    setting fits at all (train_full calls it before any work, engines.check_machine).
 
     While vLLM generates, the trainer keeps its shards on the same GPU: fp32 weights and AdamW's two moments,
     12 bytes x parameters / ranks (gradients are freed after each step; bench/memory.py checks these bytes), plus
