@@ -207,7 +207,7 @@ class Pass1:
     entropy: torch.Tensor  # [B, T] H_t, or None (methods without token selection: pass 2 measures it)
     ref_logp: torch.Tensor  # [B, T] the reference's log-probs on the steps that measure the KL, else None
     tokens: float  # prompt + response tokens forwarded, all ranks
-    head_tokens: float  # response tokens the LM head ran at, all ranks (MFU's: run.update_flops)
+    head_tokens: float  # response tokens the LM head ran at, all ranks (MFU's: gpu.update_flops)
 
 
 def generate(engine, batch, step, args, stop_ids):
@@ -544,7 +544,7 @@ def train(args, world, inputs, ckpt):
             phases["sync_s"] = clock(device) - t0
             step = s
             phases["grader_timeouts"] = grader.timeouts
-            r.log(run.train_record(step, stats, rollouts, phases, args, world, flops=flops))
+            r.log(gpu.train_record(step, stats, rollouts, phases, args, world, flops=flops))
             if world.is_main:
                 bar.set_postfix(reward=f"{stats['reward_mean']:.3f}", N=stats["n_keep"], K=f"{stats['k_frac']:.2f}")
                 bar.update(1)

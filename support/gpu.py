@@ -4,6 +4,7 @@ vllm_memory_plan     trainer and vLLM on one GPU (and the host with --cpu-offloa
                      max_num_seqs, or one line naming what does not fit and the flags that would
 host_memory, trainer_peak_bytes, model_shapes   its parts (bench/memory.py simulates them)
 clock, memory_peak_gb, gpu_used_gb, peak_flops, flop_params, head_params, mfu_counts   a step's clocks, memory, MFU
+train_record, update_flops   train_full.py's line of metrics.jsonl for a step: its counts, clocks, MFU and memory
 vllm_pool_bytes      what torch counts inside vLLM's sleep-mode pools (left out of the trainer's figures)
 fsdp_param_groups    what FSDP2 manages in a module, on torch 2.11 and 2.13
 cuda_diagnosis       why torch sees no GPU, in words
@@ -22,8 +23,10 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
 
 from support.cli import UsageError
+from support.fsdp import all_reduce
 from support.loss_head import HEAD_CHUNK
 
 
@@ -430,13 +433,13 @@ def peak_flops(device, peak_tflops):
 
 
 def mfu_counts(model, device, peak_tflops):
-    """What run.train_record's MFU needs: (flop_params, head_params, peak_flops)."""
+    """What train_record's MFU needs: (flop_params, head_params, peak_flops)."""
     return flop_params(model), head_params(model), peak_flops(device, peak_tflops)
 
 
 def head_params(model):
     """The LM head's parameters (vocabulary x hidden; the embedding's where they are tied): flop_params counts them,
-    run.update_flops charges them only at the tokens where the head runs."""
+    update_flops charges them only at the tokens where the head runs."""
     return model.get_output_embeddings().weight.numel()
 
 
@@ -447,3 +450,49 @@ def flop_params(model):
     if getattr(model.config, "tie_word_embeddings", False):
         n += model.get_input_embeddings().weight.numel()
     return n
+
+
+def update_flops(stats, pass1_head_tokens, n_params, n_head):
+    """Model FLOPs of a step's update (MFU's numerator, docs/metrics.md), from its train line's counts and the response
+    tokens of its no-grad forwards (pass1_head_tokens, all ranks). The decoder
+    (n_params less the LM head's n_head, the input embedding left out: a lookup) at every token forwarded: 2 a
+    parameter in the no-grad forwards (pass 1, the reference), 6 in pass 2 (forward and backward). The LM head where
+    it runs: the response tokens of the no-grad forwards, and in pass 2 the tokens in the loss only (D3S's saving:
+    the K selected, every response token for the methods without token selection). Recomputation and attention are
+    not counted."""
+    body = (2 * stats["pass1_tokens"] + 6 * stats["train_tokens"]) * (n_params - n_head)
+    return body + (2 * pass1_head_tokens + 6 * stats["kept_tokens"]) * n_head
+
+
+def train_record(step, stats, rollouts, phases, args, world, flops):
+    """train_full.py's line of metrics.jsonl for a step (docs/metrics.md): its metrics (train_full.step_metrics),
+    then the run's counts, clocks, MFU and memory. phases: this rank's gen_s, reward_s, pass1_s, sync_s, its grader's
+    timeouts, the response tokens of the no-grad forwards (pass1_head_tokens, all ranks: MFU's), and the GPU memory in use during generation (gpu_used_gen) and after the update, before the sync
+    (gpu_used_train); flops: (parameters that cost 2 FLOPs a token, those of them in the LM head, the GPU's peak
+    FLOP/s or None). Every rank calls it (all_reduce); sync_s and the phases are the slowest rank's."""
+    MAX, (n_params, n_head, flops_peak) = dist.ReduceOp.MAX, flops
+    gen_tokens = all_reduce(sum(len(r["response_ids"]) for group in rollouts for r in group), world)
+    gen_s = all_reduce(phases["gen_s"], world, MAX)  # the slowest rank's
+    return {
+        "kind": "train",
+        "step": step,
+        **stats,
+        "gen_tokens": int(gen_tokens),
+        "kept_tokens_frac": stats["kept_tokens"] / max(gen_tokens, 1.0),
+        "response_len": gen_tokens / (args.prompts_per_step * args.group_size),
+        "grader_timeouts": int(all_reduce(phases["grader_timeouts"], world)),
+        "gen_s": gen_s,
+        "reward_s": all_reduce(phases["reward_s"], world, MAX),
+        "pass1_s": all_reduce(phases["pass1_s"], world, MAX),
+        "sync_s": all_reduce(phases["sync_s"], world, MAX),
+        "gen_tokens_per_s": gen_tokens / max(gen_s, 1e-9),
+        "mfu": (
+            update_flops(stats, phases["pass1_head_tokens"], n_params, n_head)
+            / (stats["train_s"] * world.size * flops_peak)
+            if flops_peak
+            else None
+        ),
+        "mem_peak_gb": all_reduce(memory_peak_gb(world.device), world, MAX),
+        "gpu_used_gen_gb": all_reduce(phases["gpu_used_gen"], world, MAX),
+        "gpu_used_train_gb": all_reduce(phases["gpu_used_train"], world, MAX),
+    }

@@ -107,18 +107,17 @@ def test_gpu_check_without_math_verify_stops_in_one_line_before_the_warm_start(t
 # W2: MFU charges the LM head where it runs; W3: sync_s is the slowest rank's
 # ---------------------------------------------------------------------------------------------
 def test_update_flops_charges_the_decoder_at_every_token_and_the_head_where_the_loss_head_runs_it():
-    from support import run
 
     n, head = 1000, 100  # parameters less the input embedding; of them the LM head's
     stats = {"pass1_tokens": 50, "train_tokens": 40, "kept_tokens": 5}  # 30 response tokens in pass 1
     body = (2 * 50 + 6 * 40) * (n - head)  # decoder: every token forwarded, prompts included
-    assert run.update_flops(stats, 30, n, head) == body + (2 * 30 + 6 * 5) * head
+    assert gpu.update_flops(stats, 30, n, head) == body + (2 * 30 + 6 * 5) * head
     old = (2 * 50 + 6 * 40) * n  # the count before issue 47: the head at every token
-    assert run.update_flops(stats, 30, n, head) < old
-    assert run.update_flops(stats, 30, n, 0) == old  # no head to spare: the same as before
+    assert gpu.update_flops(stats, 30, n, head) < old
+    assert gpu.update_flops(stats, 30, n, 0) == old  # no head to spare: the same as before
     # a method without token selection runs the head at every response token in pass 2: only the prompts are spared
     grpo = {**stats, "kept_tokens": 30}
-    assert old - run.update_flops(grpo, 30, n, head) == 6 * (40 - 30) * head + 2 * (50 - 30) * head
+    assert old - gpu.update_flops(grpo, 30, n, head) == 6 * (40 - 30) * head + 2 * (50 - 30) * head
 
 
 def test_head_params_are_the_vocabulary_times_hidden_tied_or_not():
@@ -133,15 +132,14 @@ def test_head_params_are_the_vocabulary_times_hidden_tied_or_not():
 
 def test_train_record_takes_the_slowest_ranks_sync_and_the_new_mfu(monkeypatch):
     """Two ranks stood in for by all_reduce: the other rank's numbers are 3x this one's (MAX) and the sums double."""
-    from support import run
 
     seen = []
 
     def fake_all_reduce(value, world, op=None):
         seen.append(op)
-        return 3 * float(value) if op == run.dist.ReduceOp.MAX else 2 * float(value)
+        return 3 * float(value) if op == gpu.dist.ReduceOp.MAX else 2 * float(value)
 
-    monkeypatch.setattr(run, "all_reduce", fake_all_reduce)
+    monkeypatch.setattr(gpu, "all_reduce", fake_all_reduce)
     world = types.SimpleNamespace(size=2, device=torch.device("cpu"))
     args = types.SimpleNamespace(prompts_per_step=2, group_size=2)
     phases = dict(
@@ -150,10 +148,10 @@ def test_train_record_takes_the_slowest_ranks_sync_and_the_new_mfu(monkeypatch):
     phases["pass1_head_tokens"] = 30  # the response tokens of the no-grad forwards, all ranks
     stats = {"pass1_tokens": 50, "train_tokens": 40, "kept_tokens": 5, "train_s": 2.0}
     rollouts = [[{"response_ids": [1, 2, 3]}] * 2] * 2
-    line = run.train_record(1, stats, rollouts, phases, args, world, flops=(1000, 100, 1e6))
+    line = gpu.train_record(1, stats, rollouts, phases, args, world, flops=(1000, 100, 1e6))
     assert line["sync_s"] == 3 * 0.125 and line["gen_s"] == 3.0 and line["pass1_s"] == 0.75
-    assert line["mfu"] == run.update_flops(stats, 30, 1000, 100) / (2.0 * 2 * 1e6)
-    assert run.train_record(1, stats, rollouts, phases, args, world, flops=(1000, 100, None))["mfu"] is None
+    assert line["mfu"] == gpu.update_flops(stats, 30, 1000, 100) / (2.0 * 2 * 1e6)
+    assert gpu.train_record(1, stats, rollouts, phases, args, world, flops=(1000, 100, None))["mfu"] is None
 
 
 # ---------------------------------------------------------------------------------------------
