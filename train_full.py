@@ -83,8 +83,8 @@ def build_parser():
         f("--train-data", TRAIN_DATA, None, "[recipe] JSONL/JSON/Parquet (problem, answer), or 'name[:config]:split'"),
         f("--eval-data", [EVAL_DATA], None, "[paper] files, globs or hub names; 'none': no evaluation", nargs="+"),
         f("--eval-only", False, bool, "evaluate --model on --eval-data and exit (no training)"),
-        f("--out", "runs/full", None, "[choice] output folder: metrics.jsonl, checkpoints/, hf_final/, eval_*.md/json"),
-        f("--resume", None, None, "continue from the newest checkpoint in OUT (or this)", nargs="?", const="latest"),
+        f("--out", None, None, "[choice] run folder: checkpoints/, hf_final/ (default: runs/full/METHOD__SEED__TIME)"),
+        f("--resume", None, None, "continue from the newest checkpoint in --out (or this)", nargs="?", const="latest"),
         f(
             "--template",
             "qwen-math",
@@ -210,33 +210,33 @@ class Pass1:
     head_tokens: float  # response tokens the LM head ran at, all ranks (MFU's: gpu.update_flops)
 
 
-def generate(engine, batch, step, args, stop_ids):
-    """Step 1 for this rank's share of the batch [(global index, prompt)]: G rollouts per prompt."""
+def generate(engine, problems, step, args, stop_ids):
+    """Step 1 for this rank's share of the step's problems [(global index, prompt)]: G rollouts per prompt."""
     outs = engine.generate(
-        [p["prompt_ids"] for _, p in batch],
+        [p["prompt_ids"] for _, p in problems],
         n=args.group_size,
         temperature=args.temperature,
         top_p=args.top_p,
         max_tokens=args.max_response_len,
-        seeds=mathtask.sample_seeds(args, step, [g for g, _ in batch], args.group_size),
+        seeds=mathtask.sample_seeds(args, step, [g for g, _ in problems], args.group_size),
         stop_ids=stop_ids,
     )
     return [
         [{"prompt_ids": p["prompt_ids"], "response_ids": c["token_ids"]} for c in group]
-        for (_, p), group in zip(batch, outs)
+        for (_, p), group in zip(problems, outs)
     ]
 
 
-def grade(rollouts, batch, tokenizer, grader):
+def grade(rollouts, problems, tokenizer, grader):
     """Step 2: 0/1 rewards [P_rank, G], the last \\boxed{} of each response vs the gold answer.
     One score_batch call for the rank's P_rank x G answers, so the grader pool grades them together."""
     texts = [tokenizer.decode(r["response_ids"], skip_special_tokens=True) for group in rollouts for r in group]
-    golds = [p["answer"] for (_, p), group in zip(batch, rollouts) for _ in group]
+    golds = [p["answer"] for (_, p), group in zip(problems, rollouts) for _ in group]
     G = len(rollouts[0]) if rollouts else 0
     return torch.tensor(grader.score_batch(texts, golds), dtype=torch.float32).view(len(rollouts), G)
 
 
-def select_samples(rollouts, rewards, step, method_row, args, world):
+def select_samples(rewards, rollouts, method_row, step, args, world):
     """Step 3 on the GLOBAL batch: d3s.select_samples on the [P, G] rewards of all ranks with the samples rule of
     `method_row`, then which rank forwards which kept rollout (fsdp.assign_rollouts) and the step's M mini-batches.
     Every rank gets the token ids of every kept rollout (a few MB per step), so that any rank can train any."""
@@ -450,12 +450,15 @@ def main(argv=None):
     args = parse_args(argv)  # every flag and path, before any work
     ranks = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's; the process group comes after the checks
     engines.check_machine(args, ranks)  # CUDA, vLLM, and a GPU the setting fits
-    inputs = checks.load_inputs(args)  # tokenizer, stop ids, prompts, benchmarks: a bad one stops every rank at once
+    inputs = mathtask.load_inputs(args)  # tokenizer, stop ids, prompts, benchmarks: a bad one stops every rank at once
     world = fsdp.init_distributed(args.device, args.cpu_offload)
     torch.manual_seed(args.seed + world.rank)
     random.seed(args.seed + world.rank)
+    if args.out is None:  # a new folder per run, named by rank 0's clock
+        args.out = run.default_out(args, "full", world)
     with run.out_lock(args.out, PROG, world):  # one writer per run folder, from before anything in it is read
-        ckpt = None if args.eval_only else checkpoint.resume_shards(args, run_flags(args))  # the checkpoint to continue
+        # fresh (None) or the checkpoint to continue: a fresh run never writes into a folder that holds a run
+        ckpt = None if args.eval_only else checkpoint.start(args, run_flags(args), PROG, shards=True)
         run.write_args(args, world)
         if args.eval_only:
             return evaluate_only(args, world, inputs)
@@ -498,7 +501,7 @@ def train(args, world, inputs, ckpt):
     pad_id, device = tokenizer.pad_token_id, world.device
     flops, out = gpu.mfu_counts(model, device, args.peak_tflops), args.out  # MFU's, the run's folder
 
-    def save(step):  # OUT/checkpoints/step_NNNNNN: the shards, each rank's RNG, the data position and history
+    def save(step):  # OUT/checkpoints/step_NNNNNN: the shards, the flags, the data position and history
         state = checkpoint.shards_state(run_flags(args), order, r.history)
         return checkpoint.save_shards(model, optimizer, args.out, step, state, world, keep=args.keep_checkpoints)
 
@@ -516,18 +519,19 @@ def train(args, world, inputs, ckpt):
         if grading.evaluation_due(r.metrics, step, args, world):  # step 0, or one a stop cut off after its checkpoint
             evaluate(step)
         bar = tqdm(total=args.steps, initial=step, disable=not world.is_main, desc="steps", dynamic_ncols=True)
+        notice = None
         while step < r.stop_at:  # --steps, or --stop-after
             s = step + 1  # this step, 1..S
             method_row = methods.switch_to_intra(args.method, r.history["grad_norms"], args.switch_on_spike)
-            batch = mathtask.rank_share([(g, prompts[g]) for g in order.take(args.prompts_per_step)], world)
+            problems = mathtask.rank_share([(g, prompts[g]) for g in order.take(args.prompts_per_step)], world)
             t0 = clock(device)
-            rollouts = generate(engine, batch, s, args, stop_ids)  # 1) G rollouts per prompt
+            rollouts = generate(engine, problems, s, args, stop_ids)  # 1) G rollouts per prompt
             phases = {"gen_s": clock(device) - t0, "gpu_used_gen": gpu.gpu_used_gb(device)}  # + awake vLLM
             engine.sleep()  # free vLLM's GPU memory for training
             t0 = clock(device, reset_peak=True)  # the trainer's own peak from here (gpu.memory_peak_gb)
-            rewards = grade(rollouts, batch, tokenizer, grader)  # 2) 0/1 rewards [P_rank, G]
+            rewards = grade(rollouts, problems, tokenizer, grader)  # 2) 0/1 rewards [P_rank, G]
             phases["reward_s"] = time.perf_counter() - t0
-            sel = select_samples(rollouts, rewards, s, method_row, args, world)  # 3) N per prompt, over all ranks
+            sel = select_samples(rewards, rollouts, method_row, s, args, world)  # 3) N per prompt, over all ranks
             t0, measure_kl = clock(device), run.measures_kl(s, args)
             pass1 = forward_kept(model, ref_model if measure_kl else None, sel, args, world, pad_id)  # 4) pass 1
             phases.update(pass1_s=clock(device) - t0, pass1_head_tokens=pass1.head_tokens)  # the latter: MFU's
@@ -537,7 +541,7 @@ def train(args, world, inputs, ckpt):
             stats = step_metrics(sel, pass1, update, train_s, measure_kl, world)
             if args.explain_every and (s == 1 or s % args.explain_every == 0):  # rank 0's page of the step
                 page = dict(tokenizer=tokenizer, notices=notices, world=world, args=args)
-                explain.full_page(s, rollouts, batch, sel, update["entropy"], stats, **page)
+                explain.full_page(s, rollouts, problems, sel, update["entropy"], stats, **page)
             phases["gpu_used_train"] = gpu.gpu_used_gb(device)  # trainer (+ sleeping vLLM), before the sync
             t0 = clock(device)
             engine.update_weights(fsdp.full_named_tensors(model, getattr(torch, args.dtype)))  # weights to vLLM
@@ -551,10 +555,14 @@ def train(args, world, inputs, ckpt):
             notice = notices.agree()  # any rank's full disk (DiskFull everywhere: exit 74) or notice (SIGTERM, ...)
             if args.export_every and step % args.export_every == 0:  # before the checkpoint: a resume redoes both
                 export(os.path.join(args.out, f"hf_step_{step:06d}"))
-            r.checkpoint(step, notice, save)  # every --save-every steps and the last; a notice stops here (exit 75)
+            notice = r.checkpoint(step, notice, save)  # every --save-every steps, the last, and on a notice
+            if notice:
+                break
             if args.eval_every and step % args.eval_every == 0 and step < args.steps:
                 evaluate(step)
         bar.close()
+        if notice:  # SIGTERM, SIGUSR1, a first Ctrl-C or the launcher's end: stopped after this step's checkpoint
+            stops.stopped(PROG, notice, step, r.saved, quiet=not world.is_main)  # exit 75: continue with --resume
         if args.stop_after:
             say(f"stopped after step {step} (--stop-after): continue with --resume")
         elif step >= args.steps:

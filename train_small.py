@@ -10,9 +10,9 @@ summary, in minutes on a laptop CPU. One RL step (docs/algorithm.md, section 6),
 off-policy. Left out: value functions, reward models, ranks. Beside this file: support/sampler.py (the KV-cache
 sampler), support/run.py (the run's folder, metrics, checkpoints: support/checkpoint.py), support/checks.py.
 
-    python train_small.py                                  # D3S, tiny model, runs/small/
-    python train_small.py --method grpo --loss gspo --mini-batches 4
-    python train_small.py --resume                         # continue the killed run in --out
+    python train_small.py                                  # D3S, tiny model, runs/small/d3s__0__TIME/
+    python train_small.py --method grpo --loss gspo --mini-batches 4 --out runs/small-grpo
+    python train_small.py --resume --out runs/small-grpo   # continue the killed run in --out
     python train_small.py --model Qwen/Qwen2.5-0.5B-Instruct --max-new-tokens 512 \\
         --train-file data/gsm8k.jsonl --eval-file data/gsm8k.jsonl
     python experiments/small_ladder.py --compare grpo,d3s --seeds 3    # methods x seeds, paired: docs/small_compare.md
@@ -53,8 +53,13 @@ def build_parser(prog=PROG):
         f("--method", "d3s", None, f"what to train on, a row of methods.LADDER: {', '.join(methods.NAMES)}"),
         f("--loss", "grpo", ["grpo", "gspo"], "policy loss: token ratios (grpo) or the sequence ratio (gspo)"),
         f("--steps", 100, n(int, 1), "RL steps (one optimizer batch of P x G rollouts each)"),
-        f("--resume", None, None, "continue from PATH or OUT/checkpoint.pt", nargs="?", const="latest", metavar="PATH"),
-        f("--out", "runs/small", None, "run folder: metrics.jsonl, checkpoint.pt, summary.json, final/, explain/"),
+        f("--resume", None, None, "continue OUT/checkpoint.pt (or PATH)", nargs="?", const="latest", metavar="PATH"),
+        f(
+            "--out",
+            None,
+            None,
+            "run folder (default: a new runs/small/METHOD__SEED__TIME): metrics.jsonl, checkpoint.pt",
+        ),
         f("--seed", 0, seed, "seed of the tiny model, the generated data and the warm start"),
         f("--rl-seed", None, seed, "seed of the RL run: prompt order, sampling, random selection (default: --seed)"),
         f("--threads", 0, n(int, 0, 1024), "torch CPU threads (0: torch's default)"),
@@ -105,6 +110,11 @@ def parse_args(argv=None, parser=None, method_names=None):
         p.error(
             f"--pass-k {args.pass_k}: must be an int in [1, --eval-samples {args.eval_samples}] (Pass@k needs k <= n)"
         )
+    args.rl_seed = args.seed if args.rl_seed is None else args.rl_seed
+    if args.resume and args.out is None:
+        p.error("--resume: pass --out, the folder of the run to continue")
+    if args.out is None:  # a new folder per run: a fresh run never meets an earlier one
+        args.out = run.default_out(args, "small")
     for flag, path in (("--out", args.out), ("--cache-dir", args.cache_dir)):
         cli.check_out_dir(p, flag, path)
     for flag, path in (("--train-file", args.train_file), ("--eval-file", args.eval_file)):
@@ -114,7 +124,6 @@ def parse_args(argv=None, parser=None, method_names=None):
         cli.check_model(p, args.model)
     args.kl_every = args.eval_every if args.kl_every is None else args.kl_every
     args.mid_eval_samples = min(args.mid_eval_samples or args.eval_samples, args.eval_samples)
-    args.rl_seed = args.seed if args.rl_seed is None else args.rl_seed
     if args.max_new_tokens is None:
         args.max_new_tokens = HF_MAX_NEW_TOKENS if args.model else TINY_MAX_NEW_TOKENS[args.task]
     warmstart.fill_defaults(args)  # --sft-steps and --template: by --model and --task
@@ -132,7 +141,7 @@ class Selection:
     keep: torch.Tensor  # [P, G] bool: the kept rollouts (d3s.select_samples)
     adv: torch.Tensor  # [P, G]: their advantages (0 where dropped)
     kept_rows: torch.Tensor  # [B]: flat indices p * G + g of the kept rollouts
-    kept: dict  # the kept rollouts' batch ([B, T] tensors: sampler.take_rows)
+    kept: dict  # the kept rollouts ([B, T] tensors: sampler.take_rows)
     kept_adv: torch.Tensor  # [B]
     parts: list  # the M mini-batches: row indices of `kept`
     token_keep: torch.Tensor = None  # [B, T] bool: the tokens in the loss (step 5)
@@ -152,20 +161,20 @@ class Pass1:
 
 def generate(model, tokenizer, problems, args):
     """1) G rollouts per prompt (row p*G + g), o_t ~ softmax(logits / T): sampler.sample, each prompt's keys and
-    values shared by its G rollouts. Returns the rollout batch (prompt and response ids and masks, texts)."""
+    values shared by its G rollouts. Returns the rollouts: prompt and response ids and masks [P*G, T], texts."""
     prompts = [mathtask.format_prompt(r["problem"], args.template) for r in problems]
     return sampler.sample(model, tokenizer, prompts, args.group_size, args.max_new_tokens, args.temperature)
 
 
-def grade(batch, problems, grader):
+def grade(rollouts, problems, grader):
     """2) 0/1 rewards [P, G]: math-verify on the last \\boxed{} of each text against its problem's gold answer, killed
     after the time limit (grading.Grader). One score_batch call for the P x G answers: the pool grades them together."""
-    G = len(batch["texts"]) // len(problems)
+    G = len(rollouts["texts"]) // len(problems)
     golds = [r["answer"] for r in problems for _ in range(G)]
-    return torch.tensor(grader.score_batch(batch["texts"], golds), dtype=torch.float32).view(-1, G)
+    return torch.tensor(grader.score_batch(rollouts["texts"], golds), dtype=torch.float32).view(-1, G)
 
 
-def select_samples(rewards, batch, method_row, step, args, history):
+def select_samples(rewards, rollouts, method_row, step, args, history):
     """3) N per prompt by max Var(A) (d3s.select_samples with the row's samples rule; N and K of the step from
     methods.budget, `history`: the train rewards so far, for --schedule adaptive), then the kept rollouts and the
     --mini-batches M that update on them."""
@@ -173,7 +182,7 @@ def select_samples(rewards, batch, method_row, step, args, history):
     gen = torch.Generator().manual_seed(step_seed(args.rl_seed, step, 1))
     keep, adv = d3s.select_samples(rewards, n_keep, methods.LADDER[method_row].samples, generator=gen)
     kept_rows = keep.view(-1).nonzero().squeeze(-1)  # [B] indices of the kept rollouts
-    kept, kept_adv = sampler.take_rows(batch, kept_rows), adv.view(-1)[kept_rows]  # [B, T], [B]
+    kept, kept_adv = sampler.take_rows(rollouts, kept_rows), adv.view(-1)[kept_rows]  # [B, T], [B]
     parts = [rows for rows in torch.arange(len(kept_rows)).tensor_split(args.mini_batches) if len(rows)]
     return Selection(
         method_row=method_row,
@@ -262,20 +271,20 @@ def update_policy(model, optimizer, sel, pass1, args):
 
 # === What a step reports ==============================================================================================
 @torch.no_grad()
-def kl_ref_all(model, ref_model, batch, temperature=1.0):
+def kl_ref_all(model, ref_model, rollouts, temperature=1.0):
     """k3 KL of the policy before the step's update to the warm start on every response token (the same tokens for
     every row)."""
-    logp = sampler.logprobs_entropy(model, batch, temperature, with_entropy=False)[0]  # [P*G, T]
-    ref_logp = sampler.logprobs_entropy(ref_model, batch, temperature, with_entropy=False)[0]
-    return float(d3s.kl_k3(logp, ref_logp)[batch["response_mask"].bool()].mean())
+    logp = sampler.logprobs_entropy(model, rollouts, temperature, with_entropy=False)[0]  # [P*G, T]
+    ref_logp = sampler.logprobs_entropy(ref_model, rollouts, temperature, with_entropy=False)[0]
+    return float(d3s.kl_k3(logp, ref_logp)[rollouts["response_mask"].bool()].mean())
 
 
-def step_metrics(step, batch, rewards, sel, pass1, update):
+def step_metrics(step, rollouts, rewards, sel, pass1, update):
     """The step's line of metrics.jsonl (docs/metrics.md), less its clocks."""
     grad_norms, response_mask = update["grad_norms"], sel.kept["response_mask"]
     entropy, token_keep = pass1.entropy, sel.token_keep
     gen_tokens, fwd_tokens, kept_tokens = (
-        int(batch["response_mask"].sum()),
+        int(rollouts["response_mask"].sum()),
         int(response_mask.sum()),
         int(token_keep.sum()),
     )
@@ -342,7 +351,7 @@ def add_totals(totals, m):
 # === The run ==========================================================================================================
 def train(args, train_rows, eval_rows, warm, resume=None):
     """Warm start -> RL with args.method -> held-out evaluations -> summary (dict). Writes into args.out. resume: the
-    checkpoint --resume continues from (checkpoint.resume_file), else None."""
+    checkpoint --resume continues from (checkpoint.start), else None."""
     t_start = time.time()
     torch.set_num_threads(args.threads or torch.get_num_threads())
     model, tokenizer, warm_info = checks.finite_warm_start(warm, args, train_rows)  # NaN/inf weights, logits: one line
@@ -350,13 +359,11 @@ def train(args, train_rows, eval_rows, warm, resume=None):
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     start_step, totals, history = 0, {"samples": 0, "tokens": 0, "fwd_tokens": 0, "gen_s": 0.0, "train_s": 0.0}, None
     totals["skipped"], ckpt_path = 0, os.path.join(args.out, "checkpoint.pt")
-    if resume:  # model, AdamW, RNG, the totals and the history the rules read: as the checkpoint left them
-        start_step, totals, history = checkpoint.load_file(resume, model, optimizer)
-        print(f"resumed {ckpt_path} at step {start_step}")
-    elif os.path.exists(ckpt_path):  # a new run in an old folder: its checkpoint is not this run's
-        os.remove(ckpt_path)
+    if resume:  # model, AdamW, the totals and the history the rules read: as the checkpoint left them
+        start_step, totals, history = checkpoint.load_file(resume.saved, model, optimizer)
+        print(f"resumed {resume.path} at step {start_step}")
 
-    def save(step):  # OUT/checkpoint.pt: model, AdamW, RNG, the run's flags, totals and history
+    def save(step):  # OUT/checkpoint.pt: model, AdamW, the run's flags, totals and history
         flags = {k: getattr(args, k) for k in RUN_FLAGS}
         checkpoint.save_file(ckpt_path, model, optimizer, step, flags, totals, history=r.history)
         return ckpt_path
@@ -369,6 +376,7 @@ def train(args, train_rows, eval_rows, warm, resume=None):
             r.log({**evaluate(model, tokenizer, grader, eval_rows, 0, args), **totals, "warm_start": info})
         desc, steps = f"{args.method} ({args.loss}, seed {args.rl_seed})", range(start_step + 1, args.steps + 1)
         bar = tqdm(steps, desc=desc, dynamic_ncols=True, initial=start_step, total=args.steps)
+        step, notice = start_step, None
         for step in bar:
             for group in optimizer.param_groups:  # linear warmup: lr * min(1, step / W)
                 group["lr"] = args.lr * min(1.0, step / args.warmup_steps) if args.warmup_steps else args.lr
@@ -376,21 +384,23 @@ def train(args, train_rows, eval_rows, warm, resume=None):
             n_prompts = min(args.prompts_per_step, len(train_rows))
             problems = random.Random(step_seed(args.rl_seed, step)).sample(train_rows, n_prompts)
             t0 = time.time()
-            batch = generate(model, tokenizer, problems, args)  # 1) G rollouts per prompt
+            rollouts = generate(model, tokenizer, problems, args)  # 1) G rollouts per prompt
             gen_s = time.time() - t0
-            rewards = grade(batch, problems, grader)  # 2) 0/1 rewards [P, G]
+            rewards = grade(rollouts, problems, grader)  # 2) 0/1 rewards [P, G]
             reward_s, t1 = time.time() - t0 - gen_s, time.time()
             # 3) select samples: N per prompt by max Var(A) (the row: --method, or its twin once the switch rule fired)
             method_row = methods.switch_to_intra(args.method, r.history["grad_norms"], args.switch_on_spike)
-            sel = select_samples(rewards, batch, method_row, step, args, r.history["rewards"])
+            sel = select_samples(rewards, rollouts, method_row, step, args, r.history["rewards"])
             with_kl = run.measures_kl(step, args)
-            kl_all = kl_ref_all(model, ref_model, batch, args.temperature) if with_kl else None  # all tokens, a metric
+            kl_all = (
+                kl_ref_all(model, ref_model, rollouts, args.temperature) if with_kl else None
+            )  # all tokens, a metric
             # 4) forward the kept rollouts only: old log-probs, entropy (and the reference's log-probs on KL steps)
             pass1 = forward_kept(model, ref_model if with_kl else None, sel, args.temperature)
             sel.token_keep, sel.scores = select_tokens(sel, pass1.entropy, step, args)  # 5) top K of |A| * H
             update = update_policy(model, optimizer, sel, pass1, args)  # 6) M mini-batches, d3s.policy_loss, AdamW
             m = {
-                **step_metrics(step, batch, rewards, sel, pass1, update),
+                **step_metrics(step, rollouts, rewards, sel, pass1, update),
                 "grader_timeouts": grader.timeouts,
                 "kl_ref_all": kl_all,
                 "sample_rule": methods.rule_name(method_row),
@@ -401,7 +411,7 @@ def train(args, train_rows, eval_rows, warm, resume=None):
             }
             if args.explain_every and (step == 1 or step % args.explain_every == 0):  # OUT/explain/step_N.html
                 explain.small_page(
-                    step, tokenizer, problems, batch, rewards, sel, entropy=pass1.entropy, metrics=m, args=args
+                    step, tokenizer, problems, rollouts, rewards, sel, entropy=pass1.entropy, metrics=m, args=args
                 )
             add_totals(totals, m)
             r.log(m)  # metrics.jsonl
@@ -413,11 +423,16 @@ def train(args, train_rows, eval_rows, warm, resume=None):
                     f"step {step}: held-out greedy Pass@1 {e['eval_greedy_pass1']:.3f}, Pass@1 (mean of {e['n']}) "
                     f"{e['eval_pass1_mean']:.3f}, Pass@{e['k']} {e['eval_passk']:.3f}"
                 )
-            r.checkpoint(step, notices.agree(), save)  # every --save-every steps; a notice stops here (exit 75)
-            if step == args.stop_after:
-                bar.write(f"stopped after step {step} (--stop-after); continue with --resume")
-                return None
+            notice = r.checkpoint(step, notices.agree(), save)  # every --save-every steps, and on a notice
+            if notice or step == args.stop_after:
+                break
+        bar.close()
         timeouts = grader.timeouts
+    if notice:  # SIGTERM, SIGUSR1 or a first Ctrl-C: stopped after this step and its checkpoint, exit 75
+        stops.stopped(PROG, notice, step, r.saved)
+    if step == args.stop_after:
+        print(f"stopped after step {step} (--stop-after); continue with --resume", flush=True)
+        return None
     checkpoint.export_pretrained(model, tokenizer, os.path.join(args.out, "final"))  # from_pretrained loads it
     lines = run.read_metrics(os.path.join(args.out, "metrics.jsonl"))
     rl_s, wall_s = time.time() - rl_start, time.time() - t_start
@@ -427,8 +442,8 @@ def train(args, train_rows, eval_rows, warm, resume=None):
 def main(argv=None):
     args = parse_args(argv)
     try:  # every bad flag, file, model or checkpoint stops here, before training, with one line
-        train_rows, eval_rows = checks.fit_prompts(args, *mathtask.load_data(args))  # prompts that fit the context
-        resume = checkpoint.resume_file(args, RUN_FLAGS, PROG) if args.resume else None  # before the warm start
+        train_rows, eval_rows = warmstart.fit_files(args, *mathtask.load_data(args))  # prompts that fit the context
+        resume = checkpoint.start(args, {k: getattr(args, k) for k in RUN_FLAGS}, PROG)  # fresh (None) or resume
         with run.out_lock(args.out, PROG):
             return train(args, train_rows, eval_rows, warmstart.load_warm_start(args, train_rows), resume)
     except Exception as e:  # bad input (exit 2) or a full disk (exit 74): one line; anything else is raised on

@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
 from support import cli  # noqa: E402  (support/cli.py: one-line errors, the shared checks)
-from support import stops, checks  # noqa: E402
+from support import stops  # noqa: E402
 
 PROG = "headroom.py"
 
@@ -71,7 +71,7 @@ def main(argv=None):
 
     args = train_small.parse_args(argv, train_small.build_parser(PROG))  # train_small.py's flags and checks
     try:
-        train_rows, eval_rows = checks.fit_prompts(args, *mathtask.load_data(args), prog=PROG)
+        train_rows, eval_rows = warmstart.fit_files(args, *mathtask.load_data(args), prog=PROG)
         model, tokenizer, info = warmstart.load_warm_start(args, train_rows)
     except (cli.UsageError, DataError) as e:
         stops.fail(PROG, " ".join(str(e).split()))

@@ -27,7 +27,7 @@ sys.path[:0] = [ROOT, os.path.dirname(os.path.abspath(__file__))]
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from support import cli, run, stops, checks  # noqa: E402
+from support import cli, run, stops  # noqa: E402
 import train_small  # noqa: E402
 from support import methods, warmstart, mathtask  # noqa: E402
 from support.mathtask import DataError  # noqa: E402
@@ -80,7 +80,7 @@ def compare(args):
     t0 = time.time()
     names = args.compare.split(",")
     seeds = [args.rl_seed + i for i in range(args.seeds)]
-    train_rows, eval_rows = checks.fit_prompts(args, *mathtask.load_data(args), prog=PROG)  # prompts that fit
+    train_rows, eval_rows = warmstart.fit_files(args, *mathtask.load_data(args), prog=PROG)  # prompts that fit
     warmstart.load_warm_start(args, train_rows)  # build the cache once, outside the timed runs
     if args.workers > 1:
         summaries = compare_in_processes(args, names, seeds)

@@ -1,17 +1,17 @@
 """support/: what the rungs share, beside the method in d3s.py (read the rungs first; come here for a detail).
 
-Both trainers
+Both trainers (the floor: none of these imports a module of either wing below; tests/test_layout.py holds it)
   methods.py     which rollouts and tokens a method keeps (LADDER, rows beyond the papers), its N and K at a step
-  checks.py      what is refused before any work: the flags together, the data, the machine, prompts that fit,
-                 NaN or inf in a model
-  run.py         a run's life around its steps: metrics.jsonl, the history the rules read, the checkpoint cadence
-  checkpoint.py  what a checkpoint holds, what a resume checks and restores (one file; DCP shards); the HF exports
+  checks.py      what is refused before any work: the flags together, NaN or inf in a model
+  checkpoint.py  a run's start, fresh or resume (decided once for both), what a checkpoint holds and a resume restores
+  run.py         a run's life around its steps: its folder, metrics.jsonl, the history the rules read, the cadences
   stops.py       how a run stops: a preemption notice, Ctrl-C, a full disk, a bad input (one line, an exit code)
-  mathtask.py    the math task: its problems (files, generated tasks), prompts, train_full's prompt order and seeds
+  mathtask.py    the math task: its problems (files, generated tasks), prompts that fit, train_full's inputs and order
   grading.py     how an answer is scored (the math-verify grader pool), Pass@k, the held-out evaluations
   explain.py     the explain pages: which rollouts and tokens each rung's page of a step shows
   page.py        how such a page is drawn: the P x G grid and the shown rollouts' tokens, as HTML and PNG
   cli.py         the flags: argparse whose errors are one line, a knob a line
+  pool.py        independent jobs in a pool of processes (the toy's methods x seeds)
 train_small.py
   sampler.py     the KV-cache sampler and the forward that shares each prompt's keys and values (its fast path)
   warmstart.py   the model and its warm start: the supervised phase, its cache and the shipped weights
@@ -19,6 +19,6 @@ train_small.py
 train_full.py
   fsdp.py        the policy as FSDP2 shards over the ranks, and the ranks' collectives
   loss_head.py   the forwards on the kept rollouts, the LM head only where the loss needs it
-  engines.py     the rollouts: vLLM (and HF generate), and how the trainer's weights reach vLLM
-  gpu.py         what a run needs of the GPU (the memory plan) and what a step reports of it (clocks, MFU)
+  engines.py     the rollouts: vLLM (and HF generate), how the trainer's weights reach vLLM, what the machine must have
+  gpu.py         what a run needs of the GPU (the memory plan) and what a step reports of it (clocks, MFU, its line)
 """

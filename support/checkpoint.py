@@ -1,25 +1,30 @@
-"""support/checkpoint.py: what a checkpoint holds, and what a resume checks and restores, in both trainers.
+"""support/checkpoint.py: a run's start (fresh or resume, decided once for both trainers) and what --resume restores.
 
-    save_file, read_file, load_file     train_small.py's: one file of tensors and plain values (model, AdamW, RNG,
-                                        step, totals, the run's flags, the history its rules read)
-    save_shards, read_shards, load_shards   train_full.py's: OUT/checkpoints/step_NNNNNN: model and AdamW as DCP
-                                        shards, each rank's RNG, trainer_state.json; nothing unpickled but DCP's
-                                        allow-listed metadata; resharded at another rank count
-    check_run_flags                     a resume repeats the flags that define the run's trajectory, in both
-    resume_file, resume_shards          the checkpoint a --resume continues from, checked before any work
-    export_pretrained, export_hf        a model folder that transformers' from_pretrained (and vLLM) loads
+What a checkpoint holds, and so what --resume restores; nothing else is saved, the RNG included: every step reseeds
+from (seed, step) and train_full's rollouts carry a seed per prompt, so a resumed run equals an uninterrupted one.
+    train_small.py  OUT/checkpoint.pt, one file of tensors and plain values: the model, AdamW's state, the completed
+                    steps, the run's totals (summary.json's), its flags (RUN_FLAGS) and the history its rules read
+    train_full.py   OUT/checkpoints/step_NNNNNN/: the model and AdamW's state as DCP shards (resharded at another rank
+                    count) and trainer_state.json: the completed steps, the world size, the flags, the history and the
+                    data position (mathtask.PromptOrder)
+The history is {"grad_norms": [...], "rewards": [...]}, one value per step: --switch-on-spike reads the norms,
+--schedule adaptive the rewards.
 
-Every checkpoint and export is written to a temporary name and renamed when complete: a kill leaves the old one or
-the new one, never half of one. The grad norms of the steps so far (--switch-on-spike's signal) come back from the
-checkpoint in both trainers, and train_small's train rewards (--schedule adaptive's) too.
+    start                       fresh or resume, both trainers: the folder, the checkpoint, its format, the flags
+                                against the checkpoint's, the steps left; a fresh run never writes over an earlier one
+    save_file, load_file        train_small's storage: one file (written to .tmp, fsync, renamed)
+    save_shards, load_shards    train_full's: a step_NNNNNN.tmp folder renamed; read_shards checks one before any model
+    export_pretrained, export_hf   a model folder that transformers' from_pretrained (and vLLM) loads
+
+A checkpoint of an older format is refused in one line naming its format. Every checkpoint and export is written to a
+temporary name and renamed when complete: a kill leaves the old one or the new one, never half of one.
 """
 
+import dataclasses
 import importlib
 import json
-import math
 import os
 import pickle
-import random
 import re
 import shutil
 import sys
@@ -27,61 +32,118 @@ import sys
 import torch
 
 from support.cli import UsageError
+from support.run import read_metrics
 from support.stops import DiskFull, attempt
 
-ADDED_RUN_FLAGS = {"switch_on_spike": 0.0}  # run flags added later: a checkpoint without one ran with this value
+FILE_FORMAT = 4  # train_small's OUT/checkpoint.pt; 4: no RNG state (2026-11-28)
+SHARDS_FORMAT = 3  # train_full's trainer_state.json; 3: no per-rank RNG files (2026-11-28)
+STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
-def check_run_flags(path, saved, now, midpoint=None):
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed; the message names the file and the fix (one line, exit 2)."""
+
+
+@dataclasses.dataclass
+class Resume:
+    """The checkpoint a run continues from: its path, its completed steps, and what it holds besides train_full's
+    shards (train_small: the whole file, read_file; train_full: trainer_state.json, read_shards)."""
+
+    path: str
+    step: int
+    saved: dict
+
+
+def start(args, flags, prog, shards=False):
+    """Fresh or resume, decided before any work, the same way in both trainers (shards: train_full's storage).
+    Returns None for a fresh run, else the Resume to continue from; a refusal is a UsageError (one line, exit 2).
+
+    A fresh run (no --resume) never writes over an earlier run: a folder that holds one (metrics.jsonl or a
+    checkpoint) is refused, naming --resume and another --out. --resume (OUT's newest checkpoint, or the one named)
+    needs a checkpoint of this format (read_file, read_shards), made with these `flags` ({name: value}: the rung's
+    RUN_FLAGS), with steps left to run; a run that finished (its steps and its end's files) is refused."""
+    if not args.resume:
+        held = [
+            name
+            for name in ("metrics.jsonl", "checkpoint.pt", "checkpoints")
+            if os.path.exists(os.path.join(args.out, name))
+        ]
+        if held:
+            raise UsageError(
+                f"--out {args.out}: holds an earlier run ({', '.join(held)}); continue it with --resume, or pass "
+                "another --out (nothing was overwritten)"
+            )
+        return None
+    if shards:
+        path = find_shards(args.resume, args.out)
+        if path is None:
+            raise UsageError(
+                f"--resume: no complete checkpoint in {os.path.join(args.out, 'checkpoints')}; drop --resume to start "
+                "a new run, or pass a checkpoint folder"
+            )
+        if not os.path.isdir(path):
+            raise UsageError(f"--resume {path}: no such folder; pass a checkpoint folder (OUT/checkpoints/step_NNNNNN)")
+        saved = read_shards(path)  # CheckpointError: the file and the fix
+    else:
+        path = os.path.join(args.out, "checkpoint.pt") if args.resume == "latest" else args.resume
+        saved = read_file(path, prog)
+    check_run_flags(path, saved["run"], flags)
+    if args.stop_after is not None and args.stop_after <= saved["step"]:
+        raise UsageError(
+            f"--stop-after {args.stop_after}: the checkpoint {path} is already at step {saved['step']}; raise "
+            "--stop-after or drop it"
+        )
+    if saved["step"] >= args.steps and finished(args, shards):  # killed before its end's files: --resume writes them
+        end = "OUT/hf_final and its final evaluation" if shards else "OUT/final and summary.json"
+        raise UsageError(
+            f"--resume {path}: the run already finished its {args.steps} steps ({end} are written); start a new "
+            "run with another --out"
+        )
+    return Resume(path, saved["step"], saved)
+
+
+def finished(args, shards=False):
+    """Whether the run in --out wrote its end: train_small's summary.json; train_full's OUT/hf_final (renamed into
+    place once complete) and, with --eval-data, the final evaluation's line of metrics.jsonl."""
+    if not shards:
+        return os.path.exists(os.path.join(args.out, "summary.json"))
+    lines = read_metrics(os.path.join(args.out, "metrics.jsonl"))
+    evaluated = not args.eval_data or any(m["kind"] == "eval" and m["step"] == args.steps for m in lines)
+    return os.path.isdir(os.path.join(args.out, "hf_final")) and evaluated
+
+
+def check_run_flags(path, saved, now):
     """A resume repeats the flags that define the run's trajectory (the rung's RUN_FLAGS; --steps too: the schedule
-    runs over it). UsageError naming the first that differs. saved: the checkpoint's {flag: value}; a flag added
-    later (ADDED_RUN_FLAGS) reads as the value the older run had, a null in `midpoint`'s flags as its value there."""
+    runs over it). UsageError naming the first that differs from the checkpoint's (`saved`: {flag: value})."""
     for flag, value in now.items():
-        then = saved.get(flag, ADDED_RUN_FLAGS.get(flag))
-        if then is None and flag in (midpoint or {}):
-            then = midpoint[flag]
-        if then != value:
+        if saved.get(flag) != value:
             name = "--" + flag.replace("_", "-")
             raise UsageError(
-                f"{name} {value}: the checkpoint {path} was made with {name} {then}"
+                f"{name} {value}: the checkpoint {path} was made with {name} {saved.get(flag)}"
                 + (" (the D3S schedule runs over --steps)" if flag == "steps" else "")
-                + "; resume with the run's flags, or start a new run with a new --out"
+                + "; resume with the run's flags, or start a new run with another --out"
             )
 
 
-def check_steps_left(path, step, args):
-    """A checkpoint after `step` steps leaves steps to run before --stop-after (both trainers)."""
-    if args.stop_after is not None and args.stop_after <= step:
-        raise UsageError(
-            f"--stop-after {args.stop_after}: the checkpoint {path} is already at step {step}; raise --stop-after "
-            "or drop it"
-        )
+def _older(path, found, wanted, prog):
+    """The refusal of a checkpoint in another format (one line naming it)."""
+    return (
+        f"{path}: checkpoint format {found} (this {prog} reads format {wanted} only); finish that run with the "
+        f"{prog} that wrote it, or start a new run with another --out"
+    )
 
 
 # === train_small.py: one file =========================================================================================
-FILE_FORMAT = 3  # 3: with the history (grad norms, train rewards); 2: without; 1 (before 2026-11): pickled RNG state
-
-
 def save_file(path, model, optimizer, step, flags, totals, history):
-    """Model, optimizer, RNG states, step, the run's totals and flags, and history ({"grad_norms": [...], "rewards":
-    [...]}, one value per step so far) in one file of tensors and plain values (torch.load(weights_only=True))."""
-    import numpy as np
-
-    version, words, gauss = random.getstate()
-    _, keys, pos, has_gauss, cached = np.random.get_state()
-    rng = {
-        "torch": torch.get_rng_state(),
-        "python": [version, torch.tensor(words, dtype=torch.int64), gauss],
-        "numpy": [torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)],
-    }
+    """The model, AdamW's state, the completed steps, the run's totals and flags, and its history in one file of
+    tensors and plain values (torch.load(weights_only=True) reads it)."""
     state = {
         "format": FILE_FORMAT,
         "step": step,
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
         "totals": totals,
-        "args": flags,
-        "rng": rng,
+        "run": flags,
         "history": history,
     }
     with open(path + ".tmp", "wb") as f:
@@ -91,10 +153,10 @@ def save_file(path, model, optimizer, step, flags, totals, history):
     os.replace(path + ".tmp", path)
 
 
-def read_file(path, flags, prog):
+def read_file(path, prog):
     """The checkpoint --resume continues from, checked before any work: it exists, is complete, holds no pickled
-    object, and was written by a run with these `flags` ({name: value}). Raises UsageError naming the fix."""
-    fix = "run without --resume to start again, or use a new --out"
+    object, and is of FILE_FORMAT. Raises UsageError naming the fix."""
+    fix = "run without --resume and another --out to start again"
     corrupt = f"--resume {path}: truncated or corrupt (not a checkpoint {prog} wrote); {fix}"
     if not os.path.isfile(path):
         where = "no checkpoint at" if not os.path.isdir(path) else "is a folder, not a checkpoint file:"
@@ -107,27 +169,9 @@ def read_file(path, flags, prog):
             raise UsageError(f"--resume {path}: {_REFUSED}; {fix}") from None
         raise UsageError(corrupt) from None
     if state.get("format") != FILE_FORMAT:
-        raise UsageError(
-            f"--resume {path}: checkpoint format {state.get('format', 1)} of an older {prog}; "
-            f"finish that run with the version that wrote it, or {fix}"
-        )
-    if not {"step", "model", "optimizer", "totals", "args", "rng", "history"} <= set(state):
+        raise UsageError("--resume " + _older(path, state.get("format", 1), FILE_FORMAT, prog))
+    if not {"step", "model", "optimizer", "totals", "run", "history"} <= set(state):
         raise UsageError(corrupt)
-    check_run_flags(path, state["args"], flags)
-    return state
-
-
-def resume_file(args, run_flags, prog):
-    """The checkpoint --resume continues from (OUT/checkpoint.pt, or the one named), read_file's checks; it leaves
-    steps to run."""
-    path = os.path.join(args.out, "checkpoint.pt") if args.resume == "latest" else args.resume
-    state = read_file(path, {k: getattr(args, k) for k in run_flags}, prog)
-    check_steps_left(path, state["step"], args)
-    if state["step"] >= args.steps:
-        raise UsageError(
-            f"--resume {path}: the run already finished its {args.steps} steps; run without --resume to "
-            "start again, or use a new --out"
-        )
     return state
 
 
@@ -143,15 +187,8 @@ _REFUSED = "refused: it holds a pickled Python object, not tensors (loading it c
 
 def load_file(state, model, optimizer):
     """Restore what read_file read; returns (step, totals, history)."""
-    import numpy as np
-
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
-    torch.set_rng_state(state["rng"]["torch"])
-    version, words, gauss = state["rng"]["python"]
-    random.setstate((version, tuple(words.tolist()), gauss))
-    keys, pos, has_gauss, cached = state["rng"]["numpy"]
-    np.random.set_state(("MT19937", keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     return state["step"], state["totals"], state["history"]
 
 
@@ -165,79 +202,25 @@ def export_pretrained(model, tokenizer, path):
 
 
 # === train_full.py: DCP shards, one folder per checkpoint =============================================================
-SHARDS_FORMAT = 2  # 2: tensors (DCP) + RNG as tensors + JSON; 1 (before): pickled RNG state, optimizer param_groups
-STEP_DIR = re.compile(r"^step_(\d+)$")
-MIDPOINT_FLAGS = ("static_n", "static_k")  # null in a checkpoint of a train_full.py before 2026-11: the midpoint
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be resumed; the message names the file and the fix (one line, exit 2)."""
-
-
-def resume_shards(args, run_flags):
-    """The checkpoint folder --resume continues from, checked before any work (read_shards, check_run_flags); a
-    fresh run's --out must hold no checkpoint (nothing is overwritten). Returns the folder or None."""
-    if not args.resume:
-        if find_shards("latest", args.out):
-            raise UsageError(
-                f"--out {args.out}: holds the checkpoints of an earlier run; pass --resume to continue it, "
-                "or a new --out (nothing was overwritten)"
-            )
-        return None
-    path = find_shards(args.resume, args.out)
-    if path is None:
-        raise UsageError(
-            f"--resume: no complete checkpoint in {os.path.join(args.out, 'checkpoints')}; drop --resume to "
-            "start a new run, or pass a checkpoint folder"
-        )
-    if not os.path.isdir(path):
-        raise UsageError(f"--resume {path}: no such folder; pass a checkpoint folder (OUT/checkpoints/step_NNNNNN)")
-    meta = read_shards(path)  # CheckpointError: the file and the fix
-    import d3s  # the midpoint a null static N or K meant
-
-    midpoint = d3s.dynamic_schedule(1, 2, args.n_init, args.n_final, args.k_init, args.k_final)
-    check_run_flags(path, meta["run"], run_flags, midpoint=dict(zip(MIDPOINT_FLAGS, midpoint)))
-    check_steps_left(path, meta["step"], args)
-    if meta["step"] >= args.steps and _finished(args):  # a run killed before its end's export or evaluation: on
-        raise UsageError(  # --resume finishes them, once
-            f"--resume {path}: the run already finished its {args.steps} steps (OUT/hf_final and its final "
-            "evaluation are written); run without --resume and a new --out to start again"
-        )
-    return path
-
-
-def _finished(args):
-    """Whether train_full's run in --out wrote its end: OUT/hf_final (renamed into place once complete) and, with
-    --eval-data, the final evaluation's line of metrics.jsonl."""
-    from support.run import read_metrics
-
-    lines = read_metrics(os.path.join(args.out, "metrics.jsonl"))
-    evaluated = not args.eval_data or any(m["kind"] == "eval" and m["step"] == args.steps for m in lines)
-    return os.path.isdir(os.path.join(args.out, "hf_final")) and evaluated
-
-
 def shards_state(run_flags, order, history):
-    """The JSON part of a checkpoint: the data position, the run's flags and the history of the steps so far
-    (run.Run.history: the grad norms, --switch-on-spike's signal, and the train rewards)."""
-    history = {"grad_norms": [], "rewards": [], **history}
+    """trainer_state.json's part from the run: the data position, the flags and the history of the steps so far."""
     return {"order": order.state_dict(), "run": run_flags, **{k: list(history[k]) for k in ("grad_norms", "rewards")}}
 
 
-def restore_shards(path, model, optimizer, order, args, world):
-    """Model and optimizer shards, RNG and data position from a checkpoint; says so (rank 0); returns its completed
-    steps and their history (a checkpoint of before 2026-11-27 has the grad norms only)."""
-    meta = load_shards(path, model, optimizer, world)
+def restore_shards(resume, model, optimizer, order, args, world):
+    """The model's and AdamW's shards and the data position from `resume` (start's); says so (rank 0); returns the
+    completed steps and their history."""
+    meta = load_shards(resume.path, model, optimizer, world)
     order.load_state_dict(meta["order"])
     if world.is_main:
-        print(f"resumed from {path} at step {meta['step']}" + other_ranks_note(path, world.size, args), flush=True)
-    return meta["step"], {"grad_norms": meta.get("grad_norms", []), "rewards": meta.get("rewards", [])}
+        note = other_ranks_note(meta["world"], world.size, args)
+        print(f"resumed from {resume.path} at step {meta['step']}" + note, flush=True)
+    return meta["step"], {"grad_norms": meta["grad_norms"], "rewards": meta["rewards"]}
 
 
-def other_ranks_note(path, ranks, args):
-    """'' when the checkpoint was saved on `ranks` ranks; else what a resume on another rank count
-    keeps and what it cannot (docs/train_full.md, "Resuming on another number of ranks")."""
-    with open(os.path.join(path, "trainer_state.json")) as f:
-        saved = json.load(f)["world"]
+def other_ranks_note(saved, ranks, args):
+    """'' when the checkpoint was saved on `ranks` ranks (`saved`: its world size); else what a resume on another
+    rank count keeps and what it cannot (docs/train_full.md, "Resuming on another number of ranks")."""
     if saved == ranks:
         return ""
 
@@ -258,15 +241,15 @@ def other_ranks_note(path, ranks, args):
         rollouts = " (sampling is seeded per prompt, not drawn from it)"
     return (
         f"; saved on {saved} ranks, resumed on {ranks}: the model and AdamW state are resharded exactly and the data "
-        "order continues, but the per-rank RNG is not restored" + rollouts + "; losses and gradient norms equal an "
+        "order continues" + rollouts + "; losses and gradient norms equal an "
         "uninterrupted run's to rounding only, not bit for bit (the sums over ranks run in another order)"
     )
 
 
 def save_shards(model, optimizer, out, step, trainer_state, world, keep):
     """OUT/checkpoints/step_NNNNNN (NNNNNN: the completed steps): the model and AdamW's state as DCP shards (no
-    param_groups: they follow from the flags), each rank's RNG as tensors (rng_rankR.pt), and trainer_state.json
-    (format, step, world size, `trainer_state`). Only DCP's .metadata needs pickle: read_shards allow-lists it.
+    param_groups: they follow from the flags) and trainer_state.json (format, step, world size, `trainer_state`).
+    Only DCP's .metadata needs pickle: read_shards allow-lists it.
 
     Written to step_NNNNNN.tmp (--resume ignores one) and renamed; the older ones beyond the newest `keep` are removed
     after. A full disk on any rank raises DiskFull on every rank (attempt), the .tmp folder removed."""
@@ -284,16 +267,6 @@ def save_shards(model, optimizer, out, step, trainer_state, world, keep):
         model_sd, optim_sd = get_state_dict(model, optimizer)
         with attempt(tmp, out, world):
             dcp.save({"model": model_sd, "optim": {"state": optim_sd["state"]}}, checkpoint_id=tmp)  # on all ranks
-            version, words, gauss = random.getstate()
-            rng = {
-                "torch": torch.get_rng_state(),
-                "python_words": torch.tensor(words, dtype=torch.int64),
-                "python_version": torch.tensor(version),
-                "python_gauss": torch.tensor([math.nan if gauss is None else gauss]),
-            }
-            if world.device.type == "cuda":
-                rng["cuda"] = torch.cuda.get_rng_state()
-            torch.save(rng, os.path.join(tmp, f"rng_rank{world.rank}.pt"))
         with attempt(tmp, out, world):
             if world.is_main:
                 with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
@@ -344,9 +317,9 @@ class _Refused(pickle.UnpicklingError):
     """A global that a train_full checkpoint never holds."""
 
 
-def read_shards(path, rank=None):
+def read_shards(path):
     """Check a checkpoint folder before any model is built and return its trainer_state. CheckpointError: missing,
-    truncated, corrupt, older, or holding a pickled object (in .metadata or an RNG file)."""
+    truncated, corrupt, of another format, or holding a pickled object in .metadata."""
     importlib.import_module("torch.distributed.checkpoint.filesystem")  # the classes .metadata names
 
     fix = "resume from an older checkpoint (--resume OUT/checkpoints/step_NNNNNN) or start a new run with a new --out"
@@ -360,12 +333,8 @@ def read_shards(path, rank=None):
     except (ValueError, AssertionError, UnicodeDecodeError):
         raise CheckpointError(f"{state_file}: truncated or corrupt (not the JSON train_full writes); {fix}") from None
     if meta.get("format") != SHARDS_FORMAT:
-        raise CheckpointError(
-            f"{state_file}: checkpoint format {meta.get('format', 1)}, written by an older train_full.py "
-            f"(this one reads format {SHARDS_FORMAT} only: no pickled state); finish that run with "
-            "the train_full.py that wrote it, or start a new run with a new --out"
-        )
-    for key in ("step", "world", "order", "run"):
+        raise CheckpointError(_older(state_file, meta.get("format", 1), SHARDS_FORMAT, "train_full.py"))
+    for key in ("step", "world", "order", "run", "grad_norms", "rewards"):
         if key not in meta:
             raise CheckpointError(f"{state_file}: no '{key}' (truncated or edited); {fix}")
     try:
@@ -385,34 +354,16 @@ def read_shards(path, rank=None):
         raise
     except Exception as e:  # UnpicklingError, EOFError, ...: a damaged file
         raise CheckpointError(f"{path}/.metadata: truncated or corrupt ({type(e).__name__}); {fix}") from None
-    for r in range(meta["world"]) if rank is None else [rank]:
-        rng_file = os.path.join(path, f"rng_rank{r}.pt")
-        if os.path.exists(rng_file):
-            _load_rng_file(rng_file, fix)
     return meta
 
 
-def _load_rng_file(rng_file, fix):
-    """One rank's RNG state: tensors only (torch.load(weights_only=True))."""
-    try:
-        rng = torch.load(rng_file, weights_only=True)
-        assert isinstance(rng, dict) and all(isinstance(v, torch.Tensor) for v in rng.values())
-        return rng
-    except Exception as e:
-        if _pickled(e):
-            raise CheckpointError(f"{rng_file}: {_REFUSED}; {fix}") from None
-        unpickling = isinstance(e, pickle.UnpicklingError)
-        detail = (str(e).strip().splitlines() or [""])[0] if unpickling else type(e).__name__
-        raise CheckpointError(f"{rng_file}: truncated or corrupt ({detail}); {fix}") from None
-
-
 def load_shards(path, model, optimizer, world):
-    """Restore the model and AdamW's state (DCP reshards them to any world size) and, at the world size that wrote
-    it, this rank's RNG; returns trainer_state. Checked first (read_shards): DCP then reads tensors only."""
+    """Restore the model and AdamW's state (DCP reshards them to any world size); returns trainer_state. Checked
+    first (read_shards): DCP then reads tensors only."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    meta = read_shards(path, rank=world.rank)
+    meta = read_shards(path)
     model_sd, optim_sd = get_state_dict(model, optimizer)  # a fresh optimizer's state is initialised (zeros)
     state = {"model": model_sd, "optim": {"state": optim_sd["state"]}}
     try:
@@ -425,15 +376,6 @@ def load_shards(path, model, optimizer, world):
         ) from None
     optim_state = {"state": state["optim"]["state"], "param_groups": optim_sd["param_groups"]}
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=optim_state)
-    rng_file = os.path.join(path, f"rng_rank{world.rank}.pt")
-    if meta["world"] == world.size and os.path.exists(rng_file):  # another world size: sampling is seeded per prompt
-        rng = _load_rng_file(rng_file, "start a new run")
-        torch.set_rng_state(rng["torch"])
-        gauss = float(rng["python_gauss"][0])
-        words = tuple(rng["python_words"].tolist())
-        random.setstate((int(rng["python_version"]), words, None if math.isnan(gauss) else gauss))
-        if "cuda" in rng and world.device.type == "cuda":
-            torch.cuda.set_rng_state(rng["cuda"])
     return meta
 
 

@@ -3,29 +3,23 @@
     check_run           the flags both trainers share, checked together: --stop-after, the method (methods.check_flags),
                         the loss's aggregation and clip range where not given
     check_args          train_full.py's flags together and its paths (its machine: engines.check_machine)
-    fit_prompts         train_small.py's --train-file / --eval-file prompts that fit the model's context (and
-                        load_inputs', for train_full.py): mathtask.fit_context, a longer one named with file:line
     check_finite        NaN or inf in a model's weights or in the logits of its first forward, both trainers
     check_finite_files  the same in a saved model's files (train_full.py --eval-only), each rank its share
-    load_inputs         train_full.py's tokenizer, prompts and benchmarks, read on every rank before the process group
-                        exists, so that a bad model folder or data file stops every rank at once
 
 The checks of one flag (its range, its choices) are in its declaration (support/cli.py).
 """
 
 import glob
-import inspect
 import itertools
 import os
 import re
-import sys
 
 import torch
 
 import d3s
 from support import cli, grading, methods, stops
 from support.cli import UsageError
-from support.mathtask import DataError, fit_context, format_prompt, load_problems, stop_token_ids
+from support.mathtask import format_prompt
 
 MAX_ROLLOUTS = 2**20  # rollouts per step (P x G) and samples per problem beyond which a value is a typo [choice]
 HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")  # "org/name" or "name": not a local path
@@ -99,53 +93,6 @@ def finite_warm_start(warm, args, train_rows):
     return warm
 
 
-def fit_prompts(args, train_rows, eval_rows, prog="train_small.py"):
-    """train_small.py's --train-file and --eval-file rows whose prompt fits the model's context less --max-new-tokens
-    (mathtask.fit_context, before any work): a longer one stops the run with one line (file:line, length, limit; exit
-    2) or, with --drop-long-prompts (choice), is left out and counted (args.dropped_long_prompts: summary.json). The
-    generated task's prompts are short by construction; a model that does not load is warmstart.load_base_model's."""
-    args.dropped_long_prompts = 0
-    given = (("--train-file", args.train_file, train_rows), ("--eval-file", args.eval_file, eval_rows))
-    files = [(flag, path, rows) for flag, path, rows in given if path]
-    if not files:
-        return train_rows, eval_rows
-    if args.model is None:
-        from support import tiny  # (the tiny model's tokenizer and context)
-
-        tokenizer = tiny.build_char_tokenizer()
-        window = inspect.signature(tiny.build_tiny_model).parameters["max_position_embeddings"].default
-    else:
-        from transformers import AutoConfig, AutoTokenizer
-
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(os.path.expanduser(args.model))
-            config = AutoConfig.from_pretrained(os.path.expanduser(args.model))
-            window = getattr(config, "max_position_embeddings", None)
-        except (OSError, ValueError):
-            return train_rows, eval_rows
-    if not window:  # a model without a position limit: nothing to check
-        return train_rows, eval_rows
-    if args.max_new_tokens >= window:
-        raise UsageError(
-            f"--max-new-tokens {args.max_new_tokens}: the model's context is {window} positions "
-            "(max_position_embeddings), prompt included; lower it"
-        )
-    limit = window - args.max_new_tokens
-    why = f"the model's context of {window} positions less --max-new-tokens {args.max_new_tokens}"
-    fitted = {}
-    drop = getattr(args, "drop_long_prompts", False)
-    prompt = lambda r: format_prompt(r["problem"], args.template)
-    for flag, path, rows in files:
-        fitted[flag], dropped = fit_context(rows, prompt, tokenizer, limit, why, drop=drop)
-        if not fitted[flag]:
-            raise DataError(f"{flag} {path}: no prompt fits in {limit} tokens ({why}); shorten them or raise the limit")
-        if dropped:
-            left = f"left out {dropped} of the {len(rows)} rows of {path} (prompts longer than {limit} tokens)"
-            print(f"{prog}: --drop-long-prompts: {left}", file=sys.stderr, flush=True)
-        args.dropped_long_prompts += dropped
-    return fitted.get("--train-file", train_rows), fitted.get("--eval-file", eval_rows)
-
-
 # === train_full.py ====================================================================================================
 def check_args(p, args, ranks):
     """The checks of several flags together and of the paths, before any work (no model, data or process group yet);
@@ -210,7 +157,9 @@ def check_args(p, args, ranks):
     for flag, spec in specs:
         check_data_spec(p, flag, spec)
     args.eval_data = expand_specs(args.eval_data)
-    cli.check_out_dir(p, "--out", args.out)
+    if args.resume and args.out is None:
+        p.error("--resume: pass --out, the folder of the run to continue")
+    cli.check_out_dir(p, "--out", "runs/full" if args.out is None else args.out)  # default: a new folder in runs/full
     return args
 
 
@@ -243,82 +192,3 @@ def expand_specs(items):
             if spec and spec != "none":
                 specs += sorted(glob.glob(spec)) if any(c in spec for c in "*?[") else [spec]
     return specs
-
-
-def load_inputs(args):
-    """(tokenizer, stop_ids, prompts (None with --eval-only), eval sets, a note on what was dropped); exit 2 on every
-    rank for a bad one. The prompts fit the context less --max-response-len (mathtask.fit_context); --max-prompt-len,
-    a budget, drops (and counts) those that fit but are longer."""
-    import transformers
-    from huggingface_hub.utils import logging as hub_logging
-    from transformers import AutoConfig
-
-    from support.engines import context_length
-    from support.fsdp import load_generation_config, load_tokenizer
-
-    transformers.utils.logging.disable_progress_bar()  # one bar per rank and model load would flood the log
-    verbosity = hub_logging.get_verbosity()
-    hub_logging.set_verbosity_error()  # offline, the hub's retries would print a line each
-    try:
-        tokenizer = load_tokenizer(args.model)
-        generation_config = load_generation_config(args.model)
-    except (OSError, ValueError) as e:  # not a model folder, not on the hub (or offline), no tokenizer
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UsageError(
-            f"--model {args.model}: cannot load its tokenizer ({first}); pass a folder with config.json "
-            "and the tokenizer files, or a hub name"
-        ) from None
-    finally:
-        hub_logging.set_verbosity(verbosity)
-    if not tokenizer(format_prompt("What is 1 + 1?", args.template), add_special_tokens=False)["input_ids"]:
-        raise UsageError(
-            f"--model {args.model}: its tokenizer encodes a prompt to no tokens; pass a folder whose "
-            "tokenizer matches its model (tokenizer.save_pretrained of the model's own tokenizer)"
-        )
-    stop_ids = stop_token_ids(tokenizer, generation_config)
-    eval_sets = _load_eval_sets(args, tokenizer, context_length(args.model, args))
-    if args.eval_only:
-        return tokenizer, stop_ids, None, eval_sets, ""
-    rows, dropped = load_problems(args.train_data, drop_missing=True)
-    window, args.dropped_long_prompts = getattr(AutoConfig.from_pretrained(args.model), "max_position_embeddings", 0), 0
-    if window and window > args.max_response_len:  # else no limit, or none left for a prompt: not this check's to say
-        why = f"the model's context of {window} positions less --max-response-len {args.max_response_len}"
-        prompt = lambda r: format_prompt(r["problem"], args.template)
-        limit, drop = window - args.max_response_len, args.drop_long_prompts
-        rows, args.dropped_long_prompts = fit_context(rows, prompt, tokenizer, limit, why, drop=drop)  # in args.json
-    prompts, too_long = _encode_prompts(rows, tokenizer, args.template, args.max_prompt_len)
-    if not prompts:
-        raise UsageError(
-            f"--max-prompt-len {args.max_prompt_len}: no prompt of {args.train_data} is that short "
-            f"({too_long} longer); raise it"
-        )
-    n_long = args.dropped_long_prompts
-    over_context = f", {n_long} longer than the model's context dropped (--drop-long-prompts)" if n_long else ""
-    note = (
-        f"{len(prompts)} prompts ({dropped} rows without an answer dropped, {too_long} longer than "
-        f"{args.max_prompt_len} tokens dropped{over_context})"
-    )
-    return tokenizer, stop_ids, prompts, eval_sets, note
-
-
-def _load_eval_sets(args, tokenizer, context):
-    """Every --eval-data benchmark, read and tokenized: [(name, problems, rows without an answer, prompts too long)]."""
-    sets = []
-    for spec in args.eval_data:
-        rows, dropped = load_problems(spec, drop_missing=True, limit=args.eval_limit or None)
-        problems, too_long = _encode_prompts(rows, tokenizer, args.template, max_prompt_len=context - 1)
-        name = os.path.splitext(os.path.basename(spec))[0] if os.path.exists(spec) else spec
-        sets.append((name, problems, dropped, too_long))
-    return sets
-
-
-def _encode_prompts(rows, tokenizer, template, max_prompt_len):
-    """Apply the template and tokenize; prompts longer than max_prompt_len are dropped and counted."""
-    out, too_long = [], 0
-    for row in rows:
-        ids = tokenizer(format_prompt(row["problem"], template), add_special_tokens=False)["input_ids"]
-        if len(ids) > max_prompt_len:
-            too_long += 1
-            continue
-        out.append({"id": row["id"], "problem": row["problem"], "answer": row["answer"], "prompt_ids": ids})
-    return out, too_long

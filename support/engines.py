@@ -19,16 +19,8 @@ import torch.distributed as dist
 
 from support.cli import UsageError
 from support.fsdp import full_named_tensors
+from support.mathtask import context_length
 from support.gpu import cuda_diagnosis, vllm_memory_plan, vllm_pool_bytes
-
-
-def context_length(model_path, args):
-    """Prompt + response tokens one sequence may hold: the model's context window, capped at
-    max(prompt + response budget, 4096) so a long-context model does not reserve a huge sequence."""
-    from transformers import AutoConfig
-
-    window = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None) or 10**9
-    return min(window, max(args.max_prompt_len + max(args.max_response_len, args.eval_max_tokens), 4096))
 
 
 def batch_invariant_on(environ=None):

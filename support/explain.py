@@ -99,15 +99,15 @@ def toy_page(args, v):
     )
 
 
-def small_page(step, tokenizer, problems, batch, rewards, sel, *, entropy, metrics, args):
+def small_page(step, tokenizer, problems, rollouts, rewards, sel, *, entropy, metrics, args):
     """train_small.py's page of a step (OUT/explain/step_N.html): sel, its train_small.Selection; entropy, pass 1's
     [B, T]; metrics, its train line."""
     shown_adv = torch.where(sel.keep, sel.adv, d3s.group_advantages(rewards))  # the loss's A on kept cells (pods)
     row_of = {int(i): r for r, i in enumerate(sel.kept_rows.tolist())}  # p * G + g -> row of the kept batch
     shown = []
     for i in pick_rollouts(shown_adv, sel.keep):
-        n = int(batch["response_mask"][i].sum())  # response tokens up to and including the first EOS
-        item = {"index": i, "tokens": [tokenizer.decode([t]) for t in batch["response_ids"][i, :n].tolist()]}
+        n = int(rollouts["response_mask"][i].sum())  # response tokens up to and including the first EOS
+        item = {"index": i, "tokens": [tokenizer.decode([t]) for t in rollouts["response_ids"][i, :n].tolist()]}
         if (r := row_of.get(i)) is not None:  # forwarded: its entropy, score and selection
             item.update(entropy=entropy[r, :n].tolist(), score=sel.scores[r, :n].tolist())
             item["selected"] = sel.token_keep[r, :n].tolist()
@@ -135,9 +135,9 @@ def small_page(step, tokenizer, problems, batch, rewards, sel, *, entropy, metri
     )
 
 
-def full_page(step, rollouts, batch, sel, entropy, stats, *, tokenizer, notices, world, args):
+def full_page(step, rollouts, problems, sel, entropy, stats, *, tokenizer, notices, world, args):
     """train_full.py's page of a step, rank 0's, from the global selection (sel: its train_full.Selection;
-    rollouts, batch: this rank's share). The few rollouts it shows (pick_rollouts on the global batch: the same
+    rollouts, problems: this rank's share). The few rollouts it shows (pick_rollouts on the global batch: the same
     choice on every rank) are gathered on rank 0 with their token ids and, when forwarded, entropy, score and
     selection: a few rollouts, never the batch. Every rank calls it (gather_object); a full disk is noted in
     `notices` (every rank stops at its agree())."""
@@ -157,7 +157,7 @@ def full_page(step, rollouts, batch, sel, entropy, stats, *, tokenizer, notices,
         elif not sel.keep_all[p, g] and sel.first <= p < sel.first + len(rollouts):  # dropped: only its home rank
             mine.append({"index": index, "ids": list(rollouts[p - sel.first][g]["response_ids"])})
     parts = [None] * world.size if world.is_main else None
-    dist.gather_object((mine, [problem["problem"] for _, problem in batch]), parts, dst=0)
+    dist.gather_object((mine, [problem["problem"] for _, problem in problems]), parts, dst=0)
     if not world.is_main:
         return
     items = sorted((item for part, _ in parts for item in part), key=lambda item: picked.index(item["index"]))

@@ -103,25 +103,6 @@ def assign_rollouts(lengths, home, ranks, m, balance):
     return owner, parts
 
 
-def load_tokenizer(path):
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
-
-
-def load_generation_config(path):
-    """The model's generation_config.json (its EOS ids feed mathtask.stop_token_ids), or None without one."""
-    from transformers import GenerationConfig
-
-    try:
-        return GenerationConfig.from_pretrained(path)
-    except OSError:  # the folder (or hub repo) has none
-        return None
-
-
 def load_policy(args, world, reference=False):
     """The trainable policy: fp32 master weights sharded with FSDP2, compute in args.dtype.
 

@@ -5,10 +5,13 @@ load_problems        JSONL / JSON / Parquet files or hub datasets -> rows with `
 step_problems, arithmetic_problems   the tiny model's generated tasks (TASKS), with difficulty levels
 TEMPLATES, format_prompt, stop_token_ids   the prompt (Qwen2.5-Math's chat template, or plain for the tiny
                      model) and the tokens that end a response, one rule for every rung and engine
-fit_context          the rows whose prompt fits the model's context (a longer one named with file:line, or dropped)
+fit_context, fit_prompts   the rows whose prompt fits the model's context (a longer one named with file:line, or dropped)
 load_data            train_small.py's rows: the generated task or --train-file / --eval-file
 PromptOrder, rank_share, sample_seeds   train_full.py's: one global prompt order, each rank's share of a step's
-                     prompts, and one sampling seed per prompt (checks.load_inputs reads and tokenizes them)
+                     prompts, and one sampling seed per prompt
+load_inputs          train_full.py's tokenizer, stop ids, prompts and benchmarks, read on every rank before the process
+                     group exists, so that a bad model folder or data file stops every rank at once
+load_tokenizer, load_generation_config, context_length   a model's tokenizer, its EOS ids, the tokens a sequence holds
 """
 
 import json
@@ -17,6 +20,8 @@ import random
 import zlib
 
 import torch
+
+from support.cli import UsageError
 
 
 TEMPLATES = {
@@ -251,6 +256,26 @@ def fit_context(rows, prompt, tokenizer, limit, why, drop=False):
     return kept, dropped
 
 
+def fit_prompts(rows, *, template, tokenizer, window, budget, drop, name):
+    """The rows whose prompt fits the model's context of `window` positions less the response's `budget` (flag,
+    tokens), one check for both trainers (fit_context: a longer prompt is one line naming its file:line, or dropped
+    and counted with drop=True, --drop-long-prompts). Returns (rows, how many were dropped); a window of None: no
+    limit. A budget that leaves no room, or no row that fits, is one line naming `budget`'s flag or `name`."""
+    flag, tokens = budget
+    if not window:
+        return rows, 0
+    if tokens >= window:
+        raise UsageError(
+            f"{flag} {tokens}: the model's context is {window} positions (max_position_embeddings), prompt "
+            "included; lower it"
+        )
+    limit, why = window - tokens, f"the model's context of {window} positions less {flag} {tokens}"
+    kept, dropped = fit_context(rows, lambda r: format_prompt(r["problem"], template), tokenizer, limit, why, drop)
+    if not kept:
+        raise DataError(f"{name}: no prompt fits in {limit} tokens ({why}); shorten them or raise the limit")
+    return kept, dropped
+
+
 def _hub_rows(spec):
     """(where, default id, row) of a hub dataset `name[:config]:split` (default split: train)."""
     try:
@@ -436,3 +461,112 @@ def sample_seeds(args, step, indices, n):
     if args.unseeded_sampling:
         return [None] * len(indices)
     return [(args.seed * 1_000_003 + (step * 1_000_003 + index) * n) % (2**31 - 1) for index in indices]
+
+
+# === train_full.py's inputs: its tokenizer, prompts and benchmarks ======================================================
+def context_length(model_path, args):
+    """Prompt + response tokens one sequence may hold: the model's context window, capped at
+    max(prompt + response budget, 4096) so a long-context model does not reserve a huge sequence."""
+    from transformers import AutoConfig
+
+    window = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None) or 10**9
+    return min(window, max(args.max_prompt_len + max(args.max_response_len, args.eval_max_tokens), 4096))
+
+
+def load_tokenizer(path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_generation_config(path):
+    """The model's generation_config.json (its EOS ids feed mathtask.stop_token_ids), or None without one."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(path)
+    except OSError:  # the folder (or hub repo) has none
+        return None
+
+
+def load_inputs(args):
+    """(tokenizer, stop_ids, prompts (None with --eval-only), eval sets, a note on what was dropped); exit 2 on every
+    rank for a bad one. The prompts fit the context less --max-response-len (mathtask.fit_context); --max-prompt-len,
+    a budget, drops (and counts) those that fit but are longer."""
+    import transformers
+    from huggingface_hub.utils import logging as hub_logging
+    from transformers import AutoConfig
+
+    transformers.utils.logging.disable_progress_bar()  # one bar per rank and model load would flood the log
+    verbosity = hub_logging.get_verbosity()
+    hub_logging.set_verbosity_error()  # offline, the hub's retries would print a line each
+    try:
+        tokenizer = load_tokenizer(args.model)
+        generation_config = load_generation_config(args.model)
+    except (OSError, ValueError) as e:  # not a model folder, not on the hub (or offline), no tokenizer
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UsageError(
+            f"--model {args.model}: cannot load its tokenizer ({first}); pass a folder with config.json "
+            "and the tokenizer files, or a hub name"
+        ) from None
+    finally:
+        hub_logging.set_verbosity(verbosity)
+    if not tokenizer(format_prompt("What is 1 + 1?", args.template), add_special_tokens=False)["input_ids"]:
+        raise UsageError(
+            f"--model {args.model}: its tokenizer encodes a prompt to no tokens; pass a folder whose "
+            "tokenizer matches its model (tokenizer.save_pretrained of the model's own tokenizer)"
+        )
+    stop_ids = stop_token_ids(tokenizer, generation_config)
+    eval_sets = _load_eval_sets(args, tokenizer, context_length(args.model, args))
+    if args.eval_only:
+        return tokenizer, stop_ids, None, eval_sets, ""
+    rows, dropped = load_problems(args.train_data, drop_missing=True)
+    window = getattr(AutoConfig.from_pretrained(args.model), "max_position_embeddings", None)
+    rows, args.dropped_long_prompts = fit_prompts(  # in args.json
+        rows,
+        template=args.template,
+        tokenizer=tokenizer,
+        window=window,
+        budget=("--max-response-len", args.max_response_len),
+        drop=args.drop_long_prompts,
+        name=f"--train-data {args.train_data}",
+    )
+    prompts, too_long = _encode_prompts(rows, tokenizer, args.template, args.max_prompt_len)
+    if not prompts:
+        raise UsageError(
+            f"--max-prompt-len {args.max_prompt_len}: no prompt of {args.train_data} is that short "
+            f"({too_long} longer); raise it"
+        )
+    n_long = args.dropped_long_prompts
+    over_context = f", {n_long} longer than the model's context dropped (--drop-long-prompts)" if n_long else ""
+    note = (
+        f"{len(prompts)} prompts ({dropped} rows without an answer dropped, {too_long} longer than "
+        f"{args.max_prompt_len} tokens dropped{over_context})"
+    )
+    return tokenizer, stop_ids, prompts, eval_sets, note
+
+
+def _load_eval_sets(args, tokenizer, context):
+    """Every --eval-data benchmark, read and tokenized: [(name, problems, rows without an answer, prompts too long)]."""
+    sets = []
+    for spec in args.eval_data:
+        rows, dropped = load_problems(spec, drop_missing=True, limit=args.eval_limit or None)
+        problems, too_long = _encode_prompts(rows, tokenizer, args.template, max_prompt_len=context - 1)
+        name = os.path.splitext(os.path.basename(spec))[0] if os.path.exists(spec) else spec
+        sets.append((name, problems, dropped, too_long))
+    return sets
+
+
+def _encode_prompts(rows, tokenizer, template, max_prompt_len):
+    """Apply the template and tokenize; prompts longer than max_prompt_len are dropped and counted."""
+    out, too_long = [], 0
+    for row in rows:
+        ids = tokenizer(format_prompt(row["problem"], template), add_special_tokens=False)["input_ids"]
+        if len(ids) > max_prompt_len:
+            too_long += 1
+            continue
+        out.append({"id": row["id"], "problem": row["problem"], "answer": row["answer"], "prompt_ids": ids})
+    return out, too_long

@@ -212,8 +212,7 @@ def check_flags(p, args, methods, flag="--method"):
     """
     for m in methods:
         if m not in LADDER:
-            hint = " (d3s-static is now d2s, the paper's name)" if m == "d3s-static" else ""
-            p.error(f"{flag} {m!r}: unknown method{hint}; choose from {', '.join(NAMES)}")
+            p.error(f"{flag} {m!r}: unknown method; choose from {', '.join(NAMES)}")
     uses_n = any(LADDER[m].n != "all" for m in methods)  # N counts rollouts kept per prompt: N <= G
     for name, value in (
         ("--n-init", args.n_init if uses_n else None),

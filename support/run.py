@@ -1,25 +1,22 @@
-"""support/run.py: a run's life around its steps, in both trainers: its folder, metrics.jsonl, what a resume restores,
-the cadences of checkpoints and evaluations, the stop after a step.
+"""support/run.py: a run's life around its steps, in both trainers: its folder, metrics.jsonl, the cadences of
+checkpoints and evaluations, the stop after a step (what a resume restores: support/checkpoint.py).
 
     Run               what both loops call around the six steps: the metrics lines (rank 0), the history the rules
-                      read (grad norms, train rewards), the checkpoint when due and the stop a notice asks for
+                      read (grad norms, train rewards), the checkpoint when due, and whether a notice stops the run
+    default_out       --out when none is given: a new folder per run
     out_lock          one writer per run folder: a second run into it stops with one line
     append_metrics, read_metrics, truncate_metrics   metrics.jsonl (docs/metrics.md): a line per step and evaluation
     measures_kl, mean    whether a step forwards the reference model; the mean of the values that are there
     write_summary     train_small.py's summary.json and the lines it prints
     write_args        OUT/args.json: the flags as parsed and checked
-    run_all           independent runs in a pool of processes, with a progress bar (experiments/, the toy)
 """
 
 import contextlib
 import fcntl  # the run folder's lock (out_lock)
 import json
 import math
-import multiprocessing as mp
 import os
-from concurrent.futures import ProcessPoolExecutor, as_completed
-
-from tqdm import tqdm
+import time
 
 from support import methods, stops
 from support.cli import UsageError
@@ -29,13 +26,14 @@ class Run:
     """What both trainers do around the six steps of a step. Every rank makes every call (agree() and the
     checkpoints hold collectives); rank 0 writes metrics.jsonl. Made after the resume (start: its steps, 0 if none).
 
-    A new run (start 0) empties metrics.jsonl; a resumed one keeps what its checkpoint covers (a killed run may have
-    logged past it). history: {"grad_norms": [...], "rewards": [...]}, one value per step so far, as the
+    A resumed run keeps the lines of metrics.jsonl that its checkpoint covers (a killed run may have logged past it);
+    a fresh one starts it (checkpoint.start has refused a folder that holds a run). history: {"grad_norms": [...], "rewards": [...]}, one value per step so far, as the
     checkpoint stored them: --switch-on-spike reads the norms, --schedule adaptive the rewards."""
 
     def __init__(self, args, prog, notices, start, history=None, world=None):
         self.args, self.prog, self.notices, self.world = args, prog, notices, world
         self.is_main, self.stop_at = world is None or world.is_main, args.stop_after or args.steps
+        self.saved = None  # the last checkpoint written
         self.metrics = os.path.join(args.out, "metrics.jsonl")
         self.history = {"grad_norms": [], "rewards": [], **(history or {})}
         if self.is_main:
@@ -52,13 +50,21 @@ class Run:
                 append_metrics(self.metrics, line)
 
     def checkpoint(self, step, notice, save):
-        """After `step`: save(step) (the trainer's checkpoint; returns where) when due, and on a notice (from
-        notices.agree()), which then stops the run after it: one line, exit STOPPED."""
+        """After `step`: save(step) (the trainer's checkpoint; returns where: self.saved) when due, and on a notice
+        (from notices.agree()). Returns the notice when the run must stop here (before its last step), else None."""
         a = self.args
         if step % a.save_every == 0 or step in (a.steps, self.stop_at) or notice:
-            path = save(step)
-            if notice and step < self.stop_at:  # a preemption notice: this step's checkpoint, then exit STOPPED
-                stops.stopped(self.prog, notice, step, path, quiet=not self.is_main)
+            self.saved = save(step)
+        return notice if notice and step < self.stop_at else None
+
+
+def default_out(args, rung, world=None):
+    """--out when none is given: runs/RUNG/METHOD__SEED__YYYYmmdd-HHMMSS, a new folder per run (cleanRL's
+    runs/{name}__{seed}__{time}), so that a fresh run never meets an earlier one; under torchrun rank 0's clock
+    (the latest of the ranks', one all-reduce), so that every rank names the same folder."""
+    seed = getattr(args, "rl_seed", args.seed)
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(stops.most(int(time.time()), world)))
+    return os.path.join("runs", rung, f"{args.method}__{seed}__{stamp}")
 
 
 def measures_kl(step, args):
@@ -123,30 +129,6 @@ def out_lock(out, prog, world=None):
         yield
 
 
-def run_all(fn, jobs, workers, desc="runs"):
-    """fn(job) for every job, `workers` processes at a time (spawned; 1: in this process), with a progress bar.
-    Yields (job, result) as they finish."""
-    if workers <= 1:
-        for job in tqdm(jobs, desc=desc, leave=False):
-            yield job, fn(job)
-        return
-    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
-        # the workers start here (spawn: all at the first submit); a Ctrl-C is the parent's
-        with stops.sigint_ignored():
-            futures = {pool.submit(fn, job): job for job in jobs}
-        try:
-            for future in tqdm(as_completed(futures), total=len(jobs), desc=desc, leave=False):
-                yield futures[future], future.result()
-        except KeyboardInterrupt:  # a Ctrl-C: the running runs stop now, instead of the pool's exit waiting for them
-            for process in list((getattr(pool, "_processes", None) or {}).values()):
-                process.kill()  # (the futures are not cancelled first: Python 3.11's pool would then print a traceback)
-            raise
-        except BaseException:
-            for future in futures:
-                future.cancel()
-            raise
-
-
 def write_summary(args, lines, warm_info, totals, timeouts, rl_s, wall_s):
     """train_small.py's OUT/summary.json and the lines it prints: the warm start's and the final held-out numbers, what
     the run trained on (rollouts, tokens), the paper's metrics over the run, and where the time went."""
@@ -208,7 +190,7 @@ def write_summary(args, lines, warm_info, totals, timeouts, rl_s, wall_s):
         "switched_at_step": next((m["step"] for m in train if m.get("sample_rule", own_rule) != own_rule), None),
         "skipped_updates": totals["skipped"],
         "grader_timeouts": timeouts,
-        "dropped_long_prompts": getattr(args, "dropped_long_prompts", 0),  # --drop-long-prompts (checks.fit_prompts)
+        "dropped_long_prompts": getattr(args, "dropped_long_prompts", 0),  # --drop-long-prompts (warmstart.fit_files)
         "gen_s": round(totals["gen_s"], 1),
         "train_s": round(totals["train_s"], 1),
         "rl_s": round(rl_s, 1),

@@ -5,6 +5,8 @@ and values shared by its G rollouts, in sampling and in the forward passes.
     logprobs_entropy   log pi of every response token and d3s.token_entropy of the same logits, each distinct prompt
                        forwarded once: a plain forward's log-probs and gradients, bit for bit (tests/test_train_small.py)
     take_rows          some rollouts of a batch, trimmed to their longest response
+    shared_kv_attention   the attention every model train_small loads runs: each key/value head read in place where
+                       no gradient is needed
 
 They make the tiny rung's update about a third of TRL's (docs/benchmarks.md); train_full.py does the same work with
 vLLM and its loss head (support/engines.py, support/loss_head.py).
@@ -112,3 +114,35 @@ def take_rows(batch, rows):
         "response_ids": batch["response_ids"][rows, :T],
         "response_mask": batch["response_mask"][rows, :T],
     }
+
+
+SHARED_KV = "sdpa_shared_kv"  # the attention every model loaded here runs (shared_kv_attention)
+
+
+def sdpa_shared_kv(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    """transformers' "sdpa" attention, except with a padding mask and no gradient on a CPU: query [B, H, q, d], key and
+    value [B, H_kv, kv, d]. Given a mask, "sdpa" copies every key/value head to its H / H_kv query heads before the
+    kernel; here the kernel reads each head in place (enable_gqa, as "sdpa" does with no mask). Same floats
+    (tests/test_train_small.py); 0.75-0.85x the tiny model's generation time on CPU (docs/small_compare.md, section
+    8). With a gradient the copy stays: the in-place kernel's backward adds the heads' gradients in another order."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    plain = attention_mask is None or getattr(module, "num_key_value_groups", 1) == 1 or query.device.type != "cpu"
+    if plain or torch.is_grad_enabled() or kwargs.get("position_bias") is not None or kwargs.get("cache") is not None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
+    out = torch.nn.functional.scaled_dot_product_attention(  # with a mask "sdpa" passes is_causal=False too
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def shared_kv_attention(model):
+    """The model (in place) with sdpa_shared_kv as its attention and "sdpa"'s masks; a model whose attention does not
+    go through transformers' AttentionInterface keeps its own (transformers logs a warning)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(SHARED_KV, sdpa_shared_kv)
+    AttentionMaskInterface.register(SHARED_KV, sdpa_mask)
+    model.set_attn_implementation(SHARED_KV)
+    return model

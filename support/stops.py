@@ -194,11 +194,12 @@ def most(value, world):
     """The largest `value` over all ranks (one all-reduce); without a world (None), `value` itself."""
     if world is None:
         return value
+    import torch
     import torch.distributed as dist
 
-    from support.fsdp import all_reduce
-
-    return all_reduce(value, world, dist.ReduceOp.MAX)
+    t = torch.tensor([float(value)], dtype=torch.float64, device=world.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
 
 
 def any_rank(flag, world):

@@ -3,9 +3,9 @@ warm start that RL starts from, cached so that every run of a comparison starts 
 
     load_warm_start(args, rows)   (model, tokenizer, info): --model or the tiny Qwen2 (support/tiny.py), after --sft-steps of
                                   supervised training on the answers; cached in --cache-dir/warmstart-<hash>/
-    shared_kv_attention(model)    the model's attention reads each key/value head in place when no gradient is needed
     FLAGS, fill_defaults(args)    the flags of the model, data and warm start (--model, --task, --sft-*, ...): declared
                                   here, added by train_small.py with one call
+    fit_files(args, ...)          --train-file's and --eval-file's prompts that fit the model's context
 
 The default warm start ships in weights/warmstart-<hash>/ (2.5 MB), so the first run starts RL at once; any other
 flags build their own. Rebuild the shipped one (1 thread, ~5 min) with:
@@ -14,12 +14,13 @@ flags build their own. Rebuild the shipped one (1 thread, ~5 min) with:
 """
 
 import hashlib
+import inspect
 import json
 import os
-import platform
 import random
 import re
 import shutil
+import sys
 import time
 import zlib
 from pathlib import Path
@@ -27,9 +28,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from support import cli
+from support import cli, mathtask, sampler
 from support.cli import UsageError
-from support.mathtask import TASKS, format_prompt, load_data
+from support.mathtask import TASKS, format_prompt
 
 # warm-start length per task: a start with headroom (docs/small_compare.md)
 TINY_SFT_STEPS = {"steps": 600, "direct": 1000}
@@ -90,38 +91,6 @@ def fill_defaults(args):
         args.template = "qwen-math" if args.model else "plain"
 
 
-SHARED_KV = "sdpa_shared_kv"  # the attention every model loaded here runs (shared_kv_attention)
-
-
-def sdpa_shared_kv(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
-    """transformers' "sdpa" attention, except with a padding mask and no gradient on a CPU: query [B, H, q, d], key and
-    value [B, H_kv, kv, d]. Given a mask, "sdpa" copies every key/value head to its H / H_kv query heads before the
-    kernel; here the kernel reads each head in place (enable_gqa, as "sdpa" does with no mask). Same floats
-    (tests/test_train_small.py); 0.75-0.85x the tiny model's generation time on CPU (docs/small_compare.md, section
-    8). With a gradient the copy stays: the in-place kernel's backward adds the heads' gradients in another order."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    plain = attention_mask is None or getattr(module, "num_key_value_groups", 1) == 1 or query.device.type != "cpu"
-    if plain or torch.is_grad_enabled() or kwargs.get("position_bias") is not None or kwargs.get("cache") is not None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs)
-    out = torch.nn.functional.scaled_dot_product_attention(  # with a mask "sdpa" passes is_causal=False too
-        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True
-    )
-    return out.transpose(1, 2).contiguous(), None
-
-
-def shared_kv_attention(model):
-    """The model (in place) with sdpa_shared_kv as its attention and "sdpa"'s masks; a model whose attention does not
-    go through transformers' AttentionInterface keeps its own (transformers logs a warning)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(SHARED_KV, sdpa_shared_kv)
-    AttentionMaskInterface.register(SHARED_KV, sdpa_mask)
-    model.set_attn_implementation(SHARED_KV)
-    return model
-
-
 def load_base_model(args):
     """(model, tokenizer): --model from a folder or the hub, else a fresh tiny Qwen2 (support/tiny.py)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer  # here: the grader's child process re-imports the rung
@@ -131,7 +100,7 @@ def load_base_model(args):
 
         tokenizer = build_char_tokenizer()
         model = build_tiny_model(tokenizer, hidden_size=args.hidden_size, num_layers=args.num_layers, seed=args.seed)
-        return shared_kv_attention(model), tokenizer
+        return sampler.shared_kv_attention(model), tokenizer
     path = os.path.expanduser(args.model)
     looks_like_path = args.model.startswith((".", "/", "~")) or args.model.count("/") > 1 or 2 * os.sep in args.model
     if looks_like_path and not os.path.isdir(path):
@@ -156,7 +125,48 @@ def load_base_model(args):
     tokenizer.padding_side = "left"  # generation appends to the right of every prompt
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return shared_kv_attention(model), tokenizer
+    return sampler.shared_kv_attention(model), tokenizer
+
+
+def fit_files(args, train_rows, eval_rows, prog="train_small.py"):
+    """--train-file's and --eval-file's rows whose prompt fits the model's context less --max-new-tokens
+    (mathtask.fit_prompts, before any work): a longer one stops the run with one line (file:line, length, limit;
+    exit 2) or, with --drop-long-prompts (choice), is left out and counted (args.dropped_long_prompts: summary.json).
+    The generated task's prompts are short by construction; a model that does not load is load_base_model's."""
+    args.dropped_long_prompts = 0
+    given = (("--train-file", args.train_file, train_rows), ("--eval-file", args.eval_file, eval_rows))
+    files = [(flag, path, rows) for flag, path, rows in given if path]
+    if not files:
+        return train_rows, eval_rows
+    if args.model is None:
+        from support import tiny  # (the tiny model's tokenizer and context)
+
+        tokenizer = tiny.build_char_tokenizer()
+        window = inspect.signature(tiny.build_tiny_model).parameters["max_position_embeddings"].default
+    else:
+        from transformers import AutoConfig, AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(os.path.expanduser(args.model))
+            window = getattr(AutoConfig.from_pretrained(os.path.expanduser(args.model)), "max_position_embeddings", 0)
+        except (OSError, ValueError):
+            return train_rows, eval_rows
+    fitted = {}
+    for flag, path, rows in files:
+        fitted[flag], dropped = mathtask.fit_prompts(
+            rows,
+            template=args.template,
+            tokenizer=tokenizer,
+            window=window,
+            budget=("--max-new-tokens", args.max_new_tokens),
+            drop=getattr(args, "drop_long_prompts", False),
+            name=f"{flag} {path}",
+        )
+        if dropped:
+            left = f"left out {dropped} of the {len(rows)} rows of {path} (prompts longer than the context allows)"
+            print(f"{prog}: --drop-long-prompts: {left}", file=sys.stderr, flush=True)
+        args.dropped_long_prompts += dropped
+    return fitted.get("--train-file", train_rows), fitted.get("--eval-file", eval_rows)
 
 
 def warm_start_key(args, train_rows):
@@ -199,7 +209,7 @@ def load_warm_start(args, train_rows):
             tokenizer = AutoTokenizer.from_pretrained(folder)
             tokenizer.padding_side = "left"
             model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-            return shared_kv_attention(model), tokenizer, {**info, "cached": True}
+            return sampler.shared_kv_attention(model), tokenizer, {**info, "cached": True}
     model, tokenizer, info, _ = build_warm_start(args, train_rows, path)
     return model, tokenizer, {**info, "cached": False}
 
@@ -285,28 +295,3 @@ def sft_batch(examples, pad_id):
         attention_mask[i, length - len(prompt) - len(target) :] = 1
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # as generate does for left padding
     return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids, "labels": labels}
-
-
-def build_shipped(args):
-    """scripts/build_warmstart.py: the warm start of `args` (train_small.py's defaults) built afresh on 1 thread (one
-    float path on any core count) into args.cache_dir/warmstart-<hash>/, with build.json: the command, the machine,
-    every supervised loss and the sha256 of model.safetensors (tests/test_warmstart_shipped.py)."""
-    torch.set_num_threads(1)
-    train_rows, _ = load_data(args)
-    path = warm_start_path(args, train_rows)
-    _, _, info, losses = build_warm_start(args, train_rows, path, os.path.relpath(os.path.abspath(path), ROOT))
-    digest = hashlib.sha256(Path(path, "model.safetensors").read_bytes()).hexdigest()
-    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()  # the CPU's name, as lscpu's "Model name"
-    cpu = [line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")][:1]
-    build = {
-        "command": "python scripts/build_warmstart.py",
-        "machine": (cpu or [platform.machine()])[0],
-        "torch": torch.__version__,
-        "date": time.strftime("%Y-%m-%d"),
-        "threads": 1,
-        "sft_losses": losses,
-        "model_sha256": digest,
-    }
-    Path(path, "build.json").write_text(json.dumps(build, indent=1))
-    print(f"{path}: sha256 {digest}, supervised loss {info['sft_loss_first']:.3f} -> {info['sft_loss_last']:.4f}")
-    return path

@@ -59,7 +59,7 @@ def train_step(
             return real_step(*a, **kw)
 
         optimizer.step = step_keeping_grads
-    sel = train_full.select_samples(rollouts, rewards, step, row or args.method, args, world)
+    sel = train_full.select_samples(rewards, rollouts, row or args.method, step, args, world)
     selects_tokens = methods.selects_tokens
     if full_pass1:
         methods.selects_tokens = lambda method: True  # what forward_kept reads: the rows and the entropy it needs

@@ -92,7 +92,7 @@ def test_a_finished_run_is_refused_and_one_killed_before_its_end_finishes_it_onc
     again = run([sys.executable, TRAIN_FULL, *flags(inputs, out, *steps, "--resume")])
     assert again.returncode == 2 and ours(again.stderr) == [
         f"train_full.py: error: --resume {out / 'checkpoints' / 'step_000002'}: the run already finished its 2 steps "
-        "(OUT/hf_final and its final evaluation are written); run without --resume and a new --out to start again"
+        "(OUT/hf_final and its final evaluation are written); start a new run with another --out"
     ], again.stderr[-3000:]
     assert kinds(out) == [("train", 1), ("train", 2), ("eval", 2)]  # nothing appended
 
@@ -109,9 +109,9 @@ def test_a_rank_whose_launcher_died_or_hung_up_stops_after_its_step_with_a_check
     err = proc.communicate(timeout=60)[1]
     (stopped,) = os.listdir(out / "checkpoints")
     step = int(stopped.split("_")[1])
-    assert sorted(f for f in os.listdir(out / "checkpoints" / stopped) if f.startswith("rng_")) == [
-        "rng_rank0.pt",
-        "rng_rank1.pt",
+    assert sorted(f for f in os.listdir(out / "checkpoints" / stopped) if f.endswith(".distcp")) == [
+        "__0_0.distcp",
+        "__1_0.distcp",
     ]  # both ranks wrote the checkpoint of the same step
     notice = "the end of its launcher (torchrun's process is gone)" if "KILL" in how else "SIGHUP"
     assert f"train_full.py: stopped by {notice} after step {step}; checkpoint {out / 'checkpoints' / stopped}" in err

@@ -65,7 +65,7 @@ def test_ladder_methods_mini_batches_and_gspo_aggregation_defaults():
     for method in ("grpo", "d1s", "d1s-cross", "d2s", "d3s", "d3s-i", "pods", "random"):
         assert train_full.parse_args(["--method", method]).method == method
     with pytest.raises(SystemExit):
-        train_full.parse_args(["--method", "d3s-static"])  # now d2s
+        train_full.parse_args(["--method", "d3s-static"])  # an old name: refused like any unknown one
     args = train_full.parse_args([])
     assert args.mini_batches == 4 and args.loss_agg == "token-mean" and not args.kl_ref and args.kl_coef == 0.0
     assert train_full.parse_args(["--loss", "gspo"]).loss_agg == "seq-mean-token-mean"

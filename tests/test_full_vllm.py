@@ -251,7 +251,7 @@ def test_two_steps_on_two_ranks_with_vllm_rollouts_log_metrics_and_write_checkpo
     assert [r["kept_samples"] for r in records] == [4, 6]  # N * P rollouts, chosen across both ranks' groups
     ckpts = sorted(os.listdir(os.path.join(out, "checkpoints")))
     assert ckpts == ["step_000001", "step_000002"]
-    assert {"trainer_state.json", "rng_rank0.pt", "rng_rank1.pt"} <= set(
+    assert {"trainer_state.json", "__0_0.distcp", "__1_0.distcp"} <= set(
         os.listdir(os.path.join(out, "checkpoints", ckpts[-1]))
     )
 

@@ -104,7 +104,7 @@ def test_a_second_ctrl_c_during_the_checkpoint_write_stops_at_once_and_the_previ
         "with --resume"
     ], (proc.returncode, err[-3000:])
     assert "Traceback" not in err and (out / "checkpoint.pt.tmp").exists()
-    assert checkpoint.read_file(str(out / "checkpoint.pt"), {}, "train_small.py")["step"] == 3  # complete, loadable
+    assert checkpoint.read_file(str(out / "checkpoint.pt"), "train_small.py")["step"] == 3  # complete, loadable
     subprocess.run(
         [sys.executable, os.path.join(ROOT, "train_small.py")] + flags + ["--out", str(out), "--resume"],
         cwd=ROOT,
@@ -145,9 +145,9 @@ def test_a_ctrl_c_to_torchrun_stops_both_gloo_ranks_after_the_same_step_and_resu
         -3000:
     ]  # no
     # traceback from a rank (torchrun's own SignalException is the launcher's)
-    assert sorted(f for f in os.listdir(out / "checkpoints" / stopped) if f.startswith("rng_")) == [
-        "rng_rank0.pt",
-        "rng_rank1.pt",
+    assert sorted(f for f in os.listdir(out / "checkpoints" / stopped) if f.endswith(".distcp")) == [
+        "__0_0.distcp",
+        "__1_0.distcp",
     ]  # both ranks wrote that step's checkpoint (torchrun, told to stop, lists no exit
     # codes: it forwards the SIGINT, waits for its workers, then raises its own SignalException, exit 1)
     assert [(r["kind"], r["step"]) for r in full_lines(out)][-1] == ("train", step)

@@ -9,9 +9,12 @@ root that shows the design.
 One house behind the rungs (issue 44's targets):
 
 - No public name is defined in two support/ modules (a module's own knobs, FLAGS and flags(), aside).
-- No support/ module is over 600 lines as ruff formats it, and support/ as a whole is at most 4,800.
+- No support/ module is over 600 lines as ruff formats it, and support/ as a whole is at most 5,000 (issue 53).
 - The import graph of the project's modules (d3s, the rungs, support.*) has no cycle, imports inside functions
   counted; standard-library imports sit at the top of each file, never inside a function or class.
+- The shared floor stays shared (support/__init__.py's three groups): no module both trainers share reaches a module
+  of train_small's or train_full's wing, directly or through another, imports inside functions counted; neither wing
+  reaches the other's, and the toy and train_small.py load nothing of train_full's wing (FSDP, vLLM, the GPU plan).
 - In the rungs, no call passes more than 6 positional arguments, and no SimpleNamespace(**locals()) remains.
 - train_small.py and train_full.py define the same six step functions (STEP_NAMES) at the top level.
 
@@ -59,7 +62,7 @@ STDLIB = set(sys.stdlib_module_names)
 STEP_NAMES = ("generate", "grade", "select_samples", "forward_kept", "select_tokens", "update_policy")
 TRAINERS = ["train_small.py", "train_full.py"]
 KNOBS = {"FLAGS", "flags"}  # every module declares its own knobs under these names: not a duplicate
-SUPPORT_MOST, SUPPORT_TOTAL = 600, 4800  # lines as ruff formats them: one support/ module, support/ as a whole
+SUPPORT_MOST, SUPPORT_TOTAL = 600, 5000  # lines as ruff formats them: one support/ module, support/ as a whole
 MOST_POSITIONAL = 6  # positional arguments of one call in a rung
 
 
@@ -318,16 +321,10 @@ def test_no_support_module_is_over_600_lines(sizes):
     )
 
 
-@pytest.mark.xfail(
-    strict=True,  # passes the day support/ is back under 4800: then drop this mark
-    reason="issue 44's target, not met: support/ is 5,271 lines (from 5,867) after the merge of common.py and "
-    "full_io.py and two trims of every module, with train_small's sampler (116 lines) and issue 46's and 47's "
-    "additions in it; what is left is mostly error and help text users read, checks and the pages' HTML; see the "
-    "closing notes of 2026-11-27",
-)
-def test_support_as_a_whole_is_at_most_4800_lines(sizes):
-    """The house behind the rungs shrinks by one implementation of each thing, not by moving lines to other folders
-    (the grader benchmark's move to bench/ aside)."""
+def test_support_as_a_whole_is_at_most_5000_lines(sizes):
+    """The house behind the rungs shrinks by one implementation of each thing and by the behaviour the owner dropped
+    (issue 53: the saved RNG state, the compatibility shims, the CUDA diagnosis, the plan's suggestions), not by
+    moving lines to other folders. (Issue 44's 4,800 was replaced by this 5,000 in issue 53.)"""
     total = sum(sizes.values())
     listing = ", ".join(f"{path} {lines}" for path, lines in sorted(sizes.items(), key=lambda item: -item[1]))
     assert total <= SUPPORT_TOTAL, (
@@ -589,3 +586,72 @@ def test_the_step_scan_sees_only_top_level_functions(tmp_path):
     write_tree(tmp_path, {"bad.py": bad, "clean.py": clean})
     assert missing_steps(tmp_path / "bad.py") == [name for name in STEP_NAMES if name != "generate"]
     assert missing_steps(tmp_path / "clean.py") == []
+
+
+def support_groups(root=ROOT):
+    """support/__init__.py's groups as its docstring lists them: {heading: [support.module, ...]} ("Both trainers",
+    "train_small.py", "train_full.py")."""
+    groups, heading = {}, None
+    for line in ast.get_docstring(parse(root / "support" / "__init__.py")).splitlines():
+        if not line.strip():
+            continue
+        if not line.startswith(" "):
+            heading = groups.setdefault(line.split(" (")[0].strip(), [])
+        elif line.split()[0].endswith(".py") and heading is not None:
+            heading.append("support." + line.split()[0].removesuffix(".py"))
+    return groups
+
+
+def layering_breaks(root=ROOT):
+    """["a reaches b (the import path)"] for each module that reaches a module it must not (the rule above)."""
+    graph, groups = {}, support_groups(root)
+    for source, target, line in import_edges(root):
+        graph.setdefault(source, {}).setdefault(target, line)
+    shared, small, full = (set(groups[g]) for g in ("Both trainers", "train_small.py", "train_full.py"))
+    rules = [(m, small | full) for m in shared] + [(m, full) for m in small | {"toy.bandit", "train_small"}]
+    rules += [(m, small) for m in full | {"train_full"}]
+    breaks = []
+    for start, banned in rules:
+        seen, todo = {start: []}, [start]
+        while todo:  # breadth first: the shortest import path to each module reached
+            module = todo.pop(0)
+            for following, line in sorted(graph.get(module, {}).items()):
+                if following not in seen:
+                    seen[following] = seen[module] + [line]
+                    todo.append(following)
+        breaks += [f"{start} reaches {m} ({' -> '.join(seen[m])})" for m in sorted(set(seen) & banned)]
+    return breaks
+
+
+def test_the_shared_floor_imports_no_wing():
+    """What both trainers share loads neither trainer's machinery: the toy and train_small.py run without FSDP, the
+    loss head, vLLM's engine or the memory plan, and a reader of a shared module meets no train_full detail."""
+    groups = support_groups()
+    assert len(groups["Both trainers"]) >= 8 and groups["train_full.py"] and groups["train_small.py"]
+    on_disk = {"support." + p.stem for p in (ROOT / "support").glob("*.py") if p.stem != "__init__"}
+    assert on_disk == {m for g in ("Both trainers", "train_small.py", "train_full.py") for m in groups[g]}, (
+        "support/__init__.py lists each support module in one of its three groups"
+    )
+    breaks = layering_breaks()
+    assert not breaks, "a module reaches a wing it must not:\n  " + "\n  ".join(breaks)
+
+
+def test_the_layering_check_flags_a_shared_module_that_imports_a_wing(tmp_path):
+    init = '"""x\n\nBoth trainers\n  run.py   r\n  mid.py   m\ntrain_small.py\n  tiny.py  t\ntrain_full.py\n  fsdp.py  f\n"""\n'
+    tree = {
+        "support/__init__.py": init,
+        "support/run.py": "from support import mid\n",
+        "support/mid.py": "def f():\n    from support import fsdp\n",
+        "support/tiny.py": "",
+        "support/fsdp.py": "",
+        "d3s.py": "",
+    }
+    write_tree(tmp_path, tree)
+    assert layering_breaks(tmp_path) == [
+        "support.mid reaches support.fsdp (support/mid.py:2)",
+        "support.run reaches support.fsdp (support/run.py:1 -> support/mid.py:2)",
+    ]
+    write_tree(tmp_path, {**tree, "support/mid.py": "from support import tiny\n", "support/tiny.py": ""})
+    assert layering_breaks(tmp_path)[0].startswith("support.mid reaches support.tiny")
+    write_tree(tmp_path, {**tree, "support/mid.py": ""})
+    assert layering_breaks(tmp_path) == []

@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from support import checks, tiny
+from support import tiny, warmstart
 import train_small
 from support import mathtask
 
@@ -141,7 +141,7 @@ def test_train_small_names_a_problem_longer_than_the_context_before_any_work(dat
 def test_train_small_drop_long_prompts_leaves_them_out_and_counts_them(data, capsys):
     short, long = data
     args = train_small.parse_args(["--train-file", long, "--eval-file", long, "--drop-long-prompts", *SMALL])
-    train_rows, eval_rows = checks.fit_prompts(args, *mathtask.load_data(args))
+    train_rows, eval_rows = warmstart.fit_files(args, *mathtask.load_data(args))
     assert [r["problem"] for r in train_rows] == [f"{i}+{i}" for i in range(8)] and len(eval_rows) == 2  # --eval-size 2
     assert args.dropped_long_prompts == 1  # the train file's; the eval file's first 2 rows are short
     assert capsys.readouterr().err == (

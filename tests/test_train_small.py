@@ -332,10 +332,6 @@ def test_a_second_train_small_on_a_busy_out_stops_with_one_line_and_touches_noth
     assert not (tmp_path / "cache").exists()  # stopped before the warm start
 
 
-def test_the_old_name_d3s_static_points_to_d2s(tmp_path, capsys):
-    assert "d2s" in _bad_input(tmp_path, capsys, ["--method", "d3s-static"])
-
-
 BAD_FLAGS = [  # (flags added to a valid tiny run, a fragment of the one line)
     (["--lr", "nan"], "--lr nan: must be in (0, 1]"),
     (["--lr", "-1"], "--lr -1: must be"),
@@ -649,9 +645,9 @@ def test_a_bad_checkpoint_is_one_line_naming_the_file_and_the_fix(tmp_path, caps
             lambda p: torch.save({**torch.load(good, weights_only=True), "x": NotATensor()}, p),
             "refused: it holds a pickled Python object",
         ),
-        "older format": (
-            lambda p: torch.save({k: v for k, v in torch.load(good, weights_only=True).items() if k != "format"}, p),
-            "checkpoint format 1 of an older train_small.py",
+        "older format": (  # format 3 (before 2026-11-28) held the RNG state: refused in one line, not read in part
+            lambda p: torch.save({**torch.load(good, weights_only=True), "format": 3}, p),
+            "checkpoint format 3 (this train_small.py reads format 4 only)",
         ),
         "a folder": (lambda p: p.mkdir(), "is a folder, not a checkpoint file"),
     }
@@ -675,6 +671,31 @@ def test_a_bad_checkpoint_is_one_line_naming_the_file_and_the_fix(tmp_path, caps
             train_small.main(flags + ["--out", str(finished_copy)] + extra)
         err = capsys.readouterr().err.strip()
         assert e.value.code == 2 and len(err.splitlines()) == 1 and fragment in err, (extra, err)
+
+
+def test_a_fresh_run_into_a_folder_that_holds_a_run_is_refused_and_changes_nothing(tmp_path, capsys, whole_run):
+    """A forgotten --resume loses nothing: the second fresh run into the same --out is one line naming --resume and
+    another --out, exit 2, and every file of the first run is byte for byte what it was; with no --out, each run gets
+    a new folder (runs/small/METHOD__SEED__TIME), so the README's first command runs twice in a row."""
+    import shutil
+
+    flags, whole = whole_run
+    first = tmp_path / "first"
+    shutil.copytree(whole, first)
+    before = {p: p.read_bytes() for p in sorted(first.rglob("*")) if p.is_file()}
+    for method in ("d3s", "grpo"):  # the same run again, or another method into the same folder
+        with pytest.raises(SystemExit) as e:
+            train_small.main(flags + ["--out", str(first), "--method", method])
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and len(err.splitlines()) == 1, err
+        assert f"--out {first}: holds an earlier run (metrics.jsonl, checkpoint.pt)" in err and "--resume" in err, err
+    assert {p: p.read_bytes() for p in sorted(first.rglob("*")) if p.is_file()} == before
+    names = {train_small.parse_args([]).out for _ in range(2)} | {train_small.parse_args(["--method", "grpo"]).out}
+    assert all(n.startswith(os.path.join("runs", "small", "")) for n in names) and len(names) >= 2, names
+    assert any("grpo__0__" in n for n in names) and any("d3s__0__" in n for n in names), names
+    with pytest.raises(SystemExit) as e:
+        train_small.parse_args(["--resume"])  # whose run? --resume names its folder
+    assert e.value.code == 2 and "--resume: pass --out" in capsys.readouterr().err
 
 
 def test_a_nan_loss_skips_the_update_and_is_logged(tmp_path, cache_dir, two_answer_data, monkeypatch):
@@ -1003,15 +1024,15 @@ def test_two_runs_on_two_threads_give_the_same_numbers(tmp_path):
 
 
 def test_the_shared_kv_attention_gives_sdpa_s_floats_and_reads_keys_in_place_only_without_gradient(monkeypatch):
-    """warmstart.shared_kv_attention (every model train_small loads runs it): the same sampled tokens, log-probs,
+    """sampler.shared_kv_attention (every model train_small loads runs it): the same sampled tokens, log-probs,
     entropies and gradients as transformers' "sdpa", bit for bit. Without a gradient its kernel reads each key/value
     head in place (repeat_kv, the copy, is never called); with one it copies as "sdpa" does."""
     import transformers.integrations.sdpa_attention as sdpa
 
     policy, plain, tokenizer = _tiny_policy(seed=3)
     assert policy.config.num_attention_heads > policy.config.num_key_value_heads  # grouped-query attention
-    warmstart.shared_kv_attention(policy)
-    assert (policy.config._attn_implementation, plain.config._attn_implementation) == (warmstart.SHARED_KV, "sdpa")
+    sampler.shared_kv_attention(policy)
+    assert (policy.config._attn_implementation, plain.config._attn_implementation) == (sampler.SHARED_KV, "sdpa")
     copies, repeat_kv = [], sdpa.repeat_kv
     monkeypatch.setattr(sdpa, "repeat_kv", lambda *a: copies.append(torch.is_grad_enabled()) or repeat_kv(*a))
     results = {}

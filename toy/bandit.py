@@ -32,7 +32,7 @@ import torch.nn as nn  # noqa: E402
 
 import d3s  # noqa: E402
 from support import cli, explain, methods, stops  # noqa: E402
-from support.run import run_all  # noqa: E402
+from support.pool import imap  # noqa: E402
 
 PROG = "bandit.py"  # the name in every error line, however the script is started
 DEFAULT_METHODS = ("grpo", "d1s", "d1s-cross", "d2s", "d3s", "d3s-i", "pods", "random")  # docs/toy.md's table
@@ -349,7 +349,7 @@ def main(argv=None, parser=None):
     start, runs = time.time(), {m: {} for m in args.methods}
     jobs = [(m, s, args) for m in args.methods for s in range(args.seeds)]
     try:
-        for (method, seed, _), lines in run_all(run_job, jobs, args.workers):
+        for (method, seed, _), lines in imap(run_job, jobs, args.workers):
             runs[method][seed] = lines
     except Diverged as e:  # one line, as for a bad flag: the setting (a learning rate) is the cause
         stops.fail(PROG, f"--lr {args.lr:g}: {e}; lower --lr (or keep --max-grad-norm above 0)")
