@@ -6,11 +6,11 @@
     -> token_scores -> select_tokens                    keep the top K of |A| * H
     -> policy_loss (kl_k3)                              GRPO or GSPO clipped surrogate on the selected tokens
 
-N and K follow dynamic_schedule (D3S: N 8 -> 32 rollouts per prompt, K 5% -> 20% of tokens). The paper's ablation
-rows and PODS are configurations of these functions (LADDER, method_budget); rows and rules beyond the papers are
-in support/methods.py. No I/O, no model, no mutable state. Papers: D3S (Wang et al., ICLR 2026, arXiv 2509.22115), PODS
-(Xu et al., arXiv 2504.13818), GSPO (Zheng et al., arXiv 2507.18071). Shapes: P prompts, G rollouts per prompt
-(a group), B rollouts in a batch, T response tokens (right-padded; `mask` marks the real ones), V vocabulary.
+N and K follow dynamic_schedule (N 8 -> 32, K 5% -> 20% [summary]; N per prompt [inferred]; labels: docs/algorithm.md).
+The ablation rows [notes] and PODS are configurations of these functions (LADDER, method_budget); other rows and rules:
+support/methods.py. No I/O, no model, no mutable state. Papers: D3S (Wang et al., ICLR 2026, arXiv 2509.22115), PODS (Xu
+et al., arXiv 2504.13818), GSPO (Zheng et al., arXiv 2507.18071). Shapes: P prompts, G rollouts per prompt (a group), B
+rollouts in a batch, T response tokens (right-padded; `mask` marks the real ones), V vocabulary.
 """
 
 import math
@@ -111,7 +111,7 @@ def select_samples(rewards, n_keep, rule="cross", scale=True, eps=1e-6, generato
     A function (rewards, n_keep, scale=, eps=, generator=) -> (keep, adv) is a rule beyond the papers
     (support/methods.py).
 
-    D3S keeps full-group A (PODS maximises Var(R), re-standardizes on the kept). D3S's Lemma 1: a group has a subset
+    D3S keeps full-group A (PODS maximises Var(R), re-standardizes on the kept). Lemma 1 [summary]: a group has a subset
     with Var(A') >= 1 (a larger gradient-norm bound); ours (unbiased Var): every max-Var N has it. Within a group A
     increases with R, so "intra" and "pods" keep the same rollouts. Cross-group (choice): notes on the paper quote
     "a further cross-group selection over the entire batch"; no source at hand says over which candidates. Here: one
@@ -208,7 +208,7 @@ def token_scores(adv, entropy, rule=None, generator=None):
     """The score select_tokens ranks by. D3S: s_{i,t} = |A_{i,t}| * H_{i,t}.
 
     adv: [B] (one outcome advantage per response) or [B, T]; entropy: [B, T]. Returns [B, T] fp32. rule: None for
-    the paper's |A| * H, or a function (|A|, entropy, generator) -> scores (methods.TOKEN_RULES). Non-finite scores
+    the abstract's |A| * H, or a function (|A|, entropy, generator) -> scores (methods.TOKEN_RULES). Non-finite scores
     (a NaN forward) become 0: that step's loss is NaN too and its update is skipped.
 
     >>> token_scores(torch.tensor([2., -1.]), torch.tensor([[0.5, 1.], [3., 0.]]))
@@ -229,7 +229,7 @@ def select_tokens(scores, mask, k_frac, scope="batch", min_per_seq=0):
     scores, mask: [B, T] (mask True/1 on real response tokens). Returns keep [B, T] bool. scope="batch" (choice):
     one top-K over the batch; with outcome rewards A is constant within a response, so a per-response top-K
     ("sequence") would rank by entropy alone. K counts ceil(k_frac * valid tokens); padding is never kept.
-    min_per_seq=1 gives every response with a valid token its best token (0: the paper's plain top-K%).
+    min_per_seq=1 gives every response with a valid token its best token (0: a plain top-K%, as a summary reads it).
 
     >>> s = torch.tensor([[0.9, 0.1, 0.5, 0.0], [0.8, 0.7, 0.0, 0.0]])
     >>> m = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
@@ -269,9 +269,9 @@ def select_tokens(scores, mask, k_frac, scope="batch", min_per_seq=0):
 
 # === 4. The dynamic schedule: aggressive down-sampling early, mild late; the methods as configurations ================
 def dynamic_schedule(step, total_steps, n_init=8, n_final=32, k_init=0.05, k_final=0.20, progress=None):
-    """N and K at `step` (from 0) of `total_steps`, linear from the init to the final values (the paper's):
+    """N and K at `step` (from 0) of `total_steps`, linear from the init to the final values ([summary]: linear):
         N = round(N_init + (N_final - N_init) * f),   K = K_init + (K_final - K_init) * f,   f = step / total_steps
-    Paper defaults: N 8 -> 32 rollouts per prompt, K 5% -> 20% of tokens; N rounds half up (choice). progress: f,
+    Defaults [summary]: N 8 -> 32 (per prompt [inferred]), K 5% -> 20%; N rounds half up (choice). progress: f,
     for other shapes of the curve (methods.progress). Returns (n: int, k: float).
 
     >>> dynamic_schedule(0, 100), dynamic_schedule(50, 100), dynamic_schedule(100, 100)
@@ -298,14 +298,14 @@ class Row(NamedTuple):  # one method: which rollouts select_samples keeps, and w
     k: str  # K, fraction of tokens kept: "schedule", "static", or "all" (= 1: no token selection)
 
 
-# The paper's ablation ladder (D3S Table 2), each row adding one piece to the row above, and PODS.
+# The ablation ladder, named as notes on D3S quote it [notes], each row adding one piece to the row above, and PODS.
 LADDER = {
     "grpo": Row("all", "all", "all"),  # GRPO: every rollout, every token
     "d1s": Row("intra", "static", "all"),  # + sample level: max-variance N per group
     "d1s-cross": Row("cross", "static", "all"),  # ... chosen across groups
     "d2s": Row("cross", "static", "static"),  # + token level: top K by |A| * H
     "d3s": Row("cross", "schedule", "schedule"),  # + the dynamic schedule of N and K: D3S
-    "d3s-i": Row("intra", "schedule", "schedule"),  # D3S with intra-group samples (the paper's stable variant)
+    "d3s-i": Row("intra", "schedule", "schedule"),  # D3S within groups: stabler from unaligned models [summary]
     "pods": Row("pods", "static", "all"),  # PODS: max-variance by reward, A recomputed
 }
 
@@ -378,15 +378,15 @@ def policy_loss(
     GRPO: w_{i,t} = exp(logp_{i,t} - old_{i,t})                                     (default eps 0.2 / 0.28)
     GSPO: w_i = exp(mean_t (logp_{i,t} - old_{i,t})) over the selected tokens (choice), as log w_{i,t} =
           logp - sg(logp) + sg(mean_t(logp - old)): the gradient flows per token (GSPO-token)  (3e-4 / 4e-4)
-    eps_low, eps_high: clip_low, clip_high. KL: kl_k3 to ref_logp (with beta = 0: measured, not in the loss).
-    logp, old_logp, token_mask (the selected tokens, d3s.select_tokens) and ref_logp: [B, T]; adv: [B]. Returns
-    (loss, stats). agg="token-mean" (GRPO's here, as DAPO and verl; the GRPO paper averages per response first):
-    sum(l * token_mask) / normalizer (default token_mask.sum(), a choice): every selected token of the optimizer batch
-    weighs the same; "seq-mean-token-mean" (GSPO's): each response's token mean, summed, / normalizer (default: the
-    responses with a selected token). Micro-batching: pass the whole optimizer step's normalizer (all ranks).
-    On-policy with one update per batch, w = 1: clipping never binds, the loss is -mean(A) over the selected tokens
-    and the gradient -A_i grad(logp_{i,t}) / N; GSPO's equals GRPO's under the same agg. Ratios, clipping and GSPO
-    act only on reused rollouts (several mini-batches per batch).
+    eps_low, eps_high: clip_low, clip_high. KL: kl_k3 to ref_logp; beta * KL averages over the selected tokens only
+    (choice; GRPO's, all; beta = 0: measured only). logp, old_logp, token_mask (the selected tokens, d3s.select_tokens)
+    and ref_logp: [B, T]; adv: [B]. Returns (loss, stats). agg="token-mean" (GRPO's here, as DAPO and verl; the GRPO
+    paper averages per response first): sum(l * token_mask) / normalizer (default token_mask.sum(), a choice): every
+    selected token of the optimizer batch weighs the same; "seq-mean-token-mean" (GSPO's): each response's token mean,
+    summed, / normalizer (default: the responses with a selected token). Micro-batching: pass the whole optimizer step's
+    normalizer (all ranks). On-policy with one update per batch, w = 1: clipping never binds, the loss is -mean(A) over
+    the selected tokens and the gradient -A_i grad(logp_{i,t}) / N; GSPO's equals GRPO's under the same agg. Ratios,
+    clipping and GSPO act only on reused rollouts (several mini-batches per batch).
 
     >>> logp = torch.log(torch.tensor([[0.5, 0.5], [0.25, 0.25]])).requires_grad_()
     >>> loss, stats = policy_loss(logp, logp.detach(), torch.tensor([1., -1.]), torch.ones(2, 2))

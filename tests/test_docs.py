@@ -4,8 +4,9 @@
   exists, so moving a section cannot leave a dead link behind.
 - No tracked file refers to the folder outside the repository where the data, the design notes
   and the papers used to live: the data are in data/, the specification is docs/algorithm.md.
-- No page (docs/, lesson/, d3s.py) says "the paper does not state X": the sources at hand are not
-  the paper's text, so a page says "no source at hand states X" (issue 45).
+- No page (README.md, docs/, lesson/, d3s.py) says "the paper does not state X" in any wording, within a sentence
+  broken over lines too ("the paper's Table 3 ... without saying whether", issue 56, E1): the sources at hand are
+  not the paper's text, so a page says "no source at hand states X" (issue 45).
 - lesson/checks.py and lesson/answers.py point at the lesson's sections as 'section N, "Title"', and
   each is a real '## N. Title' heading of lesson/lesson.py.
 - README.md carries no date, and each of its figures (a decimal, not a version) is printed on a
@@ -101,28 +102,46 @@ def test_the_outside_pattern():
 # What the pages say of the paper: no source at hand is its text (docs/algorithm.md, introduction), so a page says
 # "no source at hand states X", never "the paper does not state X" (issue 45, M2).
 # ---------------------------------------------------------------------------------------------
-PAPER_SILENCE = re.compile(r"the (?:D3S )?paper(?:'s)? (?:does not|doesn't) (?:state|say|give)", re.I)
+# Within one sentence, across line breaks: "the paper" (or "the paper's X") and then what it does not state, in any
+# wording that E1 of issue 56 used ("The paper's Table 3 reports ... without saying whether ...").
+PAPER_SILENCE = re.compile(
+    r"\bthe (?:D3S )?paper(?:'s)?\b(?:(?!\.\s)[^;]){0,200}?"
+    r"\b(?:(?:does not|doesn't|did not|didn't|never) (?:state|say|give|specify|report)s?|is silent"
+    r"|without (?:saying|stating|giving|specifying))\b",
+    re.I,
+)
 
 
 def silence_claims(text):
-    """The lines of `text` that say what the paper does not state (1-based line numbers)."""
-    return [i + 1 for i, line in enumerate(text.splitlines()) if PAPER_SILENCE.search(line)]
+    """The lines of `text` (1-based) where a sentence says what the paper does not state. Lines are joined (comment
+    markers dropped) so that a sentence broken over lines is read whole; a hit is reported at the line it starts on."""
+    lines = [re.sub(r"^\s*#+\s?", "", line).strip() for line in text.splitlines()]
+    starts, joined = [], ""
+    for line in lines:
+        starts.append(len(joined))
+        joined += line + " "
+    return sorted(
+        {max(i for i, at in enumerate(starts) if at <= m.start()) + 1 for m in PAPER_SILENCE.finditer(joined)}
+    )
 
 
 def test_the_silence_pattern_finds_the_claim():
     text = (
         "G = 32 is inferred.\nThe paper does not state G;\nthe paper's doesn't state it\nThe D3S paper doesn't say.\n"
+        "The paper's Table 3 reports a speed-up\nwithout saying whether in steps.\n# the paper\n# never gives G.\n"
     )
-    assert silence_claims(text) == [2, 3, 4]
+    assert silence_claims(text) == [2, 3, 4, 5, 7]
     assert silence_claims("No source at hand states the paper's G; the paper states N.") == []
+    assert silence_claims("The notes do not say whether in steps; the paper's abstract gives a reason.") == []
+    assert silence_claims("Notes on the paper quote Table 3. The notes do not say whether in steps.") == []
 
 
 def test_no_page_says_what_the_paper_does_not_state():
-    files = ["d3s.py"] + sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))
+    files = ["README.md", "d3s.py"] + sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))
     files += sorted(
         str(p.relative_to(ROOT)) for p in (ROOT / "lesson").iterdir() if p.suffix in (".py", ".md", ".ipynb")
     )
-    assert "lesson/lesson.py" in files and "docs/algorithm.md" in files
+    assert "lesson/lesson.py" in files and "docs/algorithm.md" in files and "docs/results.md" in files
     found = {name: silence_claims((ROOT / name).read_text(encoding="utf-8")) for name in files}
     found = {name: lines for name, lines in found.items() if lines}
     assert not found, f"say 'no source at hand states X' (the sources are not the paper's text): {found}"
