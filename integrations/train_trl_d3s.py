@@ -53,8 +53,8 @@ def main(argv=None):
         save_strategy="no",
         use_cpu=True,
         bf16=False,  # this example runs on a CPU; drop both on a GPU
-        # D3S: N rollouts kept per prompt and K of their tokens, on the paper's linear schedule
-        # (8 -> 32 of G = 32 in the paper, scaled here to G = 8)
+        # D3S: N rollouts kept per prompt and K of their tokens, on the linear schedule of a summary of the
+        # paper (8 -> 32 of G = 32 there, G inferred; scaled here to G = 8)
         d3s_method=args.method,
         n_init=2,
         n_final=8,

@@ -115,11 +115,11 @@ def check_trl_version(version=None):
 # ---------------------------------------------------------------------------------------------
 @dataclass
 class D3SGRPOConfig(GRPOConfig):
-    """GRPOConfig plus D3S's fields. The defaults are the paper's schedule scaled to num_generations.
+    """GRPOConfig plus D3S's fields. The defaults are a summary's schedule scaled to num_generations.
 
     d3s_method   a row of methods.LADDER: grpo, d1s, d1s-cross, d2s, d3s, d3s-i, pods, random, dapo-filter(-k)
     n_init/n_final   rollouts kept per prompt at the first/last step (default G/4 -> G: the
-                 paper's 8 -> 32 of G = 32); k_init/k_final the fraction of tokens kept (5% -> 20%)
+                 a summary's 8 -> 32 of G = 32, G inferred); k_init/k_final the fraction of tokens kept (5% -> 20%)
     static_n/static_k   N and K of the static rows (d1s, d1s-cross, d2s, pods); default the midpoint
     token_scope  "batch": one top K over the optimizer batch of all processes; "sequence": per response
     min_tokens_per_seq   1: every kept response keeps at least its best token; 0: plain top K
@@ -130,13 +130,13 @@ class D3SGRPOConfig(GRPOConfig):
     d3s_method: str = field(default="d3s", metadata={"help": "a row of methods.LADDER: " + ", ".join(methods.NAMES)})
     n_init: int | None = field(
         default=None,
-        metadata={"help": "N at step 0: rollouts kept per prompt (default num_generations // 4; paper: 8 of 32)"},
+        metadata={"help": "N at step 0: rollouts kept per prompt (default num_generations // 4; a summary: 8 of 32)"},
     )
     n_final: int | None = field(
-        default=None, metadata={"help": "N at max_steps (default num_generations; paper: 32 of 32)"}
+        default=None, metadata={"help": "N at max_steps (default num_generations; a summary: 32 of 32)"}
     )
-    k_init: float = field(default=0.05, metadata={"help": "K at step 0: fraction of tokens kept (paper: 0.05)"})
-    k_final: float = field(default=0.20, metadata={"help": "K at max_steps (paper: 0.20)"})
+    k_init: float = field(default=0.05, metadata={"help": "K at step 0: fraction of tokens kept (a summary: 0.05)"})
+    k_final: float = field(default=0.20, metadata={"help": "K at max_steps (a summary: 0.20)"})
     static_n: int | None = field(
         default=None,
         metadata={"help": "N of the static rows d1s, d1s-cross, d2s, pods (default: the schedule's midpoint) (choice)"},
@@ -151,7 +151,7 @@ class D3SGRPOConfig(GRPOConfig):
         },
     )
     min_tokens_per_seq: int = field(
-        default=0, metadata={"help": "1: every kept response keeps its best token; 0: the paper's plain top K (choice)"}
+        default=0, metadata={"help": "1: every kept response keeps its best token; 0: a plain top K (choice)"}
     )
     normalize_by: str = field(
         default="selected",

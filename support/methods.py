@@ -4,8 +4,8 @@ d3s.py holds the papers' method. Every rung takes --method from LADDER here: d3s
 the questions a summary of the paper leaves open (docs/questions.md) and two controls, in d3s.py's terms:
 
     LADDER        d3s.LADDER + random (a control) + DAPO's filter (dapo-filter, dapo-filter-k); NAMES its names
-    TOKEN_RULES   the token score: |A| * H (the paper's), H alone, |A| alone, random (a control)
-    progress      the shape of the schedule: linear (the paper's), cosine, step, constant, adaptive
+    TOKEN_RULES   the token score: |A| * H (the abstract's), H alone, |A| alone, random (a control)
+    progress      the shape of the schedule: linear (a summary's), cosine, step, constant, adaptive
     switch_to_intra   the switch rule: a cross-group row moves to its intra-group twin at a gradient spike
     budget        N and K of a row at a step, from a rung's flags (d3s.method_budget); check_flags, their checks
     flags         the flags of these knobs (--schedule, --token-rule, ...): a rung adds the ones it runs
@@ -80,7 +80,7 @@ def selects_tokens(method):
     return LADDER[method].k != "all"
 
 
-# === Token rules: what select_tokens ranks by, besides the paper's |A| * H (d3s.token_scores' rule=None) ==============
+# === Token rules: what select_tokens ranks by, besides the abstract's |A| * H (d3s.token_scores' rule=None) ===========
 def entropy_only(abs_adv, entropy, generator=None):
     """H alone: the high-entropy "minority tokens" rule of Wang et al. 2025 (80/20)."""
     return entropy.float().clone()
@@ -103,12 +103,12 @@ TOKEN_RULES = {"adv-entropy": None, "entropy": entropy_only, "adv": advantage_on
 
 
 # === Schedules: the curve N and K follow from init (f = 0) to final (f = 1), p = step / total_steps ===================
-SCHEDULES = ("linear", "cosine", "step", "constant", "adaptive")  # "linear" is the paper's
+SCHEDULES = ("linear", "cosine", "step", "constant", "adaptive")  # "linear" is a summary's (the design card)
 
 
 def progress(kind, step, total_steps, history=None):
     """f for d3s.dynamic_schedule(progress=f) (open question 2 of a summary of the paper, docs/questions.md):
-      "linear"    f = p                        the paper's
+      "linear"    f = p                        a summary's
       "cosine"    f = (1 - cos(pi * p)) / 2    slow at both ends, fastest at the middle
       "step"      f = 0 for p < 1/2, else 1    the init values for the first half, the final ones after
       "constant"  f = 0                        the init values throughout (the aggressive end)
@@ -173,7 +173,7 @@ def switch_to_intra(method, grad_norms, ratio, window=10):
     """The row this step runs under the switch rule: a cross-group row (d3s, d1s-cross) runs as its
     intra-group twin (d3s-i, d1s) from the step after the first spike to the end, a step whose gradient norm
     (before clipping) is over `ratio` x the median of the `window` steps before it (spike_ratios).
-    grad_norms: the norms of the steps taken so far. ratio None or 0: off, the paper's method. Any other
+    grad_norms: the norms of the steps taken so far. ratio None or 0: off, as the sources describe D3S. Any other
     row, or no spike yet: `method` itself. Pure: the same norms give the same row.
 
     >>> switch_to_intra("d3s", [1.0] * 10 + [1.2], 3.0), switch_to_intra("d3s", [1.0] * 10 + [4.0], 3.0)
@@ -259,7 +259,7 @@ FLAGS = [
         0.0,
         cli.number(float, 1, low_open=True, what="0 (off) or a number > 1", also=(0,)),
         "the switch rule (methods.switch_to_intra): a cross-group row selects within groups from the step "
-        "after the first grad-norm spike over this x the median of the 10 steps before; 0: off, the paper's "
+        "after the first grad-norm spike over this x the median of the 10 steps before; 0: off, as the sources describe D3S "
         "method",
     ),
     cli.flag("--min-token-per-response", False, bool, "every kept response keeps its best token (off: plain top-K%%)"),

@@ -131,7 +131,7 @@ def out_lock(out, prog, world=None):
 
 def write_summary(args, lines, warm_info, totals, timeouts, rl_s, wall_s):
     """train_small.py's OUT/summary.json and the lines it prints: the warm start's and the final held-out numbers, what
-    the run trained on (rollouts, tokens), the paper's metrics over the run, and where the time went."""
+    the run trained on (rollouts, tokens), the mechanism metrics over the run, and where the time went."""
     evals = [m for m in lines if m["kind"] == "eval"]
     train = [m for m in lines if m["kind"] == "train"]
     first, last = evals[0], evals[-1]
