@@ -28,7 +28,7 @@ PROG = "export_checkpoint.py"
 def build_parser():
     f = cli.flag
     flags = [
-        f("checkpoint", None, None, "a checkpoint folder of train_full.py: OUT/checkpoints/step_NNNNNN"),
+        f("checkpoint", None, None, "a checkpoint folder of train_full.py: OUT/checkpoints/step_NNNNNN", nargs="?"),
         f("--out", None, None, "the HF folder to write; none given: OUT/hf_step_NNNNNN beside the run's checkpoints/"),
         f("--model", None, None, "the base model, for its config and tokenizer; none given: the run's --model"),
         f(
@@ -44,6 +44,8 @@ def build_parser():
 def check_args(p, args):
     """The checkpoint (read_shards: complete, current format, no pickled object), the base model and --out, before
     any model is built. A bad one: one line, exit 2. Returns (trainer_state, the base model, the output folder)."""
+    if args.checkpoint is None:
+        p.error("no checkpoint named; pass a checkpoint folder of train_full.py (OUT/checkpoints/step_NNNNNN)")
     path = os.path.normpath(args.checkpoint)
     if not os.path.isdir(path):
         p.error(

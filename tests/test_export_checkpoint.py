@@ -96,10 +96,15 @@ def test_dtype_bfloat16_writes_the_checkpoints_weights_rounded_once(trained, tmp
     assert logits(tmp_path / "bf16", torch.bfloat16).dtype == torch.bfloat16  # from_pretrained loads it
 
 
-@pytest.mark.parametrize("case", ["the run's folder", "no such folder", "another model"])
+@pytest.mark.parametrize("case", ["none named", "the run's folder", "no such folder", "another model"])
 def test_bad_input_is_one_line_and_exit_2(trained, tmp_path, case):
     checkpoint, wide = trained / "checkpoints" / "step_000001", tmp_path / "wide"
     argv, start, end = {
+        "none named": (
+            [],
+            "no checkpoint named; pass a checkpoint folder of train_full.py ",
+            "(OUT/checkpoints/step_NNNNNN)",
+        ),
         "the run's folder": ([trained], f"{trained}: not a complete checkpoint (no trainer_state.json); ", ""),
         "no such folder": (
             [tmp_path / "nothing"],
