@@ -20,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from support import cli  # noqa: E402
-from support.checkpoint import STEP_DIR, CheckpointError, export_pretrained, read_shards  # noqa: E402
+from support.checkpoint import CheckpointError, export_pretrained, read_shards  # noqa: E402
 
 PROG = "export_checkpoint.py"
 
@@ -55,7 +55,9 @@ def check_args(p, args):
         meta = read_shards(path)
     except CheckpointError as e:
         p.error(str(e))
-    model = args.model or meta["run"]["model"]
+    model = args.model or meta["run"].get("model")
+    if model is None:
+        p.error(f"{path}: its trainer_state.json records no base model; pass --model (its config and tokenizer)")
     if args.model is None and model.startswith(("/", ".", "~")) and not os.path.isdir(model):
         p.error(
             f"{path}: its run's base model {model} (trainer_state.json) is not here; pass --model with the base model's "
@@ -65,12 +67,10 @@ def check_args(p, args):
     out = args.out
     if out is None:  # OUT/checkpoints/step_NNNNNN -> OUT/hf_step_NNNNNN, as --export-every names its folders
         parent = os.path.dirname(os.path.abspath(path))
-        run = os.path.dirname(parent) if os.path.basename(parent) == "checkpoints" else parent
-        out = os.path.join(run, f"hf_step_{meta['step']:06d}")
+        folder = os.path.dirname(parent) if os.path.basename(parent) == "checkpoints" else parent
+        out = os.path.join(folder, f"hf_step_{meta['step']:06d}")
     if os.path.exists(out):
         p.error(f"--out {out}: already exists (an earlier export?); remove it, or pass another --out")
-    if not STEP_DIR.match(os.path.basename(path)):  # a renamed folder still loads; its step is trainer_state.json's
-        print(f"{PROG}: note: {path} is not named step_NNNNNN; it holds step {meta['step']}", file=sys.stderr)
     return meta, model, out
 
 
@@ -82,7 +82,6 @@ def main(argv=None):
     import torch
     import torch.distributed.checkpoint as dcp
     from transformers import AutoConfig, AutoModelForCausalLM
-
     from transformers.utils import logging
 
     from support.fsdp import load_generation_config, load_tokenizer
@@ -90,7 +89,10 @@ def main(argv=None):
     logging.disable_progress_bar()  # our own lines only: no "Writing model shards" bar
 
     # 1. The base model's class and config, its weights left empty: DCP fills them
-    config = AutoConfig.from_pretrained(base)
+    try:
+        config = AutoConfig.from_pretrained(base)
+    except (OSError, ValueError) as e:  # a hub name not in the cache offline, an unknown model type, ...
+        p.error(f"--model {base}: its config cannot be loaded ({(str(e).strip().splitlines() or [''])[0][:200]})")
     dtype = config.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
     dtype = dtype if isinstance(dtype, torch.dtype) else getattr(torch, str(dtype or "float32"))
     with torch.device("meta"):
@@ -119,11 +121,11 @@ def main(argv=None):
     if generation is not None:
         model.generation_config = generation
     export_pretrained(model, load_tokenizer(base), out)
-    run = meta["run"]
+    recorded = meta["run"]  # the run's flags
     print(
-        f"exported step {meta['step']} of {args.checkpoint} ({run.get('method')}, {run.get('loss')} loss) to {out} "
-        f"({str(dtype).replace('torch.', '')}); evaluate it: python train_full.py --eval-only --model {out} "
-        f"--template {run.get('template')}"
+        f"exported step {meta['step']} of {args.checkpoint} ({recorded.get('method')}, {recorded.get('loss')} loss) "
+        f"to {out} ({str(dtype).replace('torch.', '')}); evaluate it: python train_full.py --eval-only --model {out} "
+        f"--template {recorded.get('template')}"
     )
 
 
