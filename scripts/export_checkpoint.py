@@ -10,7 +10,8 @@ own exports hold (checkpoint.export_hf): the weights in the base model's dtype, 
 generation config beside them, so that AutoModelForCausalLM.from_pretrained, vLLM and `train_full.py --eval-only`
 load it. Written to OUT.tmp and renamed once complete. Host memory [arithmetic, not measured on the 7B]: the model
 once in the export dtype (Qwen2.5-Math-7B's 7.6B parameters in bfloat16: 15 GB), and the one fp32 tensor DCP reads
-at a time, as bytes and as a tensor (the largest, the embedding: 2 x 2.2 GB). tests/test_export_checkpoint.py checks its logits against train_full's own exports.
+at a time, as bytes and as a tensor (the largest, the embedding: 2 x 2.2 GB). tests/test_export_checkpoint.py checks
+its logits against train_full's own exports.
 """
 
 import os
