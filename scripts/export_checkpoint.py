@@ -25,6 +25,7 @@ from support import cli  # noqa: E402
 from support.checkpoint import CheckpointError, export_pretrained, read_shards  # noqa: E402
 
 PROG = "export_checkpoint.py"
+PASS_ONE = "pass a checkpoint folder of train_full.py (OUT/checkpoints/step_NNNNNN)"
 
 
 def build_parser():
@@ -47,12 +48,10 @@ def check_args(p, args):
     """The checkpoint (read_shards: complete, current format, no pickled object), the base model and --out, before
     any model is built. A bad one: one line, exit 2. Returns (trainer_state, the base model, the output folder)."""
     if args.checkpoint is None:
-        p.error("no checkpoint named; pass a checkpoint folder of train_full.py (OUT/checkpoints/step_NNNNNN)")
+        p.error(f"no checkpoint named; {PASS_ONE}")
     path = os.path.normpath(args.checkpoint)
     if not os.path.isdir(path):
-        p.error(
-            f"{args.checkpoint}: no such folder; pass a checkpoint folder of train_full.py (OUT/checkpoints/step_NNNNNN)"
-        )
+        p.error(f"{args.checkpoint}: no such folder; {PASS_ONE}")
     try:
         meta = read_shards(path)
     except CheckpointError as e:
@@ -62,8 +61,8 @@ def check_args(p, args):
         p.error(f"{path}: its trainer_state.json records no base model; pass --model (its config and tokenizer)")
     if args.model is None and model.startswith(("/", ".", "~")) and not os.path.isdir(model):
         p.error(
-            f"{path}: its run's base model {model} (trainer_state.json) is not here; pass --model with the base model's "
-            "folder or hub name (its config and tokenizer)"
+            f"{path}: its run's base model {model} (trainer_state.json) is not here; pass --model with the base "
+            "model's folder or hub name (its config and tokenizer)"
         )
     cli.check_model(p, model)
     out = args.out

@@ -96,7 +96,9 @@ def test_dtype_bfloat16_writes_the_checkpoints_weights_rounded_once(trained, tmp
     assert logits(tmp_path / "bf16", torch.bfloat16).dtype == torch.bfloat16  # from_pretrained loads it
 
 
-@pytest.mark.parametrize("case", ["none named", "the run's folder", "no such folder", "another model"])
+@pytest.mark.parametrize(
+    "case", ["none named", "the run's folder", "no such folder", "base model moved", "another model"]
+)
 def test_bad_input_is_one_line_and_exit_2(trained, tmp_path, case):
     checkpoint, wide = trained / "checkpoints" / "step_000001", tmp_path / "wide"
     argv, start, end = {
@@ -111,6 +113,12 @@ def test_bad_input_is_one_line_and_exit_2(trained, tmp_path, case):
             f"{tmp_path / 'nothing'}: no such folder; pass a checkpoint folder of train_full.py ",
             "(OUT/checkpoints/step_NNNNNN)",
         ),
+        "base model moved": (
+            [moved_base(checkpoint, tmp_path / "elsewhere" / "step_000001"), "--out", tmp_path / "x"],
+            f"{tmp_path / 'elsewhere' / 'step_000001'}: its run's base model {tmp_path / 'gone'} (trainer_state.json) "
+            "is not here; pass --model with the base model's folder or hub name (its config and tokenizer)",
+            "",
+        ),
         "another model": (
             [checkpoint, "--out", tmp_path / "x", "--model", wider_model(wide)],
             f"{checkpoint}: its shards do not fit the model of {wide} (Size mismatch between saved ",
@@ -122,6 +130,15 @@ def test_bad_input_is_one_line_and_exit_2(trained, tmp_path, case):
     (said,) = proc.stderr.splitlines()
     assert said.startswith(f"{PROG}: error: {start}") and said.endswith(end), said
     assert not (tmp_path / "x").exists() and not (tmp_path / "x.tmp").exists()  # nothing written
+
+
+def moved_base(checkpoint, copy):
+    """The checkpoint copied, as on another machine where the run's --model is at another path."""
+    shutil.copytree(checkpoint, copy)
+    state = json.loads((copy / "trainer_state.json").read_text())
+    state["run"]["model"] = str(copy.parent.parent / "gone")
+    (copy / "trainer_state.json").write_text(json.dumps(state))
+    return copy
 
 
 def wider_model(folder):
