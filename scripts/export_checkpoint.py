@@ -85,7 +85,7 @@ def main(argv=None):
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging
 
-    from support.fsdp import load_generation_config, load_tokenizer
+    from support.mathtask import load_generation_config, load_tokenizer
 
     logging.disable_progress_bar()  # our own lines only: no "Writing model shards" bar
 
