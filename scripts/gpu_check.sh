@@ -68,8 +68,7 @@ print(f"python {sys.version.split()[0]}, torch {torch.__version__} (CUDA build {
       f"transformers {__import__('transformers').__version__}, "
       f"vllm {__import__('vllm').__version__ if importlib.util.find_spec('vllm') else 'not installed'}, "
       f"pytest {'yes' if importlib.util.find_spec('pytest') else 'NOT INSTALLED'}")
-driver, driver_cuda, gpus = gpu._driver_facts()
-print(f"NVIDIA driver {driver} (CUDA up to {driver_cuda}); GPUs: {gpus}")
+print(f"NVIDIA driver {gpu.driver_version() or 'not found (no nvidia-smi)'}")
 print(f"VLLM_BATCH_INVARIANT={os.environ.get('VLLM_BATCH_INVARIANT', '0')}, "
       f"PYTORCH_CUDA_ALLOC_CONF={os.environ.get('PYTORCH_CUDA_ALLOC_CONF', '')!r}")
 if not torch.cuda.is_available():

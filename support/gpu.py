@@ -1,21 +1,17 @@
 """support/gpu.py: what a run needs of the GPU, and what a step reports of it.
 
 vllm_memory_plan     trainer and vLLM on one GPU (and the host with --cpu-offload): gpu_memory_utilization and
-                     max_num_seqs, or one line naming what does not fit and the flags that would
+                     max_num_seqs, or one line naming what does not fit and the flags that set it
 host_memory, trainer_peak_bytes, model_shapes   its parts (bench/memory.py simulates them)
 clock, memory_peak_gb, gpu_used_gb, peak_flops, flop_params, head_params, mfu_counts   a step's clocks, memory, MFU
 train_record, update_flops   train_full.py's line of metrics.jsonl for a step: its counts, clocks, MFU and memory
 vllm_pool_bytes      what torch counts inside vLLM's sleep-mode pools (left out of the trainer's figures)
 fsdp_param_groups    what FSDP2 manages in a module, on torch 2.11 and 2.13
-cuda_diagnosis       why torch sees no GPU, in words
+cuda_diagnosis, driver_version   why torch sees no GPU, in one line
 """
 
-import contextlib
-import copy
-import ctypes
 import functools
 import json
-import math
 import os
 import resource
 import subprocess
@@ -45,14 +41,18 @@ def vllm_memory_plan(config, args, ranks, gpu_bytes, host_bytes=None, local_rank
     trainer's peak is trainer_peak_bytes; --vllm-sleep-level 0 keeps vLLM awake through the step: its share then
     sits beside that peak instead of the resident shards.
 
-    Refuses (cli.UsageError, one line naming the memory needed and the flags that would fit) a setting that leaves
+    Refuses (cli.UsageError, one line naming the memory that is short and the flags that set it; the alternatives
+    are a table in docs/memory.md, "When the plan refuses") a setting that leaves
     vLLM less than its weights, workspace and one full-length sequence of KV cache, a --vllm-gpu-memory-utilization
     whose share beside what the trainer holds and the margin exceeds the GPU, a training step that does not fit the
     GPU, or (host_bytes given) the host. Returns a dict with the numbers (printed at start, and by bench/memory.py).
     """
     plan = _plan(config, args, ranks, gpu_bytes, host_bytes, local_ranks)
-    if plan["short"]:
-        raise UsageError(_refusal(plan, config, args, ranks, gpu_bytes, host_bytes, local_ranks))
+    if plan["short"]:  # what is short, with the flags that set it; what else fits: docs/memory.md
+        raise UsageError(
+            f"--model {args.model}: does not fit this {gpu_bytes / 2**30:.1f} GiB GPU: {'; '.join(plan['short'])} "
+            "(what fits instead: docs/memory.md, 'When the plan refuses')"
+        )
     return plan
 
 
@@ -200,16 +200,20 @@ def _plan(config, args, ranks, gpu_bytes, host_bytes=None, local_ranks=1):
     what = (
         "its step, gpu.trainer_peak_bytes: --vllm-sleep-level 0 keeps vLLM awake through it"
         if awake
-        else f"{'12' if not offload else '0'} B x {params / 1e9:.2f}B params / {ranks} rank(s)"
-        f"{' + the --kl-ref reference' if reference and not offload else ''}"
+        else "none: --cpu-offload keeps its state in host memory"
+        if offload
+        else f"12 B x {params / 1e9:.2f}B params / {ranks} rank(s), without --cpu-offload"
+        f"{' + the --kl-ref reference' if reference else ''}"
     )
     short = []
     if share < least:
         short.append(
-            f"vLLM would get {share / gib:.1f} GiB beside the trainer's {beside / gib:.1f} GiB "
+            f"vLLM would get {share / gib:.1f} GiB{f' (--vllm-gpu-memory-utilization {given:g})' if given else ''} "
+            f"beside the trainer's {beside / gib:.1f} GiB "
             f"({what}) and the {MARGIN_GIB:g} GiB "
             f"margin, less than the {least / gib:.1f} GiB it needs (bf16 weights {weights / gib:.1f}, workspace "
-            f"{workspace / gib:.1f}, one sequence of {full_length} tokens {kv_per_token * full_length / gib:.2f})"
+            f"{workspace / gib:.1f}, one sequence of {full_length} tokens {kv_per_token * full_length / gib:.2f}: "
+            "--max-prompt-len + the larger of --max-response-len, --eval-max-tokens)"
         )
     if given and share + beside + margin > gpu_bytes:  # the plan's own share always leaves the room
         short.append(
@@ -220,8 +224,9 @@ def _plan(config, args, ranks, gpu_bytes, host_bytes=None, local_ranks=1):
     if peak + margin > gpu_bytes:
         short.append(
             f"the trainer's step needs about {peak / gib:.1f} GiB (gpu.trainer_peak_bytes: "
-            f"{params / 1e9:.2f}B params / {ranks} rank(s), micro-batch {args.micro_batch_size} x "
-            f"{args.max_prompt_len + args.max_response_len} tokens) + the {MARGIN_GIB:g} GiB margin"
+            f"{params / 1e9:.2f}B params / {ranks} rank(s), --micro-batch-size {args.micro_batch_size} x "
+            f"{args.max_prompt_len + args.max_response_len} tokens of --max-prompt-len + --max-response-len"
+            f"{', --cpu-offload' if offload else ''}) + the {MARGIN_GIB:g} GiB margin"
         )
     if host_bytes is not None and host > host_bytes:
         state = (
@@ -254,53 +259,6 @@ def _plan(config, args, ranks, gpu_bytes, host_bytes=None, local_ranks=1):
         "max_num_seqs": int(min(1024, max(16, kv_bytes // (kv_per_token * full_length)))),
         "short": short,
     }
-
-
-def _refusal(plan, config, args, ranks, gpu_bytes, host_bytes, local_ranks):
-    """The one line of a setting that does not fit: what is short, then the flags that would fit, if any."""
-
-    def fits_with(change):
-        other = copy.copy(args)
-        vars(other).update(change)
-        return not _plan(config, other, ranks, gpu_bytes, host_bytes, local_ranks)["short"]
-
-    fits = []
-    if not getattr(args, "cpu_offload", False) and fits_with({"cpu_offload": True}):
-        fits.append("--cpu-offload")
-    for mb in range(args.micro_batch_size - 1, 0, -1):  # the largest --micro-batch-size that fits
-        if fits_with({"micro_batch_size": mb}):
-            fits.append(f"--micro-batch-size {mb}")
-            break
-    if args.kl_ref and not args.kl_coef and fits_with({"kl_ref": False}):
-        fits.append("no --kl-ref")
-    if plan["vllm_awake_in_step"] and fits_with({"vllm_sleep_level": 2}):
-        fits.append("--vllm-sleep-level 2 (vLLM asleep during the step)")
-    given = args.vllm_gpu_memory_utilization
-    if given:
-        room = math.floor((gpu_bytes - plan["vllm_beside_gib"] * 2**30 - MARGIN_GIB * 2**30) / gpu_bytes * 1000) / 1000
-        if 0 < room < given and fits_with({"vllm_gpu_memory_utilization": room}):  # the largest that fits
-            fits.append(f"--vllm-gpu-memory-utilization {room:g}")
-        if fits_with({"vllm_gpu_memory_utilization": None}):
-            fits.append("no --vllm-gpu-memory-utilization (the plan's)")
-    # the fewest GPUs that fit: on this node (its host memory shared by more ranks), or over more nodes
-    for r in (r for r in (2, 4, 8, 16, 32, 64, 128) if ranks < r <= 8 * ranks):
-        if not _plan(config, args, r, gpu_bytes, host_bytes, local_ranks * r // ranks)["short"]:
-            fits.append(f"{r} GPUs (torchrun --nproc_per_node {r})" if ranks == local_ranks else f"{r} GPUs")
-            break
-        if not _plan(config, args, r, gpu_bytes, host_bytes, local_ranks)["short"]:
-            fits.append(f"{r} GPUs over {-(-r // local_ranks)} nodes of {local_ranks}")
-            break
-    gib = 2**30
-    left = (plan["vllm_share_gib"] - plan["vllm_weights_gib"] - plan["vllm_workspace_gib"]) * gib
-    tokens = int(left // plan["kv_bytes_per_token"]) - args.max_prompt_len
-    if plan["short"] and plan["short"][0].startswith("vLLM") and len(plan["short"]) == 1 and tokens >= 1:
-        fits.append(f"--max-response-len {tokens} --eval-max-tokens {tokens} (one sequence's KV cache)")
-    fix = (
-        ("fits with " + "; or ".join(fits))
-        if fits
-        else ("no flag of train_full.py fits it on this GPU: use a GPU with more memory")
-    )
-    return f"--model {args.model}: does not fit this {gpu_bytes / gib:.1f} GiB GPU: {'; '.join(plan['short'])}; {fix}"
 
 
 def clock(device, reset_peak=False):
@@ -356,58 +314,26 @@ def gpu_used_gb(device):
     return (total - free) / 2**30
 
 
-MIN_DRIVER = {13: 580, 12: 525, 11: 450}  # the oldest NVIDIA driver (major) that runs a CUDA major version's builds
+def cuda_diagnosis(facts=None):
+    """Why torch sees no CUDA device, in one line (train_full's --device cuda line, scripts/gpu_check.sh): facts, the
+    CUDA torch was built for (torch.version.cuda; None: a CPU-only build) and this node's NVIDIA driver version
+    (nvidia-smi's; None: no driver answers), read here when not given."""
+    torch_cuda, driver = facts or (torch.version.cuda, driver_version())
+    return f"torch.version.cuda {torch_cuda} (None: a CPU-only torch), NVIDIA driver {driver or 'not found (no nvidia-smi)'}"
 
 
-def cuda_diagnosis(torch_version=None, build_cuda="", driver=None, driver_cuda=None, gpus=None):
-    """Why torch sees no CUDA device, in words (train_full's --device cuda line, scripts/gpu_check.sh): torch's
-    build (CPU-only, or for CUDA X.Y) against this node's NVIDIA driver (its version and the newest CUDA it
-    runs). Without arguments it reads them here: torch.version.cuda, nvidia-smi and libcuda."""
-    if torch_version is None:
-        torch_version, build_cuda = torch.__version__, torch.version.cuda
-        driver, driver_cuda, gpus = _driver_facts()
-    if not build_cuda:
-        return (
-            f"torch {torch_version} is a CPU-only build; install torch's CUDA build (pip install -r "
-            "requirements/full.txt: the PyPI wheel of torch on Linux is the CUDA build)"
-        )
-    facts = f"torch {torch_version} is built for CUDA {build_cuda}"
-    if driver is None:
-        return f"{facts}, and no NVIDIA driver answers here (nvidia-smi and libcuda.so.1 not found): install the driver"
-    needed, major = MIN_DRIVER.get(int(build_cuda.split(".")[0])), driver.split(".")[0]
-    facts += f"; the NVIDIA driver is {driver} (it runs CUDA up to {driver_cuda or '?'})"
-    if needed and major.isdigit() and int(major) < needed:
-        return (
-            f"{facts}, older than the R{needed}+ that CUDA {build_cuda.split('.')[0]} needs: update the driver, or "
-            f"install a torch built for CUDA {driver_cuda or 'your driver'} or older (https://download.pytorch.org/whl/)"
-        )
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    return (
-        f"{facts}; nvidia-smi lists {len(gpus or [])} GPU(s)"
-        + (f" and CUDA_VISIBLE_DEVICES={visible!r} hides them" if visible is not None and gpus else "")
-        + ": check the GPU, the driver and the container's access"
-    )
-
-
-def _driver_facts():
-    """(driver version, the newest CUDA the driver runs as 'X.Y', [GPU names]) from nvidia-smi and libcuda; Nones
-    where neither answers."""
-    driver, driver_cuda, gpus = None, None, []
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
+def driver_version():
+    """The NVIDIA driver's version, as nvidia-smi prints it, or None where nvidia-smi does not answer."""
+    try:
         out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version,name", "--format=csv,noheader"],
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
             capture_output=True,
             text=True,
             timeout=30,
-        ).stdout
-        rows = [line.split(", ", 1) for line in out.strip().splitlines() if ", " in line]
-        driver, gpus = (rows[0][0], [name for _, name in rows]) if rows else (None, [])
-    with contextlib.suppress(OSError):
-        version = ctypes.c_int()
-        if ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(version)) == 0:
-            driver_cuda = f"{version.value // 1000}.{version.value % 1000 // 10}"
-            driver = driver or "present (version unknown: no nvidia-smi)"
-    return driver, driver_cuda, gpus
+        ).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out[0] if out else None
 
 
 PEAK_TFLOPS = (
