@@ -26,7 +26,7 @@ from support.fsdp import all_reduce
 from support.loss_head import HEAD_CHUNK
 
 
-def vllm_memory_plan(config, args, ranks, gpu_bytes, host_bytes=None, local_ranks=1):
+def vllm_memory_plan(config, args, ranks, gpu_bytes, host_bytes=None, local_ranks=1, refuse=True):
     """gpu_memory_utilization and max_num_seqs of the colocated vLLM engine on one GPU, and the check that the
     setting fits at all (train_full calls it before any work, engines.check_machine).
 
@@ -45,10 +45,11 @@ def vllm_memory_plan(config, args, ranks, gpu_bytes, host_bytes=None, local_rank
     are a table in docs/memory.md, "When the plan refuses") a setting that leaves
     vLLM less than its weights, workspace and one full-length sequence of KV cache, a --vllm-gpu-memory-utilization
     whose share beside what the trainer holds and the margin exceeds the GPU, a training step that does not fit the
-    GPU, or (host_bytes given) the host. Returns a dict with the numbers (printed at start, and by bench/memory.py).
+    GPU, or (host_bytes given) the host; refuse=False (the engine, after engines.check_machine refused what does not
+    fit) returns the numbers alone. Returns a dict with the numbers (printed at start, and by bench/memory.py).
     """
     plan = _plan(config, args, ranks, gpu_bytes, host_bytes, local_ranks)
-    if plan["short"]:  # what is short, with the flags that set it; what else fits: docs/memory.md
+    if refuse and plan["short"]:  # what is short, with the flags that set it; what else fits: docs/memory.md
         raise UsageError(
             f"--model {args.model}: does not fit this {gpu_bytes / 2**30:.1f} GiB GPU: {'; '.join(plan['short'])} "
             "(what fits instead: docs/memory.md, 'When the plan refuses')"
