@@ -337,25 +337,36 @@ def driver_version():
     return out[0] if out else None
 
 
+# Dense BF16 tensor-core TFLOP/s by a part of torch.cuda.get_device_name(), the first that the name contains: the
+# specific forms before the names they contain ("H200 NVL" before "H200", "GB200" before "B200", every H200 before
+# "H20"). NVIDIA's datasheets give these with 2:4 sparsity: dense is half.
 PEAK_TFLOPS = (
-    ("H100 PCIe", 756),
-    ("H100 NVL", 835),
-    ("H100", 989),
-    ("H200", 989),
-    ("H800", 989),
-    ("A100", 312),
-    ("A800", 312),
-)  # dense bf16
+    ("H100 PCIe", 756),  # H100 datasheet: 1,513 sparse
+    ("H100 NVL", 835),  # H100 datasheet: 3,341 sparse for the pair of NVL cards, 1,671 each
+    ("H200 NVL", 835),  # H200 datasheet: 1,671 sparse (issue 57: read as the SXM's 989 before)
+    ("H800 PCIe", 756),  # H800 datasheet: 1,513 sparse, the H100 PCIe's (issue 57: read as 989 before)
+    ("GH200", 989),  # GH200 Grace Hopper datasheet: 1,979 sparse, the H100 SXM's
+    ("GB200", 2500),  # GB200 NVL72 spec table, per Blackwell GPU: 5 PFLOPS sparse
+    ("B200", 2250),  # the same table, HGX B200, per GPU: 4.5 PFLOPS sparse
+    ("B100", 1750),  # HGX B100: 3.5 PFLOPS sparse per GPU (not checked against NVIDIA's page; nanochat's table: 1.8 PF)
+    ("H100", 989),  # H100 SXM datasheet: 1,979 sparse
+    ("H200", 989),  # H200 SXM datasheet: 1,979 sparse
+    ("H800", 989),  # H800 SXM datasheet: 1,979 sparse
+    ("H20", 148),  # H20: 148 dense FP16/BF16 as reported (no public NVIDIA datasheet; not checked)
+    ("A100", 312),  # A100 datasheet: 312 dense (624 sparse)
+    ("A800", 312),  # A800: the A100's tensor cores
+)  # not here, so MFU is None (--peak-tflops sets it): B300/GB300, RTX PRO 6000 Blackwell (no dense BF16 figure found)
 
 
 def peak_flops(device, peak_tflops):
-    """Peak dense bf16 FLOP/s of one GPU (for MFU), or None if unknown: the first name in PEAK_TFLOPS that the GPU's
-    name contains."""
+    """Peak dense bf16 FLOP/s of one GPU (for MFU): --peak-tflops, else this GPU's by its name (peak_by_name), or None."""
     if peak_tflops:
         return peak_tflops * 1e12
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
+    return peak_by_name(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+
+
+def peak_by_name(name):
+    """Dense bf16 FLOP/s of the GPU torch names `name`: the first part in PEAK_TFLOPS that it contains, or None."""
     return next((tf * 1e12 for key, tf in PEAK_TFLOPS if key in name), None)
 
 

@@ -275,3 +275,34 @@ def test_the_1_5b_and_7b_kv_cache_is_the_runs_where_it_is_less_than_the_room_and
     assert small["kv_cache_gib"] * GIB == pytest.approx(gpu.KV_HEADROOM * 32 * 4024 * 2 * 28 * 4 * 128 * 2, rel=1e-3)
     for plan in (full, check, eight, small):  # within the card, beside what the trainer holds and the margin
         assert plan["vllm_share_gib"] + plan["vllm_beside_gib"] + gpu.MARGIN_GIB <= 79.1 + 1e-6
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 57, item 2: the peak table knows every Hopper and Blackwell form by the name torch gives it
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "name, tflops",
+    [
+        ("NVIDIA H100 80GB HBM3", 989),  # SXM
+        ("NVIDIA H100 PCIe", 756),
+        ("NVIDIA H100 NVL", 835),
+        ("NVIDIA H200", 989),  # SXM
+        ("NVIDIA H200 NVL", 835),  # was 989: MFU 16% low
+        ("NVIDIA H800", 989),  # SXM
+        ("NVIDIA H800 PCIe", 756),  # was 989: MFU 24% low
+        ("NVIDIA GH200 480GB", 989),
+        ("NVIDIA H20", 148),
+        ("NVIDIA B200", 2250),
+        ("NVIDIA GB200", 2500),
+        ("NVIDIA B100", 1750),
+        ("NVIDIA A100-SXM4-80GB", 312),
+        ("NVIDIA A100 80GB PCIe", 312),
+        ("NVIDIA A800-SXM4-80GB", 312),
+        ("NVIDIA RTX PRO 6000 Blackwell Server Edition", None),  # no figure: MFU None, not a wrong one
+        ("NVIDIA B300 SXM6 AC", None),
+        ("NVIDIA GeForce RTX 4090", None),
+    ],
+)
+def test_the_peak_of_each_card_is_its_own_forms_not_a_prefixs(name, tflops):
+    assert gpu.peak_by_name(name) == (tflops * 1e12 if tflops else None)
+    assert gpu.peak_flops(torch.device("cpu"), 500) == 500e12 and gpu.peak_flops(torch.device("cpu"), None) is None
