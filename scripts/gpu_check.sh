@@ -169,6 +169,7 @@ PYTHON
             --max-response-len 64 --eval-max-tokens 64 --eval-every "$steps" "${evals[@]}" \
             --micro-batch-size "$mb" --save-every "$steps" --device "$DEVICE" --rollout "$ROLLOUT" \
             > "$dir/$method.log" 2>&1 || { FAILED+=("learn $method ($dir/$method.log)"); tail -5 "$dir/$method.log"; }
+        grep -E "vLLM memory plan|Available KV cache memory" "$dir/$method.log" | tail -2  # the plan's KV, vLLM's
     done
     for method in d3s grpo; do  # each method's row against its own simulated step
         "$PY" bench/memory.py --preset "$model/config.json" --ranks 1 --micro-batch-size "$mb" --response-len 64 \
@@ -210,6 +211,24 @@ RANKS=$(( NGPU >= 2 ? 2 : 1 ))
 HAVE_PYTEST=1
 "$PY" -c "import pytest" 2>/dev/null || { HAVE_PYTEST=0; echo "gpu_check: pytest is missing: step 3 is skipped; \
 $PY -m pip install pytest installs it"; }
+
+# what NCCL's communicator takes on this node's GPUs (best effort: the plan's 4 GiB margin holds it, gpu.MARGIN_GIB;
+# never fails the check): free memory before and after a first all_reduce on all GPUs, less what torch reserved
+cat > "$OUT/nccl_probe.py" <<'EOF'
+import os, torch, torch.distributed as dist
+torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+free = torch.cuda.mem_get_info()[0]  # after the CUDA context
+dist.init_process_group("nccl")
+dist.all_reduce(torch.ones(1, device="cuda"))
+torch.cuda.synchronize()
+took = torch.tensor([free - torch.cuda.mem_get_info()[0] - torch.cuda.memory_reserved()], device="cuda")
+dist.all_reduce(took, op=dist.ReduceOp.MAX)
+if dist.get_rank() == 0:
+    print(f"NCCL took {took.item() / 2**30:.2f} GiB per GPU on {dist.get_world_size()} rank(s) (the plan's margin: 4 GiB)")
+dist.destroy_process_group()
+EOF
+"$PY" -m torch.distributed.run --nproc_per_node "$NGPU" "$OUT/nccl_probe.py" 2>/dev/null | grep "^NCCL took" \
+    || echo "gpu_check: what NCCL took could not be read here (not a failure)"
 
 # the one-GPU settings of docs/train_full.md (the 1.5B, micro-batch 16), by this GPU's size; responses of 1024 here
 if awk "BEGIN{exit !($GIB < 40)}"; then SIZE=24; SETTING=(--cpu-offload);

@@ -228,7 +228,7 @@ class VLLMEngine(_Engine):
                     f"while vLLM generates{' (--cpu-offload: in host memory)' if args.cpu_offload else ''}, its step "
                     f"~{plan['trainer_peak_gib']:.1f} GiB "
                     f"{'beside vLLM awake' if plan['vllm_awake_in_step'] else 'while vLLM sleeps'}, gpu_memory_utilization "
-                    f"{utilization}: vLLM's bf16 weights {plan['vllm_weights_gib']:.1f} GiB + workspace "
+                    f"{utilization:.4f}: vLLM's bf16 weights {plan['vllm_weights_gib']:.1f} GiB + workspace "
                     f"{plan['vllm_workspace_gib']:.1f} + KV cache ~{plan['kv_cache_gib']:.1f}, max_num_seqs "
                     f"{max_num_seqs}; generation {'is' if batch_invariant_on() else 'is not'} "
                     "batch-invariant (VLLM_BATCH_INVARIANT, docs/train_full.md)",

@@ -34,7 +34,8 @@ def vllm_memory_plan(config, args, ranks, gpu_bytes, host_bytes=None, local_rank
     12 bytes x parameters / ranks (gradients are freed after each step; bench/memory.py checks these bytes), plus
     2 bytes x parameters / ranks for --kl-ref's bf16 reference; none of it with --cpu-offload (host memory:
     host_memory). vLLM may take the rest, less MARGIN_GIB, but no more than the run uses: its bf16 weights, 2 bytes
-    x parameters, VLLM_WORKSPACE_GIB, and a KV cache of KV_HEADROOM x a rank's rollouts at once (ceil(P / ranks) x G,
+    x parameters, its workspace (vllm_workspace_bytes: what it keeps beyond weights and KV cache, by the model), and a
+    KV cache of KV_HEADROOM x a rank's rollouts at once (ceil(P / ranks) x G,
     16..1024) at full length, 2 (K and V) x layers x KV heads x head dim x 2 bytes per token (a given
     --vllm-gpu-memory-utilization sets the share instead). max_num_seqs: the sequences whose KV cache fits at full
     length (prompt + response), so vLLM need not preempt (16..1024). While the trainer runs vLLM sleeps, and the
@@ -57,7 +58,12 @@ def vllm_memory_plan(config, args, ranks, gpu_bytes, host_bytes=None, local_rank
     return plan
 
 
-MARGIN_GIB, VLLM_WORKSPACE_GIB = 4.0, 3.0  # CUDA context + NCCL + fragmentation; vLLM's forward workspace (+ graphs)
+# What the plan leaves free beside the trainer and vLLM [choice; no GPU run has measured its parts]: the CUDA context
+# (~0.5 GiB), NCCL's communicators (the trainer's and vLLM's: NCCL_BUFFSIZE, 4 MiB by default, per channel and peer,
+# and on NVSwitch nodes the NVLS buffers NCCL_NVLS_ENABLE=0 turns off; NCCL user guide, Environment Variables) and
+# the caching allocator's fragmentation. scripts/gpu_check.sh's log prints what NCCL took where it can be read.
+MARGIN_GIB = 4.0
+VLLM_GRAPHS_GIB = 0.5  # [choice, not measured] vLLM's CUDA graphs and non-torch memory (kernels, cuBLAS) at start
 KV_HEADROOM = 2.0  # [choice] KV cache over what a rank's rollouts at once need at full length (evaluation, blocks)
 
 
@@ -172,6 +178,27 @@ def trainer_peak_bytes(config, args, ranks):
     return max(pass2, 0 if offload else 20 * params / ranks) + reference
 
 
+def vllm_workspace_bytes(config, gpu_bytes, max_num_seqs):
+    """What vLLM 0.32 keeps of its share beyond its weights and KV cache, bytes, as it profiles at start: the KV cache
+    it prints ("Available KV cache memory", v1/worker/gpu_worker.py:740-744, 759-762) is ceil(GPU x
+    gpu_memory_utilization) (v1/worker/utils.py:724) less what its start consumed (weights, buffers, non-torch
+    memory: utils/mem_utils.py:312-326), less the profile run's transient peak, less the CUDA-graph estimate
+    (VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS, on by default: envs.py:2221). The parts, by the model:
+      profile run     one forward of max_num_batched_tokens tokens (16384 on a GPU of 70 GiB or more, else 8192:
+                      engine/arg_utils.py:2921-2950, 3167; an A100 80GB gets 8192: counted high), about 2 B x (3 x hidden
+                      + 3 x intermediate) a token at a layer's peak (its input, residual and output beside the MLP's
+                      gate_up and activation) (gpu_model_runner.py:6133, v1/worker/gpu/model_runner.py:991);
+      sampler         its dummy run on max_num_seqs rows of fp32 logits: 3 fp32 [max_num_seqs, vocab] copies
+                      (logits, processed, probabilities; gpu/model_runner.py:972-983);
+      the rest        VLLM_GRAPHS_GIB for the CUDA graphs (gpu_model_runner.py:6333) and non-torch memory.
+    The learning stage's 47M model (vocab 259): 0.74 GiB; the 1.5B: 3.2 GiB at max_num_seqs 1024, 1.7 at 128 (was 3 for
+    every model: a 7B's). Estimates from the source; the first GPU run compares them (docs/gpu_check.md)."""
+    tokens = 16384 if gpu_bytes >= 70 * 2**30 else 8192
+    profile = tokens * 2 * 3 * (config.hidden_size + config.intermediate_size)
+    sampler = 3 * 4 * max_num_seqs * config.vocab_size
+    return profile + sampler + VLLM_GRAPHS_GIB * 2**30
+
+
 def _plan(config, args, ranks, gpu_bytes, host_bytes=None, local_ranks=1):
     """vllm_memory_plan's numbers (bytes reported in GiB) and what does not fit ("short": a list of phrases)."""
     gib = 2**30
@@ -186,18 +213,28 @@ def _plan(config, args, ranks, gpu_bytes, host_bytes=None, local_ranks=1):
     # keeps its weights in host memory), or the step's peak (--vllm-sleep-level 0)
     awake = on_gpu and getattr(args, "vllm_sleep_level", 2) == 0
     beside = max(peak, trainer) if awake else trainer
-    margin, weights, workspace = MARGIN_GIB * gib, 2 * params, VLLM_WORKSPACE_GIB * gib
+    margin, weights = MARGIN_GIB * gib, 2 * params
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 2  # bf16 K and V
     full_length = args.max_prompt_len + max(args.max_response_len, args.eval_max_tokens)
-    least = weights + workspace + kv_per_token * full_length  # vLLM's least: one full-length sequence at a time
     # a rank's rollouts at once, at least an evaluation's samples of one problem
     seqs = min(1024, max(16, -(-args.prompts_per_step // ranks) * args.group_size, args.eval_samples))
+    # vLLM's max_num_seqs (its sampler's rows at start): --vllm-max-num-seqs, else the KV cache's sequences the plan
+    # sizes (fewer where the room is less: the sampler is then counted high)
+    max_seqs = getattr(args, "vllm_max_num_seqs", None) or min(1024, int(KV_HEADROOM * seqs))
+    workspace = vllm_workspace_bytes(config, gpu_bytes, max_seqs)
+    least = weights + workspace + kv_per_token * full_length  # vLLM's least: one full-length sequence at a time
     wanted = weights + workspace + KV_HEADROOM * seqs * kv_per_token * full_length
     given = args.vllm_gpu_memory_utilization
     utilization = given or min(max(min(gpu_bytes - beside - margin, wanted), 0.0) / gpu_bytes, 0.95)
     share = utilization * gpu_bytes
     kv_bytes = share - weights - workspace
+    for _ in range(2 if not getattr(args, "vllm_max_num_seqs", None) else 0):  # where the room is less than wanted:
+        # the sampler's rows are the sequences the KV cache left holds (max_num_seqs below), so the workspace again
+        workspace = vllm_workspace_bytes(
+            config, gpu_bytes, min(1024, max(16, kv_bytes // (kv_per_token * full_length)))
+        )
+        kv_bytes = share - weights - workspace
     what = (
         "its step, gpu.trainer_peak_bytes: --vllm-sleep-level 0 keeps vLLM awake through it"
         if awake
@@ -247,7 +284,7 @@ def _plan(config, args, ranks, gpu_bytes, host_bytes=None, local_ranks=1):
         "trainer_peak_gib": peak / gib,
         "host_gib": host / gib,
         "host_parts_gib": {k: v / gib for k, v in (host_parts or {}).items()},
-        "gpu_memory_utilization": round(utilization, 3),
+        "gpu_memory_utilization": utilization,  # unrounded: vLLM takes its share from it
         "vllm_share_gib": share / gib,
         "vllm_weights_gib": weights / gib,
         "vllm_workspace_gib": workspace / gib,
