@@ -495,7 +495,7 @@ def train(args, world, inputs, ckpt):
     ref_model = fsdp.load_policy(args, world, reference=True) if args.kl_ref else None  # the initial policy
     optimizer = fsdp.make_optimizer(model, args)
     # completed steps, and the history its rules read (grad norms: --switch-on-spike's signal), the same on every rank
-    step, history = checkpoint.restore_shards(ckpt, model, optimizer, order, args, world) if ckpt else (0, None)
+    step, history = checkpoint.restore_shards(ckpt.path, model, optimizer, order, args, world) if ckpt else (0, None)
     engine = engines.make_engine(args.model, args, world)
     engine.update_weights(fsdp.full_named_tensors(model, getattr(torch, args.dtype)))  # also after a resume
     pad_id, device = tokenizer.pad_token_id, world.device

@@ -207,14 +207,14 @@ def shards_state(run_flags, order, history):
     return {"order": order.state_dict(), "run": run_flags, **{k: list(history[k]) for k in ("grad_norms", "rewards")}}
 
 
-def restore_shards(resume, model, optimizer, order, args, world):
-    """The model's and AdamW's shards and the data position from `resume` (start's); says so (rank 0); returns the
-    completed steps and their history."""
-    meta = load_shards(resume.path, model, optimizer, world)
+def restore_shards(path, model, optimizer, order, args, world):
+    """The model's and AdamW's shards and the data position from the checkpoint folder `path` (start's); says so
+    (rank 0); returns the completed steps and their history."""
+    meta = load_shards(path, model, optimizer, world)
     order.load_state_dict(meta["order"])
     if world.is_main:
         note = other_ranks_note(meta["world"], world.size, args)
-        print(f"resumed from {resume.path} at step {meta['step']}" + note, flush=True)
+        print(f"resumed from {path} at step {meta['step']}" + note, flush=True)
     return meta["step"], {"grad_norms": meta["grad_norms"], "rewards": meta["rewards"]}
 
 

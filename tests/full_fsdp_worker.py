@@ -202,7 +202,13 @@ def check_resume(cli, world, tokenizer, rollouts, mine, workdir, offload=False):
     order.take(3)
     train_step(model, optimizer, rollouts[mine], REWARDS[mine], 1, args, world, tokenizer.pad_token_id)
     path = checkpoint.save_shards(
-        model, optimizer, args.out, 1, checkpoint.shards_state(train_full.run_flags(args), order, {}), world, 2
+        model,
+        optimizer,
+        args.out,
+        1,
+        checkpoint.shards_state(train_full.run_flags(args), order, {"grad_norms": [], "rewards": []}),
+        world,
+        2,
     )
     model = fsdp.load_policy(args, world)
     optimizer = fsdp.make_optimizer(model, args)
@@ -409,7 +415,7 @@ def main():
     cli = parser.parse_args()
     world = fsdp.init_distributed(DEVICE)
     torch.manual_seed(0)
-    tokenizer = fsdp.load_tokenizer(cli.model)
+    tokenizer = mathtask.load_tokenizer(cli.model)
     rollouts = make_rollouts(len(tokenizer))
     per = P // world.size
     mine = slice(world.rank * per, (world.rank + 1) * per)

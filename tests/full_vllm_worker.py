@@ -94,14 +94,12 @@ def main():
         ]
     )
     world = fsdp.init_distributed(device)
-    tokenizer = fsdp.load_tokenizer(cli.model)
-    stops = mathtask.stop_token_ids(tokenizer, fsdp.load_generation_config(cli.model))
+    tokenizer = mathtask.load_tokenizer(cli.model)
+    stops = mathtask.stop_token_ids(tokenizer, mathtask.load_generation_config(cli.model))
     model = fsdp.load_policy(args, world)
     optimizer = fsdp.make_optimizer(model, args)
-    torch.manual_seed(1234 + world.rank)  # what train_full's main seeds (seed + rank), or a resume restores
-    rng = torch.get_rng_state()
-    engine = engines.make_engine(cli.model, args, world)  # vLLM's workers call set_random_seed as they start
-    rng_kept = torch.equal(rng, torch.get_rng_state())
+    torch.manual_seed(1234 + world.rank)  # what train_full's main seeds (seed + rank)
+    engine = engines.make_engine(cli.model, args, world)  # vLLM's workers call set_random_seed; make_engine leaves it
     prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
 
     before = snapshot(engine, model, tokenizer, prompt_ids, stops)
@@ -123,7 +121,6 @@ def main():
                 "grad_norm": stats["grad_norm"],
                 "world": world.size,
                 "dtype": args.dtype,
-                "rng_kept": rng_kept,
             },
             f,
         )

@@ -620,7 +620,7 @@ def layering_breaks(root=ROOT):
                     seen[following] = seen[module] + [line]
                     todo.append(following)
         breaks += [f"{start} reaches {m} ({' -> '.join(seen[m])})" for m in sorted(set(seen) & banned)]
-    return breaks
+    return sorted(breaks)
 
 
 def test_the_shared_floor_imports_no_wing():
