@@ -2,10 +2,11 @@
 
 Every bad flag, path or file ends the same way on train_small.py, train_full.py, toy/bandit.py and the bench and
 experiments scripts: ONE line on stderr, `prog: error: --flag VALUE: what is wrong; what to do`, exit code 2,
-before any work (no model, data or timing yet), never a traceback. A rung declares its knobs as a list, one line
-each: `flag("--steps", 80, number(int, 1), "training steps per run")`, its name, default, what it may be (a numeric
-flag carries its range: number) and help; parser() turns the list into argparse flags. Standard library only, so
-that a script can check its flags before it imports torch.
+before any work (no model, data or timing yet), never a traceback. A rung (and a bench or experiments script)
+declares its knobs as a list, one line each: `flag("--steps", 80, number(int, 1), "training steps per run")`, its
+name, default, what it may be (a numeric flag carries its range: number) and help; parser() turns the list into
+argparse flags, whose --help shows each default once (Help). Standard library only, so that a script can check its
+flags before it imports torch.
 """
 
 import argparse
@@ -27,12 +28,24 @@ class UsageError(ValueError):
     """A flag, file, model or checkpoint that cannot be used: `--flag VALUE: what is wrong; what to do`."""
 
 
+class Help(argparse.HelpFormatter):
+    """--help shows a flag's default once, the way a user reads it: not where the help already says "default:",
+    not for None (not given) or '', and not for an on/off switch, which is off until given (a "--no-x" beside
+    "(default: True)" reads backwards)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default:" in text or action.nargs == 0 or action.default in (None, "", argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)" if action.option_strings else text
+
+
 class Parser(argparse.ArgumentParser):
-    """argparse, with every error rewritten to one line (no usage block) and exit 2; defaults shown in --help.
+    """argparse, with every error rewritten to one line (no usage block) and exit 2; defaults shown in --help (Help).
     A value that starts with '-' ("--lr -inf") is read as the flag's value, not as another flag."""
 
     def __init__(self, *args, **kwargs):
-        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        kwargs.setdefault("formatter_class", Help)
         super().__init__(*args, **kwargs)
 
     def parse_args(self, args=None, namespace=None):
