@@ -538,6 +538,7 @@ def sizes(names, lows=(1, 1)):
 
 def build_parser():
     f, n, seconds = cli.flag, cli.number, cli.number(float, 0, low_open=True, what="a finite number of seconds > 0")
+    frac = lambda of: n(float, 0, 1, low_open=True, what=f"a fraction of {of} in (0, 1]")
     flags = [
         f(
             "--quick",
@@ -548,47 +549,26 @@ def build_parser():
         ),
         f("--device", "cpu", ["cpu", "cuda"], "torch device (cuda: timings synchronize)"),
         f("--sizes", DEFAULT_SIZES, sizes(("P", "G"), (1, 2)), "sample-level sizes, PxG (advantages need G >= 2)"),
-        f(
-            "--keep-frac",
-            0.25,
-            n(float, 0, 1, low_open=True, what="a fraction of each group in (0, 1]"),
-            "m = round(keep_frac * G)",
-        ),
+        f("--keep-frac", 0.25, frac("each group"), "rollouts kept per group: m = round(keep_frac * G)"),
         f("--rewards", "binary", ["binary", "uniform"], "binary 0/1 with a per-prompt success rate, or uniform [0, 1)"),
         f("--token-sizes", DEFAULT_TOKEN_SIZES, sizes(("B", "T")), "select_tokens sizes, comma-separated BxT"),
-        f(
-            "--k-frac",
-            0.2,
-            n(float, 0, 1, low_open=True, what="a fraction of the tokens in (0, 1]"),
-            "select_tokens' K",
-        ),
+        f("--k-frac", 0.2, frac("the tokens"), "fraction of valid tokens select_tokens keeps"),
         f("--entropy-tokens", DEFAULT_ENTROPY_TOKENS, None, "token counts N for token_entropy on [N, vocab] logits"),
         f("--vocab", 32768, n(int, 2, 2**24, what="an int in [2, 2^24]"), "vocabulary size V of the logits"),
         f("--logits-dtype", "bf16", list(DTYPES), "dtype of the logits"),
-        f(
-            "--chunk-size",
-            None,
-            n(int, 1),
-            "token_entropy chunk_size (rows per chunk; default: d3s.token_entropy's, 8 MiB of fp32 per chunk on CPU)",
-        ),
+        f("--chunk-size", None, n(int, 1), "rows per token_entropy chunk (default: its own, 8 MiB of fp32 on CPU)"),
         f(
             "--chunk-sweep",
             "16,64,256,1024,4096",
             None,
-            "chunk sizes to time token_entropy with, at min(largest N, 8192) tokens ('' to skip)",
+            "chunk sizes to time at min(largest N, 8192) tokens ('': none)",
         ),
         f("--mem-tokens", 16384, n(int, 1), "N for the peak-memory comparison of token_entropy"),
         f("--repeats", 7, n(int, 1), "timed runs per measurement; the median is reported"),
         f("--min-run", 0.05, seconds, "seconds one timed run should last (calls per run are chosen to reach it)"),
         f("--budget", 20.0, seconds, "seconds at most per measurement; fewer repeats beyond it"),
         f("--ref-cap", 10.0, seconds, "seconds at most for the Python reference per size; 'skipped' beyond"),
-        f(
-            "--step-seconds",
-            None,
-            seconds,
-            "wall time of one training step (e.g. of train_small.py); if given, selection is also reported as a "
-            "percentage of it",
-        ),
+        f("--step-seconds", None, seconds, "a training step's wall time: also report selection as a share of it"),
         f("--threads", None, n(int, 0, 1024), "torch.set_num_threads (default: torch's choice)"),
         f("--seed", 0, n(int, 0, 2**63 - 2, what="an int in [0, 2^63 - 1)"), "random seed for the synthetic data"),
         f("--skip", "", None, f"comma-separated tables to skip: {', '.join(TABLES)}"),

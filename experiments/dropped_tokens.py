@@ -96,86 +96,34 @@ def parse_args(argv):
     import train_small
     from support import methods
 
-    small = vars(train_small.build_parser().parse_args([]))
+    d = vars(train_small.build_parser().parse_args([]))  # train_small's defaults
     f, n = cli.flag, cli.number
     frac, seed = n(float, 0, 1, low_open=True, what="a fraction of tokens in (0, 1]"), n(int, 0, 2**31 - 1)
     group = n(int, 2, 1024, what="an int in [2, 1024] (advantages need 2 rollouts)")
     flags = [
-        f(
-            "--model",
-            None,
-            None,
-            "a saved HF model folder (config.json): a train_small run's final/ or a warm-start cache folder; "
-            "default: train_small.py's default warm start (built or loaded from --cache-dir)",
-            metavar="PATH",
-        ),
+        f("--model", None, None, "a saved model folder (default: train_small's warm start)", metavar="PATH"),
         f("--cache-dir", "runs/cache", None, "without --model: where train_small's warm start is cached"),
         f("--method", "d3s", methods.NAMES, "a row of methods.LADDER"),
-        f("--steps", small["steps"], n(int, 1), "the run's length the schedule is read on (train_small's)"),
-        f(
-            "--step",
-            1,
-            n(int, 1),
-            "S: the step (1-based, as train_small counts) whose N and K are used and whose "
-            "seeds batch 0 replays (1: where D3S keeps the fewest)",
-        ),
+        f("--steps", d["steps"], n(int, 1), "the run's length the schedule is read on (train_small's)"),
+        f("--step", 1, n(int, 1), "S: the step whose N and K are used and whose seeds batch 0 replays (1-based)"),
         f("--batches", 4, n(int, 1, 10_000), "B: batches of P x G rollouts"),
-        f("--prompts-per-step", small["prompts_per_step"], n(int, 1, 4096), "P (train_small's)"),
-        f("--group-size", small["group_size"], group, "G (train_small's)"),
-        f("--n-init", small["n_init"], n(int, 1), "N at the first step (train_small's)"),
-        f("--n-final", small["n_final"], n(int, 1), "N at the last step (train_small's)"),
-        f("--k-init", small["k_init"], frac, "K at the first step (train_small's)"),
-        f("--k-final", small["k_final"], frac, "K at the last step (train_small's)"),
-        f(
-            "--k",
-            None,
-            frac,
-            "fix K (fraction of the forwarded tokens selected) instead of the method's budget; "
-            "1.0 selects every token (a method with a token level only)",
-        ),
-        f(
-            "--random-draws",
-            4,
-            n(int, 1, 1000),
-            "R: random selections per batch for the gradient reference, each of "
-            "as many tokens as the selection; the table shows their mean",
-        ),
+        f("--prompts-per-step", d["prompts_per_step"], n(int, 1, 4096), "P (train_small's)"),
+        f("--group-size", d["group_size"], group, "G (train_small's)"),
+        f("--n-init", d["n_init"], n(int, 1), "N at the first step (train_small's)"),
+        f("--n-final", d["n_final"], n(int, 1), "N at the last step (train_small's)"),
+        f("--k-init", d["k_init"], frac, "K at the first step (train_small's)"),
+        f("--k-final", d["k_final"], frac, "K at the last step (train_small's)"),
+        f("--k", None, frac, "fix K instead of the method's budget (1.0: every token; a method with a token level)"),
+        f("--random-draws", 4, n(int, 1, 1000), "R: random selections per batch, the gradient's reference"),
         f("--token-rule", "adv-entropy", list(methods.TOKEN_RULES), "d3s.token_scores rule (adv-entropy: |A| * H)"),
         f("--token-scope", "batch", ["batch", "sequence"], "top K over the whole batch or per response"),
-        f("--task", small["task"], ["steps", "direct"], "train_small's generated task"),
-        f(
-            "--train-size",
-            small["train_size"],
-            n(int, 1, 10**6, what="an int in [1, 10^6]"),
-            "generated training problems the batches draw from (train_small's: the same problems as its runs)",
-        ),
-        f(
-            "--template",
-            "auto",
-            ["auto", "plain", "qwen-math"],
-            "prompt template; auto: the warm start's, from the folder's warmstart.json, else plain (the tiny rung's)",
-        ),
-        f("--temperature", small["temperature"], n(float, 0.01, 100), "sampling temperature (train_small's)"),
-        f(
-            "--max-new-tokens",
-            None,
-            n(int, 1, 65536),
-            "response length limit (default: train_small's for the tiny "
-            f"model and --task: {train_small.TINY_MAX_NEW_TOKENS})",
-        ),
-        f(
-            "--grade-timeout",
-            small["grade_timeout"],
-            n(float, 0, 3600, low_open=True),
-            "seconds math-verify may spend on one answer",
-        ),
-        f(
-            "--seed",
-            0,
-            seed,
-            "seed of the generated problems (train_small's --seed) and of batch 0's rollouts (its "
-            "--rl-seed); batch b uses SEED + b",
-        ),
+        f("--task", d["task"], ["steps", "direct"], "train_small's generated task"),
+        f("--train-size", d["train_size"], n(int, 1, 10**6, what="an int in [1, 10^6]"), "train_small's problems"),
+        f("--template", "auto", ["auto", "plain", "qwen-math"], "auto: the warm start's (warmstart.json), else plain"),
+        f("--temperature", d["temperature"], n(float, 0.01, 100), "sampling temperature (train_small's)"),
+        f("--max-new-tokens", None, n(int, 1, 65536), f"default: train_small's, {train_small.TINY_MAX_NEW_TOKENS}"),
+        f("--grade-timeout", d["grade_timeout"], n(float, 0, 3600, low_open=True), "seconds per answer"),
+        f("--seed", 0, seed, "train_small's --seed; batch b's --rl-seed is SEED + b"),
         f("--threads", 1, n(int, 0, 1024), "torch CPU threads (0: torch's default)"),
         f("--out", None, cli.out_file, "also write the markdown report to FILE", metavar="FILE"),
         f("--explain-out", None, cli.out_file, "write a worked example (markdown) to FILE.md", metavar="FILE.md"),
