@@ -12,7 +12,6 @@ K = 0.2 (d3s at the end of its schedule). Memory is bench/memory.py's job; this 
 Prints a markdown table; the figures in docs/benchmarks.md come from it.
 """
 
-import argparse
 import os
 import platform
 import sys
@@ -68,28 +67,15 @@ def time_passes(fn, model, batch, repeats):
 
 def parse_args(argv=None):
     """The flags, every one checked before any work: one line `loss_head.py: error: --flag VALUE: ...`, exit 2."""
-    p = cli.Parser(
-        prog="loss_head.py",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    p.add_argument("--rollouts", type=int, default=64, help="rollouts in the micro-batch")
-    p.add_argument("--prompt-len", type=int, default=24, help="prompt tokens per rollout")
-    p.add_argument("--response-len", type=int, default=16, help="response tokens per rollout")
-    p.add_argument("--repeats", type=int, default=5, help="timed runs per cell (the median is reported)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    args = p.parse_args(argv)
-    cli.check_rules(
-        p,
-        [
-            ("--rollouts", args.rollouts, lambda v: 1 <= v <= 65536, "an int in [1, 65536]"),
-            ("--prompt-len", args.prompt_len, lambda v: 1 <= v <= 2**20, "an int in [1, 2^20]"),
-            ("--response-len", args.response_len, lambda v: 1 <= v <= 2**20, "an int in [1, 2^20]"),
-            ("--repeats", args.repeats, lambda v: 1 <= v <= 10**6, "an int >= 1"),
-            ("--threads", args.threads, lambda v: 0 <= v <= 1024, "an int in [0, 1024] (0: torch's default)"),
-        ],
-    )
-    return args
+    f, n, length = cli.flag, cli.number, cli.number(int, 1, 2**20, what="an int in [1, 2^20]")
+    flags = [
+        f("--rollouts", 64, n(int, 1, 65536), "rollouts in the micro-batch"),
+        f("--prompt-len", 24, length, "prompt tokens per rollout"),
+        f("--response-len", 16, length, "response tokens per rollout"),
+        f("--repeats", 5, n(int, 1), "timed runs per cell (the median is reported)"),
+        f("--threads", 0, n(int, 0, 1024), "torch threads (0: torch's default)"),
+    ]
+    return cli.parser("loss_head.py", __doc__.split("\n\n")[0], flags).parse_args(argv)
 
 
 def main(argv=None):

@@ -75,7 +75,6 @@ Output: a table of the peak by category, then one JSON line (peak_gib, ranks, mi
 response_len, method, k_frac, breakdown_gib, ...). Figures are GiB (2^30 bytes).
 """
 
-import argparse
 import contextlib
 import io
 import json
@@ -148,69 +147,50 @@ def parse_args(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     train_argv = argv[argv.index("--") + 1 :] if "--" in argv else []
     argv = argv[: argv.index("--")] if "--" in argv else argv
-    p = cli.Parser(
-        prog="memory.py",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        epilog="Arguments after '--' go to train_full.parse_args (e.g. -- --no-activation-checkpointing).",
-    )
-    a = p.add_argument
-    a("--preset", default="7b", help="1.5b or 7b (Qwen2.5-Math shapes), or a model folder / its config.json")
-    a("--ranks", type=int, default=8, help="FSDP ranks (GPUs); each holds 1/ranks of the sharded state")
-    a("--micro-batch-size", type=int, default=4, help="rollouts per forward/backward on one rank")
-    a("--response-len", type=int, default=3000, help="response tokens per rollout (train_full --max-response-len)")
-    a(
-        "--prompt-len",
-        type=int,
-        default=512,
-        help="prompt tokens per rollout (MATH levels 3-5: 99%% of the problems are "
-        "under 1,060 characters, plus 161 for the Qwen template; train_full drops prompts over --max-prompt-len 1024)",
-    )
-    a(
-        "--method",
-        default="d3s",
-        help=f"one of {', '.join(methods.NAMES)}; those with token selection keep K of the tokens",
-    )
-    a(
-        "--k-frac",
-        type=float,
-        default=None,
-        help="fraction of tokens kept by the token-selecting methods (default: "
-        "train_full's --k-final, 0.20, the largest K of the schedule)",
-    )
-    a("--steps", type=int, default=2, help="optimizer steps to simulate (>= 2: step 1 has no optimizer state)")
-    a(
-        "--micro-batches",
-        type=int,
-        default=2,
-        help="micro-batches per step on a rank (>= 2: the second accumulates into the first one's gradients)",
-    )
-    a(
-        "--gpu",
-        default=None,
-        help=f"a GPU size ({', '.join(f'{k}: {v} GiB' for k, v in GPUS.items())}, or GiB as a "
-        "number): adds vLLM's share by the plan (gpu.vllm_memory_plan) and the peak of trainer plus vLLM",
-    )
+    f, n, length = cli.flag, cli.number, cli.number(int, 1, 2**20, what="an int in [1, 2^20]")
+    flags = [
+        f("--preset", "7b", None, "1.5b or 7b (Qwen2.5-Math shapes), or a model folder / its config.json"),
+        f("--ranks", 8, n(int, 1, 65536), "FSDP ranks (GPUs); each holds 1/ranks of the sharded state"),
+        f("--micro-batch-size", 4, n(int, 1, 65536), "rollouts per forward/backward on one rank"),
+        f("--response-len", 3000, length, "response tokens per rollout (train_full --max-response-len)"),
+        f(
+            "--prompt-len",
+            512,
+            length,
+            "prompt tokens per rollout (MATH levels 3-5: 99%% of the problems are under 1,060 characters, plus 161 "
+            "for the Qwen template; train_full drops prompts over --max-prompt-len 1024)",
+        ),
+        f("--method", "d3s", methods.NAMES, "those with token selection keep K of the tokens"),
+        f(
+            "--k-frac",
+            None,
+            n(float, 0, 1, low_open=True, what="a fraction of the tokens in (0, 1]"),
+            "fraction of tokens kept by the token-selecting methods (default: train_full's --k-final, 0.20, the "
+            "largest K of the schedule)",
+        ),
+        f(
+            "--steps",
+            2,
+            n(int, 1, 100, what="an int in [1, 100] (2: the second step has the optimizer state)"),
+            "optimizer steps to simulate (>= 2: step 1 has no optimizer state)",
+        ),
+        f(
+            "--micro-batches",
+            2,
+            n(int, 1, 1024),
+            "micro-batches per step on a rank (>= 2: the second accumulates into the first one's gradients)",
+        ),
+        f(
+            "--gpu",
+            None,
+            None,
+            f"a GPU size ({', '.join(f'{k}: {v} GiB' for k, v in GPUS.items())}, or GiB as a number): adds vLLM's "
+            "share by the plan (gpu.vllm_memory_plan) and the peak of trainer plus vLLM",
+        ),
+    ]
+    epilog = "Arguments after '--' go to train_full.parse_args (e.g. -- --no-activation-checkpointing)."
+    p = cli.parser("memory.py", __doc__.split("\n\n")[0], flags, epilog=epilog)
     args = p.parse_args(argv)
-    cli.check_rules(
-        p,
-        [
-            ("--ranks", args.ranks, lambda v: 1 <= v <= 65536, "an int in [1, 65536] (GPUs)"),
-            ("--micro-batch-size", args.micro_batch_size, lambda v: 1 <= v <= 65536, "an int in [1, 65536]"),
-            ("--response-len", args.response_len, lambda v: 1 <= v <= 2**20, "an int in [1, 2^20]"),
-            ("--prompt-len", args.prompt_len, lambda v: 1 <= v <= 2**20, "an int in [1, 2^20]"),
-            (
-                "--steps",
-                args.steps,
-                lambda v: 1 <= v <= 100,
-                "an int in [1, 100] (2: the second step has the optimizer state)",
-            ),
-            ("--micro-batches", args.micro_batches, lambda v: 1 <= v <= 1024, "an int in [1, 1024]"),
-            ("--k-frac", args.k_frac, lambda v: 0 < v <= 1, "a fraction of the tokens in (0, 1]"),
-        ],
-    )
-    if args.method not in methods.NAMES:
-        p.error(f"--method {args.method!r}: not a method; choose one of {', '.join(methods.NAMES)}")
     if args.gpu is not None:
         size = GPUS.get(args.gpu.lower())
         try:

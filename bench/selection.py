@@ -514,77 +514,68 @@ def bench_entropy(args, device, sync):
 # ---------------------------------------------------------------------------------------------
 # Main
 # ---------------------------------------------------------------------------------------------
-def build_parser():
-    p = cli.Parser(
-        prog="selection.py", description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
-    p.add_argument(
-        "--quick",
-        action="store_true",
-        help=f"small sizes that finish in seconds (samples {QUICK_SIZES}, tokens {QUICK_TOKEN_SIZES}, "
-        f"entropy {QUICK_ENTROPY_TOKENS}); overrides the size flags",
-    )
-    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (timings then synchronize)")
-    p.add_argument("--sizes", default=DEFAULT_SIZES, help="sample-level sizes, comma-separated PxG")
-    p.add_argument("--keep-frac", type=float, default=0.25, help="rollouts kept per group: m = round(keep_frac * G)")
-    p.add_argument(
-        "--rewards",
-        choices=("binary", "uniform"),
-        default="binary",
-        help="reward distribution: binary 0/1 with a per-prompt success rate, or uniform [0, 1)",
-    )
-    p.add_argument("--token-sizes", default=DEFAULT_TOKEN_SIZES, help="select_tokens sizes, comma-separated BxT")
-    p.add_argument("--k-frac", type=float, default=0.2, help="fraction of valid tokens select_tokens keeps")
-    p.add_argument(
-        "--entropy-tokens",
-        default=DEFAULT_ENTROPY_TOKENS,
-        help="token counts N for timing token_entropy on [N, vocab] logits, comma-separated",
-    )
-    p.add_argument("--vocab", type=int, default=32768, help="vocabulary size V of the logits")
-    p.add_argument("--logits-dtype", choices=tuple(DTYPES), default="bf16", help="dtype of the logits")
-    p.add_argument(
-        "--chunk-size",
-        type=int,
-        default=None,
-        help="token_entropy chunk_size (rows per chunk; default: d3s.token_entropy's, 8 MiB of fp32 per chunk on CPU)",
-    )
-    p.add_argument(
-        "--chunk-sweep",
-        default="16,64,256,1024,4096",
-        help="chunk sizes to time token_entropy with, at min(largest N, 8192) tokens ('' to skip)",
-    )
-    p.add_argument("--mem-tokens", type=int, default=16384, help="N for the peak-memory comparison of token_entropy")
-    p.add_argument("--repeats", type=int, default=7, help="timed runs per measurement; the median is reported")
-    p.add_argument(
-        "--min-run",
-        type=float,
-        default=0.05,
-        help="seconds one timed run should last (calls per run are chosen to reach it)",
-    )
-    p.add_argument(
-        "--budget", type=float, default=20.0, help="seconds at most per measurement; fewer repeats beyond it"
-    )
-    p.add_argument(
-        "--ref-cap",
-        type=float,
-        default=10.0,
-        help="seconds at most for the Python reference per size; 'skipped' beyond",
-    )
-    p.add_argument(
-        "--step-seconds",
-        type=float,
-        default=None,
-        help="wall time of one training step (e.g. of train_small.py); if given, selection is also reported as a percentage of it",
-    )
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
-    p.add_argument("--seed", type=int, default=0, help="random seed for the synthetic data")
-    p.add_argument("--skip", default="", help="comma-separated tables to skip: samples, tokens, entropy")
-    p.add_argument("--out", default=None, help="also write the markdown report to this file")
-    p.add_argument("--_mem-child", nargs=5, default=None, help=argparse.SUPPRESS)
-    return p
-
-
 TABLES = ("samples", "tokens", "entropy")
+
+
+def sizes(names, lows=(1, 1)):
+    """An argparse type: comma-separated sizes like 64x8,256x16 (names: ("P", "G")), each part >= its low."""
+
+    def parse(text):
+        for part in (x.strip() for x in text.split(",")):
+            m = re.fullmatch(r"(\d+)[xX](\d+)", part)
+            if not m:
+                raise argparse.ArgumentTypeError(
+                    f"{text!r}: {part!r} is not {names[0]}x{names[1]}; pass comma-separated sizes, e.g. 64x8,256x16"
+                )
+            if int(m[1]) < lows[0] or int(m[2]) < lows[1]:
+                raise argparse.ArgumentTypeError(
+                    f"{text}: {part} needs {names[0]} >= {lows[0]} and {names[1]} >= {lows[1]}"
+                )
+        return text
+
+    return parse
+
+
+def build_parser():
+    f, n, seconds = cli.flag, cli.number, cli.number(float, 0, low_open=True, what="a finite number of seconds > 0")
+    frac = lambda of: n(float, 0, 1, low_open=True, what=f"a fraction of {of} in (0, 1]")
+    flags = [
+        f(
+            "--quick",
+            False,
+            bool,
+            f"small sizes that finish in seconds (samples {QUICK_SIZES}, tokens {QUICK_TOKEN_SIZES}, "
+            f"entropy {QUICK_ENTROPY_TOKENS}); overrides the size flags",
+        ),
+        f("--device", "cpu", ["cpu", "cuda"], "torch device (cuda: timings synchronize)"),
+        f("--sizes", DEFAULT_SIZES, sizes(("P", "G"), (1, 2)), "sample-level sizes, PxG (advantages need G >= 2)"),
+        f("--keep-frac", 0.25, frac("each group"), "rollouts kept per group: m = round(keep_frac * G)"),
+        f("--rewards", "binary", ["binary", "uniform"], "binary 0/1 with a per-prompt success rate, or uniform [0, 1)"),
+        f("--token-sizes", DEFAULT_TOKEN_SIZES, sizes(("B", "T")), "select_tokens sizes, comma-separated BxT"),
+        f("--k-frac", 0.2, frac("the tokens"), "fraction of valid tokens select_tokens keeps"),
+        f("--entropy-tokens", DEFAULT_ENTROPY_TOKENS, None, "token counts N for token_entropy on [N, vocab] logits"),
+        f("--vocab", 32768, n(int, 2, 2**24, what="an int in [2, 2^24]"), "vocabulary size V of the logits"),
+        f("--logits-dtype", "bf16", list(DTYPES), "dtype of the logits"),
+        f("--chunk-size", None, n(int, 1), "rows per token_entropy chunk (default: its own, 8 MiB of fp32 on CPU)"),
+        f(
+            "--chunk-sweep",
+            "16,64,256,1024,4096",
+            None,
+            "chunk sizes to time at min(largest N, 8192) tokens ('': none)",
+        ),
+        f("--mem-tokens", 16384, n(int, 1), "N for the peak-memory comparison of token_entropy"),
+        f("--repeats", 7, n(int, 1), "timed runs per measurement; the median is reported"),
+        f("--min-run", 0.05, seconds, "seconds one timed run should last (calls per run are chosen to reach it)"),
+        f("--budget", 20.0, seconds, "seconds at most per measurement; fewer repeats beyond it"),
+        f("--ref-cap", 10.0, seconds, "seconds at most for the Python reference per size; 'skipped' beyond"),
+        f("--step-seconds", None, seconds, "a training step's wall time: also report selection as a share of it"),
+        f("--threads", None, n(int, 0, 1024), "torch.set_num_threads (default: torch's choice)"),
+        f("--seed", 0, n(int, 0, 2**63 - 2, what="an int in [0, 2^63 - 1)"), "random seed for the synthetic data"),
+        f("--skip", "", None, f"comma-separated tables to skip: {', '.join(TABLES)}"),
+        f("--out", None, cli.out_file, "also write the markdown report to this file"),
+        f("--_mem-child", None, None, argparse.SUPPRESS, nargs=5),
+    ]
+    return cli.parser("selection.py", __doc__.split("\n")[0], flags)
 
 
 def parse_args(argv=None):
@@ -593,40 +584,14 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args._mem_child:  # this script's own child process (peak_extra_memory): its arguments are the parent's
         return args
-    finite = cli.finite
-    cli.check_rules(
-        p,
-        [
-            ("--keep-frac", args.keep_frac, lambda v: 0 < v <= 1, "a fraction of each group in (0, 1]"),
-            ("--k-frac", args.k_frac, lambda v: 0 < v <= 1, "a fraction of the tokens in (0, 1]"),
-            ("--vocab", args.vocab, lambda v: 2 <= v <= 2**24, "an int in [2, 2^24]"),
-            ("--chunk-size", args.chunk_size, lambda v: v >= 1, "an int >= 1 (rows per chunk)"),
-            ("--mem-tokens", args.mem_tokens, lambda v: v >= 1, "an int >= 1"),
-            ("--repeats", args.repeats, lambda v: 1 <= v <= 10**6, "an int >= 1"),
-            ("--min-run", args.min_run, lambda v: finite(v) and v > 0, "a finite number of seconds > 0"),
-            ("--budget", args.budget, lambda v: finite(v) and v > 0, "a finite number of seconds > 0"),
-            ("--ref-cap", args.ref_cap, lambda v: finite(v) and v > 0, "a finite number of seconds > 0"),
-            ("--step-seconds", args.step_seconds, lambda v: finite(v) and v > 0, "a finite number of seconds > 0"),
-            ("--threads", args.threads, lambda v: 0 <= v <= 1024, "an int in [0, 1024] (0: torch's choice)"),
-            ("--seed", args.seed, lambda v: 0 <= v < 2**63 - 1, "an int in [0, 2^63 - 1)"),
-        ],
-    )
-    cli.size_list(p, "--sizes", args.sizes, ("P", "G"), lows=(1, 2))  # advantages need 2 rollouts per group
-    cli.size_list(p, "--token-sizes", args.token_sizes, ("B", "T"))
     cli.int_list(p, "--entropy-tokens", args.entropy_tokens, low=1, what="comma-separated token counts >= 1")
-    cli.int_list(
-        p,
-        "--chunk-sweep",
-        args.chunk_sweep,
-        low=1,
-        what="comma-separated chunk sizes >= 1 ('' to skip)",
-        allow_empty=True,
-    )
+    what = "comma-separated chunk sizes >= 1 ('' to skip)"
+    cli.int_list(p, "--chunk-sweep", args.chunk_sweep, low=1, what=what, allow_empty=True)
     unknown = [t for t in (x.strip() for x in args.skip.split(",")) if t and t not in TABLES]
     if unknown:
         p.error(f"--skip {args.skip}: {unknown[0]!r} is not a table; skip some of {', '.join(TABLES)}")
-    cli.check_out_file(p, "--out", args.out)
-    cli.check_device(p, "--device", args.device, torch.cuda.device_count)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: torch sees no CUDA device; use --device cpu, or install torch's CUDA build")
     return args
 
 

@@ -13,7 +13,6 @@ proportions (intermediate = 5.29 x hidden, 7 query heads per KV head), whole MLP
 and prints the FLOP arithmetic for the 7B itself. Prints a markdown table.
 """
 
-import argparse
 import copy
 import os
 import platform
@@ -73,51 +72,30 @@ def heads_of(hidden):
 
 def parse_args(argv=None):
     """The flags, every one checked before any work: one line `tiled_mlp.py: error: --flag VALUE: ...`, exit 2."""
-    p = cli.Parser(
-        prog="tiled_mlp.py",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    p.add_argument("--hidden", type=int, default=448, help="hidden size (7B: 3584); intermediate = 5.29 x hidden")
-    p.add_argument("--layers", type=int, default=4, help="decoder layers")
-    p.add_argument("--rows", type=int, default=4, help="rollouts in the micro-batch")
-    p.add_argument("--seq-len", type=int, default=1024, help="tokens per rollout")
-    p.add_argument(
-        "--chunk-tokens",
-        type=int,
-        default=1024,
-        help="--mlp-chunk-tokens of the tiled arm (rows x seq-len / "
-        "chunk-tokens slices; 4 as the 7B's default at [4, 3512])",
-    )
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per arm (the median is reported)")
-    p.add_argument(
-        "--device",
-        default="cpu",
-        help="cpu or cuda (on a GPU: --hidden 3584 --seq-len 3512 --chunk-tokens 4096 times the 7B's own layers)",
-    )
-    p.add_argument(
-        "--dtype",
-        default="float32",
-        choices=["float32", "bfloat16"],
-        help="parameter and compute dtype (train_full computes in bfloat16 on a GPU)",
-    )
+    f, n = cli.flag, cli.number
+    flags = [
+        f("--hidden", 448, n(int, 14, 65536), "hidden size (7B: 3584); intermediate = 5.29 x hidden"),
+        f("--layers", 4, n(int, 1, 1024), "decoder layers"),
+        f("--rows", 4, n(int, 1, 65536), "rollouts in the micro-batch"),
+        f("--seq-len", 1024, n(int, 1, 2**20, what="an int in [1, 2^20]"), "tokens per rollout"),
+        f(
+            "--chunk-tokens",
+            1024,
+            n(int, 1, 2**30, what="an int >= 1 (tokens per slice of the tiled arm; the whole arm is the other row)"),
+            "--mlp-chunk-tokens of the tiled arm (rows x seq-len / chunk-tokens slices; 4 as the 7B's default at "
+            "[4, 3512])",
+        ),
+        f("--repeats", 3, n(int, 1), "timed runs per arm (the median is reported)"),
+        f(
+            "--device",
+            "cpu",
+            ["cpu", "cuda"],
+            "on a GPU: --hidden 3584 --seq-len 3512 --chunk-tokens 4096 times the 7B's own layers",
+        ),
+        f("--dtype", "float32", ["float32", "bfloat16"], "parameter and compute dtype (train_full: bfloat16 on a GPU)"),
+    ]
+    p = cli.parser("tiled_mlp.py", __doc__.split("\n\n")[0], flags)
     args = p.parse_args(argv)
-    cli.check_rules(
-        p,
-        [
-            ("--hidden", args.hidden, lambda v: 14 <= v <= 65536, "an int in [14, 65536]"),
-            ("--layers", args.layers, lambda v: 1 <= v <= 1024, "an int in [1, 1024]"),
-            ("--rows", args.rows, lambda v: 1 <= v <= 65536, "an int in [1, 65536]"),
-            ("--seq-len", args.seq_len, lambda v: 1 <= v <= 2**20, "an int in [1, 2^20]"),
-            (
-                "--chunk-tokens",
-                args.chunk_tokens,
-                lambda v: 1 <= v <= 2**30,
-                "an int >= 1 (tokens per slice of the tiled arm; the whole arm is the other row)",
-            ),
-            ("--repeats", args.repeats, lambda v: 1 <= v <= 10**6, "an int >= 1"),
-        ],
-    )
     heads = heads_of(args.hidden)
     if (args.hidden // heads) % 2:  # rotary embeddings rotate pairs of a head's dimensions
         fits = [h for h in range(args.hidden - 64, args.hidden + 65) if h >= 14 and (h // heads_of(h)) % 2 == 0]
@@ -125,7 +103,8 @@ def parse_args(argv=None):
             f"--hidden {args.hidden}: gives {heads} heads of {args.hidden // heads} dimensions, and rotary "
             f"embeddings need an even head size; pass e.g. {min(fits, key=lambda h: abs(h - args.hidden))}"
         )
-    cli.check_device(p, "--device", args.device, torch.cuda.device_count)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: torch sees no CUDA device; use --device cpu, or install torch's CUDA build")
     return args
 
 

@@ -43,7 +43,6 @@ step 1 also pays one-off costs such as the grader's first math-verify import):
 Writes the markdown table and the notes to stdout and to --out, the raw numbers to WORK/results.json.
 """
 
-import argparse
 import datetime
 import json
 import os
@@ -66,44 +65,42 @@ TRL_SPLIT = ("prep_other_s", "loss_fwd_s", "backward_s", "optim_s")  # trl_arm.p
 
 
 def parse_args(argv=None):
-    p = cli.Parser(
-        prog="vs_trl.py", description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
-    p.add_argument("--quick", action="store_true", help="2 steps, 1 repeat, 2 prompts x 4 rollouts, short warm start")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--repeats", type=int, default=2, help="rounds of all arms, in --arms order")
-    p.add_argument("--arms", default=",".join(ARMS), help="subset/order of " + ",".join(ARMS))
-    p.add_argument("--prompts-per-step", type=int, default=16, help="P")
-    p.add_argument("--group-size", type=int, default=16, help="G")
-    p.add_argument("--task", default="steps", help="train_small.py's generated task (steps: worked solutions; direct)")
-    p.add_argument("--max-new-tokens", type=int, default=None, help="default: train_small.py's for the task")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--lr", type=float, default=3e-5)
-    p.add_argument("--max-grad-norm", type=float, default=1.0)
-    p.add_argument(
-        "--seed", type=int, default=0, help="seed of the data, the warm start and (without --seeds) the RL runs"
-    )
-    p.add_argument("--seeds", default=None, help="comma-separated RL seeds, one run per arm and seed (default: --seed)")
-    p.add_argument(
-        "--train-size", type=int, default=5000, help="generated training problems (also the warm start's data)"
-    )
-    p.add_argument("--eval-size", type=int, default=200, help="held-out problems")
-    p.add_argument(
-        "--sft-steps", type=int, default=None, help="warm-start steps (default: train_small's; 20 with --quick)"
-    )
-    p.add_argument("--hidden-size", type=int, default=128)
-    p.add_argument("--num-layers", type=int, default=4)
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=1,
-        help="torch threads in every arm (0: torch's default; 1 avoids oversubscription on a shared CPU)",
-    )
-    p.add_argument("--work", default="runs/bench_vs_trl", help="run folders, data files, logs, results.json")
-    p.add_argument("--cache-dir", default="runs/cache", help="train_small's warm-start cache")
-    p.add_argument("--python", default=os.path.join(ROOT, ".venv", "bin", "python"), help="the project's python")
-    p.add_argument("--trl-python", default=os.path.join(ROOT, ".venv-trl", "bin", "python"), help="python with trl")
-    p.add_argument("--out", default=None, help="also write the markdown here")
+    """Every flag before any work, and before TRL (the TRL venv runs only the arms): the ranges the arms'
+    train_small.py and trl_arm.py accept, paths, combinations. A bad one ends in one line, `vs_trl.py: error:
+    --flag VALUE: ...`, exit 2."""
+    f, n, count = cli.flag, cli.number, cli.number(int, 1, 10**6, what="an int in [1, 10^6]")
+    flags = [
+        f("--quick", False, bool, "2 steps, 1 repeat, 2 prompts x 4 rollouts, short warm start"),
+        f("--steps", 20, n(int, 1), "RL steps per run"),
+        f("--repeats", 2, n(int, 1, 1000), "rounds of all arms, in --arms order"),
+        f("--arms", ",".join(ARMS), None, "subset/order of " + ",".join(ARMS)),
+        f("--prompts-per-step", 16, n(int, 1, 4096), "P"),
+        f("--group-size", 16, n(int, 2, 1024, what="an int in [2, 1024] (advantages need 2 rollouts)"), "G"),
+        f("--task", "steps", None, "train_small.py's generated task (steps: worked solutions; direct)"),
+        f("--max-new-tokens", None, n(int, 1, 65536), "default: train_small.py's for the task"),
+        f("--temperature", 1.0, n(float, 0.01, 100), "sampling temperature"),
+        f("--lr", 3e-5, n(float, 0, 1, low_open=True), "AdamW's learning rate"),
+        f("--max-grad-norm", 1.0, n(float, 0, low_open=True), "the norm the gradient is clipped to"),
+        f("--seed", 0, n(int, 0, 2**31 - 1), "seed of the data, the warm start and (without --seeds) the RL runs"),
+        f("--seeds", None, None, "comma-separated RL seeds, one run per arm and seed (default: --seed)"),
+        f("--train-size", 5000, count, "generated training problems (also the warm start's data)"),
+        f("--eval-size", 200, n(int, 1, 10**5, what="an int in [1, 10^5]"), "held-out problems"),
+        f(
+            "--sft-steps",
+            None,
+            n(int, 0, 10**6, what="an int in [0, 10^6]"),
+            "warm-start steps (default: train_small's; 20 with --quick)",
+        ),
+        f("--hidden-size", 128, n(int, 8, 4096, what="a multiple of 4 in [8, 4096] (4 heads)"), "the tiny model's"),
+        f("--num-layers", 4, n(int, 1, 64), "the tiny model's"),
+        f("--threads", 1, n(int, 0, 1024), "torch threads per arm (0: torch's default; 1: no oversubscription)"),
+        f("--work", "runs/bench_vs_trl", None, "run folders, data files, logs, results.json"),
+        f("--cache-dir", "runs/cache", None, "train_small's warm-start cache"),
+        f("--python", os.path.join(ROOT, ".venv", "bin", "python"), None, "the project's python"),
+        f("--trl-python", os.path.join(ROOT, ".venv-trl", "bin", "python"), None, "python with trl"),
+        f("--out", None, cli.out_file, "also write the markdown here"),
+    ]
+    p = cli.parser("vs_trl.py", __doc__.split("\n\n")[0], flags)
     args = p.parse_args(argv)
     check_args(p, args)
     if args.quick:
@@ -118,45 +115,9 @@ def parse_args(argv=None):
 
 
 def check_args(p, args):
-    """Every flag before any work, and before TRL (the TRL venv runs only the arms): the ranges the
-    arms' train_small.py and trl_arm.py accept (train_small.parse_args'), paths, combinations. A
-    bad one ends in one line, `vs_trl.py: error: --flag VALUE: ...`, exit 2."""
-    finite = cli.finite
-    cli.check_rules(
-        p,
-        [
-            ("--steps", args.steps, lambda v: 1 <= v <= 10**6, "an int >= 1"),
-            ("--repeats", args.repeats, lambda v: 1 <= v <= 1000, "an int in [1, 1000]"),
-            ("--prompts-per-step", args.prompts_per_step, lambda v: 1 <= v <= 4096, "an int in [1, 4096]"),
-            (
-                "--group-size",
-                args.group_size,
-                lambda v: 2 <= v <= 1024,
-                "an int in [2, 1024] (advantages need 2 rollouts)",
-            ),
-            ("--max-new-tokens", args.max_new_tokens, lambda v: 1 <= v <= 65536, "an int in [1, 65536]"),
-            ("--temperature", args.temperature, lambda v: finite(v) and 0.01 <= v <= 100, "in [0.01, 100]"),
-            ("--lr", args.lr, lambda v: finite(v) and 0 < v <= 1, "in (0, 1]"),
-            (
-                "--max-grad-norm",
-                args.max_grad_norm,
-                lambda v: finite(v) and v > 0,
-                "a finite number > 0 (the norm the gradient is clipped to)",
-            ),
-            ("--seed", args.seed, lambda v: 0 <= v < 2**31, "an int in [0, 2^31)"),
-            ("--train-size", args.train_size, lambda v: 1 <= v <= 10**6, "an int in [1, 10^6]"),
-            ("--eval-size", args.eval_size, lambda v: 1 <= v <= 10**5, "an int in [1, 10^5]"),
-            ("--sft-steps", args.sft_steps, lambda v: 0 <= v <= 10**6, "an int in [0, 10^6]"),
-            (
-                "--hidden-size",
-                args.hidden_size,
-                lambda v: 8 <= v <= 4096 and v % 4 == 0,
-                "a multiple of 4 in [8, 4096] (4 heads)",
-            ),
-            ("--num-layers", args.num_layers, lambda v: 1 <= v <= 64, "an int in [1, 64]"),
-            ("--threads", args.threads, lambda v: 0 <= v <= 1024, "an int in [0, 1024] (0: torch's default)"),
-        ],
-    )
+    """The flags that need each other or the disk (one line, exit 2): the arms, the seeds, the folders, the pythons."""
+    if args.hidden_size % 4:
+        p.error(f"--hidden-size {args.hidden_size}: must be a multiple of 4 in [8, 4096] (4 heads)")
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     if not arms:
         p.error(f"--arms {args.arms!r}: empty; pass some of {','.join(ARMS)}")
@@ -174,27 +135,27 @@ def check_args(p, args):
             p.error(f"--seeds {','.join(map(str, args.seeds))}: each seed must be < 2^31")
     cli.check_out_dir(p, "--work", args.work)
     cli.check_out_dir(p, "--cache-dir", args.cache_dir)
-    cli.check_out_file(p, "--out", args.out)
     if args.out and os.path.abspath(args.out) == os.path.abspath(os.path.join(args.work, "results.json")):
         p.error(f"--out {args.out}: is WORK/results.json, where the raw numbers go; pass another file")
-    cli.check_program(
-        p,
-        "--python",
-        args.python,
-        "create the project's venv (python3 -m venv .venv && .venv/bin/pip "
-        "install -r requirements.txt), or pass its python",
-    )  # the warm start runs in it, whatever the arms
+    fix = "create the project's venv (python3 -m venv .venv && .venv/bin/pip install -r requirements.txt), or pass its python"
+    check_python(p, "--python", args.python, fix)  # the warm start runs in it, whatever the arms
     if any(a in TRL_ARMS for a in args.arms):
-        cli.check_program(
-            p,
-            "--trl-python",
-            args.trl_python,
-            "create the TRL venv (see this file's docstring), or run only the train_small arms: --arms grpo,d3s",
-        )
+        fix = "create the TRL venv (see this file's docstring), or run only the train_small arms: --arms grpo,d3s"
+        check_python(p, "--trl-python", args.trl_python, fix)
     from support import mathtask  # the tasks (and their lengths) are train_small's; it imports torch, so it comes last
 
     if args.task not in mathtask.TASKS:
         p.error(f"--task {args.task!r}: not a task of train_small.py; choose {' or '.join(mathtask.TASKS)}")
+
+
+def check_python(p, flag, path, fix):
+    """A python to run: exists, is a file, can be executed."""
+    if not os.path.exists(path):
+        p.error(f"{flag} {path!r}: not found; {fix}")
+    if os.path.isdir(path):
+        p.error(f"{flag} {path}: is a folder; pass the python executable itself, e.g. {path}/bin/python")
+    if not os.access(path, os.X_OK):
+        p.error(f"{flag} {path}: not executable; pass a python executable")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -90,177 +90,66 @@ SHOWN_TOKENS = 60  # worked example: at most this many tokens in a rollout's tab
 # ---------------------------------------------------------------------------------------------
 # Arguments: every flag checked before any model or data work
 # ---------------------------------------------------------------------------------------------
-def train_small_defaults():
-    """train_small.py's own defaults for the flags this script shares with it (read from its parser)."""
-    import train_small
-
-    return vars(train_small.build_parser().parse_args([]))
-
-
 def parse_args(argv):
-    p = cli.Parser(prog=PROG, description=__doc__.split("\n\n")[0])
-    a = p.add_argument
-    a(
-        "--model",
-        default=None,
-        metavar="PATH",
-        help="a saved HF model folder (config.json): a train_small run's final/ or "
-        "a warm-start cache folder; default: train_small.py's default warm start (built or loaded from --cache-dir)",
-    )
-    a(
-        "--cache-dir",
-        default="runs/cache",
-        help="without --model: where train_small's warm start is cached (default: runs/cache)",
-    )
-    a("--method", default="d3s", help="a row of methods.LADDER (default: d3s)")
-    a("--steps", type=int, default=None, help="the run's length the schedule is read on (default: train_small's, 100)")
-    a(
-        "--step",
-        type=int,
-        default=1,
-        help="S: the step (1-based, as train_small counts) whose N and K are used and whose "
-        "seeds batch 0 replays (default: 1, where D3S keeps the fewest)",
-    )
-    a("--batches", type=int, default=4, help="B: batches of P x G rollouts (default: 4)")
-    a("--prompts-per-step", type=int, default=None, help="P (default: train_small's, 16)")
-    a("--group-size", type=int, default=None, help="G (default: train_small's, 16)")
-    a("--n-init", type=int, default=None, help="N at the first step (default: train_small's, 4)")
-    a("--n-final", type=int, default=None, help="N at the last step (default: train_small's, 16)")
-    a("--k-init", type=float, default=None, help="K at the first step (default: train_small's, 0.05)")
-    a("--k-final", type=float, default=None, help="K at the last step (default: train_small's, 0.2)")
-    a(
-        "--k",
-        type=float,
-        default=None,
-        help="fix K (fraction of the forwarded tokens selected) instead of the method's "
-        "budget; 1.0 selects every token (a method with a token level only)",
-    )
-    a(
-        "--random-draws",
-        type=int,
-        default=4,
-        help="R: random selections per batch for the gradient reference, each "
-        "of as many tokens as the selection; the table shows their mean (default: 4)",
-    )
-    a("--token-rule", default="adv-entropy", help="d3s.token_scores rule (default: adv-entropy, |A| * H)")
-    a("--token-scope", default="batch", help="top K over the whole batch (batch, default) or per response (sequence)")
-    a("--task", default=None, help="train_small's generated task: steps or direct (default: train_small's, steps)")
-    a(
-        "--train-size",
-        type=int,
-        default=None,
-        help="generated training problems the batches draw from (default: "
-        "train_small's, 5000: the same problems as its runs)",
-    )
-    a(
-        "--template",
-        default="auto",
-        help="prompt template: plain, qwen-math, or auto (the warm start's, from the "
-        "folder's warmstart.json; else plain, the tiny rung's)",
-    )
-    a("--temperature", type=float, default=None, help="sampling temperature (default: train_small's, 1.0)")
-    a(
-        "--max-new-tokens",
-        type=int,
-        default=None,
-        help="response length limit (default: train_small's for the tiny model and --task, 48 for steps)",
-    )
-    a("--grade-timeout", type=float, default=None, help="seconds math-verify may spend on one answer (default: 5)")
-    a(
-        "--seed",
-        type=int,
-        default=0,
-        help="seed of the generated problems (train_small's --seed) and of batch 0's "
-        "rollouts (its --rl-seed); batch b uses SEED + b (default: 0)",
-    )
-    a("--threads", type=int, default=1, help="torch CPU threads (default: 1; 0: torch's default)")
-    a("--out", default=None, metavar="FILE", help="also write the markdown report to FILE")
-    a("--explain-out", default=None, metavar="FILE.md", help="write a worked example (markdown) to FILE.md")
+    """Every flag, before any model or data work (one line, exit 2). The defaults the script shares with
+    train_small.py are train_small's own (read from its parser)."""
+    import train_small
+    from support import methods
+
+    d = vars(train_small.build_parser().parse_args([]))  # train_small's defaults
+    f, n = cli.flag, cli.number
+    frac, seed = n(float, 0, 1, low_open=True, what="a fraction of tokens in (0, 1]"), n(int, 0, 2**31 - 1)
+    group = n(int, 2, 1024, what="an int in [2, 1024] (advantages need 2 rollouts)")
+    flags = [
+        f("--model", None, None, "a saved model folder (default: train_small's warm start)", metavar="PATH"),
+        f("--cache-dir", "runs/cache", None, "without --model: where train_small's warm start is cached"),
+        f("--method", "d3s", methods.NAMES, "a row of methods.LADDER"),
+        f("--steps", d["steps"], n(int, 1), "the run's length the schedule is read on (train_small's)"),
+        f("--step", 1, n(int, 1), "S: the step whose N and K are used and whose seeds batch 0 replays (1-based)"),
+        f("--batches", 4, n(int, 1, 10_000), "B: batches of P x G rollouts"),
+        f("--prompts-per-step", d["prompts_per_step"], n(int, 1, 4096), "P (train_small's)"),
+        f("--group-size", d["group_size"], group, "G (train_small's)"),
+        f("--n-init", d["n_init"], n(int, 1), "N at the first step (train_small's)"),
+        f("--n-final", d["n_final"], n(int, 1), "N at the last step (train_small's)"),
+        f("--k-init", d["k_init"], frac, "K at the first step (train_small's)"),
+        f("--k-final", d["k_final"], frac, "K at the last step (train_small's)"),
+        f("--k", None, frac, "fix K instead of the method's budget (1.0: every token; a method with a token level)"),
+        f("--random-draws", 4, n(int, 1, 1000), "R: random selections per batch, the gradient's reference"),
+        f("--token-rule", "adv-entropy", list(methods.TOKEN_RULES), "d3s.token_scores rule (adv-entropy: |A| * H)"),
+        f("--token-scope", "batch", ["batch", "sequence"], "top K over the whole batch or per response"),
+        f("--task", d["task"], ["steps", "direct"], "train_small's generated task"),
+        f("--train-size", d["train_size"], n(int, 1, 10**6, what="an int in [1, 10^6]"), "train_small's problems"),
+        f("--template", "auto", ["auto", "plain", "qwen-math"], "auto: the warm start's (warmstart.json), else plain"),
+        f("--temperature", d["temperature"], n(float, 0.01, 100), "sampling temperature (train_small's)"),
+        f("--max-new-tokens", None, n(int, 1, 65536), f"default: train_small's, {train_small.TINY_MAX_NEW_TOKENS}"),
+        f("--grade-timeout", d["grade_timeout"], n(float, 0, 3600, low_open=True), "seconds per answer"),
+        f("--seed", 0, seed, "train_small's --seed; batch b's --rl-seed is SEED + b"),
+        f("--threads", 1, n(int, 0, 1024), "torch CPU threads (0: torch's default)"),
+        f("--out", None, cli.out_file, "also write the markdown report to FILE", metavar="FILE"),
+        f("--explain-out", None, cli.out_file, "write a worked example (markdown) to FILE.md", metavar="FILE.md"),
+    ]
+    p = cli.parser(PROG, __doc__.split("\n\n")[0], flags)
     args = p.parse_args(argv)
-    check_args(p, args)
+    if args.model is not None:
+        cli.check_model(p, args.model)
+    else:
+        cli.check_out_dir(p, "--cache-dir", args.cache_dir)
+    if args.out and args.explain_out and os.path.abspath(args.out) == os.path.abspath(args.explain_out):
+        p.error(f"--explain-out {args.explain_out}: the same file as --out; pass another file")
+    if args.max_new_tokens is None:
+        args.max_new_tokens = train_small.TINY_MAX_NEW_TOKENS[args.task]
+    check_budget(p, args)
+    if args.template == "auto":
+        args.template = warm_start_template(args.model)
     return args
 
 
-def check_args(p, args):
-    finite = cli.finite
-    cli.check_rules(
-        p,
-        [
-            ("--batches", args.batches, lambda v: 1 <= v <= 10_000, "an int in [1, 10000]"),
-            ("--random-draws", args.random_draws, lambda v: 1 <= v <= 1000, "an int in [1, 1000]"),
-            ("--steps", args.steps, lambda v: v >= 1, "an int >= 1"),
-            ("--step", args.step, lambda v: v >= 1, "an int >= 1 (train_small counts steps from 1)"),
-            ("--prompts-per-step", args.prompts_per_step, lambda v: 1 <= v <= 4096, "an int in [1, 4096]"),
-            (
-                "--group-size",
-                args.group_size,
-                lambda v: 2 <= v <= 1024,
-                "an int in [2, 1024] (advantages need 2 rollouts)",
-            ),
-            ("--n-init", args.n_init, lambda v: v >= 1, "an int >= 1"),
-            ("--n-final", args.n_final, lambda v: v >= 1, "an int >= 1"),
-            ("--k-init", args.k_init, lambda v: finite(v) and 0 < v <= 1, "a fraction of tokens in (0, 1]"),
-            ("--k-final", args.k_final, lambda v: finite(v) and 0 < v <= 1, "a fraction of tokens in (0, 1]"),
-            ("--k", args.k, lambda v: finite(v) and 0 < v <= 1, "a fraction of tokens in (0, 1]"),
-            ("--train-size", args.train_size, lambda v: 1 <= v <= 10**6, "an int in [1, 10^6]"),
-            ("--temperature", args.temperature, lambda v: finite(v) and 0.01 <= v <= 100, "in [0.01, 100]"),
-            ("--max-new-tokens", args.max_new_tokens, lambda v: 1 <= v <= 65536, "an int in [1, 65536]"),
-            ("--grade-timeout", args.grade_timeout, lambda v: finite(v) and 0 < v <= 3600, "in (0, 3600] seconds"),
-            ("--seed", args.seed, lambda v: 0 <= v < 2**31, "an int in [0, 2^31)"),
-            ("--threads", args.threads, lambda v: 0 <= v <= 1024, "an int in [0, 1024] (0: torch's default)"),
-        ],
-    )
-    if args.template not in ("auto", "plain", "qwen-math"):
-        p.error(f"--template {args.template!r}: not a template; choose auto, plain or qwen-math")
-    if args.token_scope not in ("batch", "sequence"):
-        p.error(f"--token-scope {args.token_scope!r}: not a scope; choose batch or sequence")
-    if args.task is not None and args.task not in ("steps", "direct"):
-        p.error(f"--task {args.task!r}: not a task of train_small.py; choose steps or direct")
-    if args.model is not None:
-        if not args.model.strip():
-            p.error("--model '': empty; pass a saved model folder (with config.json), e.g. runs/small/final")
-        if not os.path.exists(args.model):
-            p.error(
-                f"--model {args.model}: no such folder; pass a saved model folder (with config.json), e.g. runs/small/final"
-            )
-        if not os.path.isdir(args.model):
-            p.error(f"--model {args.model}: is a file; pass the model's folder (with config.json)")
-        if not os.path.isfile(os.path.join(args.model, "config.json")):
-            p.error(f"--model {args.model}: has no config.json; pass a folder saved with save_pretrained")
-    else:
-        cli.check_out_dir(p, "--cache-dir", args.cache_dir)
-    cli.check_out_file(p, "--out", args.out)
-    cli.check_out_file(p, "--explain-out", args.explain_out)
-    if args.out and args.explain_out and os.path.abspath(args.out) == os.path.abspath(args.explain_out):
-        p.error(f"--explain-out {args.explain_out}: the same file as --out; pass another file")
-
-    import d3s  # torch: after the checks that need no import
+def check_budget(p, args):
+    """The step, N and K together: --step within --steps, N <= G, --k only where the method selects tokens; then
+    the budget at step S (args.n_keep, args.k_frac), as train_small reads it."""
+    import d3s
     from support import methods
 
-    defaults = train_small_defaults()
-    for name in (
-        "steps",
-        "prompts_per_step",
-        "group_size",
-        "n_init",
-        "n_final",
-        "k_init",
-        "k_final",
-        "task",
-        "train_size",
-        "temperature",
-        "grade_timeout",
-    ):
-        if getattr(args, name) is None:
-            setattr(args, name, defaults[name])
-    if args.max_new_tokens is None:
-        import train_small
-
-        args.max_new_tokens = train_small.TINY_MAX_NEW_TOKENS[args.task]
-    if args.method not in methods.LADDER:
-        p.error(f"--method {args.method!r}: not a method; choose from {', '.join(methods.NAMES)}")
-    if args.token_rule not in methods.TOKEN_RULES:
-        p.error(f"--token-rule {args.token_rule!r}: not a rule; choose from {', '.join(methods.TOKEN_RULES)}")
     if args.step > args.steps:
         p.error(f"--step {args.step}: must be in [1, --steps {args.steps}]")
     if args.k is not None and not methods.selects_tokens(args.method):
@@ -290,8 +179,6 @@ def check_args(p, args):
         p.error(f"--method {args.method}: {' '.join(str(e).split())}")
     if args.k is not None:
         args.k_frac = args.k
-    if args.template == "auto":
-        args.template = warm_start_template(args.model)
 
 
 def warm_start_template(model):

@@ -25,6 +25,7 @@ from support import cli  # noqa: E402  (support/cli.py: one-line errors, the sha
 from support import stops  # noqa: E402
 
 PROG = "headroom.py"
+OUT_HELP = "also write the markdown table to FILE (train_small's --out, a run folder, is not used)"
 
 
 def is_shortcut(text):
@@ -34,33 +35,10 @@ def is_shortcut(text):
     return len(results) > 1 and bool(boxed) and boxed[-1] == results[0] != results[-1]
 
 
-def split_out(argv):
-    """This script's own --out (a markdown file to write), checked, and the rest: train_small.py's flags.
-    A bad --out is one line, `headroom.py: error: --out PATH: ...`, exit 2, before torch is imported."""
-    p = cli.Parser(prog=PROG)
-    out, rest, i = None, [], 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg == "--":  # everything after it is positional: train_small.py's business
-            rest += argv[i:]
-            break
-        if arg == "--out":
-            if i + 1 >= len(argv) or (argv[i + 1].startswith("--") and len(argv[i + 1]) > 2):
-                p.error("--out: expected one value; pass a file for the markdown table, e.g. --out runs/headroom.md")
-            out, i = argv[i + 1], i + 2
-            continue
-        if arg.startswith("--out="):
-            out, i = arg[len("--out=") :], i + 1
-            continue
-        rest.append(arg)
-        i += 1
-    cli.check_out_file(p, "--out", out)
-    return out, rest
-
-
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    out, argv = split_out(argv)  # before torch: a bad --out costs no import
+    own = cli.parser(PROG, None, [cli.flag("--out", None, cli.out_file, OUT_HELP)], add_help=False, allow_abbrev=False)
+    out, argv = own.parse_known_args(argv)  # before torch: a bad --out costs no import; the rest is train_small's
     import torch
 
     import train_small
@@ -69,7 +47,9 @@ def main(argv=None):
     from support.mathtask import DataError
     from support.grading import Grader, pass_at_k
 
-    args = train_small.parse_args(argv, train_small.build_parser(PROG))  # train_small.py's flags and checks
+    p = train_small.build_parser(PROG)  # train_small.py's flags and checks
+    p.epilog = f"This script's own --out FILE: {OUT_HELP}."
+    args = train_small.parse_args(argv, p)
     try:
         train_rows, eval_rows = warmstart.fit_files(args, *mathtask.load_data(args), prog=PROG)
         model, tokenizer, info = warmstart.load_warm_start(args, train_rows)
@@ -112,8 +92,8 @@ def main(argv=None):
         )
     text = "\n".join(lines) + "\n"
     print(text)
-    if out:
-        with open(out, "w") as f:
+    if out.out:
+        with open(out.out, "w") as f:
             f.write(text)
 
 

@@ -36,7 +36,6 @@ Question 5 (does cross-group selection destabilise?), per method, means ± std o
 Writes the markdown to stdout and to --out, and a figure of the curves beside it (--plot).
 """
 
-import argparse
 import json
 import os
 import statistics
@@ -58,53 +57,54 @@ def fail(message):
 
 
 def parse_args(argv=None):
-    p = cli.Parser(
-        prog=PROG, description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
-    p.add_argument("--question", type=int, choices=(1, 2, 3, 4, 5, 7), required=True)
-    p.add_argument(
-        "--runs",
-        required=True,
-        help="an experiments/small_ladder.py --compare --out folder (METHOD/seedS/metrics.jsonl); "
-        "questions 1, 2, 3, 7: the folder the --rows paths start from",
-    )
-    p.add_argument(
-        "--rows",
-        default=None,
-        help="question 4: methods to report (default d2s,d3s); question 5: methods to pair "
-        "with --base (default d3s); questions 1, 2, 3, 7: METHOD folders under --runs, each ROW or ROW@REF",
-    )
-    p.add_argument(
-        "--base",
-        default=None,
-        help="question 5: the method the others are paired with (default d3s-i); "
-        "questions 1, 2, 3, 7: the reference of rows without @REF (default: the first row)",
-    )
-    p.add_argument(
-        "--grpo",
-        default=None,
-        help="questions 1, 2, 3, 7: the row whose final Pass@1 'to GRPO' counts the "
-        "steps to (default: the first row named .../grpo)",
-    )
-    p.add_argument("--window", type=int, default=10, help="question 4: train steps averaged up to each eval step")
-    p.add_argument(
-        "--spike",
-        type=float,
-        default=3.0,
-        help="question 5: a spike is grad_norm > this x the median of the 10 steps before",
-    )
-    p.add_argument("--out", default=None, help="also write the markdown here")
-    p.add_argument("--plot", default=None, help="write the figure here (.png)")
+    f, n = cli.flag, cli.number
+    flags = [
+        f("--question", None, [1, 2, 3, 4, 5, 7], "which question's table", type=int, required=True),
+        f(
+            "--runs",
+            None,
+            None,
+            "an experiments/small_ladder.py --compare --out folder (METHOD/seedS/metrics.jsonl); questions 1, 2, 3, "
+            "7: the folder the --rows paths start from",
+            required=True,
+        ),
+        f(
+            "--rows",
+            None,
+            None,
+            "question 4: methods to report (d2s,d3s if not given); question 5: methods to pair with --base (d3s); "
+            "questions 1, 2, 3, 7: METHOD folders under --runs, each ROW or ROW@REF",
+        ),
+        f(
+            "--base",
+            None,
+            None,
+            "question 5: the method the others are paired with (d3s-i if not given); questions 1, 2, 3, 7: the "
+            "reference of rows without @REF (the first row)",
+        ),
+        f(
+            "--grpo",
+            None,
+            None,
+            "questions 1, 2, 3, 7: the row whose final Pass@1 'to GRPO' counts the steps to (default: the first row "
+            "named .../grpo)",
+        ),
+        f("--window", 10, n(int, 1), "question 4: train steps averaged up to each eval step"),
+        f(
+            "--spike",
+            3.0,
+            n(float, 0, low_open=True),
+            "question 5: a spike is grad_norm > this x the median of the 10 steps before",
+        ),
+        f("--out", None, cli.out_file, "also write the markdown here"),
+        f("--plot", None, cli.out_file, "write the figure here (.png)"),
+    ]
+    p = cli.parser(PROG, __doc__.split("\n\n")[0], flags)
     args = p.parse_args(argv)
     if not os.path.isdir(args.runs):
         p.error(
             f"--runs {args.runs}: not a folder; give the --out folder of an experiments/small_ladder.py --compare run"
         )
-    for flag, value in (("--window", args.window), ("--spike", args.spike)):
-        if not (cli.finite(value) and value > 0):
-            p.error(f"{flag} {value}: must be a number > 0")
-    cli.check_out_file(p, "--out", args.out)
-    cli.check_out_file(p, "--plot", args.plot)
     table = args.question in (1, 2, 3, 7)
     if args.rows is None:
         if table:

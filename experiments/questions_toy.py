@@ -297,21 +297,16 @@ def plot_grid(numbers, path, seeds):
 
 
 def parse_args(argv):
-    p = cli.Parser(prog=PROG, description=__doc__.split("\n\n")[0])
-    p.add_argument("--question", default="all", choices=["1", "2", "3", "7", "all"], help="which table (default: all)")
-    p.add_argument("--seeds", type=int, default=10, help="seeds per variant (default: 10)")
-    p.add_argument("--steps", type=int, default=80, help="training steps per run (default: 80, the toy's)")
-    p.add_argument("--workers", type=int, default=1, help="runs in parallel (processes) (default: 1)")
-    p.add_argument("--out", default="runs/questions_toy", help="output folder (default: runs/questions_toy)")
+    f, n = cli.flag, cli.number
+    flags = [
+        f("--question", "all", ["1", "2", "3", "7", "all"], "which table"),
+        f("--seeds", 10, n(int, 2, 1000, what="an int in [2, 1000] (an interval needs 2)"), "seeds per variant"),
+        f("--steps", 80, n(int, 1, 100_000), "training steps per run (the toy's)"),
+        f("--workers", 1, n(int, 1, 64), "runs in parallel (processes)"),
+        f("--out", "runs/questions_toy", None, "output folder"),
+    ]
+    p = cli.parser(PROG, __doc__.split("\n\n")[0], flags)
     args = p.parse_args(argv)
-    cli.check_rules(
-        p,
-        [
-            ("--seeds", args.seeds, lambda v: 2 <= v <= 1000, "an int in [2, 1000] (an interval needs 2)"),
-            ("--steps", args.steps, lambda v: 1 <= v <= 100_000, "an int in [1, 100000]"),
-            ("--workers", args.workers, lambda v: 1 <= v <= 64, "an int in [1, 64]"),
-        ],
-    )
     cli.check_out_dir(p, "--out", args.out)
     return args
 

@@ -2,10 +2,11 @@
 
 Every bad flag, path or file ends the same way on train_small.py, train_full.py, toy/bandit.py and the bench and
 experiments scripts: ONE line on stderr, `prog: error: --flag VALUE: what is wrong; what to do`, exit code 2,
-before any work (no model, data or timing yet), never a traceback. A rung declares its knobs as a list, one line
-each: `flag("--steps", 80, number(int, 1), "training steps per run")`, its name, default, what it may be (a numeric
-flag carries its range: number) and help; parser() turns the list into argparse flags. Standard library only, so
-that a script can check its flags before it imports torch.
+before any work (no model, data or timing yet), never a traceback. A rung (and a bench or experiments script)
+declares its knobs as a list, one line each: `flag("--steps", 80, number(int, 1), "training steps per run")`, its
+name, default, what it may be (a numeric flag carries its range: number) and help; parser() turns the list into
+argparse flags, whose --help shows each default once (Help). Standard library only, so that a script can check its
+flags before it imports torch.
 """
 
 import argparse
@@ -15,7 +16,6 @@ import re
 import sys
 
 FLAG = r"argument (--[\w-]+)(?:/\S+)?: "  # argparse's "argument --x: ..." (or "argument --x/-x: ...")
-DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 TOKENIZER = ("tokenizer.json", "tokenizer.model", "vocab.json")
 DROP_LONG_PROMPTS_HELP = (
@@ -28,12 +28,24 @@ class UsageError(ValueError):
     """A flag, file, model or checkpoint that cannot be used: `--flag VALUE: what is wrong; what to do`."""
 
 
+class Help(argparse.HelpFormatter):
+    """--help shows a flag's default once, the way a user reads it: not where the help already says "default:",
+    not for None (not given) or '', and not for an on/off switch, which is off until given (a "--no-x" beside
+    "(default: True)" reads backwards)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default:" in text or action.nargs == 0 or action.default in (None, "", argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)" if action.option_strings else text
+
+
 class Parser(argparse.ArgumentParser):
-    """argparse, with every error rewritten to one line (no usage block) and exit 2; defaults shown in --help.
+    """argparse, with every error rewritten to one line (no usage block) and exit 2; defaults shown in --help (Help).
     A value that starts with '-' ("--lr -inf") is read as the flag's value, not as another flag."""
 
     def __init__(self, *args, **kwargs):
-        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        kwargs.setdefault("formatter_class", Help)
         super().__init__(*args, **kwargs)
 
     def parse_args(self, args=None, namespace=None):
@@ -163,18 +175,6 @@ def check_model(p, model):
         p.error(f"--model {model}: no such folder (and not a hub name like Qwen/Qwen2.5-Math-1.5B); check the path")
 
 
-def finite(v):
-    return isinstance(v, (int, float)) and math.isfinite(v)
-
-
-def check_rules(p, rules):
-    """rules: (flag, value, ok, what it must be). A value of None (not given) passes; NaN fails every
-    comparison, so `lambda v: 0 < v <= 1` refuses it; unbounded floats use finite()."""
-    for flag, value, ok, what in rules:
-        if value is not None and not ok(value):
-            p.error(f"{flag} {value}: must be {what}")
-
-
 def int_list(p, flag, text, low=None, what="comma-separated integers", allow_empty=False, unique=False):
     """'1,2,3' -> [1, 2, 3], each >= low; a one-line error otherwise."""
     items = [x.strip() for x in text.split(",") if x.strip()]
@@ -189,18 +189,6 @@ def int_list(p, flag, text, low=None, what="comma-separated integers", allow_emp
     if unique and len(set(values)) != len(values):
         p.error(f"{flag} {text}: a value is repeated; give each once")
     return values
-
-
-def size_list(p, flag, text, names, lows=(1, 1)):
-    """'64x8,256x16': comma-separated sizes, each part >= its low; names e.g. ('P', 'G')."""
-    for part in (x.strip() for x in text.split(",")):
-        m = re.fullmatch(r"(\d+)[xX](\d+)", part)
-        if not m:
-            p.error(
-                f"{flag} {text!r}: {part!r} is not {names[0]}x{names[1]}; pass comma-separated sizes, e.g. 64x8,256x16"
-            )
-        if int(m[1]) < lows[0] or int(m[2]) < lows[1]:
-            p.error(f"{flag} {text}: {part} needs {names[0]} >= {lows[0]} and {names[1]} >= {lows[1]}")
 
 
 def check_out_dir(p, flag, path):
@@ -219,47 +207,20 @@ def check_out_dir(p, flag, path):
         p.error(f"{flag} {path}: {parent} is not writable; pass a folder you can write to")
 
 
-def check_out_file(p, flag, path):
-    """A file to write (None: not given): not a folder, in a writable folder that exists, writable if it exists."""
-    if path is None:
-        return
+def out_file(path):
+    """An argparse type: a file to write (a report), checked at parsing: not a folder, in a folder that exists and
+    this process can write."""
+    folder = os.path.dirname(os.path.abspath(path))
     if not path.strip():
-        p.error(f"{flag} '': empty; pass a file name")
+        raise argparse.ArgumentTypeError(f"{path!r}: empty; pass a file name")
     if os.path.isdir(path) or path.endswith(("/", os.sep)):
-        p.error(f"{flag} {path}: is a folder, not a file; pass a file name, e.g. {os.path.join(path, 'report.md')}")
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.exists(parent):
-        p.error(f"{flag} {path}: the folder {parent} does not exist; create it or pass a file in a folder that exists")
-    if not os.path.isdir(parent):  # it exists, so it is the file in the way
-        p.error(f"{flag} {path}: {parent} is a file, not a folder; pass a file in a folder")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        p.error(f"{flag} {path}: the folder {parent} is not writable; pass a file in a folder you can write to")
-    if os.path.exists(path) and not os.access(path, os.W_OK):
-        p.error(f"{flag} {path}: the file is not writable; pass another file or make it writable")
-
-
-def check_program(p, flag, path, fix):
-    """An executable to run (a python): exists, is a file, can be executed."""
-    if not path or not path.strip():
-        p.error(f"{flag} '': empty; {fix}")
-    if not os.path.exists(path):
-        p.error(f"{flag} {path}: not found; {fix}")
-    if os.path.isdir(path):
-        p.error(
-            f"{flag} {path}: is a folder; pass the python executable itself, e.g. {os.path.join(path, 'bin', 'python')}"
-        )
-    if not os.access(path, os.X_OK):
-        p.error(f"{flag} {path}: not executable; pass a python executable")
-
-
-def check_device(p, flag, device, cuda_count):
-    """cpu, cuda or cuda:N, a CUDA one only where torch sees it (cuda_count: a callable returning
-    torch.cuda.device_count(), so that torch is imported only when the device asks for CUDA)."""
-    if not DEVICE.fullmatch(device or ""):
-        p.error(f"{flag} {device!r}: not a device; pass cpu, cuda or cuda:N")
-    if device.startswith("cuda"):
-        count = cuda_count()
-        if not count:
-            p.error(f"{flag} {device}: torch sees no CUDA device; use {flag} cpu, or install torch's CUDA build")
-        if ":" in device and int(device.split(":")[1]) >= count:
-            p.error(f"{flag} {device}: torch sees {count} CUDA device(s), cuda:0 to cuda:{count - 1}; pass one of them")
+        why = f"is a folder, not a file; pass a file name, e.g. {os.path.join(path, 'report.md')}"
+    elif not os.path.exists(folder):
+        why = f"the folder {folder} does not exist; create it or pass a file in a folder that exists"
+    elif not os.path.isdir(folder):  # it exists, so it is the file in the way
+        why = f"{folder} is a file, not a folder; pass a file in a folder"
+    elif not os.access(folder, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        why = "not writable; pass a file you can write, in a folder you can write to"
+    else:
+        return path
+    raise argparse.ArgumentTypeError(f"{path}: {why}")

@@ -3,9 +3,10 @@
 For each script, a table of (argv, fragment): run as a subprocess, every case must exit 2 with
 exactly one non-empty line on stderr, `<prog>: error: ...` containing the fragment (the flag, its
 value and what is wrong), no "Traceback", and nothing on stdout (no work started). The checks run
-before any work: bench/vs_trl.py and experiments/headroom.py's --out before torch is imported (vs_trl.py
-needs the TRL venv only for its arms, so this runs in the project's .venv); the others right after
-their imports (about 2 s). experiments/headroom.py hands the rest of its flags to train_small.py's parser and checks, under its own name.
+before any work: bench/vs_trl.py's flags and experiments/headroom.py's --out before torch is imported
+(vs_trl.py needs the TRL venv only for its arms, so this runs in the project's .venv); the others right
+after their imports (about 2 s). experiments/headroom.py hands the rest of its flags to train_small.py's
+parser and checks, under its own name.
 
 Paths in the tables: {file} an existing text file, {dir} an existing empty folder, {missing} a path
 that does not exist, {json} a JSON file with no model_type (all made in a temporary folder).
@@ -24,13 +25,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VS_TRL = [
     (["--steps", "0"], "--steps 0: must be an int >= 1"),
     (["--quick", "--repeats", "-1"], "--repeats -1: must be"),  # checked as given, before --quick's sizes
-    (["--steps", "x"], "--steps 'x': not an integer"),
+    (["--steps", "x"], "--steps 'x': must be an int >= 1"),
     (["--lr", "nan"], "--lr nan: must be in (0, 1]"),
     (["--lr=-inf"], "--lr -inf: must be in (0, 1]"),
     (["--lr", "-inf"], "--lr -inf: must be in (0, 1]"),  # read as the flag's value, not as a flag (cli.Parser)
-    (["--temperature", "0"], "--temperature 0.0: must be in [0.01, 100]"),
+    (["--temperature", "0"], "--temperature 0: must be in [0.01, 100]"),
     (["--max-grad-norm", "inf"], "--max-grad-norm inf: must be a finite number > 0"),
-    (["--max-grad-norm", "-1"], "--max-grad-norm -1.0: must be a finite number > 0"),
+    (["--max-grad-norm", "-1"], "--max-grad-norm -1: must be a finite number > 0"),
     (["--group-size", "1"], "--group-size 1: must be an int in [2, 1024]"),
     (["--prompts-per-step", "0"], "--prompts-per-step 0: must be"),
     (["--hidden-size", "6"], "--hidden-size 6: must be a multiple of 4"),
@@ -48,10 +49,10 @@ VS_TRL = [
     (["--cache-dir", "{file}/cache"], "is a file, so the folder cannot be made"),
     (["--out", "{dir}"], "--out {dir}: is a folder, not a file"),
     (["--out", "{missing}/vs_trl.md"], "does not exist"),
-    (["--python", "{missing}"], "--python {missing}: not found"),
+    (["--python", "{missing}"], "--python '{missing}': not found"),
     (["--python", "{dir}"], "--python {dir}: is a folder"),
     (["--python", "{file}"], "--python {file}: not executable"),
-    (["--trl-python", "{missing}"], "--trl-python {missing}: not found; create the TRL venv"),
+    (["--trl-python", "{missing}"], "--trl-python '{missing}': not found; create the TRL venv"),
     # without a TRL arm the TRL python is not needed: the next bad flag is the one reported
     (
         ["--arms", "grpo,d3s", "--trl-python", "{missing}", "--task", "nope"],
@@ -63,11 +64,11 @@ VS_TRL = [
 MEMORY = [
     (["--ranks", "0"], "--ranks 0: must be an int in [1, 65536]"),
     (["--micro-batch-size", "-1"], "--micro-batch-size -1: must be"),
-    (["--response-len", "x"], "--response-len 'x': not an integer"),
+    (["--response-len", "x"], "--response-len 'x': must be an int in [1, 2^20]"),
     (["--steps", "0"], "--steps 0: must be"),
     (["--k-frac", "nan"], "--k-frac nan: must be a fraction of the tokens in (0, 1]"),
     (["--k-frac", "1.5"], "--k-frac 1.5: must be"),
-    (["--method", "ppo"], "--method 'ppo': not a method"),
+    (["--method", "ppo"], "--method 'ppo': not a choice; choose from 'grpo'"),
     (["--preset", "{missing}"], "no such preset, folder or file"),
     (["--preset", "{dir}"], "the folder holds no config.json"),
     (["--preset", "{file}"], "not a readable JSON config"),
@@ -80,7 +81,7 @@ MEMORY = [
 ]
 
 SELECTION = [
-    (["--keep-frac", "0"], "--keep-frac 0.0: must be a fraction of each group in (0, 1]"),
+    (["--keep-frac", "0"], "--keep-frac 0: must be a fraction of each group in (0, 1]"),
     (["--k-frac", "nan"], "--k-frac nan: must be"),
     (["--sizes", "64x1"], "--sizes 64x1: 64x1 needs P >= 1 and G >= 2"),
     (["--sizes", "abc"], "'abc' is not PxG"),
@@ -88,7 +89,7 @@ SELECTION = [
     (["--entropy-tokens", "0"], "--entropy-tokens 0: each value must be >= 1"),
     (["--chunk-sweep", "x"], "--chunk-sweep 'x': must be comma-separated chunk sizes"),
     (["--skip", "foo"], "--skip foo: 'foo' is not a table"),
-    (["--device", "tpu"], "--device 'tpu': not a device"),
+    (["--device", "tpu"], "--device 'tpu': not a choice; choose from 'cpu', 'cuda'"),
     (["--budget", "inf"], "--budget inf: must be a finite number of seconds > 0"),
     (["--repeats", "0"], "--repeats 0: must be an int >= 1"),
     (["--rewards", "gauss"], "--rewards 'gauss': not a choice"),
@@ -99,7 +100,7 @@ SELECTION = [
 LOSS_HEAD = [
     (["--rollouts", "0"], "--rollouts 0: must be an int in [1, 65536]"),
     (["--prompt-len", "-1"], "--prompt-len -1: must be"),
-    (["--response-len", "x"], "--response-len 'x': not an integer"),
+    (["--response-len", "x"], "--response-len 'x': must be an int in [1, 2^20]"),
     (["--repeats", "0"], "--repeats 0: must be an int >= 1"),
     (["--threads", "-2"], "--threads -2: must be"),
     (["--bogus", "1"], "unrecognized arguments: --bogus 1"),
@@ -112,7 +113,7 @@ TILED_MLP = [
     (["--rows", "0"], "--rows 0: must be"),
     (["--seq-len", "0"], "--seq-len 0: must be"),
     (["--chunk-tokens", "0"], "--chunk-tokens 0: must be an int >= 1"),
-    (["--device", "gpu"], "--device 'gpu': not a device"),
+    (["--device", "gpu"], "--device 'gpu': not a choice; choose from 'cpu', 'cuda'"),
     (["--dtype", "fp8"], "--dtype 'fp8': not a choice"),
     (["--hidden"], "--hidden: expected one value"),
 ]
@@ -132,7 +133,7 @@ HEADROOM = [  # (argv, fragment): its own --out, then train_small.py's flags and
 
 QUESTIONS_TOY = [
     (["--seeds", "1"], "--seeds 1: must be an int in [2, 1000]"),
-    (["--seeds", "x"], "--seeds 'x': not an integer"),
+    (["--seeds", "x"], "--seeds 'x': must be an int in [2, 1000]"),
     (["--steps", "0"], "--steps 0: must be an int in [1, 100000]"),
     (["--workers", "0"], "--workers 0: must be an int in [1, 64]"),
     (["--question", "5"], "--question '5': not a choice"),
@@ -152,8 +153,8 @@ QUESTIONS_SMALL = [
     ),
     (["--question", "4", "--runs", "{missing}"], "--runs {missing}: not a folder"),
     (["--question", "4", "--runs", "{dir}"], "--runs {dir}: no d2s/ in it"),
-    (["--question", "5", "--runs", "{dir}", "--spike", "nan"], "--spike nan: must be a number > 0"),
-    (["--question", "4", "--runs", "{dir}", "--window", "0"], "--window 0: must be a number > 0"),
+    (["--question", "5", "--runs", "{dir}", "--spike", "nan"], "--spike nan: must be a finite number > 0"),
+    (["--question", "4", "--runs", "{dir}", "--window", "0"], "--window 0: must be an int >= 1"),
     (["--question", "4", "--runs", "{dir}", "--rows", "d2s,"], "--rows 'd2s,': name methods"),
     (["--question", "4", "--runs", "{dir}", "--out", "{dir}"], "--out {dir}: is a folder, not a file"),
     (["--question", "4", "--runs", "{dir}", "--plot", "{missing}/q4.png"], "does not exist"),
@@ -164,16 +165,16 @@ DROPPED_TOKENS = [
     (["--model", "{file}"], "--model {file}: is a file"),
     (["--model", "{dir}"], "--model {dir}: has no config.json"),
     (["--batches", "0"], "--batches 0: must be an int in [1, 10000]"),
-    (["--method", "ppo"], "--method 'ppo': not a method; choose from grpo"),
+    (["--method", "ppo"], "--method 'ppo': not a choice; choose from 'grpo'"),
     (["--out", "{dir}"], "--out {dir}: is a folder, not a file"),
     (["--explain-out", "{missing}/example.md"], "does not exist"),
     (["--step", "0"], "--step 0: must be an int >= 1"),
     (["--step", "101"], "--step 101: must be in [1, --steps 100]"),
-    (["--k", "0"], "--k 0.0: must be a fraction of tokens in (0, 1]"),
+    (["--k", "0"], "--k 0: must be a fraction of tokens in (0, 1]"),
     (["--k", "0.5", "--method", "d1s-cross"], "--k 0.5: --method d1s-cross has no token level"),
     (["--group-size", "8"], "--n-final 16 > --group-size 8: N counts rollouts kept per prompt"),
-    (["--token-rule", "loud"], "--token-rule 'loud': not a rule"),
-    (["--task", "proofs"], "--task 'proofs': not a task"),
+    (["--token-rule", "loud"], "--token-rule 'loud': not a choice"),
+    (["--task", "proofs"], "--task 'proofs': not a choice; choose from 'steps', 'direct'"),
     (["--temperature", "nan"], "--temperature nan: must be in [0.01, 100]"),
     (["--random-draws", "0"], "--random-draws 0: must be"),
     (["--cache-dir", "{file}"], "--cache-dir {file}: is a file, not a folder"),
@@ -316,17 +317,20 @@ def test_an_output_in_a_folder_that_cannot_be_written(script, flag, tmp_path):
     assert_one_line(res, script, "not writable")
 
 
-@pytest.mark.parametrize("check,name", [("check_out_file", "report.md"), ("check_out_dir", "run")])
-def test_an_unwritable_folder_in_process(check, name, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("kind", ["file", "folder"])
+def test_an_unwritable_folder_in_process(kind, tmp_path, monkeypatch, capsys):
     """The same refusal where the tests run as root (which may write anywhere): os.access says no."""
     from support import cli
 
     monkeypatch.setattr(cli.os, "access", lambda path, mode: not mode & os.W_OK)
+    path = str(tmp_path / ("report.md" if kind == "file" else "run"))
+    p = cli.parser("x.py", "", [cli.flag("--out", None, cli.out_file if kind == "file" else None, "")])
     with pytest.raises(SystemExit) as exit_info:
-        getattr(cli, check)(cli.Parser(prog="x.py"), "--out", str(tmp_path / name))
+        args = p.parse_args(["--out", path])
+        cli.check_out_dir(p, "--out", args.out)
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith(f"x.py: error: --out {tmp_path / name}: ") and "not writable" in err
+    assert err.count("\n") == 1 and err.startswith(f"x.py: error: --out {path}: ") and "not writable" in err
 
 
 INTERNAL = {
