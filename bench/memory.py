@@ -572,6 +572,18 @@ def simulate(
     }
 
 
+def fsdp_param_groups(module):
+    """The FSDPParamGroups of a module that fully_shard wrapped ([] for any other): torch 2.13's list
+    (FSDPState._fsdp_param_groups), torch 2.11's single group or None (_fsdp_param_group). A torch with neither
+    raises AttributeError rather than reading as a module that holds nothing."""
+    state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
+    if state is None:
+        return []
+    if hasattr(state, "_fsdp_param_groups"):
+        return list(state._fsdp_param_groups)
+    return [group] if (group := state._fsdp_param_group) is not None else []
+
+
 def held_bytes(models, optimizer, offload):
     """What the trainer holds on the GPU between steps, while vLLM generates: every storage reachable from
     the models (sharded weights, gathered weights an FSDP unit still holds, gradients, buffers) and the
@@ -594,7 +606,7 @@ def held_bytes(models, optimizer, offload):
 
     for model in models:
         for module in model.modules():
-            for group in gpu.fsdp_param_groups(module):
+            for group in fsdp_param_groups(module):
                 for fsdp_param in group.fsdp_params:  # what a unit keeps gathered (nothing, once resharded)
                     for tensor in getattr(fsdp_param, "all_gather_outputs", []):
                         count(tensor)

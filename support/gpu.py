@@ -6,7 +6,6 @@ host_memory, trainer_peak_bytes, model_shapes   its parts (bench/memory.py simul
 clock, memory_peak_gb, gpu_used_gb, peak_flops, flop_params, head_params, mfu_counts   a step's clocks, memory, MFU
 train_record, update_flops   train_full.py's line of metrics.jsonl for a step: its counts, clocks, MFU and memory
 vllm_pool_bytes      what torch counts inside vLLM's sleep-mode pools (left out of the trainer's figures)
-fsdp_param_groups    what FSDP2 manages in a module, on torch 2.11 and 2.13
 cuda_diagnosis, driver_version   why torch sees no GPU, in one line
 """
 
@@ -330,18 +329,6 @@ def vllm_pool_bytes(allocator=None):
         allocator = getattr(getattr(cumem, "CuMemAllocator", None), "instance", None)
     pools = [entry[0] for entries in getattr(allocator, "allocator_and_pools", {}).values() for entry in entries]
     return sum(segment["allocated_size"] for pool in pools for segment in pool.snapshot())
-
-
-def fsdp_param_groups(module):
-    """The FSDPParamGroups of a module that fully_shard wrapped ([] for any other): torch 2.13's list
-    (FSDPState._fsdp_param_groups), torch 2.11's single group or None (_fsdp_param_group). A torch with neither
-    raises AttributeError rather than reading as a module that holds nothing."""
-    state = module._get_fsdp_state() if hasattr(module, "_get_fsdp_state") else None
-    if state is None:
-        return []
-    if hasattr(state, "_fsdp_param_groups"):
-        return list(state._fsdp_param_groups)
-    return [group] if (group := state._fsdp_param_group) is not None else []
 
 
 def gpu_used_gb(device):

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from support import run, checkpoint  # noqa: E402
 import d3s  # noqa: E402
-from support import fsdp, gpu, run, checkpoint, mathtask  # noqa: E402
+from support import fsdp, run, checkpoint, mathtask  # noqa: E402
 import train_full  # noqa: E402
 from support import methods  # noqa: E402
 
@@ -462,7 +462,10 @@ def main():
             "rank_tokens_min": stats["rank_tokens_min"],
             "reference_resharded": resharded,
             "offloaded": [
-                fp.offload_to_cpu for m in model.modules() for g in gpu.fsdp_param_groups(m) for fp in g.fsdp_params
+                fp.offload_to_cpu
+                for m in model.modules()
+                for g in _bench_memory().fsdp_param_groups(m)
+                for fp in g.fsdp_params
             ],
         }
     result["resume"] = check_resume(cli, world, tokenizer, rollouts, mine, cli.workdir)
@@ -481,3 +484,14 @@ def main():
 
 if __name__ == "__main__":
     main()
+
+
+def _bench_memory():
+    """bench/memory.py (a script) as a module: its fsdp_param_groups."""
+    import importlib.util
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("bench_memory", os.path.join(root, "bench", "memory.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -1,7 +1,7 @@
 """Issue 47: figures a GPU run can trust, and the stock GPU image (torch 2.11, no vLLM, no math-verify), tested as far
 as a CPU shows them.
 
-- gpu.fsdp_param_groups reads FSDP2's state on torch 2.11 (one group or None) and 2.13 (a list), and raises on a
+- bench_memory().fsdp_param_groups reads FSDP2's state on torch 2.11 (one group or None) and 2.13 (a list), and raises on a
   torch with neither (tests/full_fsdp_worker.py and bench/memory.py read it through this helper).
 - scripts/gpu_check.sh without math-verify: one line naming it and how to install it, exit 2, before the warm start.
 """
@@ -32,14 +32,31 @@ class Module:
         return self.state
 
 
+def bench_memory():
+    """bench/memory.py as a module (a script: loaded from its file), for its fsdp_param_groups."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_memory", pathlib.Path(__file__).parent.parent / "bench/memory.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_fsdp_param_groups_reads_torch_2_13s_list_and_2_11s_single_group():
     a, b = object(), object()
-    assert gpu.fsdp_param_groups(Module(types.SimpleNamespace(_fsdp_param_groups=[a, b]))) == [a, b]  # 2.13
-    assert gpu.fsdp_param_groups(Module(types.SimpleNamespace(_fsdp_param_group=a))) == [a]  # 2.11
-    assert gpu.fsdp_param_groups(Module(types.SimpleNamespace(_fsdp_param_group=None))) == []  # 2.11, no params
-    assert gpu.fsdp_param_groups(Module(None)) == [] and gpu.fsdp_param_groups(torch.nn.Linear(2, 2)) == []
+    assert bench_memory().fsdp_param_groups(Module(types.SimpleNamespace(_fsdp_param_groups=[a, b]))) == [a, b]  # 2.13
+    assert bench_memory().fsdp_param_groups(Module(types.SimpleNamespace(_fsdp_param_group=a))) == [a]  # 2.11
+    assert (
+        bench_memory().fsdp_param_groups(Module(types.SimpleNamespace(_fsdp_param_group=None))) == []
+    )  # 2.11, no params
+    assert (
+        bench_memory().fsdp_param_groups(Module(None)) == []
+        and bench_memory().fsdp_param_groups(torch.nn.Linear(2, 2)) == []
+    )
     with pytest.raises(AttributeError):  # a torch that moved it again: an error, not a module holding nothing
-        gpu.fsdp_param_groups(Module(types.SimpleNamespace()))
+        bench_memory().fsdp_param_groups(Module(types.SimpleNamespace()))
 
 
 def test_fsdp_param_groups_on_this_torchs_fully_shard_model():
@@ -47,12 +64,14 @@ def test_fsdp_param_groups_on_this_torchs_fully_shard_model():
     code = """
 import os, torch, torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
-from support import gpu
+import importlib.util
+spec = importlib.util.spec_from_file_location("bench_memory", "bench/memory.py")
+memory = importlib.util.module_from_spec(spec); spec.loader.exec_module(memory)
 os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["PORT"])
 dist.init_process_group("gloo", rank=0, world_size=1)
 model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
 fully_shard(model[0]); fully_shard(model)
-groups = [g for m in model.modules() for g in gpu.fsdp_param_groups(m)]
+groups = [g for m in model.modules() for g in memory.fsdp_param_groups(m)]
 print(len(groups), sum(len(g.fsdp_params) for g in groups))
 dist.destroy_process_group()
 """
