@@ -43,7 +43,6 @@ if __name__ == "__main__":
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
 import d3s
 from support import checkpoint, checks, cli, engines, explain, fsdp, gpu, grading, loss_head, mathtask, methods
@@ -459,7 +458,7 @@ def main(argv=None):
     with run.out_lock(args.out, PROG, world):  # one writer per run folder, from before anything in it is read
         # fresh (None) or the checkpoint to continue: a fresh run never writes into a folder that holds a run
         ckpt = None if args.eval_only else checkpoint.start(args, run_flags(args), PROG, shards=True)
-        run.write_args(args, world)
+        run.write_args(args, run_flags(args), world)
         if args.eval_only:
             return evaluate_only(args, world, inputs)
         train(args, world, inputs, ckpt)
@@ -518,7 +517,7 @@ def train(args, world, inputs, ckpt):
         )
         if grading.evaluation_due(r.metrics, step, args, world):  # step 0, or one a stop cut off after its checkpoint
             evaluate(step)
-        bar = tqdm(total=args.steps, initial=step, disable=not world.is_main, desc="steps", dynamic_ncols=True)
+        bar = run.progress(total=args.steps, initial=step, disable=not world.is_main, desc="steps")  # or log lines
         notice = None
         while step < r.stop_at:  # --steps, or --stop-after
             s = step + 1  # this step, 1..S

@@ -26,7 +26,6 @@ import random
 import time
 
 import torch
-from tqdm import tqdm
 
 import d3s
 from support import checkpoint, checks, cli, explain, mathtask, methods, run, sampler, stops, warmstart
@@ -375,7 +374,7 @@ def train(args, train_rows, eval_rows, warm, resume=None):
             info = {k: v for k, v in warm_info.items() if k != "cached"}
             r.log({**evaluate(model, tokenizer, grader, eval_rows, 0, args), **totals, "warm_start": info})
         desc, steps = f"{args.method} ({args.loss}, seed {args.rl_seed})", range(start_step + 1, args.steps + 1)
-        bar = tqdm(steps, desc=desc, dynamic_ncols=True, initial=start_step, total=args.steps)
+        bar = run.progress(steps, desc=desc, initial=start_step, total=args.steps)  # tqdm, or lines in a log file
         step, notice = start_step, None
         for step in bar:
             for group in optimizer.param_groups:  # linear warmup: lr * min(1, step / W)
@@ -443,8 +442,10 @@ def main(argv=None):
     args = parse_args(argv)
     try:  # every bad flag, file, model or checkpoint stops here, before training, with one line
         train_rows, eval_rows = warmstart.fit_files(args, *mathtask.load_data(args))  # prompts that fit the context
-        resume = checkpoint.start(args, {k: getattr(args, k) for k in RUN_FLAGS}, PROG)  # fresh (None) or resume
-        with run.out_lock(args.out, PROG):
+        flags = {k: getattr(args, k) for k in RUN_FLAGS}
+        with run.out_lock(args.out, PROG):  # one writer per run folder, from before anything in it is read
+            resume = checkpoint.start(args, flags, PROG)  # fresh (None) or the checkpoint to continue
+            run.write_args(args, flags)  # OUT/args.json
             return train(args, train_rows, eval_rows, warmstart.load_warm_start(args, train_rows), resume)
     except Exception as e:  # bad input (exit 2) or a full disk (exit 74): one line; anything else is raised on
         stops.fail(PROG, e, args.out)

@@ -61,7 +61,23 @@ def start(args, flags, prog, shards=False):
     A fresh run (no --resume) never writes over an earlier run: a folder that holds one (metrics.jsonl or a
     checkpoint) is refused, naming --resume and another --out. --resume (OUT's newest checkpoint, or the one named)
     needs a checkpoint of this format (read_file, read_shards), made with these `flags` ({name: value}: the rung's
-    RUN_FLAGS), with steps left to run; a run that finished (its steps and its end's files) is refused."""
+    RUN_FLAGS), with steps left to run; a run that finished (its steps and its end's files) is refused.
+
+    --resume auto (one command line for the first start and every requeue): the newest checkpoint if there is one,
+    else a fresh start (a folder whose run never checkpointed starts again when its args.json holds these flags); a
+    finished run prints one line and exits 0."""
+    if args.resume == "auto":
+        saved = find_shards("latest", args.out) if shards else os.path.join(args.out, "checkpoint.pt")
+        if saved and os.path.exists(saved):
+            args.resume = "latest"
+            step = (read_shards(saved) if shards else read_file(saved, prog))["step"]
+            if step >= args.steps and finished(args, shards):
+                print(f"{prog}: the run in {args.out} already finished its {args.steps} steps (--resume auto)")
+                raise SystemExit(0)
+        else:
+            args.resume = None
+            if _same_run(args.out, flags):  # killed before its first checkpoint: start it again
+                return None
     if not args.resume:
         held = [
             name
@@ -100,6 +116,16 @@ def start(args, flags, prog, shards=False):
             "run with another --out"
         )
     return Resume(path, saved["step"], saved)
+
+
+def _same_run(out, flags):
+    """Whether OUT/args.json (a run's flags as it started) holds `flags`: the same run, started again."""
+    try:
+        with open(os.path.join(out, "args.json")) as f:
+            saved = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return saved.get("run") == flags
 
 
 def finished(args, shards=False):

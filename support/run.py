@@ -4,6 +4,7 @@ checkpoints and evaluations, the stop after a step (what a resume restores: supp
     Run               what both loops call around the six steps: the metrics lines (rank 0), the history the rules
                       read (grad norms, train rewards), the checkpoint when due, and whether a notice stops the run
     default_out       --out when none is given: a new folder per run
+    progress          tqdm at a terminal; in a file (a SLURM .out, nohup, | tee) a plain line every `every_s` seconds
     out_lock          one writer per run folder: a second run into it stops with one line
     append_metrics, read_metrics, truncate_metrics   metrics.jsonl (docs/metrics.md): a line per step and evaluation
     measures_kl, mean    whether a step forwards the reference model; the mean of the values that are there
@@ -16,7 +17,10 @@ import fcntl  # the run folder's lock (out_lock)
 import json
 import math
 import os
+import sys
 import time
+
+from tqdm import tqdm
 
 from support import methods, stops
 from support.cli import UsageError
@@ -65,6 +69,50 @@ def default_out(args, rung, world=None):
     seed = getattr(args, "rl_seed", args.seed)
     stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(stops.most(int(time.time()), world)))
     return os.path.join("runs", rung, f"{args.method}__{seed}__{stamp}")
+
+
+def progress(iterable=None, *, total=None, initial=0, desc="", disable=False, every_s=30.0, leave=True):
+    """A progress bar for a loop: tqdm where stderr is a terminal; elsewhere (a log file: SLURM's .out, nohup, a pipe)
+    Lines, which prints one plain line every `every_s` seconds and at the end, never a carriage return."""
+    if disable or sys.stderr.isatty():
+        return tqdm(iterable, total=total, initial=initial, desc=desc, disable=disable, leave=leave, dynamic_ncols=True)
+    return Lines(iterable, total=total, initial=initial, desc=desc, every_s=every_s, leave=leave)
+
+
+class Lines:
+    """tqdm's interface (iteration, update, set_postfix, write, close) as plain lines on stderr:
+    `desc: n/total  key=value ...  (s each)`, one every `every_s` seconds (the first at once) and one at the end; a
+    transient bar (leave=False: an evaluation's) only once it has run for `every_s` seconds."""
+
+    def __init__(self, iterable=None, *, total=None, initial=0, desc="", every_s=30.0, leave=True):
+        self.iterable, self.total, self.n, self.desc, self.every_s = iterable, total, initial, desc, every_s
+        if total is None and iterable is not None and hasattr(iterable, "__len__"):
+            self.total = initial + len(iterable)
+        self.first, self.postfix, self.t0, self.leave = initial, "", time.time(), leave
+        self.shown = None if leave else self.t0
+
+    def __iter__(self):
+        for item in self.iterable:
+            yield item
+            self.update(1)
+
+    def update(self, n=1):
+        self.n += n
+        now = time.time()
+        if self.shown is None or now - self.shown >= self.every_s or (self.n == self.total and self.leave):
+            per_step = (now - self.t0) / max(self.n - self.first, 1)
+            total = f"/{self.total}" if self.total else ""
+            print(f"{self.desc}: {self.n}{total}  {self.postfix}  ({per_step:.2f} s each)", file=sys.stderr, flush=True)
+            self.shown = now
+
+    def set_postfix(self, **values):
+        self.postfix = "  ".join(f"{k}={v}" for k, v in values.items())
+
+    def write(self, line):
+        print(line, flush=True)
+
+    def close(self):
+        pass
 
 
 def measures_kl(step, args):
@@ -214,10 +262,12 @@ def write_summary(args, lines, warm_info, totals, timeouts, rl_s, wall_s):
     return summary
 
 
-def write_args(args, world):
-    """OUT/args.json (eval_args.json with --eval-only): the flags as parsed and checked, and the world size."""
+def write_args(args, run_flags, world=None):
+    """OUT/args.json (eval_args.json with --eval-only), both trainers: the flags as parsed and checked, the world size,
+    and under "run" the flags that define the run's trajectory (the rung's RUN_FLAGS: --resume auto reads them)."""
+    name = "eval_args.json" if getattr(args, "eval_only", False) else "args.json"
     with stops.attempt(args.out, args.out, world):
         os.makedirs(args.out, exist_ok=True)
-        if world.is_main:
-            with open(os.path.join(args.out, "args.json" if not args.eval_only else "eval_args.json"), "w") as f:
-                json.dump({**vars(args), "world": world.size}, f, indent=1)
+        if world is None or world.is_main:
+            with open(os.path.join(args.out, name), "w") as f:
+                json.dump({**vars(args), "world": world.size if world else 1, "run": run_flags}, f, indent=1)

@@ -26,9 +26,8 @@ import zlib
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
-from support import cli, mathtask, sampler
+from support import cli, mathtask, run, sampler
 from support.cli import UsageError
 from support.mathtask import TASKS, format_prompt
 
@@ -197,6 +196,10 @@ def load_warm_start(args, train_rows):
     CACHE_DIR/warmstart-<hash>/ with save_pretrained; one of the same hash in weights/ is loaded from
     there instead of being built."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging
+
+    if not sys.stderr.isatty():  # a log file: transformers' own bars would be \r frames (run.progress: lines)
+        logging.disable_progress_bar()
 
     if args.sft_steps == 0:
         model, tokenizer = load_base_model(args)
@@ -254,7 +257,7 @@ def supervised_warm_start(model, tokenizer, train_rows, args, max_steps=None):
     model.train()
     losses = []
     steps = args.sft_steps if max_steps is None else min(max_steps, args.sft_steps)
-    for _ in (bar := tqdm(range(steps), desc="warm start (supervised)", dynamic_ncols=True)):
+    for _ in (bar := run.progress(range(steps), desc="warm start (supervised)")):
         batch = sft_batch(rng.sample(examples, min(args.sft_batch, len(examples))), tokenizer.pad_token_id)
         loss = model(**batch).loss  # HF shifts the labels: position t predicts token t + 1
         optimizer.zero_grad(set_to_none=True)

@@ -571,3 +571,24 @@ def test_the_switch_rule_reads_the_grad_norms_of_the_earlier_steps_from_the_chec
         result, lines = resumed(folder, ["--switch-on-spike", "3"])
         assert result["code"] == 0, result
         assert [r["sample_rule"] for r in lines if r["kind"] == "train"] == rules, folder.name
+
+
+def test_resume_auto_starts_continues_and_finishes_with_one_command_line(cli, files, tmp_path):
+    """--resume auto, the one command line a requeue script runs: into an empty folder it starts; after a stop it
+    continues from the newest checkpoint to the numbers of a run never stopped; on a finished run it prints one line
+    and exits 0, writing nothing."""
+    same = ("kind", "step", "reward_mean", "loss", "grad_norm", "kept_tokens", "n_keep", "k_frac", "entropy_mean")
+    lines = lambda out: [tuple(m.get(k) for k in same) for m in map(json.loads, (out / "metrics.jsonl").open())]
+    whole = tmp_path / "whole"
+    assert cli(base(files, str(whole)) + ["--steps", "2"])["code"] == 0
+    out = tmp_path / "auto"
+    command = base(files, str(out)) + ["--steps", "2", "--resume", "auto"]
+    first = cli(command + ["--stop-after", "1"])  # a fresh start (nothing in --out), stopped after step 1
+    assert first["code"] == 0 and "resumed" not in first["stdout"], first
+    second = cli(command)
+    assert second["code"] == 0 and "resumed from" in second["stdout"], second
+    assert lines(out) == lines(whole) and len(lines(out)) == 2
+    before = sorted((p, p.stat().st_mtime_ns) for p in out.rglob("*"))
+    third = cli(command)
+    assert third["code"] == 0 and f"the run in {out} already finished its 2 steps" in third["stdout"], third
+    assert sorted((p, p.stat().st_mtime_ns) for p in out.rglob("*")) == before

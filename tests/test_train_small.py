@@ -698,6 +698,39 @@ def test_a_fresh_run_into_a_folder_that_holds_a_run_is_refused_and_changes_nothi
     assert e.value.code == 2 and "--resume: pass --out" in capsys.readouterr().err
 
 
+def test_resume_auto_starts_continues_and_finishes_with_one_command_line(tmp_path, capsys, whole_run):
+    """--resume auto (a requeue's one command line): a fresh start into an empty folder, a continuation from the newest
+    checkpoint to the uninterrupted run's numbers and weights, and on a finished run one line and exit 0."""
+    flags, whole = whole_run
+    out = tmp_path / "auto"
+    command = flags + ["--out", str(out), "--resume", "auto"]
+    assert train_small.main(command + ["--stop-after", "4"]) is None  # fresh: nothing in --out yet
+    assert json.loads((out / "args.json").read_text())["run"]["steps"] == 6  # the run's flags, for the next start
+    train_small.main(command)
+    assert_same_run(whole, out)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        train_small.main(command)
+    assert e.value.code == 0 and f"the run in {out} already finished its 6 steps" in capsys.readouterr().out
+
+
+def test_a_run_logged_to_a_file_has_plain_lines(tmp_path, cache_dir, two_answer_data):
+    """Without a terminal (a SLURM .out, nohup, | tee), progress is a plain line now and then, never a carriage
+    return: stdout and stderr to files hold no \\r, and the step lines are bounded (run.progress)."""
+    train_file, eval_file = two_answer_data
+    out = tmp_path / "logged"
+    flags = TINY + ["--steps", "4", "--train-file", train_file, "--eval-file", eval_file, "--cache-dir", cache_dir]
+    with open(tmp_path / "out.log", "w") as stdout, open(tmp_path / "err.log", "w") as stderr:
+        proc = subprocess.run(
+            [sys.executable, "train_small.py", *flags, "--out", str(out)], cwd=ROOT, stdout=stdout, stderr=stderr
+        )
+    text = (tmp_path / "out.log").read_text() + (tmp_path / "err.log").read_text()
+    assert proc.returncode == 0, text[-3000:]
+    assert "\r" not in text, text[-3000:]
+    steps = [line for line in text.splitlines() if line.startswith("d3s (grpo, seed 0): ")]
+    assert 1 <= len(steps) <= 4 and steps[-1].startswith("d3s (grpo, seed 0): 4/4"), steps
+
+
 def test_a_nan_loss_skips_the_update_and_is_logged(tmp_path, cache_dir, two_answer_data, monkeypatch):
     train_file, eval_file = two_answer_data
     real_loss = d3s.policy_loss
