@@ -25,8 +25,10 @@ usable on compute capability 9.x and newer, refused on 8.x: docs/train_full.md).
 it (74). Beside this file: support/fsdp.py, loss_head.py, engines.py, gpu.py (the machines); support/run.py (the
 run's folder, metrics, checkpoints: support/checkpoint.py), support/checks.py, support/stops.py.
 
-Defaults: [paper] the D3S paper's, [recipe] the Qwen2.5-Math-7B zero-RL recipe's (SimpleRL-Zoo / Dr.GRPO / verl),
-[inferred] from the paper, [choice] this repo's. The memory flags' measured costs: docs/memory.md.
+Defaults: [abstract] the paper's own words (its abstract), [summary] a third-party summary of it (the design card),
+[notes] notes on the paper (not among the sources), [recipe] the Qwen2.5-Math-7B zero-RL recipe's (SimpleRL-Zoo /
+Dr.GRPO / verl), [inferred] from those sources, [choice] this repo's (docs/algorithm.md defines them). The memory
+flags' measured costs: docs/memory.md.
 """
 
 import dataclasses
@@ -56,7 +58,7 @@ from support.mathtask import DataError
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")  # MATH levels 3-5 and the benchmarks
 BENCHMARKS = ("aime24", "aime25", "amc23", "gsm8k", "math500", "minerva_math", "olympiadbench")
 TRAIN_DATA = os.path.join(DATA, "train_math_lvl3to5_8k.jsonl")  # [recipe] MATH levels 3-5
-EVAL_DATA = ",".join(os.path.join(DATA, f"{b}.jsonl") for b in BENCHMARKS)  # [paper] AIME24 ... OlympiadBench
+EVAL_DATA = ",".join(os.path.join(DATA, f"{b}.jsonl") for b in BENCHMARKS)  # [notes] AIME24 ... OlympiadBench
 MAX = dist.ReduceOp.MAX
 PROG = "train_full.py"
 RUN_FLAGS = (
@@ -75,15 +77,23 @@ def build_parser():
     zero = lambda meaning: n(int, 0, what=f"an int >= 0 (0 = {meaning})")  # a count whose 0 says something else
     flags = [
         # what to train, on what
-        f("--model", "Qwen/Qwen2.5-Math-7B", None, "[paper] hub name or local folder of the policy (or to evaluate)"),
-        f("--method", "d3s", None, f"[paper] a row of methods.LADDER: {', '.join(methods.NAMES)}"),
-        f("--loss", "grpo", ["grpo", "gspo"], "[paper] token-ratio GRPO or sequence-ratio GSPO"),
+        f("--model", "Qwen/Qwen2.5-Math-7B", None, "[summary] hub name or local folder of the policy (or to evaluate)"),
+        f("--method", "d3s", None, f"[abstract] a row of methods.LADDER: {', '.join(methods.NAMES)}"),
+        f("--loss", "grpo", ["grpo", "gspo"], "[abstract] GRPO; [summary] GSPO: token ratios or the sequence ratio"),
         f("--rollout", "vllm", ["vllm", "hf"], "[choice] vLLM (colocated, asleep in training) or HF generate (slow)"),
         f("--train-data", TRAIN_DATA, None, "[recipe] JSONL/JSON/Parquet (problem, answer), or 'name[:config]:split'"),
-        f("--eval-data", [EVAL_DATA], None, "[paper] files, globs or hub names; 'none': no evaluation", nargs="+"),
+        f("--eval-data", [EVAL_DATA], None, "[notes] files, globs or hub names; 'none': no evaluation", nargs="+"),
         f("--eval-only", False, bool, "evaluate --model on --eval-data and exit (no training)"),
         f("--out", None, None, "[choice] run folder: checkpoints/, hf_final/ (default: runs/full/METHOD__SEED__TIME)"),
-        f("--resume", None, None, "continue from the newest checkpoint in --out (or this)", nargs="?", const="latest"),
+        f(
+            "--resume",
+            None,
+            None,
+            "continue from the newest checkpoint in --out (or this; auto: if any)",
+            nargs="?",
+            const="latest",
+        ),
+        f("--config", None, None, cli.CONFIG_HELP, metavar="FILE"),
         f(
             "--template",
             "qwen-math",
@@ -94,10 +104,10 @@ def build_parser():
         f("--steps", 250, n(int, 1), "[choice] optimizer steps S (~1 epoch); the D3S schedule runs over them"),
         f("--prompts-per-step", 32, n(int, 1), "[choice] P over all ranks (x G = 1024 rollouts), divisible by them"),
         f("--group-size", 32, n(int, 2, 1024, what="an int in [2, 1024] (rollouts per prompt)"), "[inferred] G"),
-        f("--n-init", 8, n(int, 1), "[paper] D3S schedule: rollouts kept per prompt at step 1"),
-        f("--n-final", 32, n(int, 1), "[paper] D3S schedule: rollouts kept per prompt at the end"),
-        f("--k-init", 0.05, n(float, 0, 1, low_open=True, what=frac), "[paper] tokens kept at step 1"),
-        f("--k-final", 0.20, n(float, 0, 1, low_open=True, what=frac), "[paper] tokens kept at the end"),
+        f("--n-init", 8, n(int, 1), "[summary] D3S schedule: rollouts kept per prompt at step 1"),
+        f("--n-final", 32, n(int, 1), "[summary] D3S schedule: rollouts kept per prompt at the end"),
+        f("--k-init", 0.05, n(float, 0, 1, low_open=True, what=frac), "[summary] tokens kept at step 1"),
+        f("--k-final", 0.20, n(float, 0, 1, low_open=True, what=frac), "[summary] tokens kept at the end"),
         f("--static-n", None, n(int, 1), "[choice] N of d1s, d1s-cross, d2s, pods (default: the midpoint)"),
         f("--static-k", None, n(float, 0, 1, low_open=True, what=frac), "[choice] K of d2s (default: the midpoint)"),
         *methods.flags("--token-scope", "--switch-on-spike", "--min-token-per-response"),
@@ -125,8 +135,8 @@ def build_parser():
         f("--max-response-len", 3000, n(int, 1), "[recipe] max generated tokens per rollout"),
         # evaluation
         f("--eval-every", 0, zero("only after the last step"), "[choice] evaluate before training and every N steps"),
-        f("--eval-samples", 32, n(int, 1, 1024, what="an int in [1, 1024] (samples per problem)"), "[paper] k"),
-        f("--eval-pass-k", "1,8", None, "[paper] Pass@k values to report (unbiased estimator over the k samples)"),
+        f("--eval-samples", 32, n(int, 1, 1024, what="an int in [1, 1024] (samples per problem)"), "[notes] k"),
+        f("--eval-pass-k", "1,8", None, "[notes] Pass@k values to report (unbiased estimator over the k samples)"),
         f("--eval-temperature", 0.6, n(float, 0.01, 100, also=(0,), what="0 (greedy) or in [0.01, 100]"), "[choice]"),
         f("--eval-top-p", 0.95, n(float, 0, 1, low_open=True), "[choice] evaluation nucleus sampling"),
         f("--eval-max-tokens", 3000, n(int, 1), "[recipe] max generated tokens per evaluation sample"),

@@ -39,8 +39,8 @@ RUN_FLAGS = (
     "schedule token_rule token_scope min_token_per_response switch_on_spike lr warmup_steps max_grad_norm loss_agg "
     "clip_low clip_high mini_batches task kl_coef temperature max_new_tokens"
 ).split()  # a resume must repeat them
-EPILOG = "Paper recipe (Qwen2.5-Math-7B): G >= 32, N 8 -> 32, K 5% -> 20%, lr 1e-6, clip 0.2/0.28, 3k tokens. The CPU "
-EPILOG += "defaults are scaled down; each flag says so."
+EPILOG = "Recipe at scale (Qwen2.5-Math-7B; a summary's schedule): G >= 32, N 8 -> 32, K 5% -> 20%, lr 1e-6, "
+EPILOG += "clip 0.2/0.28, 3k tokens. The CPU defaults are scaled down; each flag says so."
 
 
 def build_parser(prog=PROG):
@@ -52,7 +52,8 @@ def build_parser(prog=PROG):
         f("--method", "d3s", None, f"what to train on, a row of methods.LADDER: {', '.join(methods.NAMES)}"),
         f("--loss", "grpo", ["grpo", "gspo"], "policy loss: token ratios (grpo) or the sequence ratio (gspo)"),
         f("--steps", 100, n(int, 1), "RL steps (one optimizer batch of P x G rollouts each)"),
-        f("--resume", None, None, "continue OUT/checkpoint.pt (or PATH)", nargs="?", const="latest", metavar="PATH"),
+        f("--resume", None, None, "continue OUT/checkpoint.pt (or PATH; auto: if any)", nargs="?", const="latest"),
+        f("--config", None, None, cli.CONFIG_HELP, metavar="FILE"),
         f(
             "--out",
             None,
@@ -64,11 +65,16 @@ def build_parser(prog=PROG):
         f("--threads", 0, n(int, 0, 1024), "torch CPU threads (0: torch's default)"),
         *warmstart.FLAGS,  # the model, the data and the supervised warm start: --model, --task, --sft-steps, ...
         f("--prompts-per-step", 16, n(int, 1, 4096), "P: prompts per step (scaled down for CPU)"),
-        f("--group-size", 16, group, "G: rollouts per prompt (paper: 32, [inferred] from N_final = 32; scaled down)"),
-        f("--n-init", 4, n(int, 1), "N at the first step: rollouts kept per prompt (paper: 8 of 32)"),
-        f("--n-final", 16, n(int, 1), "N at the last step (paper: 32 of 32)"),
-        f("--k-init", 0.05, frac, "K at the first step (paper: 0.05)"),
-        f("--k-final", 0.20, frac, "K at the last step (paper: 0.20)"),
+        f(
+            "--group-size",
+            16,
+            group,
+            "G: rollouts per prompt (32 [inferred] from a summary's N_final = 32; scaled down)",
+        ),
+        f("--n-init", 4, n(int, 1), "N at the first step: rollouts kept per prompt (a summary: 8 of 32)"),
+        f("--n-final", 16, n(int, 1), "N at the last step (a summary: 32 of 32)"),
+        f("--k-init", 0.05, frac, "K at the first step (a summary: 0.05)"),
+        f("--k-final", 0.20, frac, "K at the last step (a summary: 0.20)"),
         f("--static-n", None, n(int, 1), "N of d1s, d1s-cross, d2s, pods (default: the schedule's midpoint) (choice)"),
         f("--static-k", None, frac, "K of d2s (default: the midpoint) (choice)"),
         *methods.flags("--schedule", "--token-rule", "--token-scope", "--switch-on-spike", "--min-token-per-response"),

@@ -6,7 +6,7 @@ OUT/compare.png: held-out Pass@1 at the last step (mean ± std over seeds; each 
 95% t interval), the training speed-up to GRPO's final Pass@1 (in steps, update seconds and whole-step seconds),
 Pass@1 by level, the costs and the paper's metrics, where a step's time goes. Takes every train_small.py flag.
 
-    python experiments/small_ladder.py --compare grpo,d1s,d1s-cross,d2s,d3s,d3s-i --seeds 3   # the paper's ladder
+    python experiments/small_ladder.py --compare grpo,d1s,d1s-cross,d2s,d3s,d3s-i --seeds 3   # the ladder (names as notes on the paper quote them)
     python experiments/small_ladder.py --compare grpo,d3s --seeds 5 --workers 2 --threads 1   # 2 runs at a time
     python experiments/small_ladder.py --compare grpo,d3s --seeds 5 --resume                  # finish a killed compare
 """

@@ -10,6 +10,7 @@ flags before it imports torch.
 """
 
 import argparse
+import json
 import math
 import os
 import re
@@ -57,7 +58,70 @@ class Parser(argparse.ArgumentParser):
                 glued[-1] += "=" + arg
             else:
                 glued.append(arg)
+        if "--config" in options:  # a file of flags: its values first, the command line over them
+            namespace = self.read_config(glued, namespace or argparse.Namespace())
         return super().parse_args(glued, namespace)
+
+    def read_config(self, argv, namespace):
+        """--config FILE (JSON, or YAML by its .yaml/.yml name): {flag: value}, a key being the flag's name without
+        "--" (max-grad-norm or max_grad_norm), each value checked as the flag checks its text; they are set on
+        `namespace`, which the command line then overrides. An unknown key or a bad value is one line naming the file
+        and the key. A run's own OUT/args.json (it holds "run") relaunches that run: what it records beside the flags
+        (world, run, ...) is skipped."""
+        self.configured = {}  # flag -> "FILE, key KEY": where a value that a later check refuses came from
+        pre = argparse.ArgumentParser(add_help=False)
+        pre.add_argument("--config")
+        path = pre.parse_known_args(argv)[0].config
+        if path is None:
+            return namespace
+        try:
+            with open(path) as f:
+                text = f.read()
+            data = _yaml_or_json(text, path)
+        except OSError as e:
+            self.error(f"--config {path}: cannot be read ({e.strerror}); pass a JSON or YAML file of flags")
+        except ValueError as e:
+            self.error(f"--config {path}: not valid {'YAML' if path.endswith(YAML) else 'JSON'} ({e}); fix the file")
+        if not isinstance(data, dict):
+            self.error(f"--config {path}: holds no mapping of flags to values; write one key a flag, e.g. lr: 1e-6")
+        actions = {a.dest: a for a in self._actions if a.option_strings and a.dest not in ("help", "config")}
+        for key, value in data.items():
+            action = actions.get(str(key).replace("-", "_"))
+            if action is None:
+                if "run" in data:  # a run's args.json: its records beside the flags
+                    continue
+                self.error(f"--config {path}: unknown key '{key}'; the keys are the flags without --, as --help lists")
+            setattr(namespace, action.dest, self._config_value(f"--config {path}: {key}", action, value))
+            if not set(action.option_strings) & {arg.split("=")[0] for arg in argv}:  # not overridden on the line
+                self.configured.update(dict.fromkeys(action.option_strings, f"{path}, key {key}"))
+        return namespace
+
+    def _config_value(self, where, action, value):
+        """A config value as the flag would give it: its type and choices applied (a list joined with commas where
+        the flag takes one text, as --eval-pass-k 1,8)."""
+        if value is None:
+            return None
+        if action.nargs == 0:  # an on/off switch
+            if not isinstance(value, bool):
+                self.error(f"{where}: {value!r} must be true or false")
+            return value
+        many = action.nargs in ("+", "*")
+        if isinstance(value, list) and not many:
+            value = ",".join(map(str, value))
+        items = []
+        for item in value if many and isinstance(value, list) else [value]:
+            if isinstance(item, (dict, list)):
+                self.error(f"{where}: {item!r} must be a number or a text")
+            if action.type is not None:
+                try:
+                    item = action.type(str(item))
+                except (argparse.ArgumentTypeError, TypeError, ValueError) as e:
+                    self.error(f"{where}: {e}")
+            if action.choices is not None and item not in action.choices:
+                choices = ", ".join(map(str, action.choices))
+                self.error(f"{where}: {item!r} is not a choice; choose from {choices}")
+            items.append(item)
+        return items if many else items[0]
 
     def error(self, message):
         message = " ".join(str(message).split())  # one line, whatever argparse put in it
@@ -79,6 +143,9 @@ class Parser(argparse.ArgumentParser):
                 message = f"{flag} {rest}"
         elif message.startswith("unrecognized arguments: "):
             message += f"; see {self.prog} --help for the flags"
+        flag = message.split(" ", 1)[0].rstrip(":")
+        if flag in getattr(self, "configured", {}):  # a value a checker refused after parsing came from --config
+            message += f" (set by --config {self.configured[flag]})"
         self.say(f"{self.prog}: error: {message}")
         sys.exit(2)
 
@@ -86,6 +153,24 @@ class Parser(argparse.ArgumentParser):
     def say(line):
         """Print the error line (train_full.py prints it once per job: rank 0 only)."""
         print(line, file=sys.stderr, flush=True)
+
+
+YAML = (".yaml", ".yml")
+CONFIG_HELP = (
+    "JSON or YAML of flags (keys: the flags without --; OUT/args.json relaunches a run); the command line wins"
+)
+
+
+def _yaml_or_json(text, path):
+    """The mapping of a config file: YAML by its name (PyYAML, which transformers installs), else JSON."""
+    if not path.endswith(YAML):
+        return json.loads(text)
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ValueError(" ".join(str(e).split())) from None
 
 
 def number(kind, low=None, high=None, low_open=False, high_open=False, what=None, also=()):

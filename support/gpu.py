@@ -427,11 +427,12 @@ def update_flops(stats, pass1_head_tokens, n_params, n_head):
 
 
 def train_record(step, stats, rollouts, phases, args, world, flops):
-    """train_full.py's line of metrics.jsonl for a step (docs/metrics.md): its metrics (train_full.step_metrics),
-    then the run's counts, clocks, MFU and memory. phases: this rank's gen_s, reward_s, pass1_s, sync_s, its grader's
-    timeouts, the response tokens of the no-grad forwards (pass1_head_tokens, all ranks: MFU's), and the GPU memory in use during generation (gpu_used_gen) and after the update, before the sync
-    (gpu_used_train); flops: (parameters that cost 2 FLOPs a token, those of them in the LM head, the GPU's peak
-    FLOP/s or None). Every rank calls it (all_reduce); sync_s and the phases are the slowest rank's."""
+    """train_full.py's line of metrics.jsonl for a step (docs/metrics.md): its metrics (train_full.step_metrics), then
+    the run's counts, clocks, MFU and memory. phases: this rank's gen_s, reward_s, pass1_s, sync_s, its grader's
+    timeouts, the response tokens of the no-grad forwards (pass1_head_tokens, all ranks: MFU's), and the GPU memory in
+    use during generation (gpu_used_gen) and after the update, before the sync (gpu_used_train); flops: (parameters
+    that cost 2 FLOPs a token, those of them in the LM head, the GPU's peak FLOP/s or None). Every rank calls it
+    (all_reduce); sync_s and the phases are the slowest rank's."""
     MAX, (n_params, n_head, flops_peak) = dist.ReduceOp.MAX, flops
     gen_tokens = all_reduce(sum(len(r["response_ids"]) for group in rollouts for r in group), world)
     gen_s = all_reduce(phases["gen_s"], world, MAX)  # the slowest rank's

@@ -106,7 +106,7 @@ class Lines:
             self.shown = now
 
     def set_postfix(self, **values):
-        self.postfix = "  ".join(f"{k}={v}" for k, v in values.items())
+        self.postfix = "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items())
 
     def write(self, line):
         print(line, flush=True)

@@ -149,6 +149,7 @@ ENTRY_POINTS = {  # file: the function that parses its command line (it prints -
     "experiments/questions_toy.py": "parse_args",
     "experiments/small_ladder.py": "parse_args",
     "experiments/toy_ladder.py": "main",
+    "scripts/export_checkpoint.py": "main",
 }
 
 

@@ -731,6 +731,36 @@ def test_a_run_logged_to_a_file_has_plain_lines(tmp_path, cache_dir, two_answer_
     assert 1 <= len(steps) <= 4 and steps[-1].startswith("d3s (grpo, seed 0): 4/4"), steps
 
 
+def test_a_config_file_relaunches_a_run_number_for_number_and_a_bad_key_or_value_is_one_line(
+    tmp_path, capsys, whole_run
+):
+    """--config FILE: OUT/args.json of a finished run relaunches it into another --out with the same metrics, bit for
+    bit; a YAML file's keys are flags the command line overrides; an unknown key, a bad value, a switch that is not
+    true/false and a file that is not YAML are one line each naming the file and the key, exit 2."""
+    flags, whole = whole_run
+    again = tmp_path / "again"
+    train_small.main(["--config", str(whole / "args.json"), "--out", str(again)])
+    assert without_timings(read_jsonl(again / "metrics.jsonl")) == without_timings(read_jsonl(whole / "metrics.jsonl"))
+    capsys.readouterr()
+    yaml_file = tmp_path / "run.yaml"
+    yaml_file.write_text("lr: 1.0e-4\nmax-grad-norm: 0.5\nmethod: grpo\ndrop_long_prompts: true\n")
+    args = train_small.parse_args(["--config", str(yaml_file), "--method", "d3s-i"])
+    assert (args.lr, args.max_grad_norm, args.method, args.drop_long_prompts) == (1e-4, 0.5, "d3s-i", True)  # CLI wins
+    for text, fragment in (
+        ("lrr: 0.1\n", "unknown key 'lrr'"),
+        ("lr: -1\n", "lr: -1: must be in (0, 1]"),
+        ("method: ppo\n", "--method 'ppo': unknown method"),  # refused after parsing: the line names the file too
+        ("drop_long_prompts: 3\n", "drop_long_prompts: 3 must be true or false"),
+        ("lr: [0.1\n", "not valid YAML"),
+    ):
+        yaml_file.write_text(text)
+        with pytest.raises(SystemExit) as e:
+            train_small.parse_args(["--config", str(yaml_file)])
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and len(err.splitlines()) == 1 and f"--config {yaml_file}" in err, err
+        assert fragment in err, (text, err)
+
+
 def test_a_nan_loss_skips_the_update_and_is_logged(tmp_path, cache_dir, two_answer_data, monkeypatch):
     train_file, eval_file = two_answer_data
     real_loss = d3s.policy_loss
