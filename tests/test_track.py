@@ -8,6 +8,7 @@ import importlib.util
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -521,3 +522,23 @@ def test_only_the_main_rank_writes(tmp_path, offline):
     trackers.image(3, png(tmp_path / "page.png"))
     trackers.close()
     assert not out.exists() and trackers.open == {}
+
+
+# ---- bench/track.py ----
+
+
+def test_bench_prints_each_trackers_share_of_a_step(tmp_path):
+    """bench/track.py at a small size: a row per tracker and the total against the step (timing is not asserted)."""
+    names = [name for name, ok in installed.items() if ok] or pytest.skip("no tracker installed")
+    env = {**os.environ, "HOME": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "track.py"), "--lines", "20", "--report-to", *names],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = {line.split()[0]: line for line in done.stdout.splitlines()[2:]}
+    assert set(rows) == {*names, "all"} and rows["all"].endswith("%  (target: <= 2%)"), done.stdout
+    assert all(re.search(r" \d+\.\d{3}%$", rows[name]) for name in names), done.stdout
