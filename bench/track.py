@@ -9,6 +9,7 @@ WANDB_MODE=offline, trackio's store and every run folder in a temporary folder, 
 """
 
 import contextlib
+import importlib.util
 import io
 import os
 import random
@@ -79,7 +80,7 @@ def bench(name, lines, folder):
 
 
 def main(argv=None):
-    installed = [name for name in track.NAMES if track.importlib.util.find_spec(name) is not None]
+    installed = [name for name in track.TRACKERS if importlib.util.find_spec(name) is not None]
     n = cli.number
     flags = [
         cli.flag("--lines", 200, n(int, 1, 10**6), "train lines to log (an eval line every 10)"),
@@ -89,12 +90,12 @@ def main(argv=None):
             n(float, 0, low_open=True),
             "seconds of one train_small step to compare with ([measured] about 0.5-1.5 s on the tiny model, 2 CPUs)",
         ),
-        cli.flag("--report-to", installed or ["tensorboard"], list(track.NAMES), "the trackers to time", nargs="+"),
+        cli.flag("--report-to", installed or ["tensorboard"], list(track.TRACKERS), "the trackers to time", nargs="+"),
     ]
     p = cli.parser("track.py", __doc__.split("\n\n")[0], flags)
     args = p.parse_args(argv)
     for name in args.report_to:
-        if track.importlib.util.find_spec(name) is None:
+        if importlib.util.find_spec(name) is None:
             p.error(f"--report-to {name}: the package {name} is not installed; pip install -r requirements/track.txt")
     lines = small_lines(args.lines)
     train = sum(line["kind"] == "train" for line in lines)

@@ -32,11 +32,14 @@ killed run logged past its checkpoint is there once, with the resumed run's valu
 
     tensorboard   SummaryWriter(purge_step=start_step + 1): TensorBoard's reader drops what the earlier files hold
                   at steps >= start_step + 1 (the eval line of step start_step, which the checkpoint covers, stays)
-    wandb         the run id kept in OUT/trackers.json, wandb.init(id=..., resume="allow"). wandb cannot rewrite
-                  history (its `resume_from` rewind is a server feature in preview, [wandb's docs]): a resumed
-                  ONLINE run keeps the first run's values at the steps it logged past the checkpoint, and wandb
-                  drops the resumed run's (a step below the run's step is ignored, [wandb's docs]). Offline, each
-                  launch is a folder of its own with the same run id, synced in order by `wandb sync`.
+    wandb         the run id kept in OUT/trackers.json, wandb.init(id=..., resume="allow"). wandb does not
+                  rewrite a run's history (its `resume_from` rewind is "in private preview", [wandb's docs, "Rewind
+                  a run"]): a resumed ONLINE run goes on from the run's last step, so the steps the killed run
+                  logged past its checkpoint keep the killed run's values, once, and the resumed run's lines of
+                  those steps are dropped ("Tried to log to step %d that is less than the current step %d ... this
+                  data will be ignored", [wandb-core 0.31's message]). [not tested here: it needs wandb's server.]
+                  Offline, each launch is a folder of its own with the same run id (tested), synced in order by
+                  `wandb sync`.
     trackio       trackio.init(name=--run-name, resume="allow"); then the run's rows after start_step are deleted
                   from the local store (trackio has no call for it: SQL on its table `metrics`, under its lock),
                   so the resumed run's rows are the only ones there. Not for a run on a Space or server.
@@ -65,7 +68,7 @@ import threading
 
 from support import cli
 
-NAMES = ("tensorboard", "wandb", "trackio")
+TRACKERS = ("tensorboard", "wandb", "trackio")
 STATE = "trackers.json"  # OUT/trackers.json: the wandb run id, the trackio run, so that a resume continues them
 WANDB_MODES = ("online", "offline", "disabled", "dryrun", "run", "shared")  # wandb.Settings.mode's values
 IMAGE_KEY = "explain"
@@ -74,7 +77,7 @@ FLAGS = [
     cli.flag(
         "--report-to",
         ["none"],
-        ["none", *NAMES],
+        ["none", *TRACKERS],
         "where the metrics go besides metrics.jsonl (several at once allowed): TensorBoard (OUT/tensorboard), "
         "wandb (offline without credentials), trackio (its local store); pip install -r requirements/track.txt",
         nargs="+",
@@ -284,13 +287,14 @@ class Wandb:
         import wandb
 
         offline = "WANDB_MODE" not in os.environ and not wandb_has_credentials()
-        if "wandb" not in state:
-            state["wandb"] = {"id": "".join(random.SystemRandom().choices(string.ascii_lowercase + string.digits, k=8))}
+        if "wandb" not in state:  # a fresh run: a new id (a resume: the id and project it continues)
+            run_id = "".join(random.SystemRandom().choices(string.ascii_lowercase + string.digits, k=8))
+            state["wandb"] = {"id": run_id, "project": run["project"]}
         settings = wandb.Settings(
             console="off", silent=True, disable_git=True, save_code=False, x_disable_stats=True, init_timeout=60
         )
         self.run = wandb.init(
-            project=run["project"],
+            project=state["wandb"].get("project", run["project"]),
             name=run["name"],
             group=run["group"],
             id=state["wandb"]["id"],
@@ -327,10 +331,11 @@ class Trackio:
 
         self.trackio = trackio
         resume = run["start_step"] > 0
+        name = state.get("trackio", {}).get("name", run["name"])  # a resume: the run it continues
         with contextlib.redirect_stdout(io.StringIO()):  # trackio's own lines; ours below
             self.run = trackio.init(
-                project=run["project"],
-                name=run["name"],
+                project=state.get("trackio", {}).get("project", run["project"]),
+                name=name,
                 group=run["group"],
                 config=run["config"],
                 resume="allow" if resume else "never",
@@ -339,11 +344,11 @@ class Trackio:
                 auto_log_gpu=False,
             )
         if resume and self.run._is_local:
-            self.purge(run["project"], self.run.id, run["start_step"])
-        state["trackio"] = {"project": run["project"], "name": self.run.name, "id": self.run.id}
+            self.purge(self.run.project, self.run.id, run["start_step"])
+        state["trackio"] = {"project": self.run.project, "name": self.run.name, "id": self.run.id}
         from trackio.utils import TRACKIO_DIR
 
-        say(f"track: trackio run {self.run.name} in {TRACKIO_DIR} (trackio show --project {run['project']})")
+        say(f"track: trackio run {self.run.name} in {TRACKIO_DIR} (trackio show --project {self.run.project})")
 
     @staticmethod
     def purge(project, run_id, start_step):

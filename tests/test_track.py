@@ -22,7 +22,7 @@ import pytest
 from support import cli, track
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-installed = {name: importlib.util.find_spec(name) is not None for name in track.NAMES}
+installed = {name: importlib.util.find_spec(name) is not None for name in track.TRACKERS}
 needs = {
     name: pytest.mark.skipif(not ok, reason=f"pip install -r requirements/track.txt ({name})")
     for name, ok in installed.items()
