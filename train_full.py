@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 import d3s
 from support import checkpoint, checks, cli, engines, explain, fsdp, gpu, grading, loss_head, mathtask, methods
-from support import run
+from support import run, track
 from support.cli import UsageError
 from support.fsdp import all_reduce
 from support.gpu import clock
@@ -162,6 +162,7 @@ def build_parser():
         f("--hf-generate-batch", 16, n(int, 1), "[choice] --rollout hf: prompts per generate() call"),
         f("--grader-timeout", 5.0, n(float, 0, 3600, low_open=True), "[choice] seconds per answer (then: reward 0)"),
         f("--grader-workers", None, n(int, 1, 64, what="an int in [1, 64] (processes per rank)"), "math-verify"),
+        *track.FLAGS,  # --report-to tensorboard wandb trackio, --run-name, --run-group, --project
         f("--peak-tflops", 0.0, n(float, 0, what="a finite number >= 0 (0: from the GPU's name)"), "for the MFU"),
     ]
     p = cli.parser("train_full.py", __doc__.split("\n\n")[0] + " " + __doc__.split("\n\n")[-1], flags)
@@ -465,6 +466,7 @@ def main(argv=None):
     random.seed(args.seed + world.rank)
     if args.out is None:  # a new folder per run, named by rank 0's clock
         args.out = run.default_out(args, "full", world)
+    args.run_name = args.run_name or os.path.basename(os.path.normpath(args.out))  # the trackers' (--report-to)
     with run.out_lock(args.out, PROG, world):  # one writer per run folder, from before anything in it is read
         # fresh (None) or the checkpoint to continue: a fresh run never writes into a folder that holds a run
         ckpt = None if args.eval_only else checkpoint.start(args, run_flags(args), PROG, shards=True)
@@ -523,7 +525,7 @@ def train(args, world, inputs, ckpt):
     with grader, stops.Notices(PROG, world, args.out) as notices:
         r = run.Run(args, PROG, notices, step, history, world)  # metrics.jsonl: what the checkpoint covers
         evaluate = lambda s, tag=None, name=None: grading.evaluate(
-            engine, grader, tag=tag, model_name=name, step=s, **evaluation
+            engine, grader, tag=tag, model_name=name, step=s, trackers=r.trackers, **evaluation
         )
         if grading.evaluation_due(r.metrics, step, args, world):  # step 0, or one a stop cut off after its checkpoint
             evaluate(step)
@@ -550,7 +552,7 @@ def train(args, world, inputs, ckpt):
             stats = step_metrics(sel, pass1, update, train_s, measure_kl, world)
             if args.explain_every and (s == 1 or s % args.explain_every == 0):  # rank 0's page of the step
                 page = dict(tokenizer=tokenizer, notices=notices, world=world, args=args)
-                explain.full_page(s, rollouts, problems, sel, update["entropy"], stats, **page)
+                r.trackers.image(s, explain.full_page(s, rollouts, problems, sel, update["entropy"], stats, **page))
             phases["gpu_used_train"] = gpu.gpu_used_gb(device)  # trainer (+ sleeping vLLM), before the sync
             t0 = clock(device)
             engine.update_weights(fsdp.full_named_tensors(model, getattr(torch, args.dtype)))  # weights to vLLM
@@ -571,6 +573,7 @@ def train(args, world, inputs, ckpt):
                 evaluate(step)
         bar.close()
         if notice:  # SIGTERM, SIGUSR1, a first Ctrl-C or the launcher's end: stopped after this step's checkpoint
+            r.close()
             stops.stopped(PROG, notice, step, r.saved, quiet=not world.is_main)  # exit 75: continue with --resume
         if args.stop_after:
             say(f"stopped after step {step} (--stop-after): continue with --resume")
@@ -578,6 +581,7 @@ def train(args, world, inputs, ckpt):
             final = export(os.path.join(args.out, "hf_final"))
             say(f"exported {final}")
             evaluate(step, "final", f"{final} ({args.model} after {step} steps of {args.method}, {args.loss} loss)")
+        r.close()  # the trackers
     engines.shutdown(engine)
 
 

@@ -28,7 +28,7 @@ import time
 import torch
 
 import d3s
-from support import checkpoint, checks, cli, explain, mathtask, methods, run, sampler, stops, warmstart
+from support import checkpoint, checks, cli, explain, mathtask, methods, run, sampler, stops, track, warmstart
 from support.grading import Grader, held_out_pass
 
 PROG = "train_small.py"
@@ -99,6 +99,7 @@ def build_parser(prog=PROG):
         f("--save-every", 20, n(int, 1), "write OUT/checkpoint.pt every S steps (and at the end)"),
         f("--explain-every", 25, n(int, 0), "step 1 and every N-th step write OUT/explain/step_N.html; 0: off"),
         f("--stop-after", None, n(int, 1), "stop cleanly after step N, checkpointed (continue: --resume)", metavar="N"),
+        *track.FLAGS,  # --report-to tensorboard wandb trackio, --run-name, --run-group, --project
     ]
     return cli.parser(prog, __doc__.split("\n\n")[0], flags, epilog=EPILOG)
 
@@ -122,6 +123,7 @@ def parse_args(argv=None, parser=None, method_names=None):
         args.out = run.default_out(args, "small")
     for flag, path in (("--out", args.out), ("--cache-dir", args.cache_dir)):
         cli.check_out_dir(p, flag, path)
+    track.check(p, args)  # a tracker that is not installed: one line before any work; --run-name: the folder's
     for flag, path in (("--train-file", args.train_file), ("--eval-file", args.eval_file)):
         if path is not None and os.path.isdir(path):
             p.error(f"{flag} {path}: is a folder; pass a JSONL, JSON or Parquet file")
@@ -415,9 +417,10 @@ def train(args, train_rows, eval_rows, warm, resume=None):
                 "pass1_s": round(pass1.seconds, 3),
             }
             if args.explain_every and (step == 1 or step % args.explain_every == 0):  # OUT/explain/step_N.html
-                explain.small_page(
+                png = explain.small_page(
                     step, tokenizer, problems, rollouts, rewards, sel, entropy=pass1.entropy, metrics=m, args=args
                 )
+                r.trackers.image(step, png)  # its figure beside the curves (--report-to)
             add_totals(totals, m)
             r.log(m)  # metrics.jsonl
             bar.set_postfix(reward=f"{m['reward_mean']:.2f}", N=sel.n_keep, K=f"{sel.k_frac:.2f}", gnorm=m["grad_norm"])
@@ -432,6 +435,7 @@ def train(args, train_rows, eval_rows, warm, resume=None):
             if notice or step == args.stop_after:
                 break
         bar.close()
+        r.close()  # the trackers
         timeouts = grader.timeouts
     if notice:  # SIGTERM, SIGUSR1 or a first Ctrl-C: stopped after this step and its checkpoint, exit 75
         stops.stopped(PROG, notice, step, r.saved)

@@ -12,6 +12,7 @@ Both trainers (the floor: none of these imports a module of either wing below; t
   page.py        how such a page is drawn: the P x G grid and the shown rollouts' tokens, as HTML and PNG
   cli.py         the flags: argparse whose errors are one line, a knob a line
   pool.py        independent jobs in a pool of processes (the toy's methods x seeds)
+  track.py       where a run's metrics go besides metrics.jsonl: TensorBoard, wandb, trackio (--report-to)
 train_small.py
   sampler.py     the KV-cache sampler and the forward that shares each prompt's keys and values (its fast path)
   warmstart.py   the model and its warm start: the supervised phase, its cache and the shipped weights

@@ -17,7 +17,7 @@ import re
 import torch
 
 import d3s
-from support import cli, grading, methods, stops
+from support import cli, grading, methods, stops, track
 from support.cli import UsageError
 from support.mathtask import format_prompt
 
@@ -160,6 +160,7 @@ def check_args(p, args, ranks):
     if args.resume and args.out is None:
         p.error("--resume: pass --out, the folder of the run to continue")
     cli.check_out_dir(p, "--out", "runs/full" if args.out is None else args.out)  # default: a new folder in runs/full
+    track.check(p, args)  # --report-to: a tracker that is not installed is one line here
     return args
 
 

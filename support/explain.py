@@ -112,26 +112,28 @@ def small_page(step, tokenizer, problems, rollouts, rewards, sel, *, entropy, me
             item.update(entropy=entropy[r, :n].tolist(), score=sel.scores[r, :n].tolist())
             item["selected"] = sel.token_keep[r, :n].tolist()
         shown.append(item)
-    write_step(
-        os.path.join(args.out, "explain"),
-        step=step,
-        rung="train_small",
-        method=sel.method_row,
-        rewards=rewards,
-        adv=shown_adv,
-        keep=sel.keep,
-        n_keep=sel.n_keep,
-        k_frac=sel.k_frac,
-        k_real=metrics["k_real"],
-        shown=shown,
-        prompts=[r["problem"] for r in problems],
-        extra={
-            **_switched(args.method, sel.method_row),
-            "loss (mean over mini-batches)": metrics["loss"],
-            "grad norm (before clipping)": metrics["grad_norm"],
-            "tokens in the loss": metrics["kept_tokens"],
-            "mini-batches": args.mini_batches,
-        },
+    return png_of(
+        write_step(
+            os.path.join(args.out, "explain"),
+            step=step,
+            rung="train_small",
+            method=sel.method_row,
+            rewards=rewards,
+            adv=shown_adv,
+            keep=sel.keep,
+            n_keep=sel.n_keep,
+            k_frac=sel.k_frac,
+            k_real=metrics["k_real"],
+            shown=shown,
+            prompts=[r["problem"] for r in problems],
+            extra={
+                **_switched(args.method, sel.method_row),
+                "loss (mean over mini-batches)": metrics["loss"],
+                "grad norm (before clipping)": metrics["grad_norm"],
+                "tokens in the loss": metrics["kept_tokens"],
+                "mini-batches": args.mini_batches,
+            },
+        )
     )
 
 
@@ -164,27 +166,35 @@ def full_page(step, rollouts, problems, sel, entropy, stats, *, tokenizer, notic
     for item in items:
         item["tokens"] = [tokenizer.decode([t]) for t in item.pop("ids")]
     with notices.writing(os.path.join(args.out, "explain")):
-        write_step(
-            os.path.join(args.out, "explain"),
-            step=step,
-            rung="train_full",
-            method=sel.method_row,
-            rewards=sel.rewards_all,
-            adv=shown_adv,
-            keep=sel.keep_all,
-            n_keep=stats["n_keep"],
-            k_frac=stats["k_frac"],
-            k_real=stats["k_real"],
-            shown=items,
-            prompts=[text for _, texts in parts for text in texts],
-            extra={
-                **_switched(args.method, sel.method_row),
-                "loss (mean over optimizer steps)": stats["loss"],
-                "tokens in the loss": stats["kept_tokens"],
-                "grad norm (before clipping)": stats["grad_norm"],
-                "ranks": world.size,
-            },
+        return png_of(
+            write_step(
+                os.path.join(args.out, "explain"),
+                step=step,
+                rung="train_full",
+                method=sel.method_row,
+                rewards=sel.rewards_all,
+                adv=shown_adv,
+                keep=sel.keep_all,
+                n_keep=stats["n_keep"],
+                k_frac=stats["k_frac"],
+                k_real=stats["k_real"],
+                shown=items,
+                prompts=[text for _, texts in parts for text in texts],
+                extra={
+                    **_switched(args.method, sel.method_row),
+                    "loss (mean over optimizer steps)": stats["loss"],
+                    "tokens in the loss": stats["kept_tokens"],
+                    "grad norm (before clipping)": stats["grad_norm"],
+                    "ranks": world.size,
+                },
+            )
         )
+
+
+def png_of(html):
+    """The figure beside a page (write_step's .png), for the trackers' image of the step; None if it was not drawn."""
+    png = os.path.splitext(html)[0] + ".png" if html else None
+    return png if png and os.path.exists(png) else None
 
 
 def _switched(method, method_row):

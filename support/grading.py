@@ -295,10 +295,12 @@ def evaluation_due(metrics_path, step, args, world):
     return not stops.any_rank(done, world)
 
 
-def evaluate(engine, grader, *, tokenizer, stop_ids, eval_sets, args, world, tag=None, model_name=None, step=None):
+def evaluate(
+    engine, grader, *, tokenizer, stop_ids, eval_sets, args, world, tag=None, model_name=None, step=None, trackers=None
+):
     """train_full.py's evaluation of every benchmark: this rank samples --eval-samples answers for its contiguous
     share of the problems; rank 0 writes OUT/eval_TAG.md/.json (TAG: step_NNNNNN by default; --eval-only: none) and,
-    after `step` training steps (None: --eval-only), a metrics.jsonl line."""
+    after `step` training steps (None: --eval-only), a metrics.jsonl line (and sends it to `trackers`: run.Run's)."""
     if tag is None and step is not None:
         tag = f"step_{step:06d}"
         model_name = f"{args.model} after {step} steps of {args.method}, {args.loss} loss" if step else None
@@ -339,7 +341,9 @@ def evaluate(engine, grader, *, tokenizer, stop_ids, eval_sets, args, world, tag
             if world.is_main:
                 write_eval_report(results, keys, args, tag, model_name or args.model)
                 if step is not None:
-                    run.append_metrics(os.path.join(args.out, "metrics.jsonl"), eval_record(step, results))
+                    run.append_metrics(os.path.join(args.out, "metrics.jsonl"), line := eval_record(step, results))
+                    if trackers is not None:
+                        trackers.log(line)
     return results
 
 

@@ -22,7 +22,7 @@ import time
 
 from tqdm import tqdm
 
-from support import methods, stops
+from support import methods, stops, track
 from support.cli import UsageError
 
 
@@ -43,6 +43,7 @@ class Run:
         if self.is_main:
             os.makedirs(args.out, exist_ok=True)
             truncate_metrics(self.metrics, start if start else -1)
+        self.trackers = track.Trackers(args, args.out, start, is_main=self.is_main)  # --report-to (rank 0)
 
     def log(self, line):
         """metrics.jsonl's next line (rank 0; under torchrun a full disk is noted: every rank stops at agree())."""
@@ -52,6 +53,7 @@ class Run:
         if self.is_main:
             with self.notices.writing(self.metrics) if self.world else contextlib.nullcontext():
                 append_metrics(self.metrics, line)
+            self.trackers.log(line)  # each tracker of --report-to; one that fails costs a line, never the run
 
     def checkpoint(self, step, notice, save):
         """After `step`: save(step) (the trainer's checkpoint; returns where: self.saved) when due, and on a notice
@@ -60,6 +62,10 @@ class Run:
         if step % a.save_every == 0 or step in (a.steps, self.stop_at) or notice:
             self.saved = save(step)
         return notice if notice and step < self.stop_at else None
+
+    def close(self):
+        """The trackers' end (a killed run skips it: what reached the disk stays)."""
+        self.trackers.close()
 
 
 def default_out(args, rung, world=None):
