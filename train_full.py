@@ -529,7 +529,7 @@ def train(args, world, inputs, ckpt):
         )
         if grading.evaluation_due(r.metrics, step, args, world):  # step 0, or one a stop cut off after its checkpoint
             evaluate(step)
-        bar = run.progress(total=args.steps, initial=step, disable=not world.is_main, desc="steps")  # or log lines
+        bar = run.progress_bar(total=args.steps, initial=step, disable=not world.is_main, desc="steps")  # or log lines
         notice = None
         while step < r.stop_at:  # --steps, or --stop-after
             s = step + 1  # this step, 1..S

@@ -382,7 +382,7 @@ def train(args, train_rows, eval_rows, warm, resume=None):
             info = {k: v for k, v in warm_info.items() if k != "cached"}
             r.log({**evaluate(model, tokenizer, grader, eval_rows, 0, args), **totals, "warm_start": info})
         desc, steps = f"{args.method} ({args.loss}, seed {args.rl_seed})", range(start_step + 1, args.steps + 1)
-        bar = run.progress(steps, desc=desc, initial=start_step, total=args.steps)  # tqdm, or lines in a log file
+        bar = run.progress_bar(steps, desc=desc, initial=start_step, total=args.steps)  # tqdm, or lines in a log file
         step, notice = start_step, None
         for step in bar:
             for group in optimizer.param_groups:  # linear warmup: lr * min(1, step / W)

@@ -261,7 +261,7 @@ def held_out_pass(rows, sample, grader, n, k, chunk):
     per problem), mean Pass@1 over n sampled answers, unbiased Pass@k from them. sample(prompts, n, greedy) -> the
     answers' texts, prompt-major; `chunk` problems per call. rows: {"prompt", "answer"[, "level"]}."""
     greedy, correct = [], []  # [E], [E] (correct samples out of n)
-    for start in run.progress(range(0, len(rows), chunk), desc="eval", leave=False, every_s=60.0):
+    for start in run.progress_bar(range(0, len(rows), chunk), desc="eval", leave=False, every_s=60.0):
         part = rows[start : start + chunk]
         prompts = [r["prompt"] for r in part]
         golds = [r["answer"] for r in part]

@@ -4,7 +4,7 @@ checkpoints and evaluations, the stop after a step (what a resume restores: supp
     Run               what both loops call around the six steps: the metrics lines (rank 0), the history the rules
                       read (grad norms, train rewards), the checkpoint when due, and whether a notice stops the run
     default_out       --out when none is given: a new folder per run
-    progress          tqdm at a terminal; in a file (a SLURM .out, nohup, | tee) a plain line every `every_s` seconds
+    progress_bar      tqdm at a terminal; in a log file (a SLURM .out, nohup, | tee) a plain line now and then
     out_lock          one writer per run folder: a second run into it stops with one line
     append_metrics, read_metrics, truncate_metrics   metrics.jsonl (docs/metrics.md): a line per step and evaluation
     measures_kl, mean    whether a step forwards the reference model; the mean of the values that are there
@@ -31,8 +31,9 @@ class Run:
     checkpoints hold collectives); rank 0 writes metrics.jsonl. Made after the resume (start: its steps, 0 if none).
 
     A resumed run keeps the lines of metrics.jsonl that its checkpoint covers (a killed run may have logged past it);
-    a fresh one starts it (checkpoint.start has refused a folder that holds a run). history: {"grad_norms": [...], "rewards": [...]}, one value per step so far, as the
-    checkpoint stored them: --switch-on-spike reads the norms, --schedule adaptive the rewards."""
+    a fresh one starts it (checkpoint.start has refused a folder that holds a run). history: {"grad_norms": [...],
+    "rewards": [...]}, one value per step so far, as the checkpoint stored them: --switch-on-spike reads the norms,
+    --schedule adaptive the rewards. Every line goes to the trackers of --report-to too (support/track.py)."""
 
     def __init__(self, args, prog, notices, start, history=None, world=None):
         self.args, self.prog, self.notices, self.world = args, prog, notices, world
@@ -77,7 +78,7 @@ def default_out(args, rung, world=None):
     return os.path.join("runs", rung, f"{args.method}__{seed}__{stamp}")
 
 
-def progress(iterable=None, *, total=None, initial=0, desc="", disable=False, every_s=30.0, leave=True):
+def progress_bar(iterable=None, *, total=None, initial=0, desc="", disable=False, every_s=30.0, leave=True):
     """A progress bar for a loop: tqdm where stderr is a terminal; elsewhere (a log file: SLURM's .out, nohup, a pipe)
     Lines, which prints one plain line every `every_s` seconds and at the end, never a carriage return."""
     if disable or sys.stderr.isatty():

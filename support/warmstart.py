@@ -198,7 +198,7 @@ def load_warm_start(args, train_rows):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging
 
-    if not sys.stderr.isatty():  # a log file: transformers' own bars would be \r frames (run.progress: lines)
+    if not sys.stderr.isatty():  # a log file: transformers' own bars would be \r frames (run.progress_bar: lines)
         logging.disable_progress_bar()
 
     if args.sft_steps == 0:
@@ -257,7 +257,7 @@ def supervised_warm_start(model, tokenizer, train_rows, args, max_steps=None):
     model.train()
     losses = []
     steps = args.sft_steps if max_steps is None else min(max_steps, args.sft_steps)
-    for _ in (bar := run.progress(range(steps), desc="warm start (supervised)")):
+    for _ in (bar := run.progress_bar(range(steps), desc="warm start (supervised)")):
         batch = sft_batch(rng.sample(examples, min(args.sft_batch, len(examples))), tokenizer.pad_token_id)
         loss = model(**batch).loss  # HF shifts the labels: position t predicts token t + 1
         optimizer.zero_grad(set_to_none=True)

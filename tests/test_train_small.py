@@ -716,7 +716,7 @@ def test_resume_auto_starts_continues_and_finishes_with_one_command_line(tmp_pat
 
 def test_a_run_logged_to_a_file_has_plain_lines(tmp_path, cache_dir, two_answer_data):
     """Without a terminal (a SLURM .out, nohup, | tee), progress is a plain line now and then, never a carriage
-    return: stdout and stderr to files hold no \\r, and the step lines are bounded (run.progress)."""
+    return: stdout and stderr to files hold no \\r, and the step lines are bounded (run.progress_bar)."""
     train_file, eval_file = two_answer_data
     out = tmp_path / "logged"
     flags = TINY + ["--steps", "4", "--train-file", train_file, "--eval-file", eval_file, "--cache-dir", cache_dir]
