@@ -27,7 +27,7 @@ sys.path[:0] = [ROOT, os.path.dirname(os.path.abspath(__file__))]
 import torch  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
-from support import cli, run, stops  # noqa: E402
+from support import checkpoint, cli, run, stops  # noqa: E402
 import train_small  # noqa: E402
 from support import methods, warmstart, mathtask  # noqa: E402
 from support.mathtask import DataError  # noqa: E402
@@ -55,6 +55,7 @@ def parse_args(argv=None):
         "(give each --threads 1 on a small machine: 2 workers x 1 thread on 2 cores)",
     )
     p.set_defaults(mid_eval_samples=2)  # (choice) smaller evaluations before the last: a 7 x 5 ladder in under an hour
+    p.set_defaults(out="runs/ladder")  # one folder per ladder (a run of train_small.py: a new one each time)
     names = p.parse_args(argv).compare.split(",")
     for m in names:
         if m not in methods.LADDER:
@@ -86,7 +87,7 @@ def compare(args):
         summaries = compare_in_processes(args, names, seeds)
         write_compare(args, names, seeds, summaries, time.time() - t0)
         return summaries
-    summaries = {m: [] for m in names}
+    summaries, group = {m: [] for m in names}, args.run_group or os.path.basename(os.path.normpath(args.out))
     for seed in seeds:  # seed-major: an interrupted compare has every method of the first seeds
         for method in names:
             sub = copy.copy(args)
@@ -95,17 +96,20 @@ def compare(args):
                 args.switch_on_spike if method in methods.INTRA_TWIN else 0.0
             )  # as compare_in_processes
             sub.out = os.path.join(args.out, method, f"seed{seed}")
+            sub.run_name, sub.run_group = f"{method}__{seed}", group  # --report-to: one view per ladder
             done = os.path.join(sub.out, "summary.json")
             lines = run.read_metrics(os.path.join(sub.out, "metrics.jsonl"))
-            if args.resume and os.path.exists(done) and lines and lines[-1]["step"] == args.steps:
+            if os.path.exists(done) and lines and lines[-1]["step"] == args.steps:
                 with open(done) as f:
                     summaries[method].append(json.load(f))  # finished before the kill
                 continue
-            sub.resume = "latest" if args.resume and os.path.exists(os.path.join(sub.out, "checkpoint.pt")) else None
+            sub.resume = "auto"  # a killed run resumes from its checkpoint, as compare_in_processes' runs do
+            flags = {k: getattr(sub, k) for k in train_small.RUN_FLAGS}
             with run.out_lock(sub.out, "train_small.py"):
-                summaries[method].append(
-                    train_small.train(sub, train_rows, eval_rows, warmstart.load_warm_start(sub, train_rows))
-                )
+                resume = checkpoint.start(sub, flags, "train_small.py")
+                run.write_args(sub, flags)
+                warm = warmstart.load_warm_start(sub, train_rows)
+                summaries[method].append(train_small.train(sub, train_rows, eval_rows, warm, resume))
     write_compare(args, names, seeds, summaries, time.time() - t0)
     return summaries
 
@@ -116,6 +120,8 @@ def compare_in_processes(args, names, seeds):
     machine's load alike); a finished run (summary.json at the last step) is not run again, a
     killed one resumes from its checkpoint. Its log goes to OUT/M/seedS.log."""
     drop = {"--compare": 1, "--seeds": 1, "--workers": 1, "--out": 1, "--method": 1, "--rl-seed": 1, "--resume": 0}
+    drop.update({"--run-name": 1, "--run-group": 1})  # each run's own, in one group: a ladder is one tracker view
+    group = args.run_group or os.path.basename(os.path.normpath(args.out))
     base, i = [], 0
     while i < len(args.argv):
         flag = args.argv[i].split("=")[0]
@@ -136,7 +142,7 @@ def compare_in_processes(args, names, seeds):
             lines = run.read_metrics(os.path.join(out, "metrics.jsonl"))
             if os.path.exists(os.path.join(out, "summary.json")) and lines and lines[-1]["step"] == args.steps:
                 continue
-            resume = ["--resume"] if os.path.exists(os.path.join(out, "checkpoint.pt")) else []
+            resume = ["--resume", "auto"]  # a killed run resumes from its checkpoint, else starts
             switch = ["--switch-on-spike", "0"] if method not in methods.INTRA_TWIN else []  # a row without a twin: off
             jobs.append(
                 (
@@ -153,6 +159,10 @@ def compare_in_processes(args, names, seeds):
                         out,
                         *resume,
                         *switch,
+                        "--run-name",
+                        f"{method}__{seed}",
+                        "--run-group",
+                        group,
                         "--mid-eval-samples",
                         str(args.mid_eval_samples),
                     ],
