@@ -145,6 +145,7 @@ def build_parser():
         f("--save-every", 50, n(int, 1), "[choice] sharded checkpoint every N steps and after the last"),
         f("--keep-checkpoints", 2, n(int, 1), "[choice] keep the newest N sharded checkpoints"),
         f("--export-every", 0, zero("only hf_final/"), "[choice] an HF export to OUT/hf_step_NNNNNN every N steps"),
+        f("--keep-exports", 0, zero("keep all"), "[choice] keep the newest N hf_step_NNNNNN exports"),
         f("--explain-every", 0, zero("off"), "[choice] step 1 and every N-th: OUT/explain/step_NNNNNN.html"),
         f("--stop-after", None, n(int, 1), "stop cleanly after step N and its checkpoint (continue with --resume)"),
         # systems
@@ -566,6 +567,8 @@ def train(args, world, inputs, ckpt):
             notice = notices.agree()  # any rank's full disk (DiskFull everywhere: exit 74) or notice (SIGTERM, ...)
             if args.export_every and step % args.export_every == 0:  # before the checkpoint: a resume redoes both
                 export(os.path.join(args.out, f"hf_step_{step:06d}"))
+                if args.keep_exports and world.is_main:  # the older ones beyond the newest --keep-exports
+                    checkpoint.keep_newest(args.out, checkpoint.EXPORT_DIR, args.keep_exports)
             notice = r.checkpoint(step, notice, save)  # every --save-every steps, the last, and on a notice
             if notice:
                 break

@@ -340,16 +340,14 @@ def main(argv=None):
             if row is None:
                 return
             logs = logs or {}
-            row["loss_tokens"] = logs.get("d3s/kept_tokens", row["gen_tokens"])  # tokens in the loss
-            row["fwd_tokens"] = logs.get(
-                "d3s/forwarded_tokens", row["gen_tokens"]
-            )  # response tokens forwarded with grad
-            row["kept_rollouts"] = logs.get("d3s/kept_rollouts", P * G)
+            row["loss_tokens"] = logs.get("kept_tokens", row["gen_tokens"])  # tokens in the loss
+            row["fwd_tokens"] = logs.get("fwd_tokens", row["gen_tokens"])  # response tokens forwarded with grad
+            row["kept_rollouts"] = logs.get("kept_samples", P * G)
             for key in (
-                "d3s/n_keep",
-                "d3s/k_frac",
-                "d3s/k_realised",
-                "d3s/sample_usefulness_rate",
+                "n_keep",
+                "k_frac",
+                "k_real",
+                "sur",
                 "loss",
                 "grad_norm",
             ):

@@ -1,6 +1,6 @@
 """integrations/train_trl_d3s.py: D3S from TRL, the example of docs/trl.md. Run it with the TRL venv.
 
-    .venv-trl/bin/python integrations/train_trl_d3s.py                   # d3s, 8 steps on CPU, then its d3s/* metrics
+    .venv-trl/bin/python integrations/train_trl_d3s.py                   # d3s, 8 steps on CPU, then its D3S metrics
     .venv-trl/bin/python integrations/train_trl_d3s.py --method grpo     # TRL's GRPO, through the same trainer
 
 A tiny Qwen2 (support/tiny.py: a transformers Qwen2Config and a byte-level tokenizer built with `tokenizers`,
@@ -36,7 +36,7 @@ def main(argv=None):
     from datasets import Dataset
 
     from support import tiny  # a tiny Qwen2 built offline; use your own model
-    from integrations.trl import D3SGRPOConfig, D3SGRPOTrainer  # was: from trl import GRPOConfig, GRPOTrainer
+    from integrations.trl import METRICS, D3SGRPOConfig, D3SGRPOTrainer  # was: from trl import GRPOConfig, GRPOTrainer
 
     tokenizer = tiny.build_char_tokenizer()
     model = tiny.build_tiny_model(tokenizer)  # or model="Qwen/Qwen2.5-0.5B-Instruct"
@@ -65,8 +65,8 @@ def main(argv=None):
         model=model, processing_class=tokenizer, reward_funcs=reward_digits, args=config, train_dataset=dataset
     )
     trainer.train()
-    last = [h for h in trainer.state.log_history if "d3s/kept_rollouts" in h][-1]
-    print({k: round(v, 4) for k, v in last.items() if k.startswith("d3s/")})
+    last = [h for h in trainer.state.log_history if "kept_samples" in h][-1]
+    print({k: round(last[k], 4) for k in METRICS})  # the rungs' names: a TRL run and train_full's lie in one view
 
 
 if __name__ == "__main__":

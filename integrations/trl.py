@@ -78,6 +78,16 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 from trl import GRPOConfig, GRPOTrainer
 
+METRICS = (
+    "n_keep",
+    "k_frac",
+    "kept_samples",
+    "sur",
+    "kept_adv_var",
+    "kept_tokens",
+    "fwd_tokens",
+    "k_real",
+)  # as the rungs name them
 SUPPORTED_TRL = ">=1.16.0,<1.17"  # tested: 1.16.0 (requirements/trl.txt pins the same range)
 OVERRIDDEN = (
     "_calculate_rewards",
@@ -299,13 +309,13 @@ class D3SGRPOTrainer(GRPOTrainer):
     """GRPOTrainer that trains on D3S's rollouts and tokens (see this module's docstring).
 
     Logged with TRL's metrics (per optimizer step, averaged over logging_steps):
-      d3s/n_keep, d3s/k_frac            this step's budget (rollouts per prompt, fraction of tokens)
-      d3s/kept_rollouts                 rollouts of the generation batch trained on (all processes)
-      d3s/sample_usefulness_rate        share of the kept rollouts with A != 0 (d3s.usefulness_rate)
-      d3s/kept_adv_var                  unbiased Var(A) of the kept rollouts (d3s.kept_variance)
-      d3s/kept_tokens, d3s/k_realised   selected tokens of the optimizer batch, and their share of
+      n_keep, k_frac            this step's budget (rollouts per prompt, fraction of tokens)
+      kept_samples                 rollouts of the generation batch trained on (all processes)
+      sur        share of the kept rollouts with A != 0 (d3s.usefulness_rate)
+      kept_adv_var                  unbiased Var(A) of the kept rollouts (d3s.kept_variance)
+      kept_tokens, k_real   selected tokens of the optimizer batch, and their share of
                                         the response tokens of the kept rollouts
-      d3s/forwarded_tokens              response tokens forwarded with grad (the kept rollouts')
+      fwd_tokens              response tokens forwarded with grad (the kept rollouts')
     """
 
     def __init__(self, *args, **kwargs):
@@ -380,11 +390,11 @@ class D3SGRPOTrainer(GRPOTrainer):
         output["d3s_k_frac"] = torch.tensor(float(k_frac), dtype=torch.float64)  # 0-dim: TRL's split passes it on
         if training:
             metrics = self._metrics["train"]
-            metrics["d3s/n_keep"].append(float(n_keep))
-            metrics["d3s/k_frac"].append(float(k_frac))
-            metrics["d3s/kept_rollouts"].append(float(keep.sum()))
-            metrics["d3s/sample_usefulness_rate"].append(d3s.usefulness_rate(adv, keep))
-            metrics["d3s/kept_adv_var"].append(d3s.kept_variance(adv, keep))
+            metrics["n_keep"].append(float(n_keep))
+            metrics["k_frac"].append(float(k_frac))
+            metrics["kept_samples"].append(float(keep.sum()))
+            metrics["sur"].append(d3s.usefulness_rate(adv, keep))
+            metrics["kept_adv_var"].append(d3s.kept_variance(adv, keep))
         return output
 
     # -- 3 forward: the kept rows only ----------------------------------------------------------
@@ -495,9 +505,9 @@ class D3SGRPOTrainer(GRPOTrainer):
 
     def _log_token_counts(self, n_selected, n_tokens):
         metrics = self._metrics["train" if self.model.training else "eval"]
-        metrics["d3s/kept_tokens"].append(n_selected)
-        metrics["d3s/forwarded_tokens"].append(n_tokens)
-        metrics["d3s/k_realised"].append(n_selected / max(n_tokens, 1.0))
+        metrics["kept_tokens"].append(n_selected)
+        metrics["fwd_tokens"].append(n_tokens)
+        metrics["k_real"].append(n_selected / max(n_tokens, 1.0))
 
     # -- 5 loss: d3s.policy_loss on the selected tokens ----------------------------------------
     def _compute_loss(self, model, inputs):

@@ -37,7 +37,7 @@ from support.stops import DiskFull, attempt
 
 FILE_FORMAT = 4  # train_small's OUT/checkpoint.pt; 4: no RNG state (2026-11-28)
 SHARDS_FORMAT = 3  # train_full's trainer_state.json; 3: no per-rank RNG files (2026-11-28)
-STEP_DIR = re.compile(r"^step_(\d+)$")
+STEP_DIR, EXPORT_DIR = re.compile(r"^step_(\d+)$"), re.compile(r"^hf_step_(\d+)$")
 
 
 class CheckpointError(ValueError):
@@ -300,14 +300,20 @@ def save_shards(model, optimizer, out, step, trainer_state, world, keep):
                     json.dump(state, f, indent=1)
                 shutil.rmtree(final, ignore_errors=True)  # resumed from an older checkpoint: this step is redone
                 os.replace(tmp, final)  # atomic: the checkpoint exists only once it is complete
-                done = sorted(d for d in os.listdir(root) if STEP_DIR.match(d))
-                for old in done[: max(len(done) - keep, 0)]:
-                    shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+                keep_newest(root, STEP_DIR, keep)
     except DiskFull:
         if world.is_main:
             shutil.rmtree(tmp, ignore_errors=True)  # what was written of it: the space back
         raise
     return final
+
+
+def keep_newest(root, pattern, keep):
+    """Remove the folders of `root` whose name matches `pattern` (a step number in its group 1) beyond the newest
+    `keep`: --keep-checkpoints' rotation, and --keep-exports' of OUT/hf_step_NNNNNN (rank 0)."""
+    done = sorted(d for d in os.listdir(root) if pattern.match(d)) if os.path.isdir(root) else []
+    for old in done[: max(len(done) - keep, 0)]:
+        shutil.rmtree(os.path.join(root, old), ignore_errors=True)
 
 
 def find_shards(spec, out):

@@ -592,3 +592,16 @@ def test_resume_auto_starts_continues_and_finishes_with_one_command_line(cli, fi
     third = cli(command)
     assert third["code"] == 0 and f"the run in {out} already finished its 2 steps" in third["stdout"], third
     assert sorted((p, p.stat().st_mtime_ns) for p in out.rglob("*")) == before
+
+
+def test_keep_exports_rotates_the_step_exports(cli, files, tmp_path):
+    """--export-every 1 --keep-exports 2: after 3 steps the two newest hf_step_NNNNNN folders are left, as
+    --keep-checkpoints leaves checkpoints; hf_final is not one of them."""
+    out = tmp_path / "exports"
+    result = cli(base(files, str(out)) + ["--steps", "3", "--export-every", "1", "--keep-exports", "2"])
+    assert result["code"] == 0, result
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("hf_")) == [
+        "hf_final",
+        "hf_step_000002",
+        "hf_step_000003",
+    ]

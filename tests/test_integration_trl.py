@@ -12,7 +12,7 @@ What they check:
   - d3s_method="grpo" is TRL's GRPOTrainer: rewards, loss and parameters after 3 steps agree;
   - d3s and d3s-i keep the rollouts d3s.select_samples keeps and the tokens d3s.select_tokens
     keeps, given the same rewards and the logits of a plain forward (d3s.token_entropy);
-  - dapo-filter and dapo-filter-k keep the groups with spread, whole (d3s/kept_rollouts = G x their count);
+  - dapo-filter and dapo-filter-k keep the groups with spread, whole (kept_samples = G x their count);
     a step where no process keeps a token makes no optimizer step: after a step with signal the weights
     and AdamW's state stay bit for bit (no update on stale momentum), also with gradient accumulation;
     on 2 processes, both step when one keeps nothing and the other keeps rows, and both skip when none does;
@@ -150,7 +150,7 @@ def test_grpo_method_matches_trl_grpotrainer_step_for_step(tiny_model_dir, tmp_p
         assert la["reward"] == lb["reward"] and la["num_tokens"] == lb["num_tokens"], (la, lb)  # same rollouts
         assert lb["loss"] == pytest.approx(la["loss"], abs=1e-6), (la["loss"], lb["loss"])
         assert lb["grad_norm"] == pytest.approx(la["grad_norm"], rel=1e-4)
-        assert lb["d3s/kept_rollouts"] == 16 and lb["d3s/k_realised"] == 1.0  # every rollout, every token
+        assert lb["kept_samples"] == 16 and lb["k_real"] == 1.0  # every rollout, every token
     initial, _ = load(tiny_model_dir)
     assert max_param_diff(plain.model, initial) > 1e-3  # the 3 steps did move the weights ...
     assert max_param_diff(plain.model, ours.model) < 1e-6  # ... and the two trainers moved them alike
@@ -229,7 +229,7 @@ def spread_groups(rewards):
 def test_the_dapo_filter_trains_on_every_rollout_of_the_groups_with_spread(tiny_model_dir, tmp_path, method):
     """d3s_method="dapo-filter" (every token) and "dapo-filter-k" (+ D3S's top K), 3 steps, rewards with
     spread in some groups only (half_flat_reward): the kept rollouts are exactly the groups with spread,
-    whole; the logged d3s/kept_rollouts is G x their count, every kept rollout has A != 0, and the loss
+    whole; the logged kept_samples is G x their count, every kept rollout has A != 0, and the loss
     sees the kept rows only, with the tokens d3s.select_tokens keeps."""
     from trl_worker import RecordingTrainer, half_flat_reward, kept_tokens_by_row, make_config
 
@@ -244,9 +244,9 @@ def test_the_dapo_filter_trains_on_every_rollout_of_the_groups_with_spread(tiny_
         assert n_keep == 4 and batch["k_frac"] == k_frac and (k_frac == 1.0) == (method == "dapo-filter")
         assert torch.equal(batch["d3s_keep"], spread.repeat_interleave(4))  # whole groups (one process: rows in order)
         partial += 0 < int(spread.sum()) < len(spread)
-        assert log["d3s/kept_rollouts"] == 4 * int(spread.sum()) and log["d3s/n_keep"] == 4
-        assert log["d3s/k_frac"] == pytest.approx(k_frac)
-        assert log["d3s/sample_usefulness_rate"] == (1.0 if spread.any() else 0.0)
+        assert log["kept_samples"] == 4 * int(spread.sum()) and log["n_keep"] == 4
+        assert log["k_frac"] == pytest.approx(k_frac)
+        assert log["sur"] == (1.0 if spread.any() else 0.0)
         keep, adv, tokens = reference_selection(batch, method, n_keep, tiny_model_dir)
         assert torch.equal(batch["d3s_keep"], keep) and torch.allclose(batch["advantages"], adv, atol=1e-6)
         got = {r: m for (s, r), m in kept_tokens_by_row(trainer).items() if s == step}
@@ -255,9 +255,9 @@ def test_the_dapo_filter_trains_on_every_rollout_of_the_groups_with_spread(tiny_
             width = got[r].shape[0]
             assert not ref[width:].any() and torch.equal(got[r], ref[:width]), (step, r)
         n_selected = sum(int(t.sum()) for t in tokens.values())
-        assert log["d3s/kept_tokens"] == n_selected
+        assert log["kept_tokens"] == n_selected
         if method == "dapo-filter":  # every token of the kept rollouts, as GRPO
-            assert log["d3s/k_realised"] == (1.0 if spread.any() else 0.0)
+            assert log["k_real"] == (1.0 if spread.any() else 0.0)
     assert partial >= 1  # some step dropped some groups and kept others (half the prompts reward 0 throughout)
 
 
@@ -281,8 +281,8 @@ def test_the_dapo_filter_without_spread_keeps_nothing_and_makes_no_optimizer_ste
     logs = train_logs(trainer)
     assert len(logs) == 2
     for log in logs:
-        assert log["d3s/kept_rollouts"] == 0 and log["d3s/kept_tokens"] == 0 and log["d3s/forwarded_tokens"] == 0
-        assert log["d3s/sample_usefulness_rate"] == 0.0 and log["reward_std"] == 0.0
+        assert log["kept_samples"] == 0 and log["kept_tokens"] == 0 and log["fwd_tokens"] == 0
+        assert log["sur"] == 0.0 and log["reward_std"] == 0.0
         assert log["loss"] == 0.0 and log["grad_norm"] == 0.0
     initial, _ = load(tiny_model_dir)
     assert max_param_diff(trainer.model, initial) == 0.0
@@ -310,8 +310,8 @@ def test_an_empty_dapo_filter_step_after_a_step_with_signal_leaves_the_weights_a
         reward=signal_then_flat_reward,
     )
     first, second = train_logs(trainer)
-    assert first["d3s/kept_rollouts"] > 0 and first["grad_norm"] > 0
-    assert second["d3s/kept_rollouts"] == 0 and second["d3s/kept_tokens"] == 0
+    assert first["kept_samples"] > 0 and first["grad_norm"] > 0
+    assert second["kept_samples"] == 0 and second["kept_tokens"] == 0
     assert second["grad_norm"] == 0.0 and second["loss"] == 0.0
     assert len(trainer.batches) == 2  # one generation batch per optimizer step
     initial, after_step_1 = trainer.batches[0]["weights"], trainer.batches[1]["weights"]
@@ -342,7 +342,7 @@ def test_gradient_accumulation_gives_the_update_of_one_micro_batch(tiny_model_di
     )
     for a, b in zip(train_logs(one), train_logs(two)):
         assert a["reward"] == b["reward"]
-        assert a["d3s/kept_rollouts"] == b["d3s/kept_rollouts"] and a["d3s/kept_tokens"] == b["d3s/kept_tokens"]
+        assert a["kept_samples"] == b["kept_samples"] and a["kept_tokens"] == b["kept_tokens"]
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-6) and b["grad_norm"] == pytest.approx(
             a["grad_norm"], rel=1e-5
         )
@@ -507,4 +507,4 @@ def test_use_d3s_from_trl_example_runs(tmp_path):
         timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "'d3s/kept_rollouts'" in proc.stdout and "'d3s/k_realised'" in proc.stdout, proc.stdout[-2000:]
+    assert "'kept_samples'" in proc.stdout and "'k_real'" in proc.stdout, proc.stdout[-2000:]

@@ -454,7 +454,7 @@ CHEAP = [
     pytest.param(
         r"^\.venv-trl/bin/python integrations/train_trl_d3s\.py$",
         600,
-        matching(r"'d3s/(?:n_keep|k_frac)': [\d.]+|'d3s/\w+'"),
+        matching(r"'(?:n_keep|k_frac)': [\d.]+|'(?:kept_samples|sur|kept_adv_var|kept_tokens|fwd_tokens|k_real)'"),
         marks=FIGURES,
         id="trl",
     ),
