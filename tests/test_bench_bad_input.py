@@ -207,6 +207,14 @@ OFFLOAD_ADAMW = [
     (["--repeats", "0"], "--repeats 0: must be"),
     (["--repeats"], "--repeats: expected one value"),
 ]
+TRACK = [
+    (["--lines", "0"], "--lines 0: must be an int in [1, 1e+06]"),
+    (["--lines", "x"], "--lines 'x': must be an int"),
+    (["--step-s", "0"], "--step-s 0: must be a finite number > 0"),
+    (["--report-to", "nope"], "--report-to 'nope': not a choice"),
+    (["--report-to"], "--report-to: expected at least one value"),
+    (["--bogus"], "unrecognized arguments: --bogus"),
+]
 GRADER = [
     (["--n", "0"], "--n 0: must be an int in [1, 1e+06]"),
     (["--n"], "--n: expected one value"),
@@ -229,6 +237,7 @@ TABLES = {
     "questions_toy.py": QUESTIONS_TOY,
     "questions_small.py": QUESTIONS_SMALL,
     "dropped_tokens.py": DROPPED_TOKENS,
+    "track.py": TRACK,
 }
 CASES = [
     (script, *case) if len(case) == 3 else (script, *case, script) for script, table in TABLES.items() for case in table
