@@ -482,10 +482,6 @@ def main():
     dist.destroy_process_group()
 
 
-if __name__ == "__main__":
-    main()
-
-
 def _bench_memory():
     """bench/memory.py (a script) as a module: its fsdp_param_groups."""
     import importlib.util
@@ -495,3 +491,7 @@ def _bench_memory():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+if __name__ == "__main__":
+    main()
