@@ -240,13 +240,13 @@ FLAGS = [
         "--schedule",
         "linear",
         SCHEDULES,
-        "N and K from init to final: linear (paper), cosine, step, constant, adaptive (methods.progress)",
+        "N and K from init to final: linear (a summary's), cosine, step, constant, adaptive (methods.progress)",
     ),
     cli.flag(
         "--token-rule",
         "adv-entropy",
         list(TOKEN_RULES),
-        "token score: adv-entropy (|A| * H, paper), entropy, adv, random (methods.TOKEN_RULES)",
+        "token score: adv-entropy (|A| * H, the abstract's), entropy, adv, random (methods.TOKEN_RULES)",
     ),
     cli.flag(
         "--token-scope",

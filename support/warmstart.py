@@ -162,7 +162,8 @@ def fit_files(args, train_rows, eval_rows, prog="train_small.py"):
             name=f"{flag} {path}",
         )
         if dropped:
-            left = f"left out {dropped} of the {len(rows)} rows of {path} (prompts longer than the context allows)"
+            limit = window - args.max_new_tokens
+            left = f"left out {dropped} of the {len(rows)} rows of {path} (prompts longer than {limit} tokens)"
             print(f"{prog}: --drop-long-prompts: {left}", file=sys.stderr, flush=True)
         args.dropped_long_prompts += dropped
     return fitted.get("--train-file", train_rows), fitted.get("--eval-file", eval_rows)

@@ -9,8 +9,8 @@
   and tokens of an uninterrupted run at either rank count (sampling is seeded per prompt; the
   generate() calls of --hf-generate-batch 2 group the prompts alike on 1 and 2 ranks), and its
   loss, gradient norm and entropy equal theirs to rounding only: the gradient sums over ranks run
-  in another order. The per-rank RNG is not restored at another rank count (nothing draws from it
-  here). A resume at the same rank count is bit-exact (tests/test_full_fsdp.py, test_full_cli.py).
+  in another order. No RNG state is saved (nothing draws from one here: every draw is seeded by
+  (seed, step) or per prompt). A resume at the same rank count is bit-exact (tests/test_full_fsdp.py, test_full_cli.py).
 
 The rendezvous is c10d, as the README's multi-node command has it; the launches pass no
 --node-rank (torchrun ignores it under c10d, with a warning: ranks follow the join order) and pass
@@ -299,7 +299,7 @@ def test_resume_on_another_rank_count(files, runs, tmp_path, saved, resumed):
     stdout = launch(resumed, flags(files, out, "--resume"), files["work"])
     assert (
         f"resumed from {ckpt} at step 1; saved on {saved} ranks, resumed on {resumed}: the model and AdamW state are "
-        "resharded exactly and the data order continues, but the per-rank RNG is not restored (sampling is seeded "
+        "resharded exactly and the data order continues (sampling is seeded "
         "per prompt, not drawn from it); losses and gradient norms equal an uninterrupted run's to rounding only, "
         "not bit for bit"
     ) in stdout, stdout[-3000:]

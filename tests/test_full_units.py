@@ -35,7 +35,9 @@ def test_help_runs_without_vllm_or_gpu_and_labels_paper_and_recipe_defaults():
         "--eval-only",
         "--out",
         "--resume",
-        "[paper]",
+        "[abstract]",
+        "[summary]",
+        "[notes]",
         "[recipe]",
         "[choice]",
     ):
