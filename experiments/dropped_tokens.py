@@ -243,7 +243,7 @@ def one_batch(model, tokenizer, grader, train_rows, b, args):
     batch = sampler.sample(
         model,
         tokenizer,
-        [mathtask.format_prompt(r["problem"], args.template) for r in problems],
+        [mathtask.format_prompt(r["problem"], args.template, tokenizer) for r in problems],
         G,
         args.max_new_tokens,
         args.temperature,

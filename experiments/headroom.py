@@ -60,7 +60,7 @@ def main(argv=None):
     t0 = time.time()
     torch.manual_seed(args.rl_seed)
     n, k = args.eval_samples, args.pass_k
-    prompts = [mathtask.format_prompt(r["problem"], args.template) for r in eval_rows]
+    prompts = [mathtask.format_prompt(r["problem"], args.template, tokenizer, args.system_prompt) for r in eval_rows]
     with Grader(timeout_s=args.grade_timeout) as grader:
         greedy = sampler.sample(model, tokenizer, prompts, 1, args.max_new_tokens, greedy=True)
         greedy_ok = train_small.grade(greedy, eval_rows, grader).view(-1).tolist()

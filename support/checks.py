@@ -88,7 +88,7 @@ def finite_warm_start(warm, args, train_rows):
     model, tokenizer, info = warm
     name = f"--model {args.model}" if args.model else "the tiny model"
     name += f" (warm start {info['path']}: delete it to build it again)" if info.get("sft_steps") else ""
-    prompt = format_prompt(train_rows[0]["problem"], args.template)
+    prompt = format_prompt(train_rows[0]["problem"], args.template, tokenizer, args.system_prompt)
     check_finite(model, name, tokenizer(prompt, add_special_tokens=False).input_ids)
     return warm
 

@@ -3,8 +3,9 @@
 load_problems        JSONL / JSON / Parquet files or hub datasets -> rows with `problem` and `answer`, checked row
                      by row (an error names file:line); one loader for both trainers
 step_problems, arithmetic_problems   the tiny model's generated tasks (TASKS), with difficulty levels
-TEMPLATES, format_prompt, stop_token_ids   the prompt (Qwen2.5-Math's chat template, or plain for the tiny
-                     model) and the tokens that end a response, one rule for every rung and engine
+TEMPLATES, format_prompt, stop_token_ids   the prompt (Qwen2.5-Math's template, the tokenizer's own chat template,
+                     or plain for the tiny model) and the tokens that end a response, one rule for every rung and engine
+pick_template, check_template   --template auto's pick, and a template whose markup is not the tokenizer's refused
 fit_context, fit_prompts   the rows whose prompt fits the model's context (a longer one named with file:line, or dropped)
 load_data            train_small.py's rows: the generated task or --train-file / --eval-file
 PromptOrder, rank_share, sample_seeds   train_full.py's: one global prompt order, each rank's share of a step's
@@ -24,29 +25,81 @@ import torch
 from support.cli import UsageError
 
 
+SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."  # --system-prompt's default
 TEMPLATES = {
     # Qwen2.5-Math eval harness "qwen25-math-cot" template (also Dr.GRPO / SimpleRL-Zoo / LIMR).
-    "qwen-math": "<|im_start|>system\nPlease reason step by step, and put your final answer within \\boxed{{}}."
-    "<|im_end|>\n<|im_start|>user\n{problem}<|im_end|>\n<|im_start|>assistant\n",
+    "qwen-math": "<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{problem}<|im_end|>\n<|im_start|>assistant\n",
     # Plain template for tiny character-level models (no chat tokens in their vocabulary).
     "plain": "{problem}\nAnswer: ",
+    # The tokenizer's own chat template (tokenizer.chat_template): a system turn, the problem, the generation prompt.
+    "chat": None,
 }
 
 
-def format_prompt(problem, template):
-    """The prompt of a problem under --template (a key of TEMPLATES)."""
-    return TEMPLATES[template].format(problem=problem)
+def format_prompt(problem, template, tokenizer=None, system_prompt=SYSTEM_PROMPT):
+    """The prompt of a problem under --template (a key of TEMPLATES); "chat" renders it with `tokenizer`'s own chat
+    template (--system-prompt as the system turn, none when empty), as apply_chat_template renders it for generation.
+
+    >>> format_prompt("1+1?", "plain")
+    '1+1?\\nAnswer: '
+    """
+    if template == "chat":
+        system = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        messages = [*system, {"role": "user", "content": problem}]
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return TEMPLATES[template].format(problem=problem, system=system_prompt)
+
+
+def pick_template(template, tokenizer, model):
+    """--template auto's pick (any other value as given): plain for the tiny model (model None); for a model whose
+    tokenizer has a chat template, chat, unless it is a Qwen2.5-Math model (its name or folder says so), which the
+    paper prompts with qwen-math; without a chat template, qwen-math."""
+    if template != "auto":
+        return template
+    if model is None:
+        return "plain"
+    names = f"{model} {getattr(tokenizer, 'name_or_path', '')}".lower()
+    return "chat" if getattr(tokenizer, "chat_template", None) and "qwen2.5-math" not in names else "qwen-math"
+
+
+def check_template(template, tokenizer, flag="--template"):
+    """UsageError (one line, before any work) for a template whose markup is not the tokenizer's: qwen-math on a
+    tokenizer that does not know <|im_start|> as one special token (the model would read Qwen's markup as text), chat
+    on a tokenizer without a chat template."""
+    has_chat = bool(getattr(tokenizer, "chat_template", None))
+    if template == "chat" and not has_chat:
+        raise UsageError(
+            f"{flag} chat: this tokenizer has no chat template (tokenizer.chat_template); pass --template qwen-math "
+            "(a Qwen tokenizer) or plain"
+        )
+    if template == "qwen-math" and len(tokenizer("<|im_start|>", add_special_tokens=False)["input_ids"]) > 1:
+        raise UsageError(
+            f"{flag} qwen-math: this tokenizer does not know <|im_start|> as a special token (the model would read "
+            f"Qwen's markup as text); pass --template {'chat (its own template)' if has_chat else 'plain'}"
+        )
+
+
+def turn_end_id(tokenizer):
+    """The special token that closes an assistant turn in the tokenizer's chat template (Llama-3's <|eot_id|>, Qwen's
+    <|im_end|>), found by rendering one turn; None without a chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    turn = [{"role": "user", "content": "1"}, {"role": "assistant", "content": "MARK"}]
+    after = tokenizer.apply_chat_template(turn, tokenize=False).rsplit("MARK", 1)[-1].lstrip()
+    ids = tokenizer(after, add_special_tokens=False)["input_ids"] if after else []
+    added = getattr(tokenizer, "added_tokens_decoder", {})
+    return ids[0] if ids and getattr(added.get(ids[0]), "special", False) else None
 
 
 def stop_token_ids(tokenizer, generation_config=None):
     """The token ids that end a response, one rule for every rung and engine: the tokenizer's EOS, the model's
-    generation_config.eos_token_id (an int or a list), and Qwen's <|im_end|> when the vocabulary has it (the chat
-    template ends the assistant turn with it).
+    generation_config.eos_token_id (an int or a list), Qwen's <|im_end|> when the vocabulary has it (the chat
+    template ends the assistant turn with it), and the end-of-turn token of the tokenizer's chat template (turn_end_id).
 
     >>> from support import tiny; tok = tiny.build_char_tokenizer(); stop_token_ids(tok) == [tok.eos_token_id, 2]
     True
     """
-    ids = {tokenizer.eos_token_id}
+    ids = {tokenizer.eos_token_id, turn_end_id(tokenizer)}
     config_eos = getattr(generation_config, "eos_token_id", None)
     ids.update(config_eos if isinstance(config_eos, (list, tuple)) else [config_eos])
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -256,7 +309,7 @@ def fit_context(rows, prompt, tokenizer, limit, why, drop=False):
     return kept, dropped
 
 
-def fit_prompts(rows, *, template, tokenizer, window, budget, drop, name):
+def fit_prompts(rows, *, template, tokenizer, window, budget, drop, name, system_prompt=SYSTEM_PROMPT):
     """The rows whose prompt fits the model's context of `window` positions less the response's `budget` (flag,
     tokens), one check for both trainers (fit_context: a longer prompt is one line naming its file:line, or dropped
     and counted with drop=True, --drop-long-prompts). Returns (rows, how many were dropped); a window of None: no
@@ -270,7 +323,11 @@ def fit_prompts(rows, *, template, tokenizer, window, budget, drop, name):
             "included; lower it"
         )
     limit, why = window - tokens, f"the model's context of {window} positions less {flag} {tokens}"
-    kept, dropped = fit_context(rows, lambda r: format_prompt(r["problem"], template), tokenizer, limit, why, drop)
+
+    def prompt(row):
+        return format_prompt(row["problem"], template, tokenizer, system_prompt)
+
+    kept, dropped = fit_context(rows, prompt, tokenizer, limit, why, drop)
     if not kept:
         raise DataError(f"{name}: no prompt fits in {limit} tokens ({why}); shorten them or raise the limit")
     return kept, dropped
@@ -514,7 +571,10 @@ def load_inputs(args):
         ) from None
     finally:
         hub_logging.set_verbosity(verbosity)
-    if not tokenizer(format_prompt("What is 1 + 1?", args.template), add_special_tokens=False)["input_ids"]:
+    args.template = pick_template(args.template, tokenizer, args.model)  # auto: chat, or qwen-math (in args.json)
+    check_template(args.template, tokenizer)  # markup the tokenizer does not know: one line
+    probe = format_prompt("What is 1 + 1?", args.template, tokenizer, args.system_prompt)
+    if not tokenizer(probe, add_special_tokens=False)["input_ids"]:
         raise UsageError(
             f"--model {args.model}: its tokenizer encodes a prompt to no tokens; pass a folder whose "
             "tokenizer matches its model (tokenizer.save_pretrained of the model's own tokenizer)"
@@ -533,8 +593,9 @@ def load_inputs(args):
         budget=("--max-response-len", args.max_response_len),
         drop=args.drop_long_prompts,
         name=f"--train-data {args.train_data}",
+        system_prompt=args.system_prompt,
     )
-    prompts, too_long = _encode_prompts(rows, tokenizer, args.template, args.max_prompt_len)
+    prompts, too_long = _encode_prompts(rows, tokenizer, args, args.max_prompt_len)
     if not prompts:
         raise UsageError(
             f"--max-prompt-len {args.max_prompt_len}: no prompt of {args.train_data} is that short "
@@ -554,17 +615,18 @@ def _load_eval_sets(args, tokenizer, context):
     sets = []
     for spec in args.eval_data:
         rows, dropped = load_problems(spec, drop_missing=True, limit=args.eval_limit or None)
-        problems, too_long = _encode_prompts(rows, tokenizer, args.template, max_prompt_len=context - 1)
+        problems, too_long = _encode_prompts(rows, tokenizer, args, max_prompt_len=context - 1)
         name = os.path.splitext(os.path.basename(spec))[0] if os.path.exists(spec) else spec
         sets.append((name, problems, dropped, too_long))
     return sets
 
 
-def _encode_prompts(rows, tokenizer, template, max_prompt_len):
-    """Apply the template and tokenize; prompts longer than max_prompt_len are dropped and counted."""
+def _encode_prompts(rows, tokenizer, args, max_prompt_len):
+    """Apply --template (and --system-prompt) and tokenize; prompts longer than max_prompt_len are dropped and counted."""
     out, too_long = [], 0
     for row in rows:
-        ids = tokenizer(format_prompt(row["problem"], template), add_special_tokens=False)["input_ids"]
+        text = format_prompt(row["problem"], args.template, tokenizer, args.system_prompt)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) > max_prompt_len:
             too_long += 1
             continue
