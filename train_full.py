@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 import d3s
 from support import checkpoint, checks, cli, engines, explain, fsdp, gpu, grading, loss_head, mathtask, methods
-from support import run, track
+from support import run, templates, track
 from support.cli import UsageError
 from support.fsdp import all_reduce
 from support.gpu import clock
@@ -97,11 +97,11 @@ def build_parser():
         f(
             "--template",
             "qwen-math",
-            ["auto", *mathtask.TEMPLATES],
+            ["auto", *templates.TEMPLATES],
             "[recipe] prompt template: chat = the tokenizer's own chat template; auto = chat, but qwen-math for "
             "Qwen2.5-Math or a tokenizer without one; plain: for tiny test models",
         ),
-        f("--system-prompt", mathtask.SYSTEM_PROMPT, None, "[recipe] the system turn of qwen-math and chat prompts"),
+        f("--system-prompt", templates.SYSTEM_PROMPT, None, "[recipe] the system turn of qwen-math and chat prompts"),
         # the batch and D3S
         f("--steps", 250, n(int, 1), "[choice] optimizer steps S (~1 epoch); the D3S schedule runs over them"),
         f("--prompts-per-step", 32, n(int, 1), "[choice] P over all ranks (x G = 1024 rollouts), divisible by them"),

@@ -28,7 +28,20 @@ import time
 import torch
 
 import d3s
-from support import checkpoint, checks, cli, explain, mathtask, methods, run, sampler, stops, track, warmstart
+from support import (
+    checkpoint,
+    checks,
+    cli,
+    explain,
+    mathtask,
+    methods,
+    run,
+    sampler,
+    stops,
+    templates,
+    track,
+    warmstart,
+)
 from support.grading import Grader, held_out_pass
 
 PROG = "train_small.py"
@@ -169,7 +182,7 @@ class Pass1:
 def generate(model, tokenizer, problems, args):
     """1) G rollouts per prompt (row p*G + g), o_t ~ softmax(logits / T): sampler.sample, each prompt's keys and
     values shared by its G rollouts. Returns the rollouts: prompt and response ids and masks [P*G, T], texts."""
-    prompts = [mathtask.format_prompt(r["problem"], args.template, tokenizer, args.system_prompt) for r in problems]
+    prompts = [templates.format_prompt(r["problem"], args.template, tokenizer, args.system_prompt) for r in problems]
     return sampler.sample(model, tokenizer, prompts, args.group_size, args.max_new_tokens, args.temperature)
 
 
@@ -337,7 +350,7 @@ def evaluate(model, tokenizer, grader, eval_rows, step, args):
     --eval-samples at the last step, --mid-eval-samples before it (k <= n)."""
     t0, n = time.time(), args.eval_samples if step == args.steps else args.mid_eval_samples
     torch.manual_seed(step_seed(args.rl_seed, step, 2))
-    prompt = lambda problem: mathtask.format_prompt(problem, args.template, tokenizer, args.system_prompt)
+    prompt = lambda problem: templates.format_prompt(problem, args.template, tokenizer, args.system_prompt)
     rows = [{**r, "prompt": prompt(r["problem"])} for r in eval_rows]
     sample = lambda prompts, n, greedy: sampler.sample(
         model, tokenizer, prompts, n, args.max_new_tokens, 1.0 if greedy else args.temperature, greedy=greedy

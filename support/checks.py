@@ -19,7 +19,7 @@ import torch
 import d3s
 from support import cli, grading, methods, stops, track
 from support.cli import UsageError
-from support.mathtask import format_prompt
+from support.templates import format_prompt
 
 MAX_ROLLOUTS = 2**20  # rollouts per step (P x G) and samples per problem beyond which a value is a typo [choice]
 HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")  # "org/name" or "name": not a local path

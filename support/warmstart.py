@@ -27,9 +27,10 @@ from pathlib import Path
 
 import torch
 
-from support import cli, mathtask, run, sampler
+from support import cli, mathtask, run, sampler, templates
 from support.cli import UsageError
-from support.mathtask import TASKS, format_prompt
+from support.mathtask import TASKS
+from support.templates import format_prompt
 
 # warm-start length per task: a start with headroom (docs/small_compare.md)
 TINY_SFT_STEPS = {"steps": 600, "direct": 1000}
@@ -42,11 +43,11 @@ FLAGS = [
     cli.flag(
         "--template",
         "auto",
-        ["auto", *mathtask.TEMPLATES],
+        ["auto", *templates.TEMPLATES],
         "prompt template (chat: the tokenizer's own; auto: plain for the tiny model, with --model chat, but "
         "qwen-math for Qwen2.5-Math or a tokenizer without a chat template)",
     ),
-    cli.flag("--system-prompt", mathtask.SYSTEM_PROMPT, None, "the system turn of qwen-math and chat prompts"),
+    cli.flag("--system-prompt", templates.SYSTEM_PROMPT, None, "the system turn of qwen-math and chat prompts"),
     cli.flag(
         "--hidden-size", 128, n(int, 8, 4096, what="a multiple of 4 in [8, 4096] (4 heads)"), "tiny model: hidden size"
     ),
@@ -89,7 +90,7 @@ def fill_defaults(args):
     if args.sft_steps is None:
         args.sft_steps = 0 if args.model else TINY_SFT_STEPS[args.task]
     if args.template == "auto":  # the tiny model: plain; --model: chat or qwen-math, by its tokenizer
-        args.template = mathtask.pick_template("auto", _model_tokenizer(args.model), args.model)
+        args.template = templates.pick_template("auto", _model_tokenizer(args.model), args.model)
 
 
 def _model_tokenizer(model):
@@ -161,7 +162,7 @@ def fit_files(args, train_rows, eval_rows, prog="train_small.py"):
             window = getattr(AutoConfig.from_pretrained(os.path.expanduser(args.model)), "max_position_embeddings", 0)
         except (OSError, ValueError):
             return train_rows, eval_rows
-    mathtask.check_template(args.template, tokenizer)  # markup the tokenizer does not know: one line
+    templates.check_template(args.template, tokenizer)  # markup the tokenizer does not know: one line
     fitted = {}
     for flag, path, rows in files:
         fitted[flag], dropped = mathtask.fit_prompts(
@@ -193,7 +194,7 @@ def warm_start_key(args, train_rows):
         "sft_lr": args.sft_lr,
         "sft_batch": args.sft_batch,
         "template": args.template,
-        **({} if args.system_prompt == mathtask.SYSTEM_PROMPT else {"system_prompt": args.system_prompt}),
+        **({} if args.system_prompt == templates.SYSTEM_PROMPT else {"system_prompt": args.system_prompt}),
         "train_data": data[:16],
         "version": 2,
     }

@@ -13,7 +13,7 @@ import torch
 from transformers import AutoTokenizer
 
 import train_small
-from support import mathtask, tiny
+from support import templates, tiny
 from support.cli import UsageError
 from tests.test_full_faults import flags, run, torchrun
 
@@ -43,12 +43,12 @@ def save_model(tokenizer, folder):
 
 
 @pytest.mark.parametrize("build", [llama_tokenizer, qwen_tokenizer])
-@pytest.mark.parametrize("system", [mathtask.SYSTEM_PROMPT, ""])
+@pytest.mark.parametrize("system", [templates.SYSTEM_PROMPT, ""])
 def test_chat_prompt_ids_are_apply_chat_templates(build, system, tmp_path):
     tokenizer = build()
     tokenizer.save_pretrained(tmp_path)  # and as a folder loads it back
     for tok in (tokenizer, AutoTokenizer.from_pretrained(tmp_path)):
-        text = mathtask.format_prompt("What is 1 + 1?", "chat", tok, system)
+        text = templates.format_prompt("What is 1 + 1?", "chat", tok, system)
         messages = [{"role": "system", "content": system}] if system else []
         messages.append({"role": "user", "content": "What is 1 + 1?"})
         want = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
@@ -60,28 +60,28 @@ def test_chat_prompt_ids_are_apply_chat_templates(build, system, tmp_path):
 def test_the_stop_token_is_the_templates_turn_end():
     llama, qwen = llama_tokenizer(), qwen_tokenizer()
     eot, im_end = llama.convert_tokens_to_ids("<|eot_id|>"), qwen.convert_tokens_to_ids("<|im_end|>")
-    assert mathtask.turn_end_id(llama) == eot and eot in mathtask.stop_token_ids(llama)
-    assert mathtask.turn_end_id(qwen) == im_end and im_end in mathtask.stop_token_ids(qwen)
-    assert mathtask.turn_end_id(tiny.build_char_tokenizer()) is None  # no chat template: EOS and <|im_end|> only
+    assert templates.turn_end_id(llama) == eot and eot in templates.stop_token_ids(llama)
+    assert templates.turn_end_id(qwen) == im_end and im_end in templates.stop_token_ids(qwen)
+    assert templates.turn_end_id(tiny.build_char_tokenizer()) is None  # no chat template: EOS and <|im_end|> only
 
 
 def test_a_template_whose_markup_is_not_the_tokenizers_is_refused_in_one_line():
     with pytest.raises(UsageError) as e:
-        mathtask.check_template("qwen-math", llama_tokenizer())
+        templates.check_template("qwen-math", llama_tokenizer())
     assert "--template qwen-math" in str(e.value) and "--template chat" in str(e.value) and "\n" not in str(e.value)
     with pytest.raises(UsageError) as e:
-        mathtask.check_template("chat", tiny.build_char_tokenizer())
+        templates.check_template("chat", tiny.build_char_tokenizer())
     assert "--template chat" in str(e.value) and "no chat template" in str(e.value)
     for template, tok in (("chat", llama_tokenizer()), ("qwen-math", qwen_tokenizer()), ("plain", llama_tokenizer())):
-        mathtask.check_template(template, tok)  # these fit
+        templates.check_template(template, tok)  # these fit
 
 
 def test_auto_picks_chat_for_a_chat_model_but_qwen_math_for_qwen25_math():
-    assert mathtask.pick_template("auto", llama_tokenizer(), "/m/Llama-3.1-8B-Instruct") == "chat"
-    assert mathtask.pick_template("auto", qwen_tokenizer(), "Qwen/Qwen2.5-Math-7B") == "qwen-math"
-    assert mathtask.pick_template("auto", tiny.build_char_tokenizer(), "/m/tiny") == "qwen-math"  # no chat template
-    assert mathtask.pick_template("auto", None, None) == "plain"  # train_small's tiny model
-    assert mathtask.pick_template("plain", llama_tokenizer(), "x") == "plain"
+    assert templates.pick_template("auto", llama_tokenizer(), "/m/Llama-3.1-8B-Instruct") == "chat"
+    assert templates.pick_template("auto", qwen_tokenizer(), "Qwen/Qwen2.5-Math-7B") == "qwen-math"
+    assert templates.pick_template("auto", tiny.build_char_tokenizer(), "/m/tiny") == "qwen-math"  # no chat template
+    assert templates.pick_template("auto", None, None) == "plain"  # train_small's tiny model
+    assert templates.pick_template("plain", llama_tokenizer(), "x") == "plain"
 
 
 SMALL = (
