@@ -82,6 +82,7 @@ def build_parser():
         f("--loss", "grpo", ["grpo", "gspo"], "[abstract] GRPO; [summary] GSPO: token ratios or the sequence ratio"),
         f("--rollout", "vllm", ["vllm", "hf"], "[choice] vLLM (colocated, asleep in training) or HF generate (slow)"),
         f("--train-data", TRAIN_DATA, None, "[recipe] JSONL/JSON/Parquet (problem, answer), or 'name[:config]:split'"),
+        *mathtask.FLAGS,  # --prompt-key, --answer-key: --train-data's columns (the --eval-data benchmarks keep theirs)
         f("--eval-data", [EVAL_DATA], None, "[notes] files, globs or hub names; 'none': no evaluation", nargs="+"),
         f("--eval-only", False, bool, "evaluate --model on --eval-data and exit (no training)"),
         f("--out", None, None, "[choice] run folder: checkpoints/, hf_final/ (default: runs/full/METHOD__SEED__TIME)"),

@@ -77,6 +77,7 @@ def build_parser(prog=PROG):
         f("--rl-seed", None, seed, "seed of the RL run: prompt order, sampling, random selection (default: --seed)"),
         f("--threads", 0, n(int, 0, 1024), "torch CPU threads (0: torch's default)"),
         *warmstart.FLAGS,  # the model, the data and the supervised warm start: --model, --task, --sft-steps, ...
+        *mathtask.FLAGS,  # the data's columns: --prompt-key, --answer-key
         f("--prompts-per-step", 16, n(int, 1, 4096), "P: prompts per step (scaled down for CPU)"),
         f(
             "--group-size",

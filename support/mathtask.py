@@ -19,6 +19,7 @@ import zlib
 
 import torch
 
+from support import cli
 from support.cli import UsageError
 from support.templates import SYSTEM_PROMPT, check_template, format_prompt, pick_template, stop_token_ids
 
@@ -51,6 +52,23 @@ class DataError(ValueError):
 
 PROBLEM_KEYS = ("problem", "question", "prompt", "query", "input")
 ANSWER_KEYS = ("answer", "final_answer", "gt_answer", "ground_truth", "target", "solution")
+FLAGS = [  # the data's columns, both trainers: train_small's --train-file and --eval-file, train_full's --train-data
+    cli.flag(
+        "--prompt-key",
+        None,
+        None,
+        f"the data's problem column (default: the first of {'/'.join(PROBLEM_KEYS)} in a row)",
+        metavar="COLUMN",
+    ),
+    cli.flag(
+        "--answer-key",
+        None,
+        None,
+        f"the data's gold-answer column (default: the first of {'/'.join(ANSWER_KEYS)}, or verl's "
+        "reward_model.ground_truth)",
+        metavar="COLUMN",
+    ),
+]
 
 
 def _read_rows(path):
@@ -119,11 +137,12 @@ def _text_field(value, where, name):
     return None if value is None else str(value).strip()
 
 
-def normalize_row(row, where="row"):
+def normalize_row(row, where="row", keys=(None, None)):
     """{problem, answer} from a row's common column names, or None if it has no problem or no answer.
 
     Problem: the first of PROBLEM_KEYS present. Answer: the first of ANSWER_KEYS, or reward_model.ground_truth
     (verl's format); a `solution` gives its last \\boxed{}; a GSM8K answer ("... #### 72") gives what follows ####.
+    keys: --prompt-key and --answer-key, the one column each reads where given.
     >>> normalize_row({"question": "1+1?", "solution": "so \\\\boxed{2}."})
     {'problem': '1+1?', 'answer': '2'}
     >>> normalize_row({"question": "1+1?", "answer": "1 + 1 = 2\\n#### 2"})
@@ -131,11 +150,12 @@ def normalize_row(row, where="row"):
     >>> normalize_row({"problem": "half of 5?", "answer": 2.5})
     {'problem': 'half of 5?', 'answer': '2.5'}
     """
-    problem_key = next((k for k in PROBLEM_KEYS if row.get(k) not in (None, "", [])), None)
-    answer_key = next((k for k in ANSWER_KEYS if row.get(k) not in (None, "", [])), None)
+    problem_keys, answer_keys = ((key,) if key else names for key, names in zip(keys, (PROBLEM_KEYS, ANSWER_KEYS)))
+    problem_key = next((k for k in problem_keys if row.get(k) not in (None, "", [])), None)
+    answer_key = next((k for k in answer_keys if row.get(k) not in (None, "", [])), None)
     problem = _text_field(row[problem_key], where, "problem") if problem_key else None
     answer = _text_field(row[answer_key], where, "answer") if answer_key else None
-    if answer_key is None and isinstance(row.get("reward_model"), dict):
+    if answer_key is None and keys[1] is None and isinstance(row.get("reward_model"), dict):
         answer = _text_field(row["reward_model"].get("ground_truth"), where, "answer")
     if answer_key == "solution" and answer is not None:
         answer = extract_boxed(answer)  # a worked solution: its final \boxed{} is the answer
@@ -146,14 +166,15 @@ def normalize_row(row, where="row"):
     return {"problem": problem, "answer": answer}
 
 
-def load_problems(spec, drop_missing=False, limit=None):
+def load_problems(spec, drop_missing=False, limit=None, keys=(None, None)):
     """Rows {problem, answer, id, ...} from a local JSONL / JSON / Parquet file, or a hub dataset `name`,
     `name:split` or `name:config:split` (needs `pip install datasets`).
 
     Returns (rows, n_dropped). Column names are mapped by normalize_row; a row's other fields (e.g. `level`) are
     kept, and `where` (file:line) is added. drop_missing=False: a row without a problem or an answer raises
     DataError naming file:line; drop_missing=True: such rows are skipped and counted (hub datasets and
-    train_full.py's large files). No usable row at all raises DataError.
+    train_full.py's large files). No usable row at all raises DataError. keys: --prompt-key and --answer-key (None:
+    the default names); a row without such a column raises DataError naming file:line, the key and its columns.
     """
     if os.path.isdir(spec):
         raise DataError(f"{spec}: is a folder; pass a JSONL/JSON/Parquet file with 'problem' and 'answer'")
@@ -167,14 +188,20 @@ def load_problems(spec, drop_missing=False, limit=None):
     for where, default_id, raw in raws:
         if not isinstance(raw, dict):
             raise DataError(f"{where}: expected a JSON object with 'problem' and 'answer', got {type(raw).__name__}")
-        row = normalize_row(raw, where)
+        for flag, key in zip(("--prompt-key", "--answer-key"), keys):
+            if key is not None and key not in raw:
+                raise DataError(
+                    f"{where}: {flag} {key}: the row has no such column (its columns: {', '.join(map(str, raw))}); "
+                    f"pass {flag} one of them"
+                )
+        row = normalize_row(raw, where, keys)
         if row is None:
             if drop_missing:
                 dropped += 1
                 continue
             raise DataError(
-                f"{where}: row has no problem ({'/'.join(PROBLEM_KEYS)}) or no answer "
-                f"({'/'.join(ANSWER_KEYS)}); every row needs a non-empty 'problem' and 'answer' "
+                f"{where}: row has no problem ({keys[0] or '/'.join(PROBLEM_KEYS)}) or no answer "
+                f"({keys[1] or '/'.join(ANSWER_KEYS)}); every row needs a non-empty 'problem' and 'answer' "
                 f"(fix or delete the row)"
             )
         rows.append({**raw, **row, "id": str(raw.get("id", default_id)), "where": where})  # where: for fit_context
@@ -379,7 +406,10 @@ def load_data(args):
     """(train_rows, eval_rows): --train-file / --eval-file, else the --task's generated split."""
 
     def rows(path, size, split):
-        return load_problems(path, limit=size)[0] if path else TASKS[args.task](size, split, seed=args.seed)
+        columns = (args.prompt_key, args.answer_key)
+        return (
+            load_problems(path, limit=size, keys=columns)[0] if path else TASKS[args.task](size, split, seed=args.seed)
+        )
 
     return rows(args.train_file, args.train_size, "train"), rows(args.eval_file, args.eval_size, "eval")
 
@@ -498,7 +528,7 @@ def load_inputs(args):
     eval_sets = _load_eval_sets(args, tokenizer, context_length(args.model, args))
     if args.eval_only:
         return tokenizer, stop_ids, None, eval_sets, ""
-    rows, dropped = load_problems(args.train_data, drop_missing=True)
+    rows, dropped = load_problems(args.train_data, drop_missing=True, keys=(args.prompt_key, args.answer_key))
     window = getattr(AutoConfig.from_pretrained(args.model), "max_position_embeddings", None)
     rows, args.dropped_long_prompts = fit_prompts(  # in args.json
         rows,
