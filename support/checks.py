@@ -17,7 +17,7 @@ import re
 import torch
 
 import d3s
-from support import cli, grading, methods, stops, track
+from support import cli, grading, methods, reward_function, stops, track
 from support.cli import UsageError
 from support.templates import format_prompt
 
@@ -98,6 +98,7 @@ def check_args(p, args, ranks):
     """The checks of several flags together and of the paths, before any work (no model, data or process group yet);
     fills in the defaults that depend on other flags (check_run's, --kl-every, the grader's workers, device, dtype)."""
     check_run(p, args, [args.method])  # --stop-after, the method, N <= G, the switch rule; loss and clip defaults
+    reward_function.check_flag(p, args.reward)  # a --reward that does not load: one line
     args.eval_pass_k = sorted(set(cli.int_list(p, "--eval-pass-k", args.eval_pass_k, what="comma-separated ints")))
     if not all(1 <= k <= args.eval_samples for k in args.eval_pass_k):
         p.error(

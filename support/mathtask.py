@@ -137,12 +137,13 @@ def _text_field(value, where, name):
     return None if value is None else str(value).strip()
 
 
-def normalize_row(row, where="row", keys=(None, None)):
+def normalize_row(row, where="row", keys=(None, None), need_answer=True):
     """{problem, answer} from a row's common column names, or None if it has no problem or no answer.
 
     Problem: the first of PROBLEM_KEYS present. Answer: the first of ANSWER_KEYS, or reward_model.ground_truth
     (verl's format); a `solution` gives its last \\boxed{}; a GSM8K answer ("... #### 72") gives what follows ####.
-    keys: --prompt-key and --answer-key, the one column each reads where given.
+    keys: --prompt-key and --answer-key, the one column each reads where given; need_answer=False (a --reward that
+    may not read it): a row without an answer has answer None.
     >>> normalize_row({"question": "1+1?", "solution": "so \\\\boxed{2}."})
     {'problem': '1+1?', 'answer': '2'}
     >>> normalize_row({"question": "1+1?", "answer": "1 + 1 = 2\\n#### 2"})
@@ -161,12 +162,12 @@ def normalize_row(row, where="row", keys=(None, None)):
         answer = extract_boxed(answer)  # a worked solution: its final \boxed{} is the answer
     if answer is not None and "####" in answer:
         answer = answer.rsplit("####", 1)[1].strip()  # GSM8K style: "...reasoning... #### 72"
-    if not problem or not answer:
+    if not problem or (need_answer and not answer):
         return None
     return {"problem": problem, "answer": answer}
 
 
-def load_problems(spec, drop_missing=False, limit=None, keys=(None, None)):
+def load_problems(spec, drop_missing=False, limit=None, keys=(None, None), need_answer=True):
     """Rows {problem, answer, id, ...} from a local JSONL / JSON / Parquet file, or a hub dataset `name`,
     `name:split` or `name:config:split` (needs `pip install datasets`).
 
@@ -194,7 +195,7 @@ def load_problems(spec, drop_missing=False, limit=None, keys=(None, None)):
                     f"{where}: {flag} {key}: the row has no such column (its columns: {', '.join(map(str, raw))}); "
                     f"pass {flag} one of them"
                 )
-        row = normalize_row(raw, where, keys)
+        row = normalize_row(raw, where, keys, need_answer)
         if row is None:
             if drop_missing:
                 dropped += 1
@@ -406,10 +407,10 @@ def load_data(args):
     """(train_rows, eval_rows): --train-file / --eval-file, else the --task's generated split."""
 
     def rows(path, size, split):
+        if not path:
+            return TASKS[args.task](size, split, seed=args.seed)
         columns = (args.prompt_key, args.answer_key)
-        return (
-            load_problems(path, limit=size, keys=columns)[0] if path else TASKS[args.task](size, split, seed=args.seed)
-        )
+        return load_problems(path, limit=size, keys=columns, need_answer=not args.reward)[0]
 
     return rows(args.train_file, args.train_size, "train"), rows(args.eval_file, args.eval_size, "eval")
 
@@ -528,7 +529,8 @@ def load_inputs(args):
     eval_sets = _load_eval_sets(args, tokenizer, context_length(args.model, args))
     if args.eval_only:
         return tokenizer, stop_ids, None, eval_sets, ""
-    rows, dropped = load_problems(args.train_data, drop_missing=True, keys=(args.prompt_key, args.answer_key))
+    columns = (args.prompt_key, args.answer_key)
+    rows, dropped = load_problems(args.train_data, drop_missing=True, keys=columns, need_answer=not args.reward)
     window = getattr(AutoConfig.from_pretrained(args.model), "max_position_embeddings", None)
     rows, args.dropped_long_prompts = fit_prompts(  # in args.json
         rows,
@@ -575,5 +577,5 @@ def _encode_prompts(rows, tokenizer, args, max_prompt_len):
         if len(ids) > max_prompt_len:
             too_long += 1
             continue
-        out.append({"id": row["id"], "problem": row["problem"], "answer": row["answer"], "prompt_ids": ids})
+        out.append({**row, "prompt_ids": ids})  # the row's other columns: --reward's function reads them by name
     return out, too_long
