@@ -6,6 +6,7 @@ chat template (small Jinja templates with the markup of each family), as a chat 
 """
 
 import json
+import os
 import pathlib
 
 import pytest
@@ -136,3 +137,21 @@ def test_train_full_on_two_ranks_with_template_chat(tmp_path):
     refused = run(torchrun(2) + ["train_full.py", *cmd])
     ours = sorted({line for line in refused.stderr.splitlines() if line.startswith("train_full.py:")})
     assert refused.returncode != 0 and len(ours) == 1 and "--template qwen-math" in ours[0], refused.stderr[-2000:]
+
+
+def test_train_full_with_vllm_rollouts_and_template_chat(tmp_path):
+    """The same with vLLM's engine (.venv-vllm): the chat prompt's ids reach vLLM, <|eot_id|> among its stop ids."""
+    from tests import test_full_vllm as vllm_tests
+
+    if not os.path.exists(vllm_tests.VLLM_PYTHON):
+        pytest.skip(f"no vLLM interpreter at {vllm_tests.VLLM_PYTHON}")
+    tokenizer = llama_tokenizer()  # the default tiny sizes: head_dim 32, one vLLM's CPU attention takes
+    model = tiny.save_tiny(tiny.build_tiny_model(tokenizer), tokenizer, str(tmp_path / "llama"))
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"problem": f"{i}+{i}", "answer": str(2 * i)}) + "\n" for i in range(8)))
+    out = tmp_path / "full"
+    cmd = vllm_tests.train_cmd(vllm_tests.VLLM_PYTHON, model, str(data), str(out), "--eval-data", "none")
+    cmd[cmd.index("--template") + 1], cmd[cmd.index("--steps") + 1] = "chat", "1"
+    vllm_tests.run(cmd)
+    assert json.loads((out / "args.json").read_text())["template"] == "chat"
+    assert [m["step"] for m in vllm_tests.metrics(str(out))] == [1]
