@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 import d3s
 from support import checkpoint, checks, cli, engines, explain, fsdp, gpu, grading, loss_head, mathtask, methods
-from support import run, track
+from support import reward_function, run, templates, track
 from support.cli import UsageError
 from support.fsdp import all_reduce
 from support.gpu import clock
@@ -82,6 +82,8 @@ def build_parser():
         f("--loss", "grpo", ["grpo", "gspo"], "[abstract] GRPO; [summary] GSPO: token ratios or the sequence ratio"),
         f("--rollout", "vllm", ["vllm", "hf"], "[choice] vLLM (colocated, asleep in training) or HF generate (slow)"),
         f("--train-data", TRAIN_DATA, None, "[recipe] JSONL/JSON/Parquet (problem, answer), or 'name[:config]:split'"),
+        *mathtask.FLAGS,  # --prompt-key, --answer-key: --train-data's columns (the --eval-data benchmarks keep theirs)
+        *reward_function.FLAGS,  # --reward FILE.py:FUNCTION in place of math-verify (support/reward_function.py)
         f("--eval-data", [EVAL_DATA], None, "[notes] files, globs or hub names; 'none': no evaluation", nargs="+"),
         f("--eval-only", False, bool, "evaluate --model on --eval-data and exit (no training)"),
         f("--out", None, None, "[choice] run folder: checkpoints/, hf_final/ (default: runs/full/METHOD__SEED__TIME)"),
@@ -97,9 +99,11 @@ def build_parser():
         f(
             "--template",
             "qwen-math",
-            list(mathtask.TEMPLATES),
-            "[recipe] prompt template (plain: for tiny test models)",
+            ["auto", *templates.TEMPLATES],
+            "[recipe] prompt template: chat = the tokenizer's own chat template; auto = chat, but qwen-math for "
+            "Qwen2.5-Math or a tokenizer without one; plain: for tiny test models",
         ),
+        f("--system-prompt", templates.SYSTEM_PROMPT, None, "[recipe] the system turn of qwen-math and chat prompts"),
         # the batch and D3S
         f("--steps", 250, n(int, 1), "[choice] optimizer steps S (~1 epoch); the D3S schedule runs over them"),
         f("--prompts-per-step", 32, n(int, 1), "[choice] P over all ranks (x G = 1024 rollouts), divisible by them"),
@@ -238,13 +242,13 @@ def generate(engine, problems, step, args, stop_ids):
     ]
 
 
-def grade(rollouts, problems, tokenizer, grader):
-    """Step 2: 0/1 rewards [P_rank, G], the last \\boxed{} of each response vs the gold answer.
-    One score_batch call for the rank's P_rank x G answers, so the grader pool grades them together."""
+def grade(rollouts, problems, tokenizer, grader, world):
+    """Step 2: rewards [P_rank, G], the last \\boxed{} of each response vs the gold answer (0/1), or --reward's
+    function. One call for the rank's P_rank x G answers, so the grader pool grades them together."""
     texts = [tokenizer.decode(r["response_ids"], skip_special_tokens=True) for group in rollouts for r in group]
-    golds = [p["answer"] for (_, p), group in zip(problems, rollouts) for _ in group]
+    rows = [p for (_, p), group in zip(problems, rollouts) for _ in group]
     G = len(rollouts[0]) if rollouts else 0
-    return torch.tensor(grader.score_batch(texts, golds), dtype=torch.float32).view(len(rollouts), G)
+    return torch.tensor(grader.rewards(texts, rows, world), dtype=torch.float32).view(len(rollouts), G)
 
 
 def select_samples(rewards, rollouts, method_row, step, args, world):
@@ -522,7 +526,9 @@ def train(args, world, inputs, ckpt):
             engine, model, args, lambda: checkpoint.export_hf(model, tokenizer, path, world, out)
         )
 
-    grader = Grader(args.grader_timeout, workers=args.grader_workers)
+    grader = Grader(
+        args.grader_timeout, workers=args.grader_workers, reward=args.reward
+    )  # the evaluations: math-verify
     with grader, stops.Notices(PROG, world, args.out) as notices:
         r = run.Run(args, PROG, notices, step, history, world)  # metrics.jsonl: what the checkpoint covers
         evaluate = lambda s, tag=None, name=None: grading.evaluate(
@@ -541,7 +547,7 @@ def train(args, world, inputs, ckpt):
             phases = {"gen_s": clock(device) - t0, "gpu_used_gen": gpu.gpu_used_gb(device)}  # + awake vLLM
             engine.sleep()  # free vLLM's GPU memory for training
             t0 = clock(device, reset_peak=True)  # the trainer's own peak from here (gpu.memory_peak_gb)
-            rewards = grade(rollouts, problems, tokenizer, grader)  # 2) 0/1 rewards [P_rank, G]
+            rewards = grade(rollouts, problems, tokenizer, grader, world)  # 2) 0/1 rewards [P_rank, G]
             phases["reward_s"] = time.perf_counter() - t0
             sel = select_samples(rewards, rollouts, method_row, s, args, world)  # 3) N per prompt, over all ranks
             t0, measure_kl = clock(device), run.measures_kl(s, args)
@@ -551,6 +557,8 @@ def train(args, world, inputs, ckpt):
             update = update_policy(model, optimizer, sel, pass1, args, world, pad_id=pad_id)  # 6) M AdamW steps
             train_s = all_reduce(clock(device) - t0, world, MAX)
             stats = step_metrics(sel, pass1, update, train_s, measure_kl, world)
+            if args.reward:  # acc_train: correctness, which only math-verify's 0/1 reward measures
+                del stats["acc_train"]
             if args.explain_every and (s == 1 or s % args.explain_every == 0):  # rank 0's page of the step
                 page = dict(tokenizer=tokenizer, notices=notices, world=world, args=args)
                 r.trackers.image(s, explain.full_page(s, rollouts, problems, sel, update["entropy"], stats, **page))

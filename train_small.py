@@ -28,7 +28,8 @@ import time
 import torch
 
 import d3s
-from support import checkpoint, checks, cli, explain, mathtask, methods, run, sampler, stops, track, warmstart
+from support import checkpoint, checks, cli, explain, mathtask, methods, reward_function, run, sampler
+from support import stops, templates, track, warmstart
 from support.grading import Grader, held_out_pass
 
 PROG = "train_small.py"
@@ -64,6 +65,8 @@ def build_parser(prog=PROG):
         f("--rl-seed", None, seed, "seed of the RL run: prompt order, sampling, random selection (default: --seed)"),
         f("--threads", 0, n(int, 0, 1024), "torch CPU threads (0: torch's default)"),
         *warmstart.FLAGS,  # the model, the data and the supervised warm start: --model, --task, --sft-steps, ...
+        *mathtask.FLAGS,  # the data's columns: --prompt-key, --answer-key
+        *reward_function.FLAGS,  # --reward FILE.py:FUNCTION (support/reward_function.py)
         f("--prompts-per-step", 16, n(int, 1, 4096), "P: prompts per step (scaled down for CPU)"),
         f(
             "--group-size",
@@ -123,6 +126,7 @@ def parse_args(argv=None, parser=None, method_names=None):
         args.out = run.default_out(args, "small")
     for flag, path in (("--out", args.out), ("--cache-dir", args.cache_dir)):
         cli.check_out_dir(p, flag, path)
+    reward_function.check_flag(p, args.reward)  # a --reward that does not load: one line
     track.check(p, args)  # a tracker that is not installed: one line before any work; --run-name: the folder's
     for flag, path in (("--train-file", args.train_file), ("--eval-file", args.eval_file)):
         if path is not None and os.path.isdir(path):
@@ -169,16 +173,17 @@ class Pass1:
 def generate(model, tokenizer, problems, args):
     """1) G rollouts per prompt (row p*G + g), o_t ~ softmax(logits / T): sampler.sample, each prompt's keys and
     values shared by its G rollouts. Returns the rollouts: prompt and response ids and masks [P*G, T], texts."""
-    prompts = [mathtask.format_prompt(r["problem"], args.template) for r in problems]
+    prompts = [templates.format_prompt(r["problem"], args.template, tokenizer, args.system_prompt) for r in problems]
     return sampler.sample(model, tokenizer, prompts, args.group_size, args.max_new_tokens, args.temperature)
 
 
 def grade(rollouts, problems, grader):
-    """2) 0/1 rewards [P, G]: math-verify on the last \\boxed{} of each text against its problem's gold answer, killed
-    after the time limit (grading.Grader). One score_batch call for the P x G answers: the pool grades them together."""
+    """2) rewards [P, G]: math-verify's 0/1 on the last \\boxed{} of each text against its problem's gold answer, or
+    --reward's function (support/reward_function.py), killed after the time limit (grading.Grader). One call for the P x G
+    answers: the pool grades them together."""
     G = len(rollouts["texts"]) // len(problems)
-    golds = [r["answer"] for r in problems for _ in range(G)]
-    return torch.tensor(grader.score_batch(rollouts["texts"], golds), dtype=torch.float32).view(-1, G)
+    rows = [r for r in problems for _ in range(G)]
+    return torch.tensor(grader.rewards(rollouts["texts"], rows), dtype=torch.float32).view(-1, G)
 
 
 def select_samples(rewards, rollouts, method_row, step, args, history):
@@ -337,7 +342,8 @@ def evaluate(model, tokenizer, grader, eval_rows, step, args):
     --eval-samples at the last step, --mid-eval-samples before it (k <= n)."""
     t0, n = time.time(), args.eval_samples if step == args.steps else args.mid_eval_samples
     torch.manual_seed(step_seed(args.rl_seed, step, 2))
-    rows = [{**r, "prompt": mathtask.format_prompt(r["problem"], args.template)} for r in eval_rows]
+    prompt = lambda problem: templates.format_prompt(problem, args.template, tokenizer, args.system_prompt)
+    rows = [{**r, "prompt": prompt(r["problem"])} for r in eval_rows]
     sample = lambda prompts, n, greedy: sampler.sample(
         model, tokenizer, prompts, n, args.max_new_tokens, 1.0 if greedy else args.temperature, greedy=greedy
     )["texts"]
@@ -376,7 +382,8 @@ def train(args, train_rows, eval_rows, warm, resume=None):
         return ckpt_path
 
     rl_start = time.time()
-    with Grader(timeout_s=args.grade_timeout) as grader, stops.Notices(PROG, out=args.out) as notices:
+    grader = Grader(timeout_s=args.grade_timeout, reward=args.reward)  # --reward's function, else math-verify
+    with grader, stops.Notices(PROG, out=args.out) as notices:
         r = run.Run(args, PROG, notices, start_step, history)  # metrics.jsonl: what the checkpoint covers
         if start_step == 0:  # the warm start's evaluation: step 0
             info = {k: v for k, v in warm_info.items() if k != "cached"}
@@ -416,6 +423,8 @@ def train(args, train_rows, eval_rows, warm, resume=None):
                 "train_s": round(time.time() - t1, 3),
                 "pass1_s": round(pass1.seconds, 3),
             }
+            if args.reward:  # acc_train: correctness, which only math-verify's 0/1 reward measures
+                del m["acc_train"]
             if args.explain_every and (step == 1 or step % args.explain_every == 0):  # OUT/explain/step_N.html
                 png = explain.small_page(
                     step, tokenizer, problems, rollouts, rewards, sel, entropy=pass1.entropy, metrics=m, args=args

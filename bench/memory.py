@@ -2,6 +2,7 @@
 
     python bench/memory.py --preset 7b --ranks 8 --micro-batch-size 4 --response-len 3000 --method d3s
     python bench/memory.py --preset 1.5b --ranks 1 --method grpo
+    python bench/memory.py --preset llama3-8b --ranks 8 --micro-batch-size 16 --gpu 80gb --method d3s-i
     python bench/memory.py --preset MODEL        # MODEL (a placeholder): a model folder with config.json, or the file itself
     python bench/memory.py --preset 7b -- --no-activation-checkpointing   # after "--": train_full.py flags
     python bench/memory.py --preset 1.5b --ranks 1 --gpu 24gb -- --cpu-offload   # one GPU: trainer + vLLM
@@ -98,7 +99,7 @@ import train_full  # noqa: E402
 GIB = 2**30
 # GPU sizes of --gpu, GiB as torch reports them (total_memory): the smallest card of each class.
 GPUS = {"24gb": 22.0, "48gb": 44.4, "80gb": 79.1}  # L4 / A10G (RTX 4090: 23.6), L40S (A6000: 47.5), H100 / A100 80GB
-# Qwen2.5-Math shapes (the fields that set the memory; the hub configs' other fields do not).
+# Qwen2.5-Math's and Llama-3.1-8B's shapes (the fields that set the memory; the hub configs' other fields do not).
 PRESETS = {
     "1.5b": {
         "model_type": "qwen2",
@@ -128,6 +129,22 @@ PRESETS = {
         "rms_norm_eps": 1e-6,
         "dtype": "bfloat16",  # the hub checkpoints' (what export_hf writes); the simulation builds fp32 weights
     },
+    # Llama-3.1-8B(-Instruct)'s shapes, the paper's second model (its hub config.json; rope_scaling, which sets no
+    # memory, left out). An untied 128,256-token head, 8 KV heads of 128 over 32 layers.
+    "llama3-8b": {
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+        "tie_word_embeddings": False,
+        "max_position_embeddings": 131072,
+        "rope_theta": 500000.0,
+        "rms_norm_eps": 1e-5,
+        "dtype": "bfloat16",
+    },
 }
 # The tracker's categories, grouped for the table.
 GROUPS = {
@@ -149,7 +166,12 @@ def parse_args(argv=None):
     argv = argv[: argv.index("--")] if "--" in argv else argv
     f, n, length = cli.flag, cli.number, cli.number(int, 1, 2**20, what="an int in [1, 2^20]")
     flags = [
-        f("--preset", "7b", None, "1.5b or 7b (Qwen2.5-Math shapes), or a model folder / its config.json"),
+        f(
+            "--preset",
+            "7b",
+            None,
+            "1.5b or 7b (Qwen2.5-Math shapes), llama3-8b (Llama-3.1-8B's), or a model folder / its config.json",
+        ),
         f("--ranks", 8, n(int, 1, 65536), "FSDP ranks (GPUs); each holds 1/ranks of the sharded state"),
         f("--micro-batch-size", 4, n(int, 1, 65536), "rollouts per forward/backward on one rank"),
         f("--response-len", 3000, length, "response tokens per rollout (train_full --max-response-len)"),

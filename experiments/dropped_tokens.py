@@ -54,7 +54,7 @@ whose advantage is not zero, i.e. dropped for a low score rather than for a zero
 
 Character classes (choice; the tiny model's tokenizer is one token per character, so on the tiny rung each
 class is exact; on a BPE tokenizer a token counts by its whole text):
-  eos       a stop token (mathtask.stop_token_ids)
+  eos       a stop token (templates.stop_token_ids)
   format    a token inside a "\\boxed{" of the response, a "}", a ".", or a space: the answer's wrapper and
             the separators of the worked steps ("47+8=55. 55-13=42. \\boxed{42}")
   digit     digits only (surrounding spaces ignored): the numbers, intermediate results and the answer
@@ -234,7 +234,7 @@ def one_batch(model, tokenizer, grader, train_rows, b, args):
 
     import d3s
     import train_small
-    from support import mathtask, methods, sampler
+    from support import methods, sampler, templates
 
     seed, step, P, G = args.seed + b, args.step, args.prompts_per_step, args.group_size
     torch.manual_seed(train_small.step_seed(seed, step))
@@ -243,7 +243,7 @@ def one_batch(model, tokenizer, grader, train_rows, b, args):
     batch = sampler.sample(
         model,
         tokenizer,
-        [mathtask.format_prompt(r["problem"], args.template) for r in problems],
+        [templates.format_prompt(r["problem"], args.template, tokenizer) for r in problems],
         G,
         args.max_new_tokens,
         args.temperature,
@@ -685,7 +685,7 @@ def main(argv=None):
 
     from support import mathtask
     from support.grading import Grader
-    from support.mathtask import stop_token_ids
+    from support.templates import stop_token_ids
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -43,7 +43,7 @@ def main(argv=None):
 
     import train_small
     from support import sampler  # noqa: E402
-    from support import warmstart, mathtask
+    from support import warmstart, mathtask, templates
     from support.mathtask import DataError
     from support.grading import Grader, pass_at_k
 
@@ -60,7 +60,7 @@ def main(argv=None):
     t0 = time.time()
     torch.manual_seed(args.rl_seed)
     n, k = args.eval_samples, args.pass_k
-    prompts = [mathtask.format_prompt(r["problem"], args.template) for r in eval_rows]
+    prompts = [templates.format_prompt(r["problem"], args.template, tokenizer, args.system_prompt) for r in eval_rows]
     with Grader(timeout_s=args.grade_timeout) as grader:
         greedy = sampler.sample(model, tokenizer, prompts, 1, args.max_new_tokens, greedy=True)
         greedy_ok = train_small.grade(greedy, eval_rows, grader).view(-1).tolist()

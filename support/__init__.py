@@ -7,7 +7,9 @@ Both trainers (the floor: none of these imports a module of either wing below; t
   run.py         a run's life around its steps: its folder, metrics.jsonl, the history the rules read, the cadences
   stops.py       how a run stops: a preemption notice, Ctrl-C, a full disk, a bad input (one line, an exit code)
   mathtask.py    the math task: its problems (files, generated tasks), prompts that fit, train_full's inputs and order
+  templates.py   how a problem becomes a prompt (--template: qwen-math, chat, plain) and the tokens that end a response
   grading.py     how an answer is scored (the math-verify grader pool), Pass@k, the held-out evaluations
+  reward_function.py  --reward: your reward function (TRL's form) in place of math-verify, run in the grader's pool
   explain.py     the explain pages: which rollouts and tokens each rung's page of a step shows
   page.py        how such a page is drawn: the P x G grid and the shown rollouts' tokens, as HTML and PNG
   cli.py         the flags: argparse whose errors are one line, a knob a line

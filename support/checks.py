@@ -17,9 +17,9 @@ import re
 import torch
 
 import d3s
-from support import cli, grading, methods, stops, track
+from support import cli, grading, methods, reward_function, stops, track
 from support.cli import UsageError
-from support.mathtask import format_prompt
+from support.templates import format_prompt
 
 MAX_ROLLOUTS = 2**20  # rollouts per step (P x G) and samples per problem beyond which a value is a typo [choice]
 HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")  # "org/name" or "name": not a local path
@@ -88,7 +88,7 @@ def finite_warm_start(warm, args, train_rows):
     model, tokenizer, info = warm
     name = f"--model {args.model}" if args.model else "the tiny model"
     name += f" (warm start {info['path']}: delete it to build it again)" if info.get("sft_steps") else ""
-    prompt = format_prompt(train_rows[0]["problem"], args.template)
+    prompt = format_prompt(train_rows[0]["problem"], args.template, tokenizer, args.system_prompt)
     check_finite(model, name, tokenizer(prompt, add_special_tokens=False).input_ids)
     return warm
 
@@ -98,6 +98,7 @@ def check_args(p, args, ranks):
     """The checks of several flags together and of the paths, before any work (no model, data or process group yet);
     fills in the defaults that depend on other flags (check_run's, --kl-every, the grader's workers, device, dtype)."""
     check_run(p, args, [args.method])  # --stop-after, the method, N <= G, the switch rule; loss and clip defaults
+    reward_function.check_flag(p, args.reward)  # a --reward that does not load: one line
     args.eval_pass_k = sorted(set(cli.int_list(p, "--eval-pass-k", args.eval_pass_k, what="comma-separated ints")))
     if not all(1 <= k <= args.eval_samples for k in args.eval_pass_k):
         p.error(

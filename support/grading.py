@@ -24,7 +24,7 @@ import time
 
 import torch.distributed as dist
 
-from support import run, stops
+from support import reward_function, run, stops
 from support.mathtask import extract_boxed, sample_seeds
 
 
@@ -42,8 +42,9 @@ def _verify(pred, gold):
     return 1.0 if gold_parsed and pred_parsed and verify(gold_parsed, pred_parsed, timeout_seconds=None) else 0.0
 
 
-def _grader_worker(conn):
-    """Child process: answer (pred, gold) requests until the pipe closes. A preemption notice (SIGTERM, SIGUSR1) or a
+def _grader_worker(conn, reward=None):
+    """Child process: answer (pred, gold) requests (math-verify), or (problem, completion, columns) ones with the
+    --reward function `reward` (reward_function.call_once), until the pipe closes. A preemption notice (SIGTERM, SIGUSR1) or a
     Ctrl-C (SIGINT) sent to the whole process group is the parent's to act on: the child ignores it and grades on
     until the parent closes the pipe or ends (a parent stopped at once: the answer has no reader, the child returns)."""
     for notice in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):  # a Ctrl-C too: the parent stops after its step
@@ -51,18 +52,19 @@ def _grader_worker(conn):
 
     logging.getLogger("math_verify").setLevel(logging.ERROR)  # the parent enforces the time limit
     _verify("1", "1")  # import math-verify + sympy now, so the time limit counts grading only
+    function = reward_function.load_reward(reward) if reward else None
     conn.send("ready")
     while True:
         try:
-            pred, gold = conn.recv()
+            message = conn.recv()
         except (EOFError, KeyboardInterrupt):
             return
         try:
-            reward = _verify(pred, gold)
+            value = reward_function.call_once(function, *message) if len(message) == 3 else _verify(*message)
         except Exception:  # a parser bug on odd input is a wrong answer, not a crash
-            reward = 0.0
+            value = 0.0
         try:
-            conn.send(reward)
+            conn.send(value)
         except OSError:  # the parent is gone (BrokenPipeError)
             return
 
@@ -94,16 +96,16 @@ class _Child:
     """One grader process and what it is doing: "starting" (importing), "idle", or "busy" with `key`; `deadline`
     (time.monotonic()): when a starting child must be ready, or a busy one must answer."""
 
-    def __init__(self, ctx):
+    def __init__(self, ctx, reward=None):
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_grader_worker, args=(child,), daemon=True)
+        self.proc = ctx.Process(target=_grader_worker, args=(child, reward), daemon=True)
         with stops.sigint_ignored():  # from its first instruction (while it imports): a Ctrl-C is the parent's
             self.proc.start()
         child.close()  # the child holds the only other end: its death reads as EOF here
         self.state, self.key, self.deadline = "starting", None, time.monotonic() + GRADER_START_TIMEOUT_S
 
-    def give(self, key, timeout_s):
-        self.conn.send(key)
+    def give(self, key, timeout_s, message):
+        self.conn.send(message)
         self.state, self.key, self.deadline = "busy", key, time.monotonic() + timeout_s  # the limit starts now
 
     def kill(self):
@@ -130,7 +132,7 @@ class Grader(contextlib.AbstractContextManager):
     Rewards come back in input order, independent of `workers`. The limit is wall-clock: with more busy children
     than free cores, an answer needing nearly timeout_s of CPU can run past it (so each child gets a core)."""
 
-    def __init__(self, timeout_s=5.0, workers=1):
+    def __init__(self, timeout_s=5.0, workers=1, reward=None):
         if not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
             raise ValueError(f"timeout_s={timeout_s!r}: must be a number of seconds > 0 (per answer)")
         if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
@@ -138,7 +140,7 @@ class Grader(contextlib.AbstractContextManager):
                 f"workers={workers!r}: must be an int >= 1 (grader processes; "
                 "grading.default_grader_workers(ranks_per_node) picks one)"
             )
-        self.timeout_s, self.workers = timeout_s, workers
+        self.timeout_s, self.workers, self.reward = timeout_s, workers, reward  # reward: --reward's spec, or None
         self.timeouts = 0  # how many answers hit the time limit or killed their child (logged by the trainers)
         self._ctx = mp.get_context("spawn")  # safe beside CUDA and vLLM (no fork of their threads)
         self._children = []  # at most `workers` _Child; a killed one is dropped and replaced when needed
@@ -146,12 +148,36 @@ class Grader(contextlib.AbstractContextManager):
 
     def start(self):
         """Start all `workers` children now and wait until they are ready: their ~2 s out of the first step."""
-        self._children += [_Child(self._ctx) for _ in range(self.workers - len(self._children))]
+        self._children += [_Child(self._ctx, self.reward) for _ in range(self.workers - len(self._children))]
         while any(c.state == "starting" for c in self._children):
             self._wait({})
 
     def score(self, completion, gold):
         return self.score_batch([completion], [gold])[0]
+
+    def rewards(self, completions, rows, world=None):
+        """One reward per completion, rows[i] its problem's row: math-verify's 0/1 against row["answer"]
+        (score_batch), or with --reward its function's float (reward_function.call_once in the children, the same
+        time limit: a call past it scores 0 and counts in `timeouts`). A function that fails raises RewardError naming
+        it and the row (file:line, else its id); with a `world` (train_full.py's ranks), the same line on every rank."""
+        if self.reward is None:
+            return self.score_batch(completions, [row["answer"] for row in rows])
+        jobs = {("reward", i): (row["problem"], text, row) for i, (text, row) in enumerate(zip(completions, rows))}
+        got = self._grade(list(jobs), jobs)
+        failed = [(i, value) for (_, i), value in sorted(got.items()) if isinstance(value, str)]
+        line = ""
+        if failed:  # the first failing completion
+            i, value = failed[0]
+            line = (
+                f"--reward {self.reward}: {value} on the row {rows[i].get('where', rows[i].get('id'))} (completion {i})"
+            )
+        if world is not None and world.size > 1:  # the lowest rank's line with a failure, on every rank
+            every = [None] * world.size
+            dist.all_gather_object(every, line)
+            line = next((text for text in every if text), "")
+        if line:
+            raise reward_function.RewardError(line)
+        return [got[("reward", i)] for i in range(len(completions))]
 
     def score_batch(self, completions, golds):
         completions, golds = list(completions), list(golds)
@@ -177,18 +203,19 @@ class Grader(contextlib.AbstractContextManager):
                 rewards[i] = reward
         return rewards
 
-    def _grade(self, keys):
-        """{key: reward} for distinct (pred, gold) keys, graded concurrently by the children."""
+    def _grade(self, keys, messages=None):
+        """{key: reward} for distinct (pred, gold) keys (or keys of `messages`, each child's request), graded
+        concurrently by the children."""
         waiting, rewards = collections.deque(keys), {}
         while waiting or any(c.state == "busy" for c in self._children):
             # Start children (together) while more answers wait than children are free or starting.
             free = sum(c.state != "busy" for c in self._children)
             for _ in range(min(self.workers - len(self._children), len(waiting) - free)):
-                self._children.append(_Child(self._ctx))
+                self._children.append(_Child(self._ctx, self.reward))
             for child in list(self._children):
                 if child.state == "idle" and waiting:
                     try:
-                        child.give(waiting[0], self.timeout_s)
+                        child.give(waiting[0], self.timeout_s, messages[waiting[0]] if messages else waiting[0])
                         waiting.popleft()
                     except OSError:  # it died between answers (killed from outside): replace it
                         self._drop(child)

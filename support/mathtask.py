@@ -1,10 +1,8 @@
-"""support/mathtask.py: where a run's problems come from, and how they become prompts.
+"""support/mathtask.py: where a run's problems come from, and which prompts fit (support/templates.py makes them).
 
 load_problems        JSONL / JSON / Parquet files or hub datasets -> rows with `problem` and `answer`, checked row
                      by row (an error names file:line); one loader for both trainers
 step_problems, arithmetic_problems   the tiny model's generated tasks (TASKS), with difficulty levels
-TEMPLATES, format_prompt, stop_token_ids   the prompt (Qwen2.5-Math's chat template, or plain for the tiny
-                     model) and the tokens that end a response, one rule for every rung and engine
 fit_context, fit_prompts   the rows whose prompt fits the model's context (a longer one named with file:line, or dropped)
 load_data            train_small.py's rows: the generated task or --train-file / --eval-file
 PromptOrder, rank_share, sample_seeds   train_full.py's: one global prompt order, each rank's share of a step's
@@ -21,38 +19,9 @@ import zlib
 
 import torch
 
+from support import cli
 from support.cli import UsageError
-
-
-TEMPLATES = {
-    # Qwen2.5-Math eval harness "qwen25-math-cot" template (also Dr.GRPO / SimpleRL-Zoo / LIMR).
-    "qwen-math": "<|im_start|>system\nPlease reason step by step, and put your final answer within \\boxed{{}}."
-    "<|im_end|>\n<|im_start|>user\n{problem}<|im_end|>\n<|im_start|>assistant\n",
-    # Plain template for tiny character-level models (no chat tokens in their vocabulary).
-    "plain": "{problem}\nAnswer: ",
-}
-
-
-def format_prompt(problem, template):
-    """The prompt of a problem under --template (a key of TEMPLATES)."""
-    return TEMPLATES[template].format(problem=problem)
-
-
-def stop_token_ids(tokenizer, generation_config=None):
-    """The token ids that end a response, one rule for every rung and engine: the tokenizer's EOS, the model's
-    generation_config.eos_token_id (an int or a list), and Qwen's <|im_end|> when the vocabulary has it (the chat
-    template ends the assistant turn with it).
-
-    >>> from support import tiny; tok = tiny.build_char_tokenizer(); stop_token_ids(tok) == [tok.eos_token_id, 2]
-    True
-    """
-    ids = {tokenizer.eos_token_id}
-    config_eos = getattr(generation_config, "eos_token_id", None)
-    ids.update(config_eos if isinstance(config_eos, (list, tuple)) else [config_eos])
-    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    if isinstance(im_end, int) and im_end != tokenizer.unk_token_id:
-        ids.add(im_end)
-    return sorted(i for i in ids if i is not None)
+from support.templates import SYSTEM_PROMPT, check_template, format_prompt, pick_template, stop_token_ids
 
 
 def extract_boxed(text):
@@ -83,6 +52,23 @@ class DataError(ValueError):
 
 PROBLEM_KEYS = ("problem", "question", "prompt", "query", "input")
 ANSWER_KEYS = ("answer", "final_answer", "gt_answer", "ground_truth", "target", "solution")
+FLAGS = [  # the data's columns, both trainers: train_small's --train-file and --eval-file, train_full's --train-data
+    cli.flag(
+        "--prompt-key",
+        None,
+        None,
+        f"the data's problem column (default: the first of {'/'.join(PROBLEM_KEYS)} in a row)",
+        metavar="COLUMN",
+    ),
+    cli.flag(
+        "--answer-key",
+        None,
+        None,
+        f"the data's gold-answer column (default: the first of {'/'.join(ANSWER_KEYS)}, or verl's "
+        "reward_model.ground_truth)",
+        metavar="COLUMN",
+    ),
+]
 
 
 def _read_rows(path):
@@ -151,11 +137,13 @@ def _text_field(value, where, name):
     return None if value is None else str(value).strip()
 
 
-def normalize_row(row, where="row"):
+def normalize_row(row, where="row", keys=(None, None), need_answer=True):
     """{problem, answer} from a row's common column names, or None if it has no problem or no answer.
 
     Problem: the first of PROBLEM_KEYS present. Answer: the first of ANSWER_KEYS, or reward_model.ground_truth
     (verl's format); a `solution` gives its last \\boxed{}; a GSM8K answer ("... #### 72") gives what follows ####.
+    keys: --prompt-key and --answer-key, the one column each reads where given; need_answer=False (a --reward that
+    may not read it): a row without an answer has answer None.
     >>> normalize_row({"question": "1+1?", "solution": "so \\\\boxed{2}."})
     {'problem': '1+1?', 'answer': '2'}
     >>> normalize_row({"question": "1+1?", "answer": "1 + 1 = 2\\n#### 2"})
@@ -163,29 +151,31 @@ def normalize_row(row, where="row"):
     >>> normalize_row({"problem": "half of 5?", "answer": 2.5})
     {'problem': 'half of 5?', 'answer': '2.5'}
     """
-    problem_key = next((k for k in PROBLEM_KEYS if row.get(k) not in (None, "", [])), None)
-    answer_key = next((k for k in ANSWER_KEYS if row.get(k) not in (None, "", [])), None)
+    problem_keys, answer_keys = ((key,) if key else names for key, names in zip(keys, (PROBLEM_KEYS, ANSWER_KEYS)))
+    problem_key = next((k for k in problem_keys if row.get(k) not in (None, "", [])), None)
+    answer_key = next((k for k in answer_keys if row.get(k) not in (None, "", [])), None)
     problem = _text_field(row[problem_key], where, "problem") if problem_key else None
     answer = _text_field(row[answer_key], where, "answer") if answer_key else None
-    if answer_key is None and isinstance(row.get("reward_model"), dict):
+    if answer_key is None and keys[1] is None and isinstance(row.get("reward_model"), dict):
         answer = _text_field(row["reward_model"].get("ground_truth"), where, "answer")
     if answer_key == "solution" and answer is not None:
         answer = extract_boxed(answer)  # a worked solution: its final \boxed{} is the answer
     if answer is not None and "####" in answer:
         answer = answer.rsplit("####", 1)[1].strip()  # GSM8K style: "...reasoning... #### 72"
-    if not problem or not answer:
+    if not problem or (need_answer and not answer):
         return None
     return {"problem": problem, "answer": answer}
 
 
-def load_problems(spec, drop_missing=False, limit=None):
+def load_problems(spec, drop_missing=False, limit=None, keys=(None, None), need_answer=True):
     """Rows {problem, answer, id, ...} from a local JSONL / JSON / Parquet file, or a hub dataset `name`,
     `name:split` or `name:config:split` (needs `pip install datasets`).
 
     Returns (rows, n_dropped). Column names are mapped by normalize_row; a row's other fields (e.g. `level`) are
     kept, and `where` (file:line) is added. drop_missing=False: a row without a problem or an answer raises
     DataError naming file:line; drop_missing=True: such rows are skipped and counted (hub datasets and
-    train_full.py's large files). No usable row at all raises DataError.
+    train_full.py's large files). No usable row at all raises DataError. keys: --prompt-key and --answer-key (None:
+    the default names); a row without such a column raises DataError naming file:line, the key and its columns.
     """
     if os.path.isdir(spec):
         raise DataError(f"{spec}: is a folder; pass a JSONL/JSON/Parquet file with 'problem' and 'answer'")
@@ -199,14 +189,20 @@ def load_problems(spec, drop_missing=False, limit=None):
     for where, default_id, raw in raws:
         if not isinstance(raw, dict):
             raise DataError(f"{where}: expected a JSON object with 'problem' and 'answer', got {type(raw).__name__}")
-        row = normalize_row(raw, where)
+        for flag, key in zip(("--prompt-key", "--answer-key"), keys):
+            if key is not None and key not in raw:
+                raise DataError(
+                    f"{where}: {flag} {key}: the row has no such column (its columns: {', '.join(map(str, raw))}); "
+                    f"pass {flag} one of them"
+                )
+        row = normalize_row(raw, where, keys, need_answer)
         if row is None:
             if drop_missing:
                 dropped += 1
                 continue
             raise DataError(
-                f"{where}: row has no problem ({'/'.join(PROBLEM_KEYS)}) or no answer "
-                f"({'/'.join(ANSWER_KEYS)}); every row needs a non-empty 'problem' and 'answer' "
+                f"{where}: row has no problem ({keys[0] or '/'.join(PROBLEM_KEYS)}) or no answer "
+                f"({keys[1] or '/'.join(ANSWER_KEYS)}); every row needs a non-empty 'problem' and 'answer' "
                 f"(fix or delete the row)"
             )
         rows.append({**raw, **row, "id": str(raw.get("id", default_id)), "where": where})  # where: for fit_context
@@ -256,7 +252,7 @@ def fit_context(rows, prompt, tokenizer, limit, why, drop=False):
     return kept, dropped
 
 
-def fit_prompts(rows, *, template, tokenizer, window, budget, drop, name):
+def fit_prompts(rows, *, template, tokenizer, window, budget, drop, name, system_prompt=SYSTEM_PROMPT):
     """The rows whose prompt fits the model's context of `window` positions less the response's `budget` (flag,
     tokens), one check for both trainers (fit_context: a longer prompt is one line naming its file:line, or dropped
     and counted with drop=True, --drop-long-prompts). Returns (rows, how many were dropped); a window of None: no
@@ -270,7 +266,11 @@ def fit_prompts(rows, *, template, tokenizer, window, budget, drop, name):
             "included; lower it"
         )
     limit, why = window - tokens, f"the model's context of {window} positions less {flag} {tokens}"
-    kept, dropped = fit_context(rows, lambda r: format_prompt(r["problem"], template), tokenizer, limit, why, drop)
+
+    def prompt(row):
+        return format_prompt(row["problem"], template, tokenizer, system_prompt)
+
+    kept, dropped = fit_context(rows, prompt, tokenizer, limit, why, drop)
     if not kept:
         raise DataError(f"{name}: no prompt fits in {limit} tokens ({why}); shorten them or raise the limit")
     return kept, dropped
@@ -407,7 +407,10 @@ def load_data(args):
     """(train_rows, eval_rows): --train-file / --eval-file, else the --task's generated split."""
 
     def rows(path, size, split):
-        return load_problems(path, limit=size)[0] if path else TASKS[args.task](size, split, seed=args.seed)
+        if not path:
+            return TASKS[args.task](size, split, seed=args.seed)
+        columns = (args.prompt_key, args.answer_key)
+        return load_problems(path, limit=size, keys=columns, need_answer=not args.reward)[0]
 
     return rows(args.train_file, args.train_size, "train"), rows(args.eval_file, args.eval_size, "eval")
 
@@ -483,7 +486,7 @@ def load_tokenizer(path):
 
 
 def load_generation_config(path):
-    """The model's generation_config.json (its EOS ids feed mathtask.stop_token_ids), or None without one."""
+    """The model's generation_config.json (its EOS ids feed templates.stop_token_ids), or None without one."""
     from transformers import GenerationConfig
 
     try:
@@ -514,7 +517,10 @@ def load_inputs(args):
         ) from None
     finally:
         hub_logging.set_verbosity(verbosity)
-    if not tokenizer(format_prompt("What is 1 + 1?", args.template), add_special_tokens=False)["input_ids"]:
+    args.template = pick_template(args.template, tokenizer, args.model)  # auto: chat, or qwen-math (in args.json)
+    check_template(args.template, tokenizer)  # markup the tokenizer does not know: one line
+    probe = format_prompt("What is 1 + 1?", args.template, tokenizer, args.system_prompt)
+    if not tokenizer(probe, add_special_tokens=False)["input_ids"]:
         raise UsageError(
             f"--model {args.model}: its tokenizer encodes a prompt to no tokens; pass a folder whose "
             "tokenizer matches its model (tokenizer.save_pretrained of the model's own tokenizer)"
@@ -523,7 +529,8 @@ def load_inputs(args):
     eval_sets = _load_eval_sets(args, tokenizer, context_length(args.model, args))
     if args.eval_only:
         return tokenizer, stop_ids, None, eval_sets, ""
-    rows, dropped = load_problems(args.train_data, drop_missing=True)
+    columns = (args.prompt_key, args.answer_key)
+    rows, dropped = load_problems(args.train_data, drop_missing=True, keys=columns, need_answer=not args.reward)
     window = getattr(AutoConfig.from_pretrained(args.model), "max_position_embeddings", None)
     rows, args.dropped_long_prompts = fit_prompts(  # in args.json
         rows,
@@ -533,8 +540,9 @@ def load_inputs(args):
         budget=("--max-response-len", args.max_response_len),
         drop=args.drop_long_prompts,
         name=f"--train-data {args.train_data}",
+        system_prompt=args.system_prompt,
     )
-    prompts, too_long = _encode_prompts(rows, tokenizer, args.template, args.max_prompt_len)
+    prompts, too_long = _encode_prompts(rows, tokenizer, args, args.max_prompt_len)
     if not prompts:
         raise UsageError(
             f"--max-prompt-len {args.max_prompt_len}: no prompt of {args.train_data} is that short "
@@ -554,19 +562,20 @@ def _load_eval_sets(args, tokenizer, context):
     sets = []
     for spec in args.eval_data:
         rows, dropped = load_problems(spec, drop_missing=True, limit=args.eval_limit or None)
-        problems, too_long = _encode_prompts(rows, tokenizer, args.template, max_prompt_len=context - 1)
+        problems, too_long = _encode_prompts(rows, tokenizer, args, max_prompt_len=context - 1)
         name = os.path.splitext(os.path.basename(spec))[0] if os.path.exists(spec) else spec
         sets.append((name, problems, dropped, too_long))
     return sets
 
 
-def _encode_prompts(rows, tokenizer, template, max_prompt_len):
-    """Apply the template and tokenize; prompts longer than max_prompt_len are dropped and counted."""
+def _encode_prompts(rows, tokenizer, args, max_prompt_len):
+    """Apply --template (and --system-prompt) and tokenize; prompts longer than max_prompt_len are dropped and counted."""
     out, too_long = [], 0
     for row in rows:
-        ids = tokenizer(format_prompt(row["problem"], template), add_special_tokens=False)["input_ids"]
+        text = format_prompt(row["problem"], args.template, tokenizer, args.system_prompt)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) > max_prompt_len:
             too_long += 1
             continue
-        out.append({"id": row["id"], "problem": row["problem"], "answer": row["answer"], "prompt_ids": ids})
+        out.append({**row, "prompt_ids": ids})  # the row's other columns: --reward's function reads them by name
     return out, too_long

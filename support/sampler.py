@@ -16,7 +16,7 @@ import torch
 from transformers import DynamicCache
 
 import d3s
-from support.mathtask import stop_token_ids
+from support.templates import stop_token_ids
 
 
 def _forward(model, cache, input_ids, attention_mask, position_ids, **kwargs):

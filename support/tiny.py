@@ -17,8 +17,9 @@ EOS = "<|endoftext|>"
 SPECIAL_TOKENS = [EOS, "<|im_start|>", "<|im_end|>"]
 
 
-def build_char_tokenizer():
-    """A byte-level Qwen2Tokenizer with no merges: one token per byte (+ Qwen's special tokens).
+def build_char_tokenizer(special_tokens=SPECIAL_TOKENS, chat_template=None):
+    """A byte-level Qwen2Tokenizer with no merges: one token per byte (+ Qwen's special tokens, or `special_tokens`,
+    the first of them EOS; `chat_template`: a Jinja chat template, as a chat model's tokenizer carries one).
 
     Built as the very class AutoTokenizer picks for a Qwen2 config, so the saved folder loads back token for token.
     """
@@ -26,16 +27,18 @@ def build_char_tokenizer():
     from transformers import Qwen2Tokenizer
 
     symbols = sorted(ByteLevel.alphabet())  # byte-level symbols: " " is "\u0120", "\n" is "\u010a"
-    return Qwen2Tokenizer(
-        vocab={tok: i for i, tok in enumerate(SPECIAL_TOKENS + symbols)},
+    tokenizer = Qwen2Tokenizer(
+        vocab={tok: i for i, tok in enumerate(list(special_tokens) + symbols)},
         merges=[],
-        eos_token=EOS,
-        pad_token=EOS,
+        eos_token=special_tokens[0],
+        pad_token=special_tokens[0],
         unk_token=None,
-        additional_special_tokens=SPECIAL_TOKENS[1:],
+        additional_special_tokens=list(special_tokens[1:]),
         model_max_length=4096,
         padding_side="left",
     )
+    tokenizer.chat_template = chat_template
+    return tokenizer
 
 
 def build_tiny_model(

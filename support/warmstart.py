@@ -27,9 +27,10 @@ from pathlib import Path
 
 import torch
 
-from support import cli, mathtask, run, sampler
+from support import cli, mathtask, run, sampler, templates
 from support.cli import UsageError
-from support.mathtask import TASKS, format_prompt
+from support.mathtask import TASKS
+from support.templates import format_prompt
 
 # warm-start length per task: a start with headroom (docs/small_compare.md)
 TINY_SFT_STEPS = {"steps": 600, "direct": 1000}
@@ -42,9 +43,11 @@ FLAGS = [
     cli.flag(
         "--template",
         "auto",
-        ["auto", "plain", "qwen-math"],
-        "prompt template (auto: plain for the tiny model, qwen-math with --model)",
+        ["auto", *templates.TEMPLATES],
+        "prompt template (chat: the tokenizer's own; auto: plain for the tiny model, with --model chat, but "
+        "qwen-math for Qwen2.5-Math or a tokenizer without a chat template)",
     ),
+    cli.flag("--system-prompt", templates.SYSTEM_PROMPT, None, "the system turn of qwen-math and chat prompts"),
     cli.flag(
         "--hidden-size", 128, n(int, 8, 4096, what="a multiple of 4 in [8, 4096] (4 heads)"), "tiny model: hidden size"
     ),
@@ -86,8 +89,18 @@ def fill_defaults(args):
     """The defaults that depend on other flags: --sft-steps and --template."""
     if args.sft_steps is None:
         args.sft_steps = 0 if args.model else TINY_SFT_STEPS[args.task]
-    if args.template == "auto":
-        args.template = "qwen-math" if args.model else "plain"
+    if args.template == "auto":  # the tiny model: plain; --model: chat or qwen-math, by its tokenizer
+        args.template = templates.pick_template("auto", _model_tokenizer(args.model), args.model)
+
+
+def _model_tokenizer(model):
+    """--model's tokenizer, or None (the tiny model, or one that does not load: load_base_model says why)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(os.path.expanduser(model)) if model else None
+    except (OSError, ValueError):
+        return None
 
 
 def load_base_model(args):
@@ -108,7 +121,8 @@ def load_base_model(args):
         )
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-        empty = not tokenizer(format_prompt("What is 1 + 1?", args.template), add_special_tokens=False).input_ids
+        probe = format_prompt("What is 1 + 1?", args.template, tokenizer, args.system_prompt)
+        empty = not tokenizer(probe, add_special_tokens=False).input_ids
         model = None if empty else AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     except (OSError, ValueError) as e:
         first_line = (str(e).strip().splitlines() or [type(e).__name__])[0]
@@ -135,8 +149,6 @@ def fit_files(args, train_rows, eval_rows, prog="train_small.py"):
     args.dropped_long_prompts = 0
     given = (("--train-file", args.train_file, train_rows), ("--eval-file", args.eval_file, eval_rows))
     files = [(flag, path, rows) for flag, path, rows in given if path]
-    if not files:
-        return train_rows, eval_rows
     if args.model is None:
         from support import tiny  # (the tiny model's tokenizer and context)
 
@@ -150,6 +162,7 @@ def fit_files(args, train_rows, eval_rows, prog="train_small.py"):
             window = getattr(AutoConfig.from_pretrained(os.path.expanduser(args.model)), "max_position_embeddings", 0)
         except (OSError, ValueError):
             return train_rows, eval_rows
+    templates.check_template(args.template, tokenizer)  # markup the tokenizer does not know: one line
     fitted = {}
     for flag, path, rows in files:
         fitted[flag], dropped = mathtask.fit_prompts(
@@ -160,6 +173,7 @@ def fit_files(args, train_rows, eval_rows, prog="train_small.py"):
             budget=("--max-new-tokens", args.max_new_tokens),
             drop=getattr(args, "drop_long_prompts", False),
             name=f"{flag} {path}",
+            system_prompt=args.system_prompt,
         )
         if dropped:
             limit = window - args.max_new_tokens
@@ -181,6 +195,7 @@ def warm_start_key(args, train_rows):
         "sft_lr": args.sft_lr,
         "sft_batch": args.sft_batch,
         "template": args.template,
+        **({} if args.system_prompt == templates.SYSTEM_PROMPT else {"system_prompt": args.system_prompt}),
         "train_data": data[:16],
         "version": 2,
     }
@@ -249,7 +264,10 @@ def supervised_warm_start(model, tokenizer, train_rows, args, max_steps=None):
     encode = lambda text: tokenizer(text, add_special_tokens=False).input_ids
     eos = [tokenizer.eos_token_id]
     examples = [  # (prompt token ids, target token ids)
-        (encode(format_prompt(row["problem"], args.template)), encode(sft_target(row, args.sft_shortcut)) + eos)
+        (
+            encode(format_prompt(row["problem"], args.template, tokenizer, args.system_prompt)),
+            encode(sft_target(row, args.sft_shortcut)) + eos,
+        )
         for row in train_rows
     ]
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.sft_lr, weight_decay=0.01)

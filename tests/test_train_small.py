@@ -301,7 +301,7 @@ def test_the_knobs_beyond_the_paper_and_the_warm_starts_are_declared_where_they_
             declared.get("type"),
             declared.get("choices"),
         ), name
-    assert len(warmstart.FLAGS) == 14 and len(methods.FLAGS) == 5
+    assert len(warmstart.FLAGS) == 15 and len(methods.FLAGS) == 5
 
 
 @pytest.mark.parametrize("compare", [False, True])

@@ -1,0 +1,189 @@
+"""--reward FILE.py:FUNCTION (issue 55): your reward function, called as TRL calls one, in the grader's process pool.
+
+The functions under test live in a file each test writes (tmp_path/my_reward.py), as a user's would: they append
+each value they return to REWARD_LOG, so a test can hold metrics.jsonl's reward_mean to the function's own values.
+"""
+
+import json
+import os
+import pathlib
+import subprocess
+
+import pytest
+import torch
+
+import train_small
+from support import reward_function, tiny
+from support.grading import Grader
+from tests.test_full_faults import ENV, flags, torchrun
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+EXAMPLE = str(ROOT / "integrations" / "closeness_reward.py")
+FUNCTIONS = """
+import json, math, os, time
+
+def _log(values):
+    with open(os.environ["REWARD_LOG"], "a") as f:
+        f.write("".join(json.dumps(v) + "\\n" for v in values))
+    return values
+
+def length(prompts, completions, answer, **columns):
+    return _log([len(c) / 10 + (0.5 if a is not None else 0.0) for c, a in zip(completions, answer)])
+
+def raises(prompts, completions, **columns):
+    return [1 / 0]
+
+def raises_later(prompts, completions, **columns):  # from its 9th call on: step 2 of a run of 2 x 4 rollouts
+    with open(os.environ["REWARD_LOG"], "a+") as f:
+        f.seek(0)
+        calls = len(f.read().splitlines())
+        f.write("call\\n")
+    if calls >= 8:
+        raise KeyError("no such thing")
+    return [0.5]
+
+def nan(prompts, completions, **columns):
+    return [math.nan]
+
+def two(prompts, completions, **columns):
+    return [1.0, 0.0]
+
+def hangs(prompts, completions, **columns):
+    if "HANG" in completions[0]:
+        time.sleep(600)
+    return [0.25]
+"""
+
+
+@pytest.fixture
+def rewards_file(tmp_path, monkeypatch):
+    path = tmp_path / "my_reward.py"
+    path.write_text(FUNCTIONS)
+    monkeypatch.setenv("REWARD_LOG", str(tmp_path / "log.jsonl"))  # the grader's children inherit it
+    return str(path)
+
+
+def run(cmd):
+    """tests/test_full_faults.py's run, with REWARD_LOG in the ranks' environment."""
+    env = {**ENV, "REWARD_LOG": os.environ["REWARD_LOG"]}
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def logged(tmp_path):
+    return [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+
+
+ROWS = [{"problem": "1+1?", "answer": "2", "where": "mine.jsonl:1", "level": 1}]
+
+
+def test_the_function_is_called_as_trls_with_the_rows_columns(rewards_file, tmp_path):
+    with Grader(timeout_s=30, reward=f"{rewards_file}:length") as grader:
+        got = grader.rewards(["abc", "\\boxed{2}"], ROWS * 2)
+    assert got == [0.8, 1.4] == logged(tmp_path)
+    with Grader(timeout_s=30, reward=f"{EXAMPLE}:closeness") as grader:  # the worked example, real-valued
+        assert grader.rewards(["\\boxed{2}", "\\boxed{3}", "\\boxed{12}", "none"], ROWS * 4) == [1.0, 0.5, 1 / 11, 0.0]
+
+
+@pytest.mark.parametrize(
+    "name, fragment",
+    [
+        ("raises", "raised ZeroDivisionError: division by zero"),
+        ("nan", "returned nan (a reward must be a finite float)"),
+        ("two", "returned 2 values for 1 completion (one float per completion)"),
+    ],
+)
+def test_a_reward_that_fails_is_one_line_naming_the_function_and_the_row(rewards_file, name, fragment):
+    with Grader(timeout_s=30, reward=f"{rewards_file}:{name}") as grader:
+        with pytest.raises(reward_function.RewardError) as e:
+            grader.rewards(["x", "y"], ROWS * 2)
+    message = str(e.value)
+    assert message == f"--reward {rewards_file}:{name}: {fragment} on the row mine.jsonl:1 (completion 0)", message
+
+
+def test_a_reward_that_hangs_is_cut_at_the_time_limit_scored_0_and_counted(rewards_file):
+    with Grader(timeout_s=3, workers=2, reward=f"{rewards_file}:hangs") as grader:
+        assert grader.rewards(["ok", "HANG", "ok"], ROWS * 3) == [0.25, 0.0, 0.25]
+        assert grader.timeouts == 1
+        assert grader.score_batch(["\\boxed{2}"], ["2"]) == [1.0]  # math-verify still answers (the evaluations)
+
+
+@pytest.mark.parametrize(
+    "spec, fragment",
+    [
+        ("{file}", "expected FILE.py:FUNCTION or module:function"),
+        ("{dir}/missing.py:f", "no such file"),
+        ("{file}:nothing", "has no function nothing"),
+        ("no_such_module_55:f", "importing no_such_module_55 failed (ModuleNotFoundError"),
+    ],
+)
+def test_a_reward_that_does_not_load_is_one_line_before_any_work(rewards_file, tmp_path, capsys, spec, fragment):
+    spec = spec.format(file=rewards_file, dir=tmp_path)
+    with pytest.raises(SystemExit) as e:
+        train_small.parse_args(["--reward", spec, "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and err.startswith(f"train_small.py: error: --reward {spec}: ") and fragment in err, err
+    assert len(err.splitlines()) == 1 and not (tmp_path / "o").exists()
+
+
+SMALL = (
+    "--hidden-size 32 --num-layers 1 --sft-steps 0 --train-size 40 --eval-size 2 --eval-samples 2 --pass-k 2 "
+    "--prompts-per-step 2 --group-size 4 --n-init 2 --n-final 4 --max-new-tokens 8 --eval-every 10 --threads 1 "
+    "--explain-every 0"
+).split()
+
+
+def small(args):
+    threads = torch.get_num_threads()
+    try:
+        return train_small.main([*SMALL, *args])
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_train_small_trains_on_the_functions_rewards(rewards_file, tmp_path):
+    out = tmp_path / "run"
+    small(["--reward", f"{rewards_file}:length", "--steps", "3", "--out", str(out), "--cache-dir", str(tmp_path)])
+    train = [m for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if m["kind"] == "train"]
+    values = logged(tmp_path)
+    assert len(values) == 3 * 8
+    for i, line in enumerate(train):  # each step's P x G = 8 rewards, in the order they were called
+        assert line["reward_mean"] == pytest.approx(sum(values[8 * i : 8 * i + 8]) / 8, abs=1e-6)
+        assert "acc_train" not in line  # correctness: math-verify's 0/1 only
+    assert len(set(values)) > 2  # real-valued
+
+
+def test_train_small_stops_on_a_failing_reward_with_one_line_and_the_checkpoint_intact(rewards_file, tmp_path, capsys):
+    out = tmp_path / "run"
+    spec = f"{rewards_file}:raises_later"
+    with pytest.raises(SystemExit) as e:
+        small(["--reward", spec, "--steps", "3", "--save-every", "1", "--out", str(out), "--cache-dir", str(tmp_path)])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("train_small.py")]
+    assert e.value.code == 2 and len(err) == 1, err
+    assert err[0].startswith(f"train_small.py: error: --reward {spec}: raised KeyError: 'no such thing' on the row ")
+    saved = torch.load(out / "checkpoint.pt", weights_only=False)
+    assert saved["step"] == 1  # the last checkpoint: step 1's, intact
+
+
+def test_train_full_on_two_gloo_ranks_trains_on_the_functions_rewards(rewards_file, tmp_path):
+    tokenizer = tiny.build_char_tokenizer()
+    model = tiny.save_tiny(
+        tiny.build_tiny_model(tokenizer, hidden_size=32, num_layers=1), tokenizer, str(tmp_path / "m")
+    )
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"problem": f"{i}+{i}", "level": i % 3}) + "\n" for i in range(8)))  # no answer
+    out = tmp_path / "full"
+    cmd = flags((model, str(data)), out, "--steps", "2", "--save-every", "2", "--reward", f"{rewards_file}:length")
+    done = run(torchrun(2) + ["train_full.py", *cmd])
+    assert done.returncode == 0, done.stderr[-3000:]
+    train = [m for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "reward_mean" in m]
+    values = logged(tmp_path)  # both ranks' children: the 2 x 4 rollouts of each step, step after step
+    assert len(train) == 2 and len(values) == 16
+    for i, line in enumerate(train):
+        assert line["reward_mean"] == pytest.approx(sum(values[8 * i : 8 * i + 8]) / 8, abs=1e-6)
+        assert "acc_train" not in line
+    os.remove(tmp_path / "log.jsonl")
+    cmd[cmd.index("--out") + 1], cmd[-1] = str(tmp_path / "bad"), f"{rewards_file}:nan"
+    refused = run(torchrun(2) + ["train_full.py", *cmd])
+    ours = sorted({line for line in refused.stderr.splitlines() if line.startswith("train_full.py:")})
+    assert refused.returncode != 0 and len(ours) == 1, refused.stderr[-3000:]
+    assert f"--reward {rewards_file}:nan: returned nan" in ours[0] and "on the row " in ours[0]
