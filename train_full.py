@@ -65,7 +65,7 @@ RUN_FLAGS = (
     "model train_data template max_prompt_len method loss loss_agg steps prompts_per_step group_size n_init n_final "
     "k_init k_final static_n static_k token_scope switch_on_spike min_token_per_response normalize_by lr "
     "weight_decay max_grad_norm clip_low clip_high mini_batches kl_coef temperature top_p max_response_len seed "
-    "unseeded_sampling"
+    "unseeded_sampling system_prompt reward prompt_key answer_key"
 ).split()  # a resume must repeat them; free to change: the rank count (DCP reshards), memory, evaluation, checkpoints
 
 

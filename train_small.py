@@ -38,7 +38,7 @@ RUN_FLAGS = (
     "method loss steps seed rl_seed model template hidden_size num_layers train_file train_size sft_steps "
     "sft_shortcut sft_lr sft_batch prompts_per_step group_size n_init n_final k_init k_final static_n static_k "
     "schedule token_rule token_scope min_token_per_response switch_on_spike lr warmup_steps max_grad_norm loss_agg "
-    "clip_low clip_high mini_batches task kl_coef temperature max_new_tokens"
+    "clip_low clip_high mini_batches task kl_coef temperature max_new_tokens system_prompt reward prompt_key answer_key"
 ).split()  # a resume must repeat them
 EPILOG = "Recipe at scale (Qwen2.5-Math-7B; a summary's schedule): G >= 32, N 8 -> 32, K 5% -> 20%, lr 1e-6, "
 EPILOG += "clip 0.2/0.28, 3k tokens. The CPU defaults are scaled down; each flag says so."
