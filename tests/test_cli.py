@@ -141,6 +141,7 @@ ENTRY_POINTS = {  # file: the function that parses its command line (it prints -
     "bench/offload_adamw.py": "parse_args",
     "bench/selection.py": "parse_args",
     "bench/tiled_mlp.py": "parse_args",
+    "bench/track.py": "main",
     "bench/trl_arm.py": "parse_args",
     "bench/vs_trl.py": "parse_args",
     "experiments/dropped_tokens.py": "parse_args",
