@@ -10,6 +10,10 @@ Per-seed numbers move with the CPU's floating-point path; the verdicts should no
 
     python experiments/toy_ladder.py                         # 8 methods x 30 seeds x 80 steps -> runs/toy/
     python experiments/toy_ladder.py --seeds 3 --methods grpo d3s --filler-logit 0
+    python experiments/toy_ladder.py --report-to tensorboard    # + each run in a tracker, the ladder one group
+
+With --report-to (support/track.py), each run (method, seed) goes to the trackers once the ladder is done, as
+METHOD__SEED in one group (--run-group, default: the --out folder's name), its tracker files under OUT/track/.
 """
 
 import math
@@ -23,7 +27,7 @@ sys.path[:0] = [ROOT, os.path.dirname(os.path.abspath(__file__))]
 from stats import excludes_zero, mean_std, paired_interval  # noqa: E402
 from toy import bandit  # noqa: E402
 
-from support import stops, methods  # noqa: E402
+from support import stops, methods, track  # noqa: E402
 
 
 def columns(lines):
@@ -191,8 +195,12 @@ def notes(args, reference="grpo"):
 
 
 def main(argv=None):
-    start = time.time()
-    args, runs = bandit.main(argv, bandit.build_parser("toy_ladder.py"))
+    start, p = time.time(), bandit.build_parser("toy_ladder.py")
+    for name, kw in track.FLAGS:  # --report-to, --run-name, --run-group, --project
+        p.add_argument(name, **kw)
+    track.check(p, p.parse_args(argv))  # a tracker that is not installed: one line before any run
+    args, runs = bandit.main(argv, p)
+    report(runs, args)
     logs = {method: [columns(lines) for lines in seeds] for method, seeds in runs.items()}
     table = summarize(logs, args)
     done = "%d runs in %.1f s (static N=%d, K=%.3f)" % (
@@ -208,6 +216,19 @@ def main(argv=None):
     print(table)
     print(done + "; wrote %s/{results.md,metrics.jsonl,toy.png}" % args.out)
     return logs
+
+
+def report(runs, args):
+    """Each run's metrics.jsonl lines to the trackers of --report-to: one tracker run per method and seed
+    (METHOD__SEED), the ladder one group; nothing without --report-to."""
+    group = args.run_group or os.path.basename(os.path.normpath(args.out))
+    for method, seeds in runs.items():
+        for lines in seeds:
+            args.run_name = f"{method}__{lines[0]['seed']}"
+            trackers = track.Trackers(args, os.path.join(args.out, "track", args.run_name), 0, group=group)
+            for line in lines:
+                trackers.log(line)
+            trackers.close()
 
 
 if __name__ == "__main__":

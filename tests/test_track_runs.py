@@ -78,3 +78,23 @@ def test_train_full_on_two_ranks_sends_rank_0s_lines_to_each_tracker(inputs, tmp
         assert shown == {1, 2}
     assert sum("wandb sync" in line for line in proc.stdout.splitlines()) == 1, proc.stdout  # offline: one line
     assert sys.executable  # (the venv's python ran torchrun)
+
+
+def test_the_toy_ladder_sends_each_run_to_the_trackers_as_method_and_seed_in_one_group(tmp_path, trackio_dir):
+    """experiments/toy_ladder.py --report-to: one tracker run per method and seed (METHOD__SEED), its lines those of
+    metrics.jsonl, the ladder one trackio group."""
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import toy_ladder
+
+    out = tmp_path / "toy"
+    argv = ["--seeds", "2", "--steps", "3", "--methods", "grpo", "d3s", "--workers", "1", "--out", str(out)]
+    toy_ladder.main(argv + ["--report-to", "tensorboard", "trackio", "--project", "toy"])
+    lines = metrics(out)
+    for method in ("grpo", "d3s"):
+        for seed in (0, 1):
+            want = expected([m for m in lines if m["method"] == method and m["seed"] == seed])
+            same(read_tensorboard(out / "track" / f"{method}__{seed}")[0], want, float32=True)
+            same(read_trackio("toy", f"{method}__{seed}"), want)
+    from trackio.sqlite_storage import SQLiteStorage
+
+    assert sorted(SQLiteStorage.get_runs("toy")) == ["d3s__0", "d3s__1", "grpo__0", "grpo__1"]
