@@ -46,11 +46,10 @@ class CheckpointError(ValueError):
 
 @dataclasses.dataclass
 class Resume:
-    """The checkpoint a run continues from: its path, its completed steps, and what it holds besides train_full's
-    shards (train_small: the whole file, read_file; train_full: trainer_state.json, read_shards)."""
+    """The checkpoint a run continues from: its path and what it holds besides train_full's shards (train_small: the
+    whole file, read_file; train_full: trainer_state.json, read_shards); saved["step"]: its completed steps."""
 
     path: str
-    step: int
     saved: dict
 
 
@@ -58,14 +57,11 @@ def start(args, flags, prog, shards=False):
     """Fresh or resume, decided before any work, the same way in both trainers (shards: train_full's storage).
     Returns None for a fresh run, else the Resume to continue from; a refusal is a UsageError (one line, exit 2).
 
-    A fresh run (no --resume) never writes over an earlier run: a folder that holds one (metrics.jsonl or a
-    checkpoint) is refused, naming --resume and another --out. --resume (OUT's newest checkpoint, or the one named)
-    needs a checkpoint of this format (read_file, read_shards), made with these `flags` ({name: value}: the rung's
-    RUN_FLAGS), with steps left to run; a run that finished (its steps and its end's files) is refused.
-
-    --resume auto (one command line for the first start and every requeue): the newest checkpoint if there is one,
-    else a fresh start (a folder whose run never checkpointed starts again when its args.json holds these flags); a
-    finished run prints one line and exits 0."""
+    A fresh run never writes over an earlier one: a folder holding metrics.jsonl or a checkpoint is refused, naming
+    --resume and another --out. --resume needs a checkpoint of this format made with these `flags` (the rung's
+    RUN_FLAGS) with steps left; a finished run is refused. --resume auto (one command for the first start and every
+    requeue): the newest checkpoint, else a fresh start (also where OUT/args.json holds these flags: killed before
+    its first checkpoint); a finished run prints one line and exits 0."""
     if args.resume == "auto":
         saved = find_shards("latest", args.out) if shards else os.path.join(args.out, "checkpoint.pt")
         if saved and os.path.exists(saved):
@@ -115,7 +111,7 @@ def start(args, flags, prog, shards=False):
             f"--resume {path}: the run already finished its {args.steps} steps ({end} are written); start a new "
             "run with another --out"
         )
-    return Resume(path, saved["step"], saved)
+    return Resume(path, saved)
 
 
 def _same_run(out, flags):

@@ -35,14 +35,10 @@ def batch_invariant_on(environ=None):
 def batch_invariant_refusal(capability, training=True, hip=False, name="", environ=None):
     """The one line that refuses VLLM_BATCH_INVARIANT on a GPU where vLLM 0.32 would break the trainer, or None.
 
-    capability: the GPU's (major, minor). On compute capability 8.x (A100, A10G, L4, L40S, RTX 3090/4090) and on
-    ROCm, vLLM's batch-invariant mode registers its own kernels for aten::linear, matmul, mm and addmm for the whole
-    process and never removes them (model_executor/determinism/batch_invariant.py:1318-1329, the family test in
-    platforms/interface.py:577-588, switched on as the worker starts, v1/worker/gpu_worker.py:1649-1651). Under
-    external_launcher vLLM runs in the trainer's process, and the replaced linear and matmul have no backward: the
-    trainer's loss.backward() fails (aten::linear_backward; tests/test_gpu_findings.py shows it on CPU). On 9.x
-    and above only mean, softmax, log-softmax and bmm are replaced, whose backward formulas stay torch's: allowed.
-    training=False (--eval-only): no backward, allowed everywhere."""
+    capability: the GPU's (major, minor). On compute capability 8.x and on ROCm, vLLM's batch-invariant mode replaces
+    aten::linear, matmul, mm and addmm for the whole process, the trainer's included, with kernels that have no
+    backward (model_executor/determinism/batch_invariant.py:1318-1329; docs/train_full.md, "Reproducibility"); on 9.x
+    and above the replaced kernels keep torch's backward. training=False (--eval-only): allowed everywhere."""
     if not training or not batch_invariant_on(environ):
         return None
     major, minor = capability
@@ -124,15 +120,9 @@ def host_available():
 
 
 def vllm_engine_args(model_path, args, cuda, utilization, max_num_seqs, seed):
-    """The keyword arguments of the colocated engine's vllm.LLM (which hands them to EngineArgs).
-
-    Sleep mode on a GPU (--vllm-sleep-level 1 or 2) comes with sleep_mode_offload_cudagraph (vLLM 0.32's default
-    is off: config/model.py:380): the CUDA graphs are then captured into vLLM's sleep-mode pool (the "cudagraph"
-    tag: config/vllm.py:687-700, compilation/cudagraph_pool.py:33-45), which sleep copies to host memory and unmaps
-    at every level, beside the "runtime" tag (device_allocator/sleep_mode_backend.py:127-137), and every wake maps
-    back in place. With it vLLM sets NCCL_GRAPH_REGISTER=0 for the process (config/vllm.py:2243-2250): graph capture only, which the
-    trainer never does. On CPU vLLM has no sleep mode and no graphs (enforce_eager), and takes its KV cache size
-    in bytes (--vllm-kv-cache-gb)."""
+    """The keyword arguments of the colocated engine's vllm.LLM. Sleep mode on a GPU (--vllm-sleep-level 1 or 2) comes
+    with sleep_mode_offload_cudagraph (off by default in vLLM 0.32), so that sleep moves the CUDA graphs' pool to host
+    memory too (docs/memory.md); on CPU vLLM has no sleep mode and no graphs, and takes --vllm-kv-cache-gb."""
     sleep = cuda and args.vllm_sleep_level > 0
     return dict(
         model=model_path,
@@ -427,17 +417,9 @@ def shutdown(engine):
 
 def make_engine(model_path, args, world):
     """The rollout engine of --rollout (engines.check_machine has checked vLLM, its version and the GPU), and the
-    trainer's CPU threads (offload_threads: --cpu-offload on a GPU).
-
-    vLLM's worker seeds the process's global RNGs as it starts (set_random_seed: Python's random, NumPy, torch and
-    every CUDA device; vllm/v1/worker/gpu_worker.py:522, cpu_worker.py:165, utils/torch_utils.py:542-553) with the
-    engine's seed, --seed (--seed + rank with --unseeded-sampling). They are left so (issue 53: the saved RNG state
-    is gone): nothing a default run draws reads them. Every draw of a step is a function of (seed, step) or of a
-    per-prompt seed: the prompt order (mathtask.PromptOrder), the selections (their own torch.Generator:
-    train_full.select_samples, methods), the samples (mathtask.sample_seeds: vLLM's SamplingParams.seed samples
-    from a generator of the request's own, v1/worker/gpu_input_batch.py:428; HFEngine reseeds torch from the seed
-    of each chunk's first prompt before its generate). Only --unseeded-sampling samples from the global RNG (vLLM's
-    sampler, or HF generate's torch.multinomial): its resume is inexact (docs/train_full.md)."""
+    trainer's CPU threads (offload_threads: --cpu-offload on a GPU). vLLM's worker seeds the global RNGs as it starts;
+    nothing a default run draws reads them: every draw is a function of (seed, step) or of a per-prompt seed
+    (mathtask.sample_seeds), and only --unseeded-sampling resumes inexactly (docs/train_full.md, "Reproducibility")."""
     engine = VLLMEngine(model_path, args, world) if args.rollout == "vllm" else HFEngine(model_path, args, world)
     trainer = offload_threads(args, world.device)
     if trainer:

@@ -27,26 +27,15 @@ from support.loss_head import HEAD_CHUNK
 
 def vllm_memory_plan(config, args, ranks, gpu_bytes, host_bytes=None, local_ranks=1, refuse=True):
     """gpu_memory_utilization and max_num_seqs of the colocated vLLM engine on one GPU, and the check that the
-    setting fits at all (train_full calls it before any work, engines.check_machine).
+    setting fits at all (train_full calls it before any work, engines.check_machine). How it counts: docs/memory.md,
+    "How the plan counts".
 
-    While vLLM generates, the trainer keeps its shards on the same GPU: fp32 weights and AdamW's two moments,
-    12 bytes x parameters / ranks (gradients are freed after each step; bench/memory.py checks these bytes), plus
-    2 bytes x parameters / ranks for --kl-ref's bf16 reference; none of it with --cpu-offload (host memory:
-    host_memory). vLLM may take the rest, less MARGIN_GIB, but no more than the run uses: its bf16 weights, 2 bytes
-    x parameters, its workspace (vllm_workspace_bytes: what it keeps beyond weights and KV cache, by the model), and a
-    KV cache of KV_HEADROOM x a rank's rollouts at once (ceil(P / ranks) x G,
-    16..1024) at full length, 2 (K and V) x layers x KV heads x head dim x 2 bytes per token (a given
-    --vllm-gpu-memory-utilization sets the share instead). max_num_seqs: the sequences whose KV cache fits at full
-    length (prompt + response), so vLLM need not preempt (16..1024). While the trainer runs vLLM sleeps, and the
-    trainer's peak is trainer_peak_bytes; --vllm-sleep-level 0 keeps vLLM awake through the step: its share then
-    sits beside that peak instead of the resident shards.
-
-    Refuses (cli.UsageError, one line naming the memory that is short and the flags that set it; the alternatives
-    are a table in docs/memory.md, "When the plan refuses") a setting that leaves
-    vLLM less than its weights, workspace and one full-length sequence of KV cache, a --vllm-gpu-memory-utilization
-    whose share beside what the trainer holds and the margin exceeds the GPU, a training step that does not fit the
-    GPU, or (host_bytes given) the host; refuse=False (the engine, after engines.check_machine refused what does not
-    fit) returns the numbers alone. Returns a dict with the numbers (printed at start, and by bench/memory.py).
+    vLLM gets the GPU less what the trainer holds while it generates (12 B x parameters / ranks, + 2 B with --kl-ref;
+    none with --cpu-offload, or the step's peak with --vllm-sleep-level 0) and MARGIN_GIB, but no more than its bf16
+    weights, its workspace (vllm_workspace_bytes) and KV_HEADROOM x a rank's rollouts of KV cache at full length.
+    Refuses (UsageError, one line naming what is short and the flags that set it; what fits instead: docs/memory.md,
+    "When the plan refuses") a share below one full-length sequence, a given share that does not fit, a step over
+    the GPU, or (host_bytes given) the host. refuse=False returns the numbers alone (a dict, printed at start).
     """
     plan = _plan(config, args, ranks, gpu_bytes, host_bytes, local_ranks)
     if refuse and plan["short"]:  # what is short, with the flags that set it; what else fits: docs/memory.md
@@ -106,20 +95,10 @@ def pinned_round_threshold(environ=None):
 
 
 def host_memory(config, args, ranks, local_ranks=1, environ=None):
-    """This node's host memory for a training run, bytes, by part (the plan's host check, bench/memory.py).
-
-    --cpu-offload, per rank (FSDP2 pins each parameter's shard of ceil(rows / ranks) rows on its own, and the
-    gradient's too: its copy to the host is non_blocking, so pinned; the allocator rounds each block up to a power
-    of two unless PYTORCH_CUDA_ALLOC_CONF sets pinned_max_round_threshold_mb below it, see pinned_block()):
-      weights       fp32 shards, pinned            gradients  fp32 shards, pinned (kept between steps: the
-      moments       AdamW's two, 8 B x shard rows              allocator caches freed pinned blocks)
-      temporaries   AdamW per tensor on the CPU: two fp32 copies of the largest shard
-      reference     --kl-ref's bf16 shards, pinned
-    Rank 0, once a run (every run): export_hf's full state on the host, 4 B x parameters in fp32 and its copy in
-    the checkpoint's dtype (2 B x parameters for bf16), beside the rest (the final export; each --export-every
-    too). Loading is smaller: rank 0's fp32 full state, 4 B x parameters, beside the pinned weights alone.
-    Not counted: vLLM's host copies while it sleeps (runtime buffers, CUDA graphs; level 1: its bf16 weights),
-    the page cache of the checkpoint files."""
+    """This node's host memory for a training run, bytes, by part (the plan's host check, bench/memory.py; the parts:
+    docs/memory.md, "Host memory"): with --cpu-offload per rank the pinned fp32 weights and gradients (each block
+    rounded up to a power of two: pinned_block), AdamW's moments and temporaries, --kl-ref's bf16 shards; and rank 0's
+    full copy at the export (fp32 + the checkpoint's dtype). Not counted: vLLM's host copies, the page cache."""
     threshold = pinned_round_threshold(environ)
     block = lambda nbytes: pinned_block(nbytes, threshold)
     tensors = list(_meta_model(config.to_json_string()).parameters())
@@ -146,23 +125,10 @@ def host_memory(config, args, ranks, local_ranks=1, environ=None):
 
 
 def trainer_peak_bytes(config, args, ranks):
-    """The trainer's peak GPU memory in a step, bytes: an estimate from the model's shapes, calibrated on
-    bench/memory.py's simulations (Qwen2.5-Math-1.5B and 7B, docs/memory.md: 0-11% above them).
-
-    The larger of the optimizer step (20 B x parameters / ranks: fp32 weights, gradients, AdamW's two moments,
-    the foreach update's temporaries) and pass 2: 16 B x parameters / ranks of sharded state and the larger of
-    its two moments, for T tokens in the widest micro-batch (--micro-batch-size x (--max-prompt-len +
-    --max-response-len)):
-      decoder backward   the gathered root and one layer with their gradients and buffers (4 B x root + 10 B x
-                         layer parameters), one fp32 block of the loss head, and per token the checkpointed
-                         input of every layer (2 B x hidden) and the layer being recomputed (about 50 B x hidden;
-                         + 7 B x intermediate size without the tiled MLP; every layer's activations without
-                         activation checkpointing);
-      loss head          the gathered root (bf16), the checkpointed inputs and the final hidden states, and
-                         five fp32 [HEAD_CHUNK, vocab] blocks (logits, softmax, their gradients).
-    With --cpu-offload the sharded state is in host memory (a unit's fp32 weights and gradients on their way,
-    simulated too, are not alive at the peak). --kl-ref adds its bf16 shards, 2 B x parameters / ranks (in host
-    memory with --cpu-offload)."""
+    """The trainer's peak GPU memory in a step, bytes, from the model's shapes, calibrated on bench/memory.py's
+    simulations (0-11% above them; the terms: docs/memory.md, "How the plan counts"): the larger of the optimizer
+    step (20 B x parameters / ranks) and pass 2 (16 B x parameters / ranks of state beside the larger of the decoder's
+    backward and the loss head, for the widest micro-batch's tokens), + --kl-ref's bf16 shards."""
     params, layer, root = model_shapes(config)
     offload, H, L = getattr(args, "cpu_offload", False), config.hidden_size, config.num_hidden_layers
     tokens = args.micro_batch_size * (args.max_prompt_len + args.max_response_len)  # the widest micro-batch
@@ -178,20 +144,10 @@ def trainer_peak_bytes(config, args, ranks):
 
 
 def vllm_workspace_bytes(config, gpu_bytes, max_num_seqs):
-    """What vLLM 0.32 keeps of its share beyond its weights and KV cache, bytes, as it profiles at start: the KV cache
-    it prints ("Available KV cache memory", v1/worker/gpu_worker.py:740-744, 759-762) is ceil(GPU x
-    gpu_memory_utilization) (v1/worker/utils.py:724) less what its start consumed (weights, buffers, non-torch
-    memory: utils/mem_utils.py:312-326), less the profile run's transient peak, less the CUDA-graph estimate
-    (VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS, on by default: envs.py:2221). The parts, by the model:
-      profile run     one forward of max_num_batched_tokens tokens (16384 on a GPU of 70 GiB or more, else 8192:
-                      engine/arg_utils.py:2921-2950, 3167; an A100 80GB gets 8192: counted high), about 2 B x (3 x hidden
-                      + 3 x intermediate) a token at a layer's peak (its input, residual and output beside the MLP's
-                      gate_up and activation) (gpu_model_runner.py:6133, v1/worker/gpu/model_runner.py:991);
-      sampler         its dummy run on max_num_seqs rows of fp32 logits: 3 fp32 [max_num_seqs, vocab] copies
-                      (logits, processed, probabilities; gpu/model_runner.py:972-983);
-      the rest        VLLM_GRAPHS_GIB for the CUDA graphs (gpu_model_runner.py:6333) and non-torch memory.
-    The learning stage's 47M model (vocab 259): 0.74 GiB; the 1.5B: 3.2 GiB at max_num_seqs 1024, 1.7 at 128 (was 3 for
-    every model: a 7B's). Estimates from the source; the first GPU run compares them (docs/gpu_check.md)."""
+    """What vLLM 0.32 keeps of its share beyond its weights and KV cache, bytes, as it profiles at start (read from its
+    source: docs/memory.md, "How the plan counts"): the profile run's forward of 16384 tokens (8192 below 70 GiB),
+    2 B x (3 x hidden + 3 x intermediate) a token; the sampler's 3 fp32 [max_num_seqs, vocab] copies; VLLM_GRAPHS_GIB
+    for CUDA graphs and non-torch memory. Estimates; the first GPU run compares them (docs/gpu_check.md)."""
     tokens = 16384 if gpu_bytes >= 70 * 2**30 else 8192
     profile = tokens * 2 * 3 * (config.hidden_size + config.intermediate_size)
     sampler = 3 * 4 * max_num_seqs * config.vocab_size

@@ -1,14 +1,9 @@
 """support/page.py: how one step is drawn: explain.py chooses what to show, this draws it.
 
-write_step(out_dir, step=..., ...) writes out_dir/step_NNNNNN.html (one self-contained file: inline CSS, no script,
-no font, no image, no network; hover shows the numbers through `title` attributes) and out_dir/step_NNNNNN.png
-(matplotlib, for the README):
-
-  1. the sample level: one row per prompt, one cell per rollout (sorted by advantage within the row), coloured by
-     the sign of A, kept or dropped; kept count per row; Var(A) of the kept set against the full batch
-     (d3s.kept_variance, unbiased);
-  2. the token level: a few rollouts with every token shaded by its score |A| * H and the selected ones outlined;
-     the scheduled K, the realised fraction and the N in use.
+write_step writes out_dir/step_NNNNNN.html (one self-contained file: inline CSS, no script, font, image or network;
+hover shows the numbers) and step_NNNNNN.png (matplotlib, for the README): 1. the sample level, one row per prompt,
+one cell per rollout sorted by A, coloured by its sign, kept or dropped, Var(A) of the kept set against the full
+batch; 2. the token level, a few rollouts with every token shaded by |A| * H and the selected ones outlined.
 
 Nothing here computes a piece of the method: advantages, variances and the usefulness rate come from d3s.py.
 """

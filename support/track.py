@@ -1,52 +1,23 @@
 """support/track.py: where a run's metrics go besides metrics.jsonl: TensorBoard, wandb, trackio (--report-to).
 
-metrics.jsonl stays the record (docs/metrics.md); a tracker is a view of it. Every line a run logs goes to each
-tracker named by --report-to at its step:
+metrics.jsonl stays the record; a tracker is a view of it. Every line a run logs goes to each tracker of --report-to
+at its step, under the keys docs/metrics.md lists ("The keys as each tracker shows them": an eval line's get `eval/`,
+bools 0 / 1, lists KEY/i; None, strings and objects are left out; the explain figure is the image `explain`).
+Where each keeps its run: tensorboard OUT/tensorboard/ (float32 scalars); wandb OUT/wandb/, offline unless the user
+has said online (WANDB_MODE=online or credentials: never a prompt), then one line naming `wandb sync`; trackio its
+local store under TRACKIO_DIR, one SQLite file per project shared by every run (docs/train_full.md, "Trackers").
 
-    train lines   every number under its own key, at line["step"]: `reward_mean`, `sur`, `k_frac`, ...
-    eval lines    the same, with the prefix `eval/`: `eval/eval_greedy_pass1`, `eval/average_pass@1`, ...
-                  (a train line's `gen_s` is the step's seconds, an eval line's the run's so far: the prefix keeps
-                  them apart)
-    bools         as 0 / 1 (`skipped`)
-    lists         of numbers as KEY/i, one key per item (`clip_frac_by_minibatch/0`, `/1`, ...)
-    left out      None (a step that did not measure it: `kl_ref`), strings (`sample_rule`, `method`: the run's
-                  flags are the tracker's config) and objects (eval line 0's `warm_start`); `kind` and `step`
-                  are the line's place, not a value
-    images        Trackers.image(step, png): the explain page's figure (--explain-every) under the key `explain`
-
-Where each tracker keeps its run (OUT: --out, the run folder):
-
-    tensorboard   OUT/tensorboard/ (events files; `tensorboard --logdir OUT/tensorboard`, or --logdir runs/ for
-                  every run below it). Scalars are float32 (TensorBoard's scalar summary): integers exact up to 2^24.
-    wandb         OUT/wandb/ (wandb's own run folders). Online when the user has said so: WANDB_MODE=online, or
-                  credentials (WANDB_API_KEY, WANDB_IDENTITY_TOKEN_FILE, a `wandb login` in ~/.netrc). Without
-                  them and with WANDB_MODE unset: offline, never a prompt or a network call, and one line naming
-                  the folder and `wandb sync`. WANDB_MODE as set is obeyed (offline, disabled). Values as JSON
-                  (float64).
-    trackio       trackio's local store: a SQLite file per project under TRACKIO_DIR (default
-                  ~/.cache/huggingface/trackio), shared by every run so that `trackio show` lays them side by side;
-                  TRACKIO_SPACE_ID / TRACKIO_SERVER_URL send it elsewhere, as trackio documents. Values as JSON.
-
-Resume (start_step > 0: a checkpoint after start_step steps) continues the SAME tracker run, and a step that the
-killed run logged past its checkpoint is there once, with the resumed run's values:
-
-    tensorboard   SummaryWriter(purge_step=start_step + 1): TensorBoard's reader drops what the earlier files hold
-                  at steps >= start_step + 1 (the eval line of step start_step, which the checkpoint covers, stays)
-    wandb         the run id kept in OUT/trackers.json, wandb.init(id=..., resume="allow"). wandb does not
-                  rewrite a run's history (its `resume_from` rewind is "in private preview", [wandb's docs, "Rewind
-                  a run"]): a resumed ONLINE run goes on from the run's last step, so the steps the killed run
-                  logged past its checkpoint keep the killed run's values, once, and the resumed run's lines of
-                  those steps are dropped ("Tried to log to step %d that is less than the current step %d ... this
-                  data will be ignored", [wandb-core 0.31's message]). [not tested here: it needs wandb's server.]
-                  Offline, each launch is a folder of its own with the same run id (tested), synced in order by
-                  `wandb sync`.
-    trackio       trackio.init(name=--run-name, resume="allow"); then the run's rows after start_step are deleted
-                  from the local store (trackio has no call for it: SQL on its table `metrics`, under its lock),
-                  so the resumed run's rows are the only ones there. Not for a run on a Space or server.
-
-A tracker that fails (at its start or mid-run: a full disk, the network) costs one line on stderr, `track: NAME
-failed (...); metrics.jsonl stays the record`, and is dropped; the run goes on. (trackio and wandb catch some of
-their own errors and print their own warnings; those do not reach here.)
+Resume (start_step > 0) continues the SAME tracker run, and a step the killed run logged past its checkpoint is there
+once, with the resumed run's values:
+    tensorboard   SummaryWriter(purge_step=start_step + 1): the reader drops what earlier files hold from there
+    wandb         the run id kept in OUT/trackers.json, wandb.init(id=..., resume="allow"). wandb does not rewrite
+                  history: an ONLINE run keeps the killed run's values of those steps and drops the resumed run's
+                  ("Tried to log to step %d that is less than the current step", wandb-core 0.31; not tested here:
+                  it needs wandb's server). Offline, each launch is a folder with the same id, synced in order.
+    trackio       trackio.init(name=--run-name, resume="allow"), then the run's rows after start_step are deleted
+                  from the local store (SQL on its table `metrics`, under its lock; not for a Space or server).
+A tracker that fails (at its start or mid-run) costs one line, `track: NAME failed (...); metrics.jsonl stays the
+record`, and is dropped; the run goes on.
 
     FLAGS          --report-to, --run-name, --run-group, --project: add to a rung's flags with *track.FLAGS
     check          at parse time: a tracker not installed, 'none' beside a tracker, names (one line, exit 2)
