@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import train_small
-from support import reward_function, tiny
+from support import reward_function, tiny, warmstart
 from support.grading import Grader
 from tests.test_full_faults import ENV, flags, torchrun
 
@@ -47,6 +47,9 @@ def nan(prompts, completions, **columns):
 
 def two(prompts, completions, **columns):
     return [1.0, 0.0]
+
+def even(prompts, completions, **columns):  # 0/1
+    return _log([float(len(c) % 2 == 0) for c in completions])
 
 def hangs(prompts, completions, **columns):
     if "HANG" in completions[0]:
@@ -187,3 +190,33 @@ def test_train_full_on_two_gloo_ranks_trains_on_the_functions_rewards(rewards_fi
     ours = sorted({line for line in refused.stderr.splitlines() if line.startswith("train_full.py:")})
     assert refused.returncode != 0 and len(ours) == 1, refused.stderr[-3000:]
     assert f"--reward {rewards_file}:nan: returned nan" in ours[0] and "on the row " in ours[0]
+
+
+def answerless(path, n=12, answer_every=0):
+    """A JSONL of n problems without an answer column (every answer_every-th row has one)."""
+    rows = [
+        {"problem": f"{i}+{i}", **({"answer": str(2 * i)} if answer_every and i % answer_every == 0 else {})}
+        for i in range(n)
+    ]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def test_the_warm_start_learns_from_the_rows_with_an_answer_and_refuses_data_without_any(
+    rewards_file, tmp_path, capsys
+):
+    spec = ["--reward", f"{rewards_file}:length", "--steps", "1", "--cache-dir", str(tmp_path / "cache")]
+    none, some = answerless(tmp_path / "none.jsonl"), answerless(tmp_path / "some.jsonl", answer_every=3)
+    with pytest.raises(SystemExit) as e:  # the tiny model's warm start (--sft-steps 3) on rows without any answer
+        small([*spec, "--sft-steps", "3", "--train-file", none, "--out", str(tmp_path / "none")])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("train_small.py")]
+    assert e.value.code == 2 and len(err) == 1, err
+    assert err[0].startswith(
+        "train_small.py: error: --sft-steps 3: the supervised warm start needs rows with an answer"
+    )
+    assert "pass --sft-steps 0" in err[0] and not (tmp_path / "none").exists()
+    rows = [json.loads(line) for line in open(some)]
+    assert [r["problem"] for r in warmstart.sft_rows(rows)] == ["0+0", "3+3", "6+6", "9+9"]
+    small([*spec, "--sft-steps", "3", "--train-file", some, "--out", str(tmp_path / "some")])  # 4 rows of 12 teach
+    (info,) = [json.load(open(p)) for p in (tmp_path / "cache").glob("warmstart-*/warmstart.json")]
+    assert info["sft_steps"] == 3 and info["sft_loss_first"] > 0
