@@ -6,7 +6,7 @@ warm start that RL starts from, cached so that every run of a comparison starts 
     FLAGS, fill_defaults(args)    the flags of the model, data and warm start (--model, --task, --sft-*, ...): declared
                                   here, added by train_small.py with one call
     fit_files(args, ...)          --train-file's and --eval-file's prompts that fit the model's context; rows without
-                                  an answer (--reward): the warm start skips them
+                                  an answer (--reward): the warm start skips them, math-verify's evaluation refuses them
 
 The default warm start ships in weights/warmstart-<hash>/ (2.5 MB), so the first run starts RL at once; any other
 flags build their own. Rebuild the shipped one (1 thread, ~5 min) with:
@@ -189,12 +189,18 @@ def fit_files(args, train_rows, eval_rows, prog="train_small.py"):
 
 def check_answers(args, train_rows, eval_rows):
     """The rows a --reward run may give without an answer, before any work: the supervised warm start learns from the
-    rows with one (sft_rows); none: one line (exit 2)."""
+    rows with one (sft_rows), and math-verify's held-out evaluation needs one in every row; else one line (exit 2)."""
     if args.sft_steps and not sft_rows(train_rows):
         raise UsageError(
             f"--sft-steps {args.sft_steps}: the supervised warm start needs rows with an answer, and no row of "
             f"--train-file {args.train_file} has one; pass --sft-steps 0 (RL from the model as it is: --model) or an "
             "--answer-key"
+        )
+    missing = next((r for r in eval_rows if not r.get("answer")), None)
+    if missing and getattr(args, "eval_reward", "math-verify") == "math-verify":
+        raise UsageError(
+            f"{missing.get('where', '--eval-file')}: no answer, which the held-out evaluation by math-verify needs; "
+            "pass --eval-reward train (your --reward's function) or an --eval-file with answers"
         )
 
 

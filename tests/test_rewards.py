@@ -220,3 +220,56 @@ def test_the_warm_start_learns_from_the_rows_with_an_answer_and_refuses_data_wit
     small([*spec, "--sft-steps", "3", "--train-file", some, "--out", str(tmp_path / "some")])  # 4 rows of 12 teach
     (info,) = [json.load(open(p)) for p in (tmp_path / "cache").glob("warmstart-*/warmstart.json")]
     assert info["sft_steps"] == 3 and info["sft_loss_first"] > 0
+    with pytest.raises(SystemExit) as e:  # math-verify's held-out evaluation on a row without an answer
+        small([*spec, "--sft-steps", "0", "--train-file", none, "--eval-file", some, "--out", str(tmp_path / "ev")])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("train_small.py")]
+    assert e.value.code == 2 and len(err) == 1, err
+    assert err[0] == (
+        f"train_small.py: error: {some}:2: no answer, which the held-out evaluation by math-verify needs; pass "
+        "--eval-reward train (your --reward's function) or an --eval-file with answers"
+    )
+
+
+def test_train_small_evaluates_with_the_function_when_asked(rewards_file, tmp_path):
+    out, data = tmp_path / "run", answerless(tmp_path / "none.jsonl")
+    spec = ["--reward", f"{rewards_file}:length", "--eval-reward", "train", "--sft-steps", "0", "--steps", "1"]
+    small([*spec, "--train-file", data, "--eval-file", data, "--out", str(out), "--cache-dir", str(tmp_path)])
+    evals = [m for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if m["kind"] == "eval"]
+    values = logged(tmp_path)  # eval 0: 2 greedy, 2 x 2 sampled; step 1: 2 x 4 rollouts; eval 1: 2 + 4
+    assert len(evals) == 2 and len(values) == 6 + 8 + 6
+    for line, at in zip(evals, (0, 14)):
+        assert line["eval_scorer"] == f"--reward {rewards_file}:length"
+        assert line["eval_greedy_pass1"] == pytest.approx(sum(values[at : at + 2]) / 2)
+        assert line["eval_pass1_mean"] == pytest.approx(sum(values[at + 2 : at + 6]) / 4)
+        samples = values[at + 2 : at + 6]  # Pass@2 of real values: the expected best of 2 of each problem's 2
+        assert line["eval_passk"] == pytest.approx((max(samples[:2]) + max(samples[2:])) / 2)
+
+
+def test_train_full_evaluates_with_the_function_when_asked_on_two_gloo_ranks(rewards_file, tmp_path):
+    tokenizer = tiny.build_char_tokenizer()
+    model = tiny.save_tiny(
+        tiny.build_tiny_model(tokenizer, hidden_size=32, num_layers=1), tokenizer, str(tmp_path / "m")
+    )
+    data, out = answerless(tmp_path / "none.jsonl", n=8), tmp_path / "full"
+    cmd = flags((model, data), out, "--steps", "1", "--reward", f"{rewards_file}:length", "--eval-reward", "train")
+    cmd[cmd.index("--eval-data") + 1] = data  # answerless too: read as --train-data is
+    cmd += ["--eval-samples", "2", "--eval-pass-k", "1,2", "--eval-max-tokens", "8", "--eval-limit", "4"]
+    done = run(torchrun(2) + ["train_full.py", *cmd])
+    assert done.returncode == 0, done.stderr[-3000:]
+    (line,) = [m for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if m["kind"] == "eval"]
+    values = logged(tmp_path)[8:]  # after step 1's 2 x 4 rollouts: 4 problems x 2 samples (2 a rank)
+    assert len(values) == 8 and line["eval_scorer"] == f"--reward {rewards_file}:length"
+    assert line["none_reward_mean"] == pytest.approx(sum(values) / 8) == line["average_reward_mean"]
+    assert not [key for key in line if "pass@" in key]  # real-valued: no Pass@k
+    assert "reward_mean = the mean reward of a sample" in (out / "eval_final.md").read_text()
+    os.remove(tmp_path / "log.jsonl")
+    ev = tmp_path / "ev"  # --eval-only on the export, with a 0/1 function: Pass@k as well
+    cmd[cmd.index("--out") + 1], cmd[cmd.index("--model") + 1] = str(ev), str(out / "hf_final")
+    cmd[cmd.index("--reward") + 1] = f"{rewards_file}:even"
+    done = run(torchrun(2) + ["train_full.py", *cmd, "--eval-only"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.load(open(ev / "eval.json"))["results"]["none"]
+    values = logged(tmp_path)
+    assert len(values) == 8 and set(values) <= {0.0, 1.0}
+    assert results["reward_mean"] == pytest.approx(sum(values) / 8)
+    assert results["pass@1"] == pytest.approx(100 * sum(values) / 8) and "pass@2" in results
