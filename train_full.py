@@ -526,7 +526,9 @@ def train(args, world, inputs, ckpt):
             engine, model, args, lambda: checkpoint.export_hf(model, tokenizer, path, world, out)
         )
 
-    grader = Grader(args.grader_timeout, workers=args.grader_workers, reward=args.reward)  # evaluations: --eval-reward
+    grader = Grader(
+        args.grader_timeout, workers=args.grader_workers, reward=args.reward
+    )  # the evaluations: --eval-reward's (math-verify's by default)
     with grader, stops.Notices(PROG, world, args.out) as notices:
         r = run.Run(args, PROG, notices, step, history, world)  # metrics.jsonl: what the checkpoint covers
         evaluate = lambda s, tag=None, name=None: grading.evaluate(
