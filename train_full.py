@@ -486,7 +486,7 @@ def evaluate_only(args, world, inputs):
     tokenizer, stop_ids, _, eval_sets, _ = inputs
     checks.check_finite_files(args.model, world)
     engine = engines.make_engine(args.model, args, world)
-    with Grader(args.grader_timeout, workers=args.grader_workers) as grader:
+    with Grader(args.grader_timeout, workers=args.grader_workers, reward=args.reward) as grader:  # --eval-reward
         grading.evaluate(
             engine, grader, tokenizer=tokenizer, stop_ids=stop_ids, eval_sets=eval_sets, args=args, world=world
         )
@@ -528,7 +528,7 @@ def train(args, world, inputs, ckpt):
 
     grader = Grader(
         args.grader_timeout, workers=args.grader_workers, reward=args.reward
-    )  # the evaluations: math-verify
+    )  # the evaluations: --eval-reward's (math-verify's by default)
     with grader, stops.Notices(PROG, world, args.out) as notices:
         r = run.Run(args, PROG, notices, step, history, world)  # metrics.jsonl: what the checkpoint covers
         evaluate = lambda s, tag=None, name=None: grading.evaluate(

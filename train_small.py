@@ -338,8 +338,8 @@ def step_seed(seed, step, salt=0):
 
 
 def evaluate(model, tokenizer, grader, eval_rows, step, args):
-    """Held-out greedy Pass@1, mean Pass@1 over n samples and unbiased Pass@k (grading.held_out_pass); n is
-    --eval-samples at the last step, --mid-eval-samples before it (k <= n)."""
+    """Held-out greedy Pass@1, mean Pass@1 over n samples and unbiased Pass@k (grading.held_out_pass; --eval-reward
+    train: of the run's own reward); n is --eval-samples at the last step, --mid-eval-samples before it (k <= n)."""
     t0, n = time.time(), args.eval_samples if step == args.steps else args.mid_eval_samples
     torch.manual_seed(step_seed(args.rl_seed, step, 2))
     prompt = lambda problem: templates.format_prompt(problem, args.template, tokenizer, args.system_prompt)
@@ -347,7 +347,7 @@ def evaluate(model, tokenizer, grader, eval_rows, step, args):
     sample = lambda prompts, n, greedy: sampler.sample(
         model, tokenizer, prompts, n, args.max_new_tokens, 1.0 if greedy else args.temperature, greedy=greedy
     )["texts"]
-    metrics = held_out_pass(rows, sample, grader, n, min(args.pass_k, n), max(1, args.gen_batch // n))
+    metrics = held_out_pass(rows, sample, grader, n, min(args.pass_k, n), max(1, args.gen_batch // n), args=args)
     return {"kind": "eval", "step": step, **metrics, "eval_s": round(time.time() - t0, 3)}
 
 

@@ -2,7 +2,8 @@
 
     extract_boxed, Grader   the 0/1 reward: the last \\boxed{} against the gold answer by math-verify, under a hard time
                             limit, in a pool of child processes (default_grader_workers: its size per rank)
-    pass_at_k               the unbiased Pass@k estimator (Chen et al., 2021)
+    pass_at_k, best_of_k    the unbiased Pass@k estimator (Chen et al., 2021), and its real-valued form
+    eval_rewards            the held-out rewards: math-verify's, or --eval-reward train: the run's own (eval_scorer)
     held_out_pass           train_small.py's evaluation: greedy Pass@1, mean Pass@1 and Pass@k, by level
     evaluate                train_full.py's: every benchmark sampled on every rank, OUT/eval_TAG.md/.json
 
@@ -283,30 +284,66 @@ def pass_at_k(n, c, k):
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-def held_out_pass(rows, sample, grader, n, k, chunk):
+def best_of_k(values, k):
+    """The expected best of k of a problem's n sampled rewards `values` (a random k of them, unbiased): Pass@k's
+    estimator for real-valued rewards, the same number as pass_at_k for 0/1 ones (sum_i v_(i) C(i-1, k-1) / C(n, k),
+    v_(1) <= ... <= v_(n)).
+
+    >>> best_of_k([0.0, 1.0, 0.0, 0.0], 2), pass_at_k(4, 1, 2), best_of_k([0.5, 0.0, 1.0], 2)
+    (0.5, 0.5, 0.8333333333333334)
+    """
+    n = len(values)
+    if not 1 <= k <= n:
+        raise ValueError(f"k={k}: must be in [1, n={n}] (samples per problem)")
+    return sum(v * math.comb(i, k - 1) for i, v in enumerate(sorted(values))) / math.comb(n, k)
+
+
+def eval_scorer(args):
+    """What scores the held-out evaluations with --eval-reward train: "--reward FILE.py:FUNCTION", or "math-verify"
+    (no --reward); None with --eval-reward math-verify (the default: the eval lines as they always were)."""
+    if getattr(args, "eval_reward", "math-verify") == "train":
+        return f"--reward {args.reward}" if getattr(args, "reward", None) else "math-verify"
+    return None
+
+
+def eval_rewards(grader, texts, rows, args, world=None):
+    """The held-out rewards of `texts` (rows[i]: the row of texts[i]): math-verify's 0/1 against each row's answer, or
+    with --eval-reward train the run's own (Grader.rewards: --reward's function, else math-verify's)."""
+    if eval_scorer(args):
+        return grader.rewards(texts, rows, world)
+    return grader.score_batch(texts, [row["answer"] for row in rows])
+
+
+def held_out_pass(rows, sample, grader, n, k, chunk, args=None):
     """Held-out Pass@1 and Pass@k of a policy, overall and by the rows' `level`: greedy Pass@1 (one greedy answer
     per problem), mean Pass@1 over n sampled answers, unbiased Pass@k from them. sample(prompts, n, greedy) -> the
-    answers' texts, prompt-major; `chunk` problems per call. rows: {"prompt", "answer"[, "level"]}."""
-    greedy, correct = [], []  # [E], [E] (correct samples out of n)
+    answers' texts, prompt-major; `chunk` problems per call. rows: {"prompt", "answer"[, "level"]}. With --eval-reward
+    train (args), scored by the run's own reward (eval_rewards): the Pass@1 numbers are mean rewards, and where a
+    reward is other than 0 or 1, Pass@k is the expected best of k (best_of_k); `eval_scorer` names the function."""
+    greedy, correct, values = [], [], []  # [E], [E] (correct samples out of n: the sum of their rewards), [E][n]
     for start in run.progress_bar(range(0, len(rows), chunk), desc="eval", leave=False, every_s=60.0):
         part = rows[start : start + chunk]
         prompts = [r["prompt"] for r in part]
-        golds = [r["answer"] for r in part]
-        greedy += grader.score_batch(sample(prompts, 1, True), golds)
-        right = grader.score_batch(sample(prompts, n, False), [g for g in golds for _ in range(n)])
+        greedy += eval_rewards(grader, sample(prompts, 1, True), part, args)
+        right = eval_rewards(grader, sample(prompts, n, False), [r for r in part for _ in range(n)], args)
+        values += [right[i * n : (i + 1) * n] for i in range(len(prompts))]
         correct += [sum(right[i * n : (i + 1) * n]) for i in range(len(prompts))]
+    binary = all(v in (0.0, 1.0) for v in greedy + [v for problem in values for v in problem])
+    passk = lambda i: pass_at_k(n, int(correct[i]), k) if binary else best_of_k(values[i], k)
     out = {
         "eval_greedy_pass1": sum(greedy) / len(greedy),
         "eval_pass1_mean": sum(correct) / (n * len(correct)),
-        "eval_passk": sum(pass_at_k(n, int(c), k) for c in correct) / len(correct),
+        "eval_passk": sum(passk(i) for i in range(len(correct))) / len(correct),
         "k": k,
         "n": n,
     }
     for level in sorted({r["level"] for r in rows if "level" in r}):  # by difficulty: the spread that gives signal
         idx = [i for i, r in enumerate(rows) if r.get("level") == level]
         out[f"eval_pass1_mean_level{level}"] = sum(correct[i] for i in idx) / (n * len(idx))
-        out[f"eval_passk_level{level}"] = sum(pass_at_k(n, int(correct[i]), k) for i in idx) / len(idx)
+        out[f"eval_passk_level{level}"] = sum(passk(i) for i in idx) / len(idx)
         out[f"eval_greedy_pass1_level{level}"] = sum(greedy[i] for i in idx) / len(idx)
+    if eval_scorer(args):
+        out["eval_scorer"] = eval_scorer(args)
     return out
 
 
@@ -332,7 +369,7 @@ def evaluate(
         tag = f"step_{step:06d}"
         model_name = f"{args.model} after {step} steps of {args.method}, {args.loss} loss" if step else None
         model_name = model_name or f"{args.model} before training"
-    results = {}
+    results, own = {}, bool(eval_scorer(args))
     for name, problems, dropped, too_long in eval_sets:
         per = math.ceil(len(problems) / world.size)
         mine = list(range(world.rank * per, min((world.rank + 1) * per, len(problems))))
@@ -350,37 +387,44 @@ def evaluate(
             )
         outs = [group * args.eval_samples for group in outs] if greedy else outs
         texts = [tokenizer.decode(c["token_ids"], skip_special_tokens=True) for group in outs for c in group]
-        rewards = grader.score_batch(texts, [problems[i]["answer"] for i, group in zip(mine, outs) for _ in group])
+        rewards = eval_rewards(grader, texts, [problems[i] for i, group in zip(mine, outs) for _ in group], args, world)
         n = args.eval_samples
-        correct = [int(sum(rewards[j * n : (j + 1) * n])) for j in range(len(outs))]  # correct samples per problem
+        sums = [sum(rewards[j * n : (j + 1) * n]) for j in range(len(outs))]  # 0/1: the correct samples per problem
         gathered = [None] * world.size
-        dist.all_gather_object(gathered, correct)
-        correct = [c for part in gathered for c in part]  # rank order = problem order
-        row = {"problems": len(correct), "samples": n, "dropped": dropped, "too_long": too_long}
-        for k in args.eval_pass_k:
-            row[f"pass@{k}"] = 100.0 * sum(pass_at_k(n, c, k) for c in correct) / max(len(correct), 1)
-        row["correct"] = correct
+        dist.all_gather_object(gathered, (sums, all(r in (0.0, 1.0) for r in rewards)))
+        sums = [c for part, _ in gathered for c in part]  # rank order = problem order
+        row = {"problems": len(sums), "samples": n, "dropped": dropped, "too_long": too_long}
+        if own:  # --eval-reward train: the mean reward; Pass@k only where every reward is 0 or 1
+            row["reward_mean"] = sum(sums) / max(n * len(sums), 1)
+        if all(binary for _, binary in gathered):
+            correct = [int(c) for c in sums]
+            for k in args.eval_pass_k:
+                row[f"pass@{k}"] = 100.0 * sum(pass_at_k(n, c, k) for c in correct) / max(len(correct), 1)
+            row["correct"] = correct
         results[name] = row
     with stops.attempt(args.out, args.out, world):  # a full disk while rank 0 writes: DiskFull on every rank
         if results:
-            keys = [f"pass@{k}" for k in args.eval_pass_k]
+            keys = ["reward_mean"] * own + [f"pass@{k}" for k in args.eval_pass_k]
+            keys = [k for k in keys if all(k in r for r in results.values())]  # Pass@k: on 0/1 rewards
             results["average"] = {k: sum(r[k] for r in results.values()) / len(results) for k in keys}
             if world.is_main:
                 write_eval_report(results, keys, args, tag, model_name or args.model)
                 if step is not None:
-                    run.append_metrics(os.path.join(args.out, "metrics.jsonl"), line := eval_record(step, results))
+                    run.append_metrics(
+                        os.path.join(args.out, "metrics.jsonl"), line := eval_record(step, results, args)
+                    )
                     if trackers is not None:
                         trackers.log(line)
     return results
 
 
-def eval_record(step, results):
-    """One metrics.jsonl line per evaluation: {benchmark}_pass@k for every benchmark and the average."""
-    return {
-        "kind": "eval",
-        "step": step,
-        **{f"{name}_{k}": v for name, row in results.items() for k, v in row.items() if k.startswith("pass@")},
-    }
+def eval_record(step, results, args=None):
+    """One metrics.jsonl line per evaluation: {benchmark}_pass@k for every benchmark and the average; with
+    --eval-reward train, {benchmark}_reward_mean too (Pass@k only on 0/1 rewards) and eval_scorer (eval_scorer)."""
+    scores = lambda k: k.startswith("pass@") or k == "reward_mean"
+    line = {"kind": "eval", "step": step}
+    line.update({f"{name}_{k}": v for name, row in results.items() for k, v in row.items() if scores(k)})
+    return {**line, "eval_scorer": eval_scorer(args)} if eval_scorer(args) else line
 
 
 def write_eval_report(results, keys, args, tag, model_name):
@@ -399,8 +443,14 @@ def write_eval_report(results, keys, args, tag, model_name):
         "| benchmark | problems | " + " | ".join(k.replace("pass", "Pass") for k in keys) + " |",
         "|---|---|" + "---|" * len(keys),
     ]
+    if eval_scorer(args):
+        lines[2] += (
+            f" Scored by the run's own reward (--eval-reward train: {eval_scorer(args)}): reward_mean = the mean "
+            "reward of a sample; Pass@k only where every reward is 0 or 1."
+        )
+    cell = lambda k, v: f"{v:.3f}" if k == "reward_mean" else f"{v:.1f}"
     for name, row in results.items():
-        lines.append(f"| {name} | {row.get('problems', '')} | " + " | ".join(f"{row[k]:.1f}" for k in keys) + " |")
+        lines.append(f"| {name} | {row.get('problems', '')} | " + " | ".join(cell(k, row[k]) for k in keys) + " |")
     for name, row in results.items():
         if row.get("dropped") or row.get("too_long"):
             why = f"{row['dropped']} rows without an answer, {row['too_long']} prompts longer than the context."
@@ -409,6 +459,7 @@ def write_eval_report(results, keys, args, tag, model_name):
     with open(stem + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     settings = ("eval_samples", "eval_temperature", "eval_top_p", "eval_max_tokens", "template", "eval_limit")
+    settings += ("eval_reward", "reward") if eval_scorer(args) else ()
     report = {"model": model_name, "settings": {k: getattr(args, k) for k in settings}, "results": results}
     with open(stem + ".json", "w") as f:
         json.dump(report, f, indent=1)

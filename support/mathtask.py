@@ -558,10 +558,12 @@ def load_inputs(args):
 
 
 def _load_eval_sets(args, tokenizer, context):
-    """Every --eval-data benchmark, read and tokenized: [(name, problems, rows without an answer, prompts too long)]."""
-    sets = []
+    """Every --eval-data benchmark, read and tokenized: [(name, problems, rows without an answer, prompts too long)].
+    With --eval-reward train, read as --train-data is: --prompt-key/--answer-key, the answer optional with --reward."""
+    sets, own = [], getattr(args, "eval_reward", "math-verify") == "train"
+    columns = {"keys": (args.prompt_key, args.answer_key), "need_answer": not args.reward} if own else {}
     for spec in args.eval_data:
-        rows, dropped = load_problems(spec, drop_missing=True, limit=args.eval_limit or None)
+        rows, dropped = load_problems(spec, drop_missing=True, limit=args.eval_limit or None, **columns)
         problems, too_long = _encode_prompts(rows, tokenizer, args, max_prompt_len=context - 1)
         name = os.path.splitext(os.path.basename(spec))[0] if os.path.exists(spec) else spec
         sets.append((name, problems, dropped, too_long))

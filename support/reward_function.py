@@ -7,13 +7,15 @@ time limit is per completion, as math-verify's is):
         -> [one float]
 
 `prompts` are the data's problems (the prompt column, before --template, as TRL passes its dataset's prompts), the
-completions the decoded responses; every other column of the row comes by its name (answer, id, level, ...). It runs
-in the grader's child processes (support/grading.py): a call that outlasts --grade-timeout / --grader-timeout is
-killed, scored 0 and counted (grader_timeouts). One that raises, returns other than one value, or a NaN or inf stops
-the run: one line naming the function and the row, exit 2, the last checkpoint intact. A worked example:
-integrations/closeness_reward.py.
+completions the decoded responses; every other column of the row comes by its name (answer, id, level, ...; not
+`prompt`, which TRL passes as `prompts`). It runs in the grader's child processes (support/grading.py): a call that
+outlasts --grade-timeout / --grader-timeout is killed, scored 0 and counted (grader_timeouts). One that raises,
+returns other than one value, or a NaN or inf stops the run: one line naming the function and the row, exit 2, the
+last checkpoint intact. A worked example: integrations/closeness_reward.py. The held-out evaluations stay
+math-verify's unless --eval-reward train (grading.eval_rewards): then the function scores them too, on --eval-data's
+(--eval-file's) rows.
 
-    FLAGS            --reward, on both trainers
+    FLAGS            --reward and --eval-reward, on both trainers
     load_reward, check_flag   the function of a spec, or one line naming --reward and the fix (before any work)
     call_once        one completion's reward (in the child): a float, or the text of what went wrong
     RewardError      the line that stops a run
@@ -33,11 +35,19 @@ FLAGS = [
         None,
         None,
         "your reward function in place of math-verify's 0/1 (TRL's form: f(prompts=, completions=, **columns) -> "
-        "floats); held-out evaluation stays math-verify's",
+        "floats); held-out evaluation: --eval-reward",
         metavar="FILE.py:FUNCTION",
-    )
+    ),
+    cli.flag(
+        "--eval-reward",
+        "math-verify",
+        ["math-verify", "train"],
+        "what scores the held-out evaluation: math-verify's 0/1 (Pass@k), or train: the run's own reward (--reward's "
+        "function on the eval rows, read with --prompt-key/--answer-key, the answer optional; a real-valued reward "
+        "reports its mean) (choice)",
+    ),
 ]
-RESERVED = ("prompts", "completions", "where", "prompt_ids")  # columns not passed by name
+RESERVED = ("prompts", "completions", "prompt", "where", "prompt_ids")  # not passed by name (TRL's: prompt is prompts)
 
 
 class RewardError(UsageError):

@@ -5,7 +5,8 @@ warm start that RL starts from, cached so that every run of a comparison starts 
                                   supervised training on the answers; cached in --cache-dir/warmstart-<hash>/
     FLAGS, fill_defaults(args)    the flags of the model, data and warm start (--model, --task, --sft-*, ...): declared
                                   here, added by train_small.py with one call
-    fit_files(args, ...)          --train-file's and --eval-file's prompts that fit the model's context
+    fit_files(args, ...)          --train-file's and --eval-file's prompts that fit the model's context; rows without
+                                  an answer (--reward): the warm start skips them, math-verify's evaluation refuses them
 
 The default warm start ships in weights/warmstart-<hash>/ (2.5 MB), so the first run starts RL at once; any other
 flags build their own. Rebuild the shipped one (1 thread, ~5 min) with:
@@ -71,7 +72,8 @@ FLAGS = [
         None,
         n(int, 0, 10**6),
         f"supervised warm-start steps (default: tiny model {TINY_SFT_STEPS['steps']} for --task steps, "
-        f"{TINY_SFT_STEPS['direct']} for direct; 0 with --model)",
+        f"{TINY_SFT_STEPS['direct']} for direct; 0 with --model); on the rows with an answer (--reward data "
+        "without any: pass 0)",
     ),
     cli.flag(
         "--sft-shortcut",
@@ -145,8 +147,10 @@ def fit_files(args, train_rows, eval_rows, prog="train_small.py"):
     """--train-file's and --eval-file's rows whose prompt fits the model's context less --max-new-tokens
     (mathtask.fit_prompts, before any work): a longer one stops the run with one line (file:line, length, limit;
     exit 2) or, with --drop-long-prompts (choice), is left out and counted (args.dropped_long_prompts: summary.json).
-    The generated task's prompts are short by construction; a model that does not load is load_base_model's."""
+    The generated task's prompts are short by construction; a model that does not load is load_base_model's. Rows
+    without an answer (a --reward run's): check_answers first."""
     args.dropped_long_prompts = 0
+    check_answers(args, train_rows, eval_rows)
     given = (("--train-file", args.train_file, train_rows), ("--eval-file", args.eval_file, eval_rows))
     files = [(flag, path, rows) for flag, path, rows in given if path]
     if args.model is None:
@@ -183,10 +187,32 @@ def fit_files(args, train_rows, eval_rows, prog="train_small.py"):
     return fitted.get("--train-file", train_rows), fitted.get("--eval-file", eval_rows)
 
 
+def check_answers(args, train_rows, eval_rows):
+    """The rows a --reward run may give without an answer, before any work: the supervised warm start learns from the
+    rows with one (sft_rows), and math-verify's held-out evaluation needs one in every row; else one line (exit 2)."""
+    if args.sft_steps and not sft_rows(train_rows):
+        raise UsageError(
+            f"--sft-steps {args.sft_steps}: the supervised warm start needs rows with an answer, and no row of "
+            f"--train-file {args.train_file} has one; pass --sft-steps 0 (RL from the model as it is: --model) or an "
+            "--answer-key"
+        )
+    missing = next((r for r in eval_rows if not r.get("answer")), None)
+    if missing and getattr(args, "eval_reward", "math-verify") == "math-verify":
+        raise UsageError(
+            f"{missing.get('where', '--eval-file')}: no answer, which the held-out evaluation by math-verify needs; "
+            "pass --eval-reward train (your --reward's function) or an --eval-file with answers"
+        )
+
+
+def sft_rows(rows):
+    """The rows the supervised warm start learns from: those with an answer (a --reward run's data may lack it)."""
+    return [r for r in rows if r.get("answer")]
+
+
 def warm_start_key(args, train_rows):
     """Everything the warm-started weights depend on; its hash names the cache folder."""
     data = hashlib.sha256(
-        json.dumps([[r["problem"], sft_target(r, args.sft_shortcut)] for r in train_rows]).encode()
+        json.dumps([[r["problem"], sft_target(r, args.sft_shortcut)] for r in sft_rows(train_rows)]).encode()
     ).hexdigest()
     return {
         "model": args.model or f"tiny-qwen2-h{args.hidden_size}-l{args.num_layers}",
@@ -258,8 +284,9 @@ def build_warm_start(args, train_rows, path, record_path=None):
 
 
 def supervised_warm_start(model, tokenizer, train_rows, args, max_steps=None):
-    """Teacher-forced cross-entropy on sft_target(row) + <eos> after each prompt (prompt tokens masked); the losses.
-    max_steps: stop after the first steps of the --sft-steps schedule (tests/test_warmstart_shipped.py)."""
+    """Teacher-forced cross-entropy on sft_target(row) + <eos> after each prompt (prompt tokens masked), over the rows
+    with an answer (sft_rows); the losses. max_steps: stop after the first steps of the --sft-steps schedule
+    (tests/test_warmstart_shipped.py)."""
     rng = random.Random(args.seed)
     encode = lambda text: tokenizer(text, add_special_tokens=False).input_ids
     eos = [tokenizer.eos_token_id]
@@ -268,7 +295,7 @@ def supervised_warm_start(model, tokenizer, train_rows, args, max_steps=None):
             encode(format_prompt(row["problem"], args.template, tokenizer, args.system_prompt)),
             encode(sft_target(row, args.sft_shortcut)) + eos,
         )
-        for row in train_rows
+        for row in sft_rows(train_rows)
     ]
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.sft_lr, weight_decay=0.01)
     warmup_then_decay = lambda s: min(1.0, (s + 1) / 20) * (1 - 0.9 * s / args.sft_steps)
