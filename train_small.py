@@ -436,9 +436,10 @@ def train(args, train_rows, eval_rows, warm, resume=None):
             if step % args.eval_every == 0 or step == args.steps:
                 e = evaluate(model, tokenizer, grader, eval_rows, step, args)
                 r.log({**e, **totals})
+                one, k = run.score_names(e)  # Pass@1 and Pass@k, or --eval-reward train's mean rewards
                 bar.write(
-                    f"step {step}: held-out greedy Pass@1 {e['eval_greedy_pass1']:.3f}, Pass@1 (mean of {e['n']}) "
-                    f"{e['eval_pass1_mean']:.3f}, Pass@{e['k']} {e['eval_passk']:.3f}"
+                    f"step {step}: held-out greedy {one} {e['eval_greedy_pass1']:.3f}, {one} (mean of {e['n']}) "
+                    f"{e['eval_pass1_mean']:.3f}, {k}{e['k']} {e['eval_passk']:.3f}"
                 )
             notice = r.checkpoint(step, notices.agree(), save)  # every --save-every steps, and on a notice
             if notice or step == args.stop_after:

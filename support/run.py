@@ -8,7 +8,7 @@ checkpoints and evaluations, the stop after a step (what a resume restores: supp
     out_lock          one writer per run folder: a second run into it stops with one line
     append_metrics, read_metrics, truncate_metrics   metrics.jsonl (docs/metrics.md): a line per step and evaluation
     measures_kl, mean    whether a step forwards the reference model; the mean of the values that are there
-    write_summary     train_small.py's summary.json and the lines it prints
+    write_summary, score_names   train_small.py's summary.json and the lines it prints
     write_args        OUT/args.json: the flags as parsed and checked
 """
 
@@ -254,12 +254,13 @@ def write_summary(args, lines, warm_info, totals, timeouts, rl_s, wall_s):
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     w, fin = summary["warm_start"], summary["final"]
+    one, k = score_names(last)
     print(
         f"\n== {args.method} ({args.loss}), {args.steps} steps, {args.out}\n"
-        f"warm start  held-out greedy Pass@1 {w['greedy_pass1']:.3f}  Pass@1 mean@{w['n']} {w['pass1_mean']:.3f}  "
-        f"Pass@{w['k']} {w['passk']:.3f}  (train reward at step 1: {w['train_reward_step1']})\n"
-        f"final       held-out greedy Pass@1 {fin['greedy_pass1']:.3f}  Pass@1 mean@{fin['n']} {fin['pass1_mean']:.3f}  "
-        f"Pass@{fin['k']} {fin['passk']:.3f}\n"
+        f"warm start  held-out greedy {one} {w['greedy_pass1']:.3f}  {one} mean@{w['n']} {w['pass1_mean']:.3f}  "
+        f"{k}{w['k']} {w['passk']:.3f}  (train reward at step 1: {w['train_reward_step1']})\n"
+        f"final       held-out greedy {one} {fin['greedy_pass1']:.3f}  {one} mean@{fin['n']} {fin['pass1_mean']:.3f}  "
+        f"{k}{fin['k']} {fin['passk']:.3f}\n"
         f"trained on {summary['samples_trained']} rollouts, {summary['tokens_trained']} tokens in the loss "
         f"({summary['tokens_forwarded']} forwarded); {summary['skipped_updates']} skipped updates, "
         f"{timeouts} grader timeouts\n"
@@ -267,6 +268,12 @@ def write_summary(args, lines, warm_info, totals, timeouts, rl_s, wall_s):
         f"incl. eval, {summary['wall_s']} s in all"
     )
     return summary
+
+
+def score_names(line):
+    """How an eval line's numbers are printed: Pass@1 and Pass@k, or under --eval-reward train (its eval_scorer) the
+    run's own reward: mean rewards and the expected best of k."""
+    return ("reward", "best-of-") if line.get("eval_scorer") else ("Pass@1", "Pass@")
 
 
 def write_args(args, run_flags, world=None):

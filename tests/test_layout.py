@@ -69,7 +69,7 @@ SUPPORT_MOST, SUPPORT_TOTAL = 600, 5000  # lines as ruff formats them: one suppo
 LATER = {
     "issue 57: vLLM's version check, the peak table's cards, vLLM's workspace by the model (gpu.py, engines.py)": 68,
     "issue 54: support/track.py; the lifecycle's --config, --resume auto, log lines, tracker calls, --keep-exports": 570,
-    "issue 55: support/templates.py (chat templates), reward_function.py (--reward), --prompt-key/--answer-key": 245,
+    "issue 55: templates.py (chat), reward_function.py (--reward, --eval-reward), the data's keys, the warm start": 342,
 }
 MOST_POSITIONAL = 6  # positional arguments of one call in a rung
 

@@ -230,7 +230,7 @@ def test_the_warm_start_learns_from_the_rows_with_an_answer_and_refuses_data_wit
     )
 
 
-def test_train_small_evaluates_with_the_function_when_asked(rewards_file, tmp_path):
+def test_train_small_evaluates_with_the_function_when_asked(rewards_file, tmp_path, capsys):
     out, data = tmp_path / "run", answerless(tmp_path / "none.jsonl")
     spec = ["--reward", f"{rewards_file}:length", "--eval-reward", "train", "--sft-steps", "0", "--steps", "1"]
     small([*spec, "--train-file", data, "--eval-file", data, "--out", str(out), "--cache-dir", str(tmp_path)])
@@ -243,6 +243,8 @@ def test_train_small_evaluates_with_the_function_when_asked(rewards_file, tmp_pa
         assert line["eval_pass1_mean"] == pytest.approx(sum(values[at + 2 : at + 6]) / 4)
         samples = values[at + 2 : at + 6]  # Pass@2 of real values: the expected best of 2 of each problem's 2
         assert line["eval_passk"] == pytest.approx((max(samples[:2]) + max(samples[2:])) / 2)
+    printed = capsys.readouterr().out  # the summary names rewards as rewards, not as Pass@k
+    assert "held-out greedy reward" in printed and "best-of-2" in printed and "Pass@" not in printed
 
 
 def test_train_full_evaluates_with_the_function_when_asked_on_two_gloo_ranks(rewards_file, tmp_path):
