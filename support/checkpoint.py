@@ -3,10 +3,11 @@
 What a checkpoint holds, and so what --resume restores; nothing else is saved, the RNG included: every step reseeds
 from (seed, step) and train_full's rollouts carry a seed per prompt, so a resumed run equals an uninterrupted one.
     train_small.py  OUT/checkpoint.pt, one file of tensors and plain values: the model, AdamW's state, the completed
-                    steps, the run's totals (summary.json's), its flags (RUN_FLAGS) and the history its rules read
+                    steps, the run's totals (summary.json's), its flags (RUN_FLAGS) and the history its rules read;
+                    no data position: a step's prompts are drawn from (seed, step)
     train_full.py   OUT/checkpoints/step_NNNNNN/: the model and AdamW's state as DCP shards (resharded at another rank
-                    count) and trainer_state.json: the completed steps, the world size, the flags, the history and the
-                    data position (mathtask.PromptOrder)
+                    count; AdamW's param_groups follow from the flags) and trainer_state.json: the completed steps, the
+                    world size, the flags, the history and the data position (mathtask.PromptOrder)
 The history is {"grad_norms": [...], "rewards": [...]}, one value per step: --switch-on-spike reads the norms,
 --schedule adaptive the rewards.
 
