@@ -18,6 +18,8 @@ from support import templates, tiny
 from support.cli import UsageError
 from tests.test_full_faults import flags, run, torchrun
 
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
 LLAMA3_TOKENS = ["<|end_of_text|>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 LLAMA3 = (  # Llama-3's markup: a header per turn, <|eot_id|> closes it
     "<|begin_of_text|>{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
@@ -140,7 +142,8 @@ def test_train_full_on_two_ranks_with_template_chat(tmp_path):
 
 
 def test_train_full_with_vllm_rollouts_and_template_chat(tmp_path):
-    """The same with vLLM's engine (.venv-vllm): the chat prompt's ids reach vLLM, <|eot_id|> among its stop ids."""
+    """The same with vLLM's engine (.venv-vllm): the chat prompt's ids reach vLLM, <|eot_id|> among its stop ids; with
+    a --reward of your own (the worked example) that also scores the held-out evaluation (--eval-reward train)."""
     from tests import test_full_vllm as vllm_tests
 
     if not os.path.exists(vllm_tests.VLLM_PYTHON):
@@ -150,8 +153,12 @@ def test_train_full_with_vllm_rollouts_and_template_chat(tmp_path):
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps({"problem": f"{i}+{i}", "answer": str(2 * i)}) + "\n" for i in range(8)))
     out = tmp_path / "full"
-    cmd = vllm_tests.train_cmd(vllm_tests.VLLM_PYTHON, model, str(data), str(out), "--eval-data", "none")
+    reward = ["--reward", f"{ROOT / 'integrations' / 'closeness_reward.py'}:closeness", "--eval-reward", "train"]
+    cmd = vllm_tests.train_cmd(vllm_tests.VLLM_PYTHON, model, str(data), str(out), "--eval-data", str(data), *reward)
     cmd[cmd.index("--template") + 1], cmd[cmd.index("--steps") + 1] = "chat", "1"
     vllm_tests.run(cmd)
     assert json.loads((out / "args.json").read_text())["template"] == "chat"
     assert [m["step"] for m in vllm_tests.metrics(str(out))] == [1]
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    (final,) = [m for m in lines if m["kind"] == "eval"]  # after step 1, scored by the function on vLLM's samples
+    assert final["eval_scorer"].endswith("closeness_reward.py:closeness") and 0 <= final["train_reward_mean"] <= 1
