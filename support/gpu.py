@@ -34,8 +34,8 @@ def vllm_memory_plan(config, args, ranks, gpu_bytes, host_bytes=None, local_rank
     none with --cpu-offload, or the step's peak with --vllm-sleep-level 0) and MARGIN_GIB, but no more than its bf16
     weights, its workspace (vllm_workspace_bytes) and KV_HEADROOM x a rank's rollouts of KV cache at full length.
     Refuses (UsageError, one line naming what is short and the flags that set it; what fits instead: docs/memory.md,
-    "When the plan refuses") a share below one full-length sequence, a given share that does not fit, a step over
-    the GPU, or (host_bytes given) the host. refuse=False returns the numbers alone (a dict, printed at start).
+    "When the plan refuses") a share without room for one full-length sequence's KV cache, a given share that does
+    not fit, a step over the GPU, or (host_bytes given) the host. refuse=False returns the numbers alone (a dict, printed at start).
     """
     plan = _plan(config, args, ranks, gpu_bytes, host_bytes, local_ranks)
     if refuse and plan["short"]:  # what is short, with the flags that set it; what else fits: docs/memory.md
