@@ -4,23 +4,13 @@ The full 8B simulation takes minutes on a CPU (its figures: docs/train_full.md);
 is checked against Llama-3.1-8B's (built on the meta device: no memory), and a Llama-shaped model scaled down to
 a few layers goes through the script's whole fake step, FSDP2 per LlamaDecoderLayer included."""
 
-import importlib.util
 import json
-import os
 import subprocess
 import sys
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "bench", "memory.py")
-
-
-def _load_bench():
-    spec = importlib.util.spec_from_file_location("bench_memory", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.test_bench_memory import ROOT, SCRIPT, _load_bench  # bench/memory.py, loaded as its own tests load it
 
 
 def test_the_llama3_8b_preset_has_llama_3_1_8bs_parameters():
